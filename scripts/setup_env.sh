@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-plot}"
 if [ ! -x .venv/bin/python ]; then
-  python3 -m venv --system-site-packages .venv
+  python3 -m venv .venv
 fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==2.13.0"

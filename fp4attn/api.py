@@ -1,0 +1,129 @@
+"""The public attention function: validation, backend choice and autograd."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from fp4attn.recipes import Recipe, get_recipe
+from fp4attn.reference.backward import reference_backward
+from fp4attn.reference.forward import ForwardResult, reference_forward
+from fp4attn.reference.masks import normalize_causal
+from fp4attn.reference.operands import QKOperand
+
+log = logging.getLogger("fp4attn")
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BACKENDS = ("auto", "reference")
+HEAD_DIM_MULTIPLE = 16  # NVFP4 blocks of 16 run along the head dim
+MAX_HEAD_DIM = 256
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; accepted: {DTYPES}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim) as in SDPA; got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    (b, hq, sq, d), (bk, hkv, sk, dk) = q.shape, k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)} (same head dim as q); got {tuple(v.shape)}")
+    if bk != b or dk != d:
+        raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch and head_dim")
+    if sq == 0 or sk == 0 or b == 0 or hq == 0:
+        raise ValueError(f"empty attention: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} is not supported; accepted: multiples of {HEAD_DIM_MULTIPLE} "
+                         f"up to {MAX_HEAD_DIM}")
+    if hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"q has {hq} heads and k/v {hkv}: pass enable_gqa=True for grouped-query attention")
+
+
+def _resolve_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
+    return float(scale)
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; accepted: {BACKENDS}")
+    return "reference"
+
+
+class _ReferenceAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, recipe: Recipe, causal: str | None, scale: float):
+        res = reference_forward(q, k, v, recipe, scale=scale, causal=causal)
+        out = res.out.to(q.dtype)
+        ctx.recipe, ctx.causal, ctx.scale = recipe, causal, scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.save_for_backward(res.q.values, res.q.scale, res.k.values, res.k.scale, res.v, out, res.lse)
+        ctx.mark_non_differentiable(res.lse)
+        return out, res.lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        qv, qs, kv, ks, v_rep, out, lse = ctx.saved_tensors
+        fwd = ForwardResult(out.float(), lse, QKOperand(qv, qs), QKOperand(kv, ks), v_rep)
+        dq, dk, dv = reference_backward(fwd, out, dout, ctx.recipe, scale=ctx.scale, causal=ctx.causal)
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool | str = False,
+    scale: float | None = None,
+    recipe: str | Recipe = "directp",
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Low-precision scaled dot-product attention in SDPA's layout.
+
+    Computes softmax(q k^T * scale) v with the operands in the formats of `recipe`
+    (see `fp4attn.PRESETS` and docs/numerics.md).
+
+    Args:
+        q: (B, Hq, Sq, D) queries, bfloat16, float16 or float32.
+        k: (B, Hkv, Sk, D) keys, same dtype and device as q.
+        v: (B, Hkv, Sk, D) values.
+        causal: False; True or "top_left" (SDPA's `is_causal`: query i sees keys
+            j <= i); "bottom_right" (FlashAttention's: query i sees j <= i + Sk - Sq).
+        scale: softmax scale; None means 1 / sqrt(D).
+        recipe: a preset name ("directp", "nvfp4-fp8", "fp8-directp", "fp8", "train",
+            "train-mxfp4pv", "bf16") or a `fp4attn.Recipe`.
+        enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention).
+        return_lse: also return the log-sum-exp, float32 (B, Hq, Sq), natural log of
+            the softmax denominator of the scaled scores; -inf for rows seeing no key.
+        backend: "auto" (the fastest implementation of the recipe for the inputs'
+            device) or "reference" (the pure-PyTorch definition).
+
+    Returns:
+        The output (B, Hq, Sq, D) in q's dtype, and the LSE if `return_lse`.
+
+    Gradients flow for recipes with a backward (`recipe.grad` not None: "train",
+    "train-mxfp4pv", "bf16"); other recipes raise on backward.
+    """
+    rec = get_recipe(recipe)
+    mode = normalize_causal(causal)
+    _validate(q, k, v, enable_gqa)
+    s = _resolve_scale(scale, q.shape[-1])
+    _resolve_backend(backend)
+    out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,44 @@
+"""`fp4attn report`: the main job. The accuracy of every recipe and the Direct-P study
+on the reference; on a CUDA GPU the same on that device."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from fp4attn.cli import accuracy, codes
+from fp4attn.cli.plots import plot_accuracy
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if env["cuda"]:
+        env["gpu"] = torch.cuda.get_device_name()
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return env
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON and PNG")
+    p.add_argument("-S", type=int, default=1024, help="sequence length of the accuracy runs")
+
+
+def main(args: argparse.Namespace) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    print("environment:", json.dumps(env))
+    device = "cuda" if env["cuda"] else "cpu"
+    acc_args = argparse.Namespace(
+        recipes=",".join(accuracy.PRESETS), cases=",".join(accuracy.CASES), B=1, H=4, S=args.S, D=128,
+        causal=False, seed=0, device=device, backend="auto", json=args.out / "accuracy.json",
+    )
+    records = accuracy.main(acc_args)
+    plot_accuracy(records, args.out / "accuracy.png")
+    print()
+    codes.main(argparse.Namespace(B=1, H=4, S=args.S, D=128, seed=0, device=device, json=args.out / "directp.json"))
+    (args.out / "environment.json").write_text(json.dumps(env, indent=1))
+    print(f"\nwrote {args.out}/accuracy.json, accuracy.png, directp.json, environment.json")

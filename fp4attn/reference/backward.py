@@ -1,0 +1,86 @@
+"""Reference backward of the training recipes.
+
+P is rebuilt from the forward's saved quantized Q/K and its LSE (no second
+high-precision score path): P = 2**(t - lse * log2 e) with t the same log2 scores the
+forward computed. The four gradient products then run on low-precision views:
+
+    dV = P_r^T  dO_g          dP = dO_g  V_a^T
+    dS = P * (dP - delta),    delta = rowsum(dO * O)
+    dQ = dS_g  K_a * scale    dK = dS_g^T Q_a * scale
+
+P_r is P in the recipe's own P format (FP8 for `train`, Direct-P MXFP4 for
+`train-mxfp4pv`); `_a` are e4m3 views of the saved operands, `_g` views in
+`recipe.grad` (e4m3 or e5m2); for grad="bf16" every view is bf16. Each view is
+quantized with one scale per row of the product's contraction dim, so the scales
+factor out of the product. The quantizers pass gradients straight through (Q's
+gradient is the gradient of its quantized value).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fp4attn.formats import quantize_fp8
+from fp4attn.formats.constants import MX_BLOCK
+from fp4attn.recipes import Recipe
+from fp4attn.reference.directp import build_p
+from fp4attn.reference.forward import LOG2E, ForwardResult, expand_heads, log2_scores
+from fp4attn.reference.masks import causal_offset, key_mask
+
+
+def low_precision_view(x: torch.Tensor, contraction_dim: int, fmt: str) -> torch.Tensor:
+    """x as one operand of a product sees it: fp8 with a scale per row of the
+    contraction dim, or bf16."""
+    if fmt == "bf16":
+        return x.to(torch.bfloat16).float()
+    return quantize_fp8(x, dim=contraction_dim, block=None, fmt=fmt).dequantize()
+
+
+def _reduce_heads(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, Hq, ...) -> (B, Hkv, ...), summing the query heads that share a K/V head."""
+    b, hq = x.shape[:2]
+    return x.reshape(b, hkv, hq // hkv, *x.shape[2:]).sum(dim=2)
+
+
+def reference_backward(
+    fwd: ForwardResult,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    recipe: Recipe,
+    *,
+    scale: float,
+    causal: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in fp32 for the forward `fwd` whose output was `out`."""
+    if recipe.grad is None:
+        raise RuntimeError(f"recipe {recipe.name!r} is inference-only (grad=None); "
+                           "train with 'train', 'train-mxfp4pv' or 'bf16'")
+    g = recipe.grad
+    a = "bf16" if g == "bf16" else "e4m3"
+    hq, hkv = fwd.q.values.shape[1], fwd.k.values.shape[1]
+    sq, sk = fwd.q.values.shape[-2], fwd.k.values.shape[-2]
+
+    t = log2_scores(fwd.q, fwd.k, scale, slice(None))
+    rows, cols = torch.arange(sq, device=t.device), torch.arange(sk, device=t.device)
+    t = t.masked_fill(~key_mask(causal_offset(causal, sq, sk), rows, cols, sk), -math.inf)
+    lse2 = (fwd.lse * LOG2E).unsqueeze(-1)
+    x = torch.where(lse2 > -math.inf, t - lse2, torch.full_like(t, -math.inf))
+    p = torch.exp2(x)
+    pad = -sk % MX_BLOCK  # MXFP4 blocks of 32 keys start at key 0, as in the forward tiles
+    p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build)[..., :sk]
+
+    do = dout.float()
+    q_a = low_precision_view(fwd.q.dequantize(), -2, a)
+    k_full = expand_heads(fwd.k.dequantize(), hq)
+    v_full = expand_heads(fwd.v, hq)
+
+    dv = p_r.transpose(-1, -2) @ low_precision_view(do, -2, g)
+    dp = low_precision_view(do, -1, g) @ low_precision_view(v_full, -1, a).transpose(-1, -2)
+    delta = (do * out.float()).sum(dim=-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = (low_precision_view(ds, -1, g) @ low_precision_view(k_full, -2, a)) * scale
+    dk = (low_precision_view(ds, -2, g).transpose(-1, -2) @ q_a) * scale
+    return dq, _reduce_heads(dk, hkv), _reduce_heads(dv, hkv)

@@ -1,0 +1,101 @@
+"""Reference forward: tile-by-tile online softmax, as a kernel computes it.
+
+For each tile of `recipe.block_n` keys, with t the scores in log2 units
+(t = s * scale * log2(e)) and m the running row maximum:
+
+    m_new = max(m, rowmax(t));  alpha = 2**(m - m_new);  x = t - m_new
+    P     = build_p(x)                               (directp.py)
+    l     = alpha * l + rowsum(P if consistent_norm else 2**x)
+    acc   = alpha * acc + P @ V
+    out   = acc / l,  lse = (m + log2(l)) * ln(2)
+
+The rescale is exact-max (every tile), so no key tile is ever scaled against a maximum
+it exceeds: logits of any size stay finite, and tiles far below a later maximum are
+multiplied by 2**(m - m_new) = 0 rather than underflowing inside a block scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fp4attn.recipes import Recipe
+from fp4attn.reference.directp import build_p
+from fp4attn.reference.masks import causal_offset, key_mask
+from fp4attn.reference.operands import QKOperand, quantize_qk, quantize_v
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    out: torch.Tensor  # fp32 (B, Hq, Sq, D)
+    lse: torch.Tensor  # fp32 (B, Hq, Sq), natural log; -inf for rows that see no key
+    q: QKOperand  # the quantized operands, (B, H, S, D) with K and V at Hkv heads
+    k: QKOperand
+    v: torch.Tensor
+
+
+def expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """(B, Hkv, ...) -> (B, Hq, ...): each K/V head serves Hq // Hkv query heads."""
+    return x if x.shape[1] in (1, hq) else x.repeat_interleave(hq // x.shape[1], dim=1)
+
+
+def log2_scores(q: QKOperand, k: QKOperand, scale: float, cols: slice) -> torch.Tensor:
+    """Scores of keys `cols` in log2 units: (Qv Kv^T) * (Qs * scale * log2 e) * Ks^T."""
+    hq = q.values.shape[1]
+    kv = expand_heads(k.values[..., cols, :], hq)
+    ks = expand_heads(k.scale[..., cols, :] if k.scale.shape[-2] > 1 else k.scale, hq)
+    acc = q.values @ kv.transpose(-1, -2)
+    return acc * (q.scale * (scale * LOG2E)) * ks.transpose(-1, -2)
+
+
+def reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    recipe: Recipe,
+    *,
+    scale: float,
+    causal: str | None = None,
+) -> ForwardResult:
+    """Attention of (B, Hq, Sq, D) queries over (B, Hkv, Sk, D) keys/values in `recipe`.
+
+    Inputs are assumed validated (see `fp4attn.api`); Hq must be a multiple of Hkv.
+    """
+    q_op, k_op = quantize_qk(q, recipe.qk), quantize_qk(k, recipe.qk)
+    v_rep = quantize_v(v, recipe.v)
+    B, H, Sq, _ = q.shape
+    Sk, Dv = k.shape[-2], v.shape[-1]
+    bn = recipe.block_n
+    offset = causal_offset(causal, Sq, Sk)
+    rows = torch.arange(Sq, device=q.device)
+
+    m = torch.full((B, H, Sq), -math.inf, device=q.device)
+    l = torch.zeros((B, H, Sq), device=q.device)
+    acc = torch.zeros((B, H, Sq, Dv), device=q.device)
+    for j0 in range(0, Sk, bn):
+        cols = torch.arange(j0, j0 + bn, device=q.device)
+        visible = key_mask(offset, rows, cols, Sk)
+        if not bool(visible.any()):
+            continue  # a kernel skips tiles that the causal mask hides entirely
+        t = F.pad(log2_scores(q_op, k_op, scale, slice(j0, j0 + bn)), (0, j0 + bn - min(Sk, j0 + bn)))
+        t = t.masked_fill(~visible, -math.inf)
+        m_new = torch.maximum(m, t.amax(dim=-1))
+        m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+        alpha = torch.exp2(m - m_use)
+        x = t - m_use.unsqueeze(-1)
+        p = build_p(x, recipe.p, recipe.p_build)
+        l = alpha * l + (p if recipe.consistent_norm else torch.exp2(x)).sum(dim=-1)
+        v_tile = F.pad(expand_heads(v_rep[..., j0 : j0 + bn, :], H), (0, 0, 0, j0 + bn - min(Sk, j0 + bn)))
+        acc = alpha.unsqueeze(-1) * acc + p @ v_tile
+        m = m_new
+
+    seen = l > 0
+    out = torch.where(seen.unsqueeze(-1), acc / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1), 0.0)
+    lse = torch.where(seen, (m + torch.log2(torch.where(seen, l, torch.ones_like(l)))) * LN2, -math.inf)
+    return ForwardResult(out, lse, q_op, k_op, v_rep)

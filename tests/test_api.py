@@ -1,0 +1,101 @@
+"""Public API: SDPA layout and dtypes, presets and custom recipes, clear errors."""
+
+import json
+
+import pytest
+import torch
+
+import fp4attn
+from fp4attn import PRESETS, Recipe
+from fp4attn.cli.main import main as cli_main
+
+
+def _qkv(dtype=torch.bfloat16, shape=(1, 2, 16, 64)):
+    return tuple(torch.randn(shape).to(dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_output_dtype_and_shape(dtype):
+    q, k, v = _qkv(dtype)
+    out = fp4attn.attention(q, k, v)
+    assert out.dtype == dtype and out.shape == q.shape
+
+
+def test_custom_recipe_and_presets():
+    assert set(PRESETS) == {"directp", "nvfp4-fp8", "fp8-directp", "fp8", "train", "train-mxfp4pv", "bf16"}
+    q, k, v = _qkv()
+    r = Recipe(qk="fp8", p="fp8", v="mxfp4", p_build="exp2")
+    assert fp4attn.attention(q, k, v, recipe=r).shape == q.shape
+    assert PRESETS["directp"].with_(block_n=64).block_n == 64
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(qk="int4"), "Recipe.qk"),
+        (dict(p="fp16"), "Recipe.p"),
+        (dict(v="e2m1"), "Recipe.v"),
+        (dict(p_build="exp"), "Recipe.p_build"),
+        (dict(p="fp8", p_build="directp"), "directp"),
+        (dict(grad="fp16"), "Recipe.grad"),
+        (dict(block_n=48), "block_n"),
+    ],
+)
+def test_bad_recipe_fields(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Recipe(**kwargs)
+
+
+def test_bad_inputs_get_clear_errors():
+    q, k, v = _qkv()
+    cases = [
+        (dict(q=q.long()), TypeError, "dtype"),
+        (dict(q=q[0]), ValueError, "4-D"),
+        (dict(k=k.float()), TypeError, "share a dtype"),
+        (dict(v=v[..., :8, :]), ValueError, "v must have k's shape"),
+        (dict(q=torch.randn(2, 2, 16, 64).bfloat16()), ValueError, "batch"),
+        (dict(q=q[..., :48], k=k[..., :48], v=v[..., :48]), None, None),
+        (dict(q=q[..., :40], k=k[..., :40], v=v[..., :40]), ValueError, "head_dim 40"),
+        (dict(q=torch.randn(1, 3, 16, 64).bfloat16()), ValueError, "multiple of k/v heads"),
+        (dict(q=torch.randn(1, 4, 16, 64).bfloat16()), ValueError, "enable_gqa"),
+        (dict(q=q[..., :0, :]), ValueError, "empty"),
+        (dict(recipe="fp4"), ValueError, "unknown recipe"),
+        (dict(backend="cuda"), ValueError, "unknown backend"),
+        (dict(scale=-1.0), ValueError, "scale"),
+        (dict(scale=float("nan")), ValueError, "scale"),
+        (dict(causal="left"), ValueError, "causal"),
+        (dict(q="q"), TypeError, "torch.Tensor"),
+    ]
+    for over, exc, match in cases:
+        args = dict(q=q, k=k, v=v)
+        kw = {n: over.pop(n) for n in list(over) if n not in args}
+        args.update(over)
+        if exc is None:
+            fp4attn.attention(args["q"], args["k"], args["v"], **kw)
+            continue
+        with pytest.raises(exc, match=match):
+            fp4attn.attention(args["q"], args["k"], args["v"], **kw)
+
+
+def test_device_mismatch_error():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="one device"):
+        fp4attn.attention(q, k.to("meta"), v)
+
+
+def test_cli_accuracy_writes_json(tmp_path, capsys):
+    path = tmp_path / "acc.json"
+    cli_main(["accuracy", "--recipes", "directp,bf16", "--cases", "gaussian", "-S", "64", "-H", "2",
+              "--device", "cpu", "--json", str(path)])
+    records = json.loads(path.read_text())
+    assert [r["recipe"] for r in records] == ["directp", "bf16"]
+    assert records[1]["cos"] > 0.999 and 0.9 < records[0]["cos"] < 1
+    assert "| directp |" in capsys.readouterr().out
+
+
+def test_cli_report(tmp_path):
+    cli_main(["report", "--out", str(tmp_path), "-S", "128"])
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"accuracy.json", "directp.json", "environment.json", "accuracy.png"} <= names
+    study = json.loads((tmp_path / "directp.json").read_text())
+    assert all(a["codes_identical"] > 0.999 for a in study["agreement"])
