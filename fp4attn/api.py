@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 
 import torch
 
 from fp4attn.recipes import Recipe, get_recipe
 from fp4attn.reference.backward import reference_backward
 from fp4attn.reference.forward import ForwardResult, reference_forward
-from fp4attn.reference.masks import normalize_causal
+from fp4attn.reference.masks import causal_offset, normalize_causal
 from fp4attn.reference.operands import QKOperand
 
 log = logging.getLogger("fp4attn")
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "triton")
+BACKEND_ENV = "FP4ATTN_BACKEND"  # overrides backend="auto"
 HEAD_DIM_MULTIPLE = 16  # NVFP4 blocks of 16 run along the head dim
 MAX_HEAD_DIM = 256
 
@@ -57,9 +60,41 @@ def _resolve_scale(scale: float | None, head_dim: int) -> float:
     return float(scale)
 
 
-def _resolve_backend(backend: str) -> str:
+def _kernel_unsupported(q: torch.Tensor, recipe: Recipe, needs_grad: bool) -> str | None:
+    """Why the Triton kernels cannot run this call, or None if they can."""
+    if not q.is_cuda:
+        return f"inputs on {q.device.type} (kernels need CUDA)"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"GPU capability {torch.cuda.get_device_capability(q.device)} (kernels are built for sm_90)"
+    if needs_grad:
+        return "a backward is needed (the kernels are forward-only for now)"
+    try:
+        from fp4attn.kernels.hopper.ops import unsupported_reason
+    except ImportError as e:  # Triton missing
+        return f"Triton is not importable ({e})"
+    return unsupported_reason(recipe, q.shape[-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _log_once(message: str) -> None:
+    log.info(message)
+
+
+def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: bool) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; accepted: {BACKENDS}")
+    if backend == "auto" and os.environ.get(BACKEND_ENV):
+        backend = os.environ[BACKEND_ENV]
+        if backend not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={backend!r} is not a backend; accepted: {BACKENDS}")
+    if backend == "reference":
+        return backend
+    reason = _kernel_unsupported(q, recipe, needs_grad)
+    if reason is None:
+        return "triton"
+    if backend == "triton":
+        raise ValueError(f"backend='triton' cannot run recipe {recipe.name!r}: {reason}")
+    _log_once(f"fp4attn: recipe {recipe.name!r} runs on the reference backend: {reason}")
     return "reference"
 
 
@@ -111,8 +146,11 @@ def attention(
         enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention).
         return_lse: also return the log-sum-exp, float32 (B, Hq, Sq), natural log of
             the softmax denominator of the scaled scores; -inf for rows seeing no key.
-        backend: "auto" (the fastest implementation of the recipe for the inputs'
-            device) or "reference" (the pure-PyTorch definition).
+        backend: "auto" (the Triton kernels where they run the recipe: CUDA sm_90,
+            forward, head_dim 64 or 128; else the reference, logged once), "triton"
+            (an error if the kernels cannot run the call) or "reference" (the
+            pure-PyTorch definition). The FP4ATTN_BACKEND environment variable
+            overrides "auto".
 
     Returns:
         The output (B, Hq, Sq, D) in q's dtype, and the LSE if `return_lse`.
@@ -124,6 +162,13 @@ def attention(
     mode = normalize_causal(causal)
     _validate(q, k, v, enable_gqa)
     s = _resolve_scale(scale, q.shape[-1])
-    _resolve_backend(backend)
-    out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if _resolve_backend(backend, q, rec, needs_grad) == "triton":
+        from fp4attn.kernels.hopper.ops import hopper_attention
+
+        offset = causal_offset(mode, q.shape[-2], k.shape[-2])
+        out, lse, _ = hopper_attention(q, k, v, rec, scale=s, causal_offset=offset)
+        out = out.to(q.dtype)
+    else:
+        out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s)
     return (out, lse) if return_lse else out

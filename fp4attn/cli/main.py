@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 
-from fp4attn.cli import accuracy, codes, report
+from fp4attn.cli import accuracy, bench, codes, report
 
 COMMANDS = {
     "report": (report, "the main job: accuracy of every recipe and the Direct-P study"),
     "accuracy": (accuracy, "Gaussian and hard-case accuracy of each recipe vs float64 attention"),
+    "bench": (bench, "forward speed of the kernels vs SDPA cuDNN/flash bf16 (GPU)"),
     "codes": (codes, "Direct-P codes vs exp2 rounding, and the accuracy of the P choices"),
 }
 

@@ -38,6 +38,7 @@ class ForwardResult:
     q: QKOperand  # the quantized operands, (B, H, S, D) with K and V at Hkv heads
     k: QKOperand
     v: torch.Tensor
+    p: torch.Tensor | None = None  # (B, Hq, Sq, Sk) represented P of each key's tile, if asked
 
 
 def expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
@@ -62,10 +63,13 @@ def reference_forward(
     *,
     scale: float,
     causal: str | None = None,
+    return_p: bool = False,
 ) -> ForwardResult:
     """Attention of (B, Hq, Sq, D) queries over (B, Hkv, Sk, D) keys/values in `recipe`.
 
     Inputs are assumed validated (see `fp4attn.api`); Hq must be a multiple of Hkv.
+    `return_p` keeps each tile's represented P (relative to that tile's running max),
+    which a kernel's P codes must reproduce.
     """
     q_op, k_op = quantize_qk(q, recipe.qk), quantize_qk(k, recipe.qk)
     v_rep = quantize_v(v, recipe.v)
@@ -78,6 +82,7 @@ def reference_forward(
     m = torch.full((B, H, Sq), -math.inf, device=q.device)
     l = torch.zeros((B, H, Sq), device=q.device)
     acc = torch.zeros((B, H, Sq, Dv), device=q.device)
+    p_all = torch.zeros((B, H, Sq, Sk), device=q.device) if return_p else None
     for j0 in range(0, Sk, bn):
         cols = torch.arange(j0, j0 + bn, device=q.device)
         visible = key_mask(offset, rows, cols, Sk)
@@ -90,6 +95,8 @@ def reference_forward(
         alpha = torch.exp2(m - m_use)
         x = t - m_use.unsqueeze(-1)
         p = build_p(x, recipe.p, recipe.p_build)
+        if return_p:
+            p_all[..., j0 : j0 + bn] = p[..., : min(bn, Sk - j0)]
         l = alpha * l + (p if recipe.consistent_norm else torch.exp2(x)).sum(dim=-1)
         v_tile = F.pad(expand_heads(v_rep[..., j0 : j0 + bn, :], H), (0, 0, 0, j0 + bn - min(Sk, j0 + bn)))
         acc = alpha.unsqueeze(-1) * acc + p @ v_tile
@@ -98,4 +105,4 @@ def reference_forward(
     seen = l > 0
     out = torch.where(seen.unsqueeze(-1), acc / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1), 0.0)
     lse = torch.where(seen, (m + torch.log2(torch.where(seen, l, torch.ones_like(l)))) * LN2, -math.inf)
-    return ForwardResult(out, lse, q_op, k_op, v_rep)
+    return ForwardResult(out, lse, q_op, k_op, v_rep, p_all)

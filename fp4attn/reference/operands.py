@@ -14,7 +14,7 @@ import torch
 from fp4attn.formats import FP8Tensor, NVFP4Tensor, quantize_fp8, quantize_mxfp4, quantize_nvfp4
 from fp4attn.formats.blocks import from_blocks
 from fp4attn.formats.constants import E8M0_BIAS, E8M0_NAN
-from fp4attn.reference.encoding import V_WINDOW
+from fp4attn.reference.encoding import V_TOP, V_WINDOW
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,18 @@ def quantize_qk(x: torch.Tensor, fmt: str) -> QKOperand:
     raise ValueError(f"unknown Q/K format {fmt!r}")
 
 
+def quantize_v_mxfp4(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 V along the sequence inside its e4m3 window: (represented values (B, H, S, D),
+    shift c (int32, (B, H)) such that values * 2**-c are exact e4m3 values)."""
+    q = quantize_mxfp4(v, dim=-2)
+    e = q.scale.to(torch.int32) - E8M0_BIAS  # (B, H, D, n_blocks)
+    finite = q.scale != E8M0_NAN
+    e_max = torch.where(finite, e, torch.full_like(e, -E8M0_BIAS)).flatten(-2).amax(-1)
+    flushed = finite & (e < e_max[..., None, None] - V_WINDOW)
+    values = q.block_values().masked_fill(flushed.unsqueeze(-1), 0.0)
+    return from_blocks(values, q.layout), e_max - V_TOP
+
+
 def quantize_v(v: torch.Tensor, fmt: str) -> torch.Tensor:
     """V's represented values (fp32, (B, H, S, D)) in `fmt` ("mxfp4", "fp8" or "bf16").
 
@@ -49,13 +61,7 @@ def quantize_v(v: torch.Tensor, fmt: str) -> torch.Tensor:
     inside the e4m3 window of `encoding.V_WINDOW`. FP8 has one scale per channel.
     """
     if fmt == "mxfp4":
-        q = quantize_mxfp4(v, dim=-2)
-        e = q.scale.to(torch.int32) - E8M0_BIAS  # (B, H, D, n_blocks)
-        finite = q.scale != E8M0_NAN
-        e_max = torch.where(finite, e, torch.full_like(e, -E8M0_BIAS)).flatten(-2).amax(-1)
-        flushed = finite & (e < e_max[..., None, None] - V_WINDOW)
-        values = q.block_values().masked_fill(flushed.unsqueeze(-1), 0.0)
-        return from_blocks(values, q.layout)
+        return quantize_v_mxfp4(v)[0]
     if fmt == "fp8":
         return quantize_fp8(v, dim=-2, block=None, fmt="e4m3").dequantize()
     if fmt == "bf16":

@@ -1,0 +1,179 @@
+"""`fp4attn bench`: forward speed of every kernel recipe against SDPA's cuDNN and flash
+backends in bf16, measured in one run (speed on a shared machine is only meaningful
+as a ratio).
+
+Each recipe is checked once per shape against the reference (on a 1-batch, 2-head
+slice of the same inputs) before it is timed. Times are medians of
+`triton.testing.do_bench`; TFLOP/s count 4 * B * H * D * (visible query-key pairs),
+so causal runs count exactly the unmasked half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 32768, 128),
+          (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
+RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8"]
+
+
+def visible_pairs(sq: int, sk: int, causal: bool) -> int:
+    if not causal:
+        return sq * sk
+    return sum(min(sk, i + 1) for i in range(sq)) if sq != sk else sq * (sq + 1) // 2
+
+
+def _time(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _sdpa(backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[backend_name]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def check_recipe(name: str, q, k, v, causal: bool) -> float:
+    """Cosine of the kernel vs the reference on a (1, 2)-head slice; raises below 0.999."""
+    from fp4attn.api import attention
+    from fp4attn.metrics import error_metrics
+
+    sl = (slice(0, 1), slice(0, 2))
+    qs, ks, vs = q[sl], k[sl], v[sl]
+    got = attention(qs, ks, vs, recipe=name, causal=causal, backend="triton")
+    want = attention(qs, ks, vs, recipe=name, causal=causal, backend="reference")
+    cos = error_metrics(got, want)["cos"]
+    if not cos > 0.999:
+        raise RuntimeError(f"{name} kernel disagrees with its reference: cos {cos}")
+    return cos
+
+
+def run_bench(shapes, recipes, causal_modes, variants: dict | None = None) -> list[dict]:
+    from fp4attn.kernels.hopper.ops import P_MODES, hopper_fwd
+    from fp4attn.kernels.hopper.operands import prepare_operands
+    from fp4attn.recipes import get_recipe
+
+    records = []
+    jobs = [(s, c) for s in shapes for c in causal_modes]
+    for (B, H, S, D), causal in tqdm(jobs, desc="bench", unit="shape"):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        flops = 4 * B * H * D * visible_pairs(S, S, causal)
+        row = dict(B=B, H=H, S=S, D=D, causal=causal)
+        timed = {}
+        for impl in ("sdpa-cudnn", "sdpa-flash"):
+            f = _sdpa(impl)
+            timed[(impl, False)] = _time(lambda: f(q, k, v, causal))
+        for name in list(recipes) + list(variants or {}):
+            recipe = (variants or {}).get(name) or get_recipe(name)
+            cos = check_recipe(recipe, q, k, v, causal)
+            ops = prepare_operands(q, k, v, recipe)
+            mode = P_MODES[(recipe.p, recipe.p_build)]
+            scale = D**-0.5
+            timed[(name, False)] = _time(lambda: hopper_fwd(ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs, 0, causal,
+                                                            scale, mode, False))
+            from fp4attn.kernels.hopper.ops import hopper_attention
+
+            timed[(name, True)] = _time(lambda: hopper_attention(q, k, v, recipe, scale=scale,
+                                                                 causal_offset=0 if causal else None))
+            row[f"cos_{name}"] = cos
+        base = timed[("sdpa-cudnn", False)]
+        for (impl, quant), ms in timed.items():
+            records.append({**{k_: row[k_] for k_ in ("B", "H", "S", "D", "causal")}, "impl": impl,
+                            "quant_included": quant, "ms": ms, "tflops": flops / ms * 1e-9,
+                            "speedup_vs_cudnn_bf16": base / ms})
+        torch.cuda.empty_cache()
+    return records
+
+
+def format_table(records: list[dict]) -> str:
+    impls = list(dict.fromkeys((r["impl"], r["quant_included"]) for r in records))
+    head = "| B,H,S,D | causal | " + " | ".join(f"{i}{' +quant' if qi else ''}" for i, qi in impls) + " |"
+    lines = [head, "|---|---|" + "---|" * len(impls)]
+    for key in dict.fromkeys((r["B"], r["H"], r["S"], r["D"], r["causal"]) for r in records):
+        cells = []
+        for i, qi in impls:
+            r = next(x for x in records if (x["B"], x["H"], x["S"], x["D"], x["causal"]) == key
+                     and x["impl"] == i and x["quant_included"] == qi)
+            cells.append(f"{r['tflops']:.0f} ({r['speedup_vs_cudnn_bf16']:.2f}x)")
+        lines.append(f"| {','.join(map(str, key[:4]))} | {key[4]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def geomean_speedups(records: list[dict], d: int = 128, causal: bool = False) -> dict[str, float]:
+    out = {}
+    for impl in dict.fromkeys(r["impl"] for r in records):
+        xs = [r["speedup_vs_cudnn_bf16"] for r in records
+              if r["impl"] == impl and r["D"] == d and r["causal"] == causal and not r["quant_included"]]
+        if xs:
+            out[impl] = math.exp(sum(map(math.log, xs)) / len(xs))
+    return out
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kernel = [r for r in records if not r["quant_included"]]
+    keys = list(dict.fromkeys((r["B"], r["H"], r["S"], r["D"], r["causal"]) for r in kernel))
+    impls = list(dict.fromkeys(r["impl"] for r in kernel))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    w = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        ys = [next(r["tflops"] for r in kernel if (r["B"], r["H"], r["S"], r["D"], r["causal"]) == key
+                   and r["impl"] == impl) for key in keys]
+        ax.bar([j + i * w for j in range(len(keys))], ys, w, label=impl)
+    ax.set_xticks([j + w * (len(impls) - 1) / 2 for j in range(len(keys))],
+                  [f"{b},{h},{s},{d}{' c' if c else ''}" for b, h, s, d, c in keys], rotation=30, fontsize=7)
+    ax.set_ylabel("TFLOP/s (forward)")
+    ax.set_title(f"fp4attn forward on {torch.cuda.get_device_name()} (kernel alone; c = causal)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", default="all", help="'all' or 'B,H,S,D;B,H,S,D'")
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+    p.add_argument("--variants", action="store_true", help="also time fp8-directp with exp2-built MXFP4 P")
+    p.add_argument("--json", type=Path, default=Path("results/h200-forward.json"))
+    p.add_argument("--png", type=Path)
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    from fp4attn.recipes import PRESETS
+
+    if not torch.cuda.is_available():
+        raise SystemExit("fp4attn bench needs a CUDA GPU")
+    shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    variants = {"fp8-directp/exp2-P": PRESETS["fp8-directp"].with_(p_build="exp2", name="fp8-directp/exp2-P")} \
+        if args.variants else None
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    records = run_bench(shapes, args.recipes.split(","), causal, variants)
+    print("TFLOP/s (speedup vs SDPA cuDNN bf16, same run)")
+    print(format_table(records))
+    for c in causal:
+        print(f"geomean speedup, D=128, causal={c}:", {k: round(v, 3) for k, v in geomean_speedups(records, 128, c).items()})
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(records, indent=1))
+    plot(records, args.png or args.json.with_suffix(".png"))
+    return records

@@ -1,0 +1,136 @@
+"""Attention forward for Hopper (sm_90): FP8 or BF16 QK^T, e4m3 P, FP8 PV.
+
+One program computes BLOCK_M query rows of one head against every visible key tile.
+Recipes map to constexpr flags:
+
+    QK_FP8   Q/K are e4m3 with per-token scales (fp8 recipes), else bf16 grid values
+             of NVFP4 (exact in bf16) with the tensor scales in the same per-token slots
+    P_MODE   0: FP8 P from exp2;  1: MXFP4 P by Direct-P;  2: MXFP4 P from exp2 + OCP
+    CAUSAL   query i sees keys j <= i + causal_offset
+
+Tiles that need no mask (fully visible, inside Sk) run in a first loop without any
+masking arithmetic; the diagonal and tail tiles run in a second, masked loop.
+The reference (`fp4attn.reference.forward`) defines every value this kernel computes.
+"""
+
+import triton
+import triton.language as tl
+
+from fp4attn.kernels.common import P_OFFSET_LOG2, p_fp8_exp2, p_mxfp4_directp, p_mxfp4_exp2
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
+          stride_kn, stride_vn, QK_FP8: tl.constexpr, P_MODE: tl.constexpr, MASK: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+          WRITE_P: tl.constexpr, p_ptr, stride_pm):
+    cols = start_n + offs_n
+    # -- scores in log2 units: (Qv Kv^T) * (q_scale * softmax_scale * log2 e) * k_scale
+    k_blk = tl.make_block_ptr(k_ptr, (Sk, HEAD_DIM), (stride_kn, 1), (start_n, 0), (BLOCK_N, HEAD_DIM), (1, 0))
+    if MASK:
+        k = tl.load(k_blk, boundary_check=(0,), padding_option="zero")
+        b_j = tl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
+    else:
+        k = tl.load(k_blk)
+        b_j = tl.load(ks_ptr + cols)
+    s = tl.dot(q, tl.trans(k))
+    t = s * a_i[:, None] * b_j[None, :]
+    if MASK:
+        visible = (cols[None, :] <= offs_m[:, None] + causal_offset) & (cols[None, :] < Sk)
+        t = tl.where(visible, t, -float("inf"))
+    # -- online softmax: exact running max, rescale every tile
+    m_new = tl.maximum(m_i, tl.max(t, axis=1))
+    if MASK:
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    x = t - m_use[:, None]
+    # -- P as exact e4m3 values (times 2**8) and the consistent row sum
+    if P_MODE == 0:
+        p8, l_add = p_fp8_exp2(x)
+    elif P_MODE == 1:
+        p8, l_add = p_mxfp4_directp(x, BLOCK_M, BLOCK_N)
+    else:
+        p8, l_add = p_mxfp4_exp2(x, BLOCK_M, BLOCK_N)
+    if WRITE_P:
+        # debug output for the code-identity tests: rows are padded to BLOCK_M
+        tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], p8.to(tl.uint8, bitcast=True),
+                 mask=(cols < Sk)[None, :])
+    l_i = l_i * alpha + l_add
+    # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
+    v_blk = tl.make_block_ptr(vt_ptr, (HEAD_DIM, Sk), (stride_vn, 1), (0, start_n), (HEAD_DIM, BLOCK_N), (1, 0))
+    if MASK:
+        vt = tl.load(v_blk, boundary_check=(1,), padding_option="zero")
+    else:
+        vt = tl.load(v_blk)
+    acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, QS, KS, VT, VS, O, LSE, P_DBG,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vd,
+    stride_ob, stride_oh, stride_om,
+    stride_pb, stride_ph, stride_pm,
+    H, GROUP, Sq, Sk, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
+):
+    tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+
+    q_ptr = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_ptr = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    vt_ptr = VT + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    qs_ptr = QS + (b.to(tl.int64) * H + h) * Sq
+    ks_ptr = KS + (b.to(tl.int64) * (H // GROUP) + hk) * Sk
+    p_ptr = P_DBG + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
+
+    q_blk = tl.make_block_ptr(q_ptr, (Sq, HEAD_DIM), (stride_qm, 1), (start_m * BLOCK_M, 0), (BLOCK_M, HEAD_DIM), (1, 0))
+    q = tl.load(q_blk, boundary_check=(0,), padding_option="zero")
+    a_i = tl.load(qs_ptr + offs_m, mask=row_ok, other=0.0) * qk_scale
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # keys visible to every row of this block, in whole tiles: no mask needed
+    if CAUSAL:
+        hi = tl.minimum(Sk, (start_m + 1) * BLOCK_M + causal_offset)
+        full = tl.minimum(start_m * BLOCK_M + causal_offset + 1, Sk)
+    else:
+        hi = Sk
+        full = Sk
+    full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(0, full, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk,
+                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+    for start_n in range(full, hi, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk,
+                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+
+    # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
+    # offset cancels in acc / l and is subtracted from the LSE)
+    seen = l_i > 0.0
+    vs = tl.load(VS + (b.to(tl.int64) * (H // GROUP) + hk) * HEAD_DIM + offs_d)
+    inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+    out = acc * inv_l[:, None] * vs[None, :]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - P_OFFSET_LOG2) * 0.6931471805599453,
+                   -float("inf"))
+    o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    o_blk = tl.make_block_ptr(o_ptr, (Sq, HEAD_DIM), (stride_om, 1), (start_m * BLOCK_M, 0), (BLOCK_M, HEAD_DIM), (1, 0))
+    tl.store(o_blk, out.to(O.dtype.element_ty), boundary_check=(0,))
+    tl.store(LSE + (b.to(tl.int64) * H + h) * Sq + offs_m, lse, mask=row_ok)

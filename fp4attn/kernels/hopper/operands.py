@@ -1,0 +1,52 @@
+"""Q, K and V in the layouts the Hopper forward kernel reads, from the reference
+quantizers (so the codes and scales are the reference's by construction).
+
+    q, k    (B, H, S, D) e4m3 (fp8 recipes) or bf16 NVFP4 grid values
+    qs, ks  (B, H, S) float32: per-token scale (FP8) or the tensor scale (NVFP4)
+    vt      (B, Hkv, D, S) e4m3, V transposed so the PV product is K-major
+    vs      (B, Hkv, D) float32: per-channel scale (FP8) or 2**c (MXFP4, per head)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp4attn.formats import E4M3, quantize_fp8, round_to_format
+from fp4attn.formats.minifloat import pow2
+from fp4attn.recipes import Recipe
+from fp4attn.reference.operands import quantize_qk, quantize_v_mxfp4
+
+
+@dataclass(frozen=True)
+class KernelOperands:
+    q: torch.Tensor
+    k: torch.Tensor
+    qs: torch.Tensor
+    ks: torch.Tensor
+    vt: torch.Tensor
+    vs: torch.Tensor
+
+
+def _qk(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    op = quantize_qk(x, fmt)
+    if fmt == "fp8":
+        values = op.values.to(torch.float8_e4m3fn)
+    else:  # nvfp4: element x E4M3 block scale has at most six significant bits
+        values = op.values.to(torch.bfloat16)
+    return values.contiguous(), op.scale.expand(*x.shape[:-1], 1).squeeze(-1).contiguous()
+
+
+def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe) -> KernelOperands:
+    qv, qs = _qk(q, recipe.qk)
+    kv, ks = _qk(k, recipe.qk)
+    if recipe.v == "fp8":
+        vq = quantize_fp8(v, dim=-2, block=None, fmt="e4m3")  # data (B, H, D, 1, S)
+        vt, vs = vq.data.squeeze(-2), vq.scale.squeeze(-1)
+    else:  # mxfp4: E2M1 x 2**(e - c) is an exact e4m3 value inside the window
+        values, c = quantize_v_mxfp4(v)
+        c = c.clamp(-126, 126)  # only an all-zero or subnormal-sized head reaches the clamp
+        vt = round_to_format(values * pow2(-c)[..., None, None], E4M3).to(torch.float8_e4m3fn).transpose(-1, -2)
+        vs = pow2(c)[..., None].expand(*c.shape, v.shape[-1])
+    return KernelOperands(qv, kv, qs, ks, vt.contiguous(), vs.float().contiguous())

@@ -1,0 +1,116 @@
+"""Hopper forward kernels against the reference of the same recipe (run on an H200).
+
+Invariants: the kernel's P codes and block exponents (its e4m3 P bytes) equal the
+reference's on at least 99.9% of entries, and its output differs from the reference
+by much less than the reference differs from exact attention (fp32 summation order
+and the bf16 output are the only other differences)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp4attn
+from fp4attn.formats import encode_fp8
+from fp4attn.metrics import error_metrics
+from fp4attn.recipes import PRESETS
+from fp4attn.reference import reference_forward
+from fp4attn.reference.encoding import P_OFFSET_LOG2
+from fp4attn.reference.masks import causal_offset
+
+pytestmark = pytest.mark.gpu
+
+RECIPES = ["fp8-directp", "directp", "nvfp4-fp8", "fp8"]
+P_VARIANTS = [PRESETS["fp8-directp"].with_(p_build="exp2", name="fp8-mxfp4-exp2")]
+
+
+def _qkv(b, hq, hkv, sq, sk, d):
+    mk = lambda h, s: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+    return mk(hq, sq), mk(hkv, sk), mk(hkv, sk)
+
+
+def _check(q, k, v, recipe, causal=None, min_identical=0.999):
+    from fp4attn.kernels.hopper.ops import hopper_attention
+
+    scale = q.shape[-1] ** -0.5
+    offset = causal_offset(causal, q.shape[-2], k.shape[-2])
+    out, lse, p_bytes = hopper_attention(q, k, v, recipe, scale=scale, causal_offset=offset, write_p=True)
+    ref = reference_forward(q, k, v, recipe, scale=scale, causal=causal, return_p=True)
+    sq = q.shape[-2]
+    want = encode_fp8(ref.p * 2.0**P_OFFSET_LOG2, "e4m3").view(torch.uint8)
+    got = p_bytes[..., :sq, :]
+    identical = (got == want).float().mean().item()
+    assert identical >= min_identical, f"{recipe.name}: P bytes identical {identical:.6f}"
+    exact = F.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], 1),
+        v.double().repeat_interleave(q.shape[1] // k.shape[1], 1),
+        attn_mask=None if causal is None else _mask(q.shape[-2], k.shape[-2], offset),
+    )
+    seen = torch.isfinite(ref.lse)
+    ref_err = error_metrics(ref.out[seen], exact[seen])["rel_l2"]
+    ker_err = error_metrics(out.float()[seen], ref.out[seen])["rel_l2"]
+    assert ker_err <= 0.1 * ref_err + 4e-3, (recipe.name, ker_err, ref_err)
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse[seen], ref.lse[seen], rtol=0, atol=1e-3)
+    assert bool((out.float()[~seen] == 0).all())
+    return identical
+
+
+def _mask(sq, sk, offset):
+    i = torch.arange(sq, device="cuda")[:, None]
+    j = torch.arange(sk, device="cuda")[None, :]
+    return j <= i + offset
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", [(1, 3), (113, 239), (1023, 1023), (256, 4096)])
+def test_kernel_matches_reference(recipe, d, sq, sk):
+    q, k, v = _qkv(2, 4, 4, sq, sk, d)
+    _check(q, k, v, PRESETS[recipe])
+
+
+@pytest.mark.parametrize("recipe", RECIPES + P_VARIANTS, ids=str)
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("sq,sk", [(1023, 1023), (113, 500), (500, 113)])
+def test_kernel_causal_gqa(recipe, causal, sq, sk):
+    q, k, v = _qkv(1, 6, 2, sq, sk, 128)
+    r = PRESETS[recipe] if isinstance(recipe, str) else recipe
+    _check(q, k, v, r, causal=causal)
+
+
+def test_kernel_extreme_logits():
+    q, k, v = _qkv(1, 2, 2, 256, 1024, 128)
+    q, k = q * 14, k * 14
+    k[..., :768, :] *= 0.01
+    for name in RECIPES:
+        out = fp4attn.attention(q, k, v, recipe=name, backend="triton")
+        ref = fp4attn.attention(q, k, v, recipe=name, backend="reference")
+        assert bool(torch.isfinite(out).all())
+        assert error_metrics(out, ref)["cos"] > 0.999
+
+
+def test_kernel_nan_propagates():
+    q, k, v = _qkv(1, 1, 1, 64, 256, 64)
+    v[0, 0, 7, 3] = float("nan")
+    for name in RECIPES:
+        assert bool(torch.isnan(fp4attn.attention(q, k, v, recipe=name, backend="triton")).any())
+
+
+def test_auto_backend_uses_kernel_and_dtype():
+    q, k, v = _qkv(1, 2, 2, 128, 128, 128)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out = fp4attn.attention(q.to(dtype), k.to(dtype), v.to(dtype), recipe="fp8")
+        assert out.dtype == dtype
+    with pytest.raises(ValueError, match="head_dim 96"):
+        fp4attn.attention(*(t[..., :96] for t in (q, k, v)), recipe="fp8", backend="triton")
+    with pytest.raises(ValueError, match="cannot run recipe 'bf16'"):
+        fp4attn.attention(q, k, v, recipe="bf16", backend="triton")
+
+
+def test_torch_compile_traces_the_kernel_op():
+    q, k, v = _qkv(1, 2, 2, 256, 256, 128)
+    f = torch.compile(lambda a, b, c: fp4attn.attention(a, b, c, recipe="fp8-directp", backend="triton"),
+                      fullgraph=False)
+    torch.testing.assert_close(f(q, k, v), fp4attn.attention(q, k, v, recipe="fp8-directp", backend="triton"))
