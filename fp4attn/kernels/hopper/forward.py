@@ -25,13 +25,14 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
           WRITE_P: tl.constexpr, p_ptr, stride_pm):
     cols = start_n + offs_n
+    offs_d = tl.arange(0, HEAD_DIM)
     # -- scores in log2 units: (Qv Kv^T) * (q_scale * softmax_scale * log2 e) * k_scale
-    k_blk = tl.make_block_ptr(k_ptr, (Sk, HEAD_DIM), (stride_kn, 1), (start_n, 0), (BLOCK_N, HEAD_DIM), (1, 0))
     if MASK:
-        k = tl.load(k_blk, boundary_check=(0,), padding_option="zero")
-        b_j = tl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
+        kmask = cols < Sk
+        k = tl.load(k_ptr + cols[:, None] * stride_kn + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        b_j = tl.load(ks_ptr + cols, mask=kmask, other=0.0)
     else:
-        k = tl.load(k_blk)
+        k = tl.load(k_ptr + cols[:, None] * stride_kn + offs_d[None, :])
         b_j = tl.load(ks_ptr + cols)
     s = tl.dot(q, tl.trans(k))
     t = s * a_i[:, None] * b_j[None, :]
@@ -53,17 +54,19 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
         p8, l_add = p_mxfp4_directp(x, BLOCK_M, BLOCK_N)
     else:
         p8, l_add = p_mxfp4_exp2(x, BLOCK_M, BLOCK_N)
-    if WRITE_P:
+    if WRITE_P == 1:
         # debug output for the code-identity tests: rows are padded to BLOCK_M
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], p8.to(tl.uint8, bitcast=True),
                  mask=(cols < Sk)[None, :])
+    if WRITE_P == 2:  # the log2 scores, as four bytes each (diagnostics)
+        tl.store(p_ptr.to(tl.pointer_type(tl.float32)) + offs_m[:, None] * stride_pm + cols[None, :], t,
+                 mask=(cols < Sk)[None, :])
     l_i = l_i * alpha + l_add
     # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
-    v_blk = tl.make_block_ptr(vt_ptr, (HEAD_DIM, Sk), (stride_vn, 1), (0, start_n), (HEAD_DIM, BLOCK_N), (1, 0))
     if MASK:
-        vt = tl.load(v_blk, boundary_check=(1,), padding_option="zero")
+        vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :], mask=(cols < Sk)[None, :], other=0.0)
     else:
-        vt = tl.load(v_blk)
+        vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :])
     acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     return acc, l_i, m_new
 
@@ -98,21 +101,21 @@ def attn_fwd_kernel(
     ks_ptr = KS + (b.to(tl.int64) * (H // GROUP) + hk) * Sk
     p_ptr = P_DBG + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
 
-    q_blk = tl.make_block_ptr(q_ptr, (Sq, HEAD_DIM), (stride_qm, 1), (start_m * BLOCK_M, 0), (BLOCK_M, HEAD_DIM), (1, 0))
-    q = tl.load(q_blk, boundary_check=(0,), padding_option="zero")
+    q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     a_i = tl.load(qs_ptr + offs_m, mask=row_ok, other=0.0) * qk_scale
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # keys visible to every row of this block, in whole tiles: no mask needed
+    hi = Sk
+    full = Sk // BLOCK_N * BLOCK_N
     if CAUSAL:
-        hi = tl.minimum(Sk, (start_m + 1) * BLOCK_M + causal_offset)
-        full = tl.minimum(start_m * BLOCK_M + causal_offset + 1, Sk)
-    else:
-        hi = Sk
-        full = Sk
-    full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
+        last = (start_m + 1) * BLOCK_M + causal_offset  # one past the last row's last key
+        first = start_m * BLOCK_M + causal_offset + 1  # one past the first row's last key
+        hi = tl.where(last < Sk, last, Sk)
+        full = tl.where(first < full, first, full)
+        full = tl.where(full > 0, full // BLOCK_N * BLOCK_N, 0)
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False,
@@ -131,6 +134,6 @@ def attn_fwd_kernel(
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - P_OFFSET_LOG2) * 0.6931471805599453,
                    -float("inf"))
     o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    o_blk = tl.make_block_ptr(o_ptr, (Sq, HEAD_DIM), (stride_om, 1), (start_m * BLOCK_M, 0), (BLOCK_M, HEAD_DIM), (1, 0))
-    tl.store(o_blk, out.to(O.dtype.element_ty), boundary_check=(0,))
+    tl.store(o_ptr + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
     tl.store(LSE + (b.to(tl.int64) * H + h) * Sq + offs_m, lse, mask=row_ok)

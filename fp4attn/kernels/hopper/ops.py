@@ -39,7 +39,7 @@ def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
 @torch.library.custom_op("fp4attn::hopper_fwd", mutates_args=())
 def hopper_fwd(
     q: torch.Tensor, k: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vt: torch.Tensor, vs: torch.Tensor,
-    causal_offset: int, causal: bool, scale: float, p_mode: int, write_p: bool,
+    causal_offset: int, causal: bool, scale: float, p_mode: int, write_p: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out bf16 (B, H, Sq, D), lse fp32 (B, H, Sq), P bytes (B, H, Sq_pad, Sk) or empty)."""
     B, H, Sq, D = q.shape
@@ -47,7 +47,8 @@ def hopper_fwd(
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     sq_pad = triton.cdiv(Sq, BLOCK_M) * BLOCK_M
-    p_dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.uint8)
+    p_dtype = torch.float32 if write_p == 2 else torch.uint8
+    p_dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=p_dtype)
     grid = (triton.cdiv(Sq, BLOCK_M), B * H)
     attn_fwd_kernel[grid](
         q, k, qs, ks, vt, vs, out, lse, p_dbg,
@@ -58,7 +59,7 @@ def hopper_fwd(
         p_dbg.stride(0), p_dbg.stride(1), p_dbg.stride(2),
         H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode, CAUSAL=causal, WRITE_P=write_p,
+        QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode, CAUSAL=causal, WRITE_P=int(write_p),
         num_warps=8, num_stages=3,
     )
     return out, lse, p_dbg if write_p else p_dbg[:0]
@@ -70,11 +71,14 @@ def _(q, k, qs, ks, vt, vs, causal_offset, causal, scale, p_mode, write_p):
     sq_pad = math.ceil(Sq / BLOCK_M) * BLOCK_M
     p_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
-            q.new_empty(p_shape, dtype=torch.uint8))
+            q.new_empty(p_shape, dtype=torch.float32 if write_p == 2 else torch.uint8))
 
 
-def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: bool = False):
-    """Quantize the bf16/fp16/fp32 inputs into the kernel layouts and run the forward."""
+def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: int = 0):
+    """Quantize the bf16/fp16/fp32 inputs into the kernel layouts and run the forward.
+
+    write_p: 0 nothing extra; 1 also return the e4m3 bytes of every P tile (tests);
+    2 the log2 scores (diagnostics)."""
     ops = prepare_operands(q, k, v, recipe)
     return hopper_fwd(ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs, causal_offset or 0, causal_offset is not None,
-                      scale, P_MODES[(recipe.p, recipe.p_build)], write_p)
+                      scale, P_MODES[(recipe.p, recipe.p_build)], int(write_p))
