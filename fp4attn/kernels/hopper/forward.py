@@ -54,13 +54,13 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
         p8, l_add = p_mxfp4_directp(x, BLOCK_M, BLOCK_N)
     else:
         p8, l_add = p_mxfp4_exp2(x, BLOCK_M, BLOCK_N)
-    if WRITE_P == 1:
-        # debug output for the code-identity tests: rows are padded to BLOCK_M
-        tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], p8.to(tl.uint8, bitcast=True),
-                 mask=(cols < Sk)[None, :])
-    if WRITE_P == 2:  # the log2 scores, as four bytes each (diagnostics)
-        tl.store(p_ptr.to(tl.pointer_type(tl.float32)) + offs_m[:, None] * stride_pm + cols[None, :], t,
-                 mask=(cols < Sk)[None, :])
+    if WRITE_P:
+        # debug output (tests, diagnostics), float32, rows padded to BLOCK_M: the P tile's
+        # values (WRITE_P=1) or the log2 scores (2). Byte stores of an fp8 tile held in
+        # the wgmma accumulator layout corrupted the tile (Triton 3.6, H200), so P goes
+        # out as float32.
+        dbg = p8.to(tl.float32) if WRITE_P == 1 else t
+        tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], dbg, mask=(cols < Sk)[None, :])
     l_i = l_i * alpha + l_add
     # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
     if MASK:

@@ -41,14 +41,13 @@ def hopper_fwd(
     q: torch.Tensor, k: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vt: torch.Tensor, vs: torch.Tensor,
     causal_offset: int, causal: bool, scale: float, p_mode: int, write_p: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out bf16 (B, H, Sq, D), lse fp32 (B, H, Sq), P bytes (B, H, Sq_pad, Sk) or empty)."""
+    """(out bf16 (B, H, Sq, D), lse fp32 (B, H, Sq), debug fp32 (B, H, Sq_pad, Sk) or empty)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     sq_pad = triton.cdiv(Sq, BLOCK_M) * BLOCK_M
-    p_dtype = torch.float32 if write_p == 2 else torch.uint8
-    p_dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=p_dtype)
+    p_dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, BLOCK_M), B * H)
     attn_fwd_kernel[grid](
         q, k, qs, ks, vt, vs, out, lse, p_dbg,
@@ -71,14 +70,14 @@ def _(q, k, qs, ks, vt, vs, causal_offset, causal, scale, p_mode, write_p):
     sq_pad = math.ceil(Sq / BLOCK_M) * BLOCK_M
     p_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
-            q.new_empty(p_shape, dtype=torch.float32 if write_p == 2 else torch.uint8))
+            q.new_empty(p_shape, dtype=torch.float32))
 
 
 def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: int = 0):
     """Quantize the bf16/fp16/fp32 inputs into the kernel layouts and run the forward.
 
-    write_p: 0 nothing extra; 1 also return the e4m3 bytes of every P tile (tests);
-    2 the log2 scores (diagnostics)."""
+    write_p: 0 nothing extra; 1 also return every P tile's values (times 2**8, so
+    exact e4m3 values; tests); 2 the log2 scores (diagnostics)."""
     ops = prepare_operands(q, k, v, recipe)
     return hopper_fwd(ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs, causal_offset or 0, causal_offset is not None,
                       scale, P_MODES[(recipe.p, recipe.p_build)], int(write_p))
