@@ -1,10 +1,17 @@
 """Triton helpers shared by every GPU generation: building the e4m3 P tile.
 
 Each helper takes x = t - m (log2 units, <= 0, -inf for masked keys) for a whole
-(BLOCK_M, BLOCK_N) tile and returns (p_fp32, l_add): the represented P values already
-multiplied by 2**P_OFFSET_LOG2 (exact e4m3 values, so the caller's cast is exact for
-MXFP4) and the row sums that consistent normalization adds to l. They reproduce
+(BLOCK_M, BLOCK_N) tile and returns (p, l_add): the represented P values, float32,
+already multiplied by 2**P_OFFSET_LOG2 and exactly on the e4m3 grid (so the caller's
+cast to e4m3 for the PV product is exact), and their row sums, which consistent
+normalization adds to l. Rounding to the e4m3 grid is done on the float32 bits, so the
+row sum needs no e4m3 -> float32 conversion. They reproduce
 `fp4attn.reference.directp.build_p` value for value (see docs/numerics.md).
+
+Everything stays float32 until the final cast: elementwise work on e4m3 tensors held
+in the wgmma accumulator layout (an e4m3 -> fp32 upcast for the row sum, byte stores)
+produced wrong tiles with Triton 3.6 on the H200
+(docs/notes/hopper-forward.md).
 """
 
 import triton
@@ -23,28 +30,38 @@ T_175 = tl.constexpr(directp.DIRECTP_THRESHOLDS[3])  # frac(y) >= log2(1.75): ca
 
 
 @triton.jit
-def _blocks(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) -> (BLOCK_M, BLOCK_N // 32, 32): one MXFP4 block per last row.
+def _block_max_32(x, BLOCK_N: tl.constexpr):
+    """Max over each 32-key block of a (BLOCK_M, BLOCK_N) tile, broadcast back to every
+    element of its block.
 
-    All MXFP4 P arithmetic stays in this 3-D view (the block reductions are then
-    in-thread plus quad shuffles of the wgmma accumulator layout) and is reshaped back
-    once, as e4m3, for the PV product.
+    Done as one masked row reduction per block: `tl.reshape` to (BLOCK_M, BLOCK_N // 32,
+    32) grouped the wrong columns for a tile in the wgmma accumulator layout (Triton 3.6,
+    H200; docs/notes/hopper-forward.md).
     """
-    return tl.reshape(x, (BLOCK_M, BLOCK_N // 32, 32))
+    blk = tl.arange(0, BLOCK_N)[None, :] // 32
+    out = tl.full(x.shape, -float("inf"), tl.float32)
+    for b in tl.static_range(BLOCK_N // 32):
+        mb = tl.max(tl.where(blk == b, x, -float("inf")), axis=1)
+        out = tl.where(blk == b, mb[:, None], out)
+    return out
 
 
 @triton.jit
-def _finish(p3, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """e4m3 (BLOCK_M, BLOCK_N) tile and fp32 row sums of a 3-D block view of P."""
-    l_add = tl.sum(tl.sum(p3, axis=2), axis=1)
-    return tl.reshape(p3.to(tl.float8e4nv), (BLOCK_M, BLOCK_N)), l_add
+def round_e4m3(p):
+    """Round non-negative float32 p <= 448 to the e4m3 grid, nearest even, on its bits:
+    three mantissa bits at and above 2**-6 (e4m3's smallest normal), multiples of
+    2**-9 below it."""
+    b = p.to(tl.int32, bitcast=True)
+    b = (b + ((1 << 19) - 1) + ((b >> 20) & 1)) & ~((1 << 20) - 1)
+    sub = libdevice.rint(p * 512.0) * (1.0 / 512.0)
+    return tl.where(p >= 0.015625, b.to(tl.float32, bitcast=True), sub)
 
 
 @triton.jit
 def p_fp8_exp2(x):
-    """FP8 P: e4m3(2**x * 2**8). Returns (values as e4m3, fp32 row sums of them)."""
-    p8 = tl.math.exp2(x + P_OFFSET_LOG2).to(tl.float8e4nv)
-    return p8, tl.sum(p8.to(tl.float32), axis=1)
+    """FP8 P: e4m3(2**x * 2**8), as float32 values, and their row sums."""
+    p = round_e4m3(tl.math.exp2(x + P_OFFSET_LOG2))
+    return p, tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -57,8 +74,7 @@ def p_mxfp4_directp(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     exponent, as rounding up to the next power of two), capped at 6 * 2**e_b. For
     y < 0 it is 1.0, 0.5 or 0 times 2**e_b. No exp is computed.
     """
-    x = _blocks(x, BLOCK_M, BLOCK_N)
-    e_b = tl.floor(tl.max(x, axis=2))[:, :, None] - 2.0  # -inf for a fully masked block
+    e_b = tl.floor(_block_max_32(x, BLOCK_N)) - 2.0  # -inf for a fully masked block
     keep = e_b >= P_EMIN
     e_b = tl.where(keep, e_b, 0.0)
     y = x - e_b
@@ -72,15 +88,15 @@ def p_mxfp4_directp(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     scale = (e_out << 23).to(tl.float32, bitcast=True)  # 2**(e_b + 8)
     sub = tl.where(y >= T_075, scale, tl.where(y >= T_QUARTER, 0.5 * scale, 0.0))
     p = tl.where(keep, tl.where(y >= 0.0, normal, sub), 0.0)
-    return _finish(p, BLOCK_M, BLOCK_N)
+    return p, tl.sum(p, axis=1)
 
 
 @triton.jit
 def p_mxfp4_exp2(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """MXFP4 P from float32 exp2 and OCP rounding (the baseline Direct-P replaces):
     e_b = floor(log2 max p) - 2 from the bits of max p, then RNE to E2M1 of p / 2**e_b."""
-    p = tl.math.exp2(_blocks(x, BLOCK_M, BLOCK_N))
-    pb = tl.max(p, axis=2)[:, :, None]
+    p = tl.math.exp2(x)
+    pb = _block_max_32(p, BLOCK_N)
     e_b = ((pb.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 2
     keep = (pb > 0.0) & (e_b >= P_EMIN)
     e_b = tl.where(keep, e_b, 0)
@@ -92,4 +108,4 @@ def p_mxfp4_exp2(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     sub = libdevice.rint(q * 2.0) * 0.5  # 0, 0.5, 1 below 1 (ties to even)
     v = tl.where(keep, tl.where(q >= 1.0, normal, sub), 0.0)
     p = v * ((e_b + P_OFFSET_LOG2 + 127) << 23).to(tl.float32, bitcast=True)
-    return _finish(p, BLOCK_M, BLOCK_N)
+    return p, tl.sum(p, axis=1)

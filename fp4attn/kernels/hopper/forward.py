@@ -15,6 +15,7 @@ The reference (`fp4attn.reference.forward`) defines every value this kernel comp
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, p_fp8_exp2, p_mxfp4_directp, p_mxfp4_exp2
 
@@ -22,6 +23,7 @@ from fp4attn.kernels.common import P_OFFSET_LOG2, p_fp8_exp2, p_mxfp4_directp, p
 @triton.jit
 def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
           stride_kn, stride_vn, QK_FP8: tl.constexpr, P_MODE: tl.constexpr, MASK: tl.constexpr,
+          CAUSAL: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
           WRITE_P: tl.constexpr, p_ptr, stride_pm):
     cols = start_n + offs_n
@@ -34,10 +36,17 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
     else:
         k = tl.load(k_ptr + cols[:, None] * stride_kn + offs_d[None, :])
         b_j = tl.load(ks_ptr + cols)
-    s = tl.dot(q, tl.trans(k))
-    t = s * a_i[:, None] * b_j[None, :]
+    # fp8 wgmma accumulates with reduced precision; promoting into fp32 every 32 products
+    # keeps the scores within fp32 rounding of the reference (P codes depend on them)
+    s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32 if QK_FP8 else None)
+    # mul_rn: rounded products, never contracted into an FMA with the `t - m` below;
+    # with an FMA the row maximum's own x came out at -1 ulp instead of 0, which moves
+    # floor(max x) and with it a whole MXFP4 block's exponent
+    t = libdevice.mul_rn(libdevice.mul_rn(s, a_i[:, None]), b_j[None, :])
     if MASK:
-        visible = (cols[None, :] <= offs_m[:, None] + causal_offset) & (cols[None, :] < Sk)
+        visible = cols[None, :] < Sk
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
         t = tl.where(visible, t, -float("inf"))
     # -- online softmax: exact running max, rescale every tile
     m_new = tl.maximum(m_i, tl.max(t, axis=1))
@@ -49,17 +58,15 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
     x = t - m_use[:, None]
     # -- P as exact e4m3 values (times 2**8) and the consistent row sum
     if P_MODE == 0:
-        p8, l_add = p_fp8_exp2(x)
+        p, l_add = p_fp8_exp2(x)
     elif P_MODE == 1:
-        p8, l_add = p_mxfp4_directp(x, BLOCK_M, BLOCK_N)
+        p, l_add = p_mxfp4_directp(x, BLOCK_M, BLOCK_N)
     else:
-        p8, l_add = p_mxfp4_exp2(x, BLOCK_M, BLOCK_N)
+        p, l_add = p_mxfp4_exp2(x, BLOCK_M, BLOCK_N)
     if WRITE_P:
         # debug output (tests, diagnostics), float32, rows padded to BLOCK_M: the P tile's
-        # values (WRITE_P=1) or the log2 scores (2). Byte stores of an fp8 tile held in
-        # the wgmma accumulator layout corrupted the tile (Triton 3.6, H200), so P goes
-        # out as float32.
-        dbg = p8.to(tl.float32) if WRITE_P == 1 else t
+        # values (WRITE_P=1) or the log2 scores (2)
+        dbg = p if WRITE_P == 1 else t
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], dbg, mask=(cols < Sk)[None, :])
     l_i = l_i * alpha + l_add
     # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
@@ -67,7 +74,7 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :], mask=(cols < Sk)[None, :], other=0.0)
     else:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :])
-    acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -118,11 +125,11 @@ def attn_fwd_kernel(
         full = tl.where(full > 0, full // BLOCK_N * BLOCK_N, 0)
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk,
-                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False,
+                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL,
                               BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
     for start_n in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk,
-                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True,
+                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL,
                               BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
