@@ -47,23 +47,25 @@ def _sdpa(backend_name: str):
     return run
 
 
-def check_recipe(name: str, q, k, v, causal: bool) -> float:
+def check_recipe(recipe, q, k, v, causal: bool) -> float:
     """Cosine of the kernel vs the reference on a (1, 2)-head slice; raises below 0.999."""
     from fp4attn.api import attention
     from fp4attn.metrics import error_metrics
 
     sl = (slice(0, 1), slice(0, 2))
     qs, ks, vs = q[sl], k[sl], v[sl]
-    got = attention(qs, ks, vs, recipe=name, causal=causal, backend="triton")
-    want = attention(qs, ks, vs, recipe=name, causal=causal, backend="reference")
+    got = attention(qs, ks, vs, recipe=recipe, causal=causal, backend="triton")
+    want = attention(qs, ks, vs, recipe=recipe, causal=causal, backend="reference")
     cos = error_metrics(got, want)["cos"]
     if not cos > 0.999:
-        raise RuntimeError(f"{name} kernel disagrees with its reference: cos {cos}")
+        raise RuntimeError(f"{recipe.name} kernel disagrees with its reference: cos {cos}")
     return cos
 
 
-def run_bench(shapes, recipes, causal_modes, variants: dict | None = None) -> list[dict]:
-    from fp4attn.kernels.hopper.ops import P_MODES, hopper_fwd
+def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, partial: Path | None = None) -> list[dict]:
+    """Time every implementation on every (shape, causal); `partial` gets the records
+    written after each shape, so a cut-short run keeps what it measured."""
+    from fp4attn.kernels.hopper.ops import P_MODES, hopper_attention, launch_forward
     from fp4attn.kernels.hopper.operands import prepare_operands
     from fp4attn.recipes import get_recipe
 
@@ -84,10 +86,8 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None) -> li
             ops = prepare_operands(q, k, v, recipe)
             mode = P_MODES[(recipe.p, recipe.p_build)]
             scale = D**-0.5
-            timed[(name, False)] = _time(lambda: hopper_fwd(ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs, 0, causal,
-                                                            scale, mode, False))
-            from fp4attn.kernels.hopper.ops import hopper_attention
-
+            offset = 0 if causal else None
+            timed[(name, False)] = _time(lambda: launch_forward(ops, scale=scale, causal_offset=offset, p_mode=mode))
             timed[(name, True)] = _time(lambda: hopper_attention(q, k, v, recipe, scale=scale,
                                                                  causal_offset=0 if causal else None))
             row[f"cos_{name}"] = cos
@@ -97,6 +97,9 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None) -> li
                             "quant_included": quant, "ms": ms, "tflops": flops / ms * 1e-9,
                             "speedup_vs_cudnn_bf16": base / ms})
         torch.cuda.empty_cache()
+        if partial is not None:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(records, indent=1))
     return records
 
 
@@ -168,7 +171,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     variants = {"fp8-directp/exp2-P": PRESETS["fp8-directp"].with_(p_build="exp2", name="fp8-directp/exp2-P")} \
         if args.variants else None
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    records = run_bench(shapes, args.recipes.split(","), causal, variants)
+    records = run_bench(shapes, args.recipes.split(","), causal, variants, partial=args.json)
     print("TFLOP/s (speedup vs SDPA cuDNN bf16, same run)")
     print(format_table(records))
     for c in causal:

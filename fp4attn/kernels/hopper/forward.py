@@ -23,7 +23,7 @@ from fp4attn.kernels.common import P_OFFSET_LOG2, p_fp8_exp2, p_mxfp4_directp, p
 @triton.jit
 def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
           stride_kn, stride_vn, QK_FP8: tl.constexpr, P_MODE: tl.constexpr, MASK: tl.constexpr,
-          CAUSAL: tl.constexpr,
+          CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
           WRITE_P: tl.constexpr, p_ptr, stride_pm):
     cols = start_n + offs_n
@@ -38,7 +38,7 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
         b_j = tl.load(ks_ptr + cols)
     # fp8 wgmma accumulates with reduced precision; promoting into fp32 every 32 products
     # keeps the scores within fp32 rounding of the reference (P codes depend on them)
-    s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32 if QK_FP8 else None)
+    s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32 if QK_FP8 and QK_PROMOTE else None)
     # mul_rn: rounded products, never contracted into an FMA with the `t - m` below;
     # with an FMA the row maximum's own x came out at -1 ulp instead of 0, which moves
     # floor(max x) and with it a whole MXFP4 block's exponent
@@ -89,6 +89,7 @@ def attn_fwd_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
+    QK_PROMOTE: tl.constexpr = True,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
     start_m = tl.program_id(0)
@@ -125,11 +126,11 @@ def attn_fwd_kernel(
         full = tl.where(full > 0, full // BLOCK_N * BLOCK_N, 0)
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk,
-                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL,
+                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, QK_PROMOTE,
                               BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
     for start_n in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk,
-                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL,
+                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, QK_PROMOTE,
                               BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P

@@ -1,5 +1,10 @@
 """The Hopper forward as a registered custom op (with a fake implementation, so
-torch.compile can trace through it), and the recipe -> kernel-flag mapping."""
+torch.compile traces through it), and the recipe -> kernel-flag mapping.
+
+The op takes the bf16/fp16/fp32 inputs and quantizes them inside: the operand
+quantizers are bit-exact definitions, and letting the compiler fuse them changed their
+rounding (torch.compile gave different codes than eager; docs/notes/hopper-forward.md).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import torch
 import triton
 
 from fp4attn.kernels.hopper.forward import attn_fwd_kernel
-from fp4attn.kernels.hopper.operands import prepare_operands
+from fp4attn.kernels.hopper.operands import KernelOperands, prepare_operands
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E
 
@@ -36,48 +41,60 @@ def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
     return None
 
 
-@torch.library.custom_op("fp4attn::hopper_fwd", mutates_args=())
-def hopper_fwd(
-    q: torch.Tensor, k: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vt: torch.Tensor, vs: torch.Tensor,
-    causal_offset: int, causal: bool, scale: float, p_mode: int, write_p: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out bf16 (B, H, Sq, D), lse fp32 (B, H, Sq), debug fp32 (B, H, Sq_pad, Sk) or empty)."""
+def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
+                   write_p: int = 0, qk_promote: bool = True):
+    """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
+
+    write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
+    values; tests); 2 the log2 scores (diagnostics).
+    """
+    q, k = ops.q, ops.k
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     sq_pad = triton.cdiv(Sq, BLOCK_M) * BLOCK_M
-    p_dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
+    dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, BLOCK_M), B * H)
     attn_fwd_kernel[grid](
-        q, k, qs, ks, vt, vs, out, lse, p_dbg,
+        q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
-        vt.stride(0), vt.stride(1), vt.stride(2),
+        ops.vt.stride(0), ops.vt.stride(1), ops.vt.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        p_dbg.stride(0), p_dbg.stride(1), p_dbg.stride(2),
-        H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E,
+        dbg.stride(0), dbg.stride(1), dbg.stride(2),
+        H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode, CAUSAL=causal, WRITE_P=int(write_p),
-        num_warps=8, num_stages=3,
+        QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode, CAUSAL=causal_offset is not None,
+        WRITE_P=int(write_p), QK_PROMOTE=qk_promote,
+        # the debug tile goes through shared memory: one stage less keeps it in 227 KB
+        num_warps=8, num_stages=2 if write_p else 3,
     )
-    return out, lse, p_dbg if write_p else p_dbg[:0]
+    return out, lse, dbg if write_p else dbg[:0]
 
 
-@hopper_fwd.register_fake
-def _(q, k, qs, ks, vt, vs, causal_offset, causal, scale, p_mode, write_p):
+@torch.library.custom_op("fp4attn::hopper_attention", mutates_args=())
+def _hopper_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
+    causal_offset: int, causal: bool, scale: float, write_p: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build)
+    ops = prepare_operands(q, k, v, recipe)
+    return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
+                          p_mode=P_MODES[(p, p_build)], write_p=write_p)
+
+
+@_hopper_attention_op.register_fake
+def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p):
     B, H, Sq, D = q.shape
     sq_pad = math.ceil(Sq / BLOCK_M) * BLOCK_M
-    p_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
+    dbg_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
-            q.new_empty(p_shape, dtype=torch.float32))
+            q.new_empty(dbg_shape, dtype=torch.float32))
 
 
 def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: int = 0):
-    """Quantize the bf16/fp16/fp32 inputs into the kernel layouts and run the forward.
-
-    write_p: 0 nothing extra; 1 also return every P tile's values (times 2**8, so
-    exact e4m3 values; tests); 2 the log2 scores (diagnostics)."""
-    ops = prepare_operands(q, k, v, recipe)
-    return hopper_fwd(ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs, causal_offset or 0, causal_offset is not None,
-                      scale, P_MODES[(recipe.p, recipe.p_build)], int(write_p))
+    """Quantize bf16/fp16/fp32 (B, H, S, D) inputs into the kernel layouts and run the
+    forward: (out bf16, lse fp32, debug tile or empty; see `launch_forward`)."""
+    return _hopper_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v,
+                                causal_offset or 0, causal_offset is not None, scale, int(write_p))
