@@ -40,5 +40,11 @@ def main(args: argparse.Namespace) -> None:
     plot_accuracy(records, args.out / "accuracy.png")
     print()
     codes.main(argparse.Namespace(B=1, H=4, S=args.S, D=128, seed=0, device=device, json=args.out / "directp.json"))
+    if env["cuda"] and env["capability"].startswith("9."):
+        from fp4attn.cli import bench
+
+        print("\nHopper kernels vs SDPA (one shape; `fp4attn bench` runs the full grid):")
+        bench.main(argparse.Namespace(shapes="8,16,4096,128", recipes=",".join(bench.RECIPES), causal="no",
+                                      variants=False, json=args.out / "bench.json", png=None))
     (args.out / "environment.json").write_text(json.dumps(env, indent=1))
     print(f"\nwrote {args.out}/accuracy.json, accuracy.png, directp.json, environment.json")

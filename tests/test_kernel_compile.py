@@ -1,0 +1,26 @@
+"""The Hopper forward compiles for sm_90 on a machine without a GPU, and its machine
+code has the structure the design relies on: the products on the FP8/BF16 tensor cores
+(QGMMA/HGMMA) and, for Direct-P, no exponential per P element on the MUFU unit."""
+
+import pytest
+
+pytest.importorskip("triton")
+
+from fp4attn.kernels.hopper.machine_code import inspect_forward  # noqa: E402
+
+
+@pytest.mark.parametrize("p_mode,max_ex2", [(0, None), (1, 8)])
+def test_fp8_qk_kernel_structure(p_mode, max_ex2):
+    r = inspect_forward(True, p_mode, False, 128)
+    assert r.count(r"QGMMA") > 0, "QK^T and PV must run on the FP8 tensor cores"
+    assert r.count(r"HGMMA") == 0
+    ex2 = r.count(r"MUFU\.EX2")
+    if max_ex2 is None:
+        assert ex2 >= 64  # one exp per score element: 128x128 tile over 256 threads
+    else:
+        assert ex2 <= max_ex2  # only the per-row rescale and epilogue exps remain
+
+
+def test_nvfp4_kernel_uses_bf16_qk_and_fp8_pv():
+    r = inspect_forward(False, 1, True, 64)
+    assert r.count(r"HGMMA") > 0 and r.count(r"QGMMA") > 0
