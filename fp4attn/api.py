@@ -52,6 +52,26 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: boo
         raise ValueError(f"q has {hq} heads and k/v {hkv}: pass enable_gqa=True for grouped-query attention")
 
 
+def _validate_mask(attn_mask, q: torch.Tensor, sk: int) -> None:
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask has dtype {attn_mask.dtype}; accepted: torch.bool (True attends) or a float "
+                        "dtype (added to the scores)")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
+    target = (q.shape[0], q.shape[1], q.shape[2], sk)
+    try:
+        torch.broadcast_shapes(attn_mask.shape, target)
+        ok = attn_mask.ndim <= 4
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, Hq, Sq, Sk) = {target}")
+
+
 def _resolve_scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -60,8 +80,10 @@ def _resolve_scale(scale: float | None, head_dim: int) -> float:
     return float(scale)
 
 
-def _kernel_unsupported(q: torch.Tensor, recipe: Recipe, needs_grad: bool) -> str | None:
+def _kernel_unsupported(q: torch.Tensor, recipe: Recipe, needs_grad: bool, has_mask: bool) -> str | None:
     """Why the Triton kernels cannot run this call, or None if they can."""
+    if has_mask:
+        return "an attn_mask (the kernels take causal masks only, for now)"
     if not q.is_cuda:
         return f"inputs on {q.device.type} (kernels need CUDA)"
     if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -80,7 +102,7 @@ def _log_once(message: str) -> None:
     log.info(message)
 
 
-def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: bool) -> str:
+def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: bool, has_mask: bool) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; accepted: {BACKENDS}")
     if backend == "auto" and os.environ.get(BACKEND_ENV):
@@ -89,22 +111,24 @@ def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: 
             raise ValueError(f"{BACKEND_ENV}={backend!r} is not a backend; accepted: {BACKENDS}")
     if backend == "reference":
         return backend
-    reason = _kernel_unsupported(q, recipe, needs_grad)
+    reason = _kernel_unsupported(q, recipe, needs_grad, has_mask)
     if reason is None:
         return "triton"
     if backend == "triton":
         raise ValueError(f"backend='triton' cannot run recipe {recipe.name!r}: {reason}")
-    _log_once(f"fp4attn: recipe {recipe.name!r} runs on the reference backend: {reason}")
+    if not torch.compiler.is_compiling():  # logging is a side effect a compiled graph cannot hold
+        _log_once(f"fp4attn: recipe {recipe.name!r} runs on the reference backend: {reason}")
     return "reference"
 
 
 class _ReferenceAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, recipe: Recipe, causal: str | None, scale: float):
-        res = reference_forward(q, k, v, recipe, scale=scale, causal=causal)
+    def forward(ctx, q, k, v, recipe: Recipe, causal: str | None, scale: float, attn_mask):
+        res = reference_forward(q, k, v, recipe, scale=scale, causal=causal, attn_mask=attn_mask)
         out = res.out.to(q.dtype)
         ctx.recipe, ctx.causal, ctx.scale = recipe, causal, scale
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.attn_mask = attn_mask
         ctx.save_for_backward(res.q.values, res.q.scale, res.k.values, res.k.scale, res.v, out, res.lse)
         ctx.mark_non_differentiable(res.lse)
         return out, res.lse
@@ -113,8 +137,9 @@ class _ReferenceAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         qv, qs, kv, ks, v_rep, out, lse = ctx.saved_tensors
         fwd = ForwardResult(out.float(), lse, QKOperand(qv, qs), QKOperand(kv, ks), v_rep)
-        dq, dk, dv = reference_backward(fwd, out, dout, ctx.recipe, scale=ctx.scale, causal=ctx.causal)
-        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None
+        dq, dk, dv = reference_backward(fwd, out, dout, ctx.recipe, scale=ctx.scale, causal=ctx.causal,
+                                        attn_mask=ctx.attn_mask)
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None
 
 
 def attention(
@@ -122,6 +147,7 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    attn_mask: torch.Tensor | None = None,
     causal: bool | str = False,
     scale: float | None = None,
     recipe: str | Recipe = "directp",
@@ -138,6 +164,9 @@ def attention(
         q: (B, Hq, Sq, D) queries, bfloat16, float16 or float32.
         k: (B, Hkv, Sk, D) keys, same dtype and device as q.
         v: (B, Hkv, Sk, D) values.
+        attn_mask: as SDPA's: boolean (True attends) or float (added to the scaled
+            scores), broadcastable to (B, Hq, Sq, Sk). Rows that attend to nothing give
+            output 0 (SDPA gives NaN). Runs on the reference backend for now.
         causal: False; True or "top_left" (SDPA's `is_causal`: query i sees keys
             j <= i); "bottom_right" (FlashAttention's: query i sees j <= i + Sk - Sq).
         scale: softmax scale; None means 1 / sqrt(D).
@@ -161,14 +190,15 @@ def attention(
     rec = get_recipe(recipe)
     mode = normalize_causal(causal)
     _validate(q, k, v, enable_gqa)
+    _validate_mask(attn_mask, q, k.shape[-2])
     s = _resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if _resolve_backend(backend, q, rec, needs_grad) == "triton":
+    if _resolve_backend(backend, q, rec, needs_grad, attn_mask is not None) == "triton":
         from fp4attn.kernels.hopper.ops import hopper_attention
 
         offset = causal_offset(mode, q.shape[-2], k.shape[-2])
         out, lse, _ = hopper_attention(q, k, v, rec, scale=s, causal_offset=offset)
         out = out.to(q.dtype)
     else:
-        out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s)
+        out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, attn_mask)
     return (out, lse) if return_lse else out

@@ -10,7 +10,7 @@ def error_metrics(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
     NaN or Inf anywhere in `out` gives cosine NaN (so no threshold test can pass).
     """
-    o, r = out.double().flatten(), ref.double().flatten()
+    o, r = out.detach().double().flatten(), ref.detach().double().flatten()
     if not bool(torch.isfinite(o).all()):
         nan = float("nan")
         return {"cos": nan, "rel_l2": nan, "max_abs": nan}

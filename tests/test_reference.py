@@ -181,3 +181,32 @@ def test_inference_recipe_backward_raises():
     out = fp4attn.attention(q, k, v, recipe="directp")
     with pytest.raises(RuntimeError, match="inference-only"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_attn_mask_matches_sdpa(kind):
+    q, k, v = _qkv(2, 2, 2, 37, 150, 64)
+    if kind == "bool":
+        mask = torch.rand(2, 1, 37, 150) > 0.3
+        mask[..., 0] = True  # every row attends to something
+    else:
+        mask = torch.randn(1, 2, 37, 150)
+    out = fp4attn.attention(q, k, v, recipe="bf16", attn_mask=mask)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                          attn_mask=mask if kind == "bool" else mask.double())
+    assert error_metrics(out, want)["rel_l2"] < 1e-2
+    q8 = fp4attn.attention(q, k, v, recipe="fp8", attn_mask=mask)
+    assert error_metrics(q8, want)["cos"] > 0.99
+
+
+def test_attn_mask_backward_and_errors():
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 2, 16, 40, 64))
+    mask = torch.ones(16, 40, dtype=torch.bool).tril()
+    fp4attn.attention(q, k, v, recipe="bf16", attn_mask=mask).sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, attn_mask=mask).sum().backward()
+    assert error_metrics(q.grad, ref[0].grad)["cos"] > 0.999
+    with pytest.raises(ValueError, match="does not broadcast"):
+        fp4attn.attention(q, k, v, attn_mask=torch.ones(3, 40, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask has dtype"):
+        fp4attn.attention(q, k, v, attn_mask=torch.ones(16, 40, dtype=torch.int32))

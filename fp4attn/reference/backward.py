@@ -27,7 +27,7 @@ from fp4attn.formats import quantize_fp8
 from fp4attn.formats.constants import MX_BLOCK
 from fp4attn.recipes import Recipe
 from fp4attn.reference.directp import build_p
-from fp4attn.reference.forward import LOG2E, ForwardResult, expand_heads, log2_scores
+from fp4attn.reference.forward import LOG2E, ForwardResult, expand_heads, log2_bias, log2_scores
 from fp4attn.reference.masks import causal_offset, key_mask
 
 
@@ -53,6 +53,7 @@ def reference_backward(
     *,
     scale: float,
     causal: str | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in fp32 for the forward `fwd` whose output was `out`."""
     if recipe.grad is None:
@@ -64,6 +65,9 @@ def reference_backward(
     sq, sk = fwd.q.values.shape[-2], fwd.k.values.shape[-2]
 
     t = log2_scores(fwd.q, fwd.k, scale, slice(None))
+    bias = log2_bias(attn_mask, sk, 1)
+    if bias is not None:
+        t = t + bias
     rows, cols = torch.arange(sq, device=t.device), torch.arange(sk, device=t.device)
     t = t.masked_fill(~key_mask(causal_offset(causal, sq, sk), rows, cols, sk), -math.inf)
     lse2 = (fwd.lse * LOG2E).unsqueeze(-1)

@@ -46,6 +46,19 @@ def expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
     return x if x.shape[1] in (1, hq) else x.repeat_interleave(hq // x.shape[1], dim=1)
 
 
+def log2_bias(attn_mask: torch.Tensor | None, sk: int, block_n: int) -> torch.Tensor | None:
+    """An SDPA attn_mask as an additive bias in log2 units, keys padded to whole tiles:
+    boolean False -> -inf, float m -> m * log2(e)."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        bias = torch.zeros(attn_mask.shape, device=attn_mask.device).masked_fill(~attn_mask, -math.inf)
+    else:
+        bias = attn_mask.float() * LOG2E
+    bias = bias.expand(*bias.shape[:-1], sk)
+    return F.pad(bias, (0, -sk % block_n), value=-math.inf)
+
+
 def log2_scores(q: QKOperand, k: QKOperand, scale: float, cols: slice) -> torch.Tensor:
     """Scores of keys `cols` in log2 units: (Qv Kv^T) * (Qs * scale * log2 e) * Ks^T."""
     hq = q.values.shape[1]
@@ -63,13 +76,15 @@ def reference_forward(
     *,
     scale: float,
     causal: str | None = None,
+    attn_mask: torch.Tensor | None = None,
     return_p: bool = False,
 ) -> ForwardResult:
     """Attention of (B, Hq, Sq, D) queries over (B, Hkv, Sk, D) keys/values in `recipe`.
 
     Inputs are assumed validated (see `fp4attn.api`); Hq must be a multiple of Hkv.
-    `return_p` keeps each tile's represented P (relative to that tile's running max),
-    which a kernel's P codes must reproduce.
+    `attn_mask` follows SDPA: boolean (True attends) or additive float, broadcastable
+    to (B, Hq, Sq, Sk). `return_p` keeps each tile's represented P (relative to that
+    tile's running max), which a kernel's P codes must reproduce.
     """
     q_op, k_op = quantize_qk(q, recipe.qk), quantize_qk(k, recipe.qk)
     v_rep = quantize_v(v, recipe.v)
@@ -83,12 +98,14 @@ def reference_forward(
     l = torch.zeros((B, H, Sq), device=q.device)
     acc = torch.zeros((B, H, Sq, Dv), device=q.device)
     p_all = torch.zeros((B, H, Sq, Sk), device=q.device) if return_p else None
-    for j0 in range(0, Sk, bn):
+    bias = log2_bias(attn_mask, Sk, bn)
+    last_key = Sk if offset is None else min(Sk, Sq + offset)  # keys past it are hidden from every row
+    for j0 in range(0, last_key, bn):  # a kernel skips tiles the causal mask hides entirely
         cols = torch.arange(j0, j0 + bn, device=q.device)
         visible = key_mask(offset, rows, cols, Sk)
-        if not bool(visible.any()):
-            continue  # a kernel skips tiles that the causal mask hides entirely
         t = F.pad(log2_scores(q_op, k_op, scale, slice(j0, j0 + bn)), (0, j0 + bn - min(Sk, j0 + bn)))
+        if bias is not None:
+            t = t + bias[..., j0 : j0 + bn]
         t = t.masked_fill(~visible, -math.inf)
         m_new = torch.maximum(m, t.amax(dim=-1))
         m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)

@@ -1,0 +1,61 @@
+"""`patch_sdpa`: route `torch.nn.functional.scaled_dot_product_attention` to fp4attn.
+
+Calls fp4attn cannot honour go to PyTorch's own SDPA, visibly: one warning per reason
+(dropout, 3-D inputs, a head dim fp4attn does not take, ...), never silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from fp4attn.api import DTYPES, HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, attention
+from fp4attn.recipes import Recipe, get_recipe
+
+
+def _unsupported(query, key, value, attn_mask, dropout_p, is_causal) -> str | None:
+    if dropout_p:
+        return f"dropout_p={dropout_p} (fp4attn has no attention dropout)"
+    if not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (query, key, value)):
+        return "inputs that are not 4-D (batch, heads, seq, head_dim)"
+    if query.dtype not in DTYPES or not (query.dtype == key.dtype == value.dtype):
+        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}"
+    d = query.shape[-1]
+    if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM or value.shape != key.shape:
+        return f"head_dim {d} with value shape {tuple(value.shape)}"
+    if attn_mask is not None and is_causal:
+        return "attn_mask together with is_causal"
+    return None
+
+
+@contextlib.contextmanager
+def patch_sdpa(recipe: str | Recipe = "directp", backend: str = "auto"):
+    """Within the block, `F.scaled_dot_product_attention` runs fp4attn in `recipe`.
+
+    Example:
+        with fp4attn.patch_sdpa(recipe="fp8"):
+            out = model(inputs)   # every SDPA call inside uses fp4attn
+    """
+    rec = get_recipe(recipe)
+    original = F.scaled_dot_product_attention
+    warned: set[str] = set()
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal)
+        if reason is not None:
+            if reason not in warned:
+                warned.add(reason)
+                warnings.warn(f"fp4attn.patch_sdpa: falling back to PyTorch SDPA for {reason}", stacklevel=2)
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        return attention(query, key, value, attn_mask=attn_mask, causal=is_causal, scale=scale, recipe=rec,
+                         enable_gqa=enable_gqa, backend=backend)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield rec
+    finally:
+        F.scaled_dot_product_attention = original
