@@ -117,7 +117,7 @@ def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: 
     if backend == "triton":
         raise ValueError(f"backend='triton' cannot run recipe {recipe.name!r}: {reason}")
     if not torch.compiler.is_compiling():  # logging is a side effect a compiled graph cannot hold
-        _log_once(f"fp4attn: recipe {recipe.name!r} runs on the reference backend: {reason}")
+        _log_once(f"recipe {recipe.name!r} runs on the reference backend: {reason}")
     return "reference"
 
 

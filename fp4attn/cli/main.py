@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from fp4attn.cli import accuracy, bench, codes, eval, report
+from fp4attn.cli import accuracy, bench, codes, eval, report, study
 
 COMMANDS = {
     "report": (report, "the main job: accuracy of every recipe and the Direct-P study"),
     "accuracy": (accuracy, "Gaussian and hard-case accuracy of each recipe vs float64 attention"),
     "bench": (bench, "forward speed of the kernels vs SDPA cuDNN/flash bf16 (GPU)"),
     "eval": (eval, "embedding fidelity of every recipe on a real model (all-MiniLM-L6-v2)"),
+    "study": (study, "train a small GPT with each attention recipe and compare the loss curves"),
     "codes": (codes, "Direct-P codes vs exp2 rounding, and the accuracy of the P choices"),
 }
 

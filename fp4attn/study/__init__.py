@@ -1,0 +1,1 @@
+"""Studies that train small models with fp4attn attention (see `fp4attn study`)."""
