@@ -6,6 +6,7 @@ import torch
 import triton
 
 from fp4attn.kernels.hopper.operands import prepare_operands
+from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.kernels.hopper.ops import P_MODES, launch_forward
 from fp4attn.recipes import PRESETS
 
@@ -29,7 +30,8 @@ copy_ms = bench(lambda: x.clone())
 print(f"\ndevice copy: {2 * x.numel() * 2 / copy_ms * 1e-6:.0f} GB/s (read + write)")
 for name in ("fp8", "fp8-directp", "nvfp4-fp8"):
     r = PRESETS[name]
-    ms = bench(lambda: prepare_operands(q, k, v, r))
     out = prepare_operands(q, k, v, r)
     moved = 3 * q.numel() * 2 + sum(t.numel() * t.element_size() for t in (out.q, out.k, out.vt, out.qs, out.ks, out.vs))
-    print(f"quantize {name}: {ms:.2f} ms, {moved / ms * 1e-6:.0f} GB/s (bytes in + out)")
+    for label, prep in (("torch ops", prepare_operands), ("fused Triton", prepare_operands_fused)):
+        ms = bench(lambda: prep(q, k, v, r))
+        print(f"quantize {name} ({label}): {ms:.2f} ms, {moved / ms * 1e-6:.0f} GB/s (bytes in + out)")

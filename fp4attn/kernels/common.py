@@ -53,7 +53,8 @@ def round_e4m3(p):
     2**-9 below it."""
     b = p.to(tl.int32, bitcast=True)
     b = (b + ((1 << 19) - 1) + ((b >> 20) & 1)) & ~((1 << 20) - 1)
-    sub = libdevice.rint(p * 512.0) * (1.0 / 512.0)
+    # nearest-even integer of p * 512 < 8 by the 2**23 shift (IEEE adds, never reassociated)
+    sub = ((p * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)
     return tl.where(p >= 0.015625, b.to(tl.float32, bitcast=True), sub)
 
 

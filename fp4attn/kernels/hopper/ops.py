@@ -14,7 +14,8 @@ import torch
 import triton
 
 from fp4attn.kernels.hopper.forward import attn_fwd_kernel
-from fp4attn.kernels.hopper.operands import KernelOperands, prepare_operands
+from fp4attn.kernels.hopper.operands import KernelOperands
+from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E
 
@@ -79,7 +80,7 @@ def _hopper_attention_op(
     causal_offset: int, causal: bool, scale: float, write_p: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build)
-    ops = prepare_operands(q, k, v, recipe)
+    ops = prepare_operands_fused(q, k, v, recipe)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
                           p_mode=P_MODES[(p, p_build)], write_p=write_p)
 
