@@ -39,6 +39,17 @@ class FP8Tensor:
         return from_blocks(self.block_values(), self.layout)
 
 
+def fp8_scales(amax: torch.Tensor, nonfinite: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, inverse) of blocks with absolute maximum `amax`: amax / fmax and
+    fmax / amax, both correctly rounded; 1 for all-zero blocks; scale NaN where
+    `nonfinite`."""
+    fmax = FP8_MAX[fmt]
+    zero = amax == 0
+    scale = torch.where(zero, torch.ones_like(amax), exact_div(amax, fmax)).masked_fill(nonfinite, float("nan"))
+    inv = torch.where(zero, torch.ones_like(amax), exact_div(fmax, amax))
+    return scale, inv
+
+
 def quantize_fp8(x: torch.Tensor, dim: int = -1, block: int | None = None, fmt: str = "e4m3") -> FP8Tensor:
     """Quantize `x` to FP8 with one float32 scale per `block` elements along `dim`.
 
@@ -51,11 +62,6 @@ def quantize_fp8(x: torch.Tensor, dim: int = -1, block: int | None = None, fmt: 
     if fmt not in FP8_MAX:
         raise ValueError(f"unknown fp8 format {fmt!r}; accepted: {tuple(FP8_MAX)}")
     xb, layout = to_blocks(x, dim, block)
-    fmax = FP8_MAX[fmt]
-    amax = xb.abs().amax(dim=-1)
-    zero = amax == 0
-    scale = torch.where(zero, torch.ones_like(amax), exact_div(amax, fmax))
-    inv = torch.where(zero, torch.ones_like(amax), exact_div(fmax, amax))
-    scale = scale.masked_fill(nonfinite_blocks(xb), float("nan"))
+    scale, inv = fp8_scales(xb.abs().amax(dim=-1), nonfinite_blocks(xb), fmt)
     data = encode_fp8(xb * inv.unsqueeze(-1), fmt)
     return FP8Tensor(data, scale, layout)

@@ -42,16 +42,23 @@ def quantize_qk(x: torch.Tensor, fmt: str) -> QKOperand:
     raise ValueError(f"unknown Q/K format {fmt!r}")
 
 
+def v_window(e: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e4m3 window of MXFP4 V (`encoding.py`) from its block exponents e and
+    finiteness, both (B, H, D, n_blocks): (shift c per head, int32 (B, H), flushed
+    blocks). c is clamped into float32's normal exponents, which only an all-zero or
+    subnormal-sized head reaches."""
+    e_max = torch.where(finite, e, torch.full_like(e, -E8M0_BIAS)).flatten(-2).amax(-1)
+    flushed = finite & (e < e_max[..., None, None] - V_WINDOW)
+    return (e_max - V_TOP).clamp(-126, 126), flushed
+
+
 def quantize_v_mxfp4(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 V along the sequence inside its e4m3 window: (represented values (B, H, S, D),
     shift c (int32, (B, H)) such that values * 2**-c are exact e4m3 values)."""
     q = quantize_mxfp4(v, dim=-2)
-    e = q.scale.to(torch.int32) - E8M0_BIAS  # (B, H, D, n_blocks)
-    finite = q.scale != E8M0_NAN
-    e_max = torch.where(finite, e, torch.full_like(e, -E8M0_BIAS)).flatten(-2).amax(-1)
-    flushed = finite & (e < e_max[..., None, None] - V_WINDOW)
+    c, flushed = v_window(q.scale.to(torch.int32) - E8M0_BIAS, q.scale != E8M0_NAN)
     values = q.block_values().masked_fill(flushed.unsqueeze(-1), 0.0)
-    return from_blocks(values, q.layout), e_max - V_TOP
+    return from_blocks(values, q.layout), c
 
 
 def quantize_v(v: torch.Tensor, fmt: str) -> torch.Tensor:

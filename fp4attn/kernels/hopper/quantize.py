@@ -16,14 +16,15 @@ import triton
 import triton.language as tl
 
 from fp4attn.formats.blocks import to_blocks
-from fp4attn.formats.constants import E4M3_MAX, E8M0_BIAS, MX_BLOCK
+from fp4attn.formats.constants import MX_BLOCK
+from fp4attn.formats.fp8 import fp8_scales
 from fp4attn.formats.minifloat import exact_div, pow2
 from fp4attn.formats.mx import mx_exponent
 from fp4attn.formats.nvfp4 import nvfp4_global_encode_scale
 from fp4attn.kernels.common import round_e4m3
 from fp4attn.kernels.hopper.operands import KernelOperands
 from fp4attn.recipes import Recipe
-from fp4attn.reference.encoding import V_TOP, V_WINDOW
+from fp4attn.reference.operands import v_window
 
 
 @triton.jit
@@ -145,19 +146,15 @@ def quantize_v_t(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
     vc = v.contiguous()
     vt = torch.empty((B, H, D, S), device=v.device, dtype=torch.float8_e4m3fn)
     if fmt == "fp8":
-        amax = vc.float().abs().amax(dim=-2)
-        zero = amax == 0
-        scale = torch.where(zero, torch.ones_like(amax), exact_div(amax, E4M3_MAX))
-        scale = scale.masked_fill(~torch.isfinite(vc.float()).all(dim=-2), float("nan"))
-        inv = torch.where(zero, torch.ones_like(amax), exact_div(E4M3_MAX, amax)).contiguous()
-        out_scale, vs = inv, scale
+        vf = vc.float()
+        vs, inv = fp8_scales(vf.abs().amax(dim=-2), ~torch.isfinite(vf).all(dim=-2))
+        inv = inv.contiguous()
+        out_scale = inv
     else:
         vb, _ = to_blocks(vc, -2, MX_BLOCK)  # (B, H, D, n_blocks, 32): the per-block reduction
         finite = torch.isfinite(vb).all(dim=-1)
         e = mx_exponent(torch.where(torch.isfinite(vb), vb, 0.0).abs().amax(dim=-1))
-        e_max = torch.where(finite, e, torch.full_like(e, -E8M0_BIAS)).flatten(-2).amax(-1)
-        c = (e_max - V_TOP).clamp(-126, 126)
-        flushed = finite & (e < e_max[..., None, None] - V_WINDOW)
+        c, flushed = v_window(e, finite)
         osc = pow2((e - c[..., None, None]).clamp(-149, 127)).masked_fill(flushed, 0.0)
         osc = osc.masked_fill(~finite, float("nan"))
         inv = pow2(-e.clamp(-127, 127)).transpose(-1, -2).contiguous()  # (B, H, n_blocks, D)
