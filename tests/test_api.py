@@ -99,3 +99,15 @@ def test_cli_report(tmp_path):
     assert {"accuracy.json", "directp.json", "environment.json", "accuracy.png"} <= names
     study = json.loads((tmp_path / "directp.json").read_text())
     assert all(a["codes_identical"] > 0.999 for a in study["agreement"])
+
+
+def test_backend_choice_and_env_override(monkeypatch):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="cannot run recipe 'fp8': inputs on cpu"):
+        fp4attn.attention(q, k, v, recipe="fp8", backend="triton")
+    monkeypatch.setenv("FP4ATTN_BACKEND", "reference")
+    ref = fp4attn.attention(q, k, v, recipe="fp8")
+    assert torch.equal(ref, fp4attn.attention(q, k, v, recipe="fp8", backend="reference"))
+    monkeypatch.setenv("FP4ATTN_BACKEND", "cudnn")
+    with pytest.raises(ValueError, match="FP4ATTN_BACKEND='cudnn' is not a backend"):
+        fp4attn.attention(q, k, v)
