@@ -28,3 +28,14 @@ def test_two_process_training(parallel, tmp_path):
     assert run["ranks_agree"]
     history = run["history"]
     assert history[-1][1] < history[0][1] - 0.1 and run["nan_step"] is None
+
+
+def test_parallel_needs_torchrun_and_no_checkpoints(tmp_path):
+    from fp4attn.cli.main import main
+
+    base = ["study", "train", "--steps", "1", "--seq", "32", "--layers", "1", "--dim", "64", "--heads", "1",
+            "--batch", "1", "--device", "cpu", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="needs torchrun"):
+        main(base + ["--parallel", "ddp"])
+    with pytest.raises(SystemExit, match="checkpoints are single-process"):
+        main(base + ["--parallel", "fsdp", "--checkpoint-every", "1"])
