@@ -70,5 +70,8 @@ def params_agree(model: torch.nn.Module, device: torch.device) -> bool:
 
 
 def finish() -> None:
+    """Wait for every rank, then tear the process group down (a rank that exits while
+    another still has collectives in flight aborted under gloo)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
