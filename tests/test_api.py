@@ -111,3 +111,11 @@ def test_backend_choice_and_env_override(monkeypatch):
     monkeypatch.setenv("FP4ATTN_BACKEND", "cudnn")
     with pytest.raises(ValueError, match="FP4ATTN_BACKEND='cudnn' is not a backend"):
         fp4attn.attention(q, k, v)
+
+
+def test_cli_backward_accuracy(tmp_path):
+    path = tmp_path / "bwd.json"
+    cli_main(["accuracy", "--backward", "--causal", "-S", "64", "-H", "2", "--device", "cpu", "--json", str(path)])
+    records = {r["recipe"]: r for r in json.loads(path.read_text())}
+    assert set(records) == {"train", "train-mxfp4pv", "bf16"}  # only recipes with a backward
+    assert records["bf16"]["cos_dq"] > 0.999 and 0.9 < records["train"]["cos_dk"] < 1

@@ -67,6 +67,28 @@ def run_accuracy(
     return records
 
 
+def run_backward_accuracy(recipes, shape, *, causal=True, seed=0, device="cpu") -> list[dict]:
+    """Cosine of dQ, dK, dV of each training recipe against float64 autograd of exact
+    attention, on Gaussian inputs (bf16) and a Gaussian output gradient."""
+    from fp4attn.recipes import get_recipe
+
+    q, k, v = (t.to(torch.bfloat16) for t in make_inputs("gaussian", shape, seed, device))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=causal).backward(dout.double())
+    records = []
+    for recipe in tqdm(recipes, desc="backward", unit="recipe", leave=False):
+        name = get_recipe(recipe).name
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        attention(*leaves, recipe=recipe, causal=causal).backward(dout.to(q.dtype))
+        B, H, S, D = shape
+        rec = {"recipe": name, "B": B, "H": H, "S": S, "D": D, "causal": causal, "device": str(q.device)}
+        for g, (got, want) in zip("qkv", zip(leaves, exact)):
+            rec[f"cos_d{g}"] = error_metrics(got.grad, want.grad)["cos"]
+        records.append(rec)
+    return records
+
+
 def format_table(records: list[dict]) -> str:
     """GitHub-style table: one row per recipe, cos / rel L2 / max err per case."""
     cases = list(dict.fromkeys(r["case"] for r in records))
@@ -93,10 +115,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--backward", action="store_true",
+                   help="gradients instead: cos of dQ, dK, dV of the training recipes vs float64 autograd")
     p.add_argument("--json", type=Path, help="write the records here")
 
 
 def main(args: argparse.Namespace) -> list[dict]:
+    if args.backward:
+        recipes = [r for r in args.recipes.split(",") if PRESETS[r].grad is not None]
+        records = run_backward_accuracy(recipes, (args.B, args.H, args.S, args.D), causal=args.causal,
+                                        seed=args.seed, device=args.device)
+        print(f"gradients vs float64 autograd, (B,H,S,D)=({args.B},{args.H},{args.S},{args.D}), "
+              f"causal={args.causal}, Gaussian bf16 inputs, device={args.device}")
+        print("| recipe | cos dQ | cos dK | cos dV |\n|---|---|---|---|")
+        for r in records:
+            print(f"| {r['recipe']} | {r['cos_dq']:.4f} | {r['cos_dk']:.4f} | {r['cos_dv']:.4f} |")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(records, indent=1))
+        return records
     records = run_accuracy(
         args.recipes.split(","), args.cases.split(","), (args.B, args.H, args.S, args.D),
         causal=args.causal, seed=args.seed, device=args.device, backend=args.backend,
