@@ -96,7 +96,7 @@ def test_cli_accuracy_writes_json(tmp_path, capsys):
 def test_cli_report(tmp_path):
     cli_main(["report", "--out", str(tmp_path), "-S", "128"])
     names = {p.name for p in tmp_path.iterdir()}
-    assert {"accuracy.json", "directp.json", "environment.json", "accuracy.png"} <= names
+    assert {"accuracy.json", "backward.json", "directp.json", "environment.json", "accuracy.png"} <= names
     study = json.loads((tmp_path / "directp.json").read_text())
     assert all(a["codes_identical"] > 0.999 for a in study["agreement"])
 

@@ -34,10 +34,13 @@ def main(args: argparse.Namespace) -> None:
     device = "cuda" if env["cuda"] else "cpu"
     acc_args = argparse.Namespace(
         recipes=",".join(accuracy.PRESETS), cases=",".join(accuracy.CASES), B=1, H=4, S=args.S, D=128,
-        causal=False, seed=0, device=device, backend="auto", json=args.out / "accuracy.json",
+        causal=False, seed=0, device=device, backend="auto", backward=False, json=args.out / "accuracy.json",
     )
     records = accuracy.main(acc_args)
     plot_accuracy(records, args.out / "accuracy.png")
+    print()
+    accuracy.main(argparse.Namespace(**{**vars(acc_args), "backward": True, "causal": True,
+                                        "json": args.out / "backward.json"}))
     print()
     codes.main(argparse.Namespace(B=1, H=4, S=args.S, D=128, seed=0, device=device, json=args.out / "directp.json"))
     if env["cuda"] and env["capability"].startswith("9."):
@@ -47,4 +50,4 @@ def main(args: argparse.Namespace) -> None:
         bench.main(argparse.Namespace(shapes="8,16,4096,128", recipes=",".join(bench.RECIPES), causal="no",
                                       variants=False, json=args.out / "bench.json", png=None))
     (args.out / "environment.json").write_text(json.dumps(env, indent=1))
-    print(f"\nwrote {args.out}/accuracy.json, accuracy.png, directp.json, environment.json")
+    print(f"\nwrote {args.out}/accuracy.json, accuracy.png, backward.json, directp.json, environment.json")
