@@ -1,7 +1,6 @@
 """Where does the Hopper Direct-P tile disagree with the reference? On exact (NVFP4)
 scores, prints mismatching entries with their log2 score, block maximum and values."""
 
-import math
 
 import torch
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp4attn.formats import E2M1, E4M3, decode_e2m1, quantize_fp8, quantize_mxfp4, quantize_nvfp4
+from fp4attn.formats import E4M3, decode_e2m1, quantize_fp8, quantize_mxfp4, quantize_nvfp4
 from fp4attn.formats.constants import E2M1_VALUES
 from tests.oracles import format_grid, nearest_even
 

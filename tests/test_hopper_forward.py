@@ -5,7 +5,6 @@ reference's on at least 99.9% of entries, and its output differs from the refere
 by much less than the reference differs from exact attention (fp32 summation order
 and the bf16 output are the only other differences)."""
 
-import math
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ instead of 1), 4 key channels by a further 10 (the channel outliers of LLM keys)
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from fp4attn.api import attention
+from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.metrics import error_metrics
 from fp4attn.recipes import PRESETS, get_recipe
 
@@ -92,16 +92,15 @@ def run_backward_accuracy(recipes, shape, *, causal=True, seed=0, device="cpu") 
 def format_table(records: list[dict]) -> str:
     """GitHub-style table: one row per recipe, cos / rel L2 / max err per case."""
     cases = list(dict.fromkeys(r["case"] for r in records))
-    head = "| recipe | " + " | ".join(f"{c} cos | {c} rel L2 | {c} max err" for c in cases) + " |"
-    sep = "|---|" + "---|" * (3 * len(cases))
-    rows = [head, sep]
+    headers = ["recipe"] + [f"{c} {m}" for c in cases for m in ("cos", "rel L2", "max err")]
+    rows = []
     for name in dict.fromkeys(r["recipe"] for r in records):
-        cells = []
+        cells = [name]
         for c in cases:
             r = next(x for x in records if x["recipe"] == name and x["case"] == c)
             cells += [f"{r['cos']:.4f}", f"{r['rel_l2']:.4f}", f"{r['max_abs']:.4f}"]
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        rows.append(cells)
+    return markdown_table(headers, rows)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,12 +126,9 @@ def main(args: argparse.Namespace) -> list[dict]:
                                         seed=args.seed, device=args.device)
         print(f"gradients vs float64 autograd, (B,H,S,D)=({args.B},{args.H},{args.S},{args.D}), "
               f"causal={args.causal}, Gaussian bf16 inputs, device={args.device}")
-        print("| recipe | cos dQ | cos dK | cos dV |\n|---|---|---|---|")
-        for r in records:
-            print(f"| {r['recipe']} | {r['cos_dq']:.4f} | {r['cos_dk']:.4f} | {r['cos_dv']:.4f} |")
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(records, indent=1))
+        print(markdown_table(["recipe", "cos dQ", "cos dK", "cos dV"],
+                             [[r["recipe"]] + [f"{r[f'cos_d{g}']:.4f}" for g in "qkv"] for r in records]))
+        write_json(args.json, records)
         return records
     records = run_accuracy(
         args.recipes.split(","), args.cases.split(","), (args.B, args.H, args.S, args.D),
@@ -141,7 +137,5 @@ def main(args: argparse.Namespace) -> list[dict]:
     print(f"accuracy vs float64 attention, (B,H,S,D)=({args.B},{args.H},{args.S},{args.D}), "
           f"causal={args.causal}, bf16 inputs, device={args.device}, seed={args.seed}")
     print(format_table(records))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(records, indent=1))
+    write_json(args.json, records)
     return records

@@ -11,12 +11,13 @@ so causal runs count exactly the unmasked half.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from fp4attn.cli.output import write_json
 
 SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 32768, 128),
           (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
@@ -97,9 +98,7 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
                             "quant_included": quant, "ms": ms, "tflops": flops / ms * 1e-9,
                             "speedup_vs_cudnn_bf16": base / ms})
         torch.cuda.empty_cache()
-        if partial is not None:
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps(records, indent=1))
+        write_json(partial, records)
     return records
 
 
@@ -176,7 +175,6 @@ def main(args: argparse.Namespace) -> list[dict]:
     print(format_table(records))
     for c in causal:
         print(f"geomean speedup, D=128, causal={c}:", {k: round(v, 3) for k, v in geomean_speedups(records, 128, c).items()})
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(records, indent=1))
+    write_json(args.json, records)
     plot(records, args.png or args.json.with_suffix(".png"))
     return records

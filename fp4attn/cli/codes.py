@@ -9,11 +9,11 @@ the state of the last tile of an exact-max online softmax, with Q/K in NVFP4 as 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
+from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.cli.accuracy import CASES, format_table, make_inputs, run_accuracy
 from fp4attn.recipes import PRESETS
 from fp4attn.reference import directp_classify, exp2_mxfp4_classify
@@ -63,16 +63,12 @@ def main(args: argparse.Namespace) -> dict:
     shape = (args.B, args.H, args.S, args.D)
     agreement = [code_agreement(c, shape, args.seed, args.device) for c in CASES]
     print("Direct-P codes vs MXFP4(exp2(x)), rows normalized by their max:")
-    print("| case | codes | differing | block exponents identical | nonzero codes |")
-    print("|---|---|---|---|---|")
-    for a in agreement:
-        print(f"| {a['case']} | {a['codes']} | {a['codes_differing']} | {a['block_exp_identical']:.6f} "
-              f"| {a['nonzero_codes']:.4f} |")
+    print(markdown_table(["case", "codes", "differing", "block exponents identical", "nonzero codes"],
+                         [[a["case"], a["codes"], a["codes_differing"], f"{a['block_exp_identical']:.6f}",
+                           f"{a['nonzero_codes']:.4f}"] for a in agreement]))
     ablation = run_accuracy(ablation_recipes(), CASES, shape, seed=args.seed, device=args.device, backend="reference")
     print("\naccuracy of the Direct-P and normalization choices vs float64 attention:")
     print(format_table(ablation))
     result = {"agreement": agreement, "ablation": ablation}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     return result

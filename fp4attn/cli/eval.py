@@ -11,13 +11,13 @@ nearest-neighbour agreement, and the Spearman correlation of all pair similariti
 from __future__ import annotations
 
 import argparse
-import json
 from importlib import resources
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.recipes import PRESETS
 
 
@@ -99,11 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> list[dict]:
     records = run_minilm(args.recipes.split(","), args.device, args.limit)
     print(f"all-MiniLM-L6-v2 embeddings vs bf16 SDPA, {records[0]['sentences']} sentences, device={args.device}")
-    print("| recipe | mean cos | min cos | top-1 NN agreement | Spearman of pair similarities |")
-    print("|---|---|---|---|---|")
-    for r in records:
-        print(f"| {r['recipe']} | {r['mean_cos']:.5f} | {r['min_cos']:.5f} | {r['top1_agreement']:.3f} | {r['spearman']:.5f} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(records, indent=1))
+    print(markdown_table(
+        ["recipe", "mean cos", "min cos", "top-1 NN agreement", "Spearman of pair similarities"],
+        [[r["recipe"], f"{r['mean_cos']:.5f}", f"{r['min_cos']:.5f}", f"{r['top1_agreement']:.3f}",
+          f"{r['spearman']:.5f}"] for r in records]))
+    write_json(args.json, records)
     return records

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from fp4attn.cli import accuracy, codes
+from fp4attn.cli.output import write_json
 from fp4attn.cli.plots import plot_accuracy
 
 
@@ -49,5 +50,5 @@ def main(args: argparse.Namespace) -> None:
         print("\nHopper kernels vs SDPA (one shape; `fp4attn bench` runs the full grid):")
         bench.main(argparse.Namespace(shapes="8,16,4096,128", recipes=",".join(bench.RECIPES), causal="no",
                                       variants=False, json=args.out / "bench.json", png=None))
-    (args.out / "environment.json").write_text(json.dumps(env, indent=1))
+    write_json(args.out / "environment.json", env)
     print(f"\nwrote {args.out}/accuracy.json, accuracy.png, backward.json, directp.json, environment.json")

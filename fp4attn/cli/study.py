@@ -11,7 +11,6 @@ non-finite loss (its step is recorded). Checkpoints allow resuming across runs.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from dataclasses import asdict
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.study import distributed
 from fp4attn.study.data import batch, load_splits
 from fp4attn.study.gpt import GPT, GPTConfig
@@ -157,13 +157,12 @@ def main(args: argparse.Namespace) -> list[dict]:
     if rank != 0:
         return records
     summary = {"config": asdict(cfg), "batch": args.batch, "lr": args.lr, "device": args.device, "runs": records}
-    (args.out / "train-study.json").write_text(json.dumps(summary, indent=1))
+    write_json(args.out / "train-study.json", summary)
     title = (f"GPT {records[0]['params'] / 1e6:.1f}M params, seq {cfg.seq}, batch {args.batch}, "
              f"Shakespeare bytes, {args.device}")
     plot(records, args.out / "train-study.png", title)
     print(title)
-    print("| attention | steps | final train loss | final val loss | non-finite at |")
-    print("|---|---|---|---|---|")
-    for r in records:
-        print(f"| {r['recipe']} | {r['steps']} | {r['final_train_loss']:.4f} | {r['final_val_loss']:.4f} | {r['nan_step']} |")
+    print(markdown_table(["attention", "steps", "final train loss", "final val loss", "non-finite at"],
+                         [[r["recipe"], r["steps"], f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}",
+                           r["nan_step"]] for r in records]))
     return records
