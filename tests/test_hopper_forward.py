@@ -16,7 +16,7 @@ from fp4attn.metrics import error_metrics
 from fp4attn.recipes import PRESETS
 from fp4attn.reference import reference_forward
 from fp4attn.reference.encoding import P_OFFSET_LOG2
-from fp4attn.reference.masks import causal_offset
+from fp4attn.reference.masks import causal_offset, key_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -63,9 +63,7 @@ def _check(q, k, v, recipe, causal=None):
 
 
 def _mask(sq, sk, offset):
-    i = torch.arange(sq, device="cuda")[:, None]
-    j = torch.arange(sk, device="cuda")[None, :]
-    return j <= i + offset
+    return key_mask(offset, torch.arange(sq, device="cuda"), torch.arange(sk, device="cuda"), sk)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -27,8 +27,8 @@ from fp4attn.formats import quantize_fp8
 from fp4attn.formats.constants import MX_BLOCK
 from fp4attn.recipes import Recipe
 from fp4attn.reference.directp import build_p
-from fp4attn.reference.forward import LOG2E, ForwardResult, expand_heads, log2_bias, log2_scores
-from fp4attn.reference.masks import causal_offset, key_mask
+from fp4attn.reference.forward import LOG2E, ForwardResult, expand_heads, log2_bias, masked_log2_scores
+from fp4attn.reference.masks import causal_offset
 
 
 def low_precision_view(x: torch.Tensor, contraction_dim: int, fmt: str) -> torch.Tensor:
@@ -64,12 +64,7 @@ def reference_backward(
     hq, hkv = fwd.q.values.shape[1], fwd.k.values.shape[1]
     sq, sk = fwd.q.values.shape[-2], fwd.k.values.shape[-2]
 
-    t = log2_scores(fwd.q, fwd.k, scale, slice(None))
-    bias = log2_bias(attn_mask, sk, 1)
-    if bias is not None:
-        t = t + bias
-    rows, cols = torch.arange(sq, device=t.device), torch.arange(sk, device=t.device)
-    t = t.masked_fill(~key_mask(causal_offset(causal, sq, sk), rows, cols, sk), -math.inf)
+    t = masked_log2_scores(fwd.q, fwd.k, scale, causal_offset(causal, sq, sk), log2_bias(attn_mask, sk, 1), 0, sk)
     lse2 = (fwd.lse * LOG2E).unsqueeze(-1)
     x = torch.where(lse2 > -math.inf, t - lse2, torch.full_like(t, -math.inf))
     p = torch.exp2(x)

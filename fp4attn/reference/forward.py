@@ -68,6 +68,20 @@ def log2_scores(q: QKOperand, k: QKOperand, scale: float, cols: slice) -> torch.
     return acc * (q.scale * (scale * LOG2E)) * ks.transpose(-1, -2)
 
 
+def masked_log2_scores(q: QKOperand, k: QKOperand, scale: float, offset: int | None, bias: torch.Tensor | None,
+                       j0: int, width: int) -> torch.Tensor:
+    """Log2 scores of keys [j0, j0 + width) with the attn_mask bias added and hidden keys
+    (causal, or past Sk: the tile's padding) at -inf; bias as from `log2_bias`."""
+    sq, sk = q.values.shape[-2], k.values.shape[-2]
+    t = log2_scores(q, k, scale, slice(j0, j0 + width))
+    t = F.pad(t, (0, j0 + width - min(sk, j0 + width)))
+    if bias is not None:
+        t = t + bias[..., j0 : j0 + width]
+    rows = torch.arange(sq, device=t.device)
+    cols = torch.arange(j0, j0 + width, device=t.device)
+    return t.masked_fill(~key_mask(offset, rows, cols, sk), -math.inf)
+
+
 def reference_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -92,7 +106,6 @@ def reference_forward(
     Sk, Dv = k.shape[-2], v.shape[-1]
     bn = recipe.block_n
     offset = causal_offset(causal, Sq, Sk)
-    rows = torch.arange(Sq, device=q.device)
 
     m = torch.full((B, H, Sq), -math.inf, device=q.device)
     l = torch.zeros((B, H, Sq), device=q.device)
@@ -101,12 +114,7 @@ def reference_forward(
     bias = log2_bias(attn_mask, Sk, bn)
     last_key = Sk if offset is None else min(Sk, Sq + offset)  # keys past it are hidden from every row
     for j0 in range(0, last_key, bn):  # a kernel skips tiles the causal mask hides entirely
-        cols = torch.arange(j0, j0 + bn, device=q.device)
-        visible = key_mask(offset, rows, cols, Sk)
-        t = F.pad(log2_scores(q_op, k_op, scale, slice(j0, j0 + bn)), (0, j0 + bn - min(Sk, j0 + bn)))
-        if bias is not None:
-            t = t + bias[..., j0 : j0 + bn]
-        t = t.masked_fill(~visible, -math.inf)
+        t = masked_log2_scores(q_op, k_op, scale, offset, bias, j0, bn)
         m_new = torch.maximum(m, t.amax(dim=-1))
         m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
         alpha = torch.exp2(m - m_use)
