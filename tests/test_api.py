@@ -119,3 +119,15 @@ def test_cli_backward_accuracy(tmp_path):
     records = {r["recipe"]: r for r in json.loads(path.read_text())}
     assert set(records) == {"train", "train-mxfp4pv", "bf16"}  # only recipes with a backward
     assert records["bf16"]["cos_dq"] > 0.999 and 0.9 < records["train"]["cos_dk"] < 1
+
+
+def test_bench_table_and_geomean():
+    from fp4attn.cli.bench import format_table, geomean_speedups, visible_pairs
+
+    recs = [dict(B=1, H=2, S=64, D=128, causal=c, impl=i, quant_included=False, tflops=t, speedup_vs_cudnn_bf16=x)
+            for c in (False, True) for i, t, x in (("sdpa-cudnn", 100.0, 1.0), ("fp8", 50.0, 0.5))]
+    table = format_table(recs).splitlines()
+    assert table[0] == "| B,H,S,D | causal | sdpa-cudnn | fp8 |"
+    assert table[2] == "| 1,2,64,128 | False | 100 (1.00x) | 50 (0.50x) |" and len(table) == 4
+    assert geomean_speedups(recs, 128, False)["fp8"] == pytest.approx(0.5)
+    assert visible_pairs(4, 4, True) == 10 and visible_pairs(2, 5, True) == 3

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from fp4attn.cli.output import write_json
+from fp4attn.cli.output import markdown_table, write_json
 
 SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 32768, 128),
           (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
@@ -102,18 +102,21 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
     return records
 
 
+def _case(r: dict) -> tuple:
+    """The (B, H, S, D, causal) a record measured."""
+    return r["B"], r["H"], r["S"], r["D"], r["causal"]
+
+
 def format_table(records: list[dict]) -> str:
+    """TFLOP/s and speedup over cuDNN bf16: a row per case, a column per implementation."""
     impls = list(dict.fromkeys((r["impl"], r["quant_included"]) for r in records))
-    head = "| B,H,S,D | causal | " + " | ".join(f"{i}{' +quant' if qi else ''}" for i, qi in impls) + " |"
-    lines = [head, "|---|---|" + "---|" * len(impls)]
-    for key in dict.fromkeys((r["B"], r["H"], r["S"], r["D"], r["causal"]) for r in records):
-        cells = []
-        for i, qi in impls:
-            r = next(x for x in records if (x["B"], x["H"], x["S"], x["D"], x["causal"]) == key
-                     and x["impl"] == i and x["quant_included"] == qi)
-            cells.append(f"{r['tflops']:.0f} ({r['speedup_vs_cudnn_bf16']:.2f}x)")
-        lines.append(f"| {','.join(map(str, key[:4]))} | {key[4]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    by_key = {(_case(r), r["impl"], r["quant_included"]): r for r in records}
+    rows = []
+    for case in dict.fromkeys(map(_case, records)):
+        cells = [by_key[(case, i, qi)] for i, qi in impls]
+        rows.append([",".join(map(str, case[:4])), case[4]]
+                    + [f"{r['tflops']:.0f} ({r['speedup_vs_cudnn_bf16']:.2f}x)" for r in cells])
+    return markdown_table(["B,H,S,D", "causal"] + [f"{i}{' +quant' if qi else ''}" for i, qi in impls], rows)
 
 
 def geomean_speedups(records: list[dict], d: int = 128, causal: bool = False) -> dict[str, float]:
@@ -133,13 +136,12 @@ def plot(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     kernel = [r for r in records if not r["quant_included"]]
-    keys = list(dict.fromkeys((r["B"], r["H"], r["S"], r["D"], r["causal"]) for r in kernel))
+    keys = list(dict.fromkeys(map(_case, kernel)))
     impls = list(dict.fromkeys(r["impl"] for r in kernel))
     fig, ax = plt.subplots(figsize=(12, 4.5))
     w = 0.8 / len(impls)
     for i, impl in enumerate(impls):
-        ys = [next(r["tflops"] for r in kernel if (r["B"], r["H"], r["S"], r["D"], r["causal"]) == key
-                   and r["impl"] == impl) for key in keys]
+        ys = [next(r["tflops"] for r in kernel if _case(r) == key and r["impl"] == impl) for key in keys]
         ax.bar([j + i * w for j in range(len(keys))], ys, w, label=impl)
     ax.set_xticks([j + w * (len(impls) - 1) / 2 for j in range(len(keys))],
                   [f"{b},{h},{s},{d}{' c' if c else ''}" for b, h, s, d, c in keys], rotation=30, fontsize=7)
