@@ -88,12 +88,14 @@ def _kernel_unsupported(q: torch.Tensor, recipe: Recipe, needs_grad: bool, has_m
         return f"inputs on {q.device.type} (kernels need CUDA)"
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return f"GPU capability {torch.cuda.get_device_capability(q.device)} (kernels are built for sm_90)"
-    if needs_grad:
-        return "a backward is needed (the kernels are forward-only for now)"
     try:
         from fp4attn.kernels.hopper.ops import unsupported_reason
+        from fp4attn.kernels.hopper.training import training_unsupported_reason
     except ImportError as e:  # Triton missing
         return f"Triton is not importable ({e})"
+    if needs_grad:
+        reason = training_unsupported_reason(recipe, q.shape[-1])
+        return None if reason is None else f"a backward is needed and {reason}"
     return unsupported_reason(recipe, q.shape[-1])
 
 
@@ -176,7 +178,8 @@ def attention(
         return_lse: also return the log-sum-exp, float32 (B, Hq, Sq), natural log of
             the softmax denominator of the scaled scores; -inf for rows seeing no key.
         backend: "auto" (the Triton kernels where they run the recipe: CUDA sm_90,
-            forward, head_dim 64 or 128; else the reference, logged once), "triton"
+            head_dim 64 or 128, no attn_mask; with gradients, the training recipes
+            "train" and "train-mxfp4pv"; else the reference, logged once), "triton"
             (an error if the kernels cannot run the call) or "reference" (the
             pure-PyTorch definition). The FP4ATTN_BACKEND environment variable
             overrides "auto".
@@ -194,11 +197,16 @@ def attention(
     s = _resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if _resolve_backend(backend, q, rec, needs_grad, attn_mask is not None) == "triton":
-        from fp4attn.kernels.hopper.ops import hopper_attention
-
         offset = causal_offset(mode, q.shape[-2], k.shape[-2])
-        out, lse, _ = hopper_attention(q, k, v, rec, scale=s, causal_offset=offset)
-        out = out.to(q.dtype)
+        if needs_grad:
+            from fp4attn.kernels.hopper.training import HopperTrainAttention
+
+            out, lse = HopperTrainAttention.apply(q, k, v, rec, offset, s)
+        else:
+            from fp4attn.kernels.hopper.ops import hopper_attention
+
+            out, lse, _ = hopper_attention(q, k, v, rec, scale=s, causal_offset=offset)
+            out = out.to(q.dtype)
     else:
         out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, attn_mask)
     return (out, lse) if return_lse else out

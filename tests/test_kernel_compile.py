@@ -1,4 +1,4 @@
-"""The Hopper forward compiles for sm_90 on a machine without a GPU, and its machine
+"""The Hopper kernels compile for sm_90 on a machine without a GPU, and its machine
 code has the structure the design relies on: the products on the FP8/BF16 tensor cores
 (QGMMA/HGMMA) and, for Direct-P, no exponential per P element on the MUFU unit."""
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from fp4attn.kernels.hopper.machine_code import inspect_forward  # noqa: E402
+from fp4attn.kernels.hopper.machine_code import inspect_backward, inspect_forward  # noqa: E402
 
 
 @pytest.mark.parametrize("p_mode,max_ex2", [(0, None), (1, 8)])
@@ -24,3 +24,13 @@ def test_fp8_qk_kernel_structure(p_mode, max_ex2):
 def test_nvfp4_kernel_uses_bf16_qk_and_fp8_pv():
     r = inspect_forward(False, 1, True, 64)
     assert r.count(r"HGMMA") > 0 and r.count(r"QGMMA") > 0
+
+
+@pytest.mark.parametrize("part", ["dkdv", "dq"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_kernel_structure(part, causal):
+    """S is rebuilt by a bf16 product (exact NVFP4 Q/K, as the forward), and the
+    gradient products run on the FP8 tensor cores."""
+    r = inspect_backward(part, 0, causal, 128)
+    assert r.count(r"HGMMA") > 0, "S^T = K Q^T must be the forward's bf16 product"
+    assert r.count(r"QGMMA") > 0, "dV, dP, dK / dQ must run on the FP8 tensor cores"

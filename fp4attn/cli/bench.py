@@ -1,6 +1,6 @@
 """`fp4attn bench`: forward speed of every kernel recipe against SDPA's cuDNN and flash
 backends in bf16, measured in one run (speed on a shared machine is only meaningful
-as a ratio).
+as a ratio). `--backward` times training instead (`fp4attn/cli/bench_train.py`).
 
 Each recipe is checked once per shape against the reference (on a 1-batch, 2-head
 slice of the same inputs) before it is timed. Times are medians of
@@ -155,10 +155,13 @@ def plot(records: list[dict], path: Path) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="all", help="'all' or 'B,H,S,D;B,H,S,D'")
-    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--recipes", help=f"comma-separated; default {','.join(RECIPES)} (forward), train (--backward)")
+    p.add_argument("--backward", action="store_true",
+                   help="causal forward+backward of the training recipes on the training shapes")
+    p.add_argument("--model-step", action="store_true", help="with --backward: also a ~1B-parameter GPT step")
     p.add_argument("--causal", default="both", choices=("both", "yes", "no"))
     p.add_argument("--variants", action="store_true", help="also time fp8-directp with exp2-built MXFP4 P")
-    p.add_argument("--json", type=Path, default=Path("results/h200-forward.json"))
+    p.add_argument("--json", type=Path, help="default results/h200-forward.json (h200-train.json with --backward)")
     p.add_argument("--png", type=Path)
 
 
@@ -167,12 +170,18 @@ def main(args: argparse.Namespace) -> list[dict]:
 
     if not torch.cuda.is_available():
         raise SystemExit("fp4attn bench needs a CUDA GPU")
+    if args.backward:
+        from fp4attn.cli import bench_train
+
+        args.json = args.json or Path("results/h200-train.json")
+        return bench_train.main(args)
+    args.json = args.json or Path("results/h200-forward.json")
     shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     variants = {"fp8-directp/exp2-P": PRESETS["fp8-directp"].with_(p_build="exp2", name="fp8-directp/exp2-P")} \
         if args.variants else None
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    records = run_bench(shapes, args.recipes.split(","), causal, variants, partial=args.json)
+    records = run_bench(shapes, (args.recipes or ",".join(RECIPES)).split(","), causal, variants, partial=args.json)
     print("TFLOP/s (speedup vs SDPA cuDNN bf16, same run)")
     print(format_table(records))
     for c in causal:

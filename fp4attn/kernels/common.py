@@ -1,10 +1,11 @@
 """Triton helpers shared by every GPU generation: building the e4m3 P tile.
 
-Each helper takes x = t - m (log2 units, <= 0, -inf for masked keys) for a whole
-(BLOCK_M, BLOCK_N) tile and returns (p, l_add): the represented P values, float32,
-already multiplied by 2**P_OFFSET_LOG2 and exactly on the e4m3 grid (so the caller's
-cast to e4m3 for the PV product is exact), and their row sums, which consistent
-normalization adds to l. Rounding to the e4m3 grid is done on the float32 bits, so the
+Each P builder takes x = t - m (log2 units, <= 0, -inf for masked keys) for a whole
+tile and returns the represented P values, float32, already multiplied by
+2**P_OFFSET_LOG2 and exactly on the e4m3 grid (so the caller's cast to e4m3 for the PV
+product is exact); the forward's row sums of them are what consistent normalization
+adds to l. Keys run along KEY_AXIS: 1 in the forward's (queries, keys) S tile, 0 in
+the backward's (keys, queries) S^T tile. Rounding to the e4m3 grid is done on the float32 bits, so the
 row sum needs no e4m3 -> float32 conversion. They reproduce
 `fp4attn.reference.directp.build_p` value for value (see docs/numerics.md).
 
@@ -30,19 +31,25 @@ T_175 = tl.constexpr(directp.DIRECTP_THRESHOLDS[3])  # frac(y) >= log2(1.75): ca
 
 
 @triton.jit
-def _block_max_32(x, BLOCK_N: tl.constexpr):
-    """Max over each 32-key block of a (BLOCK_M, BLOCK_N) tile, broadcast back to every
-    element of its block.
+def _block_max_32(x, KEY_AXIS: tl.constexpr):
+    """Max over each block of 32 keys of a tile whose keys run along KEY_AXIS (1 in the
+    forward's S tile, 0 in the backward's S^T tile), broadcast back to every element of
+    its block.
 
-    Done as one masked row reduction per block: `tl.reshape` to (BLOCK_M, BLOCK_N // 32,
+    Done as one masked reduction per block: `tl.reshape` to (BLOCK_M, BLOCK_N // 32,
     32) grouped the wrong columns for a tile in the wgmma accumulator layout (Triton 3.6,
     H200; docs/notes/hopper-forward.md).
     """
-    blk = tl.arange(0, BLOCK_N)[None, :] // 32
+    n_keys: tl.constexpr = x.shape[KEY_AXIS]
+    if KEY_AXIS == 1:
+        blk = tl.arange(0, n_keys)[None, :] // 32
+    else:
+        blk = tl.arange(0, n_keys)[:, None] // 32
     out = tl.full(x.shape, -float("inf"), tl.float32)
-    for b in tl.static_range(BLOCK_N // 32):
-        mb = tl.max(tl.where(blk == b, x, -float("inf")), axis=1)
-        out = tl.where(blk == b, mb[:, None], out)
+    for b in tl.static_range(n_keys // 32):
+        mb = tl.max(tl.where(blk == b, x, -float("inf")), axis=KEY_AXIS)
+        mb = mb[:, None] if KEY_AXIS == 1 else mb[None, :]
+        out = tl.where(blk == b, mb, out)
     return out
 
 
@@ -60,13 +67,12 @@ def round_e4m3(p):
 
 @triton.jit
 def p_fp8_exp2(x):
-    """FP8 P: e4m3(2**x * 2**8), as float32 values, and their row sums."""
-    p = round_e4m3(tl.math.exp2(x + P_OFFSET_LOG2))
-    return p, tl.sum(p, axis=1)
+    """FP8 P: e4m3(2**x * 2**8), as float32 values."""
+    return round_e4m3(tl.math.exp2(x + P_OFFSET_LOG2))
 
 
 @triton.jit
-def p_mxfp4_directp(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def p_mxfp4_directp(x, KEY_AXIS: tl.constexpr):
     """MXFP4 P by Direct-P, as exact e4m3 values E2M1 * 2**(e_b + 8).
 
     Per 32-key block e_b = floor(max x) - 2 and y = x - e_b < 3. For y >= 0 (E2M1
@@ -75,7 +81,7 @@ def p_mxfp4_directp(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     exponent, as rounding up to the next power of two), capped at 6 * 2**e_b. For
     y < 0 it is 1.0, 0.5 or 0 times 2**e_b. No exp is computed.
     """
-    e_b = tl.floor(_block_max_32(x, BLOCK_N)) - 2.0  # -inf for a fully masked block
+    e_b = tl.floor(_block_max_32(x, KEY_AXIS)) - 2.0  # -inf for a fully masked block
     keep = e_b >= P_EMIN
     e_b = tl.where(keep, e_b, 0.0)
     y = x - e_b
@@ -88,16 +94,15 @@ def p_mxfp4_directp(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     normal = bits.to(tl.float32, bitcast=True)
     scale = (e_out << 23).to(tl.float32, bitcast=True)  # 2**(e_b + 8)
     sub = tl.where(y >= T_075, scale, tl.where(y >= T_QUARTER, 0.5 * scale, 0.0))
-    p = tl.where(keep, tl.where(y >= 0.0, normal, sub), 0.0)
-    return p, tl.sum(p, axis=1)
+    return tl.where(keep, tl.where(y >= 0.0, normal, sub), 0.0)
 
 
 @triton.jit
-def p_mxfp4_exp2(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def p_mxfp4_exp2(x, KEY_AXIS: tl.constexpr):
     """MXFP4 P from float32 exp2 and OCP rounding (the baseline Direct-P replaces):
     e_b = floor(log2 max p) - 2 from the bits of max p, then RNE to E2M1 of p / 2**e_b."""
     p = tl.math.exp2(x)
-    pb = _block_max_32(p, BLOCK_N)
+    pb = _block_max_32(p, KEY_AXIS)
     e_b = ((pb.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 2
     keep = (pb > 0.0) & (e_b >= P_EMIN)
     e_b = tl.where(keep, e_b, 0)
@@ -108,5 +113,17 @@ def p_mxfp4_exp2(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     normal = tl.minimum(qb.to(tl.float32, bitcast=True), 6.0)
     sub = libdevice.rint(q * 2.0) * 0.5  # 0, 0.5, 1 below 1 (ties to even)
     v = tl.where(keep, tl.where(q >= 1.0, normal, sub), 0.0)
-    p = v * ((e_b + P_OFFSET_LOG2 + 127) << 23).to(tl.float32, bitcast=True)
-    return p, tl.sum(p, axis=1)
+    return v * ((e_b + P_OFFSET_LOG2 + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr):
+    """P by the recipe's builder: 0 FP8 from exp2, 1 MXFP4 by Direct-P, 2 MXFP4 from
+    exp2 (the P_MODE of the kernels)."""
+    if P_MODE == 0:
+        p = p_fp8_exp2(x)
+    elif P_MODE == 1:
+        p = p_mxfp4_directp(x, KEY_AXIS)
+    else:
+        p = p_mxfp4_exp2(x, KEY_AXIS)
+    return p

@@ -12,8 +12,12 @@ P_r is P in the recipe's own P format (FP8 for `train`, Direct-P MXFP4 for
 `train-mxfp4pv`); `_a` are e4m3 views of the saved operands, `_g` views in
 `recipe.grad` (e4m3 or e5m2); for grad="bf16" every view is bf16. Each view is
 quantized with one scale per row of the product's contraction dim, so the scales
-factor out of the product. The quantizers pass gradients straight through (Q's
-gradient is the gradient of its quantized value).
+factor out of the product. The views of Q, K, V and dO span the whole contraction
+dim (they exist before the backward starts); dS exists one tile at a time, so its
+views carry one scale per DS_BLOCK contraction elements (per query row and 64-key
+tile for dQ, per key and 64-query tile for dK): a kernel scales each tile's partial
+product and never needs a second pass over dS. The quantizers pass gradients
+straight through (Q's gradient is the gradient of its quantized value).
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ from fp4attn.reference.forward import LOG2E, ForwardResult, expand_heads, log2_b
 from fp4attn.reference.masks import causal_offset
 
 
-def low_precision_view(x: torch.Tensor, contraction_dim: int, fmt: str) -> torch.Tensor:
+DS_BLOCK = 64  # contraction elements per scale of dS's FP8 views (a backward kernel tile)
+
+
+def low_precision_view(x: torch.Tensor, contraction_dim: int, fmt: str, block: int | None = None) -> torch.Tensor:
     """x as one operand of a product sees it: fp8 with a scale per row of the
-    contraction dim, or bf16."""
+    contraction dim (per `block` elements of it, if given), or bf16."""
     if fmt == "bf16":
         return x.to(torch.bfloat16).float()
-    return quantize_fp8(x, dim=contraction_dim, block=None, fmt=fmt).dequantize()
+    return quantize_fp8(x, dim=contraction_dim, block=block, fmt=fmt).dequantize()
 
 
 def _reduce_heads(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -80,6 +87,6 @@ def reference_backward(
     dp = low_precision_view(do, -1, g) @ low_precision_view(v_full, -1, a).transpose(-1, -2)
     delta = (do * out.float()).sum(dim=-1, keepdim=True)
     ds = p * (dp - delta)
-    dq = (low_precision_view(ds, -1, g) @ low_precision_view(k_full, -2, a)) * scale
-    dk = (low_precision_view(ds, -2, g).transpose(-1, -2) @ q_a) * scale
+    dq = (low_precision_view(ds, -1, g, DS_BLOCK) @ low_precision_view(k_full, -2, a)) * scale
+    dk = (low_precision_view(ds, -2, g, DS_BLOCK).transpose(-1, -2) @ q_a) * scale
     return dq, _reduce_heads(dk, hkv), _reduce_heads(dv, hkv)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, p_fp8_exp2, p_mxfp4_directp, p_mxfp4_exp2
+from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile
 
 
 @triton.jit
@@ -57,18 +57,13 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
     alpha = tl.math.exp2(m_i - m_use)
     x = t - m_use[:, None]
     # -- P as exact e4m3 values (times 2**8) and the consistent row sum
-    if P_MODE == 0:
-        p, l_add = p_fp8_exp2(x)
-    elif P_MODE == 1:
-        p, l_add = p_mxfp4_directp(x, BLOCK_M, BLOCK_N)
-    else:
-        p, l_add = p_mxfp4_exp2(x, BLOCK_M, BLOCK_N)
+    p = build_p_tile(x, P_MODE, 1)
     if WRITE_P:
         # debug output (tests, diagnostics), float32, rows padded to BLOCK_M: the P tile's
         # values (WRITE_P=1) or the log2 scores (2)
         dbg = p if WRITE_P == 1 else t
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], dbg, mask=(cols < Sk)[None, :])
-    l_i = l_i * alpha + l_add
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
     if MASK:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :], mask=(cols < Sk)[None, :], other=0.0)

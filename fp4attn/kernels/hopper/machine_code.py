@@ -1,4 +1,4 @@
-"""Compile the Hopper forward for sm_90 without a GPU and read its machine code:
+"""Compile the Hopper kernels for sm_90 without a GPU and read their machine code:
 registers, stack (spills) and instruction counts. Used by `scripts/compile_check.py`
 and by the CPU tests that guard the kernel's structure (wgmma present, exp off MUFU
 for Direct-P)."""
@@ -16,6 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from fp4attn.kernels.hopper.forward import attn_fwd_kernel
 
 _POINTERS = ("Q", "K", "QS", "KS", "VT", "VS", "O", "LSE", "P_DBG")
@@ -34,10 +35,20 @@ class KernelReport:
         return len(re.findall(pattern, self.sass))
 
 
+def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: int, num_stages: int):
+    """`fn` compiled as the JIT would build it for sm_90, pointers and the names in
+    `aligned` specialized as multiples of 16."""
+    sig = {**sig, **{c: "constexpr" for c in consts}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=8, num_stages=3,
                     block_m=128, block_n=128):
-    """The compiled kernel for one flag combination, as the JIT would build it (pointers
-    and strides specialized as multiples of 16)."""
+    """The compiled forward for one flag combination."""
     elem = "*fp8e4nv" if qk_fp8 else "*bf16"
     types = {"Q": elem, "K": elem, "VT": "*fp8e4nv", "O": "*bf16", "P_DBG": "*fp32"}
     sig = {n: types.get(n, "*fp32") for n in _POINTERS}
@@ -45,13 +56,33 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     sig["qk_scale"] = "fp32"
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
                   CAUSAL=causal, WRITE_P=0, QK_PROMOTE=True)
-    sig.update({c: "constexpr" for c in consts})
-    names = list(sig)
-    aligned = [n for n in names if n in _POINTERS or n.startswith("stride")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(attn_fwd_kernel, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    aligned = [n for n in sig if n in _POINTERS or n.startswith("stride")]
+    return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
+
+
+def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config=None):
+    """The compiled backward kernel `part` ("dkdv" or "dq") with `config` (a
+    `training.BackwardConfig`; default: the one `training` launches at this head dim)."""
+    from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
+    from fp4attn.reference.backward import DS_BLOCK
+
+    cfg = config or BACKWARD_CONFIGS[head_dim]
+
+    fp8 = ("DO_T", "DO_C", "V_T", "Q_C", "K_C")
+    if part == "dkdv":
+        fn, ptrs = attn_bwd_dkdv_kernel, ("Q", "K", "QS", "KS", "LSE2", "DELTA", "DO_T", "DO_TS", "DO_C", "DO_CS",
+                                          "V_T", "V_TS", "Q_C", "Q_CS", "DK", "DV")
+        consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal)
+        num_warps, num_stages = cfg.warps_dkdv, cfg.stages_dkdv
+    else:
+        fn, ptrs = attn_bwd_dq_kernel, ("Q", "K", "QS", "KS", "LSE2", "DELTA", "DO_T", "DO_TS", "V_T", "V_TS",
+                                        "K_C", "K_CS", "DQ")
+        consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal)
+        num_warps, num_stages = cfg.warps_dq, cfg.stages_dq
+    sig = {n: "*fp8e4nv" if n in fp8 else "*bf16" if n in ("Q", "K") else "*fp32" for n in ptrs}
+    sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")})
+    sig.update(qk_scale="fp32", sm_scale="fp32")
+    return _compile_sm90(fn, sig, consts, list(ptrs), num_warps, num_stages)
 
 
 def _cuobjdump(kernel, flag: str) -> str:
@@ -64,8 +95,16 @@ def _cuobjdump(kernel, flag: str) -> str:
         os.unlink(f.name)
 
 
-def inspect_forward(*args, **kwargs) -> KernelReport:
-    kernel = compile_forward(*args, **kwargs)
+def inspect(kernel) -> KernelReport:
+    """Registers, stack bytes and SASS of a compiled kernel."""
     usage = _cuobjdump(kernel, "--dump-resource-usage")
     return KernelReport(int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"STACK:(\d+)", usage).group(1)),
                         _cuobjdump(kernel, "--dump-sass"))
+
+
+def inspect_forward(*args, **kwargs) -> KernelReport:
+    return inspect(compile_forward(*args, **kwargs))
+
+
+def inspect_backward(*args, **kwargs) -> KernelReport:
+    return inspect(compile_backward(*args, **kwargs))

@@ -1,0 +1,185 @@
+"""Attention backward for Hopper (sm_90) of the training recipes.
+
+P is rebuilt from the forward's saved NVFP4 Q/K (bf16 grid values, exact, so S is a
+bf16 product as in the forward) and its LSE; no score tile from the forward is kept.
+The gradient products run on the FP8 tensor cores with e4m3 views, each view scaled
+per row of its product's contraction dim (`fp4attn.reference.backward` defines every
+value):
+
+    dkdv program (BLOCK_N keys of one K/V head, over every query tile of the heads
+    that share it):
+        S^T  = K Q^T                         bf16, scores as the forward's
+        P^T  = 2**(t - lse)                  fp32; P_r^T its FP8 / MXFP4 form
+        dV  += P_r^T  dO_c                   dO_c: e4m3 per channel, stored (D, Sq)
+        dP^T = V_t dO_t^T                    e4m3 per token (both K-major)
+        dS^T = P^T (dP^T - delta)
+        dK  += e4m3(dS^T per key, 64 queries) Q_c          Q_c: e4m3 per channel, (D, Sq)
+    dq program (BLOCK_M queries of one head, over its visible key tiles):
+        dQ  += e4m3(dS per query row, 64 keys) K_c         K_c: e4m3 per channel, (D, Sk)
+
+Each program owns its outputs, so the backward is deterministic (no atomics); GQA
+sums dK and dV over the query heads of a group inside one program.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, round_e4m3
+
+
+@triton.jit
+def _e4m3_rows(x, AXIS: tl.constexpr):
+    """FP8 e4m3 view of a tile with one scale per row along AXIS: (values on the e4m3
+    grid as float32, scale), as `formats.fp8.quantize_fp8` (scale = amax / 448,
+    element = e4m3(x * (448 / amax)), all-zero rows scale 1)."""
+    amax = tl.max(tl.abs(x), axis=AXIS)
+    zero = amax == 0.0
+    scale = tl.where(zero, 1.0, tl.div_rn(amax, 448.0))
+    inv = tl.where(zero, 1.0, tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
+    inv_b = inv[:, None] if AXIS == 1 else inv[None, :]
+    y = x * inv_b
+    mag = round_e4m3(tl.minimum(tl.abs(y), 448.0))
+    # NaN stays NaN (tl.minimum would turn it into 448), so it reaches the gradient
+    return tl.where(y != y, y, tl.where(y < 0.0, -mag, mag)), scale
+
+
+@triton.jit
+def _log2_scores_t(k, q, a_i, b_j):
+    """S^T tile (keys, queries) in log2 units, rounded as the forward rounds S."""
+    st = tl.dot(k, tl.trans(q))
+    return libdevice.mul_rn(libdevice.mul_rn(st, a_i[None, :]), b_j[:, None])
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, QS, KS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, V_T, V_TS, Q_C, Q_CS, DK, DV,
+    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16; QS/KS per-token
+    fp32 scales; LSE2 (lse * log2 e) and DELTA (B, H, Sq) fp32; DO_T (B, H, Sq, D) e4m3
+    with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with DO_CS (B, H, D); V_T (B, Hkv,
+    Sk, D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq) e4m3 with Q_CS (B, H, D).
+    DK, DV (B, Hkv, Sk, D) fp32.
+
+    The per-channel scales of dO_c and Q_c differ between the query heads of a GQA
+    group, so each tile's product is scaled before it joins the sum."""
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bh = tl.program_id(1)  # (b, kv head)
+    Hkv = H // GROUP
+    b = off_bh // Hkv
+    hk = off_bh % Hkv
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_mb = tl.arange(0, BLOCK_M)
+    key_ok = offs_n < Sk
+
+    kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
+    k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    b_j = tl.load(KS + kv_off + offs_n, mask=key_ok, other=0.0)
+    v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # first query tile that sees a key of this block (tiles start at multiples of
+    # BLOCK_M, which is also dS's scale block for dK)
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        row_off = (b.to(tl.int64) * H + h) * Sq
+        for start_m in range(lo, Sq, BLOCK_M):
+            offs_m = start_m + offs_mb
+            row_ok = offs_m < Sq
+            q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None],
+                        other=0.0)
+            a_i = tl.load(QS + row_off + offs_m, mask=row_ok, other=0.0) * qk_scale
+            lse2 = tl.load(LSE2 + row_off + offs_m, mask=row_ok, other=-float("inf"))
+            tt = _log2_scores_t(k, q, a_i, b_j)
+            visible = key_ok[:, None] & (lse2 > -float("inf"))[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+            xt = tl.where(visible, tt - lse2[None, :], -float("inf"))
+            pt = tl.math.exp2(xt)
+            # dV += P_r^T dO: P_r as the forward builds it (times 2**8, exact in e4m3)
+            pr = build_p_tile(xt, P_MODE, 0)
+            do_c = tl.load(DO_C + (row_off * HEAD_DIM) + offs_d[:, None] * Sq + offs_m[None, :],
+                           mask=row_ok[None, :], other=0.0)
+            do_cs = tl.load(DO_CS + (b.to(tl.int64) * H + h) * HEAD_DIM + offs_d)
+            dv += tl.dot(pr.to(tl.float8e4nv), tl.trans(do_c)) * do_cs[None, :]
+            # dP^T = V dO^T on per-token e4m3 views
+            do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None],
+                           other=0.0)
+            do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
+            dpt = tl.dot(v, tl.trans(do_t)) * v_s[:, None] * do_s[None, :]
+            delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
+            dst = pt * (dpt - delta[None, :])
+            # dK += dS^T Q: dS^T in e4m3 with one scale per key over this query tile
+            ds_g, ds_s = _e4m3_rows(dst, 1)
+            q_c = tl.load(Q_C + (row_off * HEAD_DIM) + offs_d[:, None] * Sq + offs_m[None, :],
+                          mask=row_ok[None, :], other=0.0)
+            q_cs = tl.load(Q_CS + (b.to(tl.int64) * H + h) * HEAD_DIM + offs_d)
+            dk += tl.dot(ds_g.to(tl.float8e4nv), tl.trans(q_c)) * ds_s[:, None] * q_cs[None, :]
+    out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out, dk * sm_scale, mask=key_ok[:, None])
+    tl.store(DV + out, dv * (1.0 / (1 << P_OFFSET_LOG2)), mask=key_ok[:, None])
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, QS, KS, LSE2, DELTA, DO_T, DO_TS, V_T, V_TS, K_C, K_CS, DQ,
+    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Layouts as `attn_bwd_dkdv_kernel`; K_C (B, Hkv, D, Sk) e4m3 with K_CS (B, Hkv, D).
+    DQ (B, H, Sq, D) fp32."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    hk = h // GROUP
+    Hkv = H // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    row_off = (b.to(tl.int64) * H + h) * Sq
+    kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
+
+    q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    a_i = tl.load(QS + row_off + offs_m, mask=row_ok, other=0.0) * qk_scale
+    lse2 = tl.load(LSE2 + row_off + offs_m, mask=row_ok, other=-float("inf"))
+    delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
+    do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    hi = Sk
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M + causal_offset, Sk)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_nb
+        key_ok = offs_n < Sk
+        k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        b_j = tl.load(KS + kv_off + offs_n, mask=key_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k))
+        t = libdevice.mul_rn(libdevice.mul_rn(s, a_i[:, None]), b_j[None, :])
+        visible = key_ok[None, :] & (lse2 > -float("inf"))[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        p = tl.math.exp2(tl.where(visible, t - lse2[:, None], -float("inf")))
+        v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
+        dp = tl.dot(do_t, tl.trans(v)) * do_s[:, None] * v_s[None, :]
+        ds = p * (dp - delta[:, None])
+        # dQ += dS K: dS in e4m3 with one scale per query row over this key tile
+        ds_g, ds_s = _e4m3_rows(ds, 1)
+        k_c = tl.load(K_C + (kv_off * HEAD_DIM) + offs_d[:, None] * Sk + offs_n[None, :], mask=key_ok[None, :],
+                      other=0.0)
+        dq += tl.dot(ds_g.to(tl.float8e4nv), tl.trans(k_c)) * ds_s[:, None]
+    k_cs = tl.load(K_CS + (b.to(tl.int64) * Hkv + hk) * HEAD_DIM + offs_d)
+    dq = dq * k_cs[None, :] * sm_scale
+    tl.store(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq, mask=row_ok[:, None])

@@ -1,0 +1,142 @@
+"""Training on Hopper: a forward that keeps the quantized operands for the backward,
+and the backward, each a registered custom op with a fake implementation (so
+torch.compile and activation checkpointing trace through them).
+
+The forward saves what the recipe's backward reads and nothing more: NVFP4 Q/K as
+their bf16 grid values with the tensor scale, V as the e4m3 V^T with its scales, the
+output and the LSE. No score tile is kept: the backward rebuilds P from these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from fp4attn.kernels.hopper.ops import P_MODES, launch_forward, unsupported_reason
+from fp4attn.kernels.hopper.quantize import prepare_operands_fused, quantize_qk_fp8, quantize_v_t
+from fp4attn.recipes import Recipe
+from fp4attn.reference.backward import DS_BLOCK
+from fp4attn.reference.forward import LOG2E
+
+GRAD_FORMATS = ("e4m3",)
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Launch shape of the backward (speed only: dS's scale block, the other tile side,
+    is DS_BLOCK and fixed by the recipe)."""
+
+    block_n_dkdv: int = 128  # keys per dkdv program
+    block_m_dq: int = 128  # queries per dq program
+    warps_dkdv: int = 8
+    warps_dq: int = 8
+    stages_dkdv: int = 2
+    stages_dq: int = 2
+
+
+# per head dim; D=128 keeps 64 keys per dkdv program: its dK and dV accumulators plus
+# the S^T/dP^T tiles spilled 816-928 bytes at 128 (`compile_backward`, sm_90)
+BACKWARD_CONFIGS = {64: BackwardConfig(), 128: BackwardConfig(block_n_dkdv=64, stages_dkdv=1)}
+
+
+def training_unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
+    """Why the Hopper kernels cannot train `recipe` at `head_dim`, or None if they can."""
+    if recipe.grad is None:
+        return f"recipe {recipe.name!r} is inference-only (grad=None)"
+    if recipe.grad not in GRAD_FORMATS:
+        return f"gradient format {recipe.grad!r} (kernels run {GRAD_FORMATS})"
+    if recipe.qk != "nvfp4":
+        return f"Q/K format {recipe.qk!r} for training (kernels train 'nvfp4' Q/K)"
+    return unsupported_reason(recipe, head_dim)
+
+
+@torch.library.custom_op("fp4attn::hopper_train_forward", mutates_args=())
+def _train_forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
+    causal_offset: int, causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    ops = prepare_operands_fused(q, k, v, Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build))
+    out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
+                                 p_mode=P_MODES[(p, p_build)])
+    return out, lse, ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs
+
+
+@_train_forward_op.register_fake
+def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    f32, qdt = torch.float32, torch.bfloat16
+    return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
+            q.new_empty((B, H, Sq, D), dtype=qdt), q.new_empty((B, Hkv, Sk, D), dtype=qdt),
+            q.new_empty((B, H, Sq), dtype=f32), q.new_empty((B, Hkv, Sk), dtype=f32),
+            q.new_empty((B, Hkv, D, Sk), dtype=torch.float8_e4m3fn), q.new_empty((B, Hkv, D), dtype=f32))
+
+
+@torch.library.custom_op("fp4attn::hopper_train_backward", mutates_args=())
+def _train_backward_op(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qv: torch.Tensor, kv: torch.Tensor, qs: torch.Tensor,
+    ks: torch.Tensor, vt: torch.Tensor, vs: torch.Tensor, p: str, p_build: str, causal_offset: int, causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, Sq, D = qv.shape
+    Hkv, Sk = kv.shape[1], kv.shape[2]
+    # the e4m3 views of the gradient products (reference/backward.py), from the fused
+    # quantizers: per token for dO and V in dP = dO V^T, per channel (stored transposed,
+    # so the contraction dim is contiguous) for dO, Q and K in dV, dK and dQ
+    do_t, do_ts = quantize_qk_fp8(dout)
+    do_c, do_cs = quantize_v_t(dout, "fp8")
+    v_rep = (vt.float() * vs[..., None]).transpose(-1, -2)
+    v_t, v_ts = quantize_qk_fp8(v_rep)
+    q_c, q_cs = quantize_v_t(qv.float() * qs[..., None], "fp8")
+    k_c, k_cs = quantize_v_t(kv.float() * ks[..., None], "fp8")
+    lse2 = (lse * LOG2E).contiguous()
+    delta = (dout.float() * out.float()).sum(dim=-1).contiguous()
+    qv, kv, qs, ks = qv.contiguous(), kv.contiguous(), qs.contiguous(), ks.contiguous()
+    dq = torch.empty((B, H, Sq, D), device=qv.device, dtype=torch.float32)
+    dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=torch.float32)
+    dv = torch.empty_like(dk)
+    off = causal_offset if causal else 0
+    cfg = BACKWARD_CONFIGS[D]
+    attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
+        qv, kv, qs, ks, lse2, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
+        H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=P_MODES[(p, p_build)], CAUSAL=causal,
+        num_warps=cfg.warps_dkdv, num_stages=cfg.stages_dkdv)
+    attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
+        qv, kv, qs, ks, lse2, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq,
+        H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
+        num_warps=cfg.warps_dq, num_stages=cfg.stages_dq)
+    return dq, dk, dv
+
+
+@_train_backward_op.register_fake
+def _(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale):
+    f32 = torch.float32
+    return (qv.new_empty(qv.shape, dtype=f32), kv.new_empty(kv.shape, dtype=f32), kv.new_empty(kv.shape, dtype=f32))
+
+
+class HopperTrainAttention(torch.autograd.Function):
+    """Forward and backward of a training recipe on the Hopper kernels; gradients in
+    the dtypes of q, k, v (GQA: dK and dV summed over each group's query heads)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, recipe: Recipe, causal_offset: int | None, scale: float):
+        causal = causal_offset is not None
+        out, lse, qv, kv, qs, ks, vt, vs = _train_forward_op(
+            q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0, causal, scale)
+        out = out.to(q.dtype)
+        ctx.args = (recipe.p, recipe.p_build, causal_offset or 0, causal, scale)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.save_for_backward(out, lse, qv, kv, qs, ks, vt, vs)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        dq, dk, dv = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args)
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None

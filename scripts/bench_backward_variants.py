@@ -1,0 +1,48 @@
+"""Backward launch variants for docs/notes/hopper-train.md, one run: the backward op
+alone under each `BackwardConfig`, next to the forward and to SDPA cuDNN bf16's
+forward+backward, causal. Prints a Markdown table.
+
+    python scripts/bench_backward_variants.py
+"""
+
+import torch
+import triton
+
+from fp4attn.kernels.hopper import training
+from fp4attn.kernels.hopper.training import BackwardConfig
+from fp4attn.recipes import PRESETS
+
+bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
+VARIANTS = {
+    64: [BackwardConfig(), BackwardConfig(block_n_dkdv=64), BackwardConfig(stages_dkdv=1, stages_dq=1),
+         BackwardConfig(block_m_dq=64), BackwardConfig(stages_dkdv=3, stages_dq=3)],
+    128: [BackwardConfig(block_n_dkdv=64, stages_dkdv=1), BackwardConfig(),
+          BackwardConfig(block_n_dkdv=64, stages_dkdv=2), BackwardConfig(block_n_dkdv=64, stages_dkdv=1, block_m_dq=64),
+          BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1), BackwardConfig(block_n_dkdv=64, warps_dkdv=4)],
+}
+print("| B,H,S,D | config | bwd ms | fwd ms | cuDNN fwd+bwd ms | ours fwd+bwd / cuDNN |")
+print("|---|---|---|---|---|---|")
+for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+        cudnn = bench(lambda: torch.autograd.grad(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), dout))
+    r = PRESETS["train"]
+    saved = torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5)
+    fwd = bench(lambda: torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5))
+    default = training.BACKWARD_CONFIGS[D]
+    for cfg in VARIANTS[D]:
+        training.BACKWARD_CONFIGS[D] = cfg
+        try:
+            ms = bench(lambda: torch.ops.fp4attn.hopper_train_backward(dout, *saved, r.p, r.p_build, 0, True, D**-0.5))
+        except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
+            print(f"| {B},{H},{S},{D} | {cfg} | failed: {type(e).__name__} | | | |")
+            continue
+        print(f"| {B},{H},{S},{D} | {cfg} | {ms:.2f} | {fwd:.2f} | {cudnn:.2f} | {cudnn / (ms + fwd):.2f}x |")
+    training.BACKWARD_CONFIGS[D] = default
+    # prep alone: the fused quantizers and delta before the two kernels
+    from fp4attn.kernels.hopper.quantize import quantize_qk_fp8, quantize_v_t
+    prep = bench(lambda: (quantize_qk_fp8(dout), quantize_v_t(dout, "fp8"), quantize_v_t(q, "fp8"),
+                          quantize_v_t(k, "fp8"), quantize_qk_fp8(v)))
+    print(f"| {B},{H},{S},{D} | backward operand quantizers alone | {prep:.2f} | | | |")
