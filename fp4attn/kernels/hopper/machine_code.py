@@ -72,12 +72,13 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
     if part == "dkdv":
         fn, ptrs = attn_bwd_dkdv_kernel, ("Q", "K", "QS", "KS", "LSE2", "DELTA", "DO_T", "DO_TS", "DO_C", "DO_CS",
                                           "V_T", "V_TS", "Q_C", "Q_CS", "DK", "DV")
-        consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal)
+        consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
+                      HW_CVT=cfg.hw_cvt)
         num_warps, num_stages = cfg.warps_dkdv, cfg.stages_dkdv
     else:
         fn, ptrs = attn_bwd_dq_kernel, ("Q", "K", "QS", "KS", "LSE2", "DELTA", "DO_T", "DO_TS", "V_T", "V_TS",
                                         "K_C", "K_CS", "DQ")
-        consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal)
+        consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal, HW_CVT=cfg.hw_cvt)
         num_warps, num_stages = cfg.warps_dq, cfg.stages_dq
     sig = {n: "*fp8e4nv" if n in fp8 else "*bf16" if n in ("Q", "K") else "*fp32" for n in ptrs}
     sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")})

@@ -35,11 +35,13 @@ class BackwardConfig:
     warps_dq: int = 8
     stages_dkdv: int = 2
     stages_dq: int = 2
+    hw_cvt: bool = True  # e4m3 rounding by cvt.rn.satfinite (False: float32 bit arithmetic)
 
 
-# per head dim; D=128 keeps 64 keys per dkdv program: its dK and dV accumulators plus
-# the S^T/dP^T tiles spilled 816-928 bytes at 128 (`compile_backward`, sm_90)
-BACKWARD_CONFIGS = {64: BackwardConfig(), 128: BackwardConfig(block_n_dkdv=64, stages_dkdv=1)}
+# per head dim, the least spilling launch shapes in `compile_backward` (sm_90 machine
+# code): 64 keys per dkdv program (128 spilled 240-1320 bytes), one stage at D=128
+BACKWARD_CONFIGS = {64: BackwardConfig(block_n_dkdv=64),
+                    128: BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1)}
 
 
 def training_unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
@@ -93,7 +95,8 @@ def _train_backward_op(
     v_t, v_ts = quantize_qk_fp8(v_rep)
     q_c, q_cs = quantize_v_t(qv.float() * qs[..., None], "fp8")
     k_c, k_cs = quantize_v_t(kv.float() * ks[..., None], "fp8")
-    lse2 = (lse * LOG2E).contiguous()
+    # rows that see no key: +inf makes their P 0 in the kernels without a test per element
+    lse2 = torch.where(lse > -torch.inf, lse * LOG2E, torch.inf).contiguous()
     delta = (dout.float() * out.float()).sum(dim=-1).contiguous()
     qv, kv, qs, ks = qv.contiguous(), kv.contiguous(), qs.contiguous(), ks.contiguous()
     dq = torch.empty((B, H, Sq, D), device=qv.device, dtype=torch.float32)
@@ -105,12 +108,12 @@ def _train_backward_op(
         qv, kv, qs, ks, lse2, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=P_MODES[(p, p_build)], CAUSAL=causal,
-        num_warps=cfg.warps_dkdv, num_stages=cfg.stages_dkdv)
+        HW_CVT=cfg.hw_cvt, num_warps=cfg.warps_dkdv, num_stages=cfg.stages_dkdv)
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
         qv, kv, qs, ks, lse2, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
-        num_warps=cfg.warps_dq, num_stages=cfg.stages_dq)
+        HW_CVT=cfg.hw_cvt, num_warps=cfg.warps_dq, num_stages=cfg.stages_dq)
     return dq, dk, dv
 
 
