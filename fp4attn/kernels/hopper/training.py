@@ -38,10 +38,9 @@ class BackwardConfig:
     hw_cvt: bool = True  # e4m3 rounding by cvt.rn.satfinite (False: float32 bit arithmetic)
 
 
-# per head dim, the least spilling launch shapes in `compile_backward` (sm_90 machine
-# code): 64 keys per dkdv program (128 spilled 240-1320 bytes), one stage at D=128
-BACKWARD_CONFIGS = {64: BackwardConfig(block_n_dkdv=64),
-                    128: BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1)}
+# per head dim, the fastest of `scripts/bench_backward_variants.py` on the H200 (causal
+# (4,16,4096,128) and (8,16,4096,64); docs/notes/hopper-train.md)
+BACKWARD_CONFIGS = {64: BackwardConfig(), 128: BackwardConfig(block_n_dkdv=64)}
 
 
 def training_unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
@@ -84,6 +83,12 @@ def _train_backward_op(
     ks: torch.Tensor, vt: torch.Tensor, vs: torch.Tensor, p: str, p_build: str, causal_offset: int, causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale)
+
+
+def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale):
+    """Quantize the backward's operand views and run the dkdv and dq kernels: fp32
+    (dq, dk, dv)."""
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
     # the e4m3 views of the gradient products (reference/backward.py), from the fused
