@@ -199,9 +199,10 @@ def attention(
     if _resolve_backend(backend, q, rec, needs_grad, attn_mask is not None) == "triton":
         offset = causal_offset(mode, q.shape[-2], k.shape[-2])
         if needs_grad:
-            from fp4attn.kernels.hopper.training import HopperTrainAttention
+            from fp4attn.kernels.hopper.training import hopper_train_attention
 
-            out, lse = HopperTrainAttention.apply(q, k, v, rec, offset, s)
+            out, lse = hopper_train_attention(q, k, v, rec, scale=s, causal_offset=offset)
+            out = out.to(q.dtype)
         else:
             from fp4attn.kernels.hopper.ops import hopper_attention
 

@@ -99,10 +99,15 @@ def test_backward_nan_propagates():
     assert bool(torch.isnan(q.grad).any())
 
 
-def test_auto_backend_trains_on_the_kernels():
+def test_auto_backend_trains_on_the_kernels(monkeypatch):
+    from fp4attn.kernels.hopper import training
+
+    calls = []
+    launch = training.launch_backward
+    monkeypatch.setattr(training, "launch_backward", lambda *a: calls.append(1) or launch(*a))
     q, k, v = _inputs(1, 2, 2, 128, 128, 128)
-    out = fp4attn.attention(q, k, v, recipe="train", causal=True)
-    assert "HopperTrainAttention" in type(out.grad_fn).__name__
+    fp4attn.attention(q, k, v, recipe="train", causal=True).sum().backward()
+    assert calls == [1]
     with pytest.raises(ValueError, match="inference-only"):
         fp4attn.attention(q, k, v, recipe="fp8", backend="triton")
 

@@ -1,6 +1,7 @@
 """Training on Hopper: a forward that keeps the quantized operands for the backward,
-and the backward, each a registered custom op with a fake implementation (so
-torch.compile and activation checkpointing trace through them).
+and the backward, each a registered custom op with a fake implementation, the
+backward registered as the forward op's autograd formula (so torch.compile and
+activation checkpointing trace through them).
 
 The forward saves what the recipe's backward reads and nothing more: NVFP4 Q/K as
 their bf16 grid values with the tensor scale, V as the e4m3 V^T with its scales, the
@@ -128,23 +129,29 @@ def _(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal,
     return (qv.new_empty(qv.shape, dtype=f32), kv.new_empty(kv.shape, dtype=f32), kv.new_empty(kv.shape, dtype=f32))
 
 
-class HopperTrainAttention(torch.autograd.Function):
-    """Forward and backward of a training recipe on the Hopper kernels; gradients in
-    the dtypes of q, k, v (GQA: dK and dV summed over each group's query heads)."""
+def _setup_context(ctx, inputs, output):
+    q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale = inputs
+    ctx.save_for_backward(*output)  # out, lse and the quantized operands
+    ctx.args = (p, p_build, causal_offset, causal, scale)
+    ctx.dtypes = (q.dtype, k.dtype, v.dtype)
 
-    @staticmethod
-    def forward(ctx, q, k, v, recipe: Recipe, causal_offset: int | None, scale: float):
-        causal = causal_offset is not None
-        out, lse, qv, kv, qs, ks, vt, vs = _train_forward_op(
-            q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0, causal, scale)
-        out = out.to(q.dtype)
-        ctx.args = (recipe.p, recipe.p_build, causal_offset or 0, causal, scale)
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
-        ctx.save_for_backward(out, lse, qv, kv, qs, ks, vt, vs)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        dq, dk, dv = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args)
-        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None
+def _backward(ctx, dout, *_unused):
+    """Gradients of q, k, v (in their dtypes) from the output's; the LSE and the saved
+    operands are not differentiable outputs."""
+    dq, dk, dv = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args)
+    return (dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2])) + (None,) * 7
+
+
+# autograd registered on the op itself (not an autograd.Function around it): under
+# torch.compile the Function's traced backward received a zero output gradient
+# (AOTAutograd, torch 2.11; scripts/diagnose_compile.py), the op-level formula does not
+_train_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def hopper_train_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None):
+    """Forward of a training recipe on the Hopper kernels, differentiable in q, k, v:
+    (out bf16, lse fp32). GQA: dK and dV are summed over each group's query heads."""
+    out, lse, *_ = _train_forward_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0,
+                                     causal_offset is not None, scale)
+    return out, lse
