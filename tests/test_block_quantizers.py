@@ -156,6 +156,15 @@ def test_fp8_edge_blocks_and_per_channel():
     q = quantize_fp8(x, dim=-1)
     assert q.scale[0].item() == 1.0 and torch.equal(q.dequantize()[0], torch.zeros(64))
     assert bool(torch.isnan(q.dequantize()[1:3]).all())
+    # a block so small that fmax / amax overflows float32 is flushed, never 0 * inf = NaN
+    for fmt in ("e4m3", "e5m2"):
+        tiny = torch.zeros(3, 64)
+        tiny[0, 3], tiny[1, 3], tiny[2, 3] = 1e-37, -(2.0**-113), 2.0**-112
+        t = quantize_fp8(tiny, dim=-1, fmt=fmt)
+        assert t.scale[:2].flatten().tolist() == [1.0, 1.0]
+        assert torch.equal(t.dequantize()[:2], torch.zeros(2, 64))
+        assert t.dequantize()[2, 3].item() == pytest.approx(2.0**-112, rel=1e-6)  # the smallest block kept
+        assert bool(torch.isfinite(t.dequantize()).all())
     v = torch.randn(2, 3, 50, 8)
     pc = quantize_fp8(v, dim=-2)  # one scale per channel, over the whole sequence
     assert pc.scale.shape == (2, 3, 8, 1)

@@ -210,3 +210,19 @@ def test_attn_mask_backward_and_errors():
         fp4attn.attention(q, k, v, attn_mask=torch.ones(3, 40, dtype=torch.bool))
     with pytest.raises(TypeError, match="attn_mask has dtype"):
         fp4attn.attention(q, k, v, attn_mask=torch.ones(16, 40, dtype=torch.int32))
+
+
+def test_backward_of_peaked_attention_is_finite():
+    """Sharp attention underflows P, so whole dS tiles are ~1e-40: their FP8 views must
+    flush (FP8_MIN_AMAX), not overflow their inverse scale into 0 * inf = NaN (the
+    failure that ended GPU training runs before the flush)."""
+    from fp4attn import attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=gen) for _ in range(3))
+    q, k = (q * 6).requires_grad_(), (k * 6).requires_grad_()
+    v.requires_grad_()
+    for recipe in ("train", "train-mxfp4pv"):
+        out = attention(q, k, v, recipe=recipe, causal=True, backend="reference")
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        assert all(bool(torch.isfinite(g).all()) for g in grads), recipe

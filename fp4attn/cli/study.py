@@ -50,7 +50,8 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
     gen = torch.Generator().manual_seed(args.seed + 1 + 1000 * rank)  # each rank its own batches
     val_gen = torch.Generator().manual_seed(args.seed + 2 + 1000 * rank)
     val_batches = [tuple(t.to(device) for t in batch(val, args.batch, cfg.seq, val_gen)) for _ in range(args.val_batches)]
-    state = {"attn": attn, "params": n_params, "history": [], "nan_step": None, "step": 0, "seconds": 0.0}
+    state = {"attn": attn, "params": n_params, "history": [], "nan_step": None, "nan_where": None, "step": 0,
+             "seconds": 0.0}
     if args.resume and ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
         model.load_state_dict(saved["model"])
@@ -70,11 +71,14 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
         with autocast:
             loss = model(x, y)
         if not math.isfinite(distributed.mean(loss.item(), device)):  # every rank stops together
-            state["nan_step"] = step
+            state["nan_step"], state["nan_where"] = step, "loss"
             break
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not math.isfinite(distributed.mean(float(grad_norm), device)):  # before it reaches the weights
+            state["nan_step"], state["nan_where"] = step, "gradient"
+            break
         opt.step()
         state["step"] = step + 1
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
@@ -83,7 +87,7 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
             state["history"].append([step + 1, distributed.mean(loss.item(), device), v])
             bar.set_postfix(train=f"{loss.item():.3f}", val=f"{v:.3f}")
             if not math.isfinite(v):
-                state["nan_step"] = step + 1
+                state["nan_step"], state["nan_where"] = step + 1, "validation loss"
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             state["seconds"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -92,7 +96,8 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
     last = state["history"][-1] if state["history"] else [0, float("nan"), float("nan")]
     tokens = (state["step"] * args.batch * cfg.seq * world)
     return {"recipe": attn, "params": state["params"], "steps": state["step"], "final_train_loss": last[1],
-            "final_val_loss": last[2], "nan_step": state["nan_step"], "seconds": round(state["seconds"], 1),
+            "final_val_loss": last[2], "nan_step": state["nan_step"], "nan_where": state.get("nan_where"),
+            "seconds": round(state["seconds"], 1),
             "tokens_per_second": round(tokens / max(state["seconds"], 1e-9)), "world_size": world,
             "parallel": args.parallel, "ranks_agree": distributed.params_agree(model, device),
             "history": state["history"]}
@@ -164,5 +169,6 @@ def main(args: argparse.Namespace) -> list[dict]:
     print(title)
     print(markdown_table(["attention", "steps", "final train loss", "final val loss", "non-finite at"],
                          [[r["recipe"], r["steps"], f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}",
-                           r["nan_step"]] for r in records]))
+                           "" if r["nan_step"] is None else f"{r['nan_step']} ({r['nan_where']})"]
+                          for r in records]))
     return records

@@ -15,6 +15,11 @@ E2M1_EMAX = 2  # exponent of the largest normal, 4 = 2**2 (OCP table 1)
 E4M3_MAX = 448.0
 # E5M2: bias 15, IEEE-like Inf/NaN.
 E5M2_MAX = 57344.0
+# FP8 blocks whose absolute maximum is below this are flushed (scale 1, zero elements):
+# their inverse scale fmax / amax would overflow float32 (448 / amax at amax < 2**-119,
+# 57344 / amax at 2**-112) and turn the block's zeros into NaN (0 * inf). Gradient
+# tiles this small occur in training (dS = P (dP - delta) where P underflows).
+FP8_MIN_AMAX = 2.0**-112
 
 # E8M0 (OCP MX v1.0, section 5.4.1): unsigned exponent, bias 127, 0xFF is NaN, no zero.
 E8M0_BIAS = 127

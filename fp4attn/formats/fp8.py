@@ -6,8 +6,9 @@ fp8 * scale. The FP8 recipes put one scale on each row of the contraction dim
 (`block=None`: per token for Q/K, per channel for V), so scales factor out of the
 matrix product.
 
-Edge blocks (stated and tested): an all-zero block gets scale 1 and zero elements; a
-block holding NaN or +-Inf gets scale NaN and dequantizes to NaN.
+Edge blocks (stated and tested): an all-zero block, or one whose amax is below
+FP8_MIN_AMAX = 2**-112 (its inverse scale would overflow float32), gets scale 1 and
+zero elements; a block holding NaN or +-Inf gets scale NaN and dequantizes to NaN.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4attn.formats.blocks import BlockLayout, from_blocks, nonfinite_blocks, to_blocks
-from fp4attn.formats.constants import E4M3_MAX, E5M2_MAX
+from fp4attn.formats.constants import E4M3_MAX, E5M2_MAX, FP8_MIN_AMAX
 from fp4attn.formats.minifloat import encode_fp8, exact_div
 
 FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
@@ -41,10 +42,10 @@ class FP8Tensor:
 
 def fp8_scales(amax: torch.Tensor, nonfinite: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, inverse) of blocks with absolute maximum `amax`: amax / fmax and
-    fmax / amax, both correctly rounded; 1 for all-zero blocks; scale NaN where
-    `nonfinite`."""
+    fmax / amax, both correctly rounded; 1 for blocks below FP8_MIN_AMAX (all-zero
+    included); scale NaN where `nonfinite`."""
     fmax = FP8_MAX[fmt]
-    zero = amax == 0
+    zero = amax < FP8_MIN_AMAX
     scale = torch.where(zero, torch.ones_like(amax), exact_div(amax, fmax)).masked_fill(nonfinite, float("nan"))
     inv = torch.where(zero, torch.ones_like(amax), exact_div(fmax, amax))
     return scale, inv

@@ -19,8 +19,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from fp4attn.formats import constants
 from fp4attn.reference import directp, encoding
 
+FP8_MIN_AMAX = tl.constexpr(constants.FP8_MIN_AMAX)
 P_EMIN = tl.constexpr(encoding.P_EMIN)
 P_OFFSET_LOG2 = tl.constexpr(encoding.P_OFFSET_LOG2)
 # y >= T thresholds (reference/directp.py), each the float32 just at or above the log

@@ -21,7 +21,7 @@ from fp4attn.formats.fp8 import fp8_scales
 from fp4attn.formats.minifloat import exact_div, pow2
 from fp4attn.formats.mx import mx_exponent
 from fp4attn.formats.nvfp4 import nvfp4_global_encode_scale
-from fp4attn.kernels.common import round_e4m3
+from fp4attn.kernels.common import FP8_MIN_AMAX, round_e4m3
 from fp4attn.kernels.hopper.operands import KernelOperands
 from fp4attn.recipes import Recipe
 from fp4attn.reference.operands import v_window
@@ -58,7 +58,7 @@ def _fp8_rows_kernel(X, Y, S, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
     bad = tl.sum((x != x).to(tl.int32), axis=1) > 0
     amax = tl.max(tl.abs(x), axis=1)
     amax = tl.where(bad, float("nan"), amax)
-    zero = amax == 0.0
+    zero = amax < FP8_MIN_AMAX  # formats/fp8.py: flushed, as all-zero rows
     scale = tl.where(zero, 1.0, tl.div_rn(amax, 448.0))
     inv = tl.where(zero, 1.0, tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
     nonfinite = bad | (amax == float("inf"))
