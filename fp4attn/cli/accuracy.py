@@ -116,12 +116,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--backward", action="store_true",
                    help="gradients instead: cos of dQ, dK, dV of the training recipes vs float64 autograd")
+    p.add_argument("--grad-formats", default="",
+                   help="with --backward: also run each FP8-gradient recipe with these gradient formats "
+                        "(e.g. e5m2) to compare them with its own")
     p.add_argument("--json", type=Path, help="write the records here")
 
 
 def main(args: argparse.Namespace) -> list[dict]:
     if args.backward:
-        recipes = [r for r in args.recipes.split(",") if PRESETS[r].grad is not None]
+        recipes = [PRESETS[r] for r in args.recipes.split(",") if PRESETS[r].grad is not None]
+        for fmt in filter(None, args.grad_formats.split(",")):
+            recipes += [r.with_(grad=fmt, name=f"{r.name} (grad {fmt})") for r in list(recipes)
+                        if r.grad not in ("bf16", fmt) and "(grad" not in r.name]
         records = run_backward_accuracy(recipes, (args.B, args.H, args.S, args.D), causal=args.causal,
                                         seed=args.seed, device=args.device)
         print(f"gradients vs float64 autograd, (B,H,S,D)=({args.B},{args.H},{args.S},{args.D}), "
