@@ -35,7 +35,8 @@ def main(args: argparse.Namespace) -> None:
     device = "cuda" if env["cuda"] else "cpu"
     acc_args = argparse.Namespace(
         recipes=",".join(accuracy.PRESETS), cases=",".join(accuracy.CASES), B=1, H=4, S=args.S, D=128,
-        causal=False, seed=0, device=device, backend="auto", backward=False, json=args.out / "accuracy.json",
+        causal=False, seed=0, device=device, backend="auto", backward=False, grad_formats="",
+        json=args.out / "accuracy.json",
     )
     records = accuracy.main(acc_args)
     plot_accuracy(records, args.out / "accuracy.png")

@@ -160,6 +160,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     distributed.finish()
     if rank != 0:
+        distributed.exit_worker()
         return records
     summary = {"config": asdict(cfg), "batch": args.batch, "lr": args.lr, "device": args.device, "runs": records}
     write_json(args.out / "train-study.json", summary)
@@ -171,4 +172,5 @@ def main(args: argparse.Namespace) -> list[dict]:
                          [[r["recipe"], r["steps"], f"{r['final_train_loss']:.4f}", f"{r['final_val_loss']:.4f}",
                            "" if r["nan_step"] is None else f"{r['nan_step']} ({r['nan_where']})"]
                           for r in records]))
+    distributed.exit_worker()
     return records
