@@ -2,8 +2,10 @@
 alone under each `BackwardConfig`, next to the forward and to SDPA cuDNN bf16's
 forward+backward, causal. Prints a Markdown table.
 
-    python scripts/bench_backward_variants.py
+    python scripts/bench_backward_variants.py [--defaults-only]
 """
+
+import sys
 
 import torch
 import triton
@@ -33,7 +35,7 @@ for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
     saved = torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5)
     fwd = bench(lambda: torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5))
     default = training.BACKWARD_CONFIGS[D]
-    for cfg in VARIANTS[D]:
+    for cfg in [default] if "--defaults-only" in sys.argv else VARIANTS[D]:
         training.BACKWARD_CONFIGS[D] = cfg
         try:
             ms = bench(lambda: torch.ops.fp4attn.hopper_train_backward(dout, *saved, r.p, r.p_build, 0, True, D**-0.5))
@@ -42,8 +44,6 @@ for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
             continue
         print(f"| {B},{H},{S},{D} | {cfg} | {ms:.2f} | {fwd:.2f} | {cudnn:.2f} | {cudnn / (ms + fwd):.2f}x |")
     training.BACKWARD_CONFIGS[D] = default
-    # prep alone: the fused quantizers and delta before the two kernels
-    from fp4attn.kernels.hopper.quantize import quantize_qk_fp8, quantize_v_t
-    prep = bench(lambda: (quantize_qk_fp8(dout), quantize_v_t(dout, "fp8"), quantize_v_t(q, "fp8"),
-                          quantize_v_t(k, "fp8"), quantize_qk_fp8(v)))
+    # prep alone: the fused quantizers (and delta) before the two kernels
+    prep = bench(lambda: training.backward_operands(dout, saved[0], *saved[2:]))
     print(f"| {B},{H},{S},{D} | backward operand quantizers alone | {prep:.2f} | | | |")

@@ -39,3 +39,34 @@ def test_fused_quantizers_match_reference(recipe, s, d):
         values, zero_sign = _same(a, b)
         assert values, f"{recipe} {name}: values differ"
         print(f"{recipe} {name}: {zero_sign} bytes differ only in the sign of zero")
+
+
+@pytest.mark.parametrize("s,d", [(1, 64), (113, 128), (1000, 64)])
+def test_backward_operand_views_match_reference(s, d):
+    """The backward's e4m3 views (kernels/hopper/training.py) are the reference
+    backward's `low_precision_view`s of dO, V's represented values and the dequantized
+    NVFP4 Q/K, scale for scale."""
+    from fp4attn.formats import quantize_fp8
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.training import backward_operands
+    from fp4attn.reference.operands import quantize_qk, quantize_v
+
+    q, k, v, dout = (torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(4))
+    dout[0, 1, 0] = 0.0  # an all-zero token
+    dout[1, 0, :, 3] *= 2.0**-120  # a channel below FP8_MIN_AMAX
+    out = torch.randn_like(dout)
+    ops = prepare_operands_fused(q, k, v, PRESETS["train"])
+    *got, delta = backward_operands(dout, out, ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs)
+    torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-4)
+
+    def view(x, dim):  # (e4m3 data in the kernel's layout, scale)
+        f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
+        return f.data.squeeze(-2), f.scale.squeeze(-1)
+
+    want = [*view(dout.float(), -1), *view(dout.float(), -2), *view(quantize_v(v, "fp8"), -1),
+            *view(quantize_qk(q, "nvfp4").dequantize(), -2), *view(quantize_qk(k, "nvfp4").dequantize(), -2)]
+    names = ("do_t", "do_ts", "do_c", "do_cs", "v_t", "v_ts", "q_c", "q_cs", "k_c", "k_cs")
+    for name, a, b in zip(names, want, got):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        values, zero_sign = _same(a.contiguous(), b)
+        assert values, f"{name}: values differ"

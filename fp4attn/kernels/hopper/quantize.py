@@ -49,21 +49,52 @@ def _e2m1_value(a):
 
 
 @triton.jit
-def _fp8_rows_kernel(X, Y, S, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Per-row FP8: scale = amax / 448, element = e4m3(x * (448 / amax))."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
-    ok = (rows < R)[:, None]
-    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-    bad = tl.sum((x != x).to(tl.int32), axis=1) > 0
-    amax = tl.max(tl.abs(x), axis=1)
+def _fp8_per_row(x, AXIS: tl.constexpr):
+    """FP8 e4m3 of a float32 tile with one scale per row along AXIS, as
+    `formats.fp8.quantize_fp8`: (values on the e4m3 grid, as float32; scale). scale =
+    amax / 448, element = e4m3(x * (448 / amax)); rows below FP8_MIN_AMAX get scale 1;
+    a row holding NaN or Inf gets scale NaN."""
+    bad = tl.sum((x != x).to(tl.int32), axis=AXIS) > 0
+    amax = tl.max(tl.abs(x), axis=AXIS)
     amax = tl.where(bad, float("nan"), amax)
     zero = amax < FP8_MIN_AMAX  # formats/fp8.py: flushed, as all-zero rows
     scale = tl.where(zero, 1.0, tl.div_rn(amax, 448.0))
     inv = tl.where(zero, 1.0, tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
     nonfinite = bad | (amax == float("inf"))
-    tl.store(S + rows, tl.where(nonfinite, float("nan"), scale), mask=rows < R)
-    tl.store(Y + offs, _e4m3_signed(x * inv[:, None]).to(tl.float8e4nv), mask=ok)
+    y = _e4m3_signed(x * (inv[:, None] if AXIS == 1 else inv[None, :]))
+    return y, tl.where(nonfinite, float("nan"), scale)
+
+
+@triton.jit
+def _fp8_rows_kernel(X, Y, S, O, DOT, R, D: tl.constexpr, BLOCK_R: tl.constexpr, WITH_DOT: tl.constexpr):
+    """Per-row FP8 of rows of D contiguous elements; with WITH_DOT also the row dot
+    products DOT = sum(X * O) (the backward's delta = rowsum(dO * O), fused into the
+    pass that reads dO)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    ok = (rows < R)[:, None]
+    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+    y, scale = _fp8_per_row(x, 1)
+    tl.store(S + rows, scale, mask=rows < R)
+    tl.store(Y + offs, y.to(tl.float8e4nv), mask=ok)
+    if WITH_DOT:
+        o = tl.load(O + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(DOT + rows, tl.sum(x * o, axis=1), mask=rows < R)
+
+
+@triton.jit
+def _fp8_tokens_of_vt_kernel(VT, VS, Y, YS, S, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Per-token FP8 of V's represented values, read from its (D, S) e4m3 form and
+    per-channel scales VS: Y (S, D) e4m3 and YS (S,) per head."""
+    bh = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    ok = (s < S)[None, :]
+    v = tl.load(VT + bh * D * S + d[:, None] * S + s[None, :], mask=ok, other=0.0).to(tl.float32)
+    v = v * tl.load(VS + bh * D + d)[:, None]  # the reference's represented values, exactly
+    y, scale = _fp8_per_row(v, 0)
+    tl.store(YS + bh * S + s, scale, mask=s < S)
+    tl.store(Y + bh * S * D + s[None, :] * D + d[:, None], y.to(tl.float8e4nv), mask=ok)
 
 
 @triton.jit
@@ -88,12 +119,13 @@ def _nvfp4_rows_kernel(X, Y, MULT, SDEC, R, D: tl.constexpr, BLOCK_R: tl.constex
 
 
 @triton.jit
-def _v_kernel(V, VT, INV, OUT_SCALE, S, D: tl.constexpr, BLOCK_S: tl.constexpr, MXFP4: tl.constexpr):
+def _v_kernel(V, VT, INV, OUT_SCALE, SCALE, S, D: tl.constexpr, BLOCK_S: tl.constexpr, MXFP4: tl.constexpr,
+              HAS_SCALE: tl.constexpr):
     """V (S, D) of one head -> e4m3 V^T (D, S).
 
-    FP8: e4m3(v * inv[d]). MXFP4: E2M1 of v * 2**-e (e per 32 keys and channel) times
-    2**(e - c): OUT_SCALE holds 2**(e - c), 0 for blocks flushed by the window, NaN for
-    non-finite blocks."""
+    FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE.
+    MXFP4: E2M1 of v * 2**-e (e per 32 keys and channel) times 2**(e - c): OUT_SCALE
+    holds 2**(e - c), 0 for blocks flushed by the window, NaN for non-finite blocks."""
     NB: tl.constexpr = BLOCK_S // 32
     bh = tl.program_id(1).to(tl.int64)
     blk = tl.program_id(0) * NB + tl.arange(0, NB)  # 32-key block index
@@ -112,6 +144,8 @@ def _v_kernel(V, VT, INV, OUT_SCALE, S, D: tl.constexpr, BLOCK_S: tl.constexpr, 
         out = _with_sign_of(mag, y) * osc
         out = tl.where(osc == 0.0, 0.0, out)  # a flushed block is +0, as the reference's masked_fill
     else:
+        if HAS_SCALE:
+            v = v * tl.load(SCALE)
         inv = tl.load(INV + bh * D + d)
         out = _e4m3_signed(v * inv)
     tl.store(VT + bh * D * S + d * S + s, out.to(tl.float8e4nv), mask=ok)
@@ -121,17 +155,31 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().reshape(-1, x.shape[-1])
 
 
-def quantize_qk_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max |x| over `dim` (or all of x) as float32, exactly x.float().abs().amax(dim) (NaN
+    propagates, +0 for all-zero) without materializing |x| or a float32 copy."""
+    hi, lo = (x.amax(), x.amin()) if dim is None else (x.amax(dim=dim), x.amin(dim=dim))
+    return torch.maximum(hi.float(), -lo.float()).abs()
+
+
+def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None):
+    """Per-token FP8 of x (..., D): (e4m3 values, scales (...)); with `dot_with` (same
+    shape) also the row sums of x * dot_with in float32."""
     xr = _rows(x)
     y = torch.empty(xr.shape, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(xr.shape[0], device=x.device, dtype=torch.float32)
+    dot = torch.empty(xr.shape[0] if dot_with is not None else 0, device=x.device, dtype=torch.float32)
+    other = _rows(dot_with) if dot_with is not None else xr
     grid = (triton.cdiv(xr.shape[0], 16),)
-    _fp8_rows_kernel[grid](xr, y, s, xr.shape[0], D=x.shape[-1], BLOCK_R=16, num_warps=4)
+    _fp8_rows_kernel[grid](xr, y, s, other, dot, xr.shape[0], D=x.shape[-1], BLOCK_R=16,
+                           WITH_DOT=dot_with is not None, num_warps=4)
+    if dot_with is not None:
+        return y.view(x.shape), s.view(x.shape[:-1]), dot.view(x.shape[:-1])
     return y.view(x.shape), s.view(x.shape[:-1])
 
 
 def quantize_qk_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s_enc = nvfp4_global_encode_scale(x.float().abs().amax())
+    s_enc = nvfp4_global_encode_scale(abs_max(x))
     s_dec = exact_div(1.0, s_enc).reshape(1)
     mult = (s_enc * exact_div(torch.ones_like(s_enc), 6.0)).reshape(1)
     xr = _rows(x)
@@ -141,13 +189,21 @@ def quantize_qk_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.view(x.shape), s_dec.expand(x.shape[:-1]).contiguous()
 
 
-def quantize_v_t(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """V (B, H, S, D) as e4m3 V^T (B, H, D, S) and its per-channel scale (B, H, D): FP8 per
+    channel, or MXFP4 inside its e4m3 window (`reference.operands.quantize_v`).
+
+    `scale` (FP8 only): a float32 scalar tensor; quantize v * scale (rounded in float32,
+    as the reference's dequantized NVFP4 values) without materializing the product."""
     B, H, S, D = v.shape
     vc = v.contiguous()
     vt = torch.empty((B, H, D, S), device=v.device, dtype=torch.float8_e4m3fn)
     if fmt == "fp8":
-        vf = vc.float()
-        vs, inv = fp8_scales(vf.abs().amax(dim=-2), ~torch.isfinite(vf).all(dim=-2))
+        amax = abs_max(vc, -2)
+        nonfinite = ~torch.isfinite(amax)  # amax is Inf or NaN iff the channel holds one
+        if scale is not None:
+            amax = amax * scale  # max |v * s| = round(max |v| * s): rounding is monotonic
+        vs, inv = fp8_scales(amax, nonfinite)
         inv = inv.contiguous()
         out_scale = inv
     else:
@@ -160,10 +216,25 @@ def quantize_v_t(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]
         inv = pow2(-e.clamp(-127, 127)).transpose(-1, -2).contiguous()  # (B, H, n_blocks, D)
         out_scale = osc.transpose(-1, -2).contiguous()
         vs = pow2(c)[..., None].expand(B, H, D).contiguous()
+    if scale is not None and fmt != "fp8":
+        raise ValueError("quantize_v_t: `scale` is for FP8 only")
     block_s = 64
     grid = (triton.cdiv(S, block_s), B * H)
-    _v_kernel[grid](vc, vt, inv, out_scale, S, D=D, BLOCK_S=block_s, MXFP4=fmt == "mxfp4", num_warps=4)
+    _v_kernel[grid](vc, vt, inv, out_scale, scale if scale is not None else inv, S, D=D, BLOCK_S=block_s,
+                    MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, num_warps=4)
     return vt, vs.float()
+
+
+def quantize_fp8_tokens_of_vt(vt: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 (B, H, S, D) e4m3 and scales (B, H, S) of V's represented values
+    vt^T * vs, read from the forward's V^T (B, H, D, S) and per-channel scales (B, H, D)."""
+    B, H, D, S = vt.shape
+    y = torch.empty((B, H, S, D), device=vt.device, dtype=torch.float8_e4m3fn)
+    ys = torch.empty((B, H, S), device=vt.device, dtype=torch.float32)
+    block_s = 32
+    _fp8_tokens_of_vt_kernel[(triton.cdiv(S, block_s), B * H)](vt.contiguous(), vs.contiguous(), y, ys, S, D=D,
+                                                                BLOCK_S=block_s, num_warps=4)
+    return y, ys
 
 
 def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe) -> KernelOperands:

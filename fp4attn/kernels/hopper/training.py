@@ -17,7 +17,12 @@ import triton
 
 from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from fp4attn.kernels.hopper.ops import P_MODES, launch_forward, unsupported_reason
-from fp4attn.kernels.hopper.quantize import prepare_operands_fused, quantize_qk_fp8, quantize_v_t
+from fp4attn.kernels.hopper.quantize import (
+    prepare_operands_fused,
+    quantize_fp8_tokens_of_vt,
+    quantize_qk_fp8,
+    quantize_v_t,
+)
 from fp4attn.recipes import Recipe
 from fp4attn.reference.backward import DS_BLOCK
 from fp4attn.reference.forward import LOG2E
@@ -87,23 +92,29 @@ def _train_backward_op(
     return launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale)
 
 
+def backward_operands(dout, out, qv, kv, qs, ks, vt, vs):
+    """The e4m3 views of the gradient products (reference/backward.py), from fused
+    quantizers: per token for dO and V in dP = dO V^T; per channel, stored transposed
+    (contraction dim contiguous) for dO, Q and K in dV, dK and dQ. Q and K are their
+    dequantized NVFP4 values: grid values times the tensor scale, one scalar per tensor.
+    Also delta = rowsum(dO * O), computed in the pass over dO."""
+    do_t, do_ts, delta = quantize_qk_fp8(dout, dot_with=out)
+    do_c, do_cs = quantize_v_t(dout, "fp8")
+    v_t, v_ts = quantize_fp8_tokens_of_vt(vt, vs)
+    q_c, q_cs = quantize_v_t(qv, "fp8", scale=qs.reshape(-1)[:1])
+    k_c, k_cs = quantize_v_t(kv, "fp8", scale=ks.reshape(-1)[:1])
+    return do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta
+
+
 def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale):
     """Quantize the backward's operand views and run the dkdv and dq kernels: fp32
     (dq, dk, dv)."""
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
-    # the e4m3 views of the gradient products (reference/backward.py), from the fused
-    # quantizers: per token for dO and V in dP = dO V^T, per channel (stored transposed,
-    # so the contraction dim is contiguous) for dO, Q and K in dV, dK and dQ
-    do_t, do_ts = quantize_qk_fp8(dout)
-    do_c, do_cs = quantize_v_t(dout, "fp8")
-    v_rep = (vt.float() * vs[..., None]).transpose(-1, -2)
-    v_t, v_ts = quantize_qk_fp8(v_rep)
-    q_c, q_cs = quantize_v_t(qv.float() * qs[..., None], "fp8")
-    k_c, k_cs = quantize_v_t(kv.float() * ks[..., None], "fp8")
+    do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta = backward_operands(
+        dout, out, qv, kv, qs, ks, vt, vs)
     # rows that see no key: +inf makes their P 0 in the kernels without a test per element
     lse2 = torch.where(lse > -torch.inf, lse * LOG2E, torch.inf).contiguous()
-    delta = (dout.float() * out.float()).sum(dim=-1).contiguous()
     qv, kv, qs, ks = qv.contiguous(), kv.contiguous(), qs.contiguous(), ks.contiguous()
     dq = torch.empty((B, H, Sq, D), device=qv.device, dtype=torch.float32)
     dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=torch.float32)
