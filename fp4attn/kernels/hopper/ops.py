@@ -9,6 +9,8 @@ rounding (torch.compile gave different codes than eager; docs/notes/hopper-forwa
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,8 +22,32 @@ from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E
 
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
-BLOCK_M = 128
 BLOCK_N = 128  # equals Recipe.block_n of every preset: the tile is part of the numerics
+LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages": a tuning override
+
+
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """Launch shape of the forward; speed only (query rows are independent, so BLOCK_M
+    does not change any value)."""
+
+    block_m: int = 128
+    warps: int = 8
+    stages: int = 3
+
+
+def forward_launch() -> ForwardLaunch:
+    """The default launch shape, or the one FP4ATTN_FORWARD_LAUNCH names."""
+    spec = os.environ.get(LAUNCH_ENV)
+    if not spec:
+        return ForwardLaunch()
+    try:
+        block_m, warps, stages = (int(x) for x in spec.split(","))
+    except ValueError as e:
+        raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected 'block_m,warps,stages', e.g. '128,8,3'") from e
+    if block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4:
+        raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4")
+    return ForwardLaunch(block_m, warps, stages)
 HEAD_DIMS = (64, 128)
 
 
@@ -54,9 +80,10 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
-    sq_pad = triton.cdiv(Sq, BLOCK_M) * BLOCK_M
+    cfg = forward_launch()
+    sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
     dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(Sq, BLOCK_M), B * H)
+    grid = (triton.cdiv(Sq, cfg.block_m), B * H)
     attn_fwd_kernel[grid](
         q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg,
         q.stride(0), q.stride(1), q.stride(2),
@@ -65,11 +92,11 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         out.stride(0), out.stride(1), out.stride(2),
         dbg.stride(0), dbg.stride(1), dbg.stride(2),
         H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode, CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), QK_PROMOTE=qk_promote,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
-        num_warps=8, num_stages=2 if write_p else 3,
+        num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )
     return out, lse, dbg if write_p else dbg[:0]
 
@@ -88,7 +115,8 @@ def _hopper_attention_op(
 @_hopper_attention_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p):
     B, H, Sq, D = q.shape
-    sq_pad = math.ceil(Sq / BLOCK_M) * BLOCK_M
+    block_m = forward_launch().block_m
+    sq_pad = math.ceil(Sq / block_m) * block_m
     dbg_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
             q.new_empty(dbg_shape, dtype=torch.float32))

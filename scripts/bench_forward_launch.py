@@ -1,0 +1,38 @@
+"""Forward launch shapes, one run: 128-row programs of 8 warps (one per SM at 255
+registers) against 64-row programs of 4 warps (two per SM, so one program's softmax
+can overlap the other's products). Kernel alone, TFLOP/s and ratio to SDPA cuDNN bf16.
+
+    python scripts/bench_forward_launch.py
+"""
+
+import os
+
+import torch
+import triton
+
+from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
+from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+from fp4attn.recipes import PRESETS
+
+bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
+LAUNCHES = ["128,8,3", "64,4,3", "64,4,2"]
+RECIPES = ["nvfp4-fp8", "fp8"]
+print("| B,H,S,D | causal | recipe | " + " | ".join(f"launch {c}" for c in LAUNCHES) + " |")
+print("|---|---|---|" + "---|" * len(LAUNCHES))
+for B, H, S, D in [(8, 16, 4096, 128)]:
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for causal in (False, True):
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            base = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        for name in RECIPES:
+            r = PRESETS[name]
+            ops = prepare_operands_fused(q, k, v, r)
+            cells = []
+            for launch in LAUNCHES:
+                os.environ[LAUNCH_ENV] = launch
+                ms = bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=0 if causal else None,
+                                                  p_mode=P_MODES[(r.p, r.p_build)]))
+                cells.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
+            os.environ.pop(LAUNCH_ENV)
+            print(f"| {B},{H},{S},{D} | {causal} | {name} | " + " | ".join(cells) + " |")
