@@ -2,9 +2,11 @@
 registers) against 64-row programs of 4 warps (two per SM, so one program's softmax
 can overlap the other's products). Kernel alone, TFLOP/s and ratio to SDPA cuDNN bf16.
 
-    python scripts/bench_forward_launch.py
+    python scripts/bench_forward_launch.py [--launches 128,8,3/64,4,2] [--recipes fp8,nvfp4-fp8]
+        [--shapes 8,16,4096,128/16,16,2048,64] [--causal no]
 """
 
+import argparse
 import os
 
 import torch
@@ -15,13 +17,21 @@ from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
-LAUNCHES = ["128,8,3", "64,4,3", "64,4,2"]
-RECIPES = ["nvfp4-fp8", "fp8"]
+ap = argparse.ArgumentParser()
+ap.add_argument("--launches", default="128,8,3/64,4,3/64,4,2")
+ap.add_argument("--recipes", default="nvfp4-fp8,fp8")
+ap.add_argument("--shapes", default="8,16,4096,128")
+ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))
+args = ap.parse_args()
+LAUNCHES = args.launches.split("/")
+RECIPES = args.recipes.split(",")
+SHAPES = [tuple(map(int, s.split(","))) for s in args.shapes.split("/")]
+CAUSAL = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
 print("| B,H,S,D | causal | recipe | " + " | ".join(f"launch {c}" for c in LAUNCHES) + " |")
 print("|---|---|---|" + "---|" * len(LAUNCHES))
-for B, H, S, D in [(8, 16, 4096, 128)]:
+for B, H, S, D in SHAPES:
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    for causal in (False, True):
+    for causal in CAUSAL:
         flops = 4 * B * H * S * S * D / (2 if causal else 1)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             base = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
