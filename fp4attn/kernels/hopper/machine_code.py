@@ -46,9 +46,15 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=8, num_stages=3,
-                    block_m=128, block_n=128):
-    """The compiled forward for one flag combination."""
+def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
+                    block_m=None, block_n=128):
+    """The compiled forward for one flag combination; launch shape as `ops` launches it
+    at this head dim unless given."""
+    from fp4attn.kernels.hopper.ops import forward_launch
+
+    launch = forward_launch(head_dim)
+    num_warps, num_stages = num_warps or launch.warps, num_stages or launch.stages
+    block_m = block_m or launch.block_m
     elem = "*fp8e4nv" if qk_fp8 else "*bf16"
     types = {"Q": elem, "K": elem, "VT": "*fp8e4nv", "O": "*bf16", "P_DBG": "*fp32"}
     sig = {n: types.get(n, "*fp32") for n in _POINTERS}

@@ -36,11 +36,18 @@ class ForwardLaunch:
     stages: int = 3
 
 
-def forward_launch() -> ForwardLaunch:
-    """The default launch shape, or the one FP4ATTN_FORWARD_LAUNCH names."""
+# D=128: 64-row programs of 4 warps, two per SM (255 registers each), so one program's
+# softmax overlaps the other's products: fp8 287 -> 409 TFLOP/s, nvfp4-fp8 369 -> 379,
+# fp8-directp 148 -> 173 at (8,16,4096,128) (benchmarks/results/h200-forward-launch*.txt).
+# D=64 stays at 128 rows (fp8 246 vs 238, nvfp4-fp8 232 vs 255 at (16,16,2048,64)).
+DEFAULT_LAUNCH = {64: ForwardLaunch(128, 8, 3), 128: ForwardLaunch(64, 4, 2)}
+
+
+def forward_launch(head_dim: int) -> ForwardLaunch:
+    """The launch shape for `head_dim`, or the one FP4ATTN_FORWARD_LAUNCH names."""
     spec = os.environ.get(LAUNCH_ENV)
     if not spec:
-        return ForwardLaunch()
+        return DEFAULT_LAUNCH[head_dim]
     try:
         block_m, warps, stages = (int(x) for x in spec.split(","))
     except ValueError as e:
@@ -80,7 +87,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
-    cfg = forward_launch()
+    cfg = forward_launch(D)
     sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
     dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
@@ -115,7 +122,7 @@ def _hopper_attention_op(
 @_hopper_attention_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p):
     B, H, Sq, D = q.shape
-    block_m = forward_launch().block_m
+    block_m = forward_launch(D).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
     dbg_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
