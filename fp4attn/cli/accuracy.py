@@ -67,25 +67,44 @@ def run_accuracy(
     return records
 
 
-def run_backward_accuracy(recipes, shape, *, causal=True, seed=0, device="cpu") -> list[dict]:
+def backward_accuracy(recipes, q, k, v, dout, *, causal=False, attn_mask=None, scale=None, label="") -> list[dict]:
     """Cosine of dQ, dK, dV of each training recipe against float64 autograd of exact
-    attention, on Gaussian inputs (bf16) and a Gaussian output gradient."""
-    from fp4attn.recipes import get_recipe
-
-    q, k, v = (t.to(torch.bfloat16) for t in make_inputs("gaussian", shape, seed, device))
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    attention on the same inputs (cast to bf16 first, as a model would pass them)."""
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     exact = [t.double().requires_grad_() for t in (q, k, v)]
-    torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=causal).backward(dout.double())
+    torch.nn.functional.scaled_dot_product_attention(*exact, attn_mask=attn_mask, is_causal=causal,
+                                                     scale=scale).backward(dout.double())
     records = []
-    for recipe in tqdm(recipes, desc="backward", unit="recipe", leave=False):
-        name = get_recipe(recipe).name
+    for recipe in tqdm(recipes, desc=f"backward {label}".strip(), unit="recipe", leave=False):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        attention(*leaves, recipe=recipe, causal=causal).backward(dout.to(q.dtype))
-        B, H, S, D = shape
-        rec = {"recipe": name, "B": B, "H": H, "S": S, "D": D, "causal": causal, "device": str(q.device)}
+        attention(*leaves, recipe=recipe, causal=causal, attn_mask=attn_mask, scale=scale).backward(
+            dout.to(q.dtype))
+        B, H, S, D = q.shape
+        rec = {"recipe": get_recipe(recipe).name, "inputs": label, "B": B, "H": H, "S": S, "D": D,
+               "causal": causal, "device": str(q.device)}
         for g, (got, want) in zip("qkv", zip(leaves, exact)):
             rec[f"cos_d{g}"] = error_metrics(got.grad, want.grad)["cos"]
         records.append(rec)
+    return records
+
+
+def run_backward_accuracy(recipes, shape, *, causal=True, seed=0, device="cpu") -> list[dict]:
+    """`backward_accuracy` on Gaussian inputs and a Gaussian output gradient."""
+    q, k, v = make_inputs("gaussian", shape, seed, device)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    return backward_accuracy(recipes, q, k, v, dout, causal=causal, label="gaussian")
+
+
+def run_backward_accuracy_minilm(recipes, layers=(0, 2, 5), *, seed=0, device="cpu") -> list[dict]:
+    """`backward_accuracy` on the attention operands of all-MiniLM-L6-v2's `layers` on the
+    shipped sentences (padded batch, boolean key mask), Gaussian output gradient."""
+    from fp4attn.cli.eval import minilm_attention_inputs
+
+    records = []
+    for layer, (q, k, v, mask, scale) in minilm_attention_inputs(layers, device=device).items():
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + layer)).to(device)
+        records += backward_accuracy(recipes, q, k, v, dout, attn_mask=mask, scale=scale,
+                                     label=f"minilm layer {layer}")
     return records
 
 
@@ -116,6 +135,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--backward", action="store_true",
                    help="gradients instead: cos of dQ, dK, dV of the training recipes vs float64 autograd")
+    p.add_argument("--inputs", default="gaussian", choices=("gaussian", "minilm"),
+                   help="with --backward: Gaussian q, k, v, or the operands of all-MiniLM-L6-v2's layers 0, 2, 5 "
+                        "on the shipped sentences (needs the eval extra)")
     p.add_argument("--grad-formats", default="",
                    help="with --backward: also run each FP8-gradient recipe with these gradient formats "
                         "(e.g. e5m2) to compare them with its own")
@@ -128,12 +150,17 @@ def main(args: argparse.Namespace) -> list[dict]:
         for fmt in filter(None, args.grad_formats.split(",")):
             recipes += [r.with_(grad=fmt, name=f"{r.name} (grad {fmt})") for r in list(recipes)
                         if r.grad not in ("bf16", fmt) and "(grad" not in r.name]
-        records = run_backward_accuracy(recipes, (args.B, args.H, args.S, args.D), causal=args.causal,
-                                        seed=args.seed, device=args.device)
-        print(f"gradients vs float64 autograd, (B,H,S,D)=({args.B},{args.H},{args.S},{args.D}), "
-              f"causal={args.causal}, Gaussian bf16 inputs, device={args.device}")
-        print(markdown_table(["recipe", "cos dQ", "cos dK", "cos dV"],
-                             [[r["recipe"]] + [f"{r[f'cos_d{g}']:.4f}" for g in "qkv"] for r in records]))
+        if getattr(args, "inputs", "gaussian") == "minilm":
+            records = run_backward_accuracy_minilm(recipes, seed=args.seed, device=args.device)
+            print(f"gradients vs float64 autograd, all-MiniLM-L6-v2 attention operands, device={args.device}")
+        else:
+            records = run_backward_accuracy(recipes, (args.B, args.H, args.S, args.D), causal=args.causal,
+                                            seed=args.seed, device=args.device)
+            print(f"gradients vs float64 autograd, (B,H,S,D)=({args.B},{args.H},{args.S},{args.D}), "
+                  f"causal={args.causal}, Gaussian bf16 inputs, device={args.device}")
+        print(markdown_table(["recipe", "inputs", "cos dQ", "cos dK", "cos dV"],
+                             [[r["recipe"], r["inputs"]] + [f"{r[f'cos_d{g}']:.4f}" for g in "qkv"]
+                              for r in records]))
         write_json(args.json, records)
         return records
     records = run_accuracy(

@@ -111,3 +111,28 @@ def main(args: argparse.Namespace) -> list[dict]:
           f"{r['spearman']:.5f}"] for r in records]))
     write_json(args.json, records)
     return records
+
+
+@torch.no_grad()
+def minilm_attention_inputs(layers: tuple[int, ...], n_sentences: int = 32, device: str = "cpu",
+                            path: Path | None = None) -> dict[int, tuple]:
+    """Real attention operands: (q, k, v, mask, scale) that all-MiniLM-L6-v2's layers
+    `layers` see on the first `n_sentences` shipped sentences (fp32 model, one padded
+    batch; mask is the boolean key mask transformers passes to SDPA)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    captured: dict[int, tuple] = {}
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        captured[len(captured)] = (query.clone(), key.clone(), value.clone(), attention_mask, scaling)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register("fp4attn-capture", capture)
+    AttentionMaskInterface.register("fp4attn-capture", sdpa_mask)
+    model, tok = load_minilm(device, torch.float32, path)
+    model.set_attn_implementation("fp4attn-capture")
+    enc = tok(load_sentences()[:n_sentences], padding=True, truncation=True, max_length=128, return_tensors="pt")
+    model(**{k: v.to(device) for k, v in enc.items()})
+    return {i: captured[i] for i in layers}
