@@ -1,0 +1,62 @@
+"""The fused Triton quantizers under the Triton interpreter (CPU): indexing, masking and
+layouts against the reference quantizers. Every value they store is already on its
+grid before the final cast, so even the interpreter (whose fp8 casts of values between
+grid points are wrong) must reproduce the reference exactly, up to the sign of zero.
+The GPU tests (test_hopper_quantize.py) are the numerical check; this one runs in CI."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    from fp4attn.formats import quantize_fp8
+    from fp4attn.kernels.hopper.operands import prepare_operands
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.training import backward_operands
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference.operands import quantize_qk, quantize_v
+
+    def same(a, b, name):
+        x, y = a.float(), b.float()
+        nan = torch.isnan(x)
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        assert torch.equal(nan, torch.isnan(y)) and torch.equal(x[~nan], y[~nan]), name
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 70, 64, generator=g).bfloat16() * 4 for _ in range(4))
+    v[0, 0, :35] *= 2.0**-18
+    k[1, 2, 0] = 0.0
+    dout[1, 0, :, 3] *= 2.0**-120
+    for recipe in ("fp8", "nvfp4-fp8", "fp8-directp"):
+        want = prepare_operands(q, k, v, PRESETS[recipe])
+        got = prepare_operands_fused(q, k, v, PRESETS[recipe])
+        for name in ("q", "k", "qs", "ks", "vt", "vs"):
+            same(getattr(want, name), getattr(got, name), f"{recipe} {name}")
+    ops = prepare_operands_fused(q, k, v, PRESETS["train"])
+    out = torch.randn(dout.shape, generator=g).bfloat16()
+    *got, delta = backward_operands(dout, out, ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs)
+
+    def view(x, dim):
+        f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
+        return f.data.squeeze(-2), f.scale.squeeze(-1)
+
+    want = [*view(dout.float(), -1), *view(dout.float(), -2), *view(quantize_v(v, "fp8"), -1),
+            *view(quantize_qk(q, "nvfp4").dequantize(), -2), *view(quantize_qk(k, "nvfp4").dequantize(), -2)]
+    for name, a, b in zip(("do_t", "do_ts", "do_c", "do_cs", "v_t", "v_ts", "q_c", "q_cs", "k_c", "k_cs"), want, got):
+        same(a.contiguous(), b, name)
+    torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-4)
+    print("ok")
+''')
+
+
+def test_fused_quantizers_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
