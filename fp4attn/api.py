@@ -178,7 +178,8 @@ def attention(
         return_lse: also return the log-sum-exp, float32 (B, Hq, Sq), natural log of
             the softmax denominator of the scaled scores; -inf for rows seeing no key.
         backend: "auto" (the Triton kernels where they run the recipe: CUDA sm_90,
-            head_dim 64 or 128, no attn_mask; with gradients, the training recipes
+            head_dim a multiple of 16 up to 128 (below 64 or 128 zero-padded, which
+            is exact), no attn_mask; with gradients, the training recipes
             "train" and "train-mxfp4pv"; else the reference, logged once), "triton"
             (an error if the kernels cannot run the call) or "reference" (the
             pure-PyTorch definition). The FP4ATTN_BACKEND environment variable
@@ -197,7 +198,12 @@ def attention(
     s = _resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if _resolve_backend(backend, q, rec, needs_grad, attn_mask is not None) == "triton":
+        from fp4attn.kernels.hopper.ops import kernel_head_dim
+
         offset = causal_offset(mode, q.shape[-2], k.shape[-2])
+        d, dk = q.shape[-1], kernel_head_dim(q.shape[-1])
+        if dk != d:  # zero channels are exact in every recipe (ops.kernel_head_dim)
+            q, k, v = (torch.nn.functional.pad(t, (0, dk - d)) for t in (q, k, v))
         if needs_grad:
             from fp4attn.kernels.hopper.training import hopper_train_attention
 
@@ -208,6 +214,8 @@ def attention(
 
             out, lse, _ = hopper_attention(q, k, v, rec, scale=s, causal_offset=offset)
             out = out.to(q.dtype)
+        if dk != d:
+            out = out[..., :d].contiguous()
     else:
         out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, attn_mask)
     return (out, lse) if return_lse else out

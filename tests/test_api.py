@@ -8,6 +8,7 @@ import torch
 import fp4attn
 from fp4attn import PRESETS, Recipe
 from fp4attn.cli.main import main as cli_main
+from fp4attn.metrics import error_metrics
 
 
 def _qkv(dtype=torch.bfloat16, shape=(1, 2, 16, 64)):
@@ -131,3 +132,54 @@ def test_bench_table_and_geomean():
     assert table[2] == "| 1,2,64,128 | False | 100 (1.00x) | 50 (0.50x) |" and len(table) == 4
     assert geomean_speedups(recs, 128, False)["fp8"] == pytest.approx(0.5)
     assert visible_pairs(4, 4, True) == 10 and visible_pairs(2, 5, True) == 3
+
+
+def test_padded_head_dims_reproduce_the_unpadded_recipe(monkeypatch):
+    """The kernel path zero-pads head dims below 64 / 128 and cuts the output back. With the
+    kernel op replaced by the reference at the padded dim, the result must equal the
+    reference at the original dim: padding is exact in every recipe."""
+    pytest.importorskip("triton")
+    import fp4attn.api as api
+    import fp4attn.kernels.hopper.ops as ops
+    from fp4attn.reference import reference_forward
+
+    seen = []
+
+    def fake_kernel(q, k, v, recipe, *, scale, causal_offset, write_p=0):
+        seen.append(q.shape[-1])
+        res = reference_forward(q, k, v, recipe, scale=scale, causal=None if causal_offset is None else "top_left")
+        return res.out.to(torch.bfloat16), res.lse, None
+
+    monkeypatch.setattr(api, "_resolve_backend", lambda *a: "triton")
+    monkeypatch.setattr(ops, "hopper_attention", fake_kernel)
+    gen = torch.Generator().manual_seed(0)
+    for d in (16, 32, 48, 80, 112):
+        q, k, v = (torch.randn(1, 2, 70, d, generator=gen).bfloat16() * 3 for _ in range(3))
+        for recipe in ("directp", "nvfp4-fp8", "fp8-directp", "fp8"):
+            for causal in (False, True):
+                got, lse = fp4attn.attention(q, k, v, recipe=recipe, causal=causal, return_lse=True)
+                want = reference_forward(q, k, v, fp4attn.PRESETS[recipe], scale=d**-0.5,
+                                         causal="top_left" if causal else None)
+                assert got.shape == q.shape and got.is_contiguous()
+                assert error_metrics(got.float(), want.out)["rel_l2"] < 5e-3, (d, recipe, causal)
+                torch.testing.assert_close(lse, want.lse, rtol=1e-5, atol=1e-5)
+        assert seen[-1] == (64 if d <= 64 else 128)
+
+
+def test_zero_padding_leaves_every_operand_unchanged():
+    """Why padding is exact: the quantized Q, K (values and scales) and V of the padded
+    inputs are the unpadded ones plus zero channels, in every format."""
+    from fp4attn.reference.operands import quantize_qk, quantize_v
+
+    gen = torch.Generator().manual_seed(1)
+    for d, dk in ((16, 64), (48, 64), (80, 128), (112, 128)):
+        x = torch.randn(2, 3, 70, d, generator=gen).bfloat16() * 5
+        x[0, 1, :, 2] = 0.0
+        xp = torch.nn.functional.pad(x, (0, dk - d))
+        for fmt in ("nvfp4", "fp8", "bf16"):
+            a, b = quantize_qk(x, fmt), quantize_qk(xp, fmt)
+            assert torch.equal(b.values[..., :d], a.values) and not b.values[..., d:].any(), (d, fmt)
+            assert torch.equal(b.scale.expand(*b.values.shape[:-1], 1), a.scale.expand(*a.values.shape[:-1], 1))
+        for fmt in ("mxfp4", "fp8", "bf16"):
+            a, b = quantize_v(x, fmt), quantize_v(xp, fmt)
+            assert torch.equal(b[..., :d], a) and not b[..., d:].any(), (d, fmt)

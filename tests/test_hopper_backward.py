@@ -78,6 +78,12 @@ def test_backward_causal_gqa(recipe, causal, sq, sk):
     _check(recipe, 1, 6, 2, sq, sk, 128, causal=causal)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("d", [32, 96])
+def test_backward_padded_head_dims(recipe, d):
+    _check(recipe, 2, 4, 2, 300, 300, d, causal="top_left")
+
+
 def test_backward_is_deterministic_and_float_dtypes():
     for dtype in (torch.float16, torch.float32):
         q, k, v = _inputs(1, 4, 2, 300, 300, 64, dtype)

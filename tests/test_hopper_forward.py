@@ -83,6 +83,25 @@ def test_kernel_causal_gqa(recipe, causal, sq, sk):
     _check(q, k, v, r, causal=causal)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("d", [32, 48, 96])
+def test_kernel_padded_head_dims(recipe, d):
+    """Head dims below 64 / 128 run zero-padded: as close to the reference at the
+    original head dim as the kernel is at its own (padding is exact)."""
+    q, k, v = _qkv(2, 4, 2, 300, 300, d)
+    for causal in (False, True):
+        out, lse = fp4attn.attention(q, k, v, recipe=recipe, causal=causal, enable_gqa=True, return_lse=True,
+                                     backend="triton")
+        assert out.shape == q.shape
+        ref = reference_forward(q, k, v, PRESETS[recipe], scale=d**-0.5, causal="top_left" if causal else None)
+        g = q.shape[1] // k.shape[1]
+        exact = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(g, 1),
+                                               v.double().repeat_interleave(g, 1), is_causal=causal)
+        ref_err = error_metrics(ref.out, exact)["rel_l2"]
+        assert error_metrics(out.float(), ref.out)["rel_l2"] <= 0.1 * ref_err + 4e-3
+        assert (lse - ref.lse).abs().mean().item() < 2e-3
+
+
 def test_kernel_extreme_logits():
     q, k, v = _qkv(1, 2, 2, 256, 1024, 128)
     q, k = q * 14, k * 14
@@ -106,8 +125,9 @@ def test_auto_backend_uses_kernel_and_dtype():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         out = fp4attn.attention(q.to(dtype), k.to(dtype), v.to(dtype), recipe="fp8")
         assert out.dtype == dtype
-    with pytest.raises(ValueError, match="head_dim 96"):
-        fp4attn.attention(*(t[..., :96] for t in (q, k, v)), recipe="fp8", backend="triton")
+    with pytest.raises(ValueError, match="head_dim 144"):
+        big = torch.randn(1, 2, 128, 144, device="cuda", dtype=torch.bfloat16)
+        fp4attn.attention(big, big, big, recipe="fp8", backend="triton")
     with pytest.raises(ValueError, match="cannot run recipe 'bf16'"):
         fp4attn.attention(q, k, v, recipe="bf16", backend="triton")
 

@@ -58,6 +58,17 @@ def forward_launch(head_dim: int) -> ForwardLaunch:
 HEAD_DIMS = (64, 128)
 
 
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The kernel head dim that runs `head_dim`: itself (64, 128), or for a smaller
+    multiple of 16 the next one up, the inputs zero-padded. Padding is exact in every
+    recipe: zero channels add nothing to a score, leave NVFP4's tensor amax, FP8's
+    per-token amax and MXFP4 V's window unchanged, and come out as zero columns. None
+    above 128."""
+    if head_dim % 16:
+        return None
+    return next((d for d in HEAD_DIMS if head_dim <= d), None)
+
+
 def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
     """Why the Hopper kernel cannot run `recipe` at `head_dim`, or None if it can."""
     if recipe.qk not in ("fp8", "nvfp4"):
@@ -70,8 +81,8 @@ def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
         return "consistent_norm=False (kernels sum the represented P values)"
     if recipe.block_n != BLOCK_N:
         return f"block_n={recipe.block_n} (kernels tile {BLOCK_N} keys)"
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim {head_dim} (kernels run {HEAD_DIMS})"
+    if kernel_head_dim(head_dim) is None:
+        return f"head_dim {head_dim} (kernels run multiples of 16 up to {HEAD_DIMS[-1]}; below 64 and 128 zero-padded)"
     return None
 
 
