@@ -3,7 +3,9 @@ backends in bf16, measured in one run (speed on a shared machine is only meaning
 as a ratio). `--backward` times training instead (`fp4attn/cli/bench_train.py`).
 
 Each recipe is checked once per shape against the reference (on a 1-batch, 2-head
-slice of the same inputs) before it is timed. Times are medians of
+slice of the same inputs) before it is timed. cuDNN's FP8 SDPA (`cudnn-fp8`, e4m3 in
+and out) joins the baselines when the `nvidia-cudnn-frontend` package is installed
+(`fp4attn/cli/cudnn_fp8.py`); whether it ran, and why not, is printed. Times are medians of
 `triton.testing.do_bench`; TFLOP/s count 4 * B * H * D * (visible query-key pairs),
 so causal runs count exactly the unmasked half.
 """
@@ -70,7 +72,7 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
     from fp4attn.kernels.hopper.operands import prepare_operands
     from fp4attn.recipes import get_recipe
 
-    records = []
+    records, notes = [], []
     jobs = [(s, c) for s in shapes for c in causal_modes]
     for (B, H, S, D), causal in tqdm(jobs, desc="bench", unit="shape"):
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -81,6 +83,10 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
         for impl in ("sdpa-cudnn", "sdpa-flash"):
             f = _sdpa(impl)
             timed[(impl, False)] = _time(lambda: f(q, k, v, causal))
+        fp8_ms, fp8_note = _time_cudnn_fp8(q, k, v, causal)
+        if fp8_ms is not None:
+            timed[("cudnn-fp8", False)] = fp8_ms
+        notes.append(f"{B},{H},{S},{D} causal={causal}: cuDNN FP8 SDPA {fp8_note}")
         for name in list(recipes) + list(variants or {}):
             recipe = (variants or {}).get(name) or get_recipe(name)
             cos = check_recipe(recipe, q, k, v, causal)
@@ -99,7 +105,29 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
                             "speedup_vs_cudnn_bf16": base / ms})
         torch.cuda.empty_cache()
         write_json(partial, records)
+    for n in dict.fromkeys(notes):
+        print(n)
     return records
+
+
+def _time_cudnn_fp8(q, k, v, causal: bool) -> tuple[float | None, str]:
+    """(ms, note) of cuDNN's FP8 SDPA on these inputs, after checking its output against
+    bf16 SDPA; (None, why) if the package is missing or the graph fails."""
+    from fp4attn.cli import cudnn_fp8
+    from fp4attn.metrics import error_metrics
+
+    if not cudnn_fp8.available():
+        return None, "not run: the nvidia-cudnn-frontend package is not installed"
+    try:
+        att = cudnn_fp8.CudnnFP8Attention(q, k, v, causal)
+        att.run()
+        sl = (slice(0, 1), slice(0, 2))
+        cos = error_metrics(att.output()[sl], _sdpa("sdpa-cudnn")(q[sl], k[sl], v[sl], causal))["cos"]
+        if not cos > 0.99:
+            return None, f"not timed: its output disagrees with bf16 SDPA (cos {cos:.4f})"
+        return _time(att.run), f"checked (cos {cos:.4f} to bf16 SDPA), e4m3 in and out"
+    except Exception as e:  # an unsupported graph is a result to report, not a crash
+        return None, f"failed: {type(e).__name__}: {str(e)[:200]}"
 
 
 def _case(r: dict) -> tuple:
@@ -113,9 +141,9 @@ def format_table(records: list[dict]) -> str:
     by_key = {(_case(r), r["impl"], r["quant_included"]): r for r in records}
     rows = []
     for case in dict.fromkeys(map(_case, records)):
-        cells = [by_key[(case, i, qi)] for i, qi in impls]
+        cells = [by_key.get((case, i, qi)) for i, qi in impls]
         rows.append([",".join(map(str, case[:4])), case[4]]
-                    + [f"{r['tflops']:.0f} ({r['speedup_vs_cudnn_bf16']:.2f}x)" for r in cells])
+                    + [f"{r['tflops']:.0f} ({r['speedup_vs_cudnn_bf16']:.2f}x)" if r else "-" for r in cells])
     return markdown_table(["B,H,S,D", "causal"] + [f"{i}{' +quant' if qi else ''}" for i, qi in impls], rows)
 
 
@@ -141,12 +169,13 @@ def plot(records: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(12, 4.5))
     w = 0.8 / len(impls)
     for i, impl in enumerate(impls):
-        ys = [next(r["tflops"] for r in kernel if _case(r) == key and r["impl"] == impl) for key in keys]
+        ys = [next((r["tflops"] for r in kernel if _case(r) == key and r["impl"] == impl), 0.0) for key in keys]
         ax.bar([j + i * w for j in range(len(keys))], ys, w, label=impl)
     ax.set_xticks([j + w * (len(impls) - 1) / 2 for j in range(len(keys))],
                   [f"{b},{h},{s},{d}{' c' if c else ''}" for b, h, s, d, c in keys], rotation=30, fontsize=7)
     ax.set_ylabel("TFLOP/s (forward)")
-    ax.set_title(f"fp4attn forward on {torch.cuda.get_device_name()} (kernel alone; c = causal)")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    ax.set_title(f"fp4attn forward on {gpu} (kernel alone; c = causal)")
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
