@@ -23,6 +23,16 @@ def environment() -> dict:
     return env
 
 
+def bench_cli(argv: list[str]):
+    """`fp4attn bench` with these arguments (parsed by its own parser, so every option
+    it has gets its default)."""
+    from fp4attn.cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.main(parser.parse_args(argv))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for JSON and PNG")
     p.add_argument("-S", type=int, default=1024, help="sequence length of the accuracy runs")
@@ -46,10 +56,9 @@ def main(args: argparse.Namespace) -> None:
     print()
     codes.main(argparse.Namespace(B=1, H=4, S=args.S, D=128, seed=0, device=device, json=args.out / "directp.json"))
     if env["cuda"] and env["capability"].startswith("9."):
-        from fp4attn.cli import bench
-
         print("\nHopper kernels vs SDPA (one shape; `fp4attn bench` runs the full grid):")
-        bench.main(argparse.Namespace(shapes="8,16,4096,128", recipes=",".join(bench.RECIPES), causal="no",
-                                      variants=False, json=args.out / "bench.json", png=None))
+        bench_cli(["--shapes", "8,16,4096,128", "--causal", "no", "--json", str(args.out / "bench.json")])
+        print("\nTraining kernels vs SDPA (one shape; `fp4attn bench --backward` runs the full grid):")
+        bench_cli(["--backward", "--shapes", "4,16,4096,128", "--json", str(args.out / "bench-train.json")])
     write_json(args.out / "environment.json", env)
     print(f"\nwrote {args.out}/accuracy.json, accuracy.png, backward.json, directp.json, environment.json")
