@@ -202,9 +202,9 @@ def test_report_builds_bench_arguments_with_every_default(monkeypatch):
     """The main job calls `fp4attn bench` on a Hopper GPU: its arguments come from the bench
     parser, so a new bench option can never be missing there."""
     import fp4attn.cli.bench as bench
-    from fp4attn.cli.report import bench_cli
+    from fp4attn.cli.report import run_cli
 
     seen = []
     monkeypatch.setattr(bench, "main", lambda args: seen.append(args))
-    bench_cli(["--backward", "--shapes", "4,16,4096,128"])
+    run_cli(bench, ["--backward", "--shapes", "4,16,4096,128"])
     assert seen[0].backward and not seen[0].model_step and seen[0].recipes is None and seen[0].json is None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.cli import accuracy, codes
+from fp4attn.cli import accuracy, bench, codes
 from fp4attn.cli.output import write_json
 from fp4attn.cli.plots import plot_accuracy
 
@@ -23,14 +23,12 @@ def environment() -> dict:
     return env
 
 
-def bench_cli(argv: list[str]):
-    """`fp4attn bench` with these arguments (parsed by its own parser, so every option
-    it has gets its default)."""
-    from fp4attn.cli import bench
-
+def run_cli(module, argv: list[str]):
+    """The subcommand `module` with these arguments, parsed by its own parser (so every
+    option it has gets its default)."""
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    return bench.main(parser.parse_args(argv))
+    module.add_arguments(parser)
+    return module.main(parser.parse_args(argv))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,22 +41,17 @@ def main(args: argparse.Namespace) -> None:
     env = environment()
     print("environment:", json.dumps(env))
     device = "cuda" if env["cuda"] else "cpu"
-    acc_args = argparse.Namespace(
-        recipes=",".join(accuracy.PRESETS), cases=",".join(accuracy.CASES), B=1, H=4, S=args.S, D=128,
-        causal=False, seed=0, device=device, backend="auto", backward=False, grad_formats="",
-        json=args.out / "accuracy.json",
-    )
-    records = accuracy.main(acc_args)
+    shape = ["-B", "1", "-H", "4", "-S", str(args.S), "-D", "128", "--device", device]
+    records = run_cli(accuracy, shape + ["--json", str(args.out / "accuracy.json")])
     plot_accuracy(records, args.out / "accuracy.png")
     print()
-    accuracy.main(argparse.Namespace(**{**vars(acc_args), "backward": True, "causal": True,
-                                        "json": args.out / "backward.json"}))
+    run_cli(accuracy, shape + ["--backward", "--causal", "--json", str(args.out / "backward.json")])
     print()
-    codes.main(argparse.Namespace(B=1, H=4, S=args.S, D=128, seed=0, device=device, json=args.out / "directp.json"))
+    run_cli(codes, shape + ["--json", str(args.out / "directp.json")])
     if env["cuda"] and env["capability"].startswith("9."):
         print("\nHopper kernels vs SDPA (one shape; `fp4attn bench` runs the full grid):")
-        bench_cli(["--shapes", "8,16,4096,128", "--causal", "no", "--json", str(args.out / "bench.json")])
+        run_cli(bench, ["--shapes", "8,16,4096,128", "--causal", "no", "--json", str(args.out / "bench.json")])
         print("\nTraining kernels vs SDPA (one shape; `fp4attn bench --backward` runs the full grid):")
-        bench_cli(["--backward", "--shapes", "4,16,4096,128", "--json", str(args.out / "bench-train.json")])
+        run_cli(bench, ["--backward", "--shapes", "4,16,4096,128", "--json", str(args.out / "bench-train.json")])
     write_json(args.out / "environment.json", env)
     print(f"\nwrote {args.out}/accuracy.json, accuracy.png, backward.json, directp.json, environment.json")
