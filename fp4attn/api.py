@@ -80,10 +80,29 @@ def _resolve_scale(scale: float | None, head_dim: int) -> float:
     return float(scale)
 
 
-def _kernel_unsupported(q: torch.Tensor, recipe: Recipe, needs_grad: bool, has_mask: bool) -> str | None:
+def key_mask_view(attn_mask: torch.Tensor) -> torch.Tensor | None:
+    """The mask as a key mask, broadcastable as (B, 1, 1, Sk), if it is one: by shape, or
+    (eagerly) by content when every query row is the same, as in the padding masks
+    transformers expands to (B, 1, Sq, Sk). None for any other mask."""
+    shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
+    if attn_mask.ndim > 4 or shape[1] != 1:
+        return None
+    m = attn_mask.reshape(shape)
+    if shape[2] == 1:
+        return m
+    if torch.compiler.is_compiling():  # a content test would be a data-dependent branch
+        return None
+    first = m[:, :, :1, :]
+    return first if torch.equal(m, first.expand_as(m)) else None
+
+
+def _kernel_unsupported(q: torch.Tensor, recipe: Recipe, needs_grad: bool, attn_mask) -> str | None:
     """Why the Triton kernels cannot run this call, or None if they can."""
-    if has_mask:
-        return "an attn_mask (the kernels take causal masks only, for now)"
+    if attn_mask is not None and needs_grad:
+        return "an attn_mask with a backward (the backward kernels take causal masks only, for now)"
+    if attn_mask is not None and key_mask_view(attn_mask) is None:
+        return (f"an attn_mask of shape {tuple(attn_mask.shape)} (the kernels take key masks, broadcastable as "
+                "(B, 1, 1, Sk), for now)")
     if not q.is_cuda:
         return f"inputs on {q.device.type} (kernels need CUDA)"
     if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -104,7 +123,7 @@ def _log_once(message: str) -> None:
     log.info(message)
 
 
-def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: bool, has_mask: bool) -> str:
+def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: bool, attn_mask) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; accepted: {BACKENDS}")
     if backend == "auto" and os.environ.get(BACKEND_ENV):
@@ -113,7 +132,7 @@ def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: 
             raise ValueError(f"{BACKEND_ENV}={backend!r} is not a backend; accepted: {BACKENDS}")
     if backend == "reference":
         return backend
-    reason = _kernel_unsupported(q, recipe, needs_grad, has_mask)
+    reason = _kernel_unsupported(q, recipe, needs_grad, attn_mask)
     if reason is None:
         return "triton"
     if backend == "triton":
@@ -168,7 +187,9 @@ def attention(
         v: (B, Hkv, Sk, D) values.
         attn_mask: as SDPA's: boolean (True attends) or float (added to the scaled
             scores), broadcastable to (B, Hq, Sq, Sk). Rows that attend to nothing give
-            output 0 (SDPA gives NaN). Runs on the reference backend for now.
+            output 0 (SDPA gives NaN). The kernels take key masks (broadcastable as
+            (B, 1, 1, Sk), e.g. padding) in the forward; other masks, and any mask
+            with a backward, run on the reference.
         causal: False; True or "top_left" (SDPA's `is_causal`: query i sees keys
             j <= i); "bottom_right" (FlashAttention's: query i sees j <= i + Sk - Sq).
         scale: softmax scale; None means 1 / sqrt(D).
@@ -179,7 +200,7 @@ def attention(
             the softmax denominator of the scaled scores; -inf for rows seeing no key.
         backend: "auto" (the Triton kernels where they run the recipe: CUDA sm_90,
             head_dim a multiple of 16 up to 128 (below 64 or 128 zero-padded, which
-            is exact), no attn_mask; with gradients, the training recipes
+            is exact), key masks only; with gradients, the training recipes
             "train" and "train-mxfp4pv"; else the reference, logged once), "triton"
             (an error if the kernels cannot run the call) or "reference" (the
             pure-PyTorch definition). The FP4ATTN_BACKEND environment variable
@@ -197,8 +218,8 @@ def attention(
     _validate_mask(attn_mask, q, k.shape[-2])
     s = _resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if _resolve_backend(backend, q, rec, needs_grad, attn_mask is not None) == "triton":
-        from fp4attn.kernels.hopper.ops import kernel_head_dim
+    if _resolve_backend(backend, q, rec, needs_grad, attn_mask) == "triton":
+        from fp4attn.kernels.hopper.ops import kernel_head_dim, key_bias_of_mask
 
         offset = causal_offset(mode, q.shape[-2], k.shape[-2])
         d, dk = q.shape[-1], kernel_head_dim(q.shape[-1])
@@ -212,7 +233,9 @@ def attention(
         else:
             from fp4attn.kernels.hopper.ops import hopper_attention
 
-            out, lse, _ = hopper_attention(q, k, v, rec, scale=s, causal_offset=offset)
+            key_bias = None if attn_mask is None else key_bias_of_mask(key_mask_view(attn_mask), q.shape[0],
+                                                                       k.shape[-2])
+            out, lse, _ = hopper_attention(q, k, v, rec, scale=s, causal_offset=offset, key_bias=key_bias)
             out = out.to(q.dtype)
         if dk != d:
             out = out[..., :d].contiguous()

@@ -145,7 +145,8 @@ def test_padded_head_dims_reproduce_the_unpadded_recipe(monkeypatch):
 
     seen = []
 
-    def fake_kernel(q, k, v, recipe, *, scale, causal_offset, write_p=0):
+    def fake_kernel(q, k, v, recipe, *, scale, causal_offset, write_p=0, key_bias=None):
+        assert key_bias is None
         seen.append(q.shape[-1])
         res = reference_forward(q, k, v, recipe, scale=scale, causal=None if causal_offset is None else "top_left")
         return res.out.to(torch.bfloat16), res.lse, None
@@ -208,3 +209,39 @@ def test_report_builds_bench_arguments_with_every_default(monkeypatch):
     monkeypatch.setattr(bench, "main", lambda args: seen.append(args))
     run_cli(bench, ["--backward", "--shapes", "4,16,4096,128"])
     assert seen[0].backward and not seen[0].model_step and seen[0].recipes is None and seen[0].json is None
+
+
+def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):
+    """Key masks (broadcastable as (B, 1, 1, Sk)) go to the kernel as the reference's own
+    log2 bias, one row per batch element; other masks, and masks with a backward, stay
+    on the reference. With the kernel op replaced by the reference fed that bias back as
+    a mask, results equal the reference with the original mask."""
+    pytest.importorskip("triton")
+    import fp4attn.api as api
+    import fp4attn.kernels.hopper.ops as ops
+    from fp4attn.reference import reference_forward
+
+    def fake_kernel(q, k, v, recipe, *, scale, causal_offset, write_p=0, key_bias=None):
+        assert key_bias.shape == (q.shape[0], k.shape[-2]) and key_bias.dtype == torch.float32
+        res = reference_forward(q, k, v, recipe, scale=scale, attn_mask=(key_bias == 0)[:, None, None, :])
+        return res.out.to(torch.bfloat16), res.lse, None
+
+    monkeypatch.setattr(ops, "hopper_attention", fake_kernel)
+    real_resolve = api._resolve_backend
+    monkeypatch.setattr(api, "_resolve_backend",
+                        lambda b, q, r, g, m: "triton" if api.key_mask_view(m) is not None else "reference")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 50, 64, generator=gen).bfloat16() for _ in range(3))
+    lengths = torch.tensor([50, 17, 0])  # a batch element with no key at all
+    pad = torch.arange(50)[None, :] < lengths[:, None]
+    expanded = pad[:, None, None, :].expand(3, 1, 50, 50)  # transformers' padding masks: (B, 1, Sq, Sk)
+    for mask in (pad[:, None, None, :], pad[:1, None, None, :].expand(3, 1, 1, 50), pad[1], expanded):
+        got = fp4attn.attention(q, k, v, recipe="fp8", attn_mask=mask)
+        want = reference_forward(q, k, v, fp4attn.PRESETS["fp8"], scale=64**-0.5, attn_mask=mask).out
+        assert torch.equal(got.float(), want.to(torch.bfloat16).float())
+    assert api.key_mask_view(expanded).shape == (3, 1, 1, 50)
+    assert api.key_mask_view(torch.ones(50, 50, dtype=torch.bool).tril()) is None  # a query-dependent mask
+    assert api.key_mask_view(torch.ones(3, 2, 1, 50, dtype=torch.bool)) is None  # per head
+    assert real_resolve("auto", q, fp4attn.PRESETS["fp8"], False, torch.ones(50, 50).tril().bool()) == "reference"
+    bias = ops.key_bias_of_mask(torch.tensor([0.5, -1.0]), 2, 2)
+    assert torch.equal(bias, torch.tensor([[0.5, -1.0]] * 2) * 1.4426950408889634)

@@ -29,13 +29,15 @@ def _qkv(b, hq, hkv, sq, sk, d):
     return mk(hq, sq), mk(hkv, sk), mk(hkv, sk)
 
 
-def _check(q, k, v, recipe, causal=None):
-    from fp4attn.kernels.hopper.ops import hopper_attention
+def _check(q, k, v, recipe, causal=None, attn_mask=None):
+    from fp4attn.kernels.hopper.ops import hopper_attention, key_bias_of_mask
 
     scale = q.shape[-1] ** -0.5
     offset = causal_offset(causal, q.shape[-2], k.shape[-2])
-    out, lse, p_bytes = hopper_attention(q, k, v, recipe, scale=scale, causal_offset=offset, write_p=1)
-    ref = reference_forward(q, k, v, recipe, scale=scale, causal=causal, return_p=True)
+    key_bias = None if attn_mask is None else key_bias_of_mask(attn_mask, q.shape[0], k.shape[-2])
+    out, lse, p_bytes = hopper_attention(q, k, v, recipe, scale=scale, causal_offset=offset, write_p=1,
+                                         key_bias=key_bias)
+    ref = reference_forward(q, k, v, recipe, scale=scale, causal=causal, attn_mask=attn_mask, return_p=True)
     sq = q.shape[-2]
     want = encode_fp8(ref.p * 2.0**P_OFFSET_LOG2, "e4m3").view(torch.uint8)
     got = encode_fp8(p_bytes[..., :sq, :], "e4m3").view(torch.uint8)
@@ -45,11 +47,14 @@ def _check(q, k, v, recipe, causal=None):
     # products: measured 99.86-99.89% identical for the `fp8` recipe, >= 99.9% elsewhere
     min_identical = 0.998 if (recipe.qk, recipe.p) == ("fp8", "fp8") else 0.999
     assert identical >= min_identical, f"{recipe.name}: P bytes identical {identical:.6f}"
+    bias = torch.zeros(q.shape[-2], k.shape[-2], device="cuda", dtype=torch.float64)
+    if causal is not None:
+        bias = bias.masked_fill(~_mask(q.shape[-2], k.shape[-2], offset), float("-inf"))
+    if attn_mask is not None:  # SDPA's semantics: False hides a key, a float is added
+        bias = bias.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else bias + attn_mask
     exact = F.scaled_dot_product_attention(
         q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], 1),
-        v.double().repeat_interleave(q.shape[1] // k.shape[1], 1),
-        attn_mask=None if causal is None else _mask(q.shape[-2], k.shape[-2], offset),
-    )
+        v.double().repeat_interleave(q.shape[1] // k.shape[1], 1), attn_mask=bias)
     seen = torch.isfinite(ref.lse)
     ref_err = error_metrics(ref.out[seen], exact[seen])["rel_l2"]
     ker_err = error_metrics(out.float()[seen], ref.out[seen])["rel_l2"]
@@ -100,6 +105,22 @@ def test_kernel_padded_head_dims(recipe, d):
         ref_err = error_metrics(ref.out, exact)["rel_l2"]
         assert error_metrics(out.float(), ref.out)["rel_l2"] <= 0.1 * ref_err + 4e-3
         assert (lse - ref.lse).abs().mean().item() < 2e-3
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_kernel_key_masks(recipe, kind):
+    """Key-padding masks in the kernel: same P codes as the reference with the mask, a
+    batch element with no visible key gives 0 and LSE -inf."""
+    q, k, v = _qkv(3, 4, 2, 200, 300, 128)
+    lengths = torch.tensor([300, 130, 0], device="cuda")
+    pad = torch.arange(300, device="cuda")[None, :] < lengths[:, None]
+    mask = pad[:, None, None, :]
+    if kind == "float":  # additive: padding at -inf, a soft bias elsewhere
+        bias = torch.randn(3, 1, 1, 300, device="cuda")
+        mask = bias.masked_fill(~mask, float("-inf"))
+    for causal in (None, "bottom_right"):
+        _check(q, k, v, PRESETS[recipe], causal=causal, attn_mask=mask)
 
 
 def test_kernel_extreme_logits():

@@ -34,3 +34,9 @@ def test_backward_kernel_structure(part, causal):
     r = inspect_backward(part, 0, causal, 128)
     assert r.count(r"HGMMA") > 0, "S^T = K Q^T must be the forward's bf16 product"
     assert r.count(r"QGMMA") > 0, "dV, dP, dK / dQ must run on the FP8 tensor cores"
+
+
+def test_key_bias_forward_compiles_and_adds_one_load_per_key():
+    """The key-mask path compiles for sm_90 with the products still on the tensor cores."""
+    plain, masked = inspect_forward(False, 0, False, 128), inspect_forward(False, 0, False, 128, key_bias=True)
+    assert masked.count("HGMMA") == plain.count("HGMMA") > 0 and masked.count("QGMMA") == plain.count("QGMMA")

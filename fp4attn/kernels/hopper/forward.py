@@ -7,6 +7,8 @@ Recipes map to constexpr flags:
              of NVFP4 (exact in bf16) with the tensor scales in the same per-token slots
     P_MODE   0: FP8 P from exp2;  1: MXFP4 P by Direct-P;  2: MXFP4 P from exp2 + OCP
     CAUSAL   query i sees keys j <= i + causal_offset
+    KEY_BIAS a per-(batch, key) log2-unit bias is added to the scores (an SDPA key mask:
+             0 / -inf for a boolean one), as `reference.forward.log2_bias` makes it
 
 Tiles that need no mask (fully visible, inside Sk) run in a first loop without any
 masking arithmetic; the diagonal and tail tiles run in a second, masked loop.
@@ -21,9 +23,9 @@ from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
+def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
           stride_kn, stride_vn, QK_FP8: tl.constexpr, P_MODE: tl.constexpr, MASK: tl.constexpr,
-          CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr,
+          CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr, KEY_BIAS: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
           WRITE_P: tl.constexpr, p_ptr, stride_pm):
     cols = start_n + offs_n
@@ -43,6 +45,11 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
     # with an FMA the row maximum's own x came out at -1 ulp instead of 0, which moves
     # floor(max x) and with it a whole MXFP4 block's exponent
     t = libdevice.mul_rn(libdevice.mul_rn(s, a_i[:, None]), b_j[None, :])
+    if KEY_BIAS:  # added before hiding keys, as the reference does
+        if MASK:
+            t = t + tl.load(kb_ptr + cols, mask=cols < Sk, other=0.0)[None, :]
+        else:
+            t = t + tl.load(kb_ptr + cols)[None, :]
     if MASK:
         visible = cols[None, :] < Sk
         if CAUSAL:
@@ -50,7 +57,7 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
         t = tl.where(visible, t, -float("inf"))
     # -- online softmax: exact running max, rescale every tile
     m_new = tl.maximum(m_i, tl.max(t, axis=1))
-    if MASK:
+    if MASK or KEY_BIAS:  # a row may have seen no key yet
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
     else:
         m_use = m_new
@@ -75,7 +82,7 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n,
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, QS, KS, VT, VS, O, LSE, P_DBG,
+    Q, K, QS, KS, VT, VS, O, LSE, P_DBG, KB,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vd,
@@ -84,7 +91,7 @@ def attn_fwd_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
-    QK_PROMOTE: tl.constexpr = True,
+    QK_PROMOTE: tl.constexpr = True, KEY_BIAS: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
     start_m = tl.program_id(0)
@@ -103,6 +110,7 @@ def attn_fwd_kernel(
     qs_ptr = QS + (b.to(tl.int64) * H + h) * Sq
     ks_ptr = KS + (b.to(tl.int64) * (H // GROUP) + hk) * Sk
     p_ptr = P_DBG + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
+    kb_ptr = KB + b.to(tl.int64) * Sk  # (B, Sk) key bias, read only with KEY_BIAS
 
     q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     a_i = tl.load(qs_ptr + offs_m, mask=row_ok, other=0.0) * qk_scale
@@ -120,13 +128,13 @@ def attn_fwd_kernel(
         full = tl.where(first < full, first, full)
         full = tl.where(full > 0, full // BLOCK_N * BLOCK_N, 0)
     for start_n in range(0, full, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk,
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, QK_PROMOTE,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+                              KEY_BIAS, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
     for start_n in range(full, hi, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, start_n, offs_m, offs_n, Sk,
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, QK_PROMOTE,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+                              KEY_BIAS, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -19,7 +20,7 @@ from fp4attn.kernels.hopper.forward import attn_fwd_kernel
 from fp4attn.kernels.hopper.operands import KernelOperands
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe
-from fp4attn.reference.forward import LOG2E
+from fp4attn.reference.forward import LOG2E, log2_bias
 
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
 BLOCK_N = 128  # equals Recipe.block_n of every preset: the tile is part of the numerics
@@ -87,11 +88,12 @@ def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
-                   write_p: int = 0, qk_promote: bool = True):
+                   write_p: int = 0, qk_promote: bool = True, key_bias: torch.Tensor | None = None):
     """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
 
     write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
-    values; tests); 2 the log2 scores (diagnostics).
+    values; tests); 2 the log2 scores (diagnostics). key_bias: (B, Sk) float32 added to
+    the log2 scores (`key_bias_of_mask`).
     """
     q, k = ops.q, ops.k
     B, H, Sq, D = q.shape
@@ -102,8 +104,9 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
     dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
+    kb = key_bias.contiguous() if key_bias is not None else lse  # never read without KEY_BIAS
     attn_fwd_kernel[grid](
-        q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg,
+        q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg, kb,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         ops.vt.stride(0), ops.vt.stride(1), ops.vt.stride(2),
@@ -112,26 +115,37 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode, CAUSAL=causal_offset is not None,
-        WRITE_P=int(write_p), QK_PROMOTE=qk_promote,
+        WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )
     return out, lse, dbg if write_p else dbg[:0]
 
 
+def key_bias_of_mask(attn_mask: torch.Tensor, batch: int, sk: int) -> torch.Tensor | None:
+    """An SDPA attn_mask that depends on the batch and the key only (broadcastable as
+    (B, 1, 1, Sk): key padding) as the (B, Sk) log2-unit bias the kernel adds, computed
+    by the reference's own `log2_bias`; None for any other mask."""
+    shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
+    if attn_mask.ndim > 4 or shape[1] != 1 or shape[2] != 1:
+        return None
+    bias = log2_bias(attn_mask.reshape(shape), sk, 1)  # (b, 1, 1, Sk), padded by 0 keys
+    return bias.expand(batch, 1, 1, sk).reshape(batch, sk).float().contiguous()
+
+
 @torch.library.custom_op("fp4attn::hopper_attention", mutates_args=())
 def _hopper_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
-    causal_offset: int, causal: bool, scale: float, write_p: int,
+    causal_offset: int, causal: bool, scale: float, write_p: int, key_bias: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build)
     ops = prepare_operands_fused(q, k, v, recipe)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
-                          p_mode=P_MODES[(p, p_build)], write_p=write_p)
+                          p_mode=P_MODES[(p, p_build)], write_p=write_p, key_bias=key_bias)
 
 
 @_hopper_attention_op.register_fake
-def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p):
+def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key_bias):
     B, H, Sq, D = q.shape
     block_m = forward_launch(D).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
@@ -140,8 +154,9 @@ def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p):
             q.new_empty(dbg_shape, dtype=torch.float32))
 
 
-def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: int = 0):
+def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: int = 0,
+                     key_bias: torch.Tensor | None = None):
     """Quantize bf16/fp16/fp32 (B, H, S, D) inputs into the kernel layouts and run the
     forward: (out bf16, lse fp32, debug tile or empty; see `launch_forward`)."""
     return _hopper_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v,
-                                causal_offset or 0, causal_offset is not None, scale, int(write_p))
+                                causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias)
