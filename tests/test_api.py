@@ -245,3 +245,16 @@ def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):
     assert real_resolve("auto", q, fp4attn.PRESETS["fp8"], False, torch.ones(50, 50).tril().bool()) == "reference"
     bias = ops.key_bias_of_mask(torch.tensor([0.5, -1.0]), 2, 2)
     assert torch.equal(bias, torch.tensor([[0.5, -1.0]] * 2) * 1.4426950408889634)
+
+
+def test_forward_launch_override_is_checked(monkeypatch):
+    pytest.importorskip("triton")
+    from fp4attn.kernels.hopper.ops import LAUNCH_ENV, DEFAULT_LAUNCH, ForwardLaunch, forward_launch
+
+    assert forward_launch(128) == DEFAULT_LAUNCH[128] and forward_launch(64) == DEFAULT_LAUNCH[64]
+    monkeypatch.setenv(LAUNCH_ENV, "64,4,3")
+    assert forward_launch(128) == ForwardLaunch(64, 4, 3)
+    for bad in ("64,4", "32,4,2", "64,2,2", "x"):
+        monkeypatch.setenv(LAUNCH_ENV, bad)
+        with pytest.raises(ValueError, match=LAUNCH_ENV):
+            forward_launch(128)
