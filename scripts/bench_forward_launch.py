@@ -18,7 +18,7 @@ from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
 ap = argparse.ArgumentParser()
-ap.add_argument("--launches", default="128,8,3/64,4,3/64,4,2")
+ap.add_argument("--launches", default="128,8,3/64,4,2/64,4,2,1")
 ap.add_argument("--recipes", default="nvfp4-fp8,fp8")
 ap.add_argument("--shapes", default="8,16,4096,128")
 ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))

@@ -107,6 +107,19 @@ def test_kernel_padded_head_dims(recipe, d):
         assert (lse - ref.lse).abs().mean().item() < 2e-3
 
 
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4-fp8"])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_kernel_fp8_p_by_hardware_conversion(recipe, causal, monkeypatch):
+    """The p_hw_cvt variant (FP8 P rounded by cvt.rn.satfinite, row sums from the e4m3
+    values) reproduces the reference as the default builder does."""
+    from fp4attn.kernels.hopper.ops import LAUNCH_ENV
+
+    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1")
+    for sq, sk, d in ((113, 239, 128), (1023, 1023, 64), (256, 4096, 128)):
+        q, k, v = _qkv(2, 4, 2, sq, sk, d)
+        _check(q, k, v, PRESETS[recipe], causal=causal)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_kernel_key_masks(recipe, kind):

@@ -25,7 +25,7 @@ from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile
 @triton.jit
 def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
           stride_kn, stride_vn, QK_FP8: tl.constexpr, P_MODE: tl.constexpr, MASK: tl.constexpr,
-          CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr, KEY_BIAS: tl.constexpr,
+          CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr, KEY_BIAS: tl.constexpr, P_HW_CVT: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
           WRITE_P: tl.constexpr, p_ptr, stride_pm):
     cols = start_n + offs_n
@@ -64,7 +64,13 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
     alpha = tl.math.exp2(m_i - m_use)
     x = t - m_use[:, None]
     # -- P as exact e4m3 values (times 2**8) and the consistent row sum
-    p = build_p_tile(x, P_MODE, 1)
+    if P_MODE == 0 and P_HW_CVT:
+        # FP8 P rounded by the packed conversion (cvt.rn.satfinite: RNE, as round_e4m3),
+        # its row sum from the e4m3 values themselves
+        p8 = tl.math.exp2(x + P_OFFSET_LOG2).to(tl.float8e4nv)
+        p = p8.to(tl.float32)
+    else:
+        p = build_p_tile(x, P_MODE, 1)
     if WRITE_P:
         # debug output (tests, diagnostics), float32, rows padded to BLOCK_M: the P tile's
         # values (WRITE_P=1) or the log2 scores (2)
@@ -76,7 +82,10 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :], mask=(cols < Sk)[None, :], other=0.0)
     else:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :])
-    acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
+    if P_MODE == 0 and P_HW_CVT:
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
+    else:
+        acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -91,7 +100,7 @@ def attn_fwd_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
-    QK_PROMOTE: tl.constexpr = True, KEY_BIAS: tl.constexpr = False,
+    QK_PROMOTE: tl.constexpr = True, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
     start_m = tl.program_id(0)
@@ -130,11 +139,11 @@ def attn_fwd_kernel(
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+                              KEY_BIAS, P_HW_CVT, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
     for start_n in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+                              KEY_BIAS, P_HW_CVT, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)

@@ -24,17 +24,19 @@ from fp4attn.reference.forward import LOG2E, log2_bias
 
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
 BLOCK_N = 128  # equals Recipe.block_n of every preset: the tile is part of the numerics
-LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages": a tuning override
+LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages[,p_hw_cvt]": a tuning override
 
 
 @dataclass(frozen=True)
 class ForwardLaunch:
-    """Launch shape of the forward; speed only (query rows are independent, so BLOCK_M
-    does not change any value)."""
+    """Launch shape and code variant of the forward; speed only (query rows are
+    independent, so BLOCK_M changes no value; p_hw_cvt rounds FP8 P by the packed
+    hardware conversion, RNE as the bit arithmetic it replaces)."""
 
     block_m: int = 128
     warps: int = 8
     stages: int = 3
+    p_hw_cvt: bool = False
 
 
 # D=128: 64-row programs of 4 warps, two per SM (255 registers each), so one program's
@@ -50,12 +52,17 @@ def forward_launch(head_dim: int) -> ForwardLaunch:
     if not spec:
         return DEFAULT_LAUNCH[head_dim]
     try:
-        block_m, warps, stages = (int(x) for x in spec.split(","))
+        fields = [int(x) for x in spec.split(",")]
+        block_m, warps, stages = fields[:3]
+        hw_cvt = fields[3] if len(fields) == 4 else 0
+        if len(fields) > 4:
+            raise ValueError
     except ValueError as e:
-        raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected 'block_m,warps,stages', e.g. '128,8,3'") from e
-    if block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4:
-        raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4")
-    return ForwardLaunch(block_m, warps, stages)
+        raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected 'block_m,warps,stages[,p_hw_cvt]', e.g. '64,4,2' "
+                         "or '64,4,2,1'") from e
+    if block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4 or hw_cvt not in (0, 1):
+        raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4, p_hw_cvt 0 or 1")
+    return ForwardLaunch(block_m, warps, stages, bool(hw_cvt))
 HEAD_DIMS = (64, 128)
 
 
@@ -115,7 +122,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode, CAUSAL=causal_offset is not None,
-        WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None,
+        WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )
