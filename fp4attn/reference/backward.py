@@ -31,11 +31,20 @@ from fp4attn.formats import quantize_fp8
 from fp4attn.formats.constants import MX_BLOCK
 from fp4attn.recipes import Recipe
 from fp4attn.reference.directp import build_p
-from fp4attn.reference.forward import LOG2E, ForwardResult, expand_heads, log2_bias, masked_log2_scores
+from fp4attn.reference.forward import (
+    LOG2E,
+    ForwardResult,
+    expand_heads,
+    log2_bias,
+    masked_log2_scores,
+)
 from fp4attn.reference.masks import causal_offset
-
+from fp4attn.reference.operands import QKOperand
 
 DS_BLOCK = 64  # contraction elements per scale of dS's FP8 views (a backward kernel tile)
+# queries per step of the reference backward: bounds its (B, H, rows, Sk) temporaries;
+# a multiple of DS_BLOCK, so dS's query blocks never straddle two steps
+QUERY_CHUNK = 1024
 
 
 def low_precision_view(x: torch.Tensor, contraction_dim: int, fmt: str, block: int | None = None) -> torch.Tensor:
@@ -71,22 +80,33 @@ def reference_backward(
     hq, hkv = fwd.q.values.shape[1], fwd.k.values.shape[1]
     sq, sk = fwd.q.values.shape[-2], fwd.k.values.shape[-2]
 
-    t = masked_log2_scores(fwd.q, fwd.k, scale, causal_offset(causal, sq, sk), log2_bias(attn_mask, sk, 1), 0, sk)
-    lse2 = (fwd.lse * LOG2E).unsqueeze(-1)
-    x = torch.where(lse2 > -math.inf, t - lse2, torch.full_like(t, -math.inf))
-    p = torch.exp2(x)
-    pad = -sk % MX_BLOCK  # MXFP4 blocks of 32 keys start at key 0, as in the forward tiles
-    p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build)[..., :sk]
-
+    offset, bias = causal_offset(causal, sq, sk), log2_bias(attn_mask, sk, 1)
     do = dout.float()
+    # views over the whole sequence or head dim: they exist before the backward starts
     q_a = low_precision_view(fwd.q.dequantize(), -2, a)
-    k_full = expand_heads(fwd.k.dequantize(), hq)
-    v_full = expand_heads(fwd.v, hq)
-
-    dv = p_r.transpose(-1, -2) @ low_precision_view(do, -2, g)
-    dp = low_precision_view(do, -1, g) @ low_precision_view(v_full, -1, a).transpose(-1, -2)
+    k_a = low_precision_view(expand_heads(fwd.k.dequantize(), hq), -2, a)
+    v_a = low_precision_view(expand_heads(fwd.v, hq), -1, a)
+    do_c, do_t = low_precision_view(do, -2, g), low_precision_view(do, -1, g)
     delta = (do * out.float()).sum(dim=-1, keepdim=True)
-    ds = p * (dp - delta)
-    dq = (low_precision_view(ds, -1, g, DS_BLOCK) @ low_precision_view(k_full, -2, a)) * scale
-    dk = (low_precision_view(ds, -2, g, DS_BLOCK).transpose(-1, -2) @ q_a) * scale
+    lse2 = (fwd.lse * LOG2E).unsqueeze(-1)
+    pad = -sk % MX_BLOCK  # MXFP4 blocks of 32 keys start at key 0, as in the forward tiles
+
+    dq = torch.empty(q_a.shape, device=q_a.device)
+    dk = torch.zeros(*q_a.shape[:2], sk, q_a.shape[-1], device=q_a.device)
+    dv = torch.zeros_like(dk)
+    step = max(DS_BLOCK, QUERY_CHUNK // DS_BLOCK * DS_BLOCK)
+    for i0 in range(0, sq, step):
+        rows = slice(i0, min(sq, i0 + step))
+        q_rows = QKOperand(fwd.q.values[..., rows, :],
+                           fwd.q.scale[..., rows, :] if fwd.q.scale.shape[-2] > 1 else fwd.q.scale)
+        t = masked_log2_scores(q_rows, fwd.k, scale, offset, bias, 0, sk, i0)
+        x = torch.where(lse2[..., rows, :] > -math.inf, t - lse2[..., rows, :], torch.full_like(t, -math.inf))
+        p = torch.exp2(x)
+        p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build)[..., :sk]
+        dv += p_r.transpose(-1, -2) @ do_c[..., rows, :]
+        dp = do_t[..., rows, :] @ v_a.transpose(-1, -2)
+        ds = p * (dp - delta[..., rows, :])
+        dq[..., rows, :] = (low_precision_view(ds, -1, g, DS_BLOCK) @ k_a) * scale
+        dk += low_precision_view(ds, -2, g, DS_BLOCK).transpose(-1, -2) @ q_a[..., rows, :]
+    dk = dk * scale
     return dq, _reduce_heads(dk, hkv), _reduce_heads(dv, hkv)

@@ -69,15 +69,17 @@ def log2_scores(q: QKOperand, k: QKOperand, scale: float, cols: slice) -> torch.
 
 
 def masked_log2_scores(q: QKOperand, k: QKOperand, scale: float, offset: int | None, bias: torch.Tensor | None,
-                       j0: int, width: int) -> torch.Tensor:
+                       j0: int, width: int, i0: int = 0) -> torch.Tensor:
     """Log2 scores of keys [j0, j0 + width) with the attn_mask bias added and hidden keys
-    (causal, or past Sk: the tile's padding) at -inf; bias as from `log2_bias`."""
+    (causal, or past Sk: the tile's padding) at -inf; bias as from `log2_bias`. `q` may
+    be a slice of the queries starting at row i0 (bias keeps all rows)."""
     sq, sk = q.values.shape[-2], k.values.shape[-2]
     t = log2_scores(q, k, scale, slice(j0, j0 + width))
     t = F.pad(t, (0, j0 + width - min(sk, j0 + width)))
     if bias is not None:
-        t = t + bias[..., j0 : j0 + width]
-    rows = torch.arange(sq, device=t.device)
+        rows_b = slice(i0, i0 + sq) if bias.shape[-2] > 1 else slice(None)
+        t = t + bias[..., rows_b, j0 : j0 + width]
+    rows = torch.arange(i0, i0 + sq, device=t.device)
     cols = torch.arange(j0, j0 + width, device=t.device)
     return t.masked_fill(~key_mask(offset, rows, cols, sk), -math.inf)
 
