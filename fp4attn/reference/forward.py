@@ -77,8 +77,9 @@ def masked_log2_scores(q: QKOperand, k: QKOperand, scale: float, offset: int | N
     t = log2_scores(q, k, scale, slice(j0, j0 + width))
     t = F.pad(t, (0, j0 + width - min(sk, j0 + width)))
     if bias is not None:
-        rows_b = slice(i0, i0 + sq) if bias.shape[-2] > 1 else slice(None)
-        t = t + bias[..., rows_b, j0 : j0 + width]
+        if bias.ndim >= 2 and bias.shape[-2] > 1:  # a per-query mask: this slice's rows
+            bias = bias[..., i0 : i0 + sq, :]
+        t = t + bias[..., j0 : j0 + width]
     rows = torch.arange(i0, i0 + sq, device=t.device)
     cols = torch.arange(j0, j0 + width, device=t.device)
     return t.masked_fill(~key_mask(offset, rows, cols, sk), -math.inf)
