@@ -163,6 +163,24 @@ class _ReferenceAttention(torch.autograd.Function):
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None
 
 
+def _kernel_attention(q, k, v, rec: Recipe, mode: str | None, scale: float, attn_mask, needs_grad: bool):
+    """The Hopper kernels on a call `_resolve_backend` accepted: head dims below 64/128
+    zero-padded (exact, `ops.kernel_head_dim`), key masks as the kernel's key bias."""
+    from fp4attn.kernels.hopper.ops import hopper_attention, kernel_head_dim, key_bias_of_mask
+    from fp4attn.kernels.hopper.training import hopper_train_attention
+
+    offset = causal_offset(mode, q.shape[-2], k.shape[-2])
+    d, dk = q.shape[-1], kernel_head_dim(q.shape[-1])
+    qp, kp, vp = (t if dk == d else torch.nn.functional.pad(t, (0, dk - d)) for t in (q, k, v))
+    if needs_grad:
+        out, lse = hopper_train_attention(qp, kp, vp, rec, scale=scale, causal_offset=offset)
+    else:
+        key_bias = None if attn_mask is None else key_bias_of_mask(key_mask_view(attn_mask), q.shape[0], k.shape[-2])
+        out, lse, _ = hopper_attention(qp, kp, vp, rec, scale=scale, causal_offset=offset, key_bias=key_bias)
+    out = out.to(q.dtype)
+    return (out if dk == d else out[..., :d].contiguous()), lse
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -219,26 +237,7 @@ def attention(
     s = _resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if _resolve_backend(backend, q, rec, needs_grad, attn_mask) == "triton":
-        from fp4attn.kernels.hopper.ops import kernel_head_dim, key_bias_of_mask
-
-        offset = causal_offset(mode, q.shape[-2], k.shape[-2])
-        d, dk = q.shape[-1], kernel_head_dim(q.shape[-1])
-        if dk != d:  # zero channels are exact in every recipe (ops.kernel_head_dim)
-            q, k, v = (torch.nn.functional.pad(t, (0, dk - d)) for t in (q, k, v))
-        if needs_grad:
-            from fp4attn.kernels.hopper.training import hopper_train_attention
-
-            out, lse = hopper_train_attention(q, k, v, rec, scale=s, causal_offset=offset)
-            out = out.to(q.dtype)
-        else:
-            from fp4attn.kernels.hopper.ops import hopper_attention
-
-            key_bias = None if attn_mask is None else key_bias_of_mask(key_mask_view(attn_mask), q.shape[0],
-                                                                       k.shape[-2])
-            out, lse, _ = hopper_attention(q, k, v, rec, scale=s, causal_offset=offset, key_bias=key_bias)
-            out = out.to(q.dtype)
-        if dk != d:
-            out = out[..., :d].contiguous()
+        out, lse = _kernel_attention(q, k, v, rec, mode, s, attn_mask, needs_grad)
     else:
         out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, attn_mask)
     return (out, lse) if return_lse else out
