@@ -56,6 +56,17 @@ def _block_max_32(x, KEY_AXIS: tl.constexpr):
 
 
 @triton.jit
+def fp8_scale_inv(amax):
+    """(scale, inverse) of e4m3 rows with absolute maximum amax, as
+    `formats.fp8.fp8_scales`: amax / 448 and 448 / amax, correctly rounded; 1 and 1 for
+    rows below FP8_MIN_AMAX (flushed, as all-zero rows)."""
+    zero = amax < FP8_MIN_AMAX
+    scale = tl.where(zero, 1.0, tl.div_rn(amax, 448.0))
+    inv = tl.where(zero, 1.0, tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
+    return scale, inv
+
+
+@triton.jit
 def round_e4m3(p):
     """Round non-negative float32 p <= 448 to the e4m3 grid, nearest even, on its bits:
     three mantissa bits at and above 2**-6 (e4m3's smallest normal), multiples of

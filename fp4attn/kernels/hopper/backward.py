@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fp4attn.kernels.common import FP8_MIN_AMAX, P_OFFSET_LOG2, build_p_tile, round_e4m3
+from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, fp8_scale_inv, round_e4m3
 
 
 @triton.jit
@@ -39,10 +39,7 @@ def _e4m3_rows(x, AXIS: tl.constexpr, HW_CVT: tl.constexpr):
     """FP8 e4m3 view of a tile with one scale per row along AXIS: (e4m3 tile, scale), as
     `formats.fp8.quantize_fp8` (scale = amax / 448, element = e4m3(x * (448 / amax)),
     rows below FP8_MIN_AMAX scale 1 and zero; NaN stays NaN)."""
-    amax = tl.max(tl.abs(x), axis=AXIS)
-    zero = amax < FP8_MIN_AMAX  # formats/fp8.py: flushed, as all-zero rows
-    scale = tl.where(zero, 1.0, tl.div_rn(amax, 448.0))
-    inv = tl.where(zero, 1.0, tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
+    scale, inv = fp8_scale_inv(tl.max(tl.abs(x), axis=AXIS))
     y = x * (inv[:, None] if AXIS == 1 else inv[None, :])
     if HW_CVT:
         out = y.to(tl.float8e4nv)
