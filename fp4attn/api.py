@@ -12,7 +12,7 @@ import torch
 from fp4attn.recipes import Recipe, get_recipe
 from fp4attn.reference.backward import reference_backward
 from fp4attn.reference.forward import ForwardResult, reference_forward
-from fp4attn.reference.masks import causal_offset, normalize_causal
+from fp4attn.reference.masks import causal_offset, key_mask_view, normalize_causal
 from fp4attn.reference.operands import QKOperand
 
 log = logging.getLogger("fp4attn")
@@ -80,29 +80,11 @@ def _resolve_scale(scale: float | None, head_dim: int) -> float:
     return float(scale)
 
 
-def key_mask_view(attn_mask: torch.Tensor) -> torch.Tensor | None:
-    """The mask as a key mask, broadcastable as (B, 1, 1, Sk), if it is one: by shape, or
-    (eagerly) by content when every query row is the same, as in the padding masks
-    transformers expands to (B, 1, Sq, Sk). None for any other mask."""
-    shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
-    if attn_mask.ndim > 4 or shape[1] != 1:
-        return None
-    m = attn_mask.reshape(shape)
-    if shape[2] == 1:
-        return m
-    if torch.compiler.is_compiling():  # a content test would be a data-dependent branch
-        return None
-    first = m[:, :, :1, :]
-    return first if torch.equal(m, first.expand_as(m)) else None
-
-
 def _kernel_unsupported(q: torch.Tensor, recipe: Recipe, needs_grad: bool, attn_mask) -> str | None:
-    """Why the Triton kernels cannot run this call, or None if they can."""
+    """Why the Triton kernels cannot run this call, or None if they can, short of the
+    mask's content (`_resolve_backend` looks at that last, once)."""
     if attn_mask is not None and needs_grad:
         return "an attn_mask with a backward (the backward kernels take causal masks only, for now)"
-    if attn_mask is not None and key_mask_view(attn_mask) is None:
-        return (f"an attn_mask of shape {tuple(attn_mask.shape)} (the kernels take key masks, broadcastable as "
-                "(B, 1, 1, Sk), for now)")
     if not q.is_cuda:
         return f"inputs on {q.device.type} (kernels need CUDA)"
     if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -123,7 +105,9 @@ def _log_once(message: str) -> None:
     log.info(message)
 
 
-def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: bool, attn_mask) -> str:
+def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: bool,
+                     attn_mask) -> tuple[str, torch.Tensor | None]:
+    """("triton" or "reference", the attn_mask as a key mask for the kernels or None)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; accepted: {BACKENDS}")
     if backend == "auto" and os.environ.get(BACKEND_ENV):
@@ -131,15 +115,21 @@ def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: 
         if backend not in BACKENDS:
             raise ValueError(f"{BACKEND_ENV}={backend!r} is not a backend; accepted: {BACKENDS}")
     if backend == "reference":
-        return backend
+        return backend, None
     reason = _kernel_unsupported(q, recipe, needs_grad, attn_mask)
+    key_mask = None
+    if reason is None and attn_mask is not None:  # the content test runs once, and last
+        key_mask = key_mask_view(attn_mask)
+        if key_mask is None:
+            reason = (f"an attn_mask of shape {tuple(attn_mask.shape)} (the kernels take key masks, broadcastable "
+                      "as (B, 1, 1, Sk), for now)")
     if reason is None:
-        return "triton"
+        return "triton", key_mask
     if backend == "triton":
         raise ValueError(f"backend='triton' cannot run recipe {recipe.name!r}: {reason}")
     if not torch.compiler.is_compiling():  # logging is a side effect a compiled graph cannot hold
         _log_once(f"recipe {recipe.name!r} runs on the reference backend: {reason}")
-    return "reference"
+    return "reference", None
 
 
 class _ReferenceAttention(torch.autograd.Function):
@@ -163,9 +153,9 @@ class _ReferenceAttention(torch.autograd.Function):
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None
 
 
-def _kernel_attention(q, k, v, rec: Recipe, mode: str | None, scale: float, attn_mask, needs_grad: bool):
+def _kernel_attention(q, k, v, rec: Recipe, mode: str | None, scale: float, key_mask, needs_grad: bool):
     """The Hopper kernels on a call `_resolve_backend` accepted: head dims below 64/128
-    zero-padded (exact, `ops.kernel_head_dim`), key masks as the kernel's key bias."""
+    zero-padded (exact, `ops.kernel_head_dim`), a key mask as the kernel's key bias."""
     from fp4attn.kernels.hopper.ops import hopper_attention, kernel_head_dim, key_bias_of_mask
     from fp4attn.kernels.hopper.training import hopper_train_attention
 
@@ -175,7 +165,7 @@ def _kernel_attention(q, k, v, rec: Recipe, mode: str | None, scale: float, attn
     if needs_grad:
         out, lse = hopper_train_attention(qp, kp, vp, rec, scale=scale, causal_offset=offset)
     else:
-        key_bias = None if attn_mask is None else key_bias_of_mask(key_mask_view(attn_mask), q.shape[0], k.shape[-2])
+        key_bias = None if key_mask is None else key_bias_of_mask(key_mask, q.shape[0], k.shape[-2])
         out, lse, _ = hopper_attention(qp, kp, vp, rec, scale=scale, causal_offset=offset, key_bias=key_bias)
     out = out.to(q.dtype)
     return (out if dk == d else out[..., :d].contiguous()), lse
@@ -236,8 +226,9 @@ def attention(
     _validate_mask(attn_mask, q, k.shape[-2])
     s = _resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if _resolve_backend(backend, q, rec, needs_grad, attn_mask) == "triton":
-        out, lse = _kernel_attention(q, k, v, rec, mode, s, attn_mask, needs_grad)
+    chosen, key_mask = _resolve_backend(backend, q, rec, needs_grad, attn_mask)
+    if chosen == "triton":
+        out, lse = _kernel_attention(q, k, v, rec, mode, s, key_mask, needs_grad)
     else:
         out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, attn_mask)
     return (out, lse) if return_lse else out

@@ -151,7 +151,7 @@ def test_padded_head_dims_reproduce_the_unpadded_recipe(monkeypatch):
         res = reference_forward(q, k, v, recipe, scale=scale, causal=None if causal_offset is None else "top_left")
         return res.out.to(torch.bfloat16), res.lse, None
 
-    monkeypatch.setattr(api, "_resolve_backend", lambda *a: "triton")
+    monkeypatch.setattr(api, "_resolve_backend", lambda *a: ("triton", None))
     monkeypatch.setattr(ops, "hopper_attention", fake_kernel)
     gen = torch.Generator().manual_seed(0)
     for d in (16, 32, 48, 80, 112):
@@ -229,7 +229,8 @@ def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):
     monkeypatch.setattr(ops, "hopper_attention", fake_kernel)
     real_resolve = api._resolve_backend
     monkeypatch.setattr(api, "_resolve_backend",
-                        lambda b, q, r, g, m: "triton" if api.key_mask_view(m) is not None else "reference")
+                        lambda b, q, r, g, m: ("triton", api.key_mask_view(m)) if api.key_mask_view(m) is not None
+                        else ("reference", None))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 2, 50, 64, generator=gen).bfloat16() for _ in range(3))
     lengths = torch.tensor([50, 17, 0])  # a batch element with no key at all
@@ -242,7 +243,8 @@ def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):
     assert api.key_mask_view(expanded).shape == (3, 1, 1, 50)
     assert api.key_mask_view(torch.ones(50, 50, dtype=torch.bool).tril()) is None  # a query-dependent mask
     assert api.key_mask_view(torch.ones(3, 2, 1, 50, dtype=torch.bool)) is None  # per head
-    assert real_resolve("auto", q, fp4attn.PRESETS["fp8"], False, torch.ones(50, 50).tril().bool()) == "reference"
+    assert real_resolve("auto", q, fp4attn.PRESETS["fp8"], False, torch.ones(50, 50).tril().bool()) == ("reference",
+                                                                                                       None)
     bias = ops.key_bias_of_mask(torch.tensor([0.5, -1.0]), 2, 2)
     assert torch.equal(bias, torch.tensor([[0.5, -1.0]] * 2) * 1.4426950408889634)
 

@@ -37,3 +37,19 @@ def key_mask(offset: int | None, rows: torch.Tensor, cols: torch.Tensor, sk: int
     if offset is not None:
         visible = visible & (cols[None, :] <= rows[:, None] + offset)
     return visible
+
+
+def key_mask_view(attn_mask: torch.Tensor) -> torch.Tensor | None:
+    """An SDPA attn_mask as a key mask of shape (b, 1, 1, Sk) (b 1 or B), if it is one:
+    by shape, or (eagerly) by content when every query row is the same, as in the
+    padding masks transformers expands to (B, 1, Sq, Sk). None for any other mask."""
+    shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
+    if attn_mask.ndim > 4 or shape[1] != 1:
+        return None
+    m = attn_mask.reshape(shape)
+    if shape[2] == 1:
+        return m
+    if torch.compiler.is_compiling():  # a content test would be a data-dependent branch
+        return None
+    first = m[:, :, :1, :]
+    return first if torch.equal(m, first.expand_as(m)) else None

@@ -21,6 +21,7 @@ from fp4attn.kernels.hopper.operands import KernelOperands
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E, log2_bias
+from fp4attn.reference.masks import key_mask_view
 
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
 BLOCK_N = 128  # equals Recipe.block_n of every preset: the tile is part of the numerics
@@ -130,13 +131,13 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
 
 
 def key_bias_of_mask(attn_mask: torch.Tensor, batch: int, sk: int) -> torch.Tensor | None:
-    """An SDPA attn_mask that depends on the batch and the key only (broadcastable as
-    (B, 1, 1, Sk): key padding) as the (B, Sk) log2-unit bias the kernel adds, computed
-    by the reference's own `log2_bias`; None for any other mask."""
-    shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
-    if attn_mask.ndim > 4 or shape[1] != 1 or shape[2] != 1:
+    """An SDPA attn_mask that depends on the batch and the key only (`key_mask_view`:
+    key padding) as the (B, Sk) log2-unit bias the kernel adds, computed by the
+    reference's own `log2_bias`; None for any other mask."""
+    key_mask = key_mask_view(attn_mask)
+    if key_mask is None:
         return None
-    bias = log2_bias(attn_mask.reshape(shape), sk, 1)  # (b, 1, 1, Sk), padded by 0 keys
+    bias = log2_bias(key_mask, sk, 1)  # (b, 1, 1, Sk), padded by 0 keys
     return bias.expand(batch, 1, 1, sk).reshape(batch, sk).float().contiguous()
 
 

@@ -21,7 +21,7 @@ from fp4attn.formats.fp8 import fp8_scales
 from fp4attn.formats.minifloat import exact_div, pow2
 from fp4attn.formats.mx import mx_exponent
 from fp4attn.formats.nvfp4 import nvfp4_global_encode_scale
-from fp4attn.kernels.common import FP8_MIN_AMAX, round_e4m3
+from fp4attn.kernels.common import fp8_scale_inv, round_e4m3
 from fp4attn.kernels.hopper.operands import KernelOperands
 from fp4attn.recipes import Recipe
 from fp4attn.reference.operands import v_window
@@ -57,9 +57,7 @@ def _fp8_per_row(x, AXIS: tl.constexpr):
     bad = tl.sum((x != x).to(tl.int32), axis=AXIS) > 0
     amax = tl.max(tl.abs(x), axis=AXIS)
     amax = tl.where(bad, float("nan"), amax)
-    zero = amax < FP8_MIN_AMAX  # formats/fp8.py: flushed, as all-zero rows
-    scale = tl.where(zero, 1.0, tl.div_rn(amax, 448.0))
-    inv = tl.where(zero, 1.0, tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
+    scale, inv = fp8_scale_inv(amax)
     nonfinite = bad | (amax == float("inf"))
     y = _e4m3_signed(x * (inv[:, None] if AXIS == 1 else inv[None, :]))
     return y, tl.where(nonfinite, float("nan"), scale)
@@ -195,6 +193,8 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -
 
     `scale` (FP8 only): a float32 scalar tensor; quantize v * scale (rounded in float32,
     as the reference's dequantized NVFP4 values) without materializing the product."""
+    if scale is not None and fmt != "fp8":
+        raise ValueError(f"quantize_v_t: `scale` is for fmt='fp8' only, got fmt={fmt!r}")
     B, H, S, D = v.shape
     vc = v.contiguous()
     vt = torch.empty((B, H, D, S), device=v.device, dtype=torch.float8_e4m3fn)
@@ -216,8 +216,6 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -
         inv = pow2(-e.clamp(-127, 127)).transpose(-1, -2).contiguous()  # (B, H, n_blocks, D)
         out_scale = osc.transpose(-1, -2).contiguous()
         vs = pow2(c)[..., None].expand(B, H, D).contiguous()
-    if scale is not None and fmt != "fp8":
-        raise ValueError("quantize_v_t: `scale` is for FP8 only")
     block_s = 64
     grid = (triton.cdiv(S, block_s), B * H)
     _v_kernel[grid](vc, vt, inv, out_scale, scale if scale is not None else inv, S, D=D, BLOCK_S=block_s,
