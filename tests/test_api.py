@@ -262,3 +262,20 @@ def test_forward_launch_override_is_checked(monkeypatch):
         monkeypatch.setenv(LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match=LAUNCH_ENV):
             forward_launch(128)
+
+
+def test_quantize_v_t_rejects_a_scale_for_mxfp4():
+    pytest.importorskip("triton")
+    from fp4attn.kernels.hopper.quantize import quantize_v_t
+
+    with pytest.raises(ValueError, match="fmt='fp8' only"):
+        quantize_v_t(torch.zeros(1, 1, 32, 64), "mxfp4", scale=torch.ones(1))
+
+
+def test_bench_reports_why_cudnn_fp8_did_not_run(monkeypatch):
+    import fp4attn.cli.cudnn_fp8 as cudnn_fp8
+    from fp4attn.cli.bench import _time_cudnn_fp8
+
+    monkeypatch.setattr(cudnn_fp8, "available", lambda: False)
+    ms, note = _time_cudnn_fp8(None, None, None, False)
+    assert ms is None and "nvidia-cudnn-frontend" in note
