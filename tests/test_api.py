@@ -253,15 +253,18 @@ def test_forward_launch_override_is_checked(monkeypatch):
     pytest.importorskip("triton")
     from fp4attn.kernels.hopper.ops import LAUNCH_ENV, DEFAULT_LAUNCH, ForwardLaunch, forward_launch
 
-    assert forward_launch(128) == DEFAULT_LAUNCH[128] and forward_launch(64) == DEFAULT_LAUNCH[64]
+    for d in (64, 128):
+        for fp8 in (True, False):
+            for causal in (True, False):
+                assert forward_launch(d, fp8, causal) == DEFAULT_LAUNCH[d, fp8, causal]
     monkeypatch.setenv(LAUNCH_ENV, "64,4,3")
-    assert forward_launch(128) == ForwardLaunch(64, 4, 3)
+    assert forward_launch(128, True, False) == ForwardLaunch(64, 4, 3)
     monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1")
-    assert forward_launch(128) == ForwardLaunch(64, 4, 2, True)
+    assert forward_launch(64, False, True) == ForwardLaunch(64, 4, 2, True)
     for bad in ("64,4", "32,4,2", "64,2,2", "x", "64,4,2,2", "64,4,2,1,0"):
         monkeypatch.setenv(LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match=LAUNCH_ENV):
-            forward_launch(128)
+            forward_launch(128, True, False)
 
 
 def test_quantize_v_t_rejects_a_scale_for_mxfp4():

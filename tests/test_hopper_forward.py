@@ -109,12 +109,13 @@ def test_kernel_padded_head_dims(recipe, d):
 
 @pytest.mark.parametrize("recipe", ["fp8", "nvfp4-fp8"])
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
-def test_kernel_fp8_p_by_hardware_conversion(recipe, causal, monkeypatch):
-    """The p_hw_cvt variant (FP8 P rounded by cvt.rn.satfinite, row sums from the e4m3
-    values) reproduces the reference as the default builder does."""
+@pytest.mark.parametrize("hw_cvt", [0, 1])
+def test_kernel_fp8_p_rounding_variants(recipe, causal, hw_cvt, monkeypatch):
+    """FP8 P rounded by the packed hardware conversion (p_hw_cvt=1) and by the float32
+    bit arithmetic (0) both reproduce the reference; the default launches use each."""
     from fp4attn.kernels.hopper.ops import LAUNCH_ENV
 
-    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1")
+    monkeypatch.setenv(LAUNCH_ENV, f"64,4,2,{hw_cvt}")
     for sq, sk, d in ((113, 239, 128), (1023, 1023, 64), (256, 4096, 128)):
         q, k, v = _qkv(2, 4, 2, sq, sk, d)
         _check(q, k, v, PRESETS[recipe], causal=causal)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile
+from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, round_e4m3_cvt
 
 
 @triton.jit
@@ -65,10 +65,8 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
     x = t - m_use[:, None]
     # -- P as exact e4m3 values (times 2**8) and the consistent row sum
     if P_MODE == 0 and P_HW_CVT:
-        # FP8 P rounded by the packed conversion (cvt.rn.satfinite: RNE, as round_e4m3),
-        # its row sum from the e4m3 values themselves
-        p8 = tl.math.exp2(x + P_OFFSET_LOG2).to(tl.float8e4nv)
-        p = p8.to(tl.float32)
+        # FP8 P rounded by the packed hardware conversion (RNE, as round_e4m3)
+        p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
     else:
         p = build_p_tile(x, P_MODE, 1)
     if WRITE_P:
@@ -82,10 +80,7 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :], mask=(cols < Sk)[None, :], other=0.0)
     else:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :])
-    if P_MODE == 0 and P_HW_CVT:
-        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
-    else:
-        acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
+    acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
     return acc, l_i, m_new
 
 

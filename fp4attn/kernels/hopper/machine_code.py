@@ -47,12 +47,12 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
-                    block_m=None, block_n=128, key_bias=False, p_hw_cvt=False):
+                    block_m=None, block_n=128, key_bias=False, p_hw_cvt=None):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given."""
     from fp4attn.kernels.hopper.ops import forward_launch
 
-    launch = forward_launch(head_dim)
+    launch = forward_launch(head_dim, qk_fp8, causal)
     num_warps, num_stages = num_warps or launch.warps, num_stages or launch.stages
     block_m = block_m or launch.block_m
     elem = "*fp8e4nv" if qk_fp8 else "*bf16"
@@ -62,7 +62,7 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     sig["qk_scale"] = "fp32"
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
                   CAUSAL=causal, WRITE_P=0, QK_PROMOTE=True, KEY_BIAS=key_bias,
-                  P_HW_CVT=p_hw_cvt)
+                  P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt)
     aligned = [n for n in sig if n in _POINTERS or n.startswith("stride")]
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 

@@ -40,18 +40,29 @@ class ForwardLaunch:
     p_hw_cvt: bool = False
 
 
-# D=128: 64-row programs of 4 warps, two per SM (255 registers each), so one program's
-# softmax overlaps the other's products: fp8 287 -> 409 TFLOP/s, nvfp4-fp8 369 -> 379,
-# fp8-directp 148 -> 173 at (8,16,4096,128) (benchmarks/results/h200-forward-launch*.txt).
-# D=64 stays at 128 rows (fp8 246 vs 238, nvfp4-fp8 232 vs 255 at (16,16,2048,64)).
-DEFAULT_LAUNCH = {64: ForwardLaunch(128, 8, 3), 128: ForwardLaunch(64, 4, 2)}
+# Measured at (8,16,4096,128) and (16,16,2048,64), kernel alone, TFLOP/s
+# (benchmarks/results/h200-forward-launch*.txt). 64-row programs of 4 warps run two per
+# SM (255 registers each), so one program's softmax overlaps the other's products:
+# 128 rows -> 64 rows took fp8 287 -> 409, nvfp4-fp8 369 -> 379, fp8-directp 148 -> 173.
+# Rounding FP8 P by the hardware conversion (p_hw_cvt) then took nvfp4-fp8 379 -> 432
+# (causal 341 -> 381), fp8 409 -> 481 and with 3 stages 525, and at D=64 fp8 248 -> 302,
+# nvfp4-fp8 233 -> 298; but causal fp8 fell 370 -> 272 (more spills: 560 stack bytes),
+# so that one case keeps the bit arithmetic. Keyed by (head dim, fp8 Q/K, causal).
+DEFAULT_LAUNCH = {
+    (128, True, False): ForwardLaunch(64, 4, 3, True),
+    (128, True, True): ForwardLaunch(64, 4, 2, False),
+    (128, False, False): ForwardLaunch(64, 4, 2, True),
+    (128, False, True): ForwardLaunch(64, 4, 2, True),
+    **{(64, fp8, causal): ForwardLaunch(64, 4, 2, True) for fp8 in (True, False) for causal in (True, False)},
+}
 
 
-def forward_launch(head_dim: int) -> ForwardLaunch:
-    """The launch shape for `head_dim`, or the one FP4ATTN_FORWARD_LAUNCH names."""
+def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
+    """The launch shape for this head dim, Q/K format and masking, or the one
+    FP4ATTN_FORWARD_LAUNCH names."""
     spec = os.environ.get(LAUNCH_ENV)
     if not spec:
-        return DEFAULT_LAUNCH[head_dim]
+        return DEFAULT_LAUNCH[head_dim, qk_fp8, causal]
     try:
         fields = [int(x) for x in spec.split(",")]
         block_m, warps, stages = fields[:3]
@@ -108,7 +119,8 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
-    cfg = forward_launch(D)
+    qk_fp8 = q.dtype == torch.float8_e4m3fn
+    cfg = forward_launch(D, qk_fp8, causal_offset is not None)
     sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
     dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
@@ -122,7 +134,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         dbg.stride(0), dbg.stride(1), dbg.stride(2),
         H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
-        QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode, CAUSAL=causal_offset is not None,
+        QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
@@ -155,7 +167,7 @@ def _hopper_attention_op(
 @_hopper_attention_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key_bias):
     B, H, Sq, D = q.shape
-    block_m = forward_launch(D).block_m
+    block_m = forward_launch(D, qk == "fp8", causal).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
     dbg_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
