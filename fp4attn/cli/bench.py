@@ -157,7 +157,9 @@ def geomean_speedups(records: list[dict], d: int = 128, causal: bool = False) ->
     return out
 
 
-def plot(records: list[dict], path: Path) -> None:
+def plot(records: list[dict], path: Path, gpu: str | None = None) -> None:
+    """Bar chart of kernel-alone TFLOP/s per shape; `gpu` names the device in the title
+    (default: the current one), for plots redrawn from saved records."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,7 +176,7 @@ def plot(records: list[dict], path: Path) -> None:
     ax.set_xticks([j + w * (len(impls) - 1) / 2 for j in range(len(keys))],
                   [f"{b},{h},{s},{d}{' c' if c else ''}" for b, h, s, d, c in keys], rotation=30, fontsize=7)
     ax.set_ylabel("TFLOP/s (forward)")
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    gpu = gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
     ax.set_title(f"fp4attn forward on {gpu} (kernel alone; c = causal)")
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
