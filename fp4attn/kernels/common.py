@@ -28,26 +28,33 @@ P_OFFSET_LOG2 = tl.constexpr(encoding.P_OFFSET_LOG2)
 # y >= T thresholds (reference/directp.py), each the float32 just at or above the log
 T_QUARTER = tl.constexpr(directp.DIRECTP_THRESHOLDS[0])  # y > -2: code 1 (0.5)
 T_075 = tl.constexpr(directp.DIRECTP_THRESHOLDS[1])  # y >= log2(0.75): code 2 (1.0)
-T_125 = tl.constexpr(directp.DIRECTP_THRESHOLDS[2])  # frac(y) >= log2(1.25): mantissa bit
-T_175 = tl.constexpr(directp.DIRECTP_THRESHOLDS[3])  # frac(y) >= log2(1.75): carries up
+T_125 = tl.constexpr(directp.DIRECTP_THRESHOLDS[2])  # y >= log2(1.25): code 3 (1.5)
+T_175 = tl.constexpr(directp.DIRECTP_THRESHOLDS[3])  # y >= log2(1.75): code 4 (2.0)
+T_25 = tl.constexpr(directp.DIRECTP_THRESHOLDS[4])  # y >= log2(2.5): code 5 (3.0)
+T_35 = tl.constexpr(directp.DIRECTP_THRESHOLDS[5])  # y >= log2(3.5): code 6 (4.0)
+T_5 = tl.constexpr(directp.DIRECTP_THRESHOLDS[6])  # y >= log2(5): code 7 (6.0)
 
 
 @triton.jit
-def _block_max_32(x, KEY_AXIS: tl.constexpr):
+def _block_max_32(x, KEY_AXIS: tl.constexpr, key_block=None):
     """Max over each block of 32 keys of a tile whose keys run along KEY_AXIS (1 in the
     forward's S tile, 0 in the backward's S^T tile), broadcast back to every element of
-    its block.
+    its block. key_block: each key's block number in the tile, broadcastable to x
+    (made here with tl.arange when None; Gluon callers pass it in their layout).
 
     Done as one masked reduction per block: `tl.reshape` to (BLOCK_M, BLOCK_N // 32,
     32) grouped the wrong columns for a tile in the wgmma accumulator layout (Triton 3.6,
-    H200; docs/notes/hopper-forward.md).
+    H200; docs/notes/hopper-forward.md). On sm_90 the compiler reduces each block to the
+    eight values a thread holds in it (same SASS size as the reshape, checked).
     """
     n_keys: tl.constexpr = x.shape[KEY_AXIS]
-    if KEY_AXIS == 1:
-        blk = tl.arange(0, n_keys)[None, :] // 32
-    else:
-        blk = tl.arange(0, n_keys)[:, None] // 32
-    out = tl.full(x.shape, -float("inf"), tl.float32)
+    blk = key_block
+    if blk is None:
+        if KEY_AXIS == 1:
+            blk = tl.arange(0, n_keys)[None, :] // 32
+        else:
+            blk = tl.arange(0, n_keys)[:, None] // 32
+    out = x  # every element is overwritten: each key is in one block
     for b in tl.static_range(n_keys // 32):
         mb = tl.max(tl.where(blk == b, x, -float("inf")), axis=KEY_AXIS)
         mb = mb[:, None] if KEY_AXIS == 1 else mb[None, :]
@@ -106,37 +113,38 @@ def p_fp8_exp2(x):
 
 
 @triton.jit
-def p_mxfp4_directp(x, KEY_AXIS: tl.constexpr):
+def p_mxfp4_directp(x, KEY_AXIS: tl.constexpr, key_block=None):
     """MXFP4 P by Direct-P, as exact e4m3 values E2M1 * 2**(e_b + 8).
 
-    Per 32-key block e_b = floor(max x) - 2 and y = x - e_b < 3. For y >= 0 (E2M1
-    normals) the value is built as float32 bits: exponent n + e_b + 8 with n = floor(y)
-    and one mantissa bit per threshold passed by frac(y) (two passes carry into the
-    exponent, as rounding up to the next power of two), capped at 6 * 2**e_b. For
-    y < 0 it is 1.0, 0.5 or 0 times 2**e_b. No exp is computed.
+    Per 32-key block e_b = floor(max x) - 2 and y = x - e_b < 3; the E2M1 value is the
+    number of the reference's thresholds y passes, as a chain of selects (seven compares
+    and seven selects per element, the reference's `directp_classify` test for test),
+    times 2**(e_b + 8), which is 0 for a dropped block. No exp is computed. The
+    exponent-and-mantissa assembly this replaces (floor, fraction, two fraction tests,
+    integer exponent, saturation, the sub-normal selects) took about twice the
+    instructions per element (docs/notes/hopper-forward.md).
     """
-    e_b = tl.floor(_block_max_32(x, KEY_AXIS)) - 2.0  # -inf for a fully masked block
+    e_b = tl.floor(_block_max_32(x, KEY_AXIS, key_block)) - 2.0  # -inf for a fully masked block
     keep = e_b >= P_EMIN
     e_b = tl.where(keep, e_b, 0.0)
+    scale = tl.where(keep, ((e_b.to(tl.int32) + (P_OFFSET_LOG2 + 127)) << 23).to(tl.float32, bitcast=True), 0.0)
     y = x - e_b
-    n = tl.floor(y)
-    f = y - n  # exact for n >= 0 (Sterbenz)
-    m1 = (f >= T_125).to(tl.int32) + (f >= T_175).to(tl.int32)
-    e_out = e_b.to(tl.int32) + P_OFFSET_LOG2 + 127
-    bits = ((n.to(tl.int32) + e_out) << 23) + (m1 << 22)
-    bits = tl.minimum(bits, ((e_out + 2) << 23) + (1 << 22))  # saturate at 6 * 2**e_b
-    normal = bits.to(tl.float32, bitcast=True)
-    scale = (e_out << 23).to(tl.float32, bitcast=True)  # 2**(e_b + 8)
-    sub = tl.where(y >= T_075, scale, tl.where(y >= T_QUARTER, 0.5 * scale, 0.0))
-    return tl.where(keep, tl.where(y >= 0.0, normal, sub), 0.0)
+    v = tl.where(y >= T_QUARTER, 0.5, 0.0)
+    v = tl.where(y >= T_075, 1.0, v)
+    v = tl.where(y >= T_125, 1.5, v)
+    v = tl.where(y >= T_175, 2.0, v)
+    v = tl.where(y >= T_25, 3.0, v)
+    v = tl.where(y >= T_35, 4.0, v)
+    v = tl.where(y >= T_5, 6.0, v)
+    return v * scale
 
 
 @triton.jit
-def p_mxfp4_exp2(x, KEY_AXIS: tl.constexpr):
+def p_mxfp4_exp2(x, KEY_AXIS: tl.constexpr, key_block=None):
     """MXFP4 P from float32 exp2 and OCP rounding (the baseline Direct-P replaces):
     e_b = floor(log2 max p) - 2 from the bits of max p, then RNE to E2M1 of p / 2**e_b."""
     p = tl.math.exp2(x)
-    pb = _block_max_32(p, KEY_AXIS)
+    pb = _block_max_32(p, KEY_AXIS, key_block)
     e_b = ((pb.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 2
     keep = (pb > 0.0) & (e_b >= P_EMIN)
     e_b = tl.where(keep, e_b, 0)
@@ -151,13 +159,13 @@ def p_mxfp4_exp2(x, KEY_AXIS: tl.constexpr):
 
 
 @triton.jit
-def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr):
+def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None):
     """P by the recipe's builder: 0 FP8 from exp2, 1 MXFP4 by Direct-P, 2 MXFP4 from
-    exp2 (the P_MODE of the kernels)."""
+    exp2 (the P_MODE of the kernels); key_block as in `_block_max_32`."""
     if P_MODE == 0:
         p = p_fp8_exp2(x)
     elif P_MODE == 1:
-        p = p_mxfp4_directp(x, KEY_AXIS)
+        p = p_mxfp4_directp(x, KEY_AXIS, key_block)
     else:
-        p = p_mxfp4_exp2(x, KEY_AXIS)
+        p = p_mxfp4_exp2(x, KEY_AXIS, key_block)
     return p

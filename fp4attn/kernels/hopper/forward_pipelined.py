@@ -1,0 +1,251 @@
+"""Attention forward for Hopper (sm_90) in Gluon: the Triton kernel's numerics
+(`forward.py`, same P builders from `kernels/common.py`) with the tensor cores kept busy
+while the softmax runs.
+
+Triton 3.6 serializes each tile: QK^T, wait, softmax, PV, wait (it does not
+warp-specialize on sm_90; docs/notes/hopper-forward.md), so the per-element work of the
+exact recipes (scale multiplies, e4m3 rounding, Direct-P's classifier) adds to the
+products' time. Here one warpgroup of 4 warps owns BLOCK_M = 64 query rows and orders
+the asynchronous wgmmas itself, as FlashAttention-3's intra-warpgroup overlap:
+
+    iteration j (S_j in registers, PV_{j-1} in flight)
+      1. TMA: K_{j+2} into the K stage QK_j has finished reading
+      2. issue QK_{j+1}                               tensor cores: PV_{j-1}, QK_{j+1}
+      3. softmax of S_j -> P_j (e4m3 values), alpha    ALU/MUFU, overlapping both
+      4. wait for PV_{j-1}; TMA: V_{j+1} into its freed stage
+      5. O *= alpha; issue PV_j (P from registers)     tensor cores: QK_{j+1}, PV_j
+      6. wait for QK_{j+1}
+
+K and V^T tiles arrive by TMA into two-stage rings (mbarriers), Q once. Two programs
+share an SM (64 rows, 4 warps each), so one program's waits hide behind the other's
+work as well.
+
+Operands are the forward's (`KernelOperands`): Q/K e4m3 or bf16 grid values with
+per-token scales, V^T e4m3 (B, Hkv, D, Sk) with per-channel scales. TMA needs Sk to be a
+multiple of 16 (V^T's row stride in bytes); the launcher pads V^T's keys otherwise.
+"""
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.language.extra import libdevice
+
+from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, round_e4m3_cvt
+
+NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM (bf16 K: 112 KB each)
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, a_i, b_j, cols, rows, Sk, causal_offset, masked,
+                  s_layout: gl.constexpr, P_MODE: gl.constexpr, P_HW_CVT: gl.constexpr, CAUSAL: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """P of one tile as exact e4m3 values (times 2**8), the rescale factor and the new
+    running max and row sum: `forward._tile`'s arithmetic, operation for operation."""
+    t = libdevice.mul_rn(libdevice.mul_rn(s, gl.expand_dims(a_i, 1)), gl.expand_dims(b_j, 0))
+    if masked:  # diagonal and tail tiles only (a runtime branch: no cost elsewhere)
+        visible = gl.expand_dims(cols < Sk, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + causal_offset)
+        t = gl.where(visible, t, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(t, axis=1))
+    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row that has seen no key yet
+    alpha = gl.exp2(m_i - m_use)
+    x = t - gl.expand_dims(m_use, 1)
+    if P_MODE == 0 and P_HW_CVT:
+        p = round_e4m3_cvt(gl.exp2(x + P_OFFSET_LOG2))
+    else:
+        key_block = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) // 32, 0)
+        p = build_p_tile(x, P_MODE, 1, key_block)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def attn_fwd_pipelined_kernel(
+    q_desc, k_desc, v_desc, QS, KS, VS, O, LSE,
+    H, GROUP, Sq, Sk, causal_offset, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr,
+):
+    gl.static_assert(BLOCK_M == 64)  # one warpgroup, wgmma's M
+    gl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
+    # -- layouts: S in the QK^T accumulator layout, O in the PV one, P as PV's register A
+    qk_k: gl.constexpr = 32 if QK_FP8 else 16
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, qk_k])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    start_m = gl.program_id(0)
+    off_bh = gl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    hk = h // GROUP
+    bhk = b * (H // GROUP) + hk
+    q_row = off_bh * Sq + start_m * BLOCK_M  # rows of the (B*H*Sq, D) view
+    k_row = bhk * Sk  # rows of the (B*Hkv*Sk, D) view
+    v_row = bhk * HEAD_DIM  # rows of the (B*Hkv*D, Sk) view
+
+    # -- which key tiles this block sees (as forward.py): [0, full) need no mask
+    hi = Sk
+    full = Sk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        last = (start_m + 1) * BLOCK_M + causal_offset
+        first = start_m * BLOCK_M + causal_offset + 1
+        hi = gl.minimum(gl.maximum(last, 0), Sk)
+        full = gl.minimum(gl.maximum(first, 0), full) // BLOCK_N * BLOCK_N
+    n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # a block that sees no key runs one masked tile
+
+    # -- shared memory and barriers
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for i in gl.static_range(NUM_STAGES):
+        pred = i < n_tiles
+        mbarrier.expect(k_bar.index(i), k_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, 0], k_bar.index(i), k_smem.index(i), pred=pred)
+        mbarrier.expect(v_bar.index(i), v_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [v_row, i * BLOCK_N], v_bar.index(i), v_smem.index(i), pred=pred)
+
+    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
+    a_i = gl.load(QS + off_bh * Sq + rows, mask=rows < Sq, other=0.0) * qk_scale
+    ks_ptr = KS + bhk * Sk
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout))
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    imprecise: gl.constexpr = 32 if QK_FP8 else 0  # promotion every 32 products, as forward.py
+
+    # -- S_0
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bar.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                      max_num_imprecise_acc=imprecise, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+
+    for j in range(n_tiles - 1):
+        stage = j % NUM_STAGES
+        nxt = (j + 1) % NUM_STAGES
+        # 1. K_{j+2} into the stage QK_j read (finished: waited at the end of j-1)
+        pred = j + 2 < n_tiles
+        mbarrier.expect(k_bar.index(stage), k_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [k_row + (j + 2) * BLOCK_N, 0], k_bar.index(stage),
+                                        k_smem.index(stage), pred=pred)
+        # 2. QK_{j+1}
+        mbarrier.wait(k_bar.index(nxt), ((j + 1) // NUM_STAGES) & 1)
+        s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
+                               max_num_imprecise_acc=imprecise, is_async=True)
+        # 3. softmax of S_j
+        cols = j * BLOCK_N + offs_n
+        b_j = gl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, a_i, b_j, cols, rows, Sk, causal_offset,
+                                           j * BLOCK_N >= full, s_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        # 4. PV_{j-1} done: its V stage takes V_{j+1} (V_1 came with the prologue)
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        pred = (j >= 1) & (j + 1 < n_tiles)
+        mbarrier.expect(v_bar.index(nxt), v_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [v_row, (j + 1) * BLOCK_N], v_bar.index(nxt), v_smem.index(nxt),
+                                        pred=pred)
+        # 5. PV_j
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_bar.index(stage), (j // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        # 6. S_{j+1}
+        s = warpgroup_mma_wait(1, deps=[s_next])
+
+    # -- the last tile
+    j = n_tiles - 1
+    stage = j % NUM_STAGES
+    cols = j * BLOCK_N + offs_n
+    b_j = gl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, a_i, b_j, cols, rows, Sk, causal_offset,
+                                       j * BLOCK_N >= full, s_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
+    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    mbarrier.wait(v_bar.index(stage), (j // NUM_STAGES) & 1)
+    acc = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+
+    # -- epilogue (forward.py's): V's per-channel scale and 1/l; LSE in natural log
+    l_o = gl.convert_layout(l_i, row_o)
+    m_o = gl.convert_layout(m_i, row_o)
+    seen = l_o > 0.0
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
+    vs = gl.load(VS + bhk * HEAD_DIM + offs_d)
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_o, 1.0), 0.0)
+    out = acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(vs, 0)
+    lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0)) - P_OFFSET_LOG2) * 0.6931471805599453,
+                   -float("inf"))
+    rows_o = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+    row_ok = rows_o < Sq
+    o_ptrs = O + (off_bh * Sq + gl.expand_dims(rows_o, 1)).to(gl.int64) * HEAD_DIM + gl.expand_dims(offs_d, 0)
+    gl.store(o_ptrs, out.to(gl.bfloat16), mask=gl.expand_dims(row_ok, 1))
+    gl.store(LSE + off_bh * Sq + rows_o, lse, mask=row_ok)
+
+
+def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True):
+    """Run the Gluon kernel on prepared operands (`KernelOperands`, contiguous):
+    (out bf16, lse fp32), as `ops.launch_forward` without its debug outputs."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from fp4attn.reference.forward import LOG2E
+
+    q, k, vt = ops.q, ops.k, ops.vt
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    block_m, block_n = 64, 128
+    if Sk % 16:  # TMA: V^T's row stride must be a multiple of 16 bytes
+        pad = torch.zeros((B, Hkv, D, 16 - Sk % 16), dtype=vt.dtype, device=vt.device)
+        vt = torch.cat([vt, pad], dim=-1)
+    q2, k2, v2 = q.reshape(B * H * Sq, D), k.reshape(B * Hkv * Sk, D), vt.reshape(B * Hkv * D, vt.shape[-1])
+    v2 = v2[:, :Sk] if v2.shape[1] != Sk else v2  # a view: the padded stride, the true extent
+
+    def desc(t, block):
+        dtype = gl.float8e4nv if t.dtype == torch.float8_e4m3fn else gl.bfloat16
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
+    lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(Sq, block_m), B * H)
+    attn_fwd_pipelined_kernel[grid](
+        desc(q2, [block_m, D]), desc(k2, [block_n, D]), desc(v2, [D, block_n]),
+        ops.qs, ops.ks, ops.vs, out, lse,
+        H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
+        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode,
+        CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt, num_warps=4,
+    )
+    return out, lse
