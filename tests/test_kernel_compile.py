@@ -40,3 +40,17 @@ def test_key_bias_forward_compiles_and_adds_one_load_per_key():
     """The key-mask path compiles for sm_90 with the products still on the tensor cores."""
     plain, masked = inspect_forward(False, 0, False, 128), inspect_forward(False, 0, False, 128, key_bias=True)
     assert masked.count("HGMMA") == plain.count("HGMMA") > 0 and masked.count("QGMMA") == plain.count("QGMMA")
+
+
+@pytest.mark.parametrize("qk_fp8,p_mode,causal,head_dim", [(True, 0, False, 128), (False, 1, True, 128),
+                                                           (True, 1, True, 64)])
+def test_pipelined_forward_compiles_with_async_wgmma(qk_fp8, p_mode, causal, head_dim):
+    """The Gluon forward builds for sm_90: wgmma on the tensor cores, TMA loads into
+    shared memory, and the same P builder (no exp per element for Direct-P)."""
+    from fp4attn.kernels.hopper.machine_code import inspect_forward_pipelined
+
+    r = inspect_forward_pipelined(qk_fp8, p_mode, causal, head_dim)
+    assert r.count(r"QGMMA") > 0 and (qk_fp8 or r.count(r"HGMMA") > 0)
+    assert r.count(r"UTMALDG") > 0, "K and V^T tiles must arrive by TMA"
+    if p_mode == 1:
+        assert r.count(r"MUFU\.EX2") <= 8

@@ -40,15 +40,20 @@ from triton.language.extra import libdevice
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, round_e4m3_cvt
 
+BLOCK_M, BLOCK_N = 64, 128  # one warpgroup's wgmma rows; the recipes' key tile
 NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM (bf16 K: 112 KB each)
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, a_i, b_j, cols, rows, Sk, causal_offset, masked,
-                  s_layout: gl.constexpr, P_MODE: gl.constexpr, P_HW_CVT: gl.constexpr, CAUSAL: gl.constexpr,
-                  BLOCK_N: gl.constexpr):
-    """P of one tile as exact e4m3 values (times 2**8), the rescale factor and the new
-    running max and row sum: `forward._tile`'s arithmetic, operation for operation."""
+def _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+                  s_layout: gl.constexpr, p_layout: gl.constexpr, P_MODE: gl.constexpr, P_HW_CVT: gl.constexpr,
+                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile j's P (e4m3, times 2**8) as PV's register operand, the rescale factor and
+    the new running max and row sum: `forward._tile`'s arithmetic, operation for
+    operation."""
+    cols = j * BLOCK_N + offs_n
+    b_j = gl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
+    masked = j * BLOCK_N >= full
     t = libdevice.mul_rn(libdevice.mul_rn(s, gl.expand_dims(a_i, 1)), gl.expand_dims(b_j, 0))
     if masked:  # diagonal and tail tiles only (a runtime branch: no cost elsewhere)
         visible = gl.expand_dims(cols < Sk, 0)
@@ -65,7 +70,7 @@ def _softmax_tile(s, m_i, l_i, a_i, b_j, cols, rows, Sk, causal_offset, masked,
         key_block = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) // 32, 0)
         p = build_p_tile(x, P_MODE, 1, key_block)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, alpha, m_new, l_i
+    return gl.convert_layout(p.to(gl.float8e4nv), p_layout), alpha, m_new, l_i
 
 
 @gluon.jit
@@ -161,11 +166,8 @@ def attn_fwd_pipelined_kernel(
         s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
                                max_num_imprecise_acc=imprecise, is_async=True)
         # 3. softmax of S_j
-        cols = j * BLOCK_N + offs_n
-        b_j = gl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, a_i, b_j, cols, rows, Sk, causal_offset,
-                                           j * BLOCK_N >= full, s_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+                                            s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         # 4. PV_{j-1} done: its V stage takes V_{j+1} (V_1 came with the prologue)
         acc = warpgroup_mma_wait(1, deps=[acc])
         pred = (j >= 1) & (j + 1 < n_tiles)
@@ -182,11 +184,8 @@ def attn_fwd_pipelined_kernel(
     # -- the last tile
     j = n_tiles - 1
     stage = j % NUM_STAGES
-    cols = j * BLOCK_N + offs_n
-    b_j = gl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, a_i, b_j, cols, rows, Sk, causal_offset,
-                                       j * BLOCK_N >= full, s_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
-    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+                                        s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
     acc = warpgroup_mma_wait(0, deps=[acc])
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     mbarrier.wait(v_bar.index(stage), (j // NUM_STAGES) & 1)
@@ -226,7 +225,7 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     q, k, vt = ops.q, ops.k, ops.vt
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    block_m, block_n = 64, 128
+    block_m, block_n = BLOCK_M, BLOCK_N
     if Sk % 16:  # TMA: V^T's row stride must be a multiple of 16 bytes
         pad = torch.zeros((B, Hkv, D, 16 - Sk % 16), dtype=vt.dtype, device=vt.device)
         vt = torch.cat([vt, pad], dim=-1)

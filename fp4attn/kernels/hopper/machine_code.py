@@ -67,6 +67,28 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 
 
+def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True):
+    """The compiled Gluon forward (`forward_pipelined.py`) for one flag combination."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fp4attn.kernels.hopper.forward_pipelined import BLOCK_M, BLOCK_N, attn_fwd_pipelined_kernel
+
+    def desc(dtype, block):
+        name = "fp8e4nv" if dtype == gl.float8e4nv else "bf16"
+        return f"tensordesc<{name}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
+
+    qk = gl.float8e4nv if qk_fp8 else gl.bfloat16
+    sig = {"q_desc": desc(qk, [BLOCK_M, head_dim]), "k_desc": desc(qk, [BLOCK_N, head_dim]),
+           "v_desc": desc(gl.float8e4nv, [head_dim, BLOCK_N]), "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
+           "O": "*bf16", "LSE": "*fp32", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
+           "qk_scale": "fp32"}
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal,
+                  P_HW_CVT=p_hw_cvt)
+    src = GluonASTSource(attn_fwd_pipelined_kernel, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
+
+
 def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config=None):
     """The compiled backward kernel `part` ("dkdv" or "dq") with `config` (a
     `training.BackwardConfig`; default: the one `training` launches at this head dim)."""
@@ -112,6 +134,10 @@ def inspect(kernel) -> KernelReport:
 
 def inspect_forward(*args, **kwargs) -> KernelReport:
     return inspect(compile_forward(*args, **kwargs))
+
+
+def inspect_forward_pipelined(*args, **kwargs) -> KernelReport:
+    return inspect(compile_forward_pipelined(*args, **kwargs))
 
 
 def inspect_backward(*args, **kwargs) -> KernelReport:
