@@ -1,13 +1,16 @@
-"""The Gluon forward (`kernels/hopper/forward_pipelined.py`) against the Triton one, one
-run: first the outputs on awkward shapes (they compute the same arithmetic, so out and
-LSE should agree to fp32 summation order), then kernel-alone TFLOP/s of both and SDPA
-cuDNN bf16 on the bench shapes.
+"""The Gluon forward (`kernels/hopper/forward_pipelined.py`, both schedules) against the
+Triton one, one run: first the outputs on awkward shapes (the same arithmetic: out and
+LSE should be identical), then kernel-alone TFLOP/s of each and SDPA cuDNN bf16 on the
+bench shapes; for FP8 Q/K also schedule 1 with the e4m3 Q/K given as bf16 (QK^T on the
+bf16 tensor cores, no promotion; not bit-identical, so its cosine to the Triton output
+is printed).
 
     python scripts/bench_forward_pipelined.py [--recipes fp8,nvfp4-fp8,fp8-directp,directp]
         [--shapes 8,16,4096,128/16,16,2048,64] [--causal both]
 """
 
 import argparse
+import dataclasses
 
 import torch
 import triton
@@ -27,15 +30,20 @@ RECIPES = args.recipes.split(",")
 CAUSAL = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
 
 
-def run_both(q, k, v, r, causal_offset):
+def run_both(q, k, v, r, causal_offset, schedule=0):
     ops = prepare_operands_fused(q, k, v, r)
     mode = P_MODES[(r.p, r.p_build)]
     kw = dict(scale=q.shape[-1] ** -0.5, causal_offset=causal_offset, p_mode=mode)
-    return ops, kw, launch_forward(ops, **kw)[:2], launch_forward_pipelined(ops, **kw)
+    return ops, kw, launch_forward(ops, **kw)[:2], launch_forward_pipelined(ops, **kw, schedule=schedule)
 
 
-print("| recipe | B,H,Hkv,Sq,Sk,D | causal | max abs out diff | out rel L2 diff | max abs lse diff | bf16 equal |")
-print("|---|---|---|---|---|---|---|")
+def bf16_qk(ops):
+    return dataclasses.replace(ops, q=ops.q.to(torch.bfloat16), k=ops.k.to(torch.bfloat16))
+
+
+print("| recipe | B,H,Hkv,Sq,Sk,D | causal | schedule | max abs out diff | out rel L2 diff | max abs lse diff "
+      "| bf16 equal |")
+print("|---|---|---|---|---|---|---|---|")
 torch.manual_seed(0)
 for B, H, Hkv, Sq, Sk, D in ((1, 2, 2, 1, 3, 128), (2, 4, 2, 113, 239, 128), (1, 3, 1, 1023, 1023, 64),
                              (1, 2, 2, 256, 4096, 128), (2, 2, 1, 640, 640, 128)):
@@ -43,18 +51,18 @@ for B, H, Hkv, Sq, Sk, D in ((1, 2, 2, 1, 3, 128), (2, 4, 2, 113, 239, 128), (1,
     k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16) * 2
     v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
     for name in RECIPES:
-        for causal in CAUSAL:
+        for causal, schedule in ((c, s) for c in CAUSAL for s in (0, 1)):
             off = (Sk - Sq) if causal else None
-            _, _, (o1, l1), (o2, l2) = run_both(q, k, v, PRESETS[name], off)
+            _, _, (o1, l1), (o2, l2) = run_both(q, k, v, PRESETS[name], off, schedule)
             d = (o1.float() - o2.float())
             fin = torch.isfinite(l1)
-            print(f"| {name} | {B},{H},{Hkv},{Sq},{Sk},{D} | {causal} | {d.abs().max().item():.3g} | "
+            print(f"| {name} | {B},{H},{Hkv},{Sq},{Sk},{D} | {causal} | {schedule} | {d.abs().max().item():.3g} | "
                   f"{(d.norm() / o1.float().norm()).item():.3g} | "
                   f"{(l1[fin] - l2[fin]).abs().max().item() if fin.any() else 0:.3g} "
                   f"(inf {torch.equal(~fin, ~torch.isfinite(l2))}) | {(o1 == o2).float().mean().item():.4f} |")
 
-print("\n| B,H,S,D | causal | recipe | cuDNN bf16 | Triton | Gluon pipelined |")
-print("|---|---|---|---|---|---|")
+print("\n| B,H,S,D | causal | recipe | cuDNN bf16 | Triton | Gluon 0 | Gluon 1 | Gluon 1, bf16 QK (cos) |")
+print("|---|---|---|---|---|---|---|---|")
 for B, H, S, D in (tuple(map(int, s.split(","))) for s in args.shapes.split("/")):
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for causal in CAUSAL:
@@ -63,7 +71,18 @@ for B, H, S, D in (tuple(map(int, s.split(","))) for s in args.shapes.split("/")
             base = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
         for name in RECIPES:
             ops, kw, _, _ = run_both(q, k, v, PRESETS[name], 0 if causal else None)
-            t1 = bench(lambda: launch_forward(ops, **kw))
-            t2 = bench(lambda: launch_forward_pipelined(ops, **kw))
-            print(f"| {B},{H},{S},{D} | {causal} | {name} | {flops / base * 1e-9:.0f} | "
-                  f"{flops / t1 * 1e-9:.0f} ({base / t1:.2f}x) | {flops / t2 * 1e-9:.0f} ({base / t2:.2f}x) |")
+            cells = []
+            for f in (lambda: launch_forward(ops, **kw), lambda: launch_forward_pipelined(ops, **kw),
+                      lambda: launch_forward_pipelined(ops, **kw, schedule=1)):
+                t = bench(f)
+                cells.append(f"{flops / t * 1e-9:.0f} ({base / t:.2f}x)")
+            if ops.q.dtype == torch.float8_e4m3fn:
+                ops16 = bf16_qk(ops)
+                t = bench(lambda: launch_forward_pipelined(ops16, **kw, schedule=1))
+                cos = torch.nn.functional.cosine_similarity(
+                    launch_forward_pipelined(ops16, **kw, schedule=1)[0].float().flatten(),
+                    launch_forward(ops, **kw)[0].float().flatten(), dim=0).item()
+                cells.append(f"{flops / t * 1e-9:.0f} ({base / t:.2f}x; {cos:.6f})")
+            else:
+                cells.append("")
+            print(f"| {B},{H},{S},{D} | {causal} | {name} | {flops / base * 1e-9:.0f} | " + " | ".join(cells) + " |")

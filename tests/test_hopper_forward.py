@@ -176,7 +176,8 @@ def test_torch_compile_traces_the_kernel_op():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_pipelined_kernel_equals_triton_kernel(recipe, causal):
+@pytest.mark.parametrize("schedule", [0, 1])
+def test_pipelined_kernel_equals_triton_kernel(recipe, causal, schedule):
     """The Gluon forward (asynchronous wgmma, TMA rings) computes the Triton kernel's
     arithmetic: same outputs and LSE, bit for bit, on awkward shapes and GQA."""
     from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
@@ -190,5 +191,5 @@ def test_pipelined_kernel_equals_triton_kernel(recipe, causal):
         ops = prepare_operands_fused(q * 2, k * 2, v, r)
         kw = dict(scale=d**-0.5, causal_offset=(sk - sq) if causal else None, p_mode=P_MODES[(r.p, r.p_build)])
         out, lse = launch_forward(ops, **kw)[:2]
-        out2, lse2 = launch_forward_pipelined(ops, **kw)
+        out2, lse2 = launch_forward_pipelined(ops, **kw, schedule=schedule)
         assert torch.equal(out, out2) and torch.equal(lse, lse2), (recipe, sq, sk, d)

@@ -16,6 +16,11 @@ the asynchronous wgmmas itself, as FlashAttention-3's intra-warpgroup overlap:
       5. O *= alpha; issue PV_j (P from registers)     tensor cores: QK_{j+1}, PV_j
       6. wait for QK_{j+1}
 
+SCHEDULE=1 is FA3's other order: QK_j is issued before O's rescale and PV_{j-1}, and the
+softmax of S_j overlaps PV_{j-1} only, so one S tile is live instead of two. ptxas
+pipelines its wgmmas with bf16 Q/K (no serialization report on the sm_90a build), not
+with fp8 Q/K, whose promotion needs a second S accumulator.
+
 K and V^T tiles arrive by TMA into two-stage rings (mbarriers), Q once. Two programs
 share an SM (64 rows, 4 warps each), so one program's waits hide behind the other's
 work as well.
@@ -79,6 +84,7 @@ def attn_fwd_pipelined_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr,
+    SCHEDULE: gl.constexpr = 0,
 ):
     gl.static_assert(BLOCK_M == 64)  # one warpgroup, wgmma's M
     gl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
@@ -153,44 +159,80 @@ def attn_fwd_pipelined_kernel(
                       max_num_imprecise_acc=imprecise, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
 
-    for j in range(n_tiles - 1):
+    if SCHEDULE == 0:
+        for j in range(n_tiles - 1):
+            stage = j % NUM_STAGES
+            nxt = (j + 1) % NUM_STAGES
+            # 1. K_{j+2} into the stage QK_j read (finished: waited at the end of j-1)
+            pred = j + 2 < n_tiles
+            mbarrier.expect(k_bar.index(stage), k_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(k_desc, [k_row + (j + 2) * BLOCK_N, 0], k_bar.index(stage),
+                                            k_smem.index(stage), pred=pred)
+            # 2. QK_{j+1}
+            mbarrier.wait(k_bar.index(nxt), ((j + 1) // NUM_STAGES) & 1)
+            s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
+                                   max_num_imprecise_acc=imprecise, is_async=True)
+            # 3. softmax of S_j
+            p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+                                                s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
+            # 4. PV_{j-1} done: its V stage takes V_{j+1} (V_1 came with the prologue)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            pred = (j >= 1) & (j + 1 < n_tiles)
+            mbarrier.expect(v_bar.index(nxt), v_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(v_desc, [v_row, (j + 1) * BLOCK_N], v_bar.index(nxt), v_smem.index(nxt),
+                                            pred=pred)
+            # 5. PV_j
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(v_bar.index(stage), (j // NUM_STAGES) & 1)
+            acc = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), acc, is_async=True)
+            # 6. S_{j+1}
+            s = warpgroup_mma_wait(1, deps=[s_next])
+
+        # -- the last tile
+        j = n_tiles - 1
         stage = j % NUM_STAGES
-        nxt = (j + 1) % NUM_STAGES
-        # 1. K_{j+2} into the stage QK_j read (finished: waited at the end of j-1)
-        pred = j + 2 < n_tiles
-        mbarrier.expect(k_bar.index(stage), k_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [k_row + (j + 2) * BLOCK_N, 0], k_bar.index(stage),
-                                        k_smem.index(stage), pred=pred)
-        # 2. QK_{j+1}
-        mbarrier.wait(k_bar.index(nxt), ((j + 1) // NUM_STAGES) & 1)
-        s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
-                               max_num_imprecise_acc=imprecise, is_async=True)
-        # 3. softmax of S_j
         p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
                                             s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
-        # 4. PV_{j-1} done: its V stage takes V_{j+1} (V_1 came with the prologue)
-        acc = warpgroup_mma_wait(1, deps=[acc])
-        pred = (j >= 1) & (j + 1 < n_tiles)
-        mbarrier.expect(v_bar.index(nxt), v_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [v_row, (j + 1) * BLOCK_N], v_bar.index(nxt), v_smem.index(nxt),
-                                        pred=pred)
-        # 5. PV_j
+        acc = warpgroup_mma_wait(0, deps=[acc])
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_bar.index(stage), (j // NUM_STAGES) & 1)
         acc = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        # 6. S_{j+1}
-        s = warpgroup_mma_wait(1, deps=[s_next])
-
-    # -- the last tile
-    j = n_tiles - 1
-    stage = j % NUM_STAGES
-    p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
-                                        s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    mbarrier.wait(v_bar.index(stage), (j // NUM_STAGES) & 1)
-    acc = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    else:
+        # FA3's order: QK_j overlaps only O's rescale, the softmax of S_j overlaps PV_{j-1};
+        # one S tile in registers instead of two
+        p8, alpha, m_i, l_i = _softmax_tile(s, 0, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+                                            s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
+        o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        for j in range(1, n_tiles):
+            stage = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
+            mbarrier.wait(k_bar.index(stage), (j // NUM_STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                                  max_num_imprecise_acc=imprecise, is_async=True)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(v_bar.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            o_tok = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), o, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            # K_j is read: its stage takes K_{j+2}
+            pred = j + 2 < n_tiles
+            mbarrier.expect(k_bar.index(stage), k_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(k_desc, [k_row + (j + 2) * BLOCK_N, 0], k_bar.index(stage),
+                                            k_smem.index(stage), pred=pred)
+            p8_next, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset,
+                                                     full, s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
+            o = warpgroup_mma_wait(0, deps=[o_tok])  # (an e4m3 operand cannot be a dep: Triton 3.6)
+            p8 = p8_next
+            # V_{j-1} is read: its stage takes V_{j+1}
+            pred = j + 1 < n_tiles
+            mbarrier.expect(v_bar.index(prev), v_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(v_desc, [v_row, (j + 1) * BLOCK_N], v_bar.index(prev),
+                                            v_smem.index(prev), pred=pred)
+        j = n_tiles - 1
+        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_bar.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p8, v_smem.index(j % NUM_STAGES).permute((1, 0)), o, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
@@ -214,9 +256,15 @@ def attn_fwd_pipelined_kernel(
     gl.store(LSE + off_bh * Sq + rows_o, lse, mask=row_ok)
 
 
-def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True):
+def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True,
+                             schedule: int = 0):
     """Run the Gluon kernel on prepared operands (`KernelOperands`, contiguous):
-    (out bf16, lse fp32), as `ops.launch_forward` without its debug outputs."""
+    (out bf16, lse fp32), as `ops.launch_forward` without its debug outputs.
+
+    schedule 0: QK^T of the next tile issued before the softmax (two S tiles live);
+    1: FA3's order (the softmax overlaps PV, one S tile live). e4m3 Q/K may also be
+    given as bf16 (exact): their QK^T then runs on the bf16 tensor cores, without the
+    fp8 accumulation's promotion."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -245,6 +293,6 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
         ops.qs, ops.ks, ops.vs, out, lse,
         H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode,
-        CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt, num_warps=4,
+        CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt, SCHEDULE=schedule, num_warps=4,
     )
     return out, lse

@@ -67,7 +67,8 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 
 
-def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True):
+def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True,
+                              schedule: int = 0):
     """The compiled Gluon forward (`forward_pipelined.py`) for one flag combination."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -84,7 +85,7 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
            "O": "*bf16", "LSE": "*fp32", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
            "qk_scale": "fp32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal,
-                  P_HW_CVT=p_hw_cvt)
+                  P_HW_CVT=p_hw_cvt, SCHEDULE=schedule)
     src = GluonASTSource(attn_fwd_pipelined_kernel, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
 
@@ -123,6 +124,18 @@ def _cuobjdump(kernel, flag: str) -> str:
         return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def ptxas_messages(kernel) -> str:
+    """ptxas's verbose report on the kernel's PTX for sm_90a: registers, spills, and the
+    performance notes (C7511/C7514: wgmma.mma_async serialized, C7517: a wait injected)."""
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        ptx = Path(d) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        proc = subprocess.run([str(tool), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(d) / "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    return proc.stdout + proc.stderr
 
 
 def inspect(kernel) -> KernelReport:
