@@ -6,9 +6,9 @@ Triton 3.6 serializes each tile: QK^T, wait, softmax, PV, wait (it does not
 warp-specialize on sm_90; docs/notes/hopper-forward.md), so the per-element work of the
 exact recipes (scale multiplies, e4m3 rounding, Direct-P's classifier) adds to the
 products' time. Here one warpgroup of 4 warps owns BLOCK_M = 64 query rows and orders
-the asynchronous wgmmas itself, as FlashAttention-3's intra-warpgroup overlap:
+the asynchronous wgmmas itself, in one of two schedules (SCHEDULE):
 
-    iteration j (S_j in registers, PV_{j-1} in flight)
+    0: QK^T one tile ahead; iteration j (S_j in registers, PV_{j-1} in flight):
       1. TMA: K_{j+2} into the K stage QK_j has finished reading
       2. issue QK_{j+1}                               tensor cores: PV_{j-1}, QK_{j+1}
       3. softmax of S_j -> P_j (e4m3 values), alpha    ALU/MUFU, overlapping both
@@ -16,10 +16,14 @@ the asynchronous wgmmas itself, as FlashAttention-3's intra-warpgroup overlap:
       5. O *= alpha; issue PV_j (P from registers)     tensor cores: QK_{j+1}, PV_j
       6. wait for QK_{j+1}
 
-SCHEDULE=1 is FA3's other order: QK_j is issued before O's rescale and PV_{j-1}, and the
-softmax of S_j overlaps PV_{j-1} only, so one S tile is live instead of two. ptxas
-pipelines its wgmmas with bf16 Q/K (no serialization report on the sm_90a build), not
-with fp8 Q/K, whose promotion needs a second S accumulator.
+    1: FlashAttention-3's intra-warpgroup order; iteration j (P_{j-1} in registers):
+      issue QK_j; O *= alpha_{j-1}; issue PV_{j-1}; wait for QK_j; softmax of S_j
+      (overlapping PV_{j-1}); wait for PV_{j-1}. One S tile is live instead of two.
+
+On the H200 schedule 0 was no faster than the Triton kernel: ptxas serializes its
+wgmmas (for registers with fp8 Q/K, whose promotion needs a second S accumulator; for a
+register read inside a wgmma stage with bf16 Q/K). ptxas pipelines schedule 1 with bf16
+Q/K; it has not been timed yet (docs/notes/hopper-forward.md).
 
 K and V^T tiles arrive by TMA into two-stage rings (mbarriers), Q once. Two programs
 share an SM (64 rows, 4 warps each), so one program's waits hide behind the other's
