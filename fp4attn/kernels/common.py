@@ -1,4 +1,6 @@
-"""Triton helpers shared by every GPU generation: building the e4m3 P tile.
+"""Triton helpers shared by every GPU generation and by the Triton and Gluon kernels:
+the scores in log2 units (`log2_scores`), one online-softmax step (`online_softmax_p`)
+and the P builders it calls.
 
 Each P builder takes x = t - m (log2 units, <= 0, -inf for masked keys) for a whole
 tile and returns the represented P values, float32, already multiplied by
@@ -169,3 +171,36 @@ def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None
     else:
         p = p_mxfp4_exp2(x, KEY_AXIS, key_block)
     return p
+
+
+@triton.jit
+def log2_scores(s, a, b):
+    """Scores in log2 units from the raw product s: (s * a) * b with a the query's
+    scale (q_scale * softmax_scale * log2 e) and b the key's, both already broadcast
+    along their axis. mul_rn: rounded products, never contracted into an FMA with the
+    `t - m` that follows; with an FMA the row maximum's own x came out at -1 ulp instead
+    of 0, which moves floor(max x) and with it a whole MXFP4 block's exponent."""
+    return libdevice.mul_rn(libdevice.mul_rn(s, a), b)
+
+
+@triton.jit
+def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, ROWS_MAY_BE_EMPTY: tl.constexpr,
+                     key_block=None):
+    """One tile of the exact-max online softmax on masked log2 scores t (queries, keys):
+    (P as exact e4m3 values times 2**8, the rescale factor alpha, the new running max,
+    the new row sum of the represented P values). ROWS_MAY_BE_EMPTY: a row may have
+    seen no key yet (max -inf), so it is normalized by 0 instead. P_HW_CVT rounds FP8 P
+    by the packed hardware conversion (RNE, as `round_e4m3`); key_block as in
+    `_block_max_32` (Gluon callers pass it)."""
+    m_new = tl.maximum(m_i, tl.max(t, axis=1))
+    if ROWS_MAY_BE_EMPTY:
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    x = t - tl.expand_dims(m_use, 1)
+    if P_MODE == 0 and P_HW_CVT:
+        p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
+    else:
+        p = build_p_tile(x, P_MODE, 1, key_block)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)

@@ -29,9 +29,8 @@ instead of the float32 bit arithmetic the forward needs for its row sums.
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, fp8_scale_inv, round_e4m3
+from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, fp8_scale_inv, log2_scores, round_e4m3
 
 
 @triton.jit
@@ -105,7 +104,7 @@ def _dkdv_tile(dk, dv, k, v, b_j, v_s, offs_n, start_m, offs_mb, row_off, hd_off
 def _log2_scores_t(k, q, a_i, b_j):
     """S^T tile (keys, queries) in log2 units, rounded as the forward rounds S."""
     st = tl.dot(k, tl.trans(q))
-    return libdevice.mul_rn(libdevice.mul_rn(st, a_i[None, :]), b_j[:, None])
+    return log2_scores(st, a_i[None, :], b_j[:, None])
 
 
 @triton.jit
@@ -175,7 +174,7 @@ def _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_o
     k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     b_j = tl.load(KS + kv_off + offs_n, mask=key_ok, other=0.0)
     s = tl.dot(q, tl.trans(k))
-    t = libdevice.mul_rn(libdevice.mul_rn(s, a_i[:, None]), b_j[None, :])
+    t = log2_scores(s, a_i[:, None], b_j[None, :])
     if MASK:
         visible = key_ok[None, :]
         if CAUSAL:

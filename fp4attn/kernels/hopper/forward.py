@@ -17,9 +17,8 @@ The reference (`fp4attn.reference.forward`) defines every value this kernel comp
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, round_e4m3_cvt
+from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
 
 
 @triton.jit
@@ -41,10 +40,7 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
     # fp8 wgmma accumulates with reduced precision; promoting into fp32 every 32 products
     # keeps the scores within fp32 rounding of the reference (P codes depend on them)
     s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32 if QK_FP8 and QK_PROMOTE else None)
-    # mul_rn: rounded products, never contracted into an FMA with the `t - m` below;
-    # with an FMA the row maximum's own x came out at -1 ulp instead of 0, which moves
-    # floor(max x) and with it a whole MXFP4 block's exponent
-    t = libdevice.mul_rn(libdevice.mul_rn(s, a_i[:, None]), b_j[None, :])
+    t = log2_scores(s, a_i[:, None], b_j[None, :])
     if KEY_BIAS:  # added before hiding keys, as the reference does
         if MASK:
             t = t + tl.load(kb_ptr + cols, mask=cols < Sk, other=0.0)[None, :]
@@ -55,26 +51,14 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
         t = tl.where(visible, t, -float("inf"))
-    # -- online softmax: exact running max, rescale every tile
-    m_new = tl.maximum(m_i, tl.max(t, axis=1))
-    if MASK or KEY_BIAS:  # a row may have seen no key yet
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    alpha = tl.math.exp2(m_i - m_use)
-    x = t - m_use[:, None]
-    # -- P as exact e4m3 values (times 2**8) and the consistent row sum
-    if P_MODE == 0 and P_HW_CVT:
-        # FP8 P rounded by the packed hardware conversion (RNE, as round_e4m3)
-        p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
-    else:
-        p = build_p_tile(x, P_MODE, 1)
+    # -- online softmax: exact running max, rescale every tile; P as exact e4m3 values
+    # (times 2**8) and the consistent row sum
+    p, alpha, m_new, l_i = online_softmax_p(t, m_i, l_i, P_MODE, P_HW_CVT, MASK or KEY_BIAS)
     if WRITE_P:
         # debug output (tests, diagnostics), float32, rows padded to BLOCK_M: the P tile's
         # values (WRITE_P=1) or the log2 scores (2)
         dbg = p if WRITE_P == 1 else t
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], dbg, mask=(cols < Sk)[None, :])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
     # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
     if MASK:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :], mask=(cols < Sk)[None, :], other=0.0)

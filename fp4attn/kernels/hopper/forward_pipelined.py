@@ -45,9 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from triton.language.extra import libdevice
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, round_e4m3_cvt
+from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
 
 BLOCK_M, BLOCK_N = 64, 128  # one warpgroup's wgmma rows; the recipes' key tile
 NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM (bf16 K: 112 KB each)
@@ -63,22 +62,14 @@ def _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, 
     cols = j * BLOCK_N + offs_n
     b_j = gl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
     masked = j * BLOCK_N >= full
-    t = libdevice.mul_rn(libdevice.mul_rn(s, gl.expand_dims(a_i, 1)), gl.expand_dims(b_j, 0))
+    t = log2_scores(s, gl.expand_dims(a_i, 1), gl.expand_dims(b_j, 0))
     if masked:  # diagonal and tail tiles only (a runtime branch: no cost elsewhere)
         visible = gl.expand_dims(cols < Sk, 0)
         if CAUSAL:
             visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + causal_offset)
         t = gl.where(visible, t, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(t, axis=1))
-    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # a row that has seen no key yet
-    alpha = gl.exp2(m_i - m_use)
-    x = t - gl.expand_dims(m_use, 1)
-    if P_MODE == 0 and P_HW_CVT:
-        p = round_e4m3_cvt(gl.exp2(x + P_OFFSET_LOG2))
-    else:
-        key_block = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) // 32, 0)
-        p = build_p_tile(x, P_MODE, 1, key_block)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    key_block = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) // 32, 0)
+    p, alpha, m_new, l_i = online_softmax_p(t, m_i, l_i, P_MODE, P_HW_CVT, True, key_block)
     return gl.convert_layout(p.to(gl.float8e4nv), p_layout), alpha, m_new, l_i
 
 
