@@ -12,10 +12,12 @@ import os
 import torch
 import triton
 
+from fp4attn.cli.bench import _sdpa, visible_pairs
 from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import PRESETS
 
+sdpa_cudnn = _sdpa("sdpa-cudnn")
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
 ap = argparse.ArgumentParser()
 ap.add_argument("--launches", default="128,8,3/64,4,2/64,4,2,1")
@@ -32,9 +34,8 @@ print("|---|---|---|" + "---|" * len(LAUNCHES))
 for B, H, S, D in SHAPES:
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for causal in CAUSAL:
-        flops = 4 * B * H * S * S * D / (2 if causal else 1)
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            base = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        flops = 4 * B * H * D * visible_pairs(S, S, causal)
+        base = bench(lambda: sdpa_cudnn(q, k, v, causal))
         for name in RECIPES:
             r = PRESETS[name]
             ops = prepare_operands_fused(q, k, v, r)

@@ -15,11 +15,13 @@ import dataclasses
 import torch
 import triton
 
+from fp4attn.cli.bench import _sdpa, visible_pairs
 from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
 from fp4attn.kernels.hopper.ops import P_MODES, launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import PRESETS
 
+sdpa_cudnn = _sdpa("sdpa-cudnn")
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
 ap = argparse.ArgumentParser()
 ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,directp")
@@ -66,9 +68,8 @@ print("|---|---|---|---|---|---|---|---|")
 for B, H, S, D in (tuple(map(int, s.split(","))) for s in args.shapes.split("/")):
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for causal in CAUSAL:
-        flops = 4 * B * H * S * S * D / (2 if causal else 1)
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            base = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        flops = 4 * B * H * D * visible_pairs(S, S, causal)
+        base = bench(lambda: sdpa_cudnn(q, k, v, causal))
         for name in RECIPES:
             ops, kw, _, _ = run_both(q, k, v, PRESETS[name], 0 if causal else None)
             cells = []
