@@ -5,9 +5,9 @@ BERT, 6 layers, 12 heads, head dim 32) embeds the sentences shipped in
 `fp4attn/data/sentences.txt` (mean pooling over tokens, L2 normalised, as the model is
 meant to be used) with each recipe's attention and with bf16 SDPA. Reported per recipe:
 mean and minimum cosine between the two embeddings of each sentence, top-1
-nearest-neighbour agreement, and the Spearman correlation of all pair similarities. Records name the backend that made them:
-the Hopper kernels on an sm_90 GPU (head dim 32 runs zero-padded to 64, padding masks
-as key masks), the reference elsewhere.
+nearest-neighbour agreement, and the Spearman correlation of all pair similarities.
+Records name the backend that made them: the Hopper kernels on an sm_90 GPU (head dim
+32 runs zero-padded to 64, padding masks as key masks), the reference elsewhere.
 """
 
 from __future__ import annotations
