@@ -195,7 +195,12 @@ def attn_fwd_pipelined_kernel(
         acc = warpgroup_mma_wait(0, deps=[acc])
     else:
         # FA3's order: QK_j overlaps only O's rescale, the softmax of S_j overlaps PV_{j-1};
-        # one S tile in registers instead of two
+        # one S tile in registers instead of two. QK_0 has read K_0: its stage takes
+        # K_2 (iteration j refills K_j's stage with K_{j+2} from j = 1 on)
+        pred = NUM_STAGES < n_tiles
+        mbarrier.expect(k_bar.index(0), k_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [k_row + NUM_STAGES * BLOCK_N, 0], k_bar.index(0), k_smem.index(0),
+                                        pred=pred)
         p8, alpha, m_i, l_i = _softmax_tile(s, 0, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
                                             s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
