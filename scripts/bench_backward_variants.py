@@ -11,6 +11,7 @@ import torch
 import triton
 
 from fp4attn.kernels.hopper import training
+from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows
 from fp4attn.kernels.hopper.training import BackwardConfig
 from fp4attn.recipes import PRESETS
 
@@ -45,5 +46,9 @@ for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
         print(f"| {B},{H},{S},{D} | {cfg} | {ms:.2f} | {fwd:.2f} | {cudnn:.2f} | {cudnn / (ms + fwd):.2f}x |")
     training.BACKWARD_CONFIGS[D] = default
     # prep alone: the fused quantizers (and delta) before the two kernels
-    prep = bench(lambda: training.backward_operands(dout, saved[0], *saved[2:]))
+    out, _, q_codes, q_bscale, k_codes, k_bscale, *rest = saved
+    decode = bench(lambda: (decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)))
+    qv, kv = decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)
+    prep = bench(lambda: training.backward_operands(dout, out, qv, kv, *rest))
+    print(f"| {B},{H},{S},{D} | decoding the saved NVFP4 Q/K alone | {decode:.2f} | | | |")
     print(f"| {B},{H},{S},{D} | backward operand quantizers alone | {prep:.2f} | | | |")

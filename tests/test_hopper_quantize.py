@@ -41,6 +41,33 @@ def test_fused_quantizers_match_reference(recipe, s, d):
         print(f"{recipe} {name}: {zero_sign} bytes differ only in the sign of zero")
 
 
+@pytest.mark.parametrize("s,d", [(1, 64), (113, 128), (1000, 128)])
+@pytest.mark.parametrize("special", ["none", "nan", "inf"])
+def test_packed_nvfp4_payload_is_the_reference_bytes(s, d, special):
+    """The training forward saves Q/K as packed NVFP4 (`quantize_qk_nvfp4(...,
+    packed=True)`): codes and block-scale bytes equal `formats.quantize_nvfp4`'s (uint8
+    views, -0 codes, NaN scales and all), and decoding them gives back the grid values
+    the forward kernel multiplied, bit for bit."""
+    from fp4attn.formats.nvfp4 import quantize_nvfp4
+    from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows, quantize_qk_nvfp4
+
+    x = torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4
+    x[0, 0, 0, :7] = 0.0
+    x[0, 1, -1, 3] = -0.0
+    x[1, 2, 0, :16] *= 2.0**-20  # a block whose elements round to (signed) zero
+    if special != "none":
+        x[1, 0, -1, 5] = float(special)
+    ref = quantize_nvfp4(x)
+    values, ts, codes, bscale = quantize_qk_nvfp4(x, packed=True)
+    assert torch.equal(codes, ref.data)
+    assert torch.equal(bscale.view(torch.uint8), ref.scale.view(torch.uint8))
+    assert torch.equal(ts.flatten()[:1].view(torch.int32), ref.global_scale.reshape(1).view(torch.int32))
+    grid = ref.block_values().flatten(-2).to(torch.bfloat16)
+    nan = torch.isnan(grid)
+    assert torch.equal(nan, torch.isnan(values)) and torch.equal(values[~nan], grid[~nan])
+    assert torch.equal(decode_nvfp4_rows(codes, bscale).view(torch.int16), values.view(torch.int16))
+
+
 @pytest.mark.parametrize("s,d", [(1, 64), (113, 128), (1000, 64)])
 def test_backward_operand_views_match_reference(s, d):
     """The backward's e4m3 views (kernels/hopper/training.py) are the reference

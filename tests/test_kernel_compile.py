@@ -3,6 +3,7 @@ code has the structure the design relies on: the products on the FP8/BF16 tensor
 (QGMMA/HGMMA) and, for Direct-P, no exponential per P element on the MUFU unit."""
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -66,3 +67,27 @@ def test_fa3_schedule_keeps_wgmma_pipelined_with_bf16_qk(p_mode, causal):
     report = ptxas_messages(compile_forward_pipelined(False, p_mode, causal, 128, schedule=1))
     assert "Used" in report
     assert "C7511" not in report and "C7514" not in report, report
+
+
+def test_training_forward_keeps_the_packed_nvfp4_payload():
+    """What the training forward keeps for the backward, as its fake implementation
+    (what torch.compile traces) declares it: Q/K as packed NVFP4 (two E2M1 codes a byte,
+    an e4m3 scale per 16 elements), e4m3 V^T, bf16 output, float32 LSE and scales:
+    about 4.2 bytes per element of Q/K/V/O, against 8 for bf16 copies; and the
+    backward's gradients in the shapes of q and k/v (GQA)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fp4attn.kernels.hopper.training  # noqa: F401  (registers the ops)
+
+    B, H, Hkv, S, D = 2, 8, 8, 512, 128
+    with FakeTensorMode():
+        q, k, v = (torch.empty(B, h, S, D, dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
+        saved = torch.ops.fp4attn.hopper_train_forward(q, k, v, "nvfp4", "fp8", "exp2", "fp8", 0, True, D**-0.5)
+        out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, vt, vs = saved
+        assert (q_codes.dtype, q_codes.shape) == (torch.uint8, (B, H, S, D // 2))
+        assert (k_bscale.dtype, k_bscale.shape) == (torch.float8_e4m3fn, (B, Hkv, S, D // 16))
+        assert (vt.dtype, vt.shape) == (torch.float8_e4m3fn, (B, Hkv, D, S))
+        per_element = sum(t.numel() * t.element_size() for t in saved) / q.numel()
+        assert 4.1 < per_element < 4.2, per_element  # 4.125 + the LSE
+        grads = torch.ops.fp4attn.hopper_train_backward(out, *saved, "fp8", "exp2", 0, True, D**-0.5)
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

@@ -51,6 +51,18 @@ SCRIPT = textwrap.dedent('''
     for name, a, b in zip(("do_t", "do_ts", "do_c", "do_cs", "v_t", "v_ts", "q_c", "q_cs", "k_c", "k_cs"), want, got):
         same(a.contiguous(), b, name)
     torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-4)
+
+    # the training forward's packed NVFP4 Q/K: codes as `quantize_nvfp4` packs them, the
+    # decode giving back the grid values bit for bit (-0 included)
+    from fp4attn.formats.nvfp4 import quantize_nvfp4
+    from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows, quantize_qk_nvfp4
+    x = q.clone()
+    x[0, 1, 5, 3] = -0.0
+    x[1, 0, 2, :16] *= 2.0**-20
+    values, _, codes, bscale = quantize_qk_nvfp4(x, packed=True)
+    ref = quantize_nvfp4(x)
+    assert torch.equal(codes, ref.data) and torch.equal(bscale.float(), ref.scale.float())
+    assert torch.equal(decode_nvfp4_rows(codes, bscale).view(torch.int16), values.view(torch.int16))
     print("ok")
 ''')
 

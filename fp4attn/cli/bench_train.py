@@ -78,9 +78,9 @@ def run_train_bench(shapes, recipes, partial: Path | None = None) -> list[dict]:
     return records
 
 
-def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, steps=6) -> list[dict]:
+def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, steps=12) -> list[dict]:
     """Median time of one AdamW step (forward, backward, update) of a GPT with bf16
-    weights, for SDPA cuDNN and each recipe."""
+    weights, and the peak GPU memory of those steps, for SDPA cuDNN and each recipe."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fp4attn.study.gpt import GPT, GPTConfig
@@ -93,6 +93,7 @@ def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, ste
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         idx = torch.randint(0, cfg.vocab, (batch, seq + 1), device="cuda")
         times = []
+        torch.cuda.reset_peak_memory_stats()
         for _ in range(steps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -105,7 +106,8 @@ def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, ste
             times.append(time.perf_counter() - t0)
         ms = sorted(times[2:])[len(times[2:]) // 2] * 1e3  # the first steps compile and warm up
         records.append(dict(impl="sdpa-cudnn" if attn == "sdpa" else attn, params=model.num_params(), layers=layers,
-                            dim=dim, heads=heads, seq=seq, batch=batch, ms_step=ms, loss=float(loss)))
+                            dim=dim, heads=heads, seq=seq, batch=batch, ms_step=ms, loss=float(loss),
+                            peak_gib=torch.cuda.max_memory_allocated() / 2**30))
         del model, opt
         torch.cuda.empty_cache()
     base = records[0]["ms_step"]
@@ -126,8 +128,8 @@ def main(args) -> list[dict]:
     if args.model_step:
         steps = model_step(recipes)
         records += steps
-        print(markdown_table(["impl", "params", "seq", "ms/step", "speedup"],
+        print(markdown_table(["impl", "params", "seq", "ms/step", "speedup", "peak GiB"],
                              [[r["impl"], f"{r['params'] / 1e9:.2f}B", r["seq"], f"{r['ms_step']:.0f}",
-                               f"{r['speedup_vs_cudnn_bf16']:.3f}x"] for r in steps]))
+                               f"{r['speedup_vs_cudnn_bf16']:.3f}x", f"{r['peak_gib']:.1f}"] for r in steps]))
     write_json(args.json, records)
     return records

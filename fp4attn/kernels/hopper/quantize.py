@@ -41,11 +41,24 @@ def _e4m3_signed(v):
 
 
 @triton.jit
+def _e2m1_code(a):
+    """E2M1 magnitude code (0 .. 7, int32) nearest to non-negative a, ties to even,
+    saturating: the number of rounding boundaries a passes (0.25 and 1.25 and 2.5 are
+    ties that go down to the even code, 0.75, 1.75 and 3.5 ties that go up)."""
+    return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+
+
+@triton.jit
+def _e2m1_magnitude(c):
+    """The value (0, 0.5, 1, 1.5, 2, 3, 4, 6) of E2M1 magnitude code c (int32, 0 .. 7)."""
+    return tl.where(c <= 4, c.to(tl.float32) * 0.5, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
+
+
+@triton.jit
 def _e2m1_value(a):
     """E2M1 value (0 .. 6) nearest to non-negative a, ties to even, saturating."""
-    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
-         + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
-    return tl.where(c <= 4, c.to(tl.float32) * 0.5, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
+    return _e2m1_magnitude(_e2m1_code(a))
 
 
 @triton.jit
@@ -96,9 +109,12 @@ def _fp8_tokens_of_vt_kernel(VT, VS, Y, YS, S, D: tl.constexpr, BLOCK_S: tl.cons
 
 
 @triton.jit
-def _nvfp4_rows_kernel(X, Y, MULT, SDEC, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
+def _nvfp4_rows_kernel(X, Y, MULT, SDEC, CODES, BSCALE, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       PACKED: tl.constexpr):
     """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) as bf16,
-    in TransformerEngine's operation order (formats/nvfp4.py)."""
+    in TransformerEngine's operation order (formats/nvfp4.py). With PACKED also the
+    payload as `quantize_nvfp4` stores it: CODES (R, D / 2) uint8, two E2M1 codes a
+    byte, element 2i in the low nibble; BSCALE (R, D / 16) the e4m3 block scales."""
     NB: tl.constexpr = D // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs = (rows.to(tl.int64)[:, None, None] * D + tl.arange(0, NB)[None, :, None] * 16
@@ -107,13 +123,47 @@ def _nvfp4_rows_kernel(X, Y, MULT, SDEC, R, D: tl.constexpr, BLOCK_R: tl.constex
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
     mult = tl.load(MULT)
     s_dec = tl.load(SDEC)
-    d = tl.minimum(tl.max(tl.abs(x), axis=2) * mult, 3.4028234663852886e38)
-    d = round_e4m3(tl.minimum(d, 448.0))
-    enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), 3.4028234663852886e38)
+    # a NaN anywhere makes the tensor scale NaN, and with it every block scale (torch's
+    # clamp propagates NaN; tl.minimum must be told to)
+    nan_ok: tl.constexpr = tl.PropagateNan.ALL
+    d = tl.minimum(tl.max(tl.abs(x), axis=2) * mult, 3.4028234663852886e38, propagate_nan=nan_ok)
+    d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
+    enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), 3.4028234663852886e38,
+                     propagate_nan=nan_ok)
     y = x * enc[:, :, None]
-    mag = _e2m1_value(tl.minimum(tl.abs(y), 6.0))
-    val = _with_sign_of(mag, y) * d[:, :, None]
+    code = _e2m1_code(tl.minimum(tl.abs(y), 6.0))
+    val = _with_sign_of(_e2m1_magnitude(code), y) * d[:, :, None]
     tl.store(Y + offs, val.to(tl.bfloat16), mask=ok)
+    if PACKED:
+        # a NaN element gets code 0 (E2M1 has no NaN; the block scale carries it)
+        nan = y != y
+        code = tl.where(nan, 0, code | tl.where(y.to(tl.int32, bitcast=True) < 0, 8, 0))
+        lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
+        cols = tl.arange(0, D // 2)
+        rok = (rows < R)[:, None]
+        tl.store(CODES + rows.to(tl.int64)[:, None] * (D // 2) + cols[None, :], (lo | (hi << 4)).to(tl.uint8),
+                 mask=rok)
+        tl.store(BSCALE + rows.to(tl.int64)[:, None] * NB + tl.arange(0, NB)[None, :], d.to(tl.float8e4nv),
+                 mask=rok)
+
+
+@triton.jit
+def _nvfp4_decode_rows_kernel(CODES, BSCALE, Y, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The bf16 grid values (E2M1 x block scale) of packed NVFP4 rows: the inverse of
+    `_nvfp4_rows_kernel`'s payload, the same values as its Y."""
+    NB: tl.constexpr = D // 16
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rok = (rows < R)[:, None]
+    b = tl.load(CODES + rows.to(tl.int64)[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :], mask=rok,
+                other=0).to(tl.int32)
+    code = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_R, NB, 16])
+    d = tl.load(BSCALE + rows.to(tl.int64)[:, None] * NB + tl.arange(0, NB)[None, :], mask=rok,
+                other=0.0).to(tl.float32)
+    mag = _e2m1_magnitude(code & 7)
+    val = tl.where(code >= 8, -mag, mag) * d[:, :, None]
+    offs = (rows.to(tl.int64)[:, None, None] * D + tl.arange(0, NB)[None, :, None] * 16
+            + tl.arange(0, 16)[None, None, :])
+    tl.store(Y + offs, val.to(tl.bfloat16), mask=rok[:, :, None])
 
 
 @triton.jit
@@ -176,15 +226,39 @@ def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None):
     return y.view(x.shape), s.view(x.shape[:-1])
 
 
-def quantize_qk_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False):
+    """NVFP4 of x (..., D) along D with one tensor scale (`formats.quantize_nvfp4`):
+    (bf16 grid values without the tensor scale, the tensor decode scale broadcast to
+    (...)); with `packed` also the payload, (codes (..., D / 2) uint8, block scales
+    (..., D / 16) float8_e4m3fn), byte for byte `quantize_nvfp4(x)`'s data and scale."""
     s_enc = nvfp4_global_encode_scale(abs_max(x))
     s_dec = exact_div(1.0, s_enc).reshape(1)
     mult = (s_enc * exact_div(torch.ones_like(s_enc), 6.0)).reshape(1)
     xr = _rows(x)
+    D = x.shape[-1]
     y = torch.empty(xr.shape, device=x.device, dtype=torch.bfloat16)
+    codes = torch.empty((xr.shape[0], D // 2 if packed else 0), device=x.device, dtype=torch.uint8)
+    bscale = torch.empty((xr.shape[0], D // 16 if packed else 0), device=x.device, dtype=torch.float8_e4m3fn)
     grid = (triton.cdiv(xr.shape[0], 16),)
-    _nvfp4_rows_kernel[grid](xr, y, mult, s_dec, xr.shape[0], D=x.shape[-1], BLOCK_R=16, num_warps=4)
-    return y.view(x.shape), s_dec.expand(x.shape[:-1]).contiguous()
+    _nvfp4_rows_kernel[grid](xr, y, mult, s_dec, codes, bscale, xr.shape[0], D=D, BLOCK_R=16, PACKED=packed,
+                             num_warps=4)
+    out = (y.view(x.shape), s_dec.expand(x.shape[:-1]).contiguous())
+    if packed:
+        out += (codes.view(*x.shape[:-1], D // 2), bscale.view(*x.shape[:-1], D // 16))
+    return out
+
+
+def decode_nvfp4_rows(codes: torch.Tensor, bscale: torch.Tensor) -> torch.Tensor:
+    """bf16 grid values (..., D) of a packed NVFP4 payload (`quantize_qk_nvfp4(...,
+    packed=True)`'s codes and block scales), without the tensor scale."""
+    D = codes.shape[-1] * 2
+    if bscale.shape[-1] * 16 != D or codes.dtype != torch.uint8 or bscale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"decode_nvfp4_rows: codes (..., D/2) uint8 and block scales (..., D/16) float8_e4m3fn, "
+                         f"got {tuple(codes.shape)} {codes.dtype} and {tuple(bscale.shape)} {bscale.dtype}")
+    cr, br = _rows(codes), _rows(bscale)
+    y = torch.empty((cr.shape[0], D), device=codes.device, dtype=torch.bfloat16)
+    _nvfp4_decode_rows_kernel[(triton.cdiv(cr.shape[0], 16),)](cr, br, y, cr.shape[0], D=D, BLOCK_R=16, num_warps=4)
+    return y.view(*codes.shape[:-1], D)
 
 
 def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

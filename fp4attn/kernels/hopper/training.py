@@ -3,9 +3,12 @@ and the backward, each a registered custom op with a fake implementation, the
 backward registered as the forward op's autograd formula (so torch.compile and
 activation checkpointing trace through them).
 
-The forward saves what the recipe's backward reads and nothing more: NVFP4 Q/K as
-their bf16 grid values with the tensor scale, V as the e4m3 V^T with its scales, the
-output and the LSE. No score tile is kept: the backward rebuilds P from these.
+The forward saves what the recipe's backward reads and nothing more, as the paper
+keeps it: the NVFP4 Q/K payloads (two E2M1 codes a byte, an e4m3 scale per 16, the
+tensor scale), V as the e4m3 V^T with its scales, the output and the LSE: about 4.2
+bytes per element of Q/K/V/O, where bf16 grid values of Q/K took 7 and bf16 attention
+keeps 8. No score tile is kept: the backward decodes Q/K to their bf16 grid values and
+rebuilds P from these.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import triton
 
 from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from fp4attn.kernels.hopper.ops import P_MODES, launch_forward, unsupported_reason
+from fp4attn.kernels.hopper.operands import KernelOperands
 from fp4attn.kernels.hopper.quantize import (
-    prepare_operands_fused,
+    decode_nvfp4_rows,
     quantize_fp8_tokens_of_vt,
+    quantize_qk_nvfp4,
     quantize_qk_fp8,
     quantize_v_t,
 )
@@ -65,30 +70,41 @@ def _train_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
     causal_offset: int, causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
-    ops = prepare_operands_fused(q, k, v, Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build))
-    out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
-                                 p_mode=P_MODES[(p, p_build)])
-    return out, lse, ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, then what the backward reads: Q's codes and block scales, K's, the
+    tensor decode scales of Q and K (one float each), V^T e4m3 and its scales). The
+    bf16 grid values the forward kernel multiplies are made in the same pass as the
+    payload and dropped after it."""
+    if qk != "nvfp4":
+        raise ValueError(f"hopper_train_forward: Q/K format {qk!r} (the training kernels run 'nvfp4')")
+    qv, qs, q_codes, q_bscale = quantize_qk_nvfp4(q, packed=True)
+    kv, ks, k_codes, k_bscale = quantize_qk_nvfp4(k, packed=True)
+    vt, vs = quantize_v_t(v, v_fmt)
+    out, lse, _ = launch_forward(KernelOperands(qv, kv, qs, ks, vt, vs), scale=scale,
+                                 causal_offset=causal_offset if causal else None, p_mode=P_MODES[(p, p_build)])
+    return out, lse, q_codes, q_bscale, k_codes, k_bscale, qs.flatten()[:1].clone(), ks.flatten()[:1].clone(), vt, vs
 
 
 @_train_forward_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    f32, qdt = torch.float32, torch.bfloat16
+    f32, u8, e4m3 = torch.float32, torch.uint8, torch.float8_e4m3fn
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
-            q.new_empty((B, H, Sq, D), dtype=qdt), q.new_empty((B, Hkv, Sk, D), dtype=qdt),
-            q.new_empty((B, H, Sq), dtype=f32), q.new_empty((B, Hkv, Sk), dtype=f32),
-            q.new_empty((B, Hkv, D, Sk), dtype=torch.float8_e4m3fn), q.new_empty((B, Hkv, D), dtype=f32))
+            q.new_empty((B, H, Sq, D // 2), dtype=u8), q.new_empty((B, H, Sq, D // 16), dtype=e4m3),
+            q.new_empty((B, Hkv, Sk, D // 2), dtype=u8), q.new_empty((B, Hkv, Sk, D // 16), dtype=e4m3),
+            q.new_empty((1,), dtype=f32), q.new_empty((1,), dtype=f32),
+            q.new_empty((B, Hkv, D, Sk), dtype=e4m3), q.new_empty((B, Hkv, D), dtype=f32))
 
 
 @torch.library.custom_op("fp4attn::hopper_train_backward", mutates_args=())
 def _train_backward_op(
-    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qv: torch.Tensor, kv: torch.Tensor, qs: torch.Tensor,
-    ks: torch.Tensor, vt: torch.Tensor, vs: torch.Tensor, p: str, p_build: str, causal_offset: int, causal: bool,
-    scale: float,
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_codes: torch.Tensor, q_bscale: torch.Tensor,
+    k_codes: torch.Tensor, k_bscale: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vt: torch.Tensor,
+    vs: torch.Tensor, p: str, p_build: str, causal_offset: int, causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qv, kv = decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)
+    qs, ks = qs.expand(qv.shape[:-1]).contiguous(), ks.expand(kv.shape[:-1]).contiguous()  # the kernels' rows
     return launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale)
 
 
@@ -135,9 +151,10 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
 
 
 @_train_backward_op.register_fake
-def _(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale):
+def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale):
     f32 = torch.float32
-    return (qv.new_empty(qv.shape, dtype=f32), kv.new_empty(kv.shape, dtype=f32), kv.new_empty(kv.shape, dtype=f32))
+    kshape = (*k_codes.shape[:-1], k_codes.shape[-1] * 2)
+    return dout.new_empty(dout.shape, dtype=f32), dout.new_empty(kshape, dtype=f32), dout.new_empty(kshape, dtype=f32)
 
 
 def _setup_context(ctx, inputs, output):
