@@ -109,17 +109,9 @@ def round_e4m3_cvt(p):
 
 
 @triton.jit
-def p_fp8_exp2(y, HW_CVT: tl.constexpr):
-    """FP8 P times 2**8, e4m3(2**y), as float32 values, from y = t - (m - 8): the
-    offset rides on the row maximum (one subtraction per element instead of x = t - m
-    and x + 8; both forms round the exponent's argument once, at the same ulp, an
-    error below MUFU.EX2's own). HW_CVT rounds by the packed hardware conversion."""
-    e = tl.math.exp2(y)
-    if HW_CVT:
-        p = round_e4m3_cvt(e)
-    else:
-        p = round_e4m3(e)
-    return p
+def p_fp8_exp2(x):
+    """FP8 P: e4m3(2**x * 2**8), as float32 values."""
+    return round_e4m3(tl.math.exp2(x + P_OFFSET_LOG2))
 
 
 @triton.jit
@@ -170,11 +162,11 @@ def p_mxfp4_exp2(x, KEY_AXIS: tl.constexpr, key_block=None):
 
 @triton.jit
 def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None):
-    """MXFP4 P by the recipe's builder from x = t - m: 1 by Direct-P, 2 from exp2 (the
-    P_MODE of the kernels; FP8 P, mode 0, is `p_fp8_exp2`); key_block as in
-    `_block_max_32`."""
-    tl.static_assert(P_MODE != 0)
-    if P_MODE == 1:
+    """P by the recipe's builder: 0 FP8 from exp2, 1 MXFP4 by Direct-P, 2 MXFP4 from
+    exp2 (the P_MODE of the kernels); key_block as in `_block_max_32`."""
+    if P_MODE == 0:
+        p = p_fp8_exp2(x)
+    elif P_MODE == 1:
         p = p_mxfp4_directp(x, KEY_AXIS, key_block)
     else:
         p = p_mxfp4_exp2(x, KEY_AXIS, key_block)
@@ -206,8 +198,9 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
     else:
         m_use = m_new
     alpha = tl.math.exp2(m_i - m_use)
-    if P_MODE == 0:
-        p = p_fp8_exp2(t - tl.expand_dims(m_use - P_OFFSET_LOG2, 1), P_HW_CVT)
+    x = t - tl.expand_dims(m_use, 1)
+    if P_MODE == 0 and P_HW_CVT:
+        p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
     else:
-        p = build_p_tile(t - tl.expand_dims(m_use, 1), P_MODE, 1, key_block)
+        p = build_p_tile(x, P_MODE, 1, key_block)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
