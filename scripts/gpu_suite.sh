@@ -5,6 +5,7 @@
 #   PART=forward   `fp4attn bench --causal both` (cuDNN FP8 SDPA too when the
 #                  nvidia-cudnn-frontend wheel is installed) and the Gluon/Triton comparison
 #   PART=train     `fp4attn bench --backward --model-step`
+#   PART=profile   device time of every quantizer kernel against the host-seen time
 #   PART=minilm    MiniLM through the kernels, padded and unpadded (MINILM_PATH: a saved
 #                  fp16 copy of the model)
 #   PART=study     the training study (STUDY_STEPS, resumable from $OUT/study; the
@@ -26,6 +27,9 @@ if run forward; then
 fi
 if run train; then
   python3 -m fp4attn.cli.main bench --backward --model-step --json "$OUT/h200-train.json" 2>&1 | grep -E "^\|"
+fi
+if run profile; then
+  python3 scripts/profile_quantizers.py 2>&1 | grep -E "^\||^\(B" | tee "$OUT/quantizers-profile.txt"
 fi
 if run minilm; then
   for batching in "" --unpadded; do

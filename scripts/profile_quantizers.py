@@ -1,0 +1,70 @@
+"""Where the operand quantization's time goes: for each recipe's fused quantizers
+(`prepare_operands_fused`) and the training backward's operand views
+(`training.backward_operands`), the device time of every kernel they launch (torch
+profiler, CUDA activity) against the time of the whole call seen from the host
+(`triton.testing.do_bench`, which includes the launch work of every torch op and
+Triton kernel). A call whose host time exceeds its device time is launch-bound: its
+GB/s then say nothing about the kernels. Prints Markdown tables.
+
+    python scripts/profile_quantizers.py [--shape 8,16,4096,128]
+"""
+
+import argparse
+from collections import defaultdict
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+from fp4attn.kernels.hopper.training import backward_operands
+from fp4attn.recipes import PRESETS
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--shape", default="8,16,4096,128")
+ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,train")
+args = ap.parse_args()
+B, H, S, D = (int(s) for s in args.shape.split(","))
+bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
+
+
+def device_kernels(f, reps=20):
+    """{kernel name: (launches per call, device ms per call)} from the profiler."""
+    f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            f()
+        torch.cuda.synchronize()
+    out = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name][0] += 1
+            out[e.name][1] += e.time_range.elapsed_us() / 1e3  # a kernel's own span on the device
+    return {k: (n / reps, ms / reps) for k, (n, ms) in out.items()}
+
+
+q, k, v, dout, out = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+n_bytes = 3 * q.numel() * 2  # bf16 Q, K, V read once
+copy_ms = bench(lambda: q.clone())
+print(f"(B,H,S,D) = {(B, H, S, D)}; copy of one bf16 operand {copy_ms:.3f} ms, "
+      f"{2 * q.numel() * 2 / copy_ms * 1e-6:.0f} GB/s (read + write)\n")
+calls = {f"quantize for {r}": (lambda r=r: prepare_operands_fused(q, k, v, PRESETS[r])) for r in args.recipes.split(",")}
+saved = prepare_operands_fused(q, k, v, PRESETS["train"])
+calls["backward operand views (train)"] = lambda: backward_operands(dout, out, saved.q, saved.k, saved.qs, saved.ks,
+                                                                    saved.vt, saved.vs)
+print("| call | host-seen ms | device ms (sum of kernels) | kernels per call | GB/s of device time (bf16 Q, K, V read) |")
+print("|---|---|---|---|---|")
+details = {}
+for name, f in calls.items():
+    host = bench(f)
+    kern = device_kernels(f)
+    dev = sum(ms for _, ms in kern.values())
+    launches = sum(n for n, _ in kern.values())
+    details[name] = kern
+    gbs = f"{n_bytes / dev * 1e-6:.0f}" if name.startswith("quantize") else ""
+    print(f"| {name} | {host:.3f} | {dev:.3f} | {launches:.0f} | {gbs} |")
+for name, kern in details.items():
+    print(f"\n{name}:\n| kernel | launches | device ms |\n|---|---|---|")
+    for kname, (n, ms) in sorted(kern.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {kname[:90]} | {n:.0f} | {ms:.3f} |")
