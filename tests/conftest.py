@@ -1,5 +1,16 @@
+import faulthandler
+import os
+
 import pytest
 import torch
+
+# A GPU test that waits forever (a kernel stuck on an mbarrier never returns) ends its
+# process after this many seconds instead of holding the whole run: pytest-xdist
+# reports the test as crashed and goes on. Each process logs the GPU tests it starts
+# and, on a timeout, every thread's traceback to .pytest_cache/gpu-test-timeout-<pid>.txt
+# (pytest captures the process's stderr).
+GPU_TEST_TIMEOUT_S = float(os.environ.get("FP4ATTN_GPU_TEST_TIMEOUT", "300"))
+_watchdog_log = None
 
 
 def _hopper() -> bool:
@@ -11,3 +22,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not _hopper():
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_watchdog(request):
+    if "gpu" not in request.node.keywords or GPU_TEST_TIMEOUT_S <= 0:
+        yield
+        return
+    global _watchdog_log
+    if _watchdog_log is None:
+        folder = request.config.rootpath / ".pytest_cache"
+        folder.mkdir(exist_ok=True)
+        _watchdog_log = open(folder / f"gpu-test-timeout-{os.getpid()}.txt", "w")  # noqa: SIM115 (kept open)
+    print(f"start (watchdog {GPU_TEST_TIMEOUT_S:.0f} s): {request.node.nodeid}", file=_watchdog_log, flush=True)
+    faulthandler.dump_traceback_later(GPU_TEST_TIMEOUT_S, exit=True, file=_watchdog_log)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
