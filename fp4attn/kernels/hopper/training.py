@@ -19,13 +19,13 @@ import torch
 import triton
 
 from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
-from fp4attn.kernels.hopper.ops import P_MODES, launch_forward, unsupported_reason
 from fp4attn.kernels.hopper.operands import KernelOperands
+from fp4attn.kernels.hopper.ops import P_MODES, launch_forward, unsupported_reason
 from fp4attn.kernels.hopper.quantize import (
     decode_nvfp4_rows,
     quantize_fp8_tokens_of_vt,
-    quantize_qk_nvfp4,
     quantize_qk_fp8,
+    quantize_qk_nvfp4,
     quantize_v_t,
 )
 from fp4attn.recipes import Recipe
