@@ -1,7 +1,8 @@
 """Attention backward for Hopper (sm_90) of the training recipes.
 
-P is rebuilt from the forward's saved NVFP4 Q/K (bf16 grid values, exact, so S is a
-bf16 product as in the forward) and its LSE; no score tile from the forward is kept.
+P is rebuilt from the forward's saved NVFP4 Q/K (their packed payload, decoded to the
+bf16 grid values before these kernels: exact, so S is a bf16 product as in the
+forward) and its LSE; no score tile from the forward is kept.
 The gradient products run on the FP8 tensor cores with e4m3 views, each view scaled
 per row of its product's contraction dim (`fp4attn.reference.backward` defines every
 value):
