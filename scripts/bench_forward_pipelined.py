@@ -13,7 +13,6 @@ is printed).
 """
 
 import argparse
-import dataclasses
 
 import torch
 import triton
@@ -41,10 +40,6 @@ def run_both(q, k, v, r, causal_offset, schedule=0):
     mode = P_MODES[(r.p, r.p_build)]
     kw = dict(scale=q.shape[-1] ** -0.5, causal_offset=causal_offset, p_mode=mode)
     return ops, kw, launch_forward(ops, **kw)[:2], launch_forward_pipelined(ops, **kw, schedule=schedule)
-
-
-def bf16_qk(ops):
-    return dataclasses.replace(ops, q=ops.q.to(torch.bfloat16), k=ops.k.to(torch.bfloat16))
 
 
 CHECK_SHAPES = ((1, 2, 2, 1, 3, 128), (2, 4, 2, 113, 239, 128), (1, 3, 1, 1023, 1023, 64), (1, 2, 2, 256, 4096, 128),
@@ -84,7 +79,7 @@ for B, H, S, D in (tuple(map(int, s.split(","))) for s in args.shapes.split("/")
                 t = bench(f)
                 cells.append(f"{flops / t * 1e-9:.0f} ({base / t:.2f}x)")
             if ops.q.dtype == torch.float8_e4m3fn:
-                ops16 = bf16_qk(ops)
+                ops16 = ops.with_bf16_qk()
                 t = bench(lambda: launch_forward_pipelined(ops16, **kw, schedule=1))
                 cos = torch.nn.functional.cosine_similarity(
                     launch_forward_pipelined(ops16, **kw, schedule=1)[0].float().flatten(),

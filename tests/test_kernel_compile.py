@@ -91,3 +91,34 @@ def test_training_forward_keeps_the_packed_nvfp4_payload():
         assert 4.1 < per_element < 4.2, per_element  # 4.125 + the LSE
         grads = torch.ops.fp4attn.hopper_train_backward(out, *saved, "fp8", "exp2", 0, True, D**-0.5)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_packed_nvfp4_entry_points_reject_bad_input():
+    """The payload decode names the shapes and dtypes it takes; the training forward op
+    names the Q/K format its kernels train. Both before any kernel runs."""
+    import fp4attn.kernels.hopper.training  # noqa: F401  (registers the ops)
+    from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows
+
+    codes = torch.zeros(4, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"codes \(\.\.\., D/2\) uint8 and block scales"):
+        decode_nvfp4_rows(codes, torch.zeros(4, 4, dtype=torch.float8_e4m3fn))  # 4 scales for D = 128: want 8
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        decode_nvfp4_rows(codes, torch.zeros(4, 8, dtype=torch.uint8))
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Q/K format 'fp8'.*'nvfp4'"):
+        torch.ops.fp4attn.hopper_train_forward(q, q, q, "fp8", "fp8", "exp2", "fp8", 0, True, 0.125)
+
+
+def test_bf16_qk_operands_are_the_e4m3_values():
+    """`KernelOperands.with_bf16_qk` (the bf16-tensor-core QK^T path of the benches)
+    changes Q/K's dtype, not one value, and leaves the other operands alone."""
+    from fp4attn.kernels.hopper.operands import prepare_operands
+    from fp4attn.recipes import PRESETS
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 33, 64, generator=g).bfloat16() * 3 for _ in range(3))
+    ops = prepare_operands(q, k, v, PRESETS["fp8"])
+    ops16 = ops.with_bf16_qk()
+    assert ops16.q.dtype == ops16.k.dtype == torch.bfloat16
+    assert torch.equal(ops16.q.float(), ops.q.float()) and torch.equal(ops16.k.float(), ops.k.float())
+    assert ops16.vt is ops.vt and ops16.qs is ops.qs

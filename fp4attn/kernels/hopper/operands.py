@@ -9,6 +9,7 @@ quantizers (so the codes and scales are the reference's by construction).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,11 @@ class KernelOperands:
     ks: torch.Tensor
     vt: torch.Tensor
     vs: torch.Tensor
+
+    def with_bf16_qk(self) -> KernelOperands:
+        """The same operands with e4m3 Q/K given as bf16 (exact): the forward kernel then
+        multiplies QK^T on the bf16 tensor cores (fp32 accumulation, no promotion)."""
+        return dataclasses.replace(self, q=self.q.to(torch.bfloat16), k=self.k.to(torch.bfloat16))
 
 
 def _qk(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:

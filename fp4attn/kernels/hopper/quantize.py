@@ -109,16 +109,28 @@ def _fp8_tokens_of_vt_kernel(VT, VS, Y, YS, S, D: tl.constexpr, BLOCK_S: tl.cons
 
 
 @triton.jit
+def _nvfp4_block_offsets(rows, D: tl.constexpr):
+    """Element offsets of rows of D contiguous elements seen as (rows, D / 16 blocks, 16)."""
+    return (rows.to(tl.int64)[:, None, None] * D + tl.arange(0, D // 16)[None, :, None] * 16
+            + tl.arange(0, 16)[None, None, :])
+
+
+@triton.jit
+def _row_offsets(rows, N: tl.constexpr):
+    """Offsets of rows of N contiguous entries, (rows, N): the payload's code bytes
+    (N = D / 2) and block scales (N = D / 16)."""
+    return rows.to(tl.int64)[:, None] * N + tl.arange(0, N)[None, :]
+
+
+@triton.jit
 def _nvfp4_rows_kernel(X, Y, MULT, SDEC, CODES, BSCALE, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
                        PACKED: tl.constexpr):
     """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) as bf16,
     in TransformerEngine's operation order (formats/nvfp4.py). With PACKED also the
     payload as `quantize_nvfp4` stores it: CODES (R, D / 2) uint8, two E2M1 codes a
     byte, element 2i in the low nibble; BSCALE (R, D / 16) the e4m3 block scales."""
-    NB: tl.constexpr = D // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs = (rows.to(tl.int64)[:, None, None] * D + tl.arange(0, NB)[None, :, None] * 16
-            + tl.arange(0, 16)[None, None, :])
+    offs = _nvfp4_block_offsets(rows, D)
     ok = (rows < R)[:, None, None]
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
     mult = tl.load(MULT)
@@ -139,31 +151,23 @@ def _nvfp4_rows_kernel(X, Y, MULT, SDEC, CODES, BSCALE, R, D: tl.constexpr, BLOC
         nan = y != y
         code = tl.where(nan, 0, code | tl.where(y.to(tl.int32, bitcast=True) < 0, 8, 0))
         lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
-        cols = tl.arange(0, D // 2)
         rok = (rows < R)[:, None]
-        tl.store(CODES + rows.to(tl.int64)[:, None] * (D // 2) + cols[None, :], (lo | (hi << 4)).to(tl.uint8),
-                 mask=rok)
-        tl.store(BSCALE + rows.to(tl.int64)[:, None] * NB + tl.arange(0, NB)[None, :], d.to(tl.float8e4nv),
-                 mask=rok)
+        tl.store(CODES + _row_offsets(rows, D // 2), (lo | (hi << 4)).to(tl.uint8), mask=rok)
+        tl.store(BSCALE + _row_offsets(rows, D // 16), d.to(tl.float8e4nv), mask=rok)
 
 
 @triton.jit
 def _nvfp4_decode_rows_kernel(CODES, BSCALE, Y, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
     """The bf16 grid values (E2M1 x block scale) of packed NVFP4 rows: the inverse of
     `_nvfp4_rows_kernel`'s payload, the same values as its Y."""
-    NB: tl.constexpr = D // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rok = (rows < R)[:, None]
-    b = tl.load(CODES + rows.to(tl.int64)[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :], mask=rok,
-                other=0).to(tl.int32)
-    code = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_R, NB, 16])
-    d = tl.load(BSCALE + rows.to(tl.int64)[:, None] * NB + tl.arange(0, NB)[None, :], mask=rok,
-                other=0.0).to(tl.float32)
+    b = tl.load(CODES + _row_offsets(rows, D // 2), mask=rok, other=0).to(tl.int32)
+    code = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_R, D // 16, 16])
+    d = tl.load(BSCALE + _row_offsets(rows, D // 16), mask=rok, other=0.0).to(tl.float32)
     mag = _e2m1_magnitude(code & 7)
     val = tl.where(code >= 8, -mag, mag) * d[:, :, None]
-    offs = (rows.to(tl.int64)[:, None, None] * D + tl.arange(0, NB)[None, :, None] * 16
-            + tl.arange(0, 16)[None, None, :])
-    tl.store(Y + offs, val.to(tl.bfloat16), mask=rok[:, :, None])
+    tl.store(Y + _nvfp4_block_offsets(rows, D), val.to(tl.bfloat16), mask=rok[:, :, None])
 
 
 @triton.jit
