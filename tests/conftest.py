@@ -4,12 +4,21 @@ import os
 import pytest
 import torch
 
+def gpu_test_timeout(value: str) -> float:
+    """FP4ATTN_GPU_TEST_TIMEOUT's seconds (0 or less: no watchdog)."""
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"FP4ATTN_GPU_TEST_TIMEOUT={value!r}: expected seconds as a number, e.g. 300 (0 turns the "
+                         "watchdog off)") from None
+
+
 # A GPU test that waits forever (a kernel stuck on an mbarrier never returns) ends its
 # process after this many seconds instead of holding the whole run: pytest-xdist
 # reports the test as crashed and goes on. Each process logs the GPU tests it starts
 # and, on a timeout, every thread's traceback to .pytest_cache/gpu-test-timeout-<pid>.txt
 # (pytest captures the process's stderr).
-GPU_TEST_TIMEOUT_S = float(os.environ.get("FP4ATTN_GPU_TEST_TIMEOUT", "300"))
+GPU_TEST_TIMEOUT_S = gpu_test_timeout(os.environ.get("FP4ATTN_GPU_TEST_TIMEOUT", "300"))
 _watchdog_log = None
 
 

@@ -282,3 +282,11 @@ def test_bench_reports_why_cudnn_fp8_did_not_run(monkeypatch):
     monkeypatch.setattr(cudnn_fp8, "available", lambda: False)
     ms, note = _time_cudnn_fp8(None, None, None, False)
     assert ms is None and "nvidia-cudnn-frontend" in note
+
+
+def test_gpu_test_timeout_names_what_it_accepts():
+    from tests.conftest import gpu_test_timeout
+
+    assert gpu_test_timeout("2.5") == 2.5
+    with pytest.raises(ValueError, match="FP4ATTN_GPU_TEST_TIMEOUT='5m'.*seconds as a number"):
+        gpu_test_timeout("5m")
