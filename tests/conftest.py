@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+
 def gpu_test_timeout(value: str) -> float:
     """FP4ATTN_GPU_TEST_TIMEOUT's seconds (0 or less: no watchdog)."""
     try:
