@@ -4,6 +4,8 @@
 #   PART=tests     the GPU tests (about 2 minutes)
 #   PART=forward   `fp4attn bench --causal both` (cuDNN FP8 SDPA too when the
 #                  nvidia-cudnn-frontend wheel is installed)
+#   PART=variants  forward kernel variants (row sums on the tensor cores, promotion
+#                  intervals, bf16 QK^T for e4m3 Q/K): P codes, error, TFLOP/s
 #   PART=gluon     the Gluon forward's schedules against the Triton kernel, timed (the GPU
 #                  tests check their outputs)
 #   PART=train     `fp4attn bench --backward --model-step`
@@ -25,6 +27,9 @@ if run tests; then
 fi
 if run forward; then
   python3 -m fp4attn.cli.main bench --causal both --json "$OUT/h200-forward.json" 2>&1 | grep -E "^\||geomean|cuDNN"
+fi
+if run variants; then
+  python3 scripts/bench_forward_variants.py 2>&1 | grep -v Warn | tee "$OUT/variants.txt" | grep -E "^\|"
 fi
 if run gluon; then
   python3 scripts/bench_forward_pipelined.py --no-check 2>&1 | grep -v Warn | tee "$OUT/pipelined.txt" | tail -26

@@ -122,6 +122,29 @@ def test_kernel_fp8_p_rounding_variants(recipe, causal, hw_cvt, monkeypatch):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_kernel_row_sums_on_tensor_cores(recipe, causal, monkeypatch):
+    """rowsum_mma: the row sums of P from the tensor cores (P @ ones) reproduce the
+    reference (codes included, `_check`), and on a 16384-key row differ from the float32
+    CUDA-core sums by no more than the tensor core's accumulation allows."""
+    from fp4attn.kernels.hopper.ops import LAUNCH_ENV
+
+    for hw_cvt in (0, 1):
+        monkeypatch.setenv(LAUNCH_ENV, f"64,4,2,{hw_cvt},1")
+        for sq, sk, d in ((113, 239, 128), (1023, 1023, 64), (256, 4096, 128)):
+            q, k, v = _qkv(2, 4, 2, sq, sk, d)
+            _check(q, k, v, PRESETS[recipe], causal=causal)
+    q, k, v = _qkv(1, 2, 2, 256, 16384, 128)
+    runs = []
+    for rowsum in (0, 1):
+        monkeypatch.setenv(LAUNCH_ENV, f"64,4,2,1,{rowsum}")
+        runs.append(fp4attn.attention(q, k, v, recipe=recipe, backend="triton", causal=causal, return_lse=True))
+    (out0, lse0), (out1, lse1) = runs
+    assert (lse1 - lse0).abs().max().item() < 1e-3
+    assert error_metrics(out1, out0)["rel_l2"] < 1e-3
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_kernel_key_masks(recipe, kind):
     """Key-padding masks in the kernel: same P codes as the reference with the mask, a

@@ -9,6 +9,10 @@ Recipes map to constexpr flags:
     CAUSAL   query i sees keys j <= i + causal_offset
     KEY_BIAS a per-(batch, key) log2-unit bias is added to the scores (an SDPA key mask:
              0 / -inf for a boolean one), as `reference.forward.log2_bias` makes it
+    ROWSUM_MMA the consistent row sum of the e4m3 P tile comes from the tensor cores (P
+             times a ones tile, the PV product's operand and accumulation), not from
+             float32 copies of P on the CUDA cores; FP8 P is then rounded by the cast
+    QK_PROMOTE fp8 QK^T is added into float32 every QK_PROMOTE products (0: never)
 
 Tiles that need no mask (fully visible, inside Sk) run in a first loop without any
 masking arithmetic; the diagonal and tail tiles run in a second, masked loop.
@@ -18,14 +22,14 @@ The reference (`fp4attn.reference.forward`) defines every value this kernel comp
 import triton
 import triton.language as tl
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
+from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p, round_e4m3
 
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
           stride_kn, stride_vn, QK_FP8: tl.constexpr, P_MODE: tl.constexpr, MASK: tl.constexpr,
           CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr, KEY_BIAS: tl.constexpr, P_HW_CVT: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+          ROWSUM_MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
           WRITE_P: tl.constexpr, p_ptr, stride_pm):
     cols = start_n + offs_n
     offs_d = tl.arange(0, HEAD_DIM)
@@ -39,7 +43,7 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
         b_j = tl.load(ks_ptr + cols)
     # fp8 wgmma accumulates with reduced precision; promoting into fp32 every 32 products
     # keeps the scores within fp32 rounding of the reference (P codes depend on them)
-    s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32 if QK_FP8 and QK_PROMOTE else None)
+    s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=QK_PROMOTE if QK_FP8 and QK_PROMOTE > 0 else None)
     t = log2_scores(s, a_i[:, None], b_j[None, :])
     if KEY_BIAS:  # added before hiding keys, as the reference does
         if MASK:
@@ -53,18 +57,28 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
         t = tl.where(visible, t, -float("inf"))
     # -- online softmax: exact running max, rescale every tile; P as exact e4m3 values
     # (times 2**8) and the consistent row sum
-    p, alpha, m_new, l_i = online_softmax_p(t, m_i, l_i, P_MODE, P_HW_CVT, MASK or KEY_BIAS)
+    p, alpha, m_new, l_i = online_softmax_p(t, m_i, l_i, P_MODE, P_HW_CVT, MASK or KEY_BIAS,
+                                            SUM_P=not ROWSUM_MMA)
     if WRITE_P:
         # debug output (tests, diagnostics), float32, rows padded to BLOCK_M: the P tile's
         # values (WRITE_P=1) or the log2 scores (2)
-        dbg = p if WRITE_P == 1 else t
+        if ROWSUM_MMA and P_MODE == 0:
+            dbg = round_e4m3(p) if WRITE_P == 1 else t  # what the cast below rounds p to
+        else:
+            dbg = p if WRITE_P == 1 else t
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], dbg, mask=(cols < Sk)[None, :])
     # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
     if MASK:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :], mask=(cols < Sk)[None, :], other=0.0)
     else:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :])
-    acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
+    p8 = p.to(tl.float8e4nv)
+    if ROWSUM_MMA:
+        # every column of P @ ones is the row sum of the e4m3 tile, summed as PV sums it;
+        # a fresh accumulator per tile, added into l in float32 like the CUDA-core sum
+        ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.float8e4nv)
+        l_i = l_i + tl.max(tl.dot(p8, ones), axis=1)
+    acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -79,7 +93,8 @@ def attn_fwd_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
-    QK_PROMOTE: tl.constexpr = True, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
+    QK_PROMOTE: tl.constexpr = 32, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
+    ROWSUM_MMA: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
     start_m = tl.program_id(0)
@@ -118,11 +133,11 @@ def attn_fwd_kernel(
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, P_HW_CVT, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
     for start_n in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, P_HW_CVT, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)

@@ -47,7 +47,8 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
-                    block_m=None, block_n=128, key_bias=False, p_hw_cvt=None):
+                    block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, rowsum_mma=None,
+                    qk_promote=32):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given."""
     from fp4attn.kernels.hopper.ops import forward_launch
@@ -61,8 +62,9 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     sig.update({n: "i32" for n in _INTS})
     sig["qk_scale"] = "fp32"
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
-                  CAUSAL=causal, WRITE_P=0, QK_PROMOTE=True, KEY_BIAS=key_bias,
-                  P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt)
+                  CAUSAL=causal, WRITE_P=0, QK_PROMOTE=qk_promote, KEY_BIAS=key_bias,
+                  P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt,
+                  ROWSUM_MMA=launch.rowsum_mma if rowsum_mma is None else rowsum_mma)
     aligned = [n for n in sig if n in _POINTERS or n.startswith("stride")]
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 

@@ -25,19 +25,22 @@ from fp4attn.reference.masks import key_mask_view
 
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
 BLOCK_N = 128  # equals Recipe.block_n of every preset: the tile is part of the numerics
-LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages[,p_hw_cvt]": a tuning override
+LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]": a tuning override
 
 
 @dataclass(frozen=True)
 class ForwardLaunch:
     """Launch shape and code variant of the forward; speed only (query rows are
     independent, so BLOCK_M changes no value; p_hw_cvt rounds FP8 P by the packed
-    hardware conversion, RNE as the bit arithmetic it replaces)."""
+    hardware conversion, RNE as the bit arithmetic it replaces; rowsum_mma sums each P
+    tile's rows on the tensor cores, as the PV product sums them, instead of in float32
+    on the CUDA cores: docs/numerics.md)."""
 
     block_m: int = 128
     warps: int = 8
     stages: int = 3
     p_hw_cvt: bool = False
+    rowsum_mma: bool = False
 
 
 # Measured at (8,16,4096,128) and (16,16,2048,64), kernel alone, TFLOP/s
@@ -66,15 +69,17 @@ def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
     try:
         fields = [int(x) for x in spec.split(",")]
         block_m, warps, stages = fields[:3]
-        hw_cvt = fields[3] if len(fields) == 4 else 0
-        if len(fields) > 4:
+        hw_cvt, rowsum_mma = (fields[3:] + [0, 0])[:2]
+        if len(fields) > 5:
             raise ValueError
     except ValueError as e:
-        raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected 'block_m,warps,stages[,p_hw_cvt]', e.g. '64,4,2' "
-                         "or '64,4,2,1'") from e
-    if block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4 or hw_cvt not in (0, 1):
-        raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4, p_hw_cvt 0 or 1")
-    return ForwardLaunch(block_m, warps, stages, bool(hw_cvt))
+        raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected 'block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]', e.g. "
+                         "'64,4,2' or '64,4,2,1,1'") from e
+    if (block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4 or hw_cvt not in (0, 1)
+            or rowsum_mma not in (0, 1)):
+        raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4, p_hw_cvt 0 or 1, "
+                         "rowsum_mma 0 or 1")
+    return ForwardLaunch(block_m, warps, stages, bool(hw_cvt), bool(rowsum_mma))
 HEAD_DIMS = (64, 128)
 
 
@@ -107,12 +112,13 @@ def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
-                   write_p: int = 0, qk_promote: bool = True, key_bias: torch.Tensor | None = None):
+                   write_p: int = 0, qk_promote: int = 32, key_bias: torch.Tensor | None = None):
     """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
 
     write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
     values; tests); 2 the log2 scores (diagnostics). key_bias: (B, Sk) float32 added to
-    the log2 scores (`key_bias_of_mask`).
+    the log2 scores (`key_bias_of_mask`). qk_promote: fp8 QK^T products accumulated on
+    the tensor cores before each float32 addition (0: all of them; a diagnostic).
     """
     q, k = ops.q, ops.k
     B, H, Sq, D = q.shape
@@ -136,6 +142,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
+        ROWSUM_MMA=cfg.rowsum_mma,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )
