@@ -1,16 +1,19 @@
 """Forward kernel variants, checked and timed in one run.
 
-A variant is `LAUNCH[@PROMOTE][+bf16qk]`: LAUNCH as FP4ATTN_FORWARD_LAUNCH takes it
-(`block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]`, or `default` for `ops.DEFAULT_LAUNCH`),
-PROMOTE the fp8 QK^T promotion interval (32 default, 0 none), `+bf16qk` multiplies the
-e4m3 Q/K on the bf16 tensor cores (exact values, fp32 accumulation; FP8-Q/K recipes
-only). For each recipe and variant it reports:
+A variant is `LAUNCH[@PROMOTE][+bf16qk][+pv]`: LAUNCH as FP4ATTN_FORWARD_LAUNCH takes
+it (`block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]`, or `default` for
+`ops.DEFAULT_LAUNCH`), PROMOTE the fp8 QK^T promotion interval (32 default, 0 none),
+`+bf16qk` multiplies the e4m3 Q/K on the bf16 tensor cores (exact values, fp32
+accumulation; FP8-Q/K recipes only), `+pv` adds each tile's PV into O in float32
+(`pv_promote`). For each recipe and variant it reports:
 
   codes   the fraction of P bytes identical to the reference's on a (1, 4, 1024, 128)
           slice, causal and not (the GPU tests' criterion)
   err     ||out - ref|| / ||ref|| on that slice (the default variant's beside it)
   lse     max |LSE - LSE of the default variant| at (1, 4, 32768, 128), non-causal:
           what a different row-sum path costs on a long row
+  long    ||out - ref|| / ||ref|| and <out, ref> / <ref, ref> (a scale bias shows as a
+          ratio below 1) against the reference at S = 1024, 8192, 32768 (1 x 2 heads)
   TFLOP/s kernel alone against SDPA cuDNN bf16, same run
 
     python scripts/bench_forward_variants.py [--variants default/64,4,3,1,1] [--recipes fp8,nvfp4-fp8]
@@ -33,7 +36,7 @@ from fp4attn.reference import reference_forward
 from fp4attn.reference.encoding import P_OFFSET_LOG2
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--variants", default="default/64,4,3,1,1/64,4,2,1,1/64,4,3,1,1@64/64,4,3,1,1@0/64,4,2,1,1+bf16qk")
+ap.add_argument("--variants", default="default/default+pv/64,4,3,1,1/64,4,3,1,1@0")
 ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,directp")
 ap.add_argument("--shapes", default="8,16,4096,128/2,16,16384,128")
 ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))
@@ -47,18 +50,20 @@ bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="med
 
 
 def parse(variant: str):
-    spec, bf16qk = variant.removesuffix("+bf16qk"), variant.endswith("+bf16qk")
+    spec, *flags = variant.split("+")
     launch, _, promote = spec.partition("@")
-    return launch, int(promote or 32), bf16qk
+    if set(flags) - {"bf16qk", "pv"}:
+        raise SystemExit(f"variant {variant!r}: flags are +bf16qk and +pv")
+    return launch, int(promote or 32), "bf16qk" in flags, "pv" in flags
 
 
 def applies(variant: str, recipe) -> bool:
-    _, promote, bf16qk = parse(variant)
+    _, promote, bf16qk, _ = parse(variant)
     return recipe.qk == "fp8" or (promote == 32 and not bf16qk)
 
 
 def run(variant: str, ops, recipe, causal: bool, **kw):
-    launch, promote, bf16qk = parse(variant)
+    launch, promote, bf16qk, pv = parse(variant)
     if launch == "default":
         os.environ.pop(LAUNCH_ENV, None)
     else:
@@ -66,7 +71,7 @@ def run(variant: str, ops, recipe, causal: bool, **kw):
     try:
         return launch_forward(ops.with_bf16_qk() if bf16qk else ops, scale=ops.q.shape[-1] ** -0.5,
                               causal_offset=0 if causal else None, p_mode=P_MODES[(recipe.p, recipe.p_build)],
-                              qk_promote=promote, **kw)
+                              qk_promote=promote, pv_promote=pv, **kw)
     finally:
         os.environ.pop(LAUNCH_ENV, None)
 
@@ -98,6 +103,18 @@ def check():
             out, lse, _ = run(var, ops, r, False)
             rel = ((out.float() - out0.float()).norm() / out0.float().norm()).item()
             print(f"| {name} | {var} | {(lse - lse0).abs().max().item():.3e} | {rel:.3e} |", flush=True)
+    print("\n| recipe | variant | S | rel err vs reference | <out,ref>/<ref,ref> |\n|---|---|---|---|---|")
+    for S in (1024, 8192, 32768):
+        q, k, v = (torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for name in RECIPES:
+            r = PRESETS[name]
+            ref = reference_forward(q, k, v, r, scale=128**-0.5).out.float()
+            ops = prepare_operands_fused(q, k, v, r)
+            for var in [x for x in VARIANTS if applies(x, r)]:
+                out = run(var, ops, r, False)[0].float()
+                rel = ((out - ref).norm() / ref.norm()).item()
+                print(f"| {name} | {var} | {S} | {rel:.3e} | {((out * ref).sum() / (ref * ref).sum()).item():.5f} |",
+                      flush=True)
 
 
 def timings():

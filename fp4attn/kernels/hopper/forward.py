@@ -13,6 +13,7 @@ Recipes map to constexpr flags:
              times a ones tile, the PV product's operand and accumulation), not from
              float32 copies of P on the CUDA cores; FP8 P is then rounded by the cast
     QK_PROMOTE fp8 QK^T is added into float32 every QK_PROMOTE products (0: never)
+    PV_PROMOTE each tile's PV is added into float32 (off: O accumulates on the tensor cores)
 
 Tiles that need no mask (fully visible, inside Sk) run in a first loop without any
 masking arithmetic; the diagonal and tail tiles run in a second, masked loop.
@@ -29,7 +30,8 @@ from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p,
 def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
           stride_kn, stride_vn, QK_FP8: tl.constexpr, P_MODE: tl.constexpr, MASK: tl.constexpr,
           CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr, KEY_BIAS: tl.constexpr, P_HW_CVT: tl.constexpr,
-          ROWSUM_MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+          ROWSUM_MMA: tl.constexpr, PV_PROMOTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          HEAD_DIM: tl.constexpr,
           WRITE_P: tl.constexpr, p_ptr, stride_pm):
     cols = start_n + offs_n
     offs_d = tl.arange(0, HEAD_DIM)
@@ -73,12 +75,15 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
     else:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :])
     p8 = p.to(tl.float8e4nv)
+    # PV_PROMOTE: each tile's PV into a fresh accumulator, added to O in float32 (the
+    # fp8 wgmma's own accumulation keeps fewer mantissa bits than float32)
+    acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=BLOCK_N if PV_PROMOTE else None)
     if ROWSUM_MMA:
         # every column of P @ ones is the row sum of the e4m3 tile, summed as PV sums it;
-        # a fresh accumulator per tile, added into l in float32 like the CUDA-core sum
+        # a fresh accumulator per tile, added into l in float32 like the CUDA-core sum.
+        # Triton 3.6 then waits for PV inside the loop (two async dots in it).
         ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.float8e4nv)
         l_i = l_i + tl.max(tl.dot(p8, ones), axis=1)
-    acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -94,7 +99,7 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
     QK_PROMOTE: tl.constexpr = 32, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
-    ROWSUM_MMA: tl.constexpr = False,
+    ROWSUM_MMA: tl.constexpr = False, PV_PROMOTE: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
     start_m = tl.program_id(0)
@@ -133,11 +138,13 @@ def attn_fwd_kernel(
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr,
+                              stride_pm)
     for start_n in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm)
+                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr,
+                              stride_pm)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)

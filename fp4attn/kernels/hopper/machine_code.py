@@ -48,7 +48,7 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
                     block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, rowsum_mma=None,
-                    qk_promote=32):
+                    qk_promote=32, pv_promote=False):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given."""
     from fp4attn.kernels.hopper.ops import forward_launch
@@ -64,7 +64,7 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
                   CAUSAL=causal, WRITE_P=0, QK_PROMOTE=qk_promote, KEY_BIAS=key_bias,
                   P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt,
-                  ROWSUM_MMA=launch.rowsum_mma if rowsum_mma is None else rowsum_mma)
+                  ROWSUM_MMA=launch.rowsum_mma if rowsum_mma is None else rowsum_mma, PV_PROMOTE=pv_promote)
     aligned = [n for n in sig if n in _POINTERS or n.startswith("stride")]
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 

@@ -112,13 +112,15 @@ def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
-                   write_p: int = 0, qk_promote: int = 32, key_bias: torch.Tensor | None = None):
+                   write_p: int = 0, qk_promote: int = 32, pv_promote: bool = False,
+                   key_bias: torch.Tensor | None = None):
     """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
 
     write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
     values; tests); 2 the log2 scores (diagnostics). key_bias: (B, Sk) float32 added to
     the log2 scores (`key_bias_of_mask`). qk_promote: fp8 QK^T products accumulated on
-    the tensor cores before each float32 addition (0: all of them; a diagnostic).
+    the tensor cores before each float32 addition (0: all of them; a diagnostic);
+    pv_promote: each tile's PV product added into O in float32 (a diagnostic).
     """
     q, k = ops.q, ops.k
     B, H, Sq, D = q.shape
@@ -142,7 +144,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
-        ROWSUM_MMA=cfg.rowsum_mma,
+        ROWSUM_MMA=cfg.rowsum_mma, PV_PROMOTE=pv_promote,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )
