@@ -1,11 +1,11 @@
 """Forward kernel variants, checked and timed in one run.
 
-A variant is `LAUNCH[@PROMOTE][+bf16qk][+pv]`: LAUNCH as FP4ATTN_FORWARD_LAUNCH takes
+A variant is `LAUNCH[@PROMOTE][+bf16qk][+nopv]`: LAUNCH as FP4ATTN_FORWARD_LAUNCH takes
 it (`block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]`, or `default` for
 `ops.DEFAULT_LAUNCH`), PROMOTE the fp8 QK^T promotion interval (32 default, 0 none),
 `+bf16qk` multiplies the e4m3 Q/K on the bf16 tensor cores (exact values, fp32
-accumulation; FP8-Q/K recipes only), `+pv` adds each tile's PV into O in float32
-(`pv_promote`). For each recipe and variant it reports:
+accumulation; FP8-Q/K recipes only), `+nopv` accumulates O on the tensor cores instead
+of adding each tile's PV into it in float32 (`pv_promote=False`). For each recipe and variant it reports:
 
   codes   the fraction of P bytes identical to the reference's on a (1, 4, 1024, 128)
           slice, causal and not (the GPU tests' criterion)
@@ -36,7 +36,7 @@ from fp4attn.reference import reference_forward
 from fp4attn.reference.encoding import P_OFFSET_LOG2
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--variants", default="default/default+pv/64,4,3,1,1/64,4,3,1,1@0")
+ap.add_argument("--variants", default="default/default+nopv/64,4,3,1,1/64,4,3,0")
 ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,directp")
 ap.add_argument("--shapes", default="8,16,4096,128/2,16,16384,128")
 ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))
@@ -52,9 +52,9 @@ bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="med
 def parse(variant: str):
     spec, *flags = variant.split("+")
     launch, _, promote = spec.partition("@")
-    if set(flags) - {"bf16qk", "pv"}:
-        raise SystemExit(f"variant {variant!r}: flags are +bf16qk and +pv")
-    return launch, int(promote or 32), "bf16qk" in flags, "pv" in flags
+    if set(flags) - {"bf16qk", "nopv"}:
+        raise SystemExit(f"variant {variant!r}: flags are +bf16qk and +nopv")
+    return launch, int(promote or 32), "bf16qk" in flags, "nopv" not in flags
 
 
 def applies(variant: str, recipe) -> bool:

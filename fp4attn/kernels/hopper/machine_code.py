@@ -48,7 +48,7 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
                     block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, rowsum_mma=None,
-                    qk_promote=32, pv_promote=False):
+                    qk_promote=32, pv_promote=True):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given."""
     from fp4attn.kernels.hopper.ops import forward_launch

@@ -112,7 +112,7 @@ def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
-                   write_p: int = 0, qk_promote: int = 32, pv_promote: bool = False,
+                   write_p: int = 0, qk_promote: int = 32, pv_promote: bool = True,
                    key_bias: torch.Tensor | None = None):
     """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
 
@@ -120,7 +120,8 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     values; tests); 2 the log2 scores (diagnostics). key_bias: (B, Sk) float32 added to
     the log2 scores (`key_bias_of_mask`). qk_promote: fp8 QK^T products accumulated on
     the tensor cores before each float32 addition (0: all of them; a diagnostic);
-    pv_promote: each tile's PV product added into O in float32 (a diagnostic).
+    pv_promote: each tile's PV product added into O in float32 (False, a diagnostic:
+    O accumulates on the tensor cores).
     """
     q, k = ops.q, ops.k
     B, H, Sq, D = q.shape
