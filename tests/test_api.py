@@ -258,7 +258,7 @@ def test_forward_launch_override_is_checked(monkeypatch):
             for causal in (True, False):
                 assert forward_launch(d, fp8, causal) == DEFAULT_LAUNCH[d, fp8, causal]
     monkeypatch.setenv(LAUNCH_ENV, "64,4,3")
-    assert forward_launch(128, True, False) == ForwardLaunch(64, 4, 3)
+    assert forward_launch(128, True, False) == ForwardLaunch(64, 4, 3, False)
     monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1")
     assert forward_launch(64, False, True) == ForwardLaunch(64, 4, 2, True)
     monkeypatch.setenv(LAUNCH_ENV, "64,4,2,0,1")

@@ -47,16 +47,14 @@ class ForwardLaunch:
 # (benchmarks/results/h200-forward-launch*.txt). 64-row programs of 4 warps run two per
 # SM (255 registers each), so one program's softmax overlaps the other's products:
 # 128 rows -> 64 rows took fp8 287 -> 409, nvfp4-fp8 369 -> 379, fp8-directp 148 -> 173.
-# Rounding FP8 P by the hardware conversion (p_hw_cvt) then took nvfp4-fp8 379 -> 432
-# (causal 341 -> 381), fp8 409 -> 481 and with 3 stages 525, and at D=64 fp8 248 -> 302,
-# nvfp4-fp8 233 -> 298; but causal fp8 fell 370 -> 272 (more spills: 560 stack bytes),
-# so that one case keeps the bit arithmetic. Keyed by (head dim, fp8 Q/K, causal).
+# Rounding FP8 P by the packed hardware conversion (p_hw_cvt) then took nvfp4-fp8 379 -> 432
+# and fp8 409 -> 481. With each tile's PV added into O in float32 (the kernel's default
+# since h200-forward-launch-4.txt) the hardware conversion and 2 stages win at D=128 in
+# every case, causal fp8 included (378 bit arithmetic -> 419), and 3 stages at D=64
+# (fp8 298 -> 333, nvfp4-fp8 268 -> 307). Keyed by (head dim, fp8 Q/K, causal).
 DEFAULT_LAUNCH = {
-    (128, True, False): ForwardLaunch(64, 4, 3, True),
-    (128, True, True): ForwardLaunch(64, 4, 2, False),
-    (128, False, False): ForwardLaunch(64, 4, 2, True),
-    (128, False, True): ForwardLaunch(64, 4, 2, True),
-    **{(64, fp8, causal): ForwardLaunch(64, 4, 2, True) for fp8 in (True, False) for causal in (True, False)},
+    **{(128, fp8, causal): ForwardLaunch(64, 4, 2, True) for fp8 in (True, False) for causal in (True, False)},
+    **{(64, fp8, causal): ForwardLaunch(64, 4, 3, True) for fp8 in (True, False) for causal in (True, False)},
 }
 
 
