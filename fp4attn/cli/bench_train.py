@@ -106,7 +106,7 @@ def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, ste
             times.append(time.perf_counter() - t0)
         ms = sorted(times[2:])[len(times[2:]) // 2] * 1e3  # the first steps compile and warm up
         records.append(dict(impl="sdpa-cudnn" if attn == "sdpa" else attn, params=model.num_params(), layers=layers,
-                            dim=dim, heads=heads, seq=seq, batch=batch, ms_step=ms, loss=float(loss),
+                            dim=dim, heads=heads, seq=seq, batch=batch, ms_step=ms, loss=loss.item(),
                             peak_gib=torch.cuda.max_memory_allocated() / 2**30))
         del model, opt
         torch.cuda.empty_cache()
