@@ -157,7 +157,7 @@ def test_kernel_error_does_not_grow_with_row_length(recipe):
         ref = fp4attn.attention(q, k, v, recipe=recipe, backend="reference").float()
         errs.append(error_metrics(out, ref)["rel_l2"])
         assert abs((out * ref).sum().item() / (ref * ref).sum().item() - 1) < 2e-4, (recipe, sk)
-    assert errs[1] < 1.5 * errs[0], (recipe, errs)
+    assert errs[1] <= 1.5 * errs[0] + 1e-5, (recipe, errs)  # directp matches its reference exactly here
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

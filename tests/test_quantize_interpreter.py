@@ -38,6 +38,18 @@ SCRIPT = textwrap.dedent('''
         got = prepare_operands_fused(q, k, v, PRESETS[recipe])
         for name in ("q", "k", "qs", "ks", "vt", "vs"):
             same(getattr(want, name), getattr(got, name), f"{recipe} {name}")
+    # non-finite V: the rest of the head keeps its MXFP4 window and values (the NaN bytes
+    # of the non-finite blocks are the GPU test's: the interpreter's e4m3 cast of NaN is
+    # not NaN)
+    v_bad = v.clone()
+    v_bad[1, 1, 40, 5] = float("inf")
+    v_bad[0, 2, 3, 7] = float("nan")
+    want = prepare_operands(q, k, v_bad, PRESETS["fp8-directp"])
+    got = prepare_operands_fused(q, k, v_bad, PRESETS["fp8-directp"])
+    same(want.vs, got.vs, "non-finite V vs")
+    keep = ~want.vt.float().isnan()
+    assert int((~keep).sum()) == 64, "one 32-key block per non-finite element"
+    same(want.vt.float()[keep], got.vt.float()[keep], "non-finite V vt")
     ops = prepare_operands_fused(q, k, v, PRESETS["train"])
     out = torch.randn(dout.shape, generator=g).bfloat16()
     *got, delta = backward_operands(dout, out, ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs)

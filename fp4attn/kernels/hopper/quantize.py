@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4attn.formats.blocks import to_blocks
 from fp4attn.formats.constants import MX_BLOCK
 from fp4attn.formats.fp8 import fp8_scales
 from fp4attn.formats.minifloat import exact_div, pow2
@@ -203,6 +202,28 @@ def _v_kernel(V, VT, INV, OUT_SCALE, SCALE, S, D: tl.constexpr, BLOCK_S: tl.cons
     tl.store(VT + bh * D * S + d * S + s, out.to(tl.float8e4nv), mask=ok)
 
 
+@triton.jit
+def _mx_block_stats_kernel(V, AMAX, FINITE, S, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Per 32-key block and channel of V (S, D) of one head: the max |v| over its finite
+    entries and whether all of them are finite, as (n_blocks, D) tables. Reads V in its
+    own layout; the torch reductions it replaces ran over a transposed float32 copy."""
+    NB: tl.constexpr = BLOCK_S // 32
+    bh = tl.program_id(1).to(tl.int64)
+    blk = tl.program_id(0) * NB + tl.arange(0, NB)
+    s = blk[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
+    d = tl.arange(0, D)[None, None, :]
+    v = tl.load(V + bh * S * D + s * D + d, mask=s < S, other=0.0).to(tl.float32)
+    a = tl.abs(v)
+    finite = a < float("inf")  # False for +-inf and NaN
+    amax = tl.max(tl.where(finite, a, 0.0), axis=1)
+    all_finite = tl.min(finite.to(tl.int32), axis=1)
+    nblocks = tl.cdiv(S, 32)
+    off = bh * nblocks * D + blk[:, None] * D + tl.arange(0, D)[None, :]
+    ok = blk[:, None] < nblocks
+    tl.store(AMAX + off, amax, mask=ok)
+    tl.store(FINITE + off, all_finite.to(tl.int8), mask=ok)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().reshape(-1, x.shape[-1])
 
@@ -285,14 +306,17 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -
         inv = inv.contiguous()
         out_scale = inv
     else:
-        vb, _ = to_blocks(vc, -2, MX_BLOCK)  # (B, H, D, n_blocks, 32): the per-block reduction
-        finite = torch.isfinite(vb).all(dim=-1)
-        e = mx_exponent(torch.where(torch.isfinite(vb), vb, 0.0).abs().amax(dim=-1))
+        # per-block tables (B, H, n_blocks, D), 1/32 of V: the block maxima in one pass
+        n_blocks = triton.cdiv(S, MX_BLOCK)
+        amax = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.float32)
+        finite = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int8)
+        _mx_block_stats_kernel[(triton.cdiv(S, 64), B * H)](vc, amax, finite, S, D=D, BLOCK_S=64, num_warps=4)
+        finite = finite.bool()
+        e = mx_exponent(amax)
         c, flushed = v_window(e, finite)
         osc = pow2((e - c[..., None, None]).clamp(-149, 127)).masked_fill(flushed, 0.0)
-        osc = osc.masked_fill(~finite, float("nan"))
-        inv = pow2(-e.clamp(-127, 127)).transpose(-1, -2).contiguous()  # (B, H, n_blocks, D)
-        out_scale = osc.transpose(-1, -2).contiguous()
+        out_scale = osc.masked_fill(~finite, float("nan"))
+        inv = pow2(-e.clamp(-127, 127))
         vs = pow2(c)[..., None].expand(B, H, D).contiguous()
     block_s = 64
     grid = (triton.cdiv(S, block_s), B * H)
