@@ -11,6 +11,7 @@ power of two is exact, so `torch.round` (half to even) sees the exact ratio.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,9 +58,17 @@ def exact_div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     torch 2.13 CPU). Making both operands tensors gives the true division.
     """
     device = next((t.device for t in (a, b) if isinstance(t, torch.Tensor)), None)
-    a = torch.as_tensor(a, dtype=torch.float32, device=device)
-    b = torch.as_tensor(b, dtype=torch.float32, device=device)
-    return torch.div(a, b)
+    return torch.div(_float32_on(a, device), _float32_on(b, device))
+
+
+def _float32_on(x: torch.Tensor | float, device: torch.device | None) -> torch.Tensor:
+    """x as a float32 tensor on `device`. A Python number becomes a filled tensor:
+    `torch.as_tensor(number, device="cuda")` copies from pageable host memory, which
+    synchronizes the stream and left the GPU idle between the quantizers' kernels
+    (docs/notes/hopper-forward.md)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype=torch.float32, device=device)
+    return torch.full((), x, dtype=torch.float32, device=device)
 
 
 def floor_log2(a: torch.Tensor) -> torch.Tensor:
@@ -84,6 +93,13 @@ def round_to_format(x: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- E2M1
+@functools.cache
+def _on_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A constant lookup table on `device`, copied there once (each copy from pageable
+    host memory synchronizes the stream)."""
+    return table.to(device)
+
+
 _E2M1_TABLE = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
 # Twice a magnitude (0, 1, 2, 3, 4, 6, 8, 12) indexes its code.
 _E2M1_CODE_OF_TWICE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
@@ -98,14 +114,14 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     v = round_to_format(x, E2M1)
     nan = torch.isnan(v)
     twice = (v.abs() * 2).masked_fill(nan, 0).to(torch.int64)
-    code = _E2M1_CODE_OF_TWICE.to(x.device)[twice]
+    code = _on_device(_E2M1_CODE_OF_TWICE, x.device)[twice]
     sign = torch.signbit(v) & ~nan
     return code | (sign.to(torch.uint8) << 3)
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of E2M1 codes (uint8, only the low 4 bits are read)."""
-    return _E2M1_TABLE.to(codes.device)[(codes & 0xF).long()]
+    return _on_device(_E2M1_TABLE, codes.device)[(codes & 0xF).long()]
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
