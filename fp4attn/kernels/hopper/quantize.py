@@ -230,8 +230,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """max |x| over `dim` (or all of x) as float32, exactly x.float().abs().amax(dim) (NaN
-    propagates, +0 for all-zero) without materializing |x| or a float32 copy."""
-    hi, lo = (x.amax(), x.amin()) if dim is None else (x.amax(dim=dim), x.amin(dim=dim))
+    propagates, +0 for all-zero) without materializing |x| or a float32 copy: one pass
+    for the minimum and the maximum (`torch.aminmax`; amax and amin were two)."""
+    lo, hi = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
     return torch.maximum(hi.float(), -lo.float()).abs()
 
 
