@@ -18,7 +18,7 @@ import argparse
 import torch
 import triton
 
-from fp4attn.cli.bench import _sdpa, visible_pairs
+from fp4attn.cli.bench import CAUSAL_MODES, _sdpa, visible_pairs
 from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
 from fp4attn.kernels.hopper.ops import P_MODES, launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
@@ -29,11 +29,11 @@ bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="med
 ap = argparse.ArgumentParser()
 ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,directp")
 ap.add_argument("--shapes", default="8,16,4096,128/4,32,4096,128/16,16,2048,64")
-ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))
+ap.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
 ap.add_argument("--no-check", action="store_true", help="skip the output comparison on awkward shapes")
 args = ap.parse_args()
 RECIPES = args.recipes.split(",")
-CAUSAL = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+CAUSAL = CAUSAL_MODES[args.causal]
 
 
 def run_both(q, k, v, r, causal_offset, schedule=0):

@@ -5,7 +5,8 @@ it (`block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]`, or `default` for
 `ops.DEFAULT_LAUNCH`), PROMOTE the fp8 QK^T promotion interval (32 default, 0 none),
 `+bf16qk` multiplies the e4m3 Q/K on the bf16 tensor cores (exact values, fp32
 accumulation; FP8-Q/K recipes only), `+nopv` accumulates O on the tensor cores instead
-of adding each tile's PV into it in float32 (`pv_promote=False`). For each recipe and variant it reports:
+of adding each tile's PV into it in float32 (`pv_promote=False`). For each recipe and
+variant it reports (all but TFLOP/s skipped with --no-check):
 
   codes   the fraction of P bytes identical to the reference's on a (1, 4, 1024, 128)
           slice, causal and not (the GPU tests' criterion)
@@ -17,7 +18,7 @@ of adding each tile's PV into it in float32 (`pv_promote=False`). For each recip
   TFLOP/s kernel alone against SDPA cuDNN bf16, same run
 
     python scripts/bench_forward_variants.py [--variants default/64,4,3,1,1] [--recipes fp8,nvfp4-fp8]
-        [--shapes 8,16,4096,128] [--causal both]
+        [--shapes 8,16,4096,128] [--causal both] [--no-check]
 """
 
 import argparse
@@ -27,7 +28,7 @@ import sys
 import torch
 import triton
 
-from fp4attn.cli.bench import _sdpa, visible_pairs
+from fp4attn.cli.bench import CAUSAL_MODES, _sdpa, visible_pairs
 from fp4attn.formats import encode_fp8
 from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
@@ -39,12 +40,12 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--variants", default="default/default+nopv/64,4,3,1,1/64,4,3,0")
 ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,directp")
 ap.add_argument("--shapes", default="8,16,4096,128/2,16,16384,128")
-ap.add_argument("--causal", default="both", choices=("both", "no", "yes"))
+ap.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
 ap.add_argument("--no-check", action="store_true", help="timings only")
 args = ap.parse_args()
 VARIANTS = args.variants.split("/")
 RECIPES = args.recipes.split(",")
-CAUSAL = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
+CAUSAL = CAUSAL_MODES[args.causal]
 sdpa_cudnn = _sdpa("sdpa-cudnn")
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
 

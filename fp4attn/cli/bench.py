@@ -24,6 +24,7 @@ from fp4attn.cli.output import markdown_table, write_json
 SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 32768, 128),
           (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
 RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8"]
+CAUSAL_MODES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
 
 
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
@@ -190,7 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backward", action="store_true",
                    help="causal forward+backward of the training recipes on the training shapes")
     p.add_argument("--model-step", action="store_true", help="with --backward: also a ~1B-parameter GPT step")
-    p.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+    p.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
     p.add_argument("--variants", action="store_true", help="also time fp8-directp with exp2-built MXFP4 P")
     p.add_argument("--json", type=Path, help="default results/h200-forward.json (h200-train.json with --backward)")
     p.add_argument("--png", type=Path)
@@ -208,7 +209,7 @@ def main(args: argparse.Namespace) -> list[dict]:
         return bench_train.main(args)
     args.json = args.json or Path("results/h200-forward.json")
     shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
-    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    causal = CAUSAL_MODES[args.causal]
     variants = {"fp8-directp/exp2-P": PRESETS["fp8-directp"].with_(p_build="exp2", name="fp8-directp/exp2-P")} \
         if args.variants else None
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
