@@ -75,6 +75,33 @@ SCRIPT = textwrap.dedent('''
     ref = quantize_nvfp4(x)
     assert torch.equal(codes, ref.data) and torch.equal(bscale.float(), ref.scale.float())
     assert torch.equal(decode_nvfp4_rows(codes, bscale).view(torch.int16), values.view(torch.int16))
+
+    # the tensor and channel scales the kernels compute from the minimum and maximum:
+    # all-zero (S_enc clamped to FP32_MAX, a subnormal decode scale), Inf (S_enc 1), NaN
+    # (NaN scales), fp16 and fp32 inputs, and FP8 V with the training's scalar factor
+    from fp4attn.kernels.hopper.quantize import quantize_v_t
+    for case in ("zero", "inf", "nan", "fp16", "fp32"):
+        x = q.clone()
+        if case == "zero":
+            x.zero_()
+        elif case in ("inf", "nan"):
+            x[1, 2, 7, 9] = float(case)
+        else:
+            x = x.to(getattr(torch, {"fp16": "float16", "fp32": "float32"}[case]))
+        want = prepare_operands(x, k, v, PRESETS["nvfp4-fp8"])
+        got_v, got_s = quantize_qk_nvfp4(x)
+        same(want.qs, got_s, f"nvfp4 {case} tensor scale")
+        same(want.q, got_v, f"nvfp4 {case} values")
+        want = prepare_operands(q, k, x, PRESETS["fp8"])
+        vt, vs = quantize_v_t(x, "fp8")
+        same(want.vs, vs, f"fp8 V {case} scales")
+        keep = ~want.vt.float().isnan()
+        same(want.vt.float()[keep], vt.float()[keep], f"fp8 V {case} values")
+    factor = torch.tensor([0.375])
+    vt, vs = quantize_v_t(q, "fp8", scale=factor)
+    f = quantize_fp8((q.float() * factor).movedim(-2, -1), dim=-1, block=None, fmt="e4m3")
+    same(f.scale.squeeze(-1), vs, "fp8 V with a factor, scales")
+    same(f.data.squeeze(-2).float(), vt.float(), "fp8 V with a factor, values")
     print("ok")
 ''')
 

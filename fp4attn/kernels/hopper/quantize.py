@@ -1,6 +1,9 @@
 """Fused Triton quantizers: bf16/fp16/fp32 Q, K, V into the forward kernel's operand
-layouts, one pass over each operand (reductions over the whole sequence, for FP8 V's
-per-channel scale and MXFP4 V's head window, are small torch reductions first).
+layouts, one pass over each operand after the reductions its scales need: the minimum
+and maximum of the tensor (NVFP4 Q/K) or of each channel (FP8 V) by `torch.aminmax`,
+from which the kernels compute the scales themselves, and MXFP4 V's block statistics
+(`_mx_block_stats_kernel`) with its head window in torch ops. Nothing here waits for
+the GPU.
 
 Each reproduces the reference quantizer bit for bit (`kernels/hopper/operands.py`
 builds the same tensors from `fp4attn.formats`; tests compare them with
@@ -15,15 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4attn.formats import constants
 from fp4attn.formats.constants import MX_BLOCK
-from fp4attn.formats.fp8 import fp8_scales
-from fp4attn.formats.minifloat import exact_div, pow2
+from fp4attn.formats.minifloat import pow2
 from fp4attn.formats.mx import mx_exponent
-from fp4attn.formats.nvfp4 import nvfp4_global_encode_scale
 from fp4attn.kernels.common import fp8_scale_inv, round_e4m3
 from fp4attn.kernels.hopper.operands import KernelOperands
 from fp4attn.recipes import Recipe
 from fp4attn.reference.operands import v_window
+
+FP32_MAX = tl.constexpr(constants.FP32_MAX)
 
 
 @triton.jit
@@ -108,6 +112,27 @@ def _fp8_tokens_of_vt_kernel(VT, VS, Y, YS, S, D: tl.constexpr, BLOCK_S: tl.cons
 
 
 @triton.jit
+def _abs_max_of(lo, hi):
+    """max |x| from the minimum and maximum of x, exactly x.float().abs().max() (NaN
+    propagates, +0 for an all-zero x)."""
+    return tl.abs(tl.maximum(hi.to(tl.float32), -lo.to(tl.float32), propagate_nan=tl.PropagateNan.ALL))
+
+
+@triton.jit
+def _nvfp4_tensor_scales(LO, HI):
+    """(multiplier, decode scale) of an NVFP4 tensor whose minimum and maximum are at LO
+    and HI, as `formats.nvfp4` computes them (TransformerEngine's rule): S_enc =
+    min(448 * 6 / amax, FP32_MAX), 1 where that is 0; decode 1 / S_enc; multiplier
+    S_enc * (1 / 6). Every operation is a single IEEE-rounded one (no product meets an
+    add, so nothing is contracted into an FMA)."""
+    amax = _abs_max_of(tl.load(LO), tl.load(HI))
+    one = tl.full(amax.shape, 1.0, tl.float32)
+    s_enc = tl.minimum(tl.div_rn(one * 2688.0, amax), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
+    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
+    return s_enc * tl.div_rn(one, one * 6.0), tl.div_rn(one, s_enc)
+
+
+@triton.jit
 def _nvfp4_block_offsets(rows, D: tl.constexpr):
     """Element offsets of rows of D contiguous elements seen as (rows, D / 16 blocks, 16)."""
     return (rows.to(tl.int64)[:, None, None] * D + tl.arange(0, D // 16)[None, :, None] * 16
@@ -122,25 +147,26 @@ def _row_offsets(rows, N: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_rows_kernel(X, Y, MULT, SDEC, CODES, BSCALE, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
+def _nvfp4_rows_kernel(X, Y, LO, HI, SDEC, CODES, BSCALE, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
                        PACKED: tl.constexpr):
     """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) as bf16,
-    in TransformerEngine's operation order (formats/nvfp4.py). With PACKED also the
-    payload as `quantize_nvfp4` stores it: CODES (R, D / 2) uint8, two E2M1 codes a
-    byte, element 2i in the low nibble; BSCALE (R, D / 16) the e4m3 block scales."""
+    in TransformerEngine's operation order (formats/nvfp4.py), the tensor scale from the
+    tensor's minimum and maximum at LO and HI; SDEC (R,) gets the decode scale in every
+    row's slot. With PACKED also the payload as `quantize_nvfp4` stores it: CODES (R,
+    D / 2) uint8, two E2M1 codes a byte, element 2i in the low nibble; BSCALE (R, D / 16)
+    the e4m3 block scales."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs = _nvfp4_block_offsets(rows, D)
     ok = (rows < R)[:, None, None]
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-    mult = tl.load(MULT)
-    s_dec = tl.load(SDEC)
+    mult, s_dec = _nvfp4_tensor_scales(LO, HI)
+    tl.store(SDEC + rows, tl.full([BLOCK_R], 0.0, tl.float32) + s_dec, mask=rows < R)
     # a NaN anywhere makes the tensor scale NaN, and with it every block scale (torch's
     # clamp propagates NaN; tl.minimum must be told to)
     nan_ok: tl.constexpr = tl.PropagateNan.ALL
-    d = tl.minimum(tl.max(tl.abs(x), axis=2) * mult, 3.4028234663852886e38, propagate_nan=nan_ok)
+    d = tl.minimum(tl.max(tl.abs(x), axis=2) * mult, FP32_MAX, propagate_nan=nan_ok)
     d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
-    enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), 3.4028234663852886e38,
-                     propagate_nan=nan_ok)
+    enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), FP32_MAX, propagate_nan=nan_ok)
     y = x * enc[:, :, None]
     code = _e2m1_code(tl.minimum(tl.abs(y), 6.0))
     val = _with_sign_of(_e2m1_magnitude(code), y) * d[:, :, None]
@@ -170,11 +196,15 @@ def _nvfp4_decode_rows_kernel(CODES, BSCALE, Y, R, D: tl.constexpr, BLOCK_R: tl.
 
 
 @triton.jit
-def _v_kernel(V, VT, INV, OUT_SCALE, SCALE, S, D: tl.constexpr, BLOCK_S: tl.constexpr, MXFP4: tl.constexpr,
-              HAS_SCALE: tl.constexpr):
+def _v_kernel(V, VT, INV, OUT_SCALE, SCALE, LO, HI, VS, S, D: tl.constexpr, BLOCK_S: tl.constexpr,
+              MXFP4: tl.constexpr, HAS_SCALE: tl.constexpr):
     """V (S, D) of one head -> e4m3 V^T (D, S).
 
-    FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE.
+    FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE; the
+    per-channel scales from each channel's minimum and maximum over the sequence (LO,
+    HI: (B*H, D)) as `formats.fp8.fp8_scales` computes them (with SCALE, of max |v| *
+    SCALE, which is max |v * SCALE|: rounding is monotonic), written to VS (B*H, D) by
+    the first program of each head.
     MXFP4: E2M1 of v * 2**-e (e per 32 keys and channel) times 2**(e - c): OUT_SCALE
     holds 2**(e - c), 0 for blocks flushed by the window, NaN for non-finite blocks."""
     NB: tl.constexpr = BLOCK_S // 32
@@ -195,10 +225,16 @@ def _v_kernel(V, VT, INV, OUT_SCALE, SCALE, S, D: tl.constexpr, BLOCK_S: tl.cons
         out = _with_sign_of(mag, y) * osc
         out = tl.where(osc == 0.0, 0.0, out)  # a flushed block is +0, as the reference's masked_fill
     else:
+        dd = tl.arange(0, D)
+        amax = _abs_max_of(tl.load(LO + bh * D + dd), tl.load(HI + bh * D + dd))
+        nonfinite = (amax != amax) | (amax == float("inf"))  # the channel holds a NaN or Inf
         if HAS_SCALE:
+            amax = amax * tl.load(SCALE)
             v = v * tl.load(SCALE)
-        inv = tl.load(INV + bh * D + d)
-        out = _e4m3_signed(v * inv)
+        scale, inv = fp8_scale_inv(amax)
+        if tl.program_id(0) == 0:
+            tl.store(VS + bh * D + dd, tl.where(nonfinite, float("nan"), scale))
+        out = _e4m3_signed(v * inv[None, None, :])
     tl.store(VT + bh * D * S + d * S + s, out.to(tl.float8e4nv), mask=ok)
 
 
@@ -228,14 +264,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().reshape(-1, x.shape[-1])
 
 
-def abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """max |x| over `dim` (or all of x) as float32, exactly x.float().abs().amax(dim) (NaN
-    propagates, +0 for all-zero) without materializing |x| or a float32 copy: one pass
-    for the minimum and the maximum (`torch.aminmax`; amax and amin were two)."""
-    lo, hi = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
-    return torch.maximum(hi.float(), -lo.float()).abs()
-
-
 def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None):
     """Per-token FP8 of x (..., D): (e4m3 values, scales (...)); with `dot_with` (same
     shape) also the row sums of x * dot_with in float32."""
@@ -257,18 +285,17 @@ def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False):
     (bf16 grid values without the tensor scale, the tensor decode scale broadcast to
     (...)); with `packed` also the payload, (codes (..., D / 2) uint8, block scales
     (..., D / 16) float8_e4m3fn), byte for byte `quantize_nvfp4(x)`'s data and scale."""
-    s_enc = nvfp4_global_encode_scale(abs_max(x))
-    s_dec = exact_div(1.0, s_enc).reshape(1)
-    mult = (s_enc * exact_div(torch.ones_like(s_enc), 6.0)).reshape(1)
+    lo, hi = torch.aminmax(x)  # the tensor scale is computed from them in the row kernel
     xr = _rows(x)
     D = x.shape[-1]
     y = torch.empty(xr.shape, device=x.device, dtype=torch.bfloat16)
+    s_dec = torch.empty(xr.shape[0], device=x.device, dtype=torch.float32)
     codes = torch.empty((xr.shape[0], D // 2 if packed else 0), device=x.device, dtype=torch.uint8)
     bscale = torch.empty((xr.shape[0], D // 16 if packed else 0), device=x.device, dtype=torch.float8_e4m3fn)
     grid = (triton.cdiv(xr.shape[0], 16),)
-    _nvfp4_rows_kernel[grid](xr, y, mult, s_dec, codes, bscale, xr.shape[0], D=D, BLOCK_R=16, PACKED=packed,
+    _nvfp4_rows_kernel[grid](xr, y, lo, hi, s_dec, codes, bscale, xr.shape[0], D=D, BLOCK_R=16, PACKED=packed,
                              num_warps=4)
-    out = (y.view(x.shape), s_dec.expand(x.shape[:-1]).contiguous())
+    out = (y.view(x.shape), s_dec.view(x.shape[:-1]))
     if packed:
         out += (codes.view(*x.shape[:-1], D // 2), bscale.view(*x.shape[:-1], D // 16))
     return out
@@ -299,14 +326,11 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -
     vc = v.contiguous()
     vt = torch.empty((B, H, D, S), device=v.device, dtype=torch.float8_e4m3fn)
     if fmt == "fp8":
-        amax = abs_max(vc, -2)
-        nonfinite = ~torch.isfinite(amax)  # amax is Inf or NaN iff the channel holds one
-        if scale is not None:
-            amax = amax * scale  # max |v * s| = round(max |v| * s): rounding is monotonic
-        vs, inv = fp8_scales(amax, nonfinite)
-        inv = inv.contiguous()
-        out_scale = inv
+        lo, hi = torch.aminmax(vc, dim=-2)  # the scales are computed from them in _v_kernel
+        vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
+        inv = out_scale = vs  # not read by the FP8 path
     else:
+        lo = hi = vs = None
         # per-block tables (B, H, n_blocks, D), 1/32 of V: the block maxima in one pass
         n_blocks = triton.cdiv(S, MX_BLOCK)
         amax = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.float32)
@@ -319,10 +343,11 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -
         out_scale = osc.masked_fill(~finite, float("nan"))
         inv = pow2(-e.clamp(-127, 127))
         vs = pow2(c)[..., None].expand(B, H, D).contiguous()
+        lo = hi = vs  # not read by the MXFP4 path
     block_s = 64
     grid = (triton.cdiv(S, block_s), B * H)
-    _v_kernel[grid](vc, vt, inv, out_scale, scale if scale is not None else inv, S, D=D, BLOCK_S=block_s,
-                    MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, num_warps=4)
+    _v_kernel[grid](vc, vt, inv, out_scale, scale if scale is not None else inv, lo, hi, vs, S, D=D,
+                    BLOCK_S=block_s, MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, num_warps=4)
     return vt, vs.float()
 
 
