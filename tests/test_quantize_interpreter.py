@@ -97,6 +97,15 @@ SCRIPT = textwrap.dedent('''
         same(want.vs, vs, f"fp8 V {case} scales")
         keep = ~want.vt.float().isnan()
         same(want.vt.float()[keep], vt.float()[keep], f"fp8 V {case} values")
+    # MXFP4 V in float32 down to subnormals: block exponents of subnormal maxima, a head
+    # whose window clamps at the bottom of float32's range, blocks flushed below it
+    vf = v.float()
+    vf[0, 1] *= 2.0**-140
+    vf[1, 0, 40:] *= 2.0**-130
+    want = prepare_operands(q, k, vf, PRESETS["fp8-directp"])
+    got = prepare_operands_fused(q, k, vf, PRESETS["fp8-directp"])
+    for name in ("vt", "vs"):
+        same(getattr(want, name), getattr(got, name), f"subnormal MXFP4 V {name}")
     factor = torch.tensor([0.375])
     vt, vs = quantize_v_t(q, "fp8", scale=factor)
     f = quantize_fp8((q.float() * factor).movedim(-2, -1), dim=-1, block=None, fmt="e4m3")

@@ -1,9 +1,9 @@
 """Fused Triton quantizers: bf16/fp16/fp32 Q, K, V into the forward kernel's operand
 layouts, one pass over each operand after the reductions its scales need: the minimum
 and maximum of the tensor (NVFP4 Q/K) or of each channel (FP8 V) by `torch.aminmax`,
-from which the kernels compute the scales themselves, and MXFP4 V's block statistics
-(`_mx_block_stats_kernel`) with its head window in torch ops. Nothing here waits for
-the GPU.
+from which the kernels compute the scales themselves, and MXFP4 V's block exponents
+and head maximum (`_mx_block_stats_kernel`). Two or three launches per operand, and
+nothing here waits for the GPU.
 
 Each reproduces the reference quantizer bit for bit (`kernels/hopper/operands.py`
 builds the same tensors from `fp4attn.formats`; tests compare them with
@@ -20,14 +20,17 @@ import triton.language as tl
 
 from fp4attn.formats import constants
 from fp4attn.formats.constants import MX_BLOCK
-from fp4attn.formats.minifloat import pow2
-from fp4attn.formats.mx import mx_exponent
 from fp4attn.kernels.common import fp8_scale_inv, round_e4m3
 from fp4attn.kernels.hopper.operands import KernelOperands
 from fp4attn.recipes import Recipe
-from fp4attn.reference.operands import v_window
+from fp4attn.reference import encoding
 
 FP32_MAX = tl.constexpr(constants.FP32_MAX)
+E2M1_EMAX = tl.constexpr(constants.E2M1_EMAX)
+E8M0_EMIN = tl.constexpr(constants.E8M0_EMIN)
+E8M0_EMAX = tl.constexpr(constants.E8M0_EMAX)
+V_TOP = tl.constexpr(encoding.V_TOP)
+V_WINDOW = tl.constexpr(encoding.V_WINDOW)
 
 
 @triton.jit
@@ -196,36 +199,62 @@ def _nvfp4_decode_rows_kernel(CODES, BSCALE, Y, R, D: tl.constexpr, BLOCK_R: tl.
 
 
 @triton.jit
-def _v_kernel(V, VT, INV, OUT_SCALE, SCALE, LO, HI, VS, S, D: tl.constexpr, BLOCK_S: tl.constexpr,
+def _floor_log2(a):
+    """floor(log2 a) as int32 for positive finite float32 a, exact, subnormals included:
+    they are scaled by 2**64 first (exact), so that their exponent field counts."""
+    small = a < 1.1754943508222875e-38  # 2**-126, the smallest normal
+    b = tl.where(small, a * 18446744073709551616.0, a).to(tl.int32, bitcast=True)
+    return ((b >> 23) & 0xFF) - 127 - tl.where(small, 64, 0)
+
+
+@triton.jit
+def _pow2(e):
+    """Exact float32 2**e for int32 e in [-149, 127] (`formats.minifloat.pow2`)."""
+    normal = (tl.maximum(e + 127, 1) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(e + 149, 0), 22)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, sub)
+
+
+@triton.jit
+def _v_kernel(V, VT, VS, SCALE, LO, HI, E, FINITE, EMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr,
               MXFP4: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """V (S, D) of one head -> e4m3 V^T (D, S).
+    """V (S, D) of one head -> e4m3 V^T (D, S) and the per-channel scales VS (B*H, D),
+    written by the first program of each head.
 
     FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE; the
     per-channel scales from each channel's minimum and maximum over the sequence (LO,
     HI: (B*H, D)) as `formats.fp8.fp8_scales` computes them (with SCALE, of max |v| *
-    SCALE, which is max |v * SCALE|: rounding is monotonic), written to VS (B*H, D) by
-    the first program of each head.
-    MXFP4: E2M1 of v * 2**-e (e per 32 keys and channel) times 2**(e - c): OUT_SCALE
-    holds 2**(e - c), 0 for blocks flushed by the window, NaN for non-finite blocks."""
+    SCALE, which is max |v * SCALE|: rounding is monotonic).
+    MXFP4: E2M1 of v * 2**-e times 2**(e - c), with E and FINITE the block exponents and
+    finiteness per 32 keys and channel ((B*H, n_blocks, D), `_mx_block_stats_kernel`)
+    and c from the head's largest finite exponent EMAX (`reference.operands.v_window`):
+    blocks more than V_WINDOW below it are flushed to +0, non-finite blocks are NaN."""
     NB: tl.constexpr = BLOCK_S // 32
     bh = tl.program_id(1).to(tl.int64)
     blk = tl.program_id(0) * NB + tl.arange(0, NB)  # 32-key block index
     s = blk[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
     d = tl.arange(0, D)[None, None, :]
+    dd = tl.arange(0, D)
     ok = s < S
     v = tl.load(V + bh * S * D + s * D + d, mask=ok, other=0.0).to(tl.float32)
-    nblocks = tl.cdiv(S, 32)
     if MXFP4:
-        t_off = bh * nblocks * D + blk[:, None, None] * D + d  # tables are (B*H, n_blocks, D)
+        nblocks = tl.cdiv(S, 32)
+        t_off = bh * nblocks * D + blk[:, None, None] * D + d
         tmask = blk[:, None, None] < nblocks
-        inv = tl.load(INV + t_off, mask=tmask, other=1.0)
-        osc = tl.load(OUT_SCALE + t_off, mask=tmask, other=0.0)
-        y = v * inv
+        e = tl.load(E + t_off, mask=tmask, other=0)
+        finite = tl.load(FINITE + t_off, mask=tmask, other=1) != 0
+        e_max = tl.load(EMAX + bh)
+        c = tl.minimum(tl.maximum(e_max - V_TOP, -126), 126)
+        osc = _pow2(tl.minimum(tl.maximum(e - c, -149), 127))
+        osc = tl.where(finite & (e < e_max - V_WINDOW), 0.0, osc)
+        osc = tl.where(finite, osc, float("nan"))
+        y = v * _pow2(-tl.minimum(tl.maximum(e, -127), 127))
         mag = _e2m1_value(tl.abs(y))
         out = _with_sign_of(mag, y) * osc
         out = tl.where(osc == 0.0, 0.0, out)  # a flushed block is +0, as the reference's masked_fill
+        if tl.program_id(0) == 0:
+            tl.store(VS + bh * D + dd, tl.full([D], 0.0, tl.float32) + _pow2(c))
     else:
-        dd = tl.arange(0, D)
         amax = _abs_max_of(tl.load(LO + bh * D + dd), tl.load(HI + bh * D + dd))
         nonfinite = (amax != amax) | (amax == float("inf"))  # the channel holds a NaN or Inf
         if HAS_SCALE:
@@ -239,10 +268,12 @@ def _v_kernel(V, VT, INV, OUT_SCALE, SCALE, LO, HI, VS, S, D: tl.constexpr, BLOC
 
 
 @triton.jit
-def _mx_block_stats_kernel(V, AMAX, FINITE, S, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Per 32-key block and channel of V (S, D) of one head: the max |v| over its finite
-    entries and whether all of them are finite, as (n_blocks, D) tables. Reads V in its
-    own layout; the torch reductions it replaces ran over a transposed float32 copy."""
+def _mx_block_stats_kernel(V, E, FINITE, EMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Per 32-key block and channel of V (S, D) of one head: the shared MXFP4 exponent of
+    its finite entries (`formats.mx.mx_exponent`, floor rule) and whether all of them
+    are finite, as (n_blocks, D) tables, and into EMAX (B*H,) the head's largest
+    exponent of a finite block (an atomic max, so the order of programs cannot matter).
+    Reads V once in its own layout."""
     NB: tl.constexpr = BLOCK_S // 32
     bh = tl.program_id(1).to(tl.int64)
     blk = tl.program_id(0) * NB + tl.arange(0, NB)
@@ -252,12 +283,16 @@ def _mx_block_stats_kernel(V, AMAX, FINITE, S, D: tl.constexpr, BLOCK_S: tl.cons
     a = tl.abs(v)
     finite = a < float("inf")  # False for +-inf and NaN
     amax = tl.max(tl.where(finite, a, 0.0), axis=1)
-    all_finite = tl.min(finite.to(tl.int32), axis=1)
+    all_finite = tl.min(finite.to(tl.int32), axis=1) != 0
+    positive = amax > 0.0
+    e = tl.where(positive, _floor_log2(tl.where(positive, amax, 1.0)) - E2M1_EMAX, E8M0_EMIN)
+    e = tl.minimum(tl.maximum(e, E8M0_EMIN), E8M0_EMAX)
     nblocks = tl.cdiv(S, 32)
     off = bh * nblocks * D + blk[:, None] * D + tl.arange(0, D)[None, :]
     ok = blk[:, None] < nblocks
-    tl.store(AMAX + off, amax, mask=ok)
+    tl.store(E + off, e, mask=ok)
     tl.store(FINITE + off, all_finite.to(tl.int8), mask=ok)
+    tl.atomic_max(EMAX + bh, tl.max(tl.max(tl.where(all_finite & ok, e, E8M0_EMIN), axis=1), axis=0))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -325,30 +360,23 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -
     B, H, S, D = v.shape
     vc = v.contiguous()
     vt = torch.empty((B, H, D, S), device=v.device, dtype=torch.float8_e4m3fn)
-    if fmt == "fp8":
-        lo, hi = torch.aminmax(vc, dim=-2)  # the scales are computed from them in _v_kernel
-        vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
-        inv = out_scale = vs  # not read by the FP8 path
-    else:
-        lo = hi = vs = None
-        # per-block tables (B, H, n_blocks, D), 1/32 of V: the block maxima in one pass
-        n_blocks = triton.cdiv(S, MX_BLOCK)
-        amax = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.float32)
-        finite = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int8)
-        _mx_block_stats_kernel[(triton.cdiv(S, 64), B * H)](vc, amax, finite, S, D=D, BLOCK_S=64, num_warps=4)
-        finite = finite.bool()
-        e = mx_exponent(amax)
-        c, flushed = v_window(e, finite)
-        osc = pow2((e - c[..., None, None]).clamp(-149, 127)).masked_fill(flushed, 0.0)
-        out_scale = osc.masked_fill(~finite, float("nan"))
-        inv = pow2(-e.clamp(-127, 127))
-        vs = pow2(c)[..., None].expand(B, H, D).contiguous()
-        lo = hi = vs  # not read by the MXFP4 path
+    vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
+    none = vs  # pointer arguments the other format's path does not read
     block_s = 64
     grid = (triton.cdiv(S, block_s), B * H)
-    _v_kernel[grid](vc, vt, inv, out_scale, scale if scale is not None else inv, lo, hi, vs, S, D=D,
-                    BLOCK_S=block_s, MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, num_warps=4)
-    return vt, vs.float()
+    if fmt == "fp8":
+        lo, hi = torch.aminmax(vc, dim=-2)  # the scales are computed from them in _v_kernel
+        _v_kernel[grid](vc, vt, vs, scale if scale is not None else none, lo, hi, none, none, none, S, D=D,
+                        BLOCK_S=block_s, MXFP4=False, HAS_SCALE=scale is not None, num_warps=4)
+    else:
+        n_blocks = triton.cdiv(S, MX_BLOCK)
+        e = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int32)
+        finite = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int8)
+        e_max = torch.full((B * H,), constants.E8M0_EMIN, device=v.device, dtype=torch.int32)
+        _mx_block_stats_kernel[grid](vc, e, finite, e_max, S, D=D, BLOCK_S=block_s, num_warps=4)
+        _v_kernel[grid](vc, vt, vs, none, none, none, e, finite, e_max, S, D=D, BLOCK_S=block_s, MXFP4=True,
+                        HAS_SCALE=False, num_warps=4)
+    return vt, vs
 
 
 def quantize_fp8_tokens_of_vt(vt: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
