@@ -269,6 +269,19 @@ def test_forward_launch_override_is_checked(monkeypatch):
             forward_launch(128, True, False)
 
 
+def test_backward_dq_atomic_override_is_checked(monkeypatch):
+    pytest.importorskip("triton")
+    from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS, BACKWARD_ENV, backward_config
+
+    monkeypatch.delenv(BACKWARD_ENV, raising=False)
+    assert backward_config(128) == BACKWARD_CONFIGS[128] and not backward_config(64).dq_atomic
+    monkeypatch.setenv(BACKWARD_ENV, "1")
+    assert backward_config(64).dq_atomic and backward_config(64).block_n_dkdv == 64
+    monkeypatch.setenv(BACKWARD_ENV, "yes")
+    with pytest.raises(ValueError, match=BACKWARD_ENV):
+        backward_config(128)
+
+
 def test_quantize_v_t_rejects_a_scale_for_mxfp4():
     pytest.importorskip("triton")
     from fp4attn.kernels.hopper.quantize import quantize_v_t

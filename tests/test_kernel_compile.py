@@ -37,6 +37,20 @@ def test_backward_kernel_structure(part, causal):
     assert r.count(r"QGMMA") > 0, "dV, dP, dK / dQ must run on the FP8 tensor cores"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_dq_atomic_variant_adds_dq_with_atomics(head_dim):
+    """The dq_atomic dkdv kernel builds for sm_90 with its extra dQ product on the FP8
+    tensor cores and float32 reductions into global memory; the default has none."""
+    import dataclasses
+
+    from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
+
+    cfg = dataclasses.replace(BACKWARD_CONFIGS[head_dim], dq_atomic=True, block_n_dkdv=64)
+    atomic, plain = inspect_backward("dkdv", 0, True, head_dim, cfg), inspect_backward("dkdv", 0, True, head_dim)
+    assert atomic.count(r"REDG\.E\.ADD\.F32") > 0 and plain.count(r"REDG") == 0
+    assert atomic.count("QGMMA") > plain.count("QGMMA")
+
+
 def test_key_bias_forward_compiles_and_adds_one_load_per_key():
     """The key-mask path compiles for sm_90 with the products still on the tensor cores."""
     plain, masked = inspect_forward(False, 0, False, 128), inspect_forward(False, 0, False, 128, key_bias=True)

@@ -103,9 +103,9 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
     fp8 = ("DO_T", "DO_C", "V_T", "Q_C", "K_C")
     if part == "dkdv":
         fn, ptrs = attn_bwd_dkdv_kernel, ("Q", "K", "QS", "KS", "LSE2", "DELTA", "DO_T", "DO_TS", "DO_C", "DO_CS",
-                                          "V_T", "V_TS", "Q_C", "Q_CS", "DK", "DV")
+                                          "V_T", "V_TS", "Q_C", "Q_CS", "DK", "DV", "K_C", "K_CS", "DQ")
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
-                      HW_CVT=cfg.hw_cvt)
+                      HW_CVT=cfg.hw_cvt, DQ_ATOMIC=cfg.dq_atomic)
         num_warps, num_stages = cfg.warps_dkdv, cfg.stages_dkdv
     else:
         fn, ptrs = attn_bwd_dq_kernel, ("Q", "K", "QS", "KS", "LSE2", "DELTA", "DO_T", "DO_TS", "V_T", "V_TS",

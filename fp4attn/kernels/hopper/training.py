@@ -13,6 +13,8 @@ rebuilds P from these.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +49,26 @@ class BackwardConfig:
     stages_dkdv: int = 2
     stages_dq: int = 2
     hw_cvt: bool = True  # e4m3 rounding by cvt.rn.satfinite (False: float32 bit arithmetic)
+    # dQ added by the dkdv programs with float32 atomics instead of the dq kernel (needs
+    # block_n_dkdv = 64; the deterministic two-kernel path runs when
+    # torch.are_deterministic_algorithms_enabled())
+    dq_atomic: bool = False
 
 
 # per head dim, the fastest of `scripts/bench_backward_variants.py` on the H200 (causal
 # (4,16,4096,128) and (8,16,4096,64); docs/notes/hopper-train.md)
 BACKWARD_CONFIGS = {64: BackwardConfig(), 128: BackwardConfig(block_n_dkdv=64)}
+BACKWARD_ENV = "FP4ATTN_BACKWARD_DQ_ATOMIC"  # "1": the dq_atomic variant at 64 keys per dkdv program (tuning)
+
+
+def backward_config(head_dim: int) -> BackwardConfig:
+    """The backward's launch shape at this head dim; FP4ATTN_BACKWARD_DQ_ATOMIC=1 selects
+    the dq_atomic variant (for measuring it; 0 or unset: the default)."""
+    cfg = BACKWARD_CONFIGS[head_dim]
+    flag = os.environ.get(BACKWARD_ENV, "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{BACKWARD_ENV}={flag!r}: expected 0 or 1")
+    return dataclasses.replace(cfg, dq_atomic=True, block_n_dkdv=64) if flag == "1" else cfg
 
 
 def training_unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
@@ -132,16 +149,19 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
     # rows that see no key: +inf makes their P 0 in the kernels without a test per element
     lse2 = torch.where(lse > -torch.inf, lse * LOG2E, torch.inf).contiguous()
     qv, kv, qs, ks = qv.contiguous(), kv.contiguous(), qs.contiguous(), ks.contiguous()
-    dq = torch.empty((B, H, Sq, D), device=qv.device, dtype=torch.float32)
+    cfg = backward_config(D)
+    atomic = cfg.dq_atomic and not torch.are_deterministic_algorithms_enabled()
+    dq = (torch.zeros if atomic else torch.empty)((B, H, Sq, D), device=qv.device, dtype=torch.float32)
     dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=torch.float32)
     dv = torch.empty_like(dk)
     off = causal_offset if causal else 0
-    cfg = BACKWARD_CONFIGS[D]
     attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
-        qv, kv, qs, ks, lse2, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
+        qv, kv, qs, ks, lse2, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv, k_c, k_cs, dq,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=P_MODES[(p, p_build)], CAUSAL=causal,
-        HW_CVT=cfg.hw_cvt, num_warps=cfg.warps_dkdv, num_stages=cfg.stages_dkdv)
+        HW_CVT=cfg.hw_cvt, DQ_ATOMIC=atomic, num_warps=cfg.warps_dkdv, num_stages=cfg.stages_dkdv)
+    if atomic:
+        return dq, dk, dv
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
         qv, kv, qs, ks, lse2, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
