@@ -1,6 +1,7 @@
 """Backward launch variants for docs/notes/hopper-train.md, one run: the backward op
-alone under each `BackwardConfig`, next to the forward and to SDPA cuDNN bf16's
-forward+backward, causal. Prints a Markdown table.
+alone under each `BackwardConfig` (the defaults, then the dq_atomic variant in a few
+launch shapes), next to the forward and to SDPA cuDNN bf16's forward+backward, causal.
+Prints a Markdown table.
 
     python scripts/bench_backward_variants.py [--defaults-only]
 """
@@ -16,13 +17,14 @@ from fp4attn.kernels.hopper.training import BackwardConfig
 from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
+# the defaults first, then dQ added by the dkdv programs with atomics (no dq kernel); the
+# variants measured before are at commit 54392bf (benchmarks/results/h200-backward-variants.txt)
 VARIANTS = {
-    64: [BackwardConfig(block_n_dkdv=64), BackwardConfig(block_n_dkdv=64, hw_cvt=False), BackwardConfig(),
-         BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1), BackwardConfig(block_n_dkdv=64, block_m_dq=64)],
-    128: [BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1),
-          BackwardConfig(block_n_dkdv=64, stages_dkdv=1, stages_dq=1, hw_cvt=False),
-          BackwardConfig(block_n_dkdv=64, stages_dkdv=2, stages_dq=2), BackwardConfig(stages_dkdv=1, stages_dq=1),
-          BackwardConfig(block_n_dkdv=64, stages_dkdv=1, block_m_dq=64, stages_dq=1)],
+    64: [BackwardConfig(), BackwardConfig(block_n_dkdv=64, dq_atomic=True),
+         BackwardConfig(block_n_dkdv=64, dq_atomic=True, warps_dkdv=4),
+         BackwardConfig(block_n_dkdv=64, dq_atomic=True, stages_dkdv=1)],
+    128: [BackwardConfig(block_n_dkdv=64), BackwardConfig(block_n_dkdv=64, dq_atomic=True),
+          BackwardConfig(block_n_dkdv=64, dq_atomic=True, stages_dkdv=1)],
 }
 print("| B,H,S,D | config | bwd ms | fwd ms | cuDNN fwd+bwd ms | ours fwd+bwd / cuDNN |")
 print("|---|---|---|---|---|---|")

@@ -9,6 +9,7 @@
 #   PART=gluon     the Gluon forward's schedules against the Triton kernel, timed (the GPU
 #                  tests check their outputs)
 #   PART=train     `fp4attn bench --backward --model-step`
+#   PART=bwdvariants  the backward's launch variants (dQ by atomics among them), timed
 #   PART=profile   device time of every quantizer kernel against the host-seen time
 #   PART=minilm    MiniLM through the kernels, padded and unpadded (MINILM_PATH: a saved
 #                  fp16 copy of the model)
@@ -36,6 +37,9 @@ if run gluon; then
 fi
 if run train; then
   python3 -m fp4attn.cli.main bench --backward --model-step --json "$OUT/h200-train.json" 2>&1 | grep -E "^\|"
+fi
+if run bwdvariants; then
+  python3 scripts/bench_backward_variants.py 2>&1 | grep -v Warn | tee "$OUT/backward-variants.txt" | grep -E "^\|"
 fi
 if run profile; then
   python3 scripts/profile_quantizers.py 2>&1 | grep -E "^\||^\(B" | tee "$OUT/quantizers-profile.txt"
