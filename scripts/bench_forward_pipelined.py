@@ -18,22 +18,17 @@ import argparse
 import torch
 import triton
 
-from fp4attn.cli.bench import CAUSAL_MODES, _sdpa, visible_pairs
+from fp4attn.cli.bench import kernel_script_args, timing_cases
 from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
 from fp4attn.kernels.hopper.ops import P_MODES, launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import PRESETS
 
-sdpa_cudnn = _sdpa("sdpa-cudnn")
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
-ap = argparse.ArgumentParser()
-ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,directp")
-ap.add_argument("--shapes", default="8,16,4096,128/4,32,4096,128/16,16,2048,64")
-ap.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
-ap.add_argument("--no-check", action="store_true", help="skip the output comparison on awkward shapes")
-args = ap.parse_args()
-RECIPES = args.recipes.split(",")
-CAUSAL = CAUSAL_MODES[args.causal]
+args = kernel_script_args(argparse.ArgumentParser(), shapes="8,16,4096,128/4,32,4096,128/16,16,2048,64",
+                          recipes="fp8,nvfp4-fp8,fp8-directp,directp",
+                          no_check_help="skip the output comparison on awkward shapes")
+RECIPES, CAUSAL = args.recipes, args.causal
 
 
 def run_both(q, k, v, r, causal_offset, schedule=0):
@@ -69,25 +64,21 @@ for B, H, Hkv, Sq, Sk, D in () if args.no_check else CHECK_SHAPES:
 
 print("\n| B,H,S,D | causal | recipe | cuDNN bf16 | Triton | Gluon 0 | Gluon 1 | Gluon 1, bf16 QK (cos) |")
 print("|---|---|---|---|---|---|---|---|")
-for B, H, S, D in (tuple(map(int, s.split(","))) for s in args.shapes.split("/")):
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    for causal in CAUSAL:
-        flops = 4 * B * H * D * visible_pairs(S, S, causal)
-        base = bench(lambda: sdpa_cudnn(q, k, v, causal))
-        for name in RECIPES:
-            ops, kw, _, _ = run_both(q, k, v, PRESETS[name], 0 if causal else None)
-            cells = []
-            for f in (lambda: launch_forward(ops, **kw, pv_promote=False), lambda: launch_forward_pipelined(ops, **kw),
-                      lambda: launch_forward_pipelined(ops, **kw, schedule=1)):
-                t = bench(f)
-                cells.append(f"{flops / t * 1e-9:.0f} ({base / t:.2f}x)")
-            if ops.q.dtype == torch.float8_e4m3fn:
-                ops16 = ops.with_bf16_qk()
-                t = bench(lambda: launch_forward_pipelined(ops16, **kw, schedule=1))
-                cos = torch.nn.functional.cosine_similarity(
-                    launch_forward_pipelined(ops16, **kw, schedule=1)[0].float().flatten(),
-                    launch_forward(ops, **kw, pv_promote=False)[0].float().flatten(), dim=0).item()
-                cells.append(f"{flops / t * 1e-9:.0f} ({base / t:.2f}x; {cos:.6f})")
-            else:
-                cells.append("")
-            print(f"| {B},{H},{S},{D} | {causal} | {name} | {flops / base * 1e-9:.0f} | " + " | ".join(cells) + " |")
+for (B, H, S, D), causal, (q, k, v), flops, base in timing_cases(args.shapes, CAUSAL, bench):
+    for name in RECIPES:
+        ops, kw, _, _ = run_both(q, k, v, PRESETS[name], 0 if causal else None)
+        cells = []
+        for f in (lambda: launch_forward(ops, **kw, pv_promote=False), lambda: launch_forward_pipelined(ops, **kw),
+                  lambda: launch_forward_pipelined(ops, **kw, schedule=1)):
+            t = bench(f)
+            cells.append(f"{flops / t * 1e-9:.0f} ({base / t:.2f}x)")
+        if ops.q.dtype == torch.float8_e4m3fn:
+            ops16 = ops.with_bf16_qk()
+            t = bench(lambda: launch_forward_pipelined(ops16, **kw, schedule=1))
+            cos = torch.nn.functional.cosine_similarity(
+                launch_forward_pipelined(ops16, **kw, schedule=1)[0].float().flatten(),
+                launch_forward(ops, **kw, pv_promote=False)[0].float().flatten(), dim=0).item()
+            cells.append(f"{flops / t * 1e-9:.0f} ({base / t:.2f}x; {cos:.6f})")
+        else:
+            cells.append("")
+        print(f"| {B},{H},{S},{D} | {causal} | {name} | {flops / base * 1e-9:.0f} | " + " | ".join(cells) + " |")

@@ -28,7 +28,7 @@ import sys
 import torch
 import triton
 
-from fp4attn.cli.bench import CAUSAL_MODES, _sdpa, visible_pairs
+from fp4attn.cli.bench import kernel_script_args, timing_cases
 from fp4attn.formats import encode_fp8
 from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
@@ -38,15 +38,9 @@ from fp4attn.reference.encoding import P_OFFSET_LOG2
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--variants", default="default/default+nopv/64,4,3,1,1/64,4,3,0")
-ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,directp")
-ap.add_argument("--shapes", default="8,16,4096,128/2,16,16384,128")
-ap.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
-ap.add_argument("--no-check", action="store_true", help="timings only")
-args = ap.parse_args()
+args = kernel_script_args(ap, shapes="8,16,4096,128/2,16,16384,128", recipes="fp8,nvfp4-fp8,fp8-directp,directp")
 VARIANTS = args.variants.split("/")
-RECIPES = args.recipes.split(",")
-CAUSAL = CAUSAL_MODES[args.causal]
-sdpa_cudnn = _sdpa("sdpa-cudnn")
+RECIPES, CAUSAL = args.recipes, args.causal
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
 
 
@@ -121,23 +115,19 @@ def check():
 def timings():
     print("\n| B,H,S,D | causal | recipe | cuDNN bf16 | " + " | ".join(VARIANTS) + " |")
     print("|---|---|---|---|" + "---|" * len(VARIANTS))
-    for B, H, S, D in (tuple(map(int, s.split(","))) for s in args.shapes.split("/")):
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for causal in CAUSAL:
-            flops = 4 * B * H * D * visible_pairs(S, S, causal)
-            base = bench(lambda: sdpa_cudnn(q, k, v, causal))
-            for name in RECIPES:
-                r = PRESETS[name]
-                ops = prepare_operands_fused(q, k, v, r)
-                cells = []
-                for var in VARIANTS:
-                    if not applies(var, r):
-                        cells.append("-")
-                        continue
-                    ms = bench(lambda: run(var, ops, r, causal))
-                    cells.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
-                print(f"| {B},{H},{S},{D} | {causal} | {name} | {flops / base * 1e-9:.0f} | " + " | ".join(cells)
-                      + " |", flush=True)
+    for (B, H, S, D), causal, (q, k, v), flops, base in timing_cases(args.shapes, CAUSAL, bench):
+        for name in RECIPES:
+            r = PRESETS[name]
+            ops = prepare_operands_fused(q, k, v, r)
+            cells = []
+            for var in VARIANTS:
+                if not applies(var, r):
+                    cells.append("-")
+                    continue
+                ms = bench(lambda: run(var, ops, r, causal))
+                cells.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
+            print(f"| {B},{H},{S},{D} | {causal} | {name} | {flops / base * 1e-9:.0f} | " + " | ".join(cells)
+                  + " |", flush=True)
 
 
 if __name__ == "__main__":

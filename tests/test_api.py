@@ -305,3 +305,16 @@ def test_gpu_test_timeout_names_what_it_accepts():
     assert gpu_test_timeout("2.5") == 2.5
     with pytest.raises(ValueError, match="FP4ATTN_GPU_TEST_TIMEOUT='5m'.*seconds as a number"):
         gpu_test_timeout("5m")
+
+
+def test_kernel_script_args_parse_shapes_recipes_and_causal_modes():
+    import argparse
+
+    from fp4attn.cli.bench import kernel_script_args
+
+    args = kernel_script_args(argparse.ArgumentParser(), shapes="8,16,4096,128/16,16,2048,64",
+                              argv=["--recipes", "fp8,directp", "--causal", "yes"])
+    assert args.shapes == [(8, 16, 4096, 128), (16, 16, 2048, 64)] and args.recipes == ["fp8", "directp"]
+    assert args.causal == (True,) and not args.no_check
+    with pytest.raises(SystemExit):
+        kernel_script_args(argparse.ArgumentParser(), shapes="1,1,1,64", argv=["--causal", "maybe"])

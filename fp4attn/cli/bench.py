@@ -27,6 +27,33 @@ RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8"]
 CAUSAL_MODES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
 
 
+def kernel_script_args(ap, *, shapes: str, recipes: str = ",".join(RECIPES), no_check_help: str = "timings only",
+                       argv: list[str] | None = None):
+    """The options the kernel variant scripts share (`scripts/bench_forward_*.py`): parsed
+    args with `recipes` (list), `shapes` (list of (B, H, S, D)), `causal` (tuple of bools)
+    and `no_check`."""
+    ap.add_argument("--recipes", default=recipes)
+    ap.add_argument("--shapes", default=shapes, help="B,H,S,D shapes separated by /")
+    ap.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
+    ap.add_argument("--no-check", action="store_true", help=no_check_help)
+    args = ap.parse_args(argv)
+    args.recipes = args.recipes.split(",")
+    args.shapes = [tuple(map(int, x.split(","))) for x in args.shapes.split("/")]
+    args.causal = CAUSAL_MODES[args.causal]
+    return args
+
+
+def timing_cases(shapes, causal_modes, bench):
+    """For each shape and causal mode of a kernel script: ((B, H, S, D), causal, (q, k, v)
+    fresh bf16 inputs, exact FLOPs, SDPA cuDNN bf16's ms timed by `bench`)."""
+    sdpa_cudnn = _sdpa("sdpa-cudnn")
+    for B, H, S, D in shapes:
+        qkv = tuple(torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for causal in causal_modes:
+            yield ((B, H, S, D), causal, qkv, 4 * B * H * D * visible_pairs(S, S, causal),
+                   bench(lambda: sdpa_cudnn(*qkv, causal)))
+
+
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
     if not causal:
         return sq * sk
