@@ -20,6 +20,10 @@ from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_ke
 from fp4attn.kernels.hopper.forward import attn_fwd_kernel
 
 _POINTERS = ("Q", "K", "QS", "KS", "VT", "VS", "O", "LSE", "P_DBG", "KB")
+# the JIT specializes an integer argument that is a multiple of 16 as such, which lets
+# the compiler vectorize loads along it; the bench shapes (S = 2048 ... 32768, H = 12 ...
+# 32) give the lengths that property, so the builds here assume it (`lengths_div16`)
+_LENGTHS = ("Sq", "Sk")
 _INTS = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
          "stride_vd", "stride_ob", "stride_oh", "stride_om", "stride_pb", "stride_ph", "stride_pm",
          "H", "GROUP", "Sq", "Sk", "causal_offset")
@@ -48,9 +52,10 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
                     block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, rowsum_mma=None,
-                    qk_promote=32, pv_promote=True):
+                    qk_promote=32, pv_promote=True, lengths_div16=True):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
-    at this head dim unless given."""
+    at this head dim unless given; sequence lengths specialized as multiples of 16 (as
+    the JIT compiles it for such lengths) unless `lengths_div16` is False."""
     from fp4attn.kernels.hopper.ops import forward_launch
 
     launch = forward_launch(head_dim, qk_fp8, causal)
@@ -65,7 +70,7 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
                   CAUSAL=causal, WRITE_P=0, QK_PROMOTE=qk_promote, KEY_BIAS=key_bias,
                   P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt,
                   ROWSUM_MMA=launch.rowsum_mma if rowsum_mma is None else rowsum_mma, PV_PROMOTE=pv_promote)
-    aligned = [n for n in sig if n in _POINTERS or n.startswith("stride")]
+    aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or (lengths_div16 and n in _LENGTHS)]
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 
 
@@ -92,9 +97,10 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
 
 
-def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config=None):
+def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config=None, lengths_div16=True):
     """The compiled backward kernel `part` ("dkdv" or "dq") with `config` (a
-    `training.BackwardConfig`; default: the one `training` launches at this head dim)."""
+    `training.BackwardConfig`; default: the one `training` launches at this head dim),
+    sequence lengths specialized as multiples of 16 unless `lengths_div16` is False."""
     from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
     from fp4attn.reference.backward import DS_BLOCK
 
@@ -115,7 +121,8 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
     sig = {n: "*fp8e4nv" if n in fp8 else "*bf16" if n in ("Q", "K") else "*fp32" for n in ptrs}
     sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")})
     sig.update(qk_scale="fp32", sm_scale="fp32")
-    return _compile_sm90(fn, sig, consts, list(ptrs), num_warps, num_stages)
+    return _compile_sm90(fn, sig, consts, list(ptrs) + (list(_LENGTHS) if lengths_div16 else []), num_warps,
+                         num_stages)
 
 
 def _cuobjdump(kernel, flag: str) -> str:
