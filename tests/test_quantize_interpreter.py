@@ -38,6 +38,10 @@ SCRIPT = textwrap.dedent('''
         got = prepare_operands_fused(q, k, v, PRESETS[recipe])
         for name in ("q", "k", "qs", "ks", "vt", "vs"):
             same(getattr(want, name), getattr(got, name), f"{recipe} {name}")
+        # V^T's rows padded with zero keys to the key tile (70 keys -> 128), read unmasked
+        assert got.vt_keys_padded and got.vt.stride(2) == 128 and got.vt.shape[-1] == 70
+        rows = got.vt.as_strided((2, 3, 64, 128), got.vt.stride())
+        assert not rows[..., 70:].float().any() and torch.equal(rows[..., :70].float(), got.vt.float())
     # non-finite V: the rest of the head keeps its MXFP4 window and values (the NaN bytes
     # of the non-finite blocks are the GPU test's: the interpreter's e4m3 cast of NaN is
     # not NaN)

@@ -16,6 +16,8 @@ Recipes map to constexpr flags:
     PV_PROMOTE each tile's PV is added into O in float32 (off, a diagnostic: O accumulates on
              the fp8 tensor cores, whose sums keep fewer mantissa bits than float32, and
              the output drifts from the reference as rows get longer)
+    VT_PADDED V^T's rows hold zero keys up to a whole tile (`KernelOperands.vt_keys_padded`),
+             so the tail tile loads it without a mask
 
 Tiles that need no mask (fully visible, inside Sk) run in a first loop without any
 masking arithmetic; the diagonal and tail tiles run in a second, masked loop.
@@ -32,8 +34,8 @@ from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p,
 def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
           stride_kn, stride_vn, QK_FP8: tl.constexpr, P_MODE: tl.constexpr, MASK: tl.constexpr,
           CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr, KEY_BIAS: tl.constexpr, P_HW_CVT: tl.constexpr,
-          ROWSUM_MMA: tl.constexpr, PV_PROMOTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          HEAD_DIM: tl.constexpr,
+          ROWSUM_MMA: tl.constexpr, PV_PROMOTE: tl.constexpr, VT_PADDED: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
           WRITE_P: tl.constexpr, p_ptr, stride_pm):
     cols = start_n + offs_n
     offs_d = tl.arange(0, HEAD_DIM)
@@ -72,9 +74,9 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
             dbg = p if WRITE_P == 1 else t
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], dbg, mask=(cols < Sk)[None, :])
     # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
-    if MASK:
+    if MASK and not VT_PADDED:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :], mask=(cols < Sk)[None, :], other=0.0)
-    else:
+    else:  # V^T rows padded with zero keys to whole tiles: no mask, 16-byte loads
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :])
     p8 = p.to(tl.float8e4nv)
     # PV_PROMOTE: each tile's PV into a fresh accumulator, added to O in float32. Chained
@@ -102,7 +104,7 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
     QK_PROMOTE: tl.constexpr = 32, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
-    ROWSUM_MMA: tl.constexpr = False, PV_PROMOTE: tl.constexpr = True,
+    ROWSUM_MMA: tl.constexpr = False, PV_PROMOTE: tl.constexpr = True, VT_PADDED: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
     start_m = tl.program_id(0)
@@ -141,13 +143,13 @@ def attn_fwd_kernel(
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr,
-                              stride_pm)
+                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM,
+                              WRITE_P, p_ptr, stride_pm)
     for start_n in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr,
-                              stride_pm)
+                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM,
+                              WRITE_P, p_ptr, stride_pm)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)

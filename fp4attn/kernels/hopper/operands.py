@@ -3,7 +3,8 @@ quantizers (so the codes and scales are the reference's by construction).
 
     q, k    (B, H, S, D) e4m3 (fp8 recipes) or bf16 NVFP4 grid values
     qs, ks  (B, H, S) float32: per-token scale (FP8) or the tensor scale (NVFP4)
-    vt      (B, Hkv, D, S) e4m3, V transposed so the PV product is K-major
+    vt      (B, Hkv, D, S) e4m3, V transposed so the PV product is K-major (the fused
+            quantizers' is a view of rows padded to the key tile: `vt_keys_padded`)
     vs      (B, Hkv, D) float32: per-channel scale (FP8) or 2**c (MXFP4, per head)
 """
 
@@ -28,6 +29,9 @@ class KernelOperands:
     ks: torch.Tensor
     vt: torch.Tensor
     vs: torch.Tensor
+    # vt is a (B, H, D, S) view of rows padded with zero keys to a multiple of the
+    # forward's key tile (`quantize_v_t(pad_keys_to=...)`): the kernel reads them unmasked
+    vt_keys_padded: bool = False
 
     def with_bf16_qk(self) -> KernelOperands:
         """The same operands with e4m3 Q/K given as bf16 (exact): the forward kernel then

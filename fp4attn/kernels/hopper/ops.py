@@ -127,6 +127,9 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     qk_fp8 = q.dtype == torch.float8_e4m3fn
+    if ops.vt_keys_padded and ops.vt.stride(2) % BLOCK_N:
+        raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
+                         f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
     sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
     dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
@@ -143,7 +146,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
-        ROWSUM_MMA=cfg.rowsum_mma, PV_PROMOTE=pv_promote,
+        ROWSUM_MMA=cfg.rowsum_mma, PV_PROMOTE=pv_promote, VT_PADDED=ops.vt_keys_padded,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )

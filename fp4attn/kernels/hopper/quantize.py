@@ -25,6 +25,7 @@ from fp4attn.kernels.hopper.operands import KernelOperands
 from fp4attn.recipes import Recipe
 from fp4attn.reference import encoding
 
+VT_KEY_PAD = 128  # the forward's key tile (ops.BLOCK_N): prepare_operands_fused pads V^T's rows to it
 FP32_MAX = tl.constexpr(constants.FP32_MAX)
 E2M1_EMAX = tl.constexpr(constants.E2M1_EMAX)
 E8M0_EMIN = tl.constexpr(constants.E8M0_EMIN)
@@ -216,10 +217,10 @@ def _pow2(e):
 
 
 @triton.jit
-def _v_kernel(V, VT, VS, SCALE, LO, HI, E, FINITE, EMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr,
+def _v_kernel(V, VT, VS, SCALE, LO, HI, E, FINITE, EMAX, S, S_ROW, D: tl.constexpr, BLOCK_S: tl.constexpr,
               MXFP4: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """V (S, D) of one head -> e4m3 V^T (D, S) and the per-channel scales VS (B*H, D),
-    written by the first program of each head.
+    """V (S, D) of one head -> e4m3 V^T (D, S) in rows of S_ROW >= S keys and the
+    per-channel scales VS (B*H, D), written by the first program of each head.
 
     FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE; the
     per-channel scales from each channel's minimum and maximum over the sequence (LO,
@@ -264,7 +265,7 @@ def _v_kernel(V, VT, VS, SCALE, LO, HI, E, FINITE, EMAX, S, D: tl.constexpr, BLO
         if tl.program_id(0) == 0:
             tl.store(VS + bh * D + dd, tl.where(nonfinite, float("nan"), scale))
         out = _e4m3_signed(v * inv[None, None, :])
-    tl.store(VT + bh * D * S + d * S + s, out.to(tl.float8e4nv), mask=ok)
+    tl.store(VT + bh * D * S_ROW + d * S_ROW + s, out.to(tl.float8e4nv), mask=ok)
 
 
 @triton.jit
@@ -349,24 +350,32 @@ def decode_nvfp4_rows(codes: torch.Tensor, bscale: torch.Tensor) -> torch.Tensor
     return y.view(*codes.shape[:-1], D)
 
 
-def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None,
+                 pad_keys_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """V (B, H, S, D) as e4m3 V^T (B, H, D, S) and its per-channel scale (B, H, D): FP8 per
     channel, or MXFP4 inside its e4m3 window (`reference.operands.quantize_v`).
 
     `scale` (FP8 only): a float32 scalar tensor; quantize v * scale (rounded in float32,
-    as the reference's dequantized NVFP4 values) without materializing the product."""
+    as the reference's dequantized NVFP4 values) without materializing the product.
+    `pad_keys_to`: V^T's rows are allocated with a multiple of this many keys, zero past
+    S, and V^T is returned as the (B, H, D, S) view of them: a kernel can then read
+    whole key tiles without a mask, and rows start 16-byte aligned whatever S is (an
+    unaligned row stride made the forward load V^T a byte at a time)."""
     if scale is not None and fmt != "fp8":
         raise ValueError(f"quantize_v_t: `scale` is for fmt='fp8' only, got fmt={fmt!r}")
     B, H, S, D = v.shape
     vc = v.contiguous()
-    vt = torch.empty((B, H, D, S), device=v.device, dtype=torch.float8_e4m3fn)
+    s_row = triton.cdiv(S, pad_keys_to) * pad_keys_to
+    vt = torch.empty((B, H, D, s_row), device=v.device, dtype=torch.float8_e4m3fn)
+    if s_row > S:
+        vt[..., S:].zero_()
     vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
     none = vs  # pointer arguments the other format's path does not read
     block_s = 64
     grid = (triton.cdiv(S, block_s), B * H)
     if fmt == "fp8":
         lo, hi = torch.aminmax(vc, dim=-2)  # the scales are computed from them in _v_kernel
-        _v_kernel[grid](vc, vt, vs, scale if scale is not None else none, lo, hi, none, none, none, S, D=D,
+        _v_kernel[grid](vc, vt, vs, scale if scale is not None else none, lo, hi, none, none, none, S, s_row, D=D,
                         BLOCK_S=block_s, MXFP4=False, HAS_SCALE=scale is not None, num_warps=4)
     else:
         n_blocks = triton.cdiv(S, MX_BLOCK)
@@ -374,9 +383,9 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None) -
         finite = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int8)
         e_max = torch.full((B * H,), constants.E8M0_EMIN, device=v.device, dtype=torch.int32)
         _mx_block_stats_kernel[grid](vc, e, finite, e_max, S, D=D, BLOCK_S=block_s, num_warps=4)
-        _v_kernel[grid](vc, vt, vs, none, none, none, e, finite, e_max, S, D=D, BLOCK_S=block_s, MXFP4=True,
-                        HAS_SCALE=False, num_warps=4)
-    return vt, vs
+        _v_kernel[grid](vc, vt, vs, none, none, none, e, finite, e_max, S, s_row, D=D, BLOCK_S=block_s,
+                        MXFP4=True, HAS_SCALE=False, num_warps=4)
+    return vt[..., :S], vs
 
 
 def quantize_fp8_tokens_of_vt(vt: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,5 +405,5 @@ def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, re
     qk = quantize_qk_fp8 if recipe.qk == "fp8" else quantize_qk_nvfp4
     qv, qs = qk(q)
     kv, ks = qk(k)
-    vt, vs = quantize_v_t(v, recipe.v)
-    return KernelOperands(qv, kv, qs, ks, vt, vs)
+    vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=VT_KEY_PAD)
+    return KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
