@@ -385,7 +385,7 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None,
         _mx_block_stats_kernel[grid](vc, e, finite, e_max, S, D=D, BLOCK_S=block_s, num_warps=4)
         _v_kernel[grid](vc, vt, vs, none, none, none, e, finite, e_max, S, s_row, D=D, BLOCK_S=block_s,
                         MXFP4=True, HAS_SCALE=False, num_warps=4)
-    return vt[..., :S], vs
+    return (vt[..., :S] if s_row > S else vt), vs
 
 
 def quantize_fp8_tokens_of_vt(vt: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
