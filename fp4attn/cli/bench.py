@@ -97,7 +97,7 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
     """Time every implementation on every (shape, causal); `partial` gets the records
     written after each shape, so a cut-short run keeps what it measured."""
     from fp4attn.kernels.hopper.ops import P_MODES, hopper_attention, launch_forward
-    from fp4attn.kernels.hopper.operands import prepare_operands
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
 
     records, notes = [], []
@@ -118,7 +118,7 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
         for name in list(recipes) + list(variants or {}):
             recipe = (variants or {}).get(name) or get_recipe(name)
             cos = check_recipe(recipe, q, k, v, causal)
-            ops = prepare_operands(q, k, v, recipe)
+            ops = prepare_operands_fused(q, k, v, recipe)  # the operands `hopper_attention` runs on
             mode = P_MODES[(recipe.p, recipe.p_build)]
             scale = D**-0.5
             offset = 0 if causal else None
