@@ -1,5 +1,8 @@
-"""Compile every Hopper forward variant for sm_90 (no GPU needed) and print registers,
-stack and the key SASS instructions (QGMMA/HGMMA, MUFU.EX2).
+"""Compile every Hopper forward variant for sm_90 (no GPU needed) at its default launch
+and print registers, stack, the key SASS instructions (QGMMA/HGMMA, MUFU.EX2) and the
+instructions per score element of the unmasked tile loop, with the largest opcodes
+(docs/notes/hopper-forward.md, "Instruction budget"). Sequence lengths are specialized
+as multiples of 16, as the JIT compiles them at the bench shapes.
 
     python scripts/compile_check.py [--sass-dir DIR]
 """
@@ -7,22 +10,28 @@ stack and the key SASS instructions (QGMMA/HGMMA, MUFU.EX2).
 import argparse
 from pathlib import Path
 
-from fp4attn.kernels.hopper.machine_code import inspect_forward
+from fp4attn.kernels.hopper.machine_code import inspect_forward, per_element
+from fp4attn.kernels.hopper.ops import BLOCK_N, forward_launch
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass-dir", type=Path)
     args = ap.parse_args()
-    print("| qk | P mode | causal | D | regs | stack | QGMMA | HGMMA | MUFU.EX2 | SASS lines |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| qk | P mode | causal | D | regs | stack | QGMMA | HGMMA | MUFU.EX2 | SASS lines | loop instr/elem "
+          "| largest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for qk_fp8 in (True, False):
         for p_mode in (0, 1, 2):
             for causal in (False, True):
                 for d in (64, 128):
                     r = inspect_forward(qk_fp8, p_mode, causal, d)
+                    launch = forward_launch(d, qk_fp8, causal)
+                    n, ops = per_element(r.loops()[0], launch.block_m * BLOCK_N // (launch.warps * 32))
+                    top = ", ".join(f"{k} {v:.1f}" for k, v in ops[:4])
                     print(f"| {'fp8' if qk_fp8 else 'bf16'} | {p_mode} | {causal} | {d} | {r.registers} | {r.stack} "
-                          f"| {r.count('QGMMA')} | {r.count('HGMMA')} | {r.count('MUFU.EX2')} | {r.sass.count(chr(10))} |")
+                          f"| {r.count('QGMMA')} | {r.count('HGMMA')} | {r.count('MUFU.EX2')} | {r.sass.count(chr(10))} "
+                          f"| {n:.1f} | {top} |")
                     if args.sass_dir:
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
                         name = f"fwd_qk{int(qk_fp8)}_p{p_mode}_c{int(causal)}_d{d}.sass"

@@ -22,6 +22,19 @@ def test_fp8_qk_kernel_structure(p_mode, max_ex2):
         assert ex2 <= max_ex2  # only the per-row rescale and epilogue exps remain
 
 
+def test_tile_loop_instruction_profile():
+    """The unmasked tile loop, per score element: one exp2 for FP8 P, none for Direct-P
+    (its exps are per block and per row, outside the element work), and a total in the
+    range the instruction budget of docs/notes/hopper-forward.md was measured at."""
+    from fp4attn.kernels.hopper.machine_code import per_element
+
+    for p_mode, lo, hi in ((0, 10, 25), (1, 20, 40)):
+        n, ops = per_element(inspect_forward(True, p_mode, False, 128).loops()[0], 64)
+        mufu = dict(ops).get("MUFU", 0.0)
+        assert lo <= n <= hi, (p_mode, n)
+        assert (0.9 <= mufu <= 1.2) if p_mode == 0 else mufu < 0.1, (p_mode, mufu)
+
+
 def test_nvfp4_kernel_uses_bf16_qk_and_fp8_pv():
     r = inspect_forward(False, 1, True, 64)
     assert r.count(r"HGMMA") > 0 and r.count(r"QGMMA") > 0
