@@ -11,7 +11,8 @@ import argparse
 from pathlib import Path
 
 from fp4attn.kernels.hopper.machine_code import inspect_forward, per_element
-from fp4attn.kernels.hopper.ops import BLOCK_N, forward_launch
+from fp4attn.kernels.hopper.operands import BLOCK_N
+from fp4attn.kernels.hopper.ops import forward_launch
 
 
 def main():
@@ -30,8 +31,8 @@ def main():
                     n, ops = per_element(r.loops()[0], launch.block_m * BLOCK_N // (launch.warps * 32))
                     top = ", ".join(f"{k} {v:.1f}" for k, v in ops[:4])
                     print(f"| {'fp8' if qk_fp8 else 'bf16'} | {p_mode} | {causal} | {d} | {r.registers} | {r.stack} "
-                          f"| {r.count('QGMMA')} | {r.count('HGMMA')} | {r.count('MUFU.EX2')} | {r.sass.count(chr(10))} "
-                          f"| {n:.1f} | {top} |")
+                          f"| {r.count('QGMMA')} | {r.count('HGMMA')} | {r.count('MUFU.EX2')} "
+                          f"| {r.sass.count(chr(10))} | {n:.1f} | {top} |")
                     if args.sass_dir:
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
                         name = f"fwd_qk{int(qk_fp8)}_p{p_mode}_c{int(causal)}_d{d}.sass"

@@ -27,6 +27,11 @@ RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8"]
 CAUSAL_MODES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
 
 
+def parse_shapes(spec: str, sep: str) -> list[tuple[int, ...]]:
+    """(B, H, S, D) shapes from text such as "8,16,4096,128;2,16,16384,128" (sep ";")."""
+    return [tuple(map(int, x.split(","))) for x in spec.split(sep)]
+
+
 def kernel_script_args(ap, *, shapes: str, recipes: str = ",".join(RECIPES), no_check_help: str = "timings only",
                        argv: list[str] | None = None):
     """The options the kernel variant scripts share (`scripts/bench_forward_*.py`): parsed
@@ -38,7 +43,7 @@ def kernel_script_args(ap, *, shapes: str, recipes: str = ",".join(RECIPES), no_
     ap.add_argument("--no-check", action="store_true", help=no_check_help)
     args = ap.parse_args(argv)
     args.recipes = args.recipes.split(",")
-    args.shapes = [tuple(map(int, x.split(","))) for x in args.shapes.split("/")]
+    args.shapes = parse_shapes(args.shapes, "/")
     args.causal = CAUSAL_MODES[args.causal]
     return args
 
@@ -235,7 +240,7 @@ def main(args: argparse.Namespace) -> list[dict]:
         args.json = args.json or Path("results/h200-train.json")
         return bench_train.main(args)
     args.json = args.json or Path("results/h200-forward.json")
-    shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
+    shapes = SHAPES if args.shapes == "all" else parse_shapes(args.shapes, ";")
     causal = CAUSAL_MODES[args.causal]
     variants = {"fp8-directp/exp2-P": PRESETS["fp8-directp"].with_(p_build="exp2", name="fp8-directp/exp2-P")} \
         if args.variants else None

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from fp4attn.cli.bench import parse_shapes
 from fp4attn.cli.output import markdown_table, write_json
 
 TRAIN_SHAPES = [(4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 16384, 128), (8, 16, 4096, 64)]
@@ -117,7 +118,7 @@ def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, ste
 
 
 def main(args) -> list[dict]:
-    shapes = TRAIN_SHAPES if args.shapes == "all" else [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
+    shapes = TRAIN_SHAPES if args.shapes == "all" else parse_shapes(args.shapes, ";")
     recipes = args.recipes.split(",") if args.recipes else TRAIN_RECIPES
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     records = run_train_bench(shapes, recipes, partial=args.json)

@@ -48,8 +48,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
+from fp4attn.kernels.hopper.operands import BLOCK_N
 
-BLOCK_M, BLOCK_N = 64, 128  # one warpgroup's wgmma rows; the recipes' key tile
+BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
 NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM (bf16 K: 112 KB each)
 
 

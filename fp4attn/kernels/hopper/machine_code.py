@@ -42,19 +42,15 @@ class KernelReport:
     def loops(self) -> list[list[str]]:
         """The instructions of each loop (a backward branch and what it jumps over),
         shortest first, each an opcode with its modifiers (`FADD`, `LDG.E.U8`, ...)."""
-        ins = [(int(m.group(1), 16), m.group(2)) for m in
-               re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;\n]*;", self.sass)]
-        at = {a: i for i, (a, _) in enumerate(ins)}
+        ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+               re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;\n]*);", self.sass)]
+        at = {a: i for i, (a, _, _) in enumerate(ins)}
         out = []
-        for i, (a, op) in enumerate(ins):
-            target = re.search(r"BRA[^;\n]*0x([0-9a-f]+)", self._line_at(a)) if op.startswith("BRA") else None
+        for i, (a, op, operands) in enumerate(ins):
+            target = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
             if target and int(target.group(1), 16) < a and int(target.group(1), 16) in at:
-                out.append([o for _, o in ins[at[int(target.group(1), 16)]:i + 1]])
+                out.append([o for _, o, _ in ins[at[int(target.group(1), 16)]:i + 1]])
         return sorted(out, key=len)
-
-    def _line_at(self, address: int) -> str:
-        m = re.search(rf"/\*{address:04x}\*/[^\n]*", self.sass)
-        return m.group(0) if m else ""
 
 
 def per_element(loop: list[str], elements_per_thread: int) -> tuple[float, list[tuple[str, float]]]:

@@ -17,14 +17,13 @@ import torch
 import triton
 
 from fp4attn.kernels.hopper.forward import attn_fwd_kernel
-from fp4attn.kernels.hopper.operands import KernelOperands
+from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E, log2_bias
 from fp4attn.reference.masks import key_mask_view
 
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
-BLOCK_N = 128  # equals Recipe.block_n of every preset: the tile is part of the numerics
 LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]": a tuning override
 
 
@@ -78,6 +77,8 @@ def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
         raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4, p_hw_cvt 0 or 1, "
                          "rowsum_mma 0 or 1")
     return ForwardLaunch(block_m, warps, stages, bool(hw_cvt), bool(rowsum_mma))
+
+
 HEAD_DIMS = (64, 128)
 
 

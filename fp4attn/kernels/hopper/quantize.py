@@ -21,11 +21,10 @@ import triton.language as tl
 from fp4attn.formats import constants
 from fp4attn.formats.constants import MX_BLOCK
 from fp4attn.kernels.common import fp8_scale_inv, round_e4m3
-from fp4attn.kernels.hopper.operands import KernelOperands
+from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 from fp4attn.recipes import Recipe
 from fp4attn.reference import encoding
 
-VT_KEY_PAD = 128  # the forward's key tile (ops.BLOCK_N): prepare_operands_fused pads V^T's rows to it
 FP32_MAX = tl.constexpr(constants.FP32_MAX)
 E2M1_EMAX = tl.constexpr(constants.E2M1_EMAX)
 E8M0_EMIN = tl.constexpr(constants.E8M0_EMIN)
@@ -405,5 +404,5 @@ def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, re
     qk = quantize_qk_fp8 if recipe.qk == "fp8" else quantize_qk_nvfp4
     qv, qs = qk(q)
     kv, ks = qk(k)
-    vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=VT_KEY_PAD)
+    vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=BLOCK_N)
     return KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)

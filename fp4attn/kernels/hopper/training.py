@@ -21,10 +21,9 @@ import torch
 import triton
 
 from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
-from fp4attn.kernels.hopper.operands import KernelOperands
+from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 from fp4attn.kernels.hopper.ops import P_MODES, launch_forward, unsupported_reason
 from fp4attn.kernels.hopper.quantize import (
-    VT_KEY_PAD,
     decode_nvfp4_rows,
     quantize_fp8_tokens_of_vt,
     quantize_qk_fp8,
@@ -97,7 +96,7 @@ def _train_forward_op(
         raise ValueError(f"hopper_train_forward: Q/K format {qk!r} (the training kernels run 'nvfp4')")
     qv, qs, q_codes, q_bscale = quantize_qk_nvfp4(q, packed=True)
     kv, ks, k_codes, k_bscale = quantize_qk_nvfp4(k, packed=True)
-    vt, vs = quantize_v_t(v, v_fmt, pad_keys_to=VT_KEY_PAD)
+    vt, vs = quantize_v_t(v, v_fmt, pad_keys_to=BLOCK_N)
     out, lse, _ = launch_forward(KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True), scale=scale,
                                  causal_offset=causal_offset if causal else None, p_mode=P_MODES[(p, p_build)])
     # V^T is saved contiguous, as the fake implementation describes it (a copy only when
