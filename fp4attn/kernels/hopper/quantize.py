@@ -362,6 +362,8 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None,
     unaligned row stride made the forward load V^T a byte at a time)."""
     if scale is not None and fmt != "fp8":
         raise ValueError(f"quantize_v_t: `scale` is for fmt='fp8' only, got fmt={fmt!r}")
+    if not isinstance(pad_keys_to, int) or pad_keys_to < 1:
+        raise ValueError(f"quantize_v_t: pad_keys_to must be a positive int (1: no padding), got {pad_keys_to!r}")
     B, H, S, D = v.shape
     vc = v.contiguous()
     s_row = triton.cdiv(S, pad_keys_to) * pad_keys_to
