@@ -202,7 +202,9 @@ def attention(
             j <= i); "bottom_right" (FlashAttention's: query i sees j <= i + Sk - Sq).
         scale: softmax scale; None means 1 / sqrt(D).
         recipe: a preset name ("directp", "nvfp4-fp8", "fp8-directp", "fp8", "train",
-            "train-mxfp4pv", "bf16") or a `fp4attn.Recipe`.
+            "train-mxfp4pv", "bf16", and "fp8-directp-fastacc", "fp8-fastacc": QK^T
+            summed on the FP8 tensor cores, faster on Hopper and not exact, see
+            `Recipe.fast_accum`) or a `fp4attn.Recipe`.
         enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention).
         return_lse: also return the log-sum-exp, float32 (B, Hq, Sq), natural log of
             the softmax denominator of the scaled scores; -inf for rows seeing no key.

@@ -34,6 +34,16 @@ class Recipe:
         grad: format of the gradient products' operands in the backward; None for an
             inference-only recipe.
         block_n: keys per tile of the online softmax (a multiple of 32).
+        fast_accum: FP8 Q/K only. False (the presets "fp8", "fp8-directp"): QK^T is
+            the float32 sum of the exact e4m3 products, as the reference computes it;
+            the Hopper kernels multiply the e4m3 values on the bf16 tensor cores, which
+            hold them exactly and accumulate in float32. True ("fp8-fastacc",
+            "fp8-directp-fastacc"): the products are summed on the FP8 tensor cores,
+            whose sums keep fewer bits than float32 even with the kernels' promotion
+            into float32 every 32 products (as torch._scaled_mm's use_fast_accum). That
+            is a different recipe: no reference reproduces the tensor core's sums, the
+            reference computes the exact ones, and the measured fraction of P codes
+            identical to them is below 1 (docs/numerics.md).
     """
 
     qk: str = "nvfp4"
@@ -44,6 +54,7 @@ class Recipe:
     grad: str | None = None
     block_n: int = 128
     name: str = "custom"
+    fast_accum: bool = False
 
     def __post_init__(self) -> None:
         for field, value, accepted in (
@@ -58,6 +69,9 @@ class Recipe:
             raise ValueError(f"p_build='directp' builds MXFP4 P only; got p={self.p!r} (use p_build='exp2')")
         if self.grad is not None and self.grad not in GRAD_FORMATS:
             raise ValueError(f"Recipe.grad={self.grad!r} is not supported; accepted: {GRAD_FORMATS} or None")
+        if self.fast_accum and self.qk != "fp8":
+            raise ValueError(f"Recipe.fast_accum=True sums FP8 Q/K products on the FP8 tensor cores; it needs "
+                             f"qk='fp8', got qk={self.qk!r}")
         if self.block_n <= 0 or self.block_n % 32:
             raise ValueError(f"Recipe.block_n must be a positive multiple of 32, got {self.block_n}")
 
@@ -74,6 +88,8 @@ PRESETS: dict[str, Recipe] = {
         Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", name="nvfp4-fp8"),
         Recipe(qk="fp8", p="mxfp4", v="mxfp4", p_build="directp", name="fp8-directp"),
         Recipe(qk="fp8", p="fp8", v="fp8", p_build="exp2", name="fp8"),
+        Recipe(qk="fp8", p="mxfp4", v="mxfp4", p_build="directp", fast_accum=True, name="fp8-directp-fastacc"),
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="exp2", fast_accum=True, name="fp8-fastacc"),
         Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", grad="e4m3", name="train"),
         Recipe(qk="nvfp4", p="mxfp4", v="mxfp4", p_build="directp", grad="e4m3", name="train-mxfp4pv"),
         Recipe(qk="bf16", p="bf16", v="bf16", p_build="exp2", consistent_norm=False, grad="bf16", name="bf16"),

@@ -1,10 +1,9 @@
 """Forward kernel variants, checked and timed in one run.
 
-A variant is `LAUNCH[@PROMOTE][+bf16qk][+nopv]`: LAUNCH as FP4ATTN_FORWARD_LAUNCH takes
-it (`block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]`, or `default` for
-`ops.DEFAULT_LAUNCH`), PROMOTE the fp8 QK^T promotion interval (32 default, 0 none),
-`+bf16qk` multiplies the e4m3 Q/K on the bf16 tensor cores (exact values, fp32
-accumulation; FP8-Q/K recipes only), `+nopv` accumulates O on the tensor cores instead
+A variant is `LAUNCH[@PROMOTE][+nopv]`: LAUNCH as FP4ATTN_FORWARD_LAUNCH takes it
+(`block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]`, or `default` for `ops.DEFAULT_LAUNCH`),
+PROMOTE the FP8 tensor cores' QK^T promotion interval (32 default, 0 none; the
+`fast_accum` recipes only), `+nopv` accumulates O on the tensor cores instead
 of adding each tile's PV into it in float32 (`pv_promote=False`). For each recipe and
 variant it reports (all but TFLOP/s skipped with --no-check):
 
@@ -38,7 +37,7 @@ from fp4attn.reference.encoding import P_OFFSET_LOG2
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--variants", default="default/default+nopv/64,4,3,1,1/64,4,3,0")
-args = kernel_script_args(ap, shapes="8,16,4096,128/2,16,16384,128", recipes="fp8,nvfp4-fp8,fp8-directp,directp")
+args = kernel_script_args(ap, shapes="8,16,4096,128/2,16,16384,128", recipes="fp8,fp8-fastacc,nvfp4-fp8,fp8-directp,fp8-directp-fastacc,directp")
 VARIANTS = args.variants.split("/")
 RECIPES, CAUSAL = args.recipes, args.causal
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
@@ -47,24 +46,23 @@ bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="med
 def parse(variant: str):
     spec, *flags = variant.split("+")
     launch, _, promote = spec.partition("@")
-    if set(flags) - {"bf16qk", "nopv"}:
-        raise SystemExit(f"variant {variant!r}: flags are +bf16qk and +nopv")
-    return launch, int(promote or 32), "bf16qk" in flags, "nopv" not in flags
+    if set(flags) - {"nopv"}:
+        raise SystemExit(f"variant {variant!r}: the one flag is +nopv")
+    return launch, int(promote or 32), "nopv" not in flags
 
 
 def applies(variant: str, recipe) -> bool:
-    _, promote, bf16qk, _ = parse(variant)
-    return recipe.qk == "fp8" or (promote == 32 and not bf16qk)
+    return recipe.fast_accum or parse(variant)[1] == 32
 
 
 def run(variant: str, ops, recipe, causal: bool, **kw):
-    launch, promote, bf16qk, pv = parse(variant)
+    launch, promote, pv = parse(variant)
     if launch == "default":
         os.environ.pop(LAUNCH_ENV, None)
     else:
         os.environ[LAUNCH_ENV] = launch
     try:
-        return launch_forward(ops.with_bf16_qk() if bf16qk else ops, scale=ops.q.shape[-1] ** -0.5,
+        return launch_forward(ops, scale=ops.q.shape[-1] ** -0.5,
                               causal_offset=0 if causal else None, p_mode=P_MODES[(recipe.p, recipe.p_build)],
                               qk_promote=promote, pv_promote=pv, **kw)
     finally:

@@ -23,7 +23,10 @@ def test_output_dtype_and_shape(dtype):
 
 
 def test_custom_recipe_and_presets():
-    assert set(PRESETS) == {"directp", "nvfp4-fp8", "fp8-directp", "fp8", "train", "train-mxfp4pv", "bf16"}
+    assert set(PRESETS) == {"directp", "nvfp4-fp8", "fp8-directp", "fp8", "train", "train-mxfp4pv", "bf16",
+                            "fp8-directp-fastacc", "fp8-fastacc"}
+    with pytest.raises(ValueError, match="fast_accum.*qk='fp8'.*'nvfp4'"):
+        Recipe(qk="nvfp4", fast_accum=True)
     q, k, v = _qkv()
     r = Recipe(qk="fp8", p="fp8", v="mxfp4", p_build="exp2")
     assert fp4attn.attention(q, k, v, recipe=r).shape == q.shape

@@ -20,7 +20,8 @@ from fp4attn.reference.masks import causal_offset, key_mask
 
 pytestmark = pytest.mark.gpu
 
-RECIPES = ["fp8-directp", "directp", "nvfp4-fp8", "fp8"]
+RECIPES = ["fp8-directp", "directp", "nvfp4-fp8", "fp8", "fp8-directp-fastacc", "fp8-fastacc"]
+EXACT = [r for r in RECIPES if not PRESETS[r].fast_accum]
 P_VARIANTS = [PRESETS["fp8-directp"].with_(p_build="exp2", name="fp8-mxfp4-exp2")]
 
 
@@ -42,10 +43,10 @@ def _check(q, k, v, recipe, causal=None, attn_mask=None):
     want = encode_fp8(ref.p * 2.0**P_OFFSET_LOG2, "e4m3").view(torch.uint8)
     got = encode_fp8(p_bytes[..., :sq, :], "e4m3").view(torch.uint8)
     identical = (got == want).float().mean().item()
-    # FP8 P has a rounding midpoint every 1/8 octave, and FP8 Q/K scores come from the
-    # fp8 wgmma, whose accumulation is not exactly fp32 even with promotion every 32
-    # products: measured 99.86-99.89% identical for the `fp8` recipe, >= 99.9% elsewhere
-    min_identical = 0.998 if (recipe.qk, recipe.p) == ("fp8", "fp8") else 0.999
+    # fast_accum's scores come from the fp8 wgmma, whose accumulation is not float32 even
+    # with promotion every 32 products, and FP8 P has a rounding midpoint every 1/8 octave:
+    # measured 99.86-99.89% identical for `fp8-fastacc`, >= 99.9% for every other recipe
+    min_identical = 0.998 if recipe.fast_accum and recipe.p == "fp8" else 0.999
     assert identical >= min_identical, f"{recipe.name}: P bytes identical {identical:.6f}"
     bias = torch.zeros(q.shape[-2], k.shape[-2], device="cuda", dtype=torch.float64)
     if causal is not None:
@@ -88,7 +89,7 @@ def test_kernel_causal_gqa(recipe, causal, sq, sk):
     _check(q, k, v, r, causal=causal)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", EXACT)
 @pytest.mark.parametrize("d", [32, 48, 96])
 def test_kernel_padded_head_dims(recipe, d):
     """Head dims below 64 / 128 run zero-padded: as close to the reference at the
@@ -121,7 +122,7 @@ def test_kernel_fp8_p_rounding_variants(recipe, causal, hw_cvt, monkeypatch):
         _check(q, k, v, PRESETS[recipe], causal=causal)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", EXACT)
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
 def test_kernel_row_sums_on_tensor_cores(recipe, causal, monkeypatch):
     """rowsum_mma: the row sums of P from the tensor cores (P @ ones) reproduce the
@@ -149,7 +150,11 @@ def test_kernel_error_does_not_grow_with_row_length(recipe):
     """Each tile's PV is added into O in float32: the distance to the reference stays
     about that of a short row at 32768 keys, and O is not scaled down (accumulated on the
     fp8 tensor cores across tiles instead, the error grew 2-3x by 32768 keys and O came
-    out 0.07% small; promoted, the sums inside a tile still leave it about 0.007% small)."""
+    out 0.07% small; promoted, the sums inside a tile still leave it about 0.007% small).
+    The error's growth is checked where the kernel's codes are the reference's: with
+    fast_accum a row's code flips follow its score distribution, which changes with its
+    length (`fp8-directp-fastacc` measured 3.8e-3 -> 6.4e-3), so there the O scale is
+    the check."""
     errs = []
     for sk in (1024, 32768):
         q, k, v = _qkv(1, 2, 2, 256, sk, 128)
@@ -157,10 +162,11 @@ def test_kernel_error_does_not_grow_with_row_length(recipe):
         ref = fp4attn.attention(q, k, v, recipe=recipe, backend="reference").float()
         errs.append(error_metrics(out, ref)["rel_l2"])
         assert abs((out * ref).sum().item() / (ref * ref).sum().item() - 1) < 2e-4, (recipe, sk)
-    assert errs[1] <= 1.5 * errs[0] + 1e-5, (recipe, errs)  # directp matches its reference exactly here
+    if not PRESETS[recipe].fast_accum:  # + 1e-5: directp matches its reference exactly here
+        assert errs[1] <= 1.5 * errs[0] + 1e-5, (recipe, errs)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", EXACT)
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_kernel_key_masks(recipe, kind):
     """Key-padding masks in the kernel: same P codes as the reference with the mask, a

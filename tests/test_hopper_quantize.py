@@ -22,7 +22,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int]:
     return values, zero_sign
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8-directp", "nvfp4-fp8", "directp"])
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-fastacc", "fp8-directp", "nvfp4-fp8", "directp"])
 @pytest.mark.parametrize("s,d", [(1, 64), (113, 128), (1000, 64), (4096, 128)])
 def test_fused_quantizers_match_reference(recipe, s, d):
     from fp4attn.kernels.hopper.operands import prepare_operands

@@ -136,16 +136,21 @@ def test_packed_nvfp4_entry_points_reject_bad_input():
         torch.ops.fp4attn.hopper_train_forward(q, q, q, "fp8", "fp8", "exp2", "fp8", 0, True, 0.125)
 
 
-def test_bf16_qk_operands_are_the_e4m3_values():
-    """`KernelOperands.with_bf16_qk` (the bf16-tensor-core QK^T path of the benches)
-    changes Q/K's dtype, not one value, and leaves the other operands alone."""
+def test_exact_fp8_recipes_give_the_kernel_bf16_qk_with_the_e4m3_values():
+    """`fp8` / `fp8-directp` hand the kernel their e4m3 Q/K as bf16 (QK^T on the bf16
+    tensor cores, float32 sums, as the reference); the `-fastacc` forms hand it the same
+    values as e4m3 bytes (the FP8 tensor cores). Not one value differs, and the other
+    operands are the same."""
     from fp4attn.kernels.hopper.operands import prepare_operands
     from fp4attn.recipes import PRESETS
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 33, 64, generator=g).bfloat16() * 3 for _ in range(3))
-    ops = prepare_operands(q, k, v, PRESETS["fp8"])
-    ops16 = ops.with_bf16_qk()
-    assert ops16.q.dtype == ops16.k.dtype == torch.bfloat16
-    assert torch.equal(ops16.q.float(), ops.q.float()) and torch.equal(ops16.k.float(), ops.k.float())
-    assert ops16.vt is ops.vt and ops16.qs is ops.qs
+    for exact, fast in (("fp8", "fp8-fastacc"), ("fp8-directp", "fp8-directp-fastacc")):
+        ops, ops8 = prepare_operands(q, k, v, PRESETS[exact]), prepare_operands(q, k, v, PRESETS[fast])
+        assert ops.q.dtype == ops.k.dtype == torch.bfloat16
+        assert ops8.q.dtype == ops8.k.dtype == torch.float8_e4m3fn
+        assert torch.equal(ops.q.float(), ops8.q.float()) and torch.equal(ops.k.float(), ops8.k.float())
+        for a, b in ((ops.qs, ops8.qs), (ops.ks, ops8.ks), (ops.vt, ops8.vt), (ops.vs, ops8.vs)):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)

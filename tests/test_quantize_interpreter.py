@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent('''
     v[0, 0, :35] *= 2.0**-18
     k[1, 2, 0] = 0.0
     dout[1, 0, :, 3] *= 2.0**-120
-    for recipe in ("fp8", "nvfp4-fp8", "fp8-directp"):
+    for recipe in ("fp8", "fp8-fastacc", "nvfp4-fp8", "fp8-directp"):
         want = prepare_operands(q, k, v, PRESETS[recipe])
         got = prepare_operands_fused(q, k, v, PRESETS[recipe])
         for name in ("q", "k", "qs", "ks", "vt", "vs"):

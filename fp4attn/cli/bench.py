@@ -23,7 +23,7 @@ from fp4attn.cli.output import markdown_table, write_json
 
 SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 32768, 128),
           (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
-RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8"]
+RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8", "fp8-directp-fastacc", "fp8-fastacc"]
 CAUSAL_MODES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
 
 

@@ -1,7 +1,9 @@
 """Q, K and V in the layouts the Hopper forward kernel reads, from the reference
 quantizers (so the codes and scales are the reference's by construction).
 
-    q, k    (B, H, S, D) e4m3 (fp8 recipes) or bf16 NVFP4 grid values
+    q, k    (B, H, S, D) bf16: NVFP4 grid values, or FP8 recipes' e4m3 values (exact in
+            bf16, so QK^T runs on the bf16 tensor cores and sums in float32); e4m3 for
+            `Recipe.fast_accum` (QK^T on the FP8 tensor cores)
     qs, ks  (B, H, S) float32: per-token scale (FP8) or the tensor scale (NVFP4)
     vt      (B, Hkv, D, S) e4m3, V transposed so the PV product is K-major (the fused
             quantizers' is a view of rows padded to the key tile: `vt_keys_padded`)
@@ -10,7 +12,6 @@ quantizers (so the codes and scales are the reference's by construction).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,24 +38,23 @@ class KernelOperands:
     # forward's key tile (`quantize_v_t(pad_keys_to=...)`): the kernel reads them unmasked
     vt_keys_padded: bool = False
 
-    def with_bf16_qk(self) -> KernelOperands:
-        """The same operands with e4m3 Q/K given as bf16 (exact): the forward kernel then
-        multiplies QK^T on the bf16 tensor cores (fp32 accumulation, no promotion)."""
-        return dataclasses.replace(self, q=self.q.to(torch.bfloat16), k=self.k.to(torch.bfloat16))
+
+def qk_dtype(recipe: Recipe) -> torch.dtype:
+    """The dtype the forward kernel reads Q/K in, which picks the tensor cores of QK^T:
+    e4m3 for `fast_accum` (FP8 wgmma), else bf16 (exact for e4m3 values and for NVFP4's
+    element x E4M3 block scale, at most six significant bits)."""
+    return torch.float8_e4m3fn if recipe.fast_accum else torch.bfloat16
 
 
-def _qk(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    op = quantize_qk(x, fmt)
-    if fmt == "fp8":
-        values = op.values.to(torch.float8_e4m3fn)
-    else:  # nvfp4: element x E4M3 block scale has at most six significant bits
-        values = op.values.to(torch.bfloat16)
+def _qk(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    op = quantize_qk(x, recipe.qk)
+    values = op.values.to(qk_dtype(recipe))
     return values.contiguous(), op.scale.expand(*x.shape[:-1], 1).squeeze(-1).contiguous()
 
 
 def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe) -> KernelOperands:
-    qv, qs = _qk(q, recipe.qk)
-    kv, ks = _qk(k, recipe.qk)
+    qv, qs = _qk(q, recipe)
+    kv, ks = _qk(k, recipe)
     if recipe.v == "fp8":
         vq = quantize_fp8(v, dim=-2, block=None, fmt="e4m3")  # data (B, H, D, 1, S)
         vt, vs = vq.data.squeeze(-2), vq.scale.squeeze(-1)

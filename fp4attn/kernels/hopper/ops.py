@@ -167,19 +167,19 @@ def key_bias_of_mask(attn_mask: torch.Tensor, batch: int, sk: int) -> torch.Tens
 
 @torch.library.custom_op("fp4attn::hopper_attention", mutates_args=())
 def _hopper_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str, fast_accum: bool,
     causal_offset: int, causal: bool, scale: float, write_p: int, key_bias: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build)
+    recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum)
     ops = prepare_operands_fused(q, k, v, recipe)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
                           p_mode=P_MODES[(p, p_build)], write_p=write_p, key_bias=key_bias)
 
 
 @_hopper_attention_op.register_fake
-def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key_bias):
+def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, write_p, key_bias):
     B, H, Sq, D = q.shape
-    block_m = forward_launch(D, qk == "fp8", causal).block_m
+    block_m = forward_launch(D, fast_accum, causal).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
     dbg_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
@@ -190,5 +190,5 @@ def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: in
                      key_bias: torch.Tensor | None = None):
     """Quantize bf16/fp16/fp32 (B, H, S, D) inputs into the kernel layouts and run the
     forward: (out bf16, lse fp32, debug tile or empty; see `launch_forward`)."""
-    return _hopper_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v,
+    return _hopper_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, recipe.fast_accum,
                                 causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias)

@@ -14,6 +14,8 @@ cast.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +23,7 @@ import triton.language as tl
 from fp4attn.formats import constants
 from fp4attn.formats.constants import MX_BLOCK
 from fp4attn.kernels.common import fp8_scale_inv, round_e4m3
-from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
+from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, qk_dtype
 from fp4attn.recipes import Recipe
 from fp4attn.reference import encoding
 
@@ -84,16 +86,17 @@ def _fp8_per_row(x, AXIS: tl.constexpr):
 
 @triton.jit
 def _fp8_rows_kernel(X, Y, S, O, DOT, R, D: tl.constexpr, BLOCK_R: tl.constexpr, WITH_DOT: tl.constexpr):
-    """Per-row FP8 of rows of D contiguous elements; with WITH_DOT also the row dot
-    products DOT = sum(X * O) (the backward's delta = rowsum(dO * O), fused into the
-    pass that reads dO)."""
+    """Per-row FP8 of rows of D contiguous elements, stored as Y's dtype (e4m3, or bf16,
+    which holds every e4m3 value); with WITH_DOT also the row dot products
+    DOT = sum(X * O) (the backward's delta = rowsum(dO * O), fused into the pass that
+    reads dO)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
     ok = (rows < R)[:, None]
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
     y, scale = _fp8_per_row(x, 1)
     tl.store(S + rows, scale, mask=rows < R)
-    tl.store(Y + offs, y.to(tl.float8e4nv), mask=ok)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
     if WITH_DOT:
         o = tl.load(O + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(DOT + rows, tl.sum(x * o, axis=1), mask=rows < R)
@@ -299,11 +302,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().reshape(-1, x.shape[-1])
 
 
-def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None):
-    """Per-token FP8 of x (..., D): (e4m3 values, scales (...)); with `dot_with` (same
-    shape) also the row sums of x * dot_with in float32."""
+def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn):
+    """Per-token FP8 of x (..., D): (e4m3 values as `dtype`, float8_e4m3fn or bfloat16;
+    scales (...)); with `dot_with` (same shape) also the row sums of x * dot_with in
+    float32."""
+    if dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        raise ValueError(f"quantize_qk_fp8: dtype float8_e4m3fn or bfloat16, got {dtype}")
     xr = _rows(x)
-    y = torch.empty(xr.shape, device=x.device, dtype=torch.float8_e4m3fn)
+    y = torch.empty(xr.shape, device=x.device, dtype=dtype)
     s = torch.empty(xr.shape[0], device=x.device, dtype=torch.float32)
     dot = torch.empty(xr.shape[0] if dot_with is not None else 0, device=x.device, dtype=torch.float32)
     other = _rows(dot_with) if dot_with is not None else xr
@@ -403,7 +409,10 @@ def quantize_fp8_tokens_of_vt(vt: torch.Tensor, vs: torch.Tensor) -> tuple[torch
 
 def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe) -> KernelOperands:
     """The same tensors as `operands.prepare_operands`, from fused kernels."""
-    qk = quantize_qk_fp8 if recipe.qk == "fp8" else quantize_qk_nvfp4
+    if recipe.qk == "fp8":
+        qk = functools.partial(quantize_qk_fp8, dtype=qk_dtype(recipe))
+    else:
+        qk = quantize_qk_nvfp4
     qv, qs = qk(q)
     kv, ks = qk(k)
     vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=BLOCK_N)
