@@ -162,8 +162,25 @@ def test_kernel_error_does_not_grow_with_row_length(recipe):
         ref = fp4attn.attention(q, k, v, recipe=recipe, backend="reference").float()
         errs.append(error_metrics(out, ref)["rel_l2"])
         assert abs((out * ref).sum().item() / (ref * ref).sum().item() - 1) < 2e-4, (recipe, sk)
-    if not PRESETS[recipe].fast_accum:  # + 1e-5: directp matches its reference exactly here
-        assert errs[1] <= 1.5 * errs[0] + 1e-5, (recipe, errs)
+    # + 1e-4: directp and fp8-directp match their references all but exactly here (a
+    # Direct-P code flipped by the float32 summation order moves O by about 2e-5)
+    if not PRESETS[recipe].fast_accum:
+        assert errs[1] <= 1.5 * errs[0] + 1e-4, (recipe, errs)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_kernel_tma_loads(recipe, causal, monkeypatch):
+    """K and V^T tiles by TMA (tma_kv): a tail tile's rows past Sk are the next head's
+    keys (or zeros past the tensor), which the mask must hide; GQA and both head dims."""
+    from fp4attn.kernels.hopper.ops import LAUNCH_ENV
+
+    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1")
+    for b, hq, hkv, sq, sk, d in ((2, 4, 2, 113, 239, 128), (1, 6, 2, 1023, 1023, 64), (2, 2, 2, 1, 3, 128),
+                                  (1, 2, 1, 256, 4096, 128)):
+        q, k, v = _qkv(b, hq, hkv, sq, sk, d)
+        k[:, :, sk // 2 :] *= 40  # large keys next to each head's tail: leaking scores would dominate
+        _check(q, k, v, PRESETS[recipe], causal=causal)
 
 
 @pytest.mark.parametrize("recipe", EXACT)

@@ -18,6 +18,12 @@ Recipes map to constexpr flags:
              the output drifts from the reference as rows get longer)
     VT_PADDED V^T's rows hold zero keys up to a whole tile (`KernelOperands.vt_keys_padded`),
              so the tail tile loads it without a mask
+    TMA_KV   K and V^T tiles arrive by the tensor memory accelerator (host-built 2D
+             descriptors K_DESC over (B*Hkv*Sk, D) and VT_DESC over (B*Hkv*D, keys); needs
+             VT_PADDED), not by per-thread asynchronous copies: the copies' pipeline puts
+             a CTA barrier in every iteration, where the warps wait for the slowest
+             (ncu: barrier stalls 0.7-1.4 cycles per issued instruction). A tail tile's
+             rows past Sk are the next head's keys or zeros; the mask hides their scores
 
 Tiles that need no mask (fully visible, inside Sk) run in a first loop without any
 masking arithmetic; the diagonal and tail tiles run in a second, masked loop.
@@ -36,11 +42,17 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
           CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr, KEY_BIAS: tl.constexpr, P_HW_CVT: tl.constexpr,
           ROWSUM_MMA: tl.constexpr, PV_PROMOTE: tl.constexpr, VT_PADDED: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-          WRITE_P: tl.constexpr, p_ptr, stride_pm):
+          WRITE_P: tl.constexpr, p_ptr, stride_pm, TMA_KV: tl.constexpr, k_desc, vt_desc, k_row, vt_row):
     cols = start_n + offs_n
     offs_d = tl.arange(0, HEAD_DIM)
     # -- scores in log2 units: (Qv Kv^T) * (q_scale * softmax_scale * log2 e) * k_scale
-    if MASK:
+    if TMA_KV:
+        k = k_desc.load([k_row + start_n, 0])
+        if MASK:
+            b_j = tl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
+        else:
+            b_j = tl.load(ks_ptr + cols)
+    elif MASK:
         kmask = cols < Sk
         k = tl.load(k_ptr + cols[:, None] * stride_kn + offs_d[None, :], mask=kmask[:, None], other=0.0)
         b_j = tl.load(ks_ptr + cols, mask=kmask, other=0.0)
@@ -74,7 +86,9 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
             dbg = p if WRITE_P == 1 else t
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], dbg, mask=(cols < Sk)[None, :])
     # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
-    if MASK and not VT_PADDED:
+    if TMA_KV:
+        vt = vt_desc.load([vt_row, start_n])
+    elif MASK and not VT_PADDED:
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :], mask=(cols < Sk)[None, :], other=0.0)
     else:  # V^T rows padded with zero keys to whole tiles: no mask, 16-byte loads
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :])
@@ -94,7 +108,7 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, QS, KS, VT, VS, O, LSE, P_DBG, KB,
+    Q, K, QS, KS, VT, VS, O, LSE, P_DBG, KB, K_DESC, VT_DESC,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vd,
@@ -105,8 +119,10 @@ def attn_fwd_kernel(
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
     QK_PROMOTE: tl.constexpr = 32, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
     ROWSUM_MMA: tl.constexpr = False, PV_PROMOTE: tl.constexpr = True, VT_PADDED: tl.constexpr = False,
+    TMA_KV: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
+    tl.static_assert(VT_PADDED or not TMA_KV)
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     b = off_bh // H
@@ -124,6 +140,8 @@ def attn_fwd_kernel(
     ks_ptr = KS + (b.to(tl.int64) * (H // GROUP) + hk) * Sk
     p_ptr = P_DBG + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
     kb_ptr = KB + b.to(tl.int64) * Sk  # (B, Sk) key bias, read only with KEY_BIAS
+    k_row = (b * (H // GROUP) + hk) * Sk  # this head's first row of K_DESC (TMA_KV)
+    vt_row = (b * (H // GROUP) + hk) * HEAD_DIM  # and of VT_DESC
 
     q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     a_i = tl.load(qs_ptr + offs_m, mask=row_ok, other=0.0) * qk_scale
@@ -144,12 +162,12 @@ def attn_fwd_kernel(
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, QK_PROMOTE,
                               KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM,
-                              WRITE_P, p_ptr, stride_pm)
+                              WRITE_P, p_ptr, stride_pm, TMA_KV, K_DESC, VT_DESC, k_row, vt_row)
     for start_n in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, QK_PROMOTE,
                               KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM,
-                              WRITE_P, p_ptr, stride_pm)
+                              WRITE_P, p_ptr, stride_pm, TMA_KV, K_DESC, VT_DESC, k_row, vt_row)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)

@@ -73,7 +73,7 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
                     block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, rowsum_mma=None,
-                    qk_promote=32, pv_promote=True, lengths_div16=True, vt_padded=True):
+                    qk_promote=32, pv_promote=True, lengths_div16=True, vt_padded=True, tma_kv=None):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given; sequence lengths specialized as multiples of 16 (as
     the JIT compiles it for such lengths) unless `lengths_div16` is False; V^T with rows
@@ -87,13 +87,19 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     elem = "*fp8e4nv" if qk_fp8 else "*bf16"
     types = {"Q": elem, "K": elem, "VT": "*fp8e4nv", "O": "*bf16", "P_DBG": "*fp32"}
     sig = {n: types.get(n, "*fp32") for n in _POINTERS}
+    tma_kv = launch.tma_kv if tma_kv is None else tma_kv
+    qk_type = elem[1:]
+    descs = dict(K_DESC=f"tensordesc<{qk_type}[{block_n}, {head_dim}]>",
+                 VT_DESC=f"tensordesc<fp8e4nv[{head_dim}, {block_n}]>") if tma_kv else {}
+    sig.update(descs or dict(K_DESC="constexpr", VT_DESC="constexpr"))
     sig.update({n: "i32" for n in _INTS})
     sig["qk_scale"] = "fp32"
-    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
+    consts = dict(K_DESC=None, VT_DESC=None) if not tma_kv else {}
+    consts.update(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
                   CAUSAL=causal, WRITE_P=0, QK_PROMOTE=qk_promote, KEY_BIAS=key_bias,
                   P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt,
                   ROWSUM_MMA=launch.rowsum_mma if rowsum_mma is None else rowsum_mma, PV_PROMOTE=pv_promote,
-                  VT_PADDED=vt_padded)
+                  VT_PADDED=vt_padded, TMA_KV=tma_kv)
     aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or (lengths_div16 and n in _LENGTHS)]
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fp4attn.kernels.hopper.forward import attn_fwd_kernel
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
@@ -24,7 +25,7 @@ from fp4attn.reference.forward import LOG2E, log2_bias
 from fp4attn.reference.masks import key_mask_view
 
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
-LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]": a tuning override
+LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv]]]": tuning
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,15 @@ class ForwardLaunch:
     independent, so BLOCK_M changes no value; p_hw_cvt rounds FP8 P by the packed
     hardware conversion, RNE as the bit arithmetic it replaces; rowsum_mma sums each P
     tile's rows on the tensor cores, as the PV product sums them, instead of in float32
-    on the CUDA cores: docs/numerics.md)."""
+    on the CUDA cores: docs/numerics.md; tma_kv loads K and V^T tiles by TMA, where the
+    operands allow it: `tma_descriptors`)."""
 
     block_m: int = 128
     warps: int = 8
     stages: int = 3
     p_hw_cvt: bool = False
     rowsum_mma: bool = False
+    tma_kv: bool = False
 
 
 # Measured at (8,16,4096,128) and (16,16,2048,64), kernel alone, TFLOP/s
@@ -66,17 +69,17 @@ def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
     try:
         fields = [int(x) for x in spec.split(",")]
         block_m, warps, stages = fields[:3]
-        hw_cvt, rowsum_mma = (fields[3:] + [0, 0])[:2]
-        if len(fields) > 5:
+        hw_cvt, rowsum_mma, tma_kv = (fields[3:] + [0, 0, 0])[:3]
+        if len(fields) > 6:
             raise ValueError
     except ValueError as e:
-        raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected 'block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]', e.g. "
-                         "'64,4,2' or '64,4,2,1,1'") from e
-    if (block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4 or hw_cvt not in (0, 1)
-            or rowsum_mma not in (0, 1)):
-        raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4, p_hw_cvt 0 or 1, "
-                         "rowsum_mma 0 or 1")
-    return ForwardLaunch(block_m, warps, stages, bool(hw_cvt), bool(rowsum_mma))
+        raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected 'block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv]]]', "
+                         "e.g. '64,4,2' or '64,4,2,1,0,1'") from e
+    if (block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4
+            or {hw_cvt, rowsum_mma, tma_kv} - {0, 1}):
+        raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4, p_hw_cvt, "
+                         "rowsum_mma and tma_kv 0 or 1")
+    return ForwardLaunch(block_m, warps, stages, bool(hw_cvt), bool(rowsum_mma), bool(tma_kv))
 
 
 HEAD_DIMS = (64, 128)
@@ -110,6 +113,24 @@ def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
     return None
 
 
+def tma_descriptors(ops: KernelOperands, head_dim: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """Host-built TMA descriptors of K, (B*Hkv*Sk, D) in tiles of (BLOCK_N, D), and of
+    V^T, (B*Hkv*D, keys) in tiles of (D, BLOCK_N); None where the operands do not allow
+    them (TMA needs contiguous rows with 16-byte strides, and V^T padded to whole tiles
+    so that no tile reads past its head's keys)."""
+    k, vt = ops.k, ops.vt
+    B, Hkv, Sk, D = k.shape
+    if not (ops.vt_keys_padded and k.is_contiguous() and vt.stride(3) == 1 and vt.stride(2) % BLOCK_N == 0
+            and vt.stride(1) == D * vt.stride(2) and vt.stride(0) == Hkv * vt.stride(1)
+            and (k.data_ptr() | vt.data_ptr()) % 16 == 0):
+        return None
+    rows = vt.stride(2)  # keys per V^T row, Sk padded to whole tiles
+    k2 = k.view(B * Hkv * Sk, D)
+    vt2 = vt.as_strided((B * Hkv * D, rows), (rows, 1))
+    return (TensorDescriptor(k2, list(k2.shape), [D, 1], [BLOCK_N, head_dim]),
+            TensorDescriptor(vt2, list(vt2.shape), [rows, 1], [head_dim, BLOCK_N]))
+
+
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
                    write_p: int = 0, qk_promote: int = 32, pv_promote: bool = True,
                    key_bias: torch.Tensor | None = None):
@@ -136,8 +157,9 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
     kb = key_bias.contiguous() if key_bias is not None else lse  # never read without KEY_BIAS
+    descs = tma_descriptors(ops, D) if cfg.tma_kv else None
     attn_fwd_kernel[grid](
-        q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg, kb,
+        q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg, kb, *(descs or (None, None)),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         ops.vt.stride(0), ops.vt.stride(1), ops.vt.stride(2),
@@ -147,7 +169,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
-        ROWSUM_MMA=cfg.rowsum_mma, PV_PROMOTE=pv_promote, VT_PADDED=ops.vt_keys_padded,
+        ROWSUM_MMA=cfg.rowsum_mma, PV_PROMOTE=pv_promote, VT_PADDED=ops.vt_keys_padded, TMA_KV=descs is not None,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )
