@@ -28,7 +28,7 @@ def main():
                 for d in (64, 128):
                     r = inspect_forward(qk_fp8, p_mode, causal, d)
                     launch = forward_launch(d, qk_fp8, causal)
-                    n, ops = per_element(r.loops()[0], launch.block_m * BLOCK_N // (launch.warps * 32))
+                    n, ops = per_element(r.tile_loop(), launch.block_m * BLOCK_N // (launch.warps * 32))
                     top = ", ".join(f"{k} {v:.1f}" for k, v in ops[:4])
                     print(f"| {'fp8' if qk_fp8 else 'bf16'} | {p_mode} | {causal} | {d} | {r.registers} | {r.stack} "
                           f"| {r.count('QGMMA')} | {r.count('HGMMA')} | {r.count('MUFU.EX2')} "

@@ -29,7 +29,7 @@ def test_tile_loop_instruction_profile():
     from fp4attn.kernels.hopper.machine_code import per_element
 
     for p_mode, lo, hi in ((0, 10, 25), (1, 20, 40)):
-        n, ops = per_element(inspect_forward(True, p_mode, False, 128).loops()[0], 64)
+        n, ops = per_element(inspect_forward(True, p_mode, False, 128).tile_loop(), 64)
         mufu = dict(ops).get("MUFU", 0.0)
         assert lo <= n <= hi, (p_mode, n)
         assert (0.9 <= mufu <= 1.2) if p_mode == 0 else mufu < 0.1, (p_mode, mufu)

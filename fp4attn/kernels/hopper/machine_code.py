@@ -52,6 +52,15 @@ class KernelReport:
                 out.append([o for _, o, _ in ins[at[int(target.group(1), 16)]:i + 1]])
         return sorted(out, key=len)
 
+    def tile_loop(self) -> list[str]:
+        """The unmasked tile loop: the shortest loop holding one iteration's tensor-core
+        instructions, half the kernel's (the masked loop holds the other half). TMA
+        builds also have loops that only wait on an mbarrier, and a pipelined region
+        with the PV product alone."""
+        gmma = lambda lp: sum("GMMA." in op for op in lp)  # noqa: E731
+        half = len(re.findall(r"\b[QH]GMMA\.", self.sass)) // 2
+        return next(lp for lp in self.loops() if gmma(lp) >= half)
+
 
 def per_element(loop: list[str], elements_per_thread: int) -> tuple[float, list[tuple[str, float]]]:
     """Instructions per score element of one tile loop, total and by opcode (its first

@@ -53,10 +53,16 @@ class ForwardLaunch:
 # and fp8 409 -> 481. With each tile's PV added into O in float32 (the kernel's default
 # since h200-forward-launch-4.txt) the hardware conversion and 2 stages win at D=128 in
 # every case, causal fp8 included (378 bit arithmetic -> 419), and 3 stages at D=64
-# (fp8 298 -> 333, nvfp4-fp8 268 -> 307). Keyed by (head dim, fp8 Q/K, causal).
+# (fp8 298 -> 333, nvfp4-fp8 268 -> 307). K and V^T by TMA (h200-forward-tma.txt, 2
+# stages) then took the bf16-QK^T kernels at (8,16,4096,128) from 372 to 450 (fp8,
+# nvfp4-fp8; causal 348 -> 413, directp causal 240 -> 265) and at (4,16,8192,64) from
+# 330 to 366 (directp 144 -> 172), but the FP8-QK^T ones down (fp8-fastacc 478 -> 339:
+# 200 spill bytes instead of 152). Keyed by (head dim, QK^T on the FP8 tensor cores,
+# causal).
 DEFAULT_LAUNCH = {
-    **{(128, fp8, causal): ForwardLaunch(64, 4, 2, True) for fp8 in (True, False) for causal in (True, False)},
-    **{(64, fp8, causal): ForwardLaunch(64, 4, 3, True) for fp8 in (True, False) for causal in (True, False)},
+    **{(128, True, causal): ForwardLaunch(64, 4, 2, True) for causal in (True, False)},
+    **{(64, True, causal): ForwardLaunch(64, 4, 3, True) for causal in (True, False)},
+    **{(d, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for d in (64, 128) for causal in (True, False)},
 }
 
 
