@@ -97,6 +97,13 @@ PRESETS: dict[str, Recipe] = {
 }
 
 
+def preset_names(on_kernels: bool) -> list[str]:
+    """The presets worth running where they run: all of them on the Hopper kernels; on
+    the reference, without the fast-accumulation ones, which it computes exactly, as
+    their exact forms (`Recipe.fast_accum`)."""
+    return [name for name, r in PRESETS.items() if on_kernels or not r.fast_accum]
+
+
 def get_recipe(recipe: str | Recipe) -> Recipe:
     """The preset named `recipe`, or `recipe` itself if it is a Recipe."""
     if isinstance(recipe, Recipe):

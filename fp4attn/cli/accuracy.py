@@ -18,7 +18,7 @@ from tqdm import tqdm
 from fp4attn.api import attention
 from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.metrics import error_metrics
-from fp4attn.recipes import PRESETS, get_recipe
+from fp4attn.recipes import PRESETS, get_recipe, preset_names
 
 CASES = ("gaussian", "hard")
 
@@ -123,7 +123,8 @@ def format_table(records: list[dict]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipes", default=",".join(PRESETS), help="comma-separated presets")
+    p.add_argument("--recipes", help="comma-separated presets (default: every preset; on the reference, "
+                   "without the -fastacc ones, which it computes as their exact forms)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {CASES}")
     p.add_argument("-B", type=int, default=1)
     p.add_argument("-H", type=int, default=4)
@@ -145,6 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> list[dict]:
+    on_kernels = args.device.startswith("cuda") and args.backend != "reference"
+    args.recipes = args.recipes or ",".join(preset_names(on_kernels))
     if args.backward:
         recipes = [PRESETS[r] for r in args.recipes.split(",") if PRESETS[r].grad is not None]
         for fmt in filter(None, args.grad_formats.split(",")):
