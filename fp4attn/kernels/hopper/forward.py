@@ -96,7 +96,14 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
     # PV_PROMOTE: each tile's PV into a fresh accumulator, added to O in float32. Chained
     # on the tensor cores instead, O at 32768 keys was 0.07% small and 3x further from the
     # reference (rel. error 5.2e-3 vs 1.7e-3, nvfp4-fp8; docs/notes/hopper-forward.md)
-    acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=BLOCK_N if PV_PROMOTE else None)
+    if PV_PROMOTE:
+        # the tile's product on its own accumulator, then one float32 addition. (Asking
+        # Triton for it with max_num_imprecise_acc=BLOCK_N gives the same sums, but its
+        # lowering reads the accumulator inside the wgmma pipeline stage, and ptxas then
+        # serializes every wgmma of the kernel: C7514)
+        acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
+    else:
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     if ROWSUM_MMA:
         # every column of P @ ones is the row sum of the e4m3 tile, summed as PV sums it;
         # a fresh accumulator per tile, added into l in float32 like the CUDA-core sum.
