@@ -162,10 +162,11 @@ def test_kernel_error_does_not_grow_with_row_length(recipe):
         ref = fp4attn.attention(q, k, v, recipe=recipe, backend="reference").float()
         errs.append(error_metrics(out, ref)["rel_l2"])
         assert abs((out * ref).sum().item() / (ref * ref).sum().item() - 1) < 2e-4, (recipe, sk)
-    # + 1e-4: directp and fp8-directp match their references all but exactly here (a
-    # Direct-P code flipped by the float32 summation order moves O by about 2e-5)
+    # + 5e-4: directp and fp8-directp match their references all but exactly (measured
+    # 2e-9 .. 2e-5 at 1024 keys, 3e-5 .. 1.3e-4 at 32768: Direct-P codes flipped by the
+    # float32 summation order); the growth this test exists for was 1.8e-3 -> 5.2e-3
     if not PRESETS[recipe].fast_accum:
-        assert errs[1] <= 1.5 * errs[0] + 1e-4, (recipe, errs)
+        assert errs[1] <= 1.5 * errs[0] + 5e-4, (recipe, errs)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

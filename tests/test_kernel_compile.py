@@ -84,6 +84,21 @@ def test_pipelined_forward_compiles_with_async_wgmma(qk_fp8, p_mode, causal, hea
         assert r.count(r"MUFU\.EX2") <= 8
 
 
+@pytest.mark.parametrize("p_mode", [0, 1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_qk_forward_chains_its_wgmmas(p_mode, causal):
+    """At D=128 the bf16-QK^T forward adds each tile's PV into O itself (pv_add): with
+    Triton's max_num_imprecise_acc promotion instead, ptxas serialized every wgmma of
+    the kernel (C7514), each of QK^T's eight waiting for the one before."""
+    from fp4attn.kernels.hopper.machine_code import compile_forward, inspect, ptxas_messages
+
+    kernel = compile_forward(False, p_mode, causal, 128)
+    assert "C7514" not in ptxas_messages(kernel)
+    loop = inspect(kernel).tile_loop()
+    assert loop.count("WARPGROUP.DEPBAR.LE") == 2, "one wait per product: QK^T, then PV"
+    assert "C7514" in ptxas_messages(compile_forward(False, p_mode, causal, 128, pv_add=False))
+
+
 @pytest.mark.parametrize("p_mode,causal", [(0, False), (1, True)])
 def test_fa3_schedule_keeps_wgmma_pipelined_with_bf16_qk(p_mode, causal):
     """With bf16 Q/K the FA3-order schedule leaves ptxas nothing to serialize: its

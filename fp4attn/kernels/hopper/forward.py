@@ -18,6 +18,9 @@ Recipes map to constexpr flags:
              the output drifts from the reference as rows get longer)
     VT_PADDED V^T's rows hold zero keys up to a whole tile (`KernelOperands.vt_keys_padded`),
              so the tail tile loads it without a mask
+    PV_ADD   with PV_PROMOTE: the tile's PV product on a fresh accumulator plus one float32
+             addition, rather than Triton's max_num_imprecise_acc promotion (same sums up to
+             the FMA contraction of O's rescale; the latter makes ptxas serialize the wgmmas)
     TMA_KV   K and V^T tiles arrive by the tensor memory accelerator (host-built 2D
              descriptors K_DESC over (B*Hkv*Sk, D) and VT_DESC over (B*Hkv*D, keys); needs
              VT_PADDED), not by per-thread asynchronous copies: the copies' pipeline puts
@@ -42,7 +45,8 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
           CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr, KEY_BIAS: tl.constexpr, P_HW_CVT: tl.constexpr,
           ROWSUM_MMA: tl.constexpr, PV_PROMOTE: tl.constexpr, VT_PADDED: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-          WRITE_P: tl.constexpr, p_ptr, stride_pm, TMA_KV: tl.constexpr, k_desc, vt_desc, k_row, vt_row):
+          WRITE_P: tl.constexpr, p_ptr, stride_pm, TMA_KV: tl.constexpr, k_desc, vt_desc, k_row, vt_row,
+          PV_ADD: tl.constexpr):
     cols = start_n + offs_n
     offs_d = tl.arange(0, HEAD_DIM)
     # -- scores in log2 units: (Qv Kv^T) * (q_scale * softmax_scale * log2 e) * k_scale
@@ -96,12 +100,14 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
     # PV_PROMOTE: each tile's PV into a fresh accumulator, added to O in float32. Chained
     # on the tensor cores instead, O at 32768 keys was 0.07% small and 3x further from the
     # reference (rel. error 5.2e-3 vs 1.7e-3, nvfp4-fp8; docs/notes/hopper-forward.md)
-    if PV_PROMOTE:
-        # the tile's product on its own accumulator, then one float32 addition. (Asking
-        # Triton for it with max_num_imprecise_acc=BLOCK_N gives the same sums, but its
-        # lowering reads the accumulator inside the wgmma pipeline stage, and ptxas then
-        # serializes every wgmma of the kernel: C7514)
+    if PV_PROMOTE and PV_ADD:
+        # the tile's product on its own accumulator, then one float32 addition
         acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
+    elif PV_PROMOTE:
+        # the same sums through Triton's promotion; its lowering reads the accumulator
+        # inside the wgmma pipeline stage, and ptxas then serializes every wgmma of the
+        # kernel (C7514: each of QK^T's eight bf16 wgmmas waits for the one before)
+        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=BLOCK_N)
     else:
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
     if ROWSUM_MMA:
@@ -126,7 +132,7 @@ def attn_fwd_kernel(
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
     QK_PROMOTE: tl.constexpr = 32, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
     ROWSUM_MMA: tl.constexpr = False, PV_PROMOTE: tl.constexpr = True, VT_PADDED: tl.constexpr = False,
-    TMA_KV: tl.constexpr = False,
+    TMA_KV: tl.constexpr = False, PV_ADD: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
     tl.static_assert(VT_PADDED or not TMA_KV)
@@ -169,12 +175,12 @@ def attn_fwd_kernel(
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, QK_PROMOTE,
                               KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM,
-                              WRITE_P, p_ptr, stride_pm, TMA_KV, K_DESC, VT_DESC, k_row, vt_row)
+                              WRITE_P, p_ptr, stride_pm, TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
     for start_n in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
                               causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, QK_PROMOTE,
                               KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM,
-                              WRITE_P, p_ptr, stride_pm, TMA_KV, K_DESC, VT_DESC, k_row, vt_row)
+                              WRITE_P, p_ptr, stride_pm, TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)

@@ -82,7 +82,7 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
                     block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, rowsum_mma=None,
-                    qk_promote=32, pv_promote=True, lengths_div16=True, vt_padded=True, tma_kv=None):
+                    qk_promote=32, pv_promote=True, lengths_div16=True, vt_padded=True, tma_kv=None, pv_add=None):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given; sequence lengths specialized as multiples of 16 (as
     the JIT compiles it for such lengths) unless `lengths_div16` is False; V^T with rows
@@ -108,7 +108,7 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
                   CAUSAL=causal, WRITE_P=0, QK_PROMOTE=qk_promote, KEY_BIAS=key_bias,
                   P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt,
                   ROWSUM_MMA=launch.rowsum_mma if rowsum_mma is None else rowsum_mma, PV_PROMOTE=pv_promote,
-                  VT_PADDED=vt_padded, TMA_KV=tma_kv)
+                  VT_PADDED=vt_padded, TMA_KV=tma_kv, PV_ADD=launch.pv_add if pv_add is None else pv_add)
     aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or (lengths_div16 and n in _LENGTHS)]
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 

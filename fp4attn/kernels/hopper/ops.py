@@ -25,7 +25,7 @@ from fp4attn.reference.forward import LOG2E, log2_bias
 from fp4attn.reference.masks import key_mask_view
 
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
-LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv]]]": tuning
+LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add]]]]"
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,9 @@ class ForwardLaunch:
     hardware conversion, RNE as the bit arithmetic it replaces; rowsum_mma sums each P
     tile's rows on the tensor cores, as the PV product sums them, instead of in float32
     on the CUDA cores: docs/numerics.md; tma_kv loads K and V^T tiles by TMA, where the
-    operands allow it: `tma_descriptors`)."""
+    operands allow it: `tma_descriptors`; pv_add adds each tile's PV into O by a float32
+    addition of its own, which lets ptxas chain the wgmmas, instead of through Triton's
+    promotion)."""
 
     block_m: int = 128
     warps: int = 8
@@ -43,6 +45,7 @@ class ForwardLaunch:
     p_hw_cvt: bool = False
     rowsum_mma: bool = False
     tma_kv: bool = False
+    pv_add: bool = False
 
 
 # Measured at (8,16,4096,128) and (16,16,2048,64), kernel alone, TFLOP/s
@@ -57,12 +60,17 @@ class ForwardLaunch:
 # stages) then took the bf16-QK^T kernels at (8,16,4096,128) from 372 to 450 (fp8,
 # nvfp4-fp8; causal 348 -> 413, directp causal 240 -> 265) and at (4,16,8192,64) from
 # 330 to 366 (directp 144 -> 172), but the FP8-QK^T ones down (fp8-fastacc 478 -> 339:
-# 200 spill bytes instead of 152). Keyed by (head dim, QK^T on the FP8 tensor cores,
-# causal).
+# 200 spill bytes instead of 152). Adding each tile's PV into O by a float32 addition of
+# its own (pv_add) lets ptxas chain the bf16-QK^T kernels' wgmmas (h200-forward-pv-add.txt,
+# (8,16,4096,128): nvfp4-fp8 456 -> 497, causal 416 -> 447, directp 270 -> 288); not
+# measured at D=64, where it raises registers from 168 to 200-210 (no third program per
+# SM), so D=64 keeps Triton's promotion until it is. Keyed by (head dim, QK^T on the FP8
+# tensor cores, causal).
 DEFAULT_LAUNCH = {
     **{(128, True, causal): ForwardLaunch(64, 4, 2, True) for causal in (True, False)},
     **{(64, True, causal): ForwardLaunch(64, 4, 3, True) for causal in (True, False)},
-    **{(d, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for d in (64, 128) for causal in (True, False)},
+    **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True) for causal in (True, False)},
+    **{(64, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for causal in (True, False)},
 }
 
 
@@ -75,17 +83,17 @@ def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
     try:
         fields = [int(x) for x in spec.split(",")]
         block_m, warps, stages = fields[:3]
-        hw_cvt, rowsum_mma, tma_kv = (fields[3:] + [0, 0, 0])[:3]
-        if len(fields) > 6:
+        flags = (fields[3:] + [0, 0, 0, 0])[:4]
+        if len(fields) > 7:
             raise ValueError
     except ValueError as e:
-        raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected 'block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv]]]', "
-                         "e.g. '64,4,2' or '64,4,2,1,0,1'") from e
-    if (block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4
-            or {hw_cvt, rowsum_mma, tma_kv} - {0, 1}):
+        raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected "
+                         "'block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add]]]]', e.g. '64,4,2' or "
+                         "'64,4,2,1,0,1,1'") from e
+    if block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4 or set(flags) - {0, 1}:
         raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4, p_hw_cvt, "
-                         "rowsum_mma and tma_kv 0 or 1")
-    return ForwardLaunch(block_m, warps, stages, bool(hw_cvt), bool(rowsum_mma), bool(tma_kv))
+                         "rowsum_mma, tma_kv and pv_add 0 or 1")
+    return ForwardLaunch(block_m, warps, stages, *(bool(f) for f in flags))
 
 
 HEAD_DIMS = (64, 128)
@@ -176,6 +184,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
         ROWSUM_MMA=cfg.rowsum_mma, PV_PROMOTE=pv_promote, VT_PADDED=ops.vt_keys_padded, TMA_KV=descs is not None,
+        PV_ADD=cfg.pv_add,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )
