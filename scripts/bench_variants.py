@@ -14,14 +14,15 @@ B, H, S, D = 8, 16, 4096, 128
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 flops = 4 * B * H * S * S * D
 bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")
-variants = {"fp8 (exp2 P)": PRESETS["fp8"], "fp8-directp": PRESETS["fp8-directp"],
-            "fp8 QK + MXFP4 P by exp2": PRESETS["fp8-directp"].with_(p_build="exp2"),
+variants = {"fp8 (exp2 P)": PRESETS["fp8"], "fp8-fastacc": PRESETS["fp8-fastacc"],
+            "fp8-directp": PRESETS["fp8-directp"], "fp8-directp-fastacc": PRESETS["fp8-directp-fastacc"],
+            "fp8 QK + MXFP4 P by exp2": PRESETS["fp8-directp-fastacc"].with_(p_build="exp2"),
             "nvfp4-fp8 (bf16 QK)": PRESETS["nvfp4-fp8"], "directp (bf16 QK)": PRESETS["directp"]}
 print("| variant | QK promote | TFLOP/s |")
 print("|---|---|---|")
 for name, r in variants.items():
     ops = prepare_operands(q, k, v, r)
-    for promote in (32, 0) if r.qk == "fp8" else (32,):
+    for promote in (32, 0) if r.fast_accum else (32,):
         ms = bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=None,
                                           p_mode=P_MODES[(r.p, r.p_build)], qk_promote=promote))
         print(f"| {name} | {promote} | {flops / ms * 1e-9:.0f} |")
