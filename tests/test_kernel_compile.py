@@ -169,3 +169,25 @@ def test_exact_fp8_recipes_give_the_kernel_bf16_qk_with_the_e4m3_values():
         for a, b in ((ops.qs, ops8.qs), (ops.ks, ops8.ks), (ops.vt, ops8.vt), (ops.vs, ops8.vs)):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_tma_descriptors_cover_each_head_and_need_padded_vt():
+    """K as (B*Hkv*Sk, D) rows and V^T as (B*Hkv*D, padded keys) rows, tiles of the key
+    tile; None (the pointer loads) where V^T is not padded to whole tiles or K is not
+    contiguous."""
+    import dataclasses
+
+    from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
+    from fp4attn.kernels.hopper.ops import tma_descriptors
+
+    B, H, Sk, D = 2, 3, 200, 64
+    k = torch.zeros(B, H, Sk, D, dtype=torch.bfloat16)
+    rows = torch.zeros(B, H, D, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    vt = rows[..., :Sk]  # a view of rows padded to 256 keys, as the fused quantizers give it
+    s = torch.ones(B, H, Sk)
+    ops = KernelOperands(k, k, s, s, vt, torch.ones(B, H, D), vt_keys_padded=True)
+    kd, vd = tma_descriptors(ops, D)
+    assert list(kd.shape) == [B * H * Sk, D] and kd.block_shape == [BLOCK_N, D]
+    assert list(vd.shape) == [B * H * D, 256] and vd.block_shape == [D, BLOCK_N] and vd.strides == [256, 1]
+    assert tma_descriptors(dataclasses.replace(ops, vt_keys_padded=False), D) is None
+    assert tma_descriptors(dataclasses.replace(ops, k=k.transpose(1, 2).contiguous().transpose(1, 2)), D) is None
