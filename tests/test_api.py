@@ -333,3 +333,12 @@ def test_kernel_script_args_parse_shapes_recipes_and_causal_modes():
     assert args.causal == (True,) and not args.no_check
     with pytest.raises(SystemExit):
         kernel_script_args(argparse.ArgumentParser(), shapes="1,1,1,64", argv=["--causal", "maybe"])
+
+
+def test_quantize_qk_fp8_rejects_other_output_dtypes():
+    pytest.importorskip("triton")
+    from fp4attn.kernels.hopper.quantize import quantize_qk_fp8
+
+    for bad in (torch.float16, torch.float32, torch.float8_e5m2):
+        with pytest.raises(ValueError, match="dtype float8_e4m3fn or bfloat16"):
+            quantize_qk_fp8(torch.zeros(2, 64), dtype=bad)

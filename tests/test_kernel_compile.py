@@ -186,8 +186,8 @@ def test_tma_descriptors_cover_each_head_and_need_padded_vt():
     vt = rows[..., :Sk]  # a view of rows padded to 256 keys, as the fused quantizers give it
     s = torch.ones(B, H, Sk)
     ops = KernelOperands(k, k, s, s, vt, torch.ones(B, H, D), vt_keys_padded=True)
-    kd, vd = tma_descriptors(ops, D)
+    kd, vd = tma_descriptors(ops)
     assert list(kd.shape) == [B * H * Sk, D] and kd.block_shape == [BLOCK_N, D]
     assert list(vd.shape) == [B * H * D, 256] and vd.block_shape == [D, BLOCK_N] and vd.strides == [256, 1]
-    assert tma_descriptors(dataclasses.replace(ops, vt_keys_padded=False), D) is None
-    assert tma_descriptors(dataclasses.replace(ops, k=k.transpose(1, 2).contiguous().transpose(1, 2)), D) is None
+    assert tma_descriptors(dataclasses.replace(ops, vt_keys_padded=False)) is None
+    assert tma_descriptors(dataclasses.replace(ops, k=k.transpose(1, 2).contiguous().transpose(1, 2))) is None

@@ -52,16 +52,13 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
     # -- scores in log2 units: (Qv Kv^T) * (q_scale * softmax_scale * log2 e) * k_scale
     if TMA_KV:
         k = k_desc.load([k_row + start_n, 0])
-        if MASK:
-            b_j = tl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
-        else:
-            b_j = tl.load(ks_ptr + cols)
     elif MASK:
-        kmask = cols < Sk
-        k = tl.load(k_ptr + cols[:, None] * stride_kn + offs_d[None, :], mask=kmask[:, None], other=0.0)
-        b_j = tl.load(ks_ptr + cols, mask=kmask, other=0.0)
+        k = tl.load(k_ptr + cols[:, None] * stride_kn + offs_d[None, :], mask=(cols < Sk)[:, None], other=0.0)
     else:
         k = tl.load(k_ptr + cols[:, None] * stride_kn + offs_d[None, :])
+    if MASK:
+        b_j = tl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
+    else:
         b_j = tl.load(ks_ptr + cols)
     # fp8 wgmma accumulates with reduced precision; promoting into fp32 every 32 products
     # keeps the scores within fp32 rounding of the reference (P codes depend on them)

@@ -127,7 +127,7 @@ def unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
     return None
 
 
-def tma_descriptors(ops: KernelOperands, head_dim: int) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """Host-built TMA descriptors of K, (B*Hkv*Sk, D) in tiles of (BLOCK_N, D), and of
     V^T, (B*Hkv*D, keys) in tiles of (D, BLOCK_N); None where the operands do not allow
     them (TMA needs contiguous rows with 16-byte strides, and V^T padded to whole tiles
@@ -141,8 +141,8 @@ def tma_descriptors(ops: KernelOperands, head_dim: int) -> tuple[TensorDescripto
     rows = vt.stride(2)  # keys per V^T row, Sk padded to whole tiles
     k2 = k.view(B * Hkv * Sk, D)
     vt2 = vt.as_strided((B * Hkv * D, rows), (rows, 1))
-    return (TensorDescriptor(k2, list(k2.shape), [D, 1], [BLOCK_N, head_dim]),
-            TensorDescriptor(vt2, list(vt2.shape), [rows, 1], [head_dim, BLOCK_N]))
+    return (TensorDescriptor(k2, list(k2.shape), [D, 1], [BLOCK_N, D]),
+            TensorDescriptor(vt2, list(vt2.shape), [rows, 1], [D, BLOCK_N]))
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
@@ -171,7 +171,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     dbg = torch.zeros((B, H, sq_pad, Sk) if write_p else (1, 1, 1, 1), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
     kb = key_bias.contiguous() if key_bias is not None else lse  # never read without KEY_BIAS
-    descs = tma_descriptors(ops, D) if cfg.tma_kv else None
+    descs = tma_descriptors(ops) if cfg.tma_kv else None
     attn_fwd_kernel[grid](
         q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg, kb, *(descs or (None, None)),
         q.stride(0), q.stride(1), q.stride(2),
