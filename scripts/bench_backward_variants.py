@@ -1,11 +1,12 @@
 """Backward launch variants for docs/notes/hopper-train.md, one run: the backward op
-alone under each `BackwardConfig` (the defaults, then the dq_atomic variant in a few
-launch shapes), next to the forward and to SDPA cuDNN bf16's forward+backward, causal.
+alone under each `BackwardConfig` (the defaults, then the operand tiles by TMA in a
+few launch shapes), next to the forward and to SDPA cuDNN bf16's forward+backward, causal.
 Prints a Markdown table.
 
     python scripts/bench_backward_variants.py [--defaults-only]
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -17,17 +18,45 @@ from fp4attn.kernels.hopper.training import BackwardConfig
 from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
-# the defaults first, then dQ added by the dkdv programs with atomics (no dq kernel); the
-# variants measured before are at commit 54392bf (benchmarks/results/h200-backward-variants.txt)
+# the defaults first, then the loops' operand tiles by TMA; the dq_atomic variants were
+# measured at commit 3f801e5 (benchmarks/results/h200-backward-variants-dq-atomic.txt), the
+# launch shapes at 54392bf (benchmarks/results/h200-backward-variants.txt)
+C = BackwardConfig
 VARIANTS = {
-    64: [BackwardConfig(), BackwardConfig(block_n_dkdv=64, dq_atomic=True),
-         BackwardConfig(block_n_dkdv=64, dq_atomic=True, warps_dkdv=4),
-         BackwardConfig(block_n_dkdv=64, dq_atomic=True, stages_dkdv=1)],
-    128: [BackwardConfig(block_n_dkdv=64), BackwardConfig(block_n_dkdv=64, dq_atomic=True),
-          BackwardConfig(block_n_dkdv=64, dq_atomic=True, stages_dkdv=1)],
+    64: [C(tma=True), C(block_n_dkdv=64, warps_dkdv=4, tma=True), C(tma=True, block_m_dq=64, warps_dq=4),
+         C(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True),
+         C(block_n_dkdv=64, warps_dkdv=4, stages_dkdv=3, block_m_dq=64, warps_dq=4, tma=True)],
+    128: [C(block_n_dkdv=64, tma=True), C(block_n_dkdv=64, warps_dkdv=4, tma=True),
+          C(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True),
+          C(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True),
+          C(block_n_dkdv=64, warps_dkdv=4, stages_dkdv=1, block_m_dq=64, warps_dq=4, tma=True)],
 }
-print("| B,H,S,D | config | bwd ms | fwd ms | cuDNN fwd+bwd ms | ours fwd+bwd / cuDNN |")
-print("|---|---|---|---|---|---|")
+
+
+def short(cfg: BackwardConfig) -> str:
+    """The fields that differ from BackwardConfig()'s."""
+    diff = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(BackwardConfig(), f.name)]
+    return ", ".join(diff) or "BackwardConfig()"
+
+
+def kernel_times(fn, iters: int = 5) -> dict[str, float]:
+    """Device ms per call of each kernel `fn` launches (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.key] = out.get(e.key, 0.0) + e.device_time_total / 1e3 / iters
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+print("| B,H,S,D | config | bwd ms | fwd ms | cuDNN fwd+bwd ms | ours fwd+bwd / cuDNN | max rel. diff to the first config |")
+print("|---|---|---|---|---|---|---|")
 for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
@@ -38,19 +67,29 @@ for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
     saved = torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5)
     fwd = bench(lambda: torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5))
     default = training.BACKWARD_CONFIGS[D]
+    backward = lambda: torch.ops.fp4attn.hopper_train_backward(dout, *saved, r.p, r.p_build, 0, True, D**-0.5)  # noqa: E731
+    first = None
     for cfg in [default] if "--defaults-only" in sys.argv else VARIANTS[D]:
         training.BACKWARD_CONFIGS[D] = cfg
         try:
-            ms = bench(lambda: torch.ops.fp4attn.hopper_train_backward(dout, *saved, r.p, r.p_build, 0, True, D**-0.5))
+            grads = backward()
+            ms = bench(backward)
         except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
-            print(f"| {B},{H},{S},{D} | {cfg} | failed: {type(e).__name__} | | | |")
+            print(f"| {B},{H},{S},{D} | {short(cfg)} | failed: {type(e).__name__} | | | | |")
             continue
-        print(f"| {B},{H},{S},{D} | {cfg} | {ms:.2f} | {fwd:.2f} | {cudnn:.2f} | {cudnn / (ms + fwd):.2f}x |")
+        # the GPU tests check the default against the reference; the others against it
+        first = first or grads
+        diff = max(float((g - f).norm() / f.norm()) for g, f in zip(grads, first))
+        bad = not all(bool(torch.isfinite(g).all()) for g in grads)
+        print(f"| {B},{H},{S},{D} | {short(cfg)} | {ms:.2f} | {fwd:.2f} | {cudnn:.2f} | {cudnn / (ms + fwd):.2f}x | "
+              f"{'non-finite' if bad else f'{diff:.1e}'} |")
     training.BACKWARD_CONFIGS[D] = default
+    for name, ms in kernel_times(backward).items():
+        print(f"| {B},{H},{S},{D} | default, kernel {name[:60]} | {ms:.3f} | | | | |")
     # prep alone: the fused quantizers (and delta) before the two kernels
     out, _, q_codes, q_bscale, k_codes, k_bscale, *rest = saved
     decode = bench(lambda: (decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)))
     qv, kv = decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)
     prep = bench(lambda: training.backward_operands(dout, out, qv, kv, *rest))
-    print(f"| {B},{H},{S},{D} | decoding the saved NVFP4 Q/K alone | {decode:.2f} | | | |")
-    print(f"| {B},{H},{S},{D} | backward operand quantizers alone | {prep:.2f} | | | |")
+    print(f"| {B},{H},{S},{D} | decoding the saved NVFP4 Q/K alone | {decode:.2f} | | | | |")
+    print(f"| {B},{H},{S},{D} | backward operand quantizers alone | {prep:.2f} | | | | |")

@@ -191,3 +191,33 @@ def test_tma_descriptors_cover_each_head_and_need_padded_vt():
     assert list(vd.shape) == [B * H * D, 256] and vd.block_shape == [D, BLOCK_N] and vd.strides == [256, 1]
     assert tma_descriptors(dataclasses.replace(ops, vt_keys_padded=False)) is None
     assert tma_descriptors(dataclasses.replace(ops, k=k.transpose(1, 2).contiguous().transpose(1, 2))) is None
+
+
+def test_backward_descriptors_read_whole_tiles_of_one_head():
+    """Token-major operands as (B*heads*S, D) rows in (DS_BLOCK, D) tiles, channel-major
+    ones as (B*heads*D, S) rows in (D, DS_BLOCK) tiles; None (pointer loads) when a
+    length is not a whole number of tiles or an operand is not contiguous."""
+    from fp4attn.kernels.hopper.training import backward_descriptors
+    from fp4attn.reference.backward import DS_BLOCK
+
+    def operands(B, H, Hkv, Sq, Sk, D):
+        e4m3 = torch.float8_e4m3fn
+        q, do_t = torch.zeros(B, H, Sq, D, dtype=torch.bfloat16), torch.zeros(B, H, Sq, D).to(e4m3)
+        do_c, q_c = (torch.zeros(B, H, D, Sq).to(e4m3) for _ in range(2))
+        k, v_t, k_c = torch.zeros(B, Hkv, Sk, D, dtype=torch.bfloat16), torch.zeros(B, Hkv, Sk, D).to(e4m3), \
+            torch.zeros(B, Hkv, D, Sk).to(e4m3)
+        return q, do_t, do_c, q_c, k, v_t, k_c
+
+    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 192, 320, 64
+    d = backward_descriptors(*operands(B, H, Hkv, Sq, Sk, D))
+    assert list(d["Q"].shape) == [B * H * Sq, D] and d["Q"].block_shape == [DS_BLOCK, D]
+    assert list(d["DO_T"].shape) == [B * H * Sq, D] and d["DO_T"].block_shape == [DS_BLOCK, D]
+    for name, heads, length in (("DO_C", H, Sq), ("Q_C", H, Sq), ("K_C", Hkv, Sk)):
+        assert list(d[name].shape) == [B * heads * D, length] and d[name].block_shape == [D, DS_BLOCK]
+        assert d[name].strides == [length, 1]
+    assert list(d["K"].shape) == [B * Hkv * Sk, D] and list(d["V_T"].shape) == [B * Hkv * Sk, D]
+    assert backward_descriptors(*operands(B, H, Hkv, Sq + 1, Sk, D)) is None
+    assert backward_descriptors(*operands(B, H, Hkv, Sq, Sk - 16, D)) is None
+    ops = list(operands(B, H, Hkv, Sq, Sk, D))
+    ops[0] = ops[0].transpose(1, 2).contiguous().transpose(1, 2)
+    assert backward_descriptors(*ops) is None

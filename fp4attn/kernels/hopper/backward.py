@@ -71,11 +71,14 @@ def _p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
 def _dkdv_tile(dk, dv, k, v, b_j, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset,
                qk_scale, Q, QS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, DQ,
                HEAD_DIM: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-               HW_CVT: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+               HW_CVT: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr):
     offs_m = start_m + offs_mb
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
-    q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if TMA:  # whole tiles only (Sq a multiple of BLOCK_M): no row of another head is read
+        q = Q.load([(row_off + start_m).to(tl.int32), 0])
+    else:
+        q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     a_i = tl.load(QS + row_off + offs_m, mask=row_ok, other=0.0) * qk_scale
     lse2 = tl.load(LSE2 + row_off + offs_m, mask=row_ok, other=float("inf"))
     tt = _log2_scores_t(k, q, a_i, b_j)
@@ -87,18 +90,28 @@ def _dkdv_tile(dk, dv, k, v, b_j, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_
     xt = tt - lse2[None, :]
     pt = tl.math.exp2(xt)
     # dV += P_r^T dO_c (P_r times 2**8; dO_c's channel scale differs per query head)
-    do_c = tl.load(DO_C + hd_off * Sq + offs_d[:, None] * Sq + offs_m[None, :], mask=row_ok[None, :], other=0.0)
+    if TMA:
+        do_c = DO_C.load([hd_off.to(tl.int32), start_m])
+    else:
+        do_c = tl.load(DO_C + hd_off * Sq + offs_d[:, None] * Sq + offs_m[None, :], mask=row_ok[None, :], other=0.0)
     do_cs = tl.load(DO_CS + hd_off + offs_d)
     dv += tl.dot(_p_r(xt, pt, P_MODE, HW_CVT), tl.trans(do_c)) * do_cs[None, :]
     # dP^T = V_t dO_t^T on per-token e4m3 views
-    do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if TMA:
+        do_t = DO_T.load([(row_off + start_m).to(tl.int32), 0])
+    else:
+        do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None],
+                       other=0.0)
     do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
     dpt = tl.dot(v, tl.trans(do_t)) * v_s[:, None] * do_s[None, :]
     dst = pt * (dpt - delta[None, :])
     # dK += dS^T Q_c: dS^T in e4m3 with one scale per key over this query tile
     ds_g, ds_s = _e4m3_rows(dst, 1, HW_CVT)
-    q_c = tl.load(Q_C + hd_off * Sq + offs_d[:, None] * Sq + offs_m[None, :], mask=row_ok[None, :], other=0.0)
+    if TMA:
+        q_c = Q_C.load([hd_off.to(tl.int32), start_m])
+    else:
+        q_c = tl.load(Q_C + hd_off * Sq + offs_d[:, None] * Sq + offs_m[None, :], mask=row_ok[None, :], other=0.0)
     q_cs = tl.load(Q_CS + hd_off + offs_d)
     dk += tl.dot(ds_g, tl.trans(q_c)) * ds_s[:, None] * q_cs[None, :]
     if DQ_ATOMIC:
@@ -124,6 +137,7 @@ def attn_bwd_dkdv_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr = True, DQ_ATOMIC: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16; QS/KS per-token
     fp32 scales; LSE2 (lse * log2 e, +inf for rows that see no key) and DELTA (B, H, Sq)
@@ -178,24 +192,27 @@ def attn_bwd_dkdv_kernel(
         for start_m in range(lo, mid, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, b_j, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
                                 Sk, causal_offset, qk_scale, Q, QS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
-                                DQ, HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, DQ_ATOMIC)
+                                DQ, HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, DQ_ATOMIC, TMA)
         for start_m in range(mid, Sq, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, b_j, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
                                 Sk, causal_offset, qk_scale, Q, QS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
-                                DQ, HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, DQ_ATOMIC)
+                                DQ, HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, DQ_ATOMIC, TMA)
     out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, dk * sm_scale, mask=key_ok[:, None])
     tl.store(DV + out, dv * (1.0 / (1 << P_OFFSET_LOG2)), mask=key_ok[:, None])
 
 
 @triton.jit
-def _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, Sk, causal_offset,
+def _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk, causal_offset,
              K, KS, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-             HW_CVT: tl.constexpr):
+             HW_CVT: tl.constexpr, TMA: tl.constexpr):
     offs_n = start_n + offs_nb
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < Sk
-    k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    if TMA:  # whole tiles only (Sk a multiple of BLOCK_N): no key of another head is read
+        k = K.load([(kv_off + start_n).to(tl.int32), 0])
+    else:
+        k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     b_j = tl.load(KS + kv_off + offs_n, mask=key_ok, other=0.0)
     s = tl.dot(q, tl.trans(k))
     t = log2_scores(s, a_i[:, None], b_j[None, :])
@@ -205,13 +222,19 @@ def _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_o
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
         t = tl.where(visible, t, -float("inf"))
     p = tl.math.exp2(t - lse2[:, None])
-    v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    if TMA:
+        v = V_T.load([(kv_off + start_n).to(tl.int32), 0])
+    else:
+        v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
     dp = tl.dot(do_t, tl.trans(v)) * do_s[:, None] * v_s[None, :]
     ds = p * (dp - delta[:, None])
     # dQ += dS K_c: dS in e4m3 with one scale per query row over this key tile
     ds_g, ds_s = _e4m3_rows(ds, 1, HW_CVT)
-    k_c = tl.load(K_C + kv_off * HEAD_DIM + offs_d[:, None] * Sk + offs_n[None, :], mask=key_ok[None, :], other=0.0)
+    if TMA:
+        k_c = K_C.load([kvd_off.to(tl.int32), start_n])
+    else:
+        k_c = tl.load(K_C + kvd_off * Sk + offs_d[:, None] * Sk + offs_n[None, :], mask=key_ok[None, :], other=0.0)
     return dq + tl.dot(ds_g, tl.trans(k_c)) * ds_s[:, None]
 
 
@@ -220,7 +243,7 @@ def attn_bwd_dq_kernel(
     Q, K, QS, KS, LSE2, DELTA, DO_T, DO_TS, V_T, V_TS, K_C, K_CS, DQ,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HW_CVT: tl.constexpr = True,
+    HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False,
 ):
     """Layouts as `attn_bwd_dkdv_kernel`; K_C (B, Hkv, D, Sk) e4m3 with K_CS (B, Hkv, D).
     DQ (B, H, Sq, D) fp32."""
@@ -236,6 +259,7 @@ def attn_bwd_dq_kernel(
     row_ok = offs_m < Sq
     row_off = (b.to(tl.int64) * H + h) * Sq
     kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
+    kvd_off = (b.to(tl.int64) * Hkv + hk) * HEAD_DIM  # this head's first row of K_C
 
     q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     a_i = tl.load(QS + row_off + offs_m, mask=row_ok, other=0.0) * qk_scale
@@ -252,11 +276,11 @@ def attn_bwd_dq_kernel(
         hi = tl.maximum(tl.minimum(start_m + BLOCK_M + causal_offset, Sk), 0)
         full = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, full)
     for start_n in range(0, full, BLOCK_N):
-        dq = _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, Sk, causal_offset,
-                      K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT)
+        dq = _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
+                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT, TMA)
     for start_n in range(full, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, Sk, causal_offset,
-                      K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT)
-    k_cs = tl.load(K_CS + (b.to(tl.int64) * Hkv + hk) * HEAD_DIM + offs_d)
+        dq = _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
+                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT, TMA)
+    k_cs = tl.load(K_CS + kvd_off + offs_d)
     dq = dq * k_cs[None, :] * sm_scale
     tl.store(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq, mask=row_ok[:, None])

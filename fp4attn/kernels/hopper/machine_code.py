@@ -158,10 +158,16 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal, HW_CVT=cfg.hw_cvt)
         num_warps, num_stages = cfg.warps_dq, cfg.stages_dq
     sig = {n: "*fp8e4nv" if n in fp8 else "*bf16" if n in ("Q", "K") else "*fp32" for n in ptrs}
+    if cfg.tma:  # the loop's tiles by TMA, as `training.backward_descriptors` builds them
+        tiles = dict(Q=False, DO_T=False, DO_C=True, Q_C=True) if part == "dkdv" else dict(K=False, V_T=False, K_C=True)
+        for n, channel_major in tiles.items():
+            block = f"{head_dim}, {DS_BLOCK}" if channel_major else f"{DS_BLOCK}, {head_dim}"
+            sig[n] = f"tensordesc<{sig[n][1:]}[{block}]>"
+        consts["TMA"] = True
     sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")})
     sig.update(qk_scale="fp32", sm_scale="fp32")
-    return _compile_sm90(fn, sig, consts, list(ptrs) + (list(_LENGTHS) if lengths_div16 else []), num_warps,
-                         num_stages)
+    aligned = [n for n in ptrs if sig[n].startswith("*")] + (list(_LENGTHS) if lengths_div16 else [])
+    return _compile_sm90(fn, sig, consts, aligned, num_warps, num_stages)
 
 
 def _cuobjdump(kernel, flag: str) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
@@ -53,11 +54,20 @@ class BackwardConfig:
     # block_n_dkdv = 64; the deterministic two-kernel path runs when
     # torch.are_deterministic_algorithms_enabled())
     dq_atomic: bool = False
+    # the loop's operand tiles (Q, dO, Q_c, dO_c in dkdv; K, V, K_c in dq) by TMA where
+    # the lengths are whole tiles (`backward_descriptors`); pointer loads otherwise
+    tma: bool = False
 
 
-# per head dim, the fastest of `scripts/bench_backward_variants.py` on the H200 (causal
-# (4,16,4096,128) and (8,16,4096,64); docs/notes/hopper-train.md)
-BACKWARD_CONFIGS = {64: BackwardConfig(), 128: BackwardConfig(block_n_dkdv=64)}
+# per head dim, the fastest of `scripts/bench_backward_variants.py` on the H200, causal
+# (4,16,4096,128) and (8,16,4096,64), backward ms (benchmarks/results/
+# h200-backward-variants-tma.txt; docs/notes/hopper-train.md): tiles by TMA 4.89 -> 4.70
+# and 5.13 -> 4.99; dq programs of 64 queries and 4 warps (two per SM) -> 4.52 and 4.48;
+# at D=64 also dkdv programs of 64 keys and 4 warps -> 4.20 (at D=128 those spill, 4.78)
+BACKWARD_CONFIGS = {
+    64: BackwardConfig(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True),
+    128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True),
+}
 BACKWARD_ENV = "FP4ATTN_BACKWARD_DQ_ATOMIC"  # "1": the dq_atomic variant at 64 keys per dkdv program (tuning)
 
 
@@ -142,6 +152,27 @@ def backward_operands(dout, out, qv, kv, qs, ks, vt, vs):
     return do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta
 
 
+def backward_descriptors(q, do_t, do_c, q_c, k, v_t, k_c) -> dict[str, TensorDescriptor] | None:
+    """Host-built TMA descriptors of the tiles each backward loop reads, by kernel
+    argument name: token-major operands (B*heads*S, D) in tiles of (DS_BLOCK, D),
+    channel-major ones (B*heads*D, S) in tiles of (D, DS_BLOCK). None unless both
+    lengths are whole tiles (then no tile reads a row of the next head, whose values,
+    NaN included, would otherwise meet a finite P or dS) and every operand is
+    contiguous and 16-byte aligned, as TMA needs."""
+    Sq, Sk = q.shape[2], k.shape[2]
+    ops = (q, do_t, do_c, q_c, k, v_t, k_c)
+    if Sq % DS_BLOCK or Sk % DS_BLOCK or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ops):
+        return None
+
+    def desc(t: torch.Tensor, channel_major: bool) -> TensorDescriptor:
+        t2 = t.view(-1, t.shape[-1])
+        block = [t.shape[-2], DS_BLOCK] if channel_major else [DS_BLOCK, t.shape[-1]]
+        return TensorDescriptor(t2, list(t2.shape), [t2.shape[1], 1], block)
+
+    return dict(Q=desc(q, False), DO_T=desc(do_t, False), DO_C=desc(do_c, True), Q_C=desc(q_c, True),
+                K=desc(k, False), V_T=desc(v_t, False), K_C=desc(k_c, True))
+
+
 def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale):
     """Quantize the backward's operand views and run the dkdv and dq kernels: fp32
     (dq, dk, dv)."""
@@ -158,18 +189,21 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
     dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=torch.float32)
     dv = torch.empty_like(dk)
     off = causal_offset if causal else 0
+    descs = backward_descriptors(qv, do_t, do_c, q_c, kv, v_t, k_c) if cfg.tma else None
+    tiles = descs or dict(Q=qv, DO_T=do_t, DO_C=do_c, Q_C=q_c, K=kv, V_T=v_t, K_C=k_c)
     attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
-        qv, kv, qs, ks, lse2, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv, k_c, k_cs, dq,
-        H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
+        tiles["Q"], kv, qs, ks, lse2, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
+        q_cs, dk, dv, k_c, k_cs, dq, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=P_MODES[(p, p_build)], CAUSAL=causal,
-        HW_CVT=cfg.hw_cvt, DQ_ATOMIC=atomic, num_warps=cfg.warps_dkdv, num_stages=cfg.stages_dkdv)
+        HW_CVT=cfg.hw_cvt, DQ_ATOMIC=atomic, TMA=descs is not None, num_warps=cfg.warps_dkdv,
+        num_stages=cfg.stages_dkdv)
     if atomic:
         return dq, dk, dv
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
-        qv, kv, qs, ks, lse2, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq,
+        qv, tiles["K"], qs, ks, lse2, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
-        HW_CVT=cfg.hw_cvt, num_warps=cfg.warps_dq, num_stages=cfg.stages_dq)
+        HW_CVT=cfg.hw_cvt, TMA=descs is not None, num_warps=cfg.warps_dq, num_stages=cfg.stages_dq)
     return dq, dk, dv
 
 
