@@ -67,7 +67,8 @@ for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
     saved = torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5)
     fwd = bench(lambda: torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5))
     default = training.BACKWARD_CONFIGS[D]
-    backward = lambda: torch.ops.fp4attn.hopper_train_backward(dout, *saved, r.p, r.p_build, 0, True, D**-0.5)  # noqa: E731
+    backward = lambda: torch.ops.fp4attn.hopper_train_backward(dout, *saved, r.p, r.p_build, 0, True, D**-0.5,  # noqa: E731
+                                                               *[torch.bfloat16] * 3)
     first = None
     for cfg in [default] if "--defaults-only" in sys.argv else VARIANTS[D]:
         training.BACKWARD_CONFIGS[D] = cfg

@@ -131,8 +131,10 @@ def test_training_forward_keeps_the_packed_nvfp4_payload():
         assert (vt.dtype, vt.shape) == (torch.float8_e4m3fn, (B, Hkv, D, S))
         per_element = sum(t.numel() * t.element_size() for t in saved) / q.numel()
         assert 4.1 < per_element < 4.2, per_element  # 4.125 + the LSE
-        grads = torch.ops.fp4attn.hopper_train_backward(out, *saved, "fp8", "exp2", 0, True, D**-0.5)
+        dtypes = [torch.bfloat16, torch.float16, torch.float32]
+        grads = torch.ops.fp4attn.hopper_train_backward(out, *saved, "fp8", "exp2", 0, True, D**-0.5, *dtypes)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        assert [g.dtype for g in grads] == dtypes
 
 
 def test_packed_nvfp4_entry_points_reject_bad_input():

@@ -23,8 +23,11 @@ sums dK and dV over the query heads of a group inside one program. The DQ_ATOMIC
 variant of the dkdv kernel adds dQ with atomics instead of running the dq kernel
 (`training.BackwardConfig.dq_atomic`; not deterministic, so never under
 `torch.use_deterministic_algorithms`). Rows that see no
-key arrive with LSE2 = +inf (the caller's), so their P is 0 without a per-element test;
-only tiles on the causal diagonal or past Sk build a mask (MASK).
+key (LSE -inf) get a log2 LSE of +inf, so their P is 0 without a per-element test; only
+tiles on the causal diagonal or past Sk build a mask (MASK). The kernels read the
+forward's LSE and write the gradients in their dtype, so that nothing runs between the
+operand quantizers and them, or after them (each launch costs host time, which bounds
+the attention of a small batch: scripts/profile_train_step.py).
 
 HW_CVT: the e4m3 operands (P_r for FP8 P, and dS) are rounded by the hardware's packed
 conversion (cvt.rn.satfinite, round-to-nearest-even with saturation, as the reference)
@@ -34,7 +37,12 @@ instead of the float32 bit arithmetic the forward needs for its row sums.
 import triton
 import triton.language as tl
 
+from triton.language.extra import libdevice
+
 from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, fp8_scale_inv, log2_scores, round_e4m3
+from fp4attn.reference.forward import LOG2E as _LOG2E
+
+LOG2E = tl.constexpr(_LOG2E)
 
 
 @triton.jit
@@ -68,8 +76,8 @@ def _p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, b_j, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset,
-               qk_scale, Q, QS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, DQ,
+def _dkdv_tile(dk, dv, k, v, b, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset,
+               a, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, DQ,
                HEAD_DIM: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
                HW_CVT: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr):
     offs_m = start_m + offs_mb
@@ -79,9 +87,8 @@ def _dkdv_tile(dk, dv, k, v, b_j, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_
         q = Q.load([(row_off + start_m).to(tl.int32), 0])
     else:
         q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    a_i = tl.load(QS + row_off + offs_m, mask=row_ok, other=0.0) * qk_scale
-    lse2 = tl.load(LSE2 + row_off + offs_m, mask=row_ok, other=float("inf"))
-    tt = _log2_scores_t(k, q, a_i, b_j)
+    lse2 = _lse2(LSE + row_off + offs_m, row_ok)
+    tt = log2_scores(tl.dot(k, tl.trans(q)), a, b)
     if MASK:
         visible = (offs_n < Sk)[:, None]
         if CAUSAL:
@@ -125,25 +132,28 @@ def _dkdv_tile(dk, dv, k, v, b_j, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_
 
 
 @triton.jit
-def _log2_scores_t(k, q, a_i, b_j):
-    """S^T tile (keys, queries) in log2 units, rounded as the forward rounds S."""
-    st = tl.dot(k, tl.trans(q))
-    return log2_scores(st, a_i[None, :], b_j[:, None])
+def _lse2(ptrs, rows_ok):
+    """The forward's LSE in log2 units (rounded alone, never contracted into the
+    subtraction that follows), +inf for rows that see no key (LSE -inf) and rows past
+    Sq, so that their P is 0 without a test per element; NaN stays NaN."""
+    lse = tl.load(ptrs, mask=rows_ok, other=-float("inf"))
+    return tl.where(lse == -float("inf"), float("inf"), libdevice.mul_rn(lse, LOG2E))
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, QS, KS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, V_T, V_TS, Q_C, Q_CS, DK, DV, K_C, K_CS, DQ,
+    Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, V_T, V_TS, Q_C, Q_CS, DK, DV, K_C, K_CS, DQ,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr = True, DQ_ATOMIC: tl.constexpr = False,
     TMA: tl.constexpr = False,
 ):
-    """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16; QS/KS per-token
-    fp32 scales; LSE2 (lse * log2 e, +inf for rows that see no key) and DELTA (B, H, Sq)
-    fp32; DO_T (B, H, Sq, D) e4m3 with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with
+    """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16 (NVFP4 grid
+    values); QS/KS (1,) fp32, the tensor decode scales of Q and K; LSE (the forward's, -inf
+    for rows that see no key) and DELTA (B, H, Sq) fp32; DO_T (B, H, Sq, D) e4m3 with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with
     DO_CS (B, H, D); V_T (B, Hkv, Sk, D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq)
-    e4m3 with Q_CS (B, H, D). DK, DV (B, Hkv, Sk, D) fp32.
+    e4m3 with Q_CS (B, H, D). DK, DV (B, Hkv, Sk, D), float32 sums stored in their
+    dtype (the gradients' dtype; DQ's likewise).
 
     DQ_ATOMIC: the program also adds its keys' share of dQ into DQ (B, H, Sq, D) fp32,
     zero-filled by the caller, with float32 atomics (K_C, K_CS as `attn_bwd_dq_kernel`
@@ -163,7 +173,8 @@ def attn_bwd_dkdv_kernel(
 
     kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
     k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    b_j = tl.load(KS + kv_off + offs_n, mask=key_ok, other=0.0)
+    a = tl.load(QS) * qk_scale  # every query's scale: the tensor's, times softmax scale * log2 e
+    b = tl.load(KS)
     v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
     k_c = v  # placeholders, read only with DQ_ATOMIC
@@ -177,7 +188,7 @@ def attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     # query tiles start at multiples of BLOCK_M (dS's scale block for dK): [lo, mid)
     # straddle the causal diagonal, [mid, Sq) see every key of this block (rows past Sq
-    # have P = 0 through LSE2's +inf); a block that runs past Sk masks every tile
+    # have P = 0 through their log2 LSE of +inf); a block that runs past Sk masks every tile
     lo = 0
     mid = 0
     if CAUSAL:
@@ -190,21 +201,21 @@ def attn_bwd_dkdv_kernel(
         row_off = (b.to(tl.int64) * H + h) * Sq
         hd_off = (b.to(tl.int64) * H + h) * HEAD_DIM
         for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, b_j, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
-                                Sk, causal_offset, qk_scale, Q, QS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+            dk, dv = _dkdv_tile(dk, dv, k, v, b, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
+                                Sk, causal_offset, a, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
                                 DQ, HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, DQ_ATOMIC, TMA)
         for start_m in range(mid, Sq, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, b_j, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
-                                Sk, causal_offset, qk_scale, Q, QS, LSE2, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+            dk, dv = _dkdv_tile(dk, dv, k, v, b, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
+                                Sk, causal_offset, a, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
                                 DQ, HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, DQ_ATOMIC, TMA)
     out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
-    tl.store(DK + out, dk * sm_scale, mask=key_ok[:, None])
-    tl.store(DV + out, dv * (1.0 / (1 << P_OFFSET_LOG2)), mask=key_ok[:, None])
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + out, (dv * (1.0 / (1 << P_OFFSET_LOG2))).to(DV.dtype.element_ty), mask=key_ok[:, None])
 
 
 @triton.jit
-def _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk, causal_offset,
-             K, KS, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+def _dq_tile(dq, q, a, b, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk, causal_offset,
+             K, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
              HW_CVT: tl.constexpr, TMA: tl.constexpr):
     offs_n = start_n + offs_nb
     offs_d = tl.arange(0, HEAD_DIM)
@@ -213,9 +224,7 @@ def _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_o
         k = K.load([(kv_off + start_n).to(tl.int32), 0])
     else:
         k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    b_j = tl.load(KS + kv_off + offs_n, mask=key_ok, other=0.0)
-    s = tl.dot(q, tl.trans(k))
-    t = log2_scores(s, a_i[:, None], b_j[None, :])
+    t = log2_scores(tl.dot(q, tl.trans(k)), a, b)
     if MASK:
         visible = key_ok[None, :]
         if CAUSAL:
@@ -240,13 +249,13 @@ def _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_o
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, QS, KS, LSE2, DELTA, DO_T, DO_TS, V_T, V_TS, K_C, K_CS, DQ,
+    Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, V_T, V_TS, K_C, K_CS, DQ,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False,
 ):
     """Layouts as `attn_bwd_dkdv_kernel`; K_C (B, Hkv, D, Sk) e4m3 with K_CS (B, Hkv, D).
-    DQ (B, H, Sq, D) fp32."""
+    DQ (B, H, Sq, D) in the gradient's dtype."""
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     b = off_bh // H
@@ -262,25 +271,27 @@ def attn_bwd_dq_kernel(
     kvd_off = (b.to(tl.int64) * Hkv + hk) * HEAD_DIM  # this head's first row of K_C
 
     q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    a_i = tl.load(QS + row_off + offs_m, mask=row_ok, other=0.0) * qk_scale
-    lse2 = tl.load(LSE2 + row_off + offs_m, mask=row_ok, other=float("inf"))
+    a = tl.load(QS) * qk_scale
+    b = tl.load(KS)
+    lse2 = _lse2(LSE + row_off + offs_m, row_ok)
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
     do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # key tiles [0, full) are visible to every row of this block; [full, hi) are masked
-    # (rows past Sq have P = 0 through LSE2's +inf)
+    # (rows past Sq have P = 0 through their log2 LSE of +inf)
     hi = Sk
     full = Sk // BLOCK_N * BLOCK_N
     if CAUSAL:
         hi = tl.maximum(tl.minimum(start_m + BLOCK_M + causal_offset, Sk), 0)
         full = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, full)
     for start_n in range(0, full, BLOCK_N):
-        dq = _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
-                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT, TMA)
+        dq = _dq_tile(dq, q, a, b, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
+                      causal_offset, K, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT, TMA)
     for start_n in range(full, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, a_i, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
-                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT, TMA)
+        dq = _dq_tile(dq, q, a, b, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
+                      causal_offset, K, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT, TMA)
     k_cs = tl.load(K_CS + kvd_off + offs_d)
     dq = dq * k_cs[None, :] * sm_scale
-    tl.store(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq, mask=row_ok[:, None])
+    tl.store(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])

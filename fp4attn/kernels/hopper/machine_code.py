@@ -147,17 +147,19 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
 
     fp8 = ("DO_T", "DO_C", "V_T", "Q_C", "K_C")
     if part == "dkdv":
-        fn, ptrs = attn_bwd_dkdv_kernel, ("Q", "K", "QS", "KS", "LSE2", "DELTA", "DO_T", "DO_TS", "DO_C", "DO_CS",
+        fn, ptrs = attn_bwd_dkdv_kernel, ("Q", "K", "QS", "KS", "LSE", "DELTA", "DO_T", "DO_TS", "DO_C", "DO_CS",
                                           "V_T", "V_TS", "Q_C", "Q_CS", "DK", "DV", "K_C", "K_CS", "DQ")
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
                       HW_CVT=cfg.hw_cvt, DQ_ATOMIC=cfg.dq_atomic)
         num_warps, num_stages = cfg.warps_dkdv, cfg.stages_dkdv
     else:
-        fn, ptrs = attn_bwd_dq_kernel, ("Q", "K", "QS", "KS", "LSE2", "DELTA", "DO_T", "DO_TS", "V_T", "V_TS",
+        fn, ptrs = attn_bwd_dq_kernel, ("Q", "K", "QS", "KS", "LSE", "DELTA", "DO_T", "DO_TS", "V_T", "V_TS",
                                         "K_C", "K_CS", "DQ")
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal, HW_CVT=cfg.hw_cvt)
         num_warps, num_stages = cfg.warps_dq, cfg.stages_dq
     sig = {n: "*fp8e4nv" if n in fp8 else "*bf16" if n in ("Q", "K") else "*fp32" for n in ptrs}
+    # bf16 gradients, as a bf16 model's backward writes them (dQ by atomics: float32)
+    sig.update({n: "*bf16" for n in ("DK", "DV", "DQ") if n in sig and not (n == "DQ" and cfg.dq_atomic)})
     if cfg.tma:  # the loop's tiles by TMA, as `training.backward_descriptors` builds them
         tiles = dict(Q=False, DO_T=False, DO_C=True, Q_C=True) if part == "dkdv" else dict(K=False, V_T=False, K_C=True)
         for n, channel_major in tiles.items():

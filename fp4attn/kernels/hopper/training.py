@@ -132,10 +132,12 @@ def _train_backward_op(
     dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_codes: torch.Tensor, q_bscale: torch.Tensor,
     k_codes: torch.Tensor, k_bscale: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vt: torch.Tensor,
     vs: torch.Tensor, p: str, p_build: str, causal_offset: int, causal: bool, scale: float,
+    dq_dtype: torch.dtype, dk_dtype: torch.dtype, dv_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the given dtypes from the forward's saved operands."""
     qv, kv = decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)
-    qs, ks = qs.expand(qv.shape[:-1]).contiguous(), ks.expand(kv.shape[:-1]).contiguous()  # the kernels' rows
-    return launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale)
+    return launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale,
+                           (dq_dtype, dk_dtype, dv_dtype))
 
 
 def backward_operands(dout, out, qv, kv, qs, ks, vt, vs):
@@ -173,34 +175,36 @@ def backward_descriptors(q, do_t, do_c, q_c, k, v_t, k_c) -> dict[str, TensorDes
                 K=desc(k, False), V_T=desc(v_t, False), K_C=desc(k_c, True))
 
 
-def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale):
-    """Quantize the backward's operand views and run the dkdv and dq kernels: fp32
-    (dq, dk, dv)."""
+def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale,
+                    dtypes=(torch.float32,) * 3):
+    """Quantize the backward's operand views and run the dkdv and dq kernels: (dq, dk,
+    dv), float32 sums stored in `dtypes`. qs, ks: (1,) the tensor decode scales of the
+    NVFP4 Q and K whose grid values are qv, kv."""
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
     do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta = backward_operands(
         dout, out, qv, kv, qs, ks, vt, vs)
-    # rows that see no key: +inf makes their P 0 in the kernels without a test per element
-    lse2 = torch.where(lse > -torch.inf, lse * LOG2E, torch.inf).contiguous()
-    qv, kv, qs, ks = qv.contiguous(), kv.contiguous(), qs.contiguous(), ks.contiguous()
+    lse, qv, kv, qs, ks = lse.contiguous(), qv.contiguous(), kv.contiguous(), qs.contiguous(), ks.contiguous()
     cfg = backward_config(D)
     atomic = cfg.dq_atomic and not torch.are_deterministic_algorithms_enabled()
-    dq = (torch.zeros if atomic else torch.empty)((B, H, Sq, D), device=qv.device, dtype=torch.float32)
-    dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=torch.float32)
-    dv = torch.empty_like(dk)
+    # dQ by atomics is summed in float32 and cast after
+    dq = (torch.zeros((B, H, Sq, D), device=qv.device, dtype=torch.float32) if atomic else
+          torch.empty((B, H, Sq, D), device=qv.device, dtype=dtypes[0]))
+    dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[1])
+    dv = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[2])
     off = causal_offset if causal else 0
     descs = backward_descriptors(qv, do_t, do_c, q_c, kv, v_t, k_c) if cfg.tma else None
     tiles = descs or dict(Q=qv, DO_T=do_t, DO_C=do_c, Q_C=q_c, K=kv, V_T=v_t, K_C=k_c)
     attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
-        tiles["Q"], kv, qs, ks, lse2, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
+        tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
         q_cs, dk, dv, k_c, k_cs, dq, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=P_MODES[(p, p_build)], CAUSAL=causal,
         HW_CVT=cfg.hw_cvt, DQ_ATOMIC=atomic, TMA=descs is not None, num_warps=cfg.warps_dkdv,
         num_stages=cfg.stages_dkdv)
     if atomic:
-        return dq, dk, dv
+        return dq.to(dtypes[0]), dk, dv
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
-        qv, tiles["K"], qs, ks, lse2, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
+        qv, tiles["K"], qs, ks, lse, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
         HW_CVT=cfg.hw_cvt, TMA=descs is not None, num_warps=cfg.warps_dq, num_stages=cfg.stages_dq)
@@ -208,10 +212,11 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
 
 
 @_train_backward_op.register_fake
-def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale):
-    f32 = torch.float32
+def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale,
+      dq_dtype, dk_dtype, dv_dtype):
     kshape = (*k_codes.shape[:-1], k_codes.shape[-1] * 2)
-    return dout.new_empty(dout.shape, dtype=f32), dout.new_empty(kshape, dtype=f32), dout.new_empty(kshape, dtype=f32)
+    return (dout.new_empty(dout.shape, dtype=dq_dtype), dout.new_empty(kshape, dtype=dk_dtype),
+            dout.new_empty(kshape, dtype=dv_dtype))
 
 
 def _setup_context(ctx, inputs, output):
@@ -224,8 +229,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, *_unused):
     """Gradients of q, k, v (in their dtypes) from the output's; the LSE and the saved
     operands are not differentiable outputs."""
-    dq, dk, dv = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args)
-    return (dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2])) + (None,) * 7
+    grads = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
+    return tuple(grads) + (None,) * 7
 
 
 # autograd registered on the op itself (not an autograd.Function around it): under
