@@ -76,8 +76,8 @@ def _p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, b, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset,
-               a, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, DQ,
+def _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset,
+               q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, DQ,
                HEAD_DIM: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
                HW_CVT: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr):
     offs_m = start_m + offs_mb
@@ -88,7 +88,7 @@ def _dkdv_tile(dk, dv, k, v, b, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_of
     else:
         q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse2 = _lse2(LSE + row_off + offs_m, row_ok)
-    tt = log2_scores(tl.dot(k, tl.trans(q)), a, b)
+    tt = log2_scores(tl.dot(k, tl.trans(q)), q_scale, k_scale)
     if MASK:
         visible = (offs_n < Sk)[:, None]
         if CAUSAL:
@@ -173,8 +173,8 @@ def attn_bwd_dkdv_kernel(
 
     kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
     k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    a = tl.load(QS) * qk_scale  # every query's scale: the tensor's, times softmax scale * log2 e
-    b = tl.load(KS)
+    q_scale = tl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
+    k_scale = tl.load(KS)
     v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
     k_c = v  # placeholders, read only with DQ_ATOMIC
@@ -201,12 +201,12 @@ def attn_bwd_dkdv_kernel(
         row_off = (b.to(tl.int64) * H + h) * Sq
         hd_off = (b.to(tl.int64) * H + h) * HEAD_DIM
         for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, b, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
-                                Sk, causal_offset, a, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+            dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
+                                Sk, causal_offset, q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
                                 DQ, HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, DQ_ATOMIC, TMA)
         for start_m in range(mid, Sq, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, b, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
-                                Sk, causal_offset, a, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+            dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
+                                Sk, causal_offset, q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
                                 DQ, HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, DQ_ATOMIC, TMA)
     out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
@@ -214,8 +214,8 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, q, a, b, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk, causal_offset,
-             K, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
+             causal_offset, K, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
              HW_CVT: tl.constexpr, TMA: tl.constexpr):
     offs_n = start_n + offs_nb
     offs_d = tl.arange(0, HEAD_DIM)
@@ -224,7 +224,7 @@ def _dq_tile(dq, q, a, b, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_
         k = K.load([(kv_off + start_n).to(tl.int32), 0])
     else:
         k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    t = log2_scores(tl.dot(q, tl.trans(k)), a, b)
+    t = log2_scores(tl.dot(q, tl.trans(k)), q_scale, k_scale)
     if MASK:
         visible = key_ok[None, :]
         if CAUSAL:
@@ -271,8 +271,8 @@ def attn_bwd_dq_kernel(
     kvd_off = (b.to(tl.int64) * Hkv + hk) * HEAD_DIM  # this head's first row of K_C
 
     q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    a = tl.load(QS) * qk_scale
-    b = tl.load(KS)
+    q_scale = tl.load(QS) * qk_scale
+    k_scale = tl.load(KS)
     lse2 = _lse2(LSE + row_off + offs_m, row_ok)
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
     do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -286,10 +286,10 @@ def attn_bwd_dq_kernel(
         hi = tl.maximum(tl.minimum(start_m + BLOCK_M + causal_offset, Sk), 0)
         full = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, full)
     for start_n in range(0, full, BLOCK_N):
-        dq = _dq_tile(dq, q, a, b, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
+        dq = _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
                       causal_offset, K, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT, TMA)
     for start_n in range(full, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, a, b, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
+        dq = _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
                       causal_offset, K, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT, TMA)
     k_cs = tl.load(K_CS + kvd_off + offs_d)
     dq = dq * k_cs[None, :] * sm_scale
