@@ -223,6 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backward", action="store_true",
                    help="causal forward+backward of the training recipes on the training shapes")
     p.add_argument("--model-step", action="store_true", help="with --backward: also a ~1B-parameter GPT step")
+    p.add_argument("--model-step-compile", metavar="MODE",
+                   help="run the model step's GPT under torch.compile(mode=MODE), e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
     p.add_argument("--variants", action="store_true", help="also time fp8-directp with exp2-built MXFP4 P")
     p.add_argument("--json", type=Path, help="default results/h200-forward.json (h200-train.json with --backward)")

@@ -79,9 +79,12 @@ def run_train_bench(shapes, recipes, partial: Path | None = None) -> list[dict]:
     return records
 
 
-def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, steps=12) -> list[dict]:
+def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, steps=12,
+               compile_mode: str | None = None) -> list[dict]:
     """Median time of one AdamW step (forward, backward, update) of a GPT with bf16
-    weights, and the peak GPU memory of those steps, for SDPA cuDNN and each recipe."""
+    weights, and the peak GPU memory of those steps, for SDPA cuDNN and each recipe.
+    compile_mode: the model runs under torch.compile(mode=compile_mode), SDPA's too
+    ("reduce-overhead" replays CUDA graphs: no launch costs host time)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fp4attn.study.gpt import GPT, GPTConfig
@@ -92,6 +95,7 @@ def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, ste
         torch.manual_seed(0)
         model = GPT(cfg, attn).cuda().to(torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        run = torch.compile(model, mode=compile_mode) if compile_mode else model
         idx = torch.randint(0, cfg.vocab, (batch, seq + 1), device="cuda")
         times = []
         torch.cuda.reset_peak_memory_stats()
@@ -99,17 +103,18 @@ def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, ste
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                loss = model(idx[:, :-1], idx[:, 1:])
+                loss = run(idx[:, :-1], idx[:, 1:])
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        ms = sorted(times[2:])[len(times[2:]) // 2] * 1e3  # the first steps compile and warm up
+        warm = times[4 if compile_mode else 2:]  # the first steps compile (and record graphs) and warm up
+        ms = sorted(warm)[len(warm) // 2] * 1e3
         records.append(dict(impl="sdpa-cudnn" if attn == "sdpa" else attn, params=model.num_params(), layers=layers,
                             dim=dim, heads=heads, seq=seq, batch=batch, ms_step=ms, loss=loss.item(),
-                            peak_gib=torch.cuda.max_memory_allocated() / 2**30))
-        del model, opt
+                            peak_gib=torch.cuda.max_memory_allocated() / 2**30, compile_mode=compile_mode))
+        del model, opt, run
         torch.cuda.empty_cache()
     base = records[0]["ms_step"]
     for r in records:
@@ -127,7 +132,7 @@ def main(args) -> list[dict]:
     print("causal forward+backward (speedup vs SDPA cuDNN bf16, same run)")
     print(markdown_table(["B,H,S,D", "impl", "ms", "TFLOP/s", "speedup"], rows))
     if args.model_step:
-        steps = model_step(recipes)
+        steps = model_step(recipes, compile_mode=args.model_step_compile)
         records += steps
         print(markdown_table(["impl", "params", "seq", "ms/step", "speedup", "peak GiB"],
                              [[r["impl"], f"{r['params'] / 1e9:.2f}B", r["seq"], f"{r['ms_step']:.0f}",
