@@ -9,7 +9,10 @@
 #   PART=gluon     the Gluon forward's schedules against the Triton kernel, timed (the GPU
 #                  tests check their outputs)
 #   PART=train     `fp4attn bench --backward --model-step`
-#   PART=bwdvariants  the backward's launch variants (dQ by atomics among them), timed
+#   PART=bwdvariants  the backward's launch variants (TMA tiles, program shapes), checked
+#                  against the first and timed, and the default's time by kernel
+#   PART=trainstep the `train` attention's host and device time at the GPT step's shape,
+#                  and the step eager (backward tiles by TMA or not) and under CUDA graphs
 #   PART=profile   device time of every quantizer kernel against the host-seen time
 #   PART=minilm    MiniLM through the kernels, padded and unpadded (MINILM_PATH: a saved
 #                  fp16 copy of the model)
@@ -40,6 +43,11 @@ if run train; then
 fi
 if run bwdvariants; then
   python3 scripts/bench_backward_variants.py 2>&1 | grep -v Warn | tee "$OUT/backward-variants.txt" | grep -E "^\|"
+fi
+if run trainstep; then
+  python3 scripts/profile_train_step.py 2>&1 | grep -v Warn | tee "$OUT/train-step-profile.txt" | grep -E "^\|"
+  python3 -m fp4attn.cli.main bench --backward --shapes "4,16,4096,128" --model-step \
+    --model-step-compile reduce-overhead --json "$OUT/model-step-compiled.json" 2>&1 | grep -E "^\|"
 fi
 if run profile; then
   python3 scripts/profile_quantizers.py 2>&1 | grep -E "^\||^\(B" | tee "$OUT/quantizers-profile.txt"
