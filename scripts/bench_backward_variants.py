@@ -12,6 +12,7 @@ import sys
 import torch
 import triton
 
+from fp4attn.cli.bench import device_kernels
 from fp4attn.kernels.hopper import training
 from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows
 from fp4attn.kernels.hopper.training import BackwardConfig
@@ -38,21 +39,6 @@ def short(cfg: BackwardConfig) -> str:
     diff = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
             if getattr(cfg, f.name) != getattr(BackwardConfig(), f.name)]
     return ", ".join(diff) or "BackwardConfig()"
-
-
-def kernel_times(fn, iters: int = 5) -> dict[str, float]:
-    """Device ms per call of each kernel `fn` launches (torch.profiler)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.key] = out.get(e.key, 0.0) + e.device_time_total / 1e3 / iters
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 print("| B,H,S,D | config | bwd ms | fwd ms | cuDNN fwd+bwd ms | ours fwd+bwd / cuDNN | max rel. diff to the first config |")
@@ -85,7 +71,7 @@ for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
         print(f"| {B},{H},{S},{D} | {short(cfg)} | {ms:.2f} | {fwd:.2f} | {cudnn:.2f} | {cudnn / (ms + fwd):.2f}x | "
               f"{'non-finite' if bad else f'{diff:.1e}'} |")
     training.BACKWARD_CONFIGS[D] = default
-    for name, ms in kernel_times(backward).items():
+    for name, (_, ms) in sorted(device_kernels(backward, reps=5).items(), key=lambda kv: -kv[1][1]):
         print(f"| {B},{H},{S},{D} | default, kernel {name[:60]} | {ms:.3f} | | | | |")
     # prep alone: the fused quantizers (and delta) before the two kernels
     out, _, q_codes, q_bscale, k_codes, k_bscale, *rest = saved

@@ -10,12 +10,10 @@ GB/s then say nothing about the kernels. Prints Markdown tables.
 """
 
 import argparse
-from collections import defaultdict
-
 import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
+from fp4attn.cli.bench import device_kernels
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.kernels.hopper.training import backward_operands
 from fp4attn.recipes import PRESETS
@@ -26,23 +24,6 @@ ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,train")
 args = ap.parse_args()
 B, H, S, D = (int(s) for s in args.shape.split(","))
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
-
-
-def device_kernels(f, reps=20):
-    """{kernel name: (launches per call, device ms per call)} from the profiler."""
-    f()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            f()
-        torch.cuda.synchronize()
-    out = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name][0] += 1
-            out[e.name][1] += e.time_range.elapsed_us() / 1e3  # a kernel's own span on the device
-    return {k: (n / reps, ms / reps) for k, (n, ms) in out.items()}
-
 
 q, k, v, dout, out = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(5))
 n_bytes = 3 * q.numel() * 2  # bf16 Q, K, V read once

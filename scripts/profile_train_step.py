@@ -14,9 +14,9 @@ import time
 
 import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
 import fp4attn
+from fp4attn.cli.bench import device_kernels
 from fp4attn.cli.bench_train import model_step
 from fp4attn.kernels.hopper import training
 
@@ -38,16 +38,10 @@ def host_ms(f, n: int = 20) -> float:
     return host / n * 1e3
 
 
-def device_ms(f, reps: int = 10) -> tuple[float, int]:
+def device_ms(f) -> tuple[float, int]:
     """(device ms per call summed over its kernels, kernels per call)."""
-    f()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            f()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in ev) / 1e3 / reps, len(ev) // reps
+    kernels = device_kernels(f, reps=10).values()
+    return sum(ms for _, ms in kernels), round(sum(n for n, _ in kernels))
 
 
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

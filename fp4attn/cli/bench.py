@@ -71,6 +71,27 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def device_kernels(fn, reps: int = 20) -> dict[str, tuple[float, float]]:
+    """{kernel name: (launches per call, device ms per call)} of the kernels `fn` runs,
+    from the torch profiler (CUDA activity; each kernel's own span on the device). For
+    the scripts that ask where a call's time goes, or whether its host is the bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n_ms = out.setdefault(e.name, [0, 0.0])
+            n_ms[0] += 1
+            n_ms[1] += e.time_range.elapsed_us() / 1e3
+    return {k: (n / reps, ms / reps) for k, (n, ms) in out.items()}
+
+
 def _sdpa(backend_name: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -62,6 +62,32 @@ def _e4m3_rows(x, AXIS: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
+def _token_tile(T, head_row, start, rows, ok, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Rows head_row + rows (rows = start + 0..BLOCK) of a token-major operand, (B * heads
+    * S, HEAD_DIM): by TMA (T a descriptor; whole tiles only, so no row of another head
+    is read) or by pointer loads with the rows past the head's length (not `ok`) zero."""
+    if TMA:
+        tile = T.load([(head_row + start).to(tl.int32), 0])
+    else:
+        d = tl.arange(0, HEAD_DIM)
+        tile = tl.load(T + (head_row + rows[:, None]) * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    return tile
+
+
+@triton.jit
+def _channel_tile(T, first_row, start, cols, ok, length, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Columns `cols` (= start + 0..BLOCK) of rows first_row .. first_row + HEAD_DIM of a
+    channel-major operand, (B * heads * HEAD_DIM, length): by TMA (whole tiles only) or
+    by pointer loads with the columns past the length (not `ok`) zero."""
+    if TMA:
+        tile = T.load([first_row.to(tl.int32), start])
+    else:
+        d = tl.arange(0, HEAD_DIM)
+        tile = tl.load(T + first_row * length + d[:, None] * length + cols[None, :], mask=ok[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
 def _p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
     """P in the recipe's P format times 2**8, as e4m3 (keys along axis 0)."""
     if P_MODE == 0:
@@ -83,10 +109,7 @@ def _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, 
     offs_m = start_m + offs_mb
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
-    if TMA:  # whole tiles only (Sq a multiple of BLOCK_M): no row of another head is read
-        q = Q.load([(row_off + start_m).to(tl.int32), 0])
-    else:
-        q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = _token_tile(Q, row_off, start_m, offs_m, row_ok, HEAD_DIM, TMA)
     lse2 = _lse2(LSE + row_off + offs_m, row_ok)
     tt = log2_scores(tl.dot(k, tl.trans(q)), q_scale, k_scale)
     if MASK:
@@ -97,28 +120,18 @@ def _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, 
     xt = tt - lse2[None, :]
     pt = tl.math.exp2(xt)
     # dV += P_r^T dO_c (P_r times 2**8; dO_c's channel scale differs per query head)
-    if TMA:
-        do_c = DO_C.load([hd_off.to(tl.int32), start_m])
-    else:
-        do_c = tl.load(DO_C + hd_off * Sq + offs_d[:, None] * Sq + offs_m[None, :], mask=row_ok[None, :], other=0.0)
+    do_c = _channel_tile(DO_C, hd_off, start_m, offs_m, row_ok, Sq, HEAD_DIM, TMA)
     do_cs = tl.load(DO_CS + hd_off + offs_d)
     dv += tl.dot(_p_r(xt, pt, P_MODE, HW_CVT), tl.trans(do_c)) * do_cs[None, :]
     # dP^T = V_t dO_t^T on per-token e4m3 views
-    if TMA:
-        do_t = DO_T.load([(row_off + start_m).to(tl.int32), 0])
-    else:
-        do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None],
-                       other=0.0)
+    do_t = _token_tile(DO_T, row_off, start_m, offs_m, row_ok, HEAD_DIM, TMA)
     do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
     dpt = tl.dot(v, tl.trans(do_t)) * v_s[:, None] * do_s[None, :]
     dst = pt * (dpt - delta[None, :])
     # dK += dS^T Q_c: dS^T in e4m3 with one scale per key over this query tile
     ds_g, ds_s = _e4m3_rows(dst, 1, HW_CVT)
-    if TMA:
-        q_c = Q_C.load([hd_off.to(tl.int32), start_m])
-    else:
-        q_c = tl.load(Q_C + hd_off * Sq + offs_d[:, None] * Sq + offs_m[None, :], mask=row_ok[None, :], other=0.0)
+    q_c = _channel_tile(Q_C, hd_off, start_m, offs_m, row_ok, Sq, HEAD_DIM, TMA)
     q_cs = tl.load(Q_CS + hd_off + offs_d)
     dk += tl.dot(ds_g, tl.trans(q_c)) * ds_s[:, None] * q_cs[None, :]
     if DQ_ATOMIC:
@@ -220,10 +233,7 @@ def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, 
     offs_n = start_n + offs_nb
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < Sk
-    if TMA:  # whole tiles only (Sk a multiple of BLOCK_N): no key of another head is read
-        k = K.load([(kv_off + start_n).to(tl.int32), 0])
-    else:
-        k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, TMA)
     t = log2_scores(tl.dot(q, tl.trans(k)), q_scale, k_scale)
     if MASK:
         visible = key_ok[None, :]
@@ -231,19 +241,13 @@ def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, 
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
         t = tl.where(visible, t, -float("inf"))
     p = tl.math.exp2(t - lse2[:, None])
-    if TMA:
-        v = V_T.load([(kv_off + start_n).to(tl.int32), 0])
-    else:
-        v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = _token_tile(V_T, kv_off, start_n, offs_n, key_ok, HEAD_DIM, TMA)
     v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
     dp = tl.dot(do_t, tl.trans(v)) * do_s[:, None] * v_s[None, :]
     ds = p * (dp - delta[:, None])
     # dQ += dS K_c: dS in e4m3 with one scale per query row over this key tile
     ds_g, ds_s = _e4m3_rows(ds, 1, HW_CVT)
-    if TMA:
-        k_c = K_C.load([kvd_off.to(tl.int32), start_n])
-    else:
-        k_c = tl.load(K_C + kvd_off * Sk + offs_d[:, None] * Sk + offs_n[None, :], mask=key_ok[None, :], other=0.0)
+    k_c = _channel_tile(K_C, kvd_off, start_n, offs_n, key_ok, Sk, HEAD_DIM, TMA)
     return dq + tl.dot(ds_g, tl.trans(k_c)) * ds_s[:, None]
 
 
