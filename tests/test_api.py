@@ -216,6 +216,9 @@ def test_report_builds_bench_arguments_with_every_default(monkeypatch):
     monkeypatch.setattr(bench, "main", lambda args: seen.append(args))
     run_cli(bench, ["--backward", "--shapes", "4,16,4096,128"])
     assert seen[0].backward and not seen[0].model_step and seen[0].recipes is None and seen[0].json is None
+    assert seen[0].model_step_compile is None  # the eager step unless a compile mode is named
+    run_cli(bench, ["--backward", "--model-step", "--model-step-compile", "reduce-overhead"])
+    assert seen[1].model_step and seen[1].model_step_compile == "reduce-overhead"
 
 
 def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):

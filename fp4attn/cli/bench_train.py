@@ -134,6 +134,8 @@ def main(args) -> list[dict]:
     if args.model_step:
         steps = model_step(recipes, compile_mode=args.model_step_compile)
         records += steps
+        mode = args.model_step_compile
+        print(f"GPT AdamW step, median of the warm steps{f', torch.compile(mode={mode!r})' if mode else ', eager'}")
         print(markdown_table(["impl", "params", "seq", "ms/step", "speedup", "peak GiB"],
                              [[r["impl"], f"{r['params'] / 1e9:.2f}B", r["seq"], f"{r['ms_step']:.0f}",
                                f"{r['speedup_vs_cudnn_bf16']:.3f}x", f"{r['peak_gib']:.1f}"] for r in steps]))
