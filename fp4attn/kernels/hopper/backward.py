@@ -162,11 +162,14 @@ def attn_bwd_dkdv_kernel(
     TMA: tl.constexpr = False,
 ):
     """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16 (NVFP4 grid
-    values); QS/KS (1,) fp32, the tensor decode scales of Q and K; LSE (the forward's, -inf
-    for rows that see no key) and DELTA (B, H, Sq) fp32; DO_T (B, H, Sq, D) e4m3 with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with
-    DO_CS (B, H, D); V_T (B, Hkv, Sk, D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq)
-    e4m3 with Q_CS (B, H, D). DK, DV (B, Hkv, Sk, D), float32 sums stored in their
-    dtype (the gradients' dtype; DQ's likewise).
+    values); QS/KS (1,) fp32, the tensor decode scales of Q and K; LSE (the forward's,
+    -inf for rows that see no key) and DELTA (B, H, Sq) fp32; DO_T (B, H, Sq, D) e4m3
+    with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with DO_CS (B, H, D); V_T (B, Hkv, Sk,
+    D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq) e4m3 with Q_CS (B, H, D). DK, DV
+    (B, Hkv, Sk, D): float32 sums stored in their dtype (the gradients'; DQ's likewise).
+
+    TMA: Q, DO_T, DO_C and Q_C are descriptors (`training.backward_descriptors`) and
+    Sq is a multiple of BLOCK_M.
 
     DQ_ATOMIC: the program also adds its keys' share of dQ into DQ (B, H, Sq, D) fp32,
     zero-filled by the caller, with float32 atomics (K_C, K_CS as `attn_bwd_dq_kernel`
@@ -259,7 +262,8 @@ def attn_bwd_dq_kernel(
     HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False,
 ):
     """Layouts as `attn_bwd_dkdv_kernel`; K_C (B, Hkv, D, Sk) e4m3 with K_CS (B, Hkv, D).
-    DQ (B, H, Sq, D) in the gradient's dtype."""
+    DQ (B, H, Sq, D) in the gradient's dtype. TMA: K, V_T and K_C are descriptors and Sk
+    is a multiple of BLOCK_N."""
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     b = off_bh // H
