@@ -43,6 +43,7 @@ from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, fp8_scale_inv, l
 from fp4attn.reference.forward import LOG2E as _LOG2E
 
 LOG2E = tl.constexpr(_LOG2E)
+P_OFFSET = tl.constexpr(float(2**P_OFFSET_LOG2.value))  # FP8 P's fixed scale, 2**8
 
 
 @triton.jit
@@ -91,7 +92,7 @@ def _channel_tile(T, first_row, start, cols, ok, length, HEAD_DIM: tl.constexpr,
 def _p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
     """P in the recipe's P format times 2**8, as e4m3 (keys along axis 0)."""
     if P_MODE == 0:
-        p256 = pt * (1 << P_OFFSET_LOG2)  # exact: the reference's exp2(x) * 2**8
+        p256 = pt * P_OFFSET  # exact: the reference's exp2(x) * 2**8
         if HW_CVT:
             pr = p256.to(tl.float8e4nv)
         else:
@@ -226,7 +227,7 @@ def attn_bwd_dkdv_kernel(
                                 DQ, HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, DQ_ATOMIC, TMA)
     out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + out, (dv * (1.0 / (1 << P_OFFSET_LOG2))).to(DV.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + out, (dv * (1.0 / P_OFFSET)).to(DV.dtype.element_ty), mask=key_ok[:, None])
 
 
 @triton.jit

@@ -1,0 +1,96 @@
+"""The training backward kernels under the Triton interpreter (CPU): indexing across
+batches, heads and GQA groups. Each program reads only its own batch, head and rows,
+so the gradients of a (B=2, 4 query heads, 2 K/V heads) call equal, bit for bit, those
+of the same operands cut into one call per batch and K/V head; a kernel that reads
+another batch's or head's rows (as a scale once shadowing the batch index did) breaks
+that. Run for pointer loads and TMA descriptors, causal and not, lengths that are and
+are not whole tiles, both head dims, dQ by atomics, and FP8 and MXFP4 (Direct-P) P. The interpreter's values are not the GPU's (its bf16 dot and fp8 casts
+differ), so the numbers are checked by the GPU tests (test_hopper_backward.py); this
+one runs in CI."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent('''
+    import dataclasses
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime import interpreter
+
+    # Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with
+    # int(), which NumPy >= 2.3 refuses for arrays of one dimension (loop bounds)
+    _patch_tensor = interpreter._patch_lang_tensor
+
+    def _patch_with_index(tensor, scope):
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = _patch_with_index
+
+    @triton.jit
+    def _mul(a, b):
+        return a * b
+
+    libdevice.mul_rn = _mul  # not in the interpreter; rounding is the same for the check
+
+    from fp4attn.kernels.hopper import training
+    from fp4attn.kernels.hopper.quantize import quantize_qk_nvfp4, quantize_v_t
+
+    def equal(a, b):
+        nan = torch.isnan(a)
+        return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+
+    g = torch.Generator().manual_seed(0)
+    B, HQ, HKV = 2, 4, 2
+    fp8, mxfp4 = ("fp8", "exp2", "fp8"), ("mxfp4", "directp", "mxfp4")  # train, train-mxfp4pv
+    for D, sq, sk, causal, cfg, (p, p_build, v_fmt) in (
+            (64, 128, 128, True, {}, fp8), (64, 128, 192, False, {}, fp8), (64, 100, 76, True, {}, fp8),
+            (128, 128, 128, True, {}, fp8), (64, 128, 128, True, dict(dq_atomic=True, block_n_dkdv=64), fp8),
+            (128, 128, 128, True, {}, mxfp4)):
+        for tma in (False, True):
+            training.BACKWARD_CONFIGS[D] = dataclasses.replace(training.BACKWARD_CONFIGS[D], tma=tma, **cfg)
+            q, dout, out = (torch.randn(B, HQ, sq, D, generator=g).bfloat16() for _ in range(3))
+            k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
+            qv, qs = quantize_qk_nvfp4(q)
+            kv, ks = quantize_qk_nvfp4(k)
+            qv, kv = qv.float(), kv.float()  # the interpreter's bf16 dot is wrong; float32 holds the same values
+            qs, ks = qs.reshape(-1)[:1].clone(), ks.reshape(-1)[:1].clone()
+            vt, vs = quantize_v_t(v, v_fmt)
+            s = (qv * qs) @ (kv * ks).repeat_interleave(HQ // HKV, 1).transpose(-1, -2) * D**-0.5
+            if causal:
+                s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
+            lse = torch.logsumexp(s, -1)  # the LSE a forward would have saved
+
+            def grads(bs, gs):
+                hq = slice(gs.start * HQ // HKV, gs.stop * HQ // HKV)
+                return training.launch_backward(
+                    dout[bs, hq].contiguous(), out[bs, hq].contiguous(), lse[bs, hq].contiguous(),
+                    qv[bs, hq].contiguous(), kv[bs, gs].contiguous(), qs, ks, vt[bs, gs].contiguous(),
+                    vs[bs, gs].contiguous(), p, p_build, sk - sq, causal, D**-0.5, (torch.float32,) * 3)
+
+            whole = grads(slice(0, B), slice(0, HKV))
+            assert all(bool(torch.isfinite(t).all()) and bool(t.abs().sum() > 0) for t in whole), (D, sq, sk)
+            for b in range(B):
+                for h in range(HKV):
+                    part = grads(slice(b, b + 1), slice(h, h + 1))
+                    hq = slice(h * HQ // HKV, (h + 1) * HQ // HKV)
+                    for name, w, got in zip(("dq", "dk", "dv"), whole, part):
+                        sub = w[b:b + 1, hq] if name == "dq" else w[b:b + 1, h:h + 1]
+                        assert equal(sub, got), (D, sq, sk, causal, cfg, p, tma, name, b, h)
+    print("ok")
+''')
+
+
+def test_backward_programs_read_their_own_batch_and_heads():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
