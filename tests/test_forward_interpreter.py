@@ -1,0 +1,92 @@
+"""The forward kernel under the Triton interpreter (CPU): indexing across batches, heads
+and GQA groups, as tests/test_backward_interpreter.py checks the backward. The output
+and LSE of a (B=2, 4 query heads, 2 K/V heads) call equal, bit for bit, those of the
+same operands cut into one call per batch and K/V head, with K and V^T by pointer loads
+and by TMA, PV added by Triton's promotion and in float32, causal and not, lengths that
+are and are not whole tiles, and each kind of P. The interpreter's values are not the
+GPU's (its bf16 dot and fp8 casts differ), so the numbers are checked by the GPU tests
+(test_hopper_forward.py); this one runs in CI."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent('''
+    import dataclasses
+    import os
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime import interpreter
+
+    # Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with
+    # int(), which NumPy >= 2.3 refuses for arrays of one dimension (loop bounds)
+    _patch_tensor = interpreter._patch_lang_tensor
+
+    def _patch_with_index(tensor, scope):
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = _patch_with_index
+
+    @triton.jit
+    def _mul(a, b):
+        return a * b
+
+    libdevice.mul_rn = _mul  # not in the interpreter; rounding is the same for the check
+
+    from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused, quantize_v_t
+    from fp4attn.kernels.hopper.operands import BLOCK_N
+    from fp4attn.recipes import PRESETS
+
+    def equal(a, b):
+        nan = torch.isnan(a)
+        return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+
+    g = torch.Generator().manual_seed(0)
+    B, HQ, HKV = 2, 4, 2
+    for recipe, D, sq, sk, causal in (("fp8", 64, 128, 256, True), ("nvfp4-fp8", 128, 100, 200, False),
+                                      ("fp8-directp", 64, 64, 256, False), ("fp8-fastacc", 64, 128, 130, True),
+                                      ("directp", 128, 128, 128, True)):
+        r = PRESETS[recipe]
+        q = torch.randn(B, HQ, sq, D, generator=g).bfloat16()
+        k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
+        ops = prepare_operands_fused(q, k, v, r)
+        if ops.q.dtype == torch.bfloat16:  # the interpreter's bf16 dot is wrong; float32 holds the same values
+            ops = dataclasses.replace(ops, q=ops.q.float(), k=ops.k.float())
+        for launch in ("64,4,2,0,0,0,0", "64,4,2,0,0,1,1"):  # pointer loads / TMA and PV added in float32
+            os.environ[LAUNCH_ENV] = launch
+            def run(o):
+                return launch_forward(o, scale=D**-0.5, causal_offset=sk - sq if causal else None,
+                                      p_mode=P_MODES[(r.p, r.p_build)])[:2]
+            out, lse = run(ops)
+            assert bool(torch.isfinite(out.float()).all()), (recipe, launch)
+            for b in range(B):
+                for h in range(HKV):
+                    hq = slice(h * HQ // HKV, (h + 1) * HQ // HKV)
+                    # V^T quantized per head gives the same values, in rows padded as the kernel reads them
+                    vt, vs = quantize_v_t(v[b:b + 1, h:h + 1], r.v, pad_keys_to=BLOCK_N)
+                    part = dataclasses.replace(
+                        ops, q=ops.q[b:b + 1, hq].contiguous(), qs=ops.qs[b:b + 1, hq].contiguous(),
+                        k=ops.k[b:b + 1, h:h + 1].contiguous(), ks=ops.ks[b:b + 1, h:h + 1].contiguous(), vt=vt, vs=vs)
+                    assert equal(vt.float(), ops.vt[b:b + 1, h:h + 1].float()), (recipe, "V^T per head")
+                    o, l = run(part)
+                    assert equal(out[b:b + 1, hq].float(), o.float()), (recipe, launch, "out", b, h)
+                    assert equal(lse[b:b + 1, hq], l), (recipe, launch, "lse", b, h)
+    print("ok")
+''')
+
+
+def test_forward_programs_read_their_own_batch_and_heads():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    env.pop("FP4ATTN_FORWARD_LAUNCH", None)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
