@@ -4,9 +4,9 @@ so the gradients of a (B=2, 4 query heads, 2 K/V heads) call equal, bit for bit,
 of the same operands cut into one call per batch and K/V head; a kernel that reads
 another batch's or head's rows (as a scale once shadowing the batch index did) breaks
 that. Run for pointer loads and TMA descriptors, causal and not, lengths that are and
-are not whole tiles, both head dims, dQ by atomics, and FP8 and MXFP4 (Direct-P) P. The interpreter's values are not the GPU's (its bf16 dot and fp8 casts
-differ), so the numbers are checked by the GPU tests (test_hopper_backward.py); this
-one runs in CI."""
+are not whole tiles, both head dims, dQ by atomics, and FP8 and MXFP4 (Direct-P) P.
+The interpreter's values are not the GPU's (its bf16 dot and fp8 casts differ), so the
+numbers are checked by the GPU tests (test_hopper_backward.py); this one runs in CI."""
 
 import os
 import subprocess

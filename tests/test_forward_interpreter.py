@@ -75,7 +75,8 @@ SCRIPT = textwrap.dedent('''
                     vt, vs = quantize_v_t(v[b:b + 1, h:h + 1], r.v, pad_keys_to=BLOCK_N)
                     part = dataclasses.replace(
                         ops, q=ops.q[b:b + 1, hq].contiguous(), qs=ops.qs[b:b + 1, hq].contiguous(),
-                        k=ops.k[b:b + 1, h:h + 1].contiguous(), ks=ops.ks[b:b + 1, h:h + 1].contiguous(), vt=vt, vs=vs)
+                        k=ops.k[b:b + 1, h:h + 1].contiguous(), ks=ops.ks[b:b + 1, h:h + 1].contiguous(),
+                        vt=vt, vs=vs)
                     assert equal(vt.float(), ops.vt[b:b + 1, h:h + 1].float()), (recipe, "V^T per head")
                     o, l = run(part)
                     assert equal(out[b:b + 1, hq].float(), o.float()), (recipe, launch, "out", b, h)
