@@ -7,51 +7,23 @@ are and are not whole tiles, and each kind of P. The interpreter's values are no
 GPU's (its bf16 dot and fp8 casts differ), so the numbers are checked by the GPU tests
 (test_hopper_forward.py); this one runs in CI."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from tests.interpreter import CALL_SHAPE, KERNEL_PATCHES, run_under_interpreter
+
 pytest.importorskip("triton")
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
     import dataclasses
     import os
-    import torch
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-    from triton.runtime import interpreter
-
-    # Triton 3.6's interpreter holds scalars as 1-element arrays and converts them with
-    # int(), which NumPy >= 2.3 refuses for arrays of one dimension (loop bounds)
-    _patch_tensor = interpreter._patch_lang_tensor
-
-    def _patch_with_index(tensor, scope):
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = _patch_with_index
-
-    @triton.jit
-    def _mul(a, b):
-        return a * b
-
-    libdevice.mul_rn = _mul  # not in the interpreter; rounding is the same for the check
 
     from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused, quantize_v_t
     from fp4attn.kernels.hopper.operands import BLOCK_N
     from fp4attn.recipes import PRESETS
 
-    def equal(a, b):
-        nan = torch.isnan(a)
-        return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
-
-    g = torch.Generator().manual_seed(0)
-    B, HQ, HKV = 2, 4, 2
     for recipe, D, sq, sk, causal in (("fp8", 64, 128, 256, True), ("nvfp4-fp8", 128, 100, 200, False),
                                       ("fp8-directp", 64, 64, 256, False), ("fp8-fastacc", 64, 128, 130, True),
                                       ("directp", 128, 128, 128, True)):
@@ -86,8 +58,4 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_forward_programs_read_their_own_batch_and_heads():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    env.pop("FP4ATTN_FORWARD_LAUNCH", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env,
-                          check=False)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_under_interpreter(SCRIPT)

@@ -8,12 +8,11 @@ The builder is compares, selects, floor and exponent bit assembly, all exact in 
 interpreter's float32; the GPU tests (test_hopper_forward.py) check the compiled kernel's
 codes on the H200. This one runs in CI."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.interpreter import run_under_interpreter
 
 pytest.importorskip("triton")
 
@@ -81,7 +80,4 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_directp_builder_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env,
-                          check=False)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_under_interpreter(SCRIPT, timeout=600)

@@ -4,12 +4,11 @@ grid before the final cast, so even the interpreter (whose fp8 casts of values b
 grid points are wrong) must reproduce the reference exactly, up to the sign of zero.
 The GPU tests (test_hopper_quantize.py) are the numerical check; this one runs in CI."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.interpreter import run_under_interpreter
 
 pytest.importorskip("triton")
 
@@ -120,7 +119,4 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_fused_quantizers_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, env=env,
-                          check=False)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_under_interpreter(SCRIPT, timeout=900)
