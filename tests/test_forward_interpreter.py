@@ -59,3 +59,51 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
 
 def test_forward_programs_read_their_own_batch_and_heads():
     run_under_interpreter(SCRIPT)
+
+
+NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
+    import dataclasses
+    import os
+    import torch
+    from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.metrics import error_metrics
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference import reference_forward
+    from fp4attn.reference.masks import causal_offset
+
+    g = torch.Generator().manual_seed(0)
+    for launch in ("64,4,2,0,0,0,0", "64,4,2,0,0,1,1"):  # pointer loads / TMA and PV added in float32
+        os.environ[LAUNCH_ENV] = launch
+        for name, D, sq, sk, causal in (("fp8", 64, 128, 256, "top_left"), ("nvfp4-fp8", 128, 100, 200, None),
+                                        ("fp8-directp", 64, 64, 256, None),
+                                        ("directp", 128, 128, 128, "bottom_right"),
+                                        ("fp8-fastacc", 64, 128, 130, "top_left")):
+            r = PRESETS[name]
+            q = torch.randn(1, 2, sq, D, generator=g).bfloat16()
+            k, v = (torch.randn(1, 1, sk, D, generator=g).bfloat16() for _ in range(2))
+            # the interpreter sums the e4m3 products in float32: the exact form's numbers
+            exact = dataclasses.replace(r, fast_accum=False)
+            ref = reference_forward(q, k, v, exact, scale=D**-0.5, causal=causal)
+            ops = prepare_operands_fused(q, k, v, r)
+            if ops.q.dtype == torch.bfloat16:
+                ops = dataclasses.replace(ops, q=ops.q.float(), k=ops.k.float())
+            out, lse = launch_forward(ops, scale=D**-0.5, causal_offset=causal_offset(causal, sq, sk),
+                                      p_mode=P_MODES[(r.p, r.p_build)])[:2]
+            seen = torch.isfinite(ref.lse)
+            assert torch.equal(seen, torch.isfinite(lse)), (launch, name)
+            lse_err = float((lse[seen] - ref.lse[seen]).abs().max())
+            out_err = error_metrics(out.float(), ref.out)["rel_l2"]
+            assert lse_err < 1e-5 and out_err < 1e-2, (launch, name, lse_err, out_err)  # 1.4e-6, 3.3e-3
+    print("ok")
+''')
+
+
+def test_forward_matches_reference_under_the_interpreter():
+    """The kernel's LSE and output against the reference forward of the same recipe, on
+    the CPU: with FP8 P rounded on the float32 bits (`p_hw_cvt` 0) and the bf16 Q/K
+    values handed over as float32, the interpreter computes the recipe's own P, so the
+    LSE (the consistent row sums of P) agrees within 1.4e-6. The output is stored in
+    bf16, which the interpreter rounds its own way (3.3e-3 relative to the float32
+    reference). A wrong scale, mask, tile bound or P code shows in the LSE at once."""
+    run_under_interpreter(NUMERICS)
