@@ -189,17 +189,18 @@ def attn_bwd_dkdv_kernel(
     key_ok = offs_n < Sk
 
     kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
-    k = tl.load(K + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    kvd_off = (b.to(tl.int64) * Hkv + hk) * HEAD_DIM  # this head's first row of K_C
+    # the program's own keys, loaded once (pointer loads: a tail block is masked)
+    k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
     q_scale = tl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
     k_scale = tl.load(KS)
-    v = tl.load(V_T + (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = _token_tile(V_T, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
     v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
     k_c = v  # placeholders, read only with DQ_ATOMIC
     k_cs = v_s
     if DQ_ATOMIC:
-        k_c = tl.load(K_C + kv_off * HEAD_DIM + offs_d[:, None] * Sk + offs_n[None, :], mask=key_ok[None, :],
-                      other=0.0)
-        k_cs = tl.load(K_CS + (b.to(tl.int64) * Hkv + hk) * HEAD_DIM + offs_d) * sm_scale
+        k_c = _channel_tile(K_C, kvd_off, start_n, offs_n, key_ok, Sk, HEAD_DIM, False)
+        k_cs = tl.load(K_CS + kvd_off + offs_d) * sm_scale
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -235,7 +236,6 @@ def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, 
              causal_offset, K, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
              HW_CVT: tl.constexpr, TMA: tl.constexpr):
     offs_n = start_n + offs_nb
-    offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < Sk
     k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, TMA)
     t = log2_scores(tl.dot(q, tl.trans(k)), q_scale, k_scale)
@@ -279,12 +279,13 @@ def attn_bwd_dq_kernel(
     kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
     kvd_off = (b.to(tl.int64) * Hkv + hk) * HEAD_DIM  # this head's first row of K_C
 
-    q = tl.load(Q + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    # the program's own queries, loaded once (pointer loads: a tail block is masked)
+    q = _token_tile(Q, row_off, start_m, offs_m, row_ok, HEAD_DIM, False)
     q_scale = tl.load(QS) * qk_scale
     k_scale = tl.load(KS)
     lse2 = _lse2(LSE + row_off + offs_m, row_ok)
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
-    do_t = tl.load(DO_T + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do_t = _token_tile(DO_T, row_off, start_m, offs_m, row_ok, HEAD_DIM, False)
     do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # key tiles [0, full) are visible to every row of this block; [full, hi) are masked
