@@ -62,10 +62,10 @@ class ForwardLaunch:
 # 330 to 366 (directp 144 -> 172), but the FP8-QK^T ones down (fp8-fastacc 478 -> 339:
 # 200 spill bytes instead of 152). Adding each tile's PV into O by a float32 addition of
 # its own (pv_add) lets ptxas chain the bf16-QK^T kernels' wgmmas (h200-forward-pv-add.txt,
-# (8,16,4096,128): nvfp4-fp8 456 -> 497, causal 416 -> 447, directp 270 -> 288); not
-# measured at D=64, where it raises registers from 168 to 200-210 (no third program per
-# SM), so D=64 keeps Triton's promotion until it is. Keyed by (head dim, QK^T on the FP8
-# tensor cores, causal).
+# (8,16,4096,128): nvfp4-fp8 456 -> 497, causal 416 -> 447, directp 270 -> 288). At D=64
+# it raises registers from 168 to 200-210 and gains nothing (h200-forward-d64-pv-add.txt:
+# fp8 at (16,16,2048,64) 341 -> 343, causal 282 -> 238), so D=64 keeps Triton's
+# promotion. Keyed by (head dim, QK^T on the FP8 tensor cores, causal).
 DEFAULT_LAUNCH = {
     **{(128, True, causal): ForwardLaunch(64, 4, 2, True) for causal in (True, False)},
     **{(64, True, causal): ForwardLaunch(64, 4, 3, True) for causal in (True, False)},
