@@ -219,6 +219,9 @@ def test_report_builds_bench_arguments_with_every_default(monkeypatch):
     assert seen[0].model_step_compile is None  # the eager step unless a compile mode is named
     run_cli(bench, ["--backward", "--model-step", "--model-step-compile", "reduce-overhead"])
     assert seen[1].model_step and seen[1].model_step_compile == "reduce-overhead"
+    with pytest.raises(SystemExit):  # argparse names the accepted modes
+        run_cli(bench, ["--backward", "--model-step", "--model-step-compile", "reduce_overhead"])
+    assert len(seen) == 2
 
 
 def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):

@@ -25,6 +25,8 @@ SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 
           (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
 RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8", "fp8-directp-fastacc", "fp8-fastacc"]
 CAUSAL_MODES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
+# torch.compile's modes (--model-step-compile): a typo fails at parsing, not after the bench
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def parse_shapes(spec: str, sep: str) -> list[tuple[int, ...]]:
@@ -244,8 +246,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backward", action="store_true",
                    help="causal forward+backward of the training recipes on the training shapes")
     p.add_argument("--model-step", action="store_true", help="with --backward: also a ~1B-parameter GPT step")
-    p.add_argument("--model-step-compile", metavar="MODE",
-                   help="run the model step's GPT under torch.compile(mode=MODE), e.g. reduce-overhead (CUDA graphs)")
+    p.add_argument("--model-step-compile", metavar="MODE", choices=COMPILE_MODES,
+                   help=f"run the model step's GPT under torch.compile(mode=MODE), one of {', '.join(COMPILE_MODES)} "
+                   "(reduce-overhead: CUDA graphs)")
     p.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
     p.add_argument("--variants", action="store_true", help="also time fp8-directp with exp2-built MXFP4 P")
     p.add_argument("--json", type=Path, help="default results/h200-forward.json (h200-train.json with --backward)")
