@@ -51,6 +51,18 @@ from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
 from fp4attn.kernels.hopper.operands import BLOCK_N
 
 BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
+
+
+def ws_launch(partitions: int) -> tuple[int, int, int]:
+    """(rows per program, num_warps, maxnreg) of the warp-specialized kernel for its
+    partition layout (`attn_fwd_ws_kernel`'s PARTITIONS). Registers are handed out per
+    warpgroup (setmaxnreg) from the program's pool, maxnreg x its warps rounded up to
+    warpgroups: 0 and 1 run 12 warps at 168 (64512 of the SM's 65536: two consumer
+    warpgroups at 240, the producer's at 24), 2 runs 8 warps at 128 so that two
+    programs share an SM (a consumer at 232, the producer at 24)."""
+    return {0: (128, 8, 168), 1: (128, 4, 168), 2: (64, 4, 128)}[partitions]
+
+
 NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM (bf16 K: 112 KB each)
 
 
@@ -76,6 +88,43 @@ def _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, 
 
 
 @gluon.jit
+def _key_tiles(start_m, Sk, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Which key tiles the query block start_m sees (as forward.py): keys [0, hi), of
+    which [0, full) need no mask, in n_tiles tiles."""
+    hi = Sk
+    full = Sk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        last = (start_m + 1) * BLOCK_M + causal_offset
+        first = start_m * BLOCK_M + causal_offset + 1
+        hi = gl.minimum(gl.maximum(last, 0), Sk)
+        full = gl.minimum(gl.maximum(first, 0), full) // BLOCK_N * BLOCK_N
+    n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # a block that sees no key runs one masked tile
+    return hi, full, n_tiles
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, start_m, Sq, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr):
+    """forward.py's epilogue: V's per-channel scale and 1/l on O, the LSE in natural log."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    l_o = gl.convert_layout(l_i, row_o)
+    m_o = gl.convert_layout(m_i, row_o)
+    seen = l_o > 0.0
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
+    vs = gl.load(VS + bhk * HEAD_DIM + offs_d)
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_o, 1.0), 0.0)
+    out = acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(vs, 0)
+    lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0)) - P_OFFSET_LOG2) * 0.6931471805599453,
+                   -float("inf"))
+    rows_o = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+    row_ok = rows_o < Sq
+    o_ptrs = O + (off_bh * Sq + gl.expand_dims(rows_o, 1)).to(gl.int64) * HEAD_DIM + gl.expand_dims(offs_d, 0)
+    gl.store(o_ptrs, out.to(gl.bfloat16), mask=gl.expand_dims(row_ok, 1))
+    gl.store(LSE + off_bh * Sq + rows_o, lse, mask=row_ok)
+
+
+@gluon.jit
 def attn_fwd_pipelined_kernel(
     q_desc, k_desc, v_desc, QS, KS, VS, O, LSE,
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
@@ -95,7 +144,6 @@ def attn_fwd_pipelined_kernel(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     start_m = gl.program_id(0)
     off_bh = gl.program_id(1)
@@ -107,15 +155,7 @@ def attn_fwd_pipelined_kernel(
     k_row = bhk * Sk  # rows of the (B*Hkv*Sk, D) view
     v_row = bhk * HEAD_DIM  # rows of the (B*Hkv*D, Sk) view
 
-    # -- which key tiles this block sees (as forward.py): [0, full) need no mask
-    hi = Sk
-    full = Sk // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        last = (start_m + 1) * BLOCK_M + causal_offset
-        first = start_m * BLOCK_M + causal_offset + 1
-        hi = gl.minimum(gl.maximum(last, 0), Sk)
-        full = gl.minimum(gl.maximum(first, 0), full) // BLOCK_N * BLOCK_N
-    n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # a block that sees no key runs one masked tile
+    hi, full, n_tiles = _key_tiles(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
 
     # -- shared memory and barriers
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
@@ -241,32 +281,176 @@ def attn_fwd_pipelined_kernel(
         mbarrier.invalidate(k_bar.index(i))
         mbarrier.invalidate(v_bar.index(i))
 
-    # -- epilogue (forward.py's): V's per-channel scale and 1/l; LSE in natural log
-    l_o = gl.convert_layout(l_i, row_o)
-    m_o = gl.convert_layout(m_i, row_o)
-    seen = l_o > 0.0
-    offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-    vs = gl.load(VS + bhk * HEAD_DIM + offs_d)
-    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_o, 1.0), 0.0)
-    out = acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(vs, 0)
-    lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0)) - P_OFFSET_LOG2) * 0.6931471805599453,
-                   -float("inf"))
-    rows_o = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-    row_ok = rows_o < Sq
-    o_ptrs = O + (off_bh * Sq + gl.expand_dims(rows_o, 1)).to(gl.int64) * HEAD_DIM + gl.expand_dims(offs_d, 0)
-    gl.store(o_ptrs, out.to(gl.bfloat16), mask=gl.expand_dims(row_ok, 1))
-    gl.store(LSE + off_bh * Sq + rows_o, lse, mask=row_ok)
+    _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, start_m, Sq, o_layout, HEAD_DIM, BLOCK_M)
+
+
+# -- warp-specialized: a producer warp and consumer warpgroups (FlashAttention-3's split)
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                 q_row, k_row, v_row, n_tiles, BLOCK_N: gl.constexpr):
+    """Q once, then K_j and V^T_j into the rings as their stages come free (one thread
+    issues each TMA copy). A fresh mbarrier counts as having completed the phase before
+    its first, so the first pass over each stage does not wait."""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for j in range(n_tiles):
+        stage = j % stages
+        free = ((j // stages) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), free)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), free)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row, j * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+                 off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
+                 WG: gl.constexpr, WGS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr,
+                 P_HW_CVT: gl.constexpr):
+    """BLOCK_M query rows (rows WG * BLOCK_M ... of the program's block, which WGS such
+    partitions share) on BLOCK_M // 16 warps: per tile QK^T, the softmax, PV on a fresh
+    accumulator added to O in float32 (the Triton kernel's `PV_ADD` arithmetic), then
+    the epilogue. QK^T of tile j+1 is issued after O's update, so S_{j+1} is never live
+    with PV_j's accumulator: ptxas then chains each product's wgmmas (one wait each).
+    Gluon syncs a partition's warps before each mbarrier wait and arrive, so warpgroups
+    that share a partition move in step at those points."""
+    stages: gl.constexpr = k_smem.type.shape[0]
+    warps: gl.constexpr = BLOCK_M // 16
+    qk_k: gl.constexpr = 32 if QK_FP8 else 16
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                       instr_shape=[16, BLOCK_N, qk_k])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    imprecise: gl.constexpr = 32 if QK_FP8 else 0  # promotion every 32 products, as forward.py
+
+    block = start_m * WGS + WG  # in units of BLOCK_M rows
+    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
+    a_i = gl.load(QS + off_bh * Sq + rows, mask=rows < Sq, other=0.0) * qk_scale
+    ks_ptr = KS + bhk * Sk
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    q_tile = q_smem.slice(WG * BLOCK_M, BLOCK_M)  # this partition's rows of the program's Q block
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                          max_num_imprecise_acc=imprecise, is_async=True)
+    for j in range(n_tiles):
+        stage = j % stages
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(stage), count=1)  # QK_j has read K_j
+        p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+                                            s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
+        mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
+        pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        pv = warpgroup_mma_wait(0, deps=[pv_tok])
+        mbarrier.arrive(v_empty.index(stage), count=1)  # PV_j has read V_j
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv
+        if j + 1 < n_tiles:
+            nxt = (j + 1) % stages
+            mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
+            s_tok = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
+                                  max_num_imprecise_acc=imprecise, is_async=True)
+    _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, block, Sq, o_layout, HEAD_DIM, BLOCK_M)
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(
+    q_desc, k_desc, v_desc, QS, KS, VS, O, LSE,
+    H, GROUP, Sq, Sk, causal_offset, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr,
+    STAGES: gl.constexpr = 2, PARTITIONS: gl.constexpr = 0,
+):
+    """Warp-specialized forward: a producer warp keeps `STAGES`-deep K and V^T rings
+    full; the consumers never issue a copy or wait at a CTA barrier. PARTITIONS
+    (`ws_launch` gives each one's launch):
+      0: 128 rows, both consumer warpgroups in the default partition (8 warps), the
+         producer a worker warp;
+      1: 128 rows, each consumer warpgroup a worker partition of its own, the producer
+         the default partition (4 warps, one issues);
+      2: 64 rows, one consumer warpgroup (default) and the producer warp, two programs
+         per SM."""
+    gl.static_assert(BLOCK_M == (64 if PARTITIONS == 2 else 128))  # consumer warpgroups of wgmma's 64 rows
+    gl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
+    start_m = gl.program_id(0)
+    off_bh = gl.program_id(1)
+    b = off_bh // H
+    hk = (off_bh % H) // GROUP
+    bhk = b * (H // GROUP) + hk
+    hi, full, n_tiles = _key_tiles(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumers: gl.constexpr = 2 if PARTITIONS == 1 else 1  # arrivals that free a stage
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=consumers)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=consumers)
+    fence_async_shared()
+
+    q_row = off_bh * Sq + start_m * BLOCK_M  # rows of the (B*H*Sq, D) view
+    if PARTITIONS == 1:
+        gl.static_assert(gl.num_warps() == 4)
+        HALF: gl.constexpr = BLOCK_M // 2
+        gl.warp_specialize([
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                            q_row, bhk * Sk, bhk * HEAD_DIM, n_tiles, BLOCK_N)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+                            off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
+                            0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+                            off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
+                            1, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT)),
+        ], [4, 4], [240, 240])
+    else:
+        gl.static_assert(gl.num_warps() == BLOCK_M // 16)
+        gl.warp_specialize([
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+                            off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
+                            0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                            q_row, bhk * Sk, bhk * HEAD_DIM, n_tiles, BLOCK_N)),
+        ], [1], [24])
 
 
 def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True,
-                             schedule: int = 0):
-    """Run the Gluon kernel on prepared operands (`KernelOperands`, contiguous):
+                             schedule: int = 0, warp_specialized: bool = False, partitions: int = 0,
+                             stages: int = 2):
+    """Run a Gluon kernel on prepared operands (`KernelOperands`, contiguous):
     (out bf16, lse fp32), as `ops.launch_forward` without its debug outputs.
 
-    schedule 0: QK^T of the next tile issued before the softmax (two S tiles live);
-    1: FA3's order (the softmax overlaps PV, one S tile live). e4m3 Q/K may also be
-    given as bf16 (exact): their QK^T then runs on the bf16 tensor cores, without the
-    fp8 accumulation's promotion."""
+    `attn_fwd_pipelined_kernel` (one warpgroup per program), schedule 0: QK^T of the
+    next tile issued before the softmax (two S tiles live); 1: FA3's order (the softmax
+    overlaps PV, one S tile live). Its PV accumulates O on the tensor cores.
+
+    `warp_specialized`: `attn_fwd_ws_kernel` in the partition layout `partitions`
+    (`ws_launch`) with `stages`-deep K/V rings; its O is added in float32 per tile, as
+    the Triton kernel's at D=128 (`pv_add`). e4m3 Q/K may also be given as bf16 (exact):
+    their QK^T then runs on the bf16 tensor cores, without the fp8 accumulation's
+    promotion."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -276,6 +460,8 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     block_m, block_n = BLOCK_M, BLOCK_N
+    if warp_specialized:
+        block_m, num_warps, maxnreg = ws_launch(partitions)
     if Sk % 16:  # TMA: V^T's row stride must be a multiple of 16 bytes
         pad = torch.zeros((B, Hkv, D, 16 - Sk % 16), dtype=vt.dtype, device=vt.device)
         vt = torch.cat([vt, pad], dim=-1)
@@ -290,11 +476,13 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, block_m), B * H)
-    attn_fwd_pipelined_kernel[grid](
-        desc(q2, [block_m, D]), desc(k2, [block_n, D]), desc(v2, [D, block_n]),
-        ops.qs, ops.ks, ops.vs, out, lse,
-        H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode,
-        CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt, SCHEDULE=schedule, num_warps=4,
-    )
+    args = (desc(q2, [block_m, D]), desc(k2, [block_n, D]), desc(v2, [D, block_n]), ops.qs, ops.ks, ops.vs, out, lse,
+            H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E)
+    flags = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode,
+                 CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt)
+    if warp_specialized:
+        attn_fwd_ws_kernel[grid](*args, **flags, STAGES=stages, PARTITIONS=partitions, num_warps=num_warps,
+                                 maxnreg=maxnreg)
+    else:
+        attn_fwd_pipelined_kernel[grid](*args, **flags, SCHEDULE=schedule, num_warps=4)
     return out, lse

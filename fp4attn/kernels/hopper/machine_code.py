@@ -114,12 +114,18 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
 
 
 def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True,
-                              schedule: int = 0):
-    """The compiled Gluon forward (`forward_pipelined.py`) for one flag combination."""
+                              schedule: int = 0, warp_specialized: bool = False, stages: int = 2,
+                              partitions: int = 0):
+    """The compiled Gluon forward (`forward_pipelined.py`) for one flag combination:
+    `attn_fwd_pipelined_kernel`, or with `warp_specialized` `attn_fwd_ws_kernel` at
+    the launch `launch_forward_pipelined` gives it."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fp4attn.kernels.hopper.forward_pipelined import BLOCK_M, BLOCK_N, attn_fwd_pipelined_kernel
+    from fp4attn.kernels.hopper import forward_pipelined as fp
+
+    BLOCK_N = fp.BLOCK_N
+    BLOCK_M = fp.ws_launch(partitions)[0] if warp_specialized else fp.BLOCK_M
 
     def desc(dtype, block):
         name = "fp8e4nv" if dtype == gl.float8e4nv else "bf16"
@@ -131,9 +137,17 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
            "O": "*bf16", "LSE": "*fp32", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
            "qk_scale": "fp32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal,
-                  P_HW_CVT=p_hw_cvt, SCHEDULE=schedule)
-    src = GluonASTSource(attn_fwd_pipelined_kernel, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
+                  P_HW_CVT=p_hw_cvt)
+    options = dict(num_warps=4)
+    if not warp_specialized:
+        consts.update(SCHEDULE=schedule)
+    else:
+        consts.update(STAGES=stages, PARTITIONS=partitions)
+        _, num_warps, maxnreg = fp.ws_launch(partitions)
+        options = dict(num_warps=num_warps, maxnreg=maxnreg)
+    fn = fp.attn_fwd_ws_kernel if warp_specialized else fp.attn_fwd_pipelined_kernel
+    src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
 
 
 def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config=None, lengths_div16=True):
