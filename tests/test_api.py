@@ -280,8 +280,10 @@ def test_forward_launch_override_is_checked(monkeypatch):
     assert forward_launch(128, False, False) == ForwardLaunch(64, 4, 2, True, False, True)
     monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1")
     assert forward_launch(64, False, False) == ForwardLaunch(64, 4, 2, True, False, True, True)
+    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1,1")
+    assert forward_launch(64, False, True) == ForwardLaunch(64, 4, 2, True, False, True, True, True)
     for bad in ("64,4", "32,4,2", "64,2,2", "x", "64,4,2,2", "64,4,2,1,2", "64,4,2,1,0,2", "64,4,2,1,0,1,2",
-                "64,4,2,1,0,0,0,0"):
+                "64,4,2,1,0,1,1,2", "64,4,2,1,0,0,0,0,0"):
         monkeypatch.setenv(LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match=LAUNCH_ENV):
             forward_launch(128, True, False)

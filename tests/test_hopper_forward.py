@@ -236,6 +236,35 @@ def test_torch_compile_traces_the_kernel_op():
     torch.testing.assert_close(f(q, k, v), fp4attn.attention(q, k, v, recipe="fp8-directp", backend="triton"))
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4-fp8", "fp8", "directp"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("partitions", [0, 1, 2])
+def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, partitions, monkeypatch):
+    """The warp-specialized Gluon forward computes the Triton kernel's arithmetic with
+    each tile's PV added into O in float32 (pv_add): same outputs and LSE, bit for bit,
+    in every partition layout, on awkward shapes and GQA; and `launch_forward` routes
+    the recipes its launch table marks to it with the same result."""
+    from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
+    from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+
+    r = PRESETS[recipe]
+    for b, hq, hkv, sq, sk, d in ((1, 2, 2, 1, 3, 128), (2, 4, 2, 113, 239, 128), (1, 3, 1, 1023, 1023, 64),
+                                  (1, 2, 1, 300, 200, 128), (1, 2, 2, 256, 4096, 128)):
+        q, k, v = _qkv(b, hq, hkv, sq, sk, d)
+        ops = prepare_operands_fused(q * 2, k * 2, v, r)
+        kw = dict(scale=d**-0.5, causal_offset=(sk - sq) if causal else None, p_mode=P_MODES[(r.p, r.p_build)])
+        monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1")  # the Triton kernel, TMA and pv_add
+        out, lse = launch_forward(ops, **kw)[:2]
+        out2, lse2 = launch_forward_pipelined(ops, **kw, warp_specialized=True, partitions=partitions)
+        assert torch.isfinite(out2).all()
+        assert torch.equal(out, out2) and torch.equal(lse, lse2), (recipe, sq, sk, d)
+        monkeypatch.delenv(LAUNCH_ENV)
+        if d == 128:  # the default launch: the Gluon kernel where routed, pv_add in either kernel
+            out3, lse3 = launch_forward(ops, **kw)[:2]
+            assert torch.equal(out, out3) and torch.equal(lse, lse3), (recipe, sq, sk, d)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("schedule", [0, 1])

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
-from fp4attn.kernels.hopper.operands import BLOCK_N
+from fp4attn.kernels.hopper.operands import BLOCK_N, tma_loadable
 
 BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
 
@@ -67,14 +67,13 @@ NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM 
 
 
 @gluon.jit
-def _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+def _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
                   s_layout: gl.constexpr, p_layout: gl.constexpr, P_MODE: gl.constexpr, P_HW_CVT: gl.constexpr,
                   CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """Tile j's P (e4m3, times 2**8) as PV's register operand, the rescale factor and
     the new running max and row sum: `forward._tile`'s arithmetic, operation for
-    operation."""
+    operation. b_j: the tile's key scales (any value past Sk: those keys are masked)."""
     cols = j * BLOCK_N + offs_n
-    b_j = gl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
     masked = j * BLOCK_N >= full
     t = log2_scores(s, gl.expand_dims(a_i, 1), gl.expand_dims(b_j, 0))
     if masked:  # diagonal and tail tiles only (a runtime branch: no cost elsewhere)
@@ -88,9 +87,15 @@ def _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, 
 
 
 @gluon.jit
+def _key_scales(ks_ptr, j, offs_n, Sk, BLOCK_N: gl.constexpr):
+    cols = j * BLOCK_N + offs_n
+    return gl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
+
+
+@gluon.jit
 def _key_tiles(start_m, Sk, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Which key tiles the query block start_m sees (as forward.py): keys [0, hi), of
-    which [0, full) need no mask, in n_tiles tiles."""
+    """Which key tiles the query block start_m sees (as forward.py): (full, n_tiles),
+    keys [0, full) need no mask."""
     hi = Sk
     full = Sk // BLOCK_N * BLOCK_N
     if CAUSAL:
@@ -99,7 +104,7 @@ def _key_tiles(start_m, Sk, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.con
         hi = gl.minimum(gl.maximum(last, 0), Sk)
         full = gl.minimum(gl.maximum(first, 0), full) // BLOCK_N * BLOCK_N
     n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # a block that sees no key runs one masked tile
-    return hi, full, n_tiles
+    return full, n_tiles
 
 
 @gluon.jit
@@ -155,7 +160,7 @@ def attn_fwd_pipelined_kernel(
     k_row = bhk * Sk  # rows of the (B*Hkv*Sk, D) view
     v_row = bhk * HEAD_DIM  # rows of the (B*Hkv*D, Sk) view
 
-    hi, full, n_tiles = _key_tiles(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    full, n_tiles = _key_tiles(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
 
     # -- shared memory and barriers
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
@@ -210,7 +215,8 @@ def attn_fwd_pipelined_kernel(
             s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
                                    max_num_imprecise_acc=imprecise, is_async=True)
             # 3. softmax of S_j
-            p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+            b_j = _key_scales(ks_ptr, j, offs_n, Sk, BLOCK_N)
+            p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
                                                 s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
             # 4. PV_{j-1} done: its V stage takes V_{j+1} (V_1 came with the prologue)
             acc = warpgroup_mma_wait(1, deps=[acc])
@@ -228,7 +234,8 @@ def attn_fwd_pipelined_kernel(
         # -- the last tile
         j = n_tiles - 1
         stage = j % NUM_STAGES
-        p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+        b_j = _key_scales(ks_ptr, j, offs_n, Sk, BLOCK_N)
+        p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
                                             s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         acc = warpgroup_mma_wait(0, deps=[acc])
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -243,7 +250,8 @@ def attn_fwd_pipelined_kernel(
         mbarrier.expect(k_bar.index(0), k_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(k_desc, [k_row + NUM_STAGES * BLOCK_N, 0], k_bar.index(0), k_smem.index(0),
                                         pred=pred)
-        p8, alpha, m_i, l_i = _softmax_tile(s, 0, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+        b_j = _key_scales(ks_ptr, 0, offs_n, Sk, BLOCK_N)
+        p8, alpha, m_i, l_i = _softmax_tile(s, 0, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
                                             s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
         for j in range(1, n_tiles):
@@ -261,7 +269,8 @@ def attn_fwd_pipelined_kernel(
             mbarrier.expect(k_bar.index(stage), k_desc.block_type.nbytes, pred=pred)
             tma.async_copy_global_to_shared(k_desc, [k_row + (j + 2) * BLOCK_N, 0], k_bar.index(stage),
                                             k_smem.index(stage), pred=pred)
-            p8_next, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset,
+            b_j = _key_scales(ks_ptr, j, offs_n, Sk, BLOCK_N)
+            p8_next, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset,
                                                      full, s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
             o = warpgroup_mma_wait(0, deps=[o_tok])  # (an e4m3 operand cannot be a dep: Triton 3.6)
             p8 = p8_next
@@ -345,15 +354,23 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     q_tile = q_smem.slice(WG * BLOCK_M, BLOCK_M)  # this partition's rows of the program's Q block
 
+    # the key scales of a tile are loaded while its QK^T runs: issued right after the
+    # wgmma, one per thread (the softmax's layout holds 32 per thread, each its own
+    # 64-bit address: live across the wait they spilled 400 bytes), they arrive during
+    # its latency and are spread to the softmax's layout through shared memory after it
+    ks_layout: gl.constexpr = gl.BlockedLayout([1], [32], [warps], [0])
+    offs_ks = gl.arange(0, BLOCK_N, layout=ks_layout)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
     s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                           max_num_imprecise_acc=imprecise, is_async=True)
+    kb = _key_scales(ks_ptr, 0, offs_ks, Sk, BLOCK_N)
     for j in range(n_tiles):
         stage = j % stages
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)  # QK_j has read K_j
-        p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, ks_ptr, offs_n, rows, Sk, causal_offset, full,
+        b_j = gl.convert_layout(kb, col_s)
+        p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
                                             s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
@@ -365,6 +382,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
             mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
             s_tok = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
                                   max_num_imprecise_acc=imprecise, is_async=True)
+            kb = _key_scales(ks_ptr, j + 1, offs_ks, Sk, BLOCK_N)
     _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, block, Sq, o_layout, HEAD_DIM, BLOCK_M)
 
 
@@ -392,7 +410,7 @@ def attn_fwd_ws_kernel(
     b = off_bh // H
     hk = (off_bh % H) // GROUP
     bhk = b * (H // GROUP) + hk
-    hi, full, n_tiles = _key_tiles(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    full, n_tiles = _key_tiles(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -462,11 +480,15 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     block_m, block_n = BLOCK_M, BLOCK_N
     if warp_specialized:
         block_m, num_warps, maxnreg = ws_launch(partitions)
-    if Sk % 16:  # TMA: V^T's row stride must be a multiple of 16 bytes
-        pad = torch.zeros((B, Hkv, D, 16 - Sk % 16), dtype=vt.dtype, device=vt.device)
-        vt = torch.cat([vt, pad], dim=-1)
-    q2, k2, v2 = q.reshape(B * H * Sq, D), k.reshape(B * Hkv * Sk, D), vt.reshape(B * Hkv * D, vt.shape[-1])
-    v2 = v2[:, :Sk] if v2.shape[1] != Sk else v2  # a view: the padded stride, the true extent
+    q2, k2 = q.reshape(B * H * Sq, D), k.reshape(B * Hkv * Sk, D)
+    if tma_loadable(ops):  # rows padded with zero keys to whole tiles: read as they are stored
+        v2 = vt.as_strided((B * Hkv * D, vt.stride(2)), (vt.stride(2), 1))
+    else:
+        if Sk % 16:  # TMA: V^T's row stride must be a multiple of 16 bytes
+            pad = torch.zeros((B, Hkv, D, 16 - Sk % 16), dtype=vt.dtype, device=vt.device)
+            vt = torch.cat([vt, pad], dim=-1)
+        v2 = vt.reshape(B * Hkv * D, vt.shape[-1])
+        v2 = v2[:, :Sk] if v2.shape[1] != Sk else v2  # a view: the padded stride, the true extent
 
     def desc(t, block):
         dtype = gl.float8e4nv if t.dtype == torch.float8_e4m3fn else gl.bfloat16

@@ -63,3 +63,12 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         vt = round_to_format(values * pow2(-c)[..., None, None], E4M3).to(torch.float8_e4m3fn).transpose(-1, -2)
         vs = pow2(c)[..., None].expand(*c.shape, v.shape[-1])
     return KernelOperands(qv, kv, qs, ks, vt.contiguous(), vs.float().contiguous())
+
+
+def tma_loadable(ops: KernelOperands) -> bool:
+    """Whether K and V^T can be loaded by TMA in whole tiles (`tma_descriptors`)."""
+    k, vt = ops.k, ops.vt
+    D, Hkv = k.shape[3], k.shape[1]
+    return (ops.vt_keys_padded and k.is_contiguous() and vt.stride(3) == 1 and vt.stride(2) % BLOCK_N == 0
+            and vt.stride(1) == D * vt.stride(2) and vt.stride(0) == Hkv * vt.stride(1)
+            and (k.data_ptr() | vt.data_ptr()) % 16 == 0)

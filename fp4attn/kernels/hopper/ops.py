@@ -18,14 +18,20 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fp4attn.kernels.hopper.forward import attn_fwd_kernel
-from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
+from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
+from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, tma_loadable
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E, log2_bias
 from fp4attn.reference.masks import key_mask_view
 
+# the warp-specialized kernel's layout where it runs: one consumer warpgroup and the
+# producer warp per 64-row program, two programs per SM (forward_pipelined.ws_launch;
+# h200-forward-ws-2.txt: 536 TFLOP/s against 455-468 for 128-row programs)
+WS_PARTITIONS = 2
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
-LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"  # "block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add]]]]"
+# "block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add[,warp_specialized]]]]]"
+LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,9 @@ class ForwardLaunch:
     on the CUDA cores: docs/numerics.md; tma_kv loads K and V^T tiles by TMA, where the
     operands allow it: `tma_descriptors`; pv_add adds each tile's PV into O by a float32
     addition of its own, which lets ptxas chain the wgmmas, instead of through Triton's
-    promotion)."""
+    promotion; warp_specialized runs the FP8-P recipes on the Gluon kernel
+    `forward_pipelined.attn_fwd_ws_kernel` instead, 64-row programs of one consumer
+    warpgroup and a producer warp, with pv_add's arithmetic: bit-identical outputs)."""
 
     block_m: int = 128
     warps: int = 8
@@ -46,6 +54,7 @@ class ForwardLaunch:
     rowsum_mma: bool = False
     tma_kv: bool = False
     pv_add: bool = False
+    warp_specialized: bool = False
 
 
 # Measured at (8,16,4096,128) and (16,16,2048,64), kernel alone, TFLOP/s
@@ -65,11 +74,15 @@ class ForwardLaunch:
 # (8,16,4096,128): nvfp4-fp8 456 -> 497, causal 416 -> 447, directp 270 -> 288). At D=64
 # it raises registers from 168 to 200-210 and gains nothing (h200-forward-d64-pv-add.txt:
 # fp8 at (16,16,2048,64) 341 -> 343, causal 282 -> 238), so D=64 keeps Triton's
-# promotion. Keyed by (head dim, QK^T on the FP8 tensor cores, causal).
+# promotion. The warp-specialized Gluon kernel (h200-forward-ws-2.txt) then took FP8 P
+# at (8,16,4096,128) from 494 to 536 (causal 447 -> 478) and lost on Direct-P (286 ->
+# 270) and at D=64 (nvfp4-fp8 341 -> 327), so it runs FP8 P at D=128 only.
+# Keyed by (head dim, QK^T on the FP8 tensor cores, causal).
 DEFAULT_LAUNCH = {
     **{(128, True, causal): ForwardLaunch(64, 4, 2, True) for causal in (True, False)},
     **{(64, True, causal): ForwardLaunch(64, 4, 3, True) for causal in (True, False)},
-    **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True) for causal in (True, False)},
+    **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True)
+       for causal in (True, False)},
     **{(64, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for causal in (True, False)},
 }
 
@@ -83,16 +96,16 @@ def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
     try:
         fields = [int(x) for x in spec.split(",")]
         block_m, warps, stages = fields[:3]
-        flags = (fields[3:] + [0, 0, 0, 0])[:4]
-        if len(fields) > 7:
+        flags = (fields[3:] + [0] * 5)[:5]
+        if len(fields) > 8:
             raise ValueError
     except ValueError as e:
         raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected "
-                         "'block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add]]]]', e.g. '64,4,2' or "
-                         "'64,4,2,1,0,1,1'") from e
+                         "'block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add[,warp_specialized]]]]]', "
+                         "e.g. '64,4,2' or '64,4,2,1,0,1,1'") from e
     if block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4 or set(flags) - {0, 1}:
         raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4, p_hw_cvt, "
-                         "rowsum_mma, tma_kv and pv_add 0 or 1")
+                         "rowsum_mma, tma_kv, pv_add and warp_specialized 0 or 1")
     return ForwardLaunch(block_m, warps, stages, *(bool(f) for f in flags))
 
 
@@ -134,9 +147,7 @@ def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescri
     so that no tile reads past its head's keys)."""
     k, vt = ops.k, ops.vt
     B, Hkv, Sk, D = k.shape
-    if not (ops.vt_keys_padded and k.is_contiguous() and vt.stride(3) == 1 and vt.stride(2) % BLOCK_N == 0
-            and vt.stride(1) == D * vt.stride(2) and vt.stride(0) == Hkv * vt.stride(1)
-            and (k.data_ptr() | vt.data_ptr()) % 16 == 0):
+    if not tma_loadable(ops):
         return None
     rows = vt.stride(2)  # keys per V^T row, Sk padded to whole tiles
     k2 = k.view(B * Hkv * Sk, D)
@@ -167,6 +178,13 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
                          f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
+    if (cfg.warp_specialized and p_mode == 0 and not qk_fp8 and pv_promote and not write_p and key_bias is None
+            and tma_loadable(ops) and ops.q.is_contiguous()):
+        # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key bias
+        out, lse = launch_forward_pipelined(ops, scale=scale, causal_offset=causal_offset, p_mode=p_mode,
+                                            p_hw_cvt=cfg.p_hw_cvt, warp_specialized=True, partitions=WS_PARTITIONS,
+                                            stages=cfg.stages)
+        return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
     # never touched without write_p: allocated, not filled (a fill is one more launch per call)
     dbg = (torch.zeros((B, H, sq_pad, Sk), device=q.device, dtype=torch.float32) if write_p else
