@@ -61,6 +61,32 @@ def timing_cases(shapes, causal_modes, bench):
                    bench(lambda: sdpa_cudnn(*qkv, causal)))
 
 
+# awkward shapes for the kernel scripts' output checks: (B, H, Hkv, Sq, Sk, D)
+CHECK_SHAPES = ((1, 2, 2, 1, 3, 128), (2, 4, 2, 113, 239, 128), (1, 3, 1, 1023, 1023, 64),
+                (1, 2, 2, 256, 4096, 128), (2, 2, 1, 640, 640, 128))
+CHECK_COLUMNS = "max abs out diff | out rel L2 diff | max abs lse diff | bf16 equal | finite"
+
+
+def check_cases(shapes=CHECK_SHAPES):
+    """For each check shape of a kernel script: ((B, H, Hkv, Sq, Sk, D), (q, k, v) bf16
+    on the GPU, q and k x 2 for sharper scores), seeded."""
+    torch.manual_seed(0)
+    for B, H, Hkv, Sq, Sk, D in shapes:
+        yield (B, H, Hkv, Sq, Sk, D), (torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16) * 2,
+                                       torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16) * 2,
+                                       torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16))
+
+
+def compare_outputs(out, lse, out2, lse2) -> str:
+    """The `CHECK_COLUMNS` cells comparing a kernel's (out, lse) with another's."""
+    d = out.float() - out2.float()
+    fin = torch.isfinite(lse)
+    lse_diff = (lse[fin] - lse2[fin]).abs().max().item() if fin.any() else 0
+    return (f"{d.abs().max().item():.3g} | {(d.norm() / out.float().norm()).item():.3g} | {lse_diff:.3g} "
+            f"(inf {torch.equal(~fin, ~torch.isfinite(lse2))}) | {(out == out2).float().mean().item():.4f} | "
+            f"{bool(torch.isfinite(out2).all())}")
+
+
 def visible_pairs(sq: int, sk: int, causal: bool) -> int:
     if not causal:
         return sq * sk

@@ -93,6 +93,35 @@ def _key_scales(ks_ptr, j, offs_n, Sk, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _program_rows(Sq, Sk, H, GROUP, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """This program's query block, (batch, head) and (batch, K/V head) indices, and its
+    first rows in the 2D views the TMA descriptors cover: Q (B*H*Sq, D), K (B*Hkv*Sk, D),
+    V^T (B*Hkv*D, keys)."""
+    start_m = gl.program_id(0)
+    off_bh = gl.program_id(1)
+    bhk = (off_bh // H) * (H // GROUP) + (off_bh % H) // GROUP
+    return start_m, off_bh, bhk, off_bh * Sq + start_m * BLOCK_M, bhk * Sk, bhk * HEAD_DIM
+
+
+@gluon.jit
+def _operand_rings(q_desc, k_desc, v_desc, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Shared memory for the program's Q block and STAGES-deep K and V^T rings."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+    return q_smem, k_smem, v_smem
+
+
+@gluon.jit
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers, each completing a phase after `count` arrivals."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+
+@gluon.jit
 def _key_tiles(start_m, Sk, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Which key tiles the query block start_m sees (as forward.py): (full, n_tiles),
     keys [0, full) need no mask."""
@@ -150,29 +179,14 @@ def attn_fwd_pipelined_kernel(
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    start_m = gl.program_id(0)
-    off_bh = gl.program_id(1)
-    b = off_bh // H
-    h = off_bh % H
-    hk = h // GROUP
-    bhk = b * (H // GROUP) + hk
-    q_row = off_bh * Sq + start_m * BLOCK_M  # rows of the (B*H*Sq, D) view
-    k_row = bhk * Sk  # rows of the (B*Hkv*Sk, D) view
-    v_row = bhk * HEAD_DIM  # rows of the (B*Hkv*D, Sk) view
-
+    start_m, off_bh, bhk, q_row, k_row, v_row = _program_rows(Sq, Sk, H, GROUP, HEAD_DIM, BLOCK_M)
     full, n_tiles = _key_tiles(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
 
     # -- shared memory and barriers
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
+    q_smem, k_smem, v_smem = _operand_rings(q_desc, k_desc, v_desc, NUM_STAGES, HEAD_DIM, BLOCK_N)
+    q_bar = _barriers(1, 1).index(0)
+    k_bar = _barriers(NUM_STAGES, 1)
+    v_bar = _barriers(NUM_STAGES, 1)
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -405,37 +419,24 @@ def attn_fwd_ws_kernel(
          per SM."""
     gl.static_assert(BLOCK_M == (64 if PARTITIONS == 2 else 128))  # consumer warpgroups of wgmma's 64 rows
     gl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
-    start_m = gl.program_id(0)
-    off_bh = gl.program_id(1)
-    b = off_bh // H
-    hk = (off_bh % H) // GROUP
-    bhk = b * (H // GROUP) + hk
+    start_m, off_bh, bhk, q_row, k_row, v_row = _program_rows(Sq, Sk, H, GROUP, HEAD_DIM, BLOCK_M)
     full, n_tiles = _key_tiles(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_smem, k_smem, v_smem = _operand_rings(q_desc, k_desc, v_desc, STAGES, HEAD_DIM, BLOCK_N)
     consumers: gl.constexpr = 2 if PARTITIONS == 1 else 1  # arrivals that free a stage
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=consumers)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=consumers)
+    q_bar = _barriers(1, 1).index(0)
+    k_ready = _barriers(STAGES, 1)
+    k_empty = _barriers(STAGES, consumers)
+    v_ready = _barriers(STAGES, 1)
+    v_empty = _barriers(STAGES, consumers)
     fence_async_shared()
 
-    q_row = off_bh * Sq + start_m * BLOCK_M  # rows of the (B*H*Sq, D) view
     if PARTITIONS == 1:
         gl.static_assert(gl.num_warps() == 4)
         HALF: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                            q_row, bhk * Sk, bhk * HEAD_DIM, n_tiles, BLOCK_N)),
+                            q_row, k_row, v_row, n_tiles, BLOCK_N)),
             (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
                             0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT)),
@@ -450,7 +451,7 @@ def attn_fwd_ws_kernel(
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
                             0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                            q_row, bhk * Sk, bhk * HEAD_DIM, n_tiles, BLOCK_N)),
+                            q_row, k_row, v_row, n_tiles, BLOCK_N)),
         ], [1], [24])
 
 
