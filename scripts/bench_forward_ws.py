@@ -1,6 +1,6 @@
 """The warp-specialized Gluon forward (`forward_pipelined.attn_fwd_ws_kernel`: a producer
 warp loading K/V^T by TMA, consumer warpgroups that wait only on mbarriers) against the
-routed Triton kernel, one run: first the outputs on awkward shapes (the same arithmetic
+Triton kernel (the default launch with `warp_specialized` off), one run: first the outputs on awkward shapes (the same arithmetic
 as the Triton kernel's `pv_add` path: out and LSE should be equal up to the FMA
 contraction of O's update), then kernel-alone TFLOP/s of each variant and SDPA cuDNN
 bf16 on the bench shapes.
@@ -13,13 +13,16 @@ A variant is `partitions:stages` (`forward_pipelined.ws_launch`).
 """
 
 import argparse
+import dataclasses
+import os
 
+import torch
 import triton
 
 from fp4attn.cli.bench import (CHECK_COLUMNS, check_cases, compare_outputs, kernel_script_args,
                                timing_cases)
 from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
-from fp4attn.kernels.hopper.ops import P_MODES, launch_forward
+from fp4attn.kernels.hopper.ops import DEFAULT_LAUNCH, LAUNCH_ENV, P_MODES, launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import PRESETS
 
@@ -37,6 +40,18 @@ def prepared(q, k, v, name, causal_offset):
     return ops, dict(scale=q.shape[-1] ** -0.5, causal_offset=causal_offset, p_mode=P_MODES[(r.p, r.p_build)])
 
 
+def triton_kernel(ops, kw):
+    """The Triton kernel with the default launch's other fields (`launch_forward` routes
+    D=128 FP8 P to the Gluon kernel itself)."""
+    launch = DEFAULT_LAUNCH[ops.q.shape[-1], ops.q.dtype == torch.float8_e4m3fn, kw["causal_offset"] is not None]
+    os.environ[LAUNCH_ENV] = ",".join(str(int(x)) for x in dataclasses.astuple(
+        dataclasses.replace(launch, warp_specialized=False)))
+    try:
+        return launch_forward(ops, **kw)[:2]
+    finally:
+        del os.environ[LAUNCH_ENV]
+
+
 def ws(ops, kw, partitions, stages):
     return launch_forward_pipelined(ops, **kw, warp_specialized=True, partitions=partitions, stages=stages)
 
@@ -49,7 +64,7 @@ for shape, (q, k, v) in () if args.no_check else check_cases():
     for name in args.recipes:
         for causal in args.causal:
             ops, kw = prepared(q, k, v, name, (Sk - Sq) if causal else None)
-            o1, l1 = launch_forward(ops, **kw)[:2]
+            o1, l1 = triton_kernel(ops, kw)
             for part, stages in VARIANTS:
                 o2, l2 = ws(ops, kw, part, stages)
                 print(f"| {name} | {','.join(map(str, shape))} | {causal} | {part}:{stages} | "
@@ -62,7 +77,7 @@ for (B, H, S, D), causal, (q, k, v), flops, base in timing_cases(args.shapes, ar
     for name in args.recipes:
         ops, kw = prepared(q, k, v, name, 0 if causal else None)
         cells = []
-        for f in [lambda: launch_forward(ops, **kw)] + [lambda p=p, s=s: ws(ops, kw, p, s) for p, s in VARIANTS]:
+        for f in [lambda: triton_kernel(ops, kw)] + [lambda p=p, s=s: ws(ops, kw, p, s) for p, s in VARIANTS]:
             t = bench(f)
             cells.append(f"{flops / t * 1e-9:.0f} ({base / t:.2f}x)")
         print(f"| {B},{H},{S},{D} | {causal} | {name} | {flops / base * 1e-9:.0f} | " + " | ".join(cells) + " |",
