@@ -9,7 +9,8 @@ bf16 on the bench shapes.
         [--shapes 8,16,4096,128/2,16,16384,128] [--causal both] [--no-check]
         [--variants 0:2,0:3,2:2,1:2]
 
-A variant is `partitions:stages` (`forward_pipelined.ws_launch`).
+A variant is `partitions:stages[:overlap]` (`forward_pipelined.ws_launch`, the
+kernel's OVERLAP).
 """
 
 import argparse
@@ -28,10 +29,10 @@ from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
 ap = argparse.ArgumentParser()
-ap.add_argument("--variants", default="0:2,0:3,2:2,1:2")
+ap.add_argument("--variants", default="0:2,0:3,2:2,1:2,2:2:1")
 args = kernel_script_args(ap, shapes="8,16,4096,128/2,16,16384,128", recipes="nvfp4-fp8,fp8,directp",
                           no_check_help="skip the output comparison on awkward shapes")
-VARIANTS = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+VARIANTS = [tuple(int(x) for x in (v + ":0").split(":")[:3]) for v in args.variants.split(",")]
 
 
 def prepared(q, k, v, name, causal_offset):
@@ -52,8 +53,9 @@ def triton_kernel(ops, kw):
         del os.environ[LAUNCH_ENV]
 
 
-def ws(ops, kw, partitions, stages):
-    return launch_forward_pipelined(ops, **kw, warp_specialized=True, partitions=partitions, stages=stages)
+def ws(ops, kw, partitions, stages, overlap):
+    return launch_forward_pipelined(ops, **kw, warp_specialized=True, partitions=partitions, stages=stages,
+                                    overlap=overlap)
 
 
 if not args.no_check:
@@ -65,19 +67,19 @@ for shape, (q, k, v) in () if args.no_check else check_cases():
         for causal in args.causal:
             ops, kw = prepared(q, k, v, name, (Sk - Sq) if causal else None)
             o1, l1 = triton_kernel(ops, kw)
-            for part, stages in VARIANTS:
-                o2, l2 = ws(ops, kw, part, stages)
-                print(f"| {name} | {','.join(map(str, shape))} | {causal} | {part}:{stages} | "
+            for variant in VARIANTS:
+                o2, l2 = ws(ops, kw, *variant)
+                print(f"| {name} | {','.join(map(str, shape))} | {causal} | {':'.join(map(str, variant))} | "
                       f"{compare_outputs(o1, l1, o2, l2)} |", flush=True)
 
-head = " | ".join(f"WS {p}:{s}" for p, s in VARIANTS)
+head = " | ".join("WS " + ":".join(map(str, v)) for v in VARIANTS)
 print(f"\n| B,H,S,D | causal | recipe | cuDNN bf16 | Triton | {head} |")
 print("|---|---|---|---|---|" + "---|" * len(VARIANTS), flush=True)
 for (B, H, S, D), causal, (q, k, v), flops, base in timing_cases(args.shapes, args.causal, bench):
     for name in args.recipes:
         ops, kw = prepared(q, k, v, name, 0 if causal else None)
         cells = []
-        for f in [lambda: triton_kernel(ops, kw)] + [lambda p=p, s=s: ws(ops, kw, p, s) for p, s in VARIANTS]:
+        for f in [lambda: triton_kernel(ops, kw)] + [lambda v=v: ws(ops, kw, *v) for v in VARIANTS]:
             t = bench(f)
             cells.append(f"{flops / t * 1e-9:.0f} ({base / t:.2f}x)")
         print(f"| {B},{H},{S},{D} | {causal} | {name} | {flops / base * 1e-9:.0f} | " + " | ".join(cells) + " |",

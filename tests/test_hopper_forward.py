@@ -238,8 +238,8 @@ def test_torch_compile_traces_the_kernel_op():
 
 @pytest.mark.parametrize("recipe", ["nvfp4-fp8", "fp8", "directp"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("partitions", [0, 1, 2])
-def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, partitions, monkeypatch):
+@pytest.mark.parametrize("partitions,overlap", [(0, 0), (1, 0), (2, 0), (2, 1)])
+def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, partitions, overlap, monkeypatch):
     """The warp-specialized Gluon forward computes the Triton kernel's arithmetic with
     each tile's PV added into O in float32 (pv_add): same outputs and LSE, bit for bit,
     in every partition layout, on awkward shapes and GQA; and `launch_forward` routes
@@ -256,7 +256,8 @@ def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, partitions
         kw = dict(scale=d**-0.5, causal_offset=(sk - sq) if causal else None, p_mode=P_MODES[(r.p, r.p_build)])
         monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1")  # the Triton kernel, TMA and pv_add
         out, lse = launch_forward(ops, **kw)[:2]
-        out2, lse2 = launch_forward_pipelined(ops, **kw, warp_specialized=True, partitions=partitions)
+        out2, lse2 = launch_forward_pipelined(ops, **kw, warp_specialized=True, partitions=partitions,
+                                              overlap=overlap)
         assert torch.isfinite(out2).all()
         assert torch.equal(out, out2) and torch.equal(lse, lse2), (recipe, sq, sk, d)
         monkeypatch.delenv(LAUNCH_ENV)

@@ -335,7 +335,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
                  off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
                  WG: gl.constexpr, WGS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr,
-                 P_HW_CVT: gl.constexpr):
+                 P_HW_CVT: gl.constexpr, OVERLAP: gl.constexpr):
     """BLOCK_M query rows (rows WG * BLOCK_M ... of the program's block, which WGS such
     partitions share) on BLOCK_M // 16 warps: per tile QK^T, the softmax, PV on a fresh
     accumulator added to O in float32 (the Triton kernel's `PV_ADD` arithmetic), then
@@ -388,15 +388,25 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
                                             s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        pv = warpgroup_mma_wait(0, deps=[pv_tok])
+        if OVERLAP > 0:
+            if j + 1 < n_tiles:
+                nxt = (j + 1) % stages
+                mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
+                s_tok = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
+                                      max_num_imprecise_acc=imprecise, is_async=True)
+                kb = _key_scales(ks_ptr, j + 1, offs_ks, Sk, BLOCK_N)
+            pv = warpgroup_mma_wait(OVERLAP - 1, deps=[pv_tok])
+        else:
+            pv = warpgroup_mma_wait(0, deps=[pv_tok])
         mbarrier.arrive(v_empty.index(stage), count=1)  # PV_j has read V_j
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv
-        if j + 1 < n_tiles:
-            nxt = (j + 1) % stages
-            mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
-            s_tok = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
-                                  max_num_imprecise_acc=imprecise, is_async=True)
-            kb = _key_scales(ks_ptr, j + 1, offs_ks, Sk, BLOCK_N)
+        if OVERLAP == 0:
+            if j + 1 < n_tiles:
+                nxt = (j + 1) % stages
+                mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
+                s_tok = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
+                                      max_num_imprecise_acc=imprecise, is_async=True)
+                kb = _key_scales(ks_ptr, j + 1, offs_ks, Sk, BLOCK_N)
     _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, block, Sq, o_layout, HEAD_DIM, BLOCK_M)
 
 
@@ -406,7 +416,7 @@ def attn_fwd_ws_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr,
-    STAGES: gl.constexpr = 2, PARTITIONS: gl.constexpr = 0,
+    STAGES: gl.constexpr = 2, PARTITIONS: gl.constexpr = 0, OVERLAP: gl.constexpr = 0,
 ):
     """Warp-specialized forward: a producer warp keeps `STAGES`-deep K and V^T rings
     full; the consumers never issue a copy or wait at a CTA barrier. PARTITIONS
@@ -439,17 +449,17 @@ def attn_fwd_ws_kernel(
                             q_row, k_row, v_row, n_tiles, BLOCK_N)),
             (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT)),
+                            0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP)),
             (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            1, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT)),
+                            1, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP)),
         ], [4, 4], [240, 240])
     else:
         gl.static_assert(gl.num_warps() == BLOCK_M // 16)
         gl.warp_specialize([
             (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT)),
+                            0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                             q_row, k_row, v_row, n_tiles, BLOCK_N)),
         ], [1], [24])
@@ -457,7 +467,7 @@ def attn_fwd_ws_kernel(
 
 def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True,
                              schedule: int = 0, warp_specialized: bool = False, partitions: int = 0,
-                             stages: int = 2):
+                             stages: int = 2, overlap: int = 0):
     """Run a Gluon kernel on prepared operands (`KernelOperands`, contiguous):
     (out bf16, lse fp32), as `ops.launch_forward` without its debug outputs.
 
@@ -466,7 +476,7 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     overlaps PV, one S tile live). Its PV accumulates O on the tensor cores.
 
     `warp_specialized`: `attn_fwd_ws_kernel` in the partition layout `partitions`
-    (`ws_launch`) with `stages`-deep K/V rings; its O is added in float32 per tile, as
+    (`ws_launch`) with `stages`-deep K/V rings and its OVERLAP flag `overlap`; its O is added in float32 per tile, as
     the Triton kernel's at D=128 (`pv_add`). e4m3 Q/K may also be given as bf16 (exact):
     their QK^T then runs on the bf16 tensor cores, without the fp8 accumulation's
     promotion."""
@@ -504,8 +514,8 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     flags = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode,
                  CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt)
     if warp_specialized:
-        attn_fwd_ws_kernel[grid](*args, **flags, STAGES=stages, PARTITIONS=partitions, num_warps=num_warps,
-                                 maxnreg=maxnreg)
+        attn_fwd_ws_kernel[grid](*args, **flags, STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap,
+                                 num_warps=num_warps, maxnreg=maxnreg)
     else:
         attn_fwd_pipelined_kernel[grid](*args, **flags, SCHEDULE=schedule, num_warps=4)
     return out, lse
