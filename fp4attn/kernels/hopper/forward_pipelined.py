@@ -339,8 +339,12 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     """BLOCK_M query rows (rows WG * BLOCK_M ... of the program's block, which WGS such
     partitions share) on BLOCK_M // 16 warps: per tile QK^T, the softmax, PV on a fresh
     accumulator added to O in float32 (the Triton kernel's `PV_ADD` arithmetic), then
-    the epilogue. QK^T of tile j+1 is issued after O's update, so S_{j+1} is never live
-    with PV_j's accumulator: ptxas then chains each product's wgmmas (one wait each).
+    the epilogue. OVERLAP 0: QK^T of tile j+1 is issued after O's update, so S_{j+1} is
+    never live with PV_j's accumulator; 1: it is issued right after PV_j and one wait
+    retires both, so the tensor cores run them back to back (S_{j+1}, PV_j and O live
+    together, 192 registers, no softmax temporaries). ptxas chains each product's wgmmas
+    either way; a wait for PV_j alone (QK^T still in flight) made it serialize every
+    wgmma (C7514).
     Gluon syncs a partition's warps before each mbarrier wait and arrive, so warpgroups
     that share a partition move in step at those points."""
     stages: gl.constexpr = k_smem.type.shape[0]

@@ -27,8 +27,11 @@ from fp4attn.reference.masks import key_mask_view
 
 # the warp-specialized kernel's layout where it runs: one consumer warpgroup and the
 # producer warp per 64-row program, two programs per SM (forward_pipelined.ws_launch;
-# h200-forward-ws-2.txt: 536 TFLOP/s against 455-468 for 128-row programs)
+# h200-forward-ws-2.txt: 536 TFLOP/s against 455-468 for 128-row programs), with QK^T
+# of the next tile issued beside PV (OVERLAP 1; h200-forward-ws-overlap.txt: 545 -> 553,
+# causal 474 -> 486 at (8,16,4096,128))
 WS_PARTITIONS = 2
+WS_OVERLAP = 1
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
 # "block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add[,warp_specialized]]]]]"
 LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"
@@ -183,7 +186,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key bias
         out, lse = launch_forward_pipelined(ops, scale=scale, causal_offset=causal_offset, p_mode=p_mode,
                                             p_hw_cvt=cfg.p_hw_cvt, warp_specialized=True, partitions=WS_PARTITIONS,
-                                            stages=cfg.stages)
+                                            stages=cfg.stages, overlap=WS_OVERLAP)
         return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
     # never touched without write_p: allocated, not filled (a fill is one more launch per call)
