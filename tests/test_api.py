@@ -350,3 +350,54 @@ def test_quantize_qk_fp8_rejects_other_output_dtypes():
     for bad in (torch.float16, torch.float32, torch.float8_e5m2):
         with pytest.raises(ValueError, match="dtype float8_e4m3fn or bfloat16"):
             quantize_qk_fp8(torch.zeros(2, 64), dtype=bad)
+
+
+def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch):
+    """`launch_forward` runs the Gluon kernel exactly where the launch table says and the
+    arguments allow (FP8 P, bf16 Q/K, D=128, K/V^T TMA-loadable, no debug tiles, key
+    bias or O-on-tensor-core diagnostic), and the Triton kernel everywhere else; both
+    launches are recorded here instead of run, so this needs no GPU."""
+    pytest.importorskip("triton")
+    from fp4attn.kernels.hopper import ops as hops
+    from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(("triton", kw["HEAD_DIM"], kw["P_MODE"]))
+
+    def gluon(ops, **kw):
+        calls.append(("gluon", ops.q.shape[-1], kw["p_mode"], kw["partitions"], kw["overlap"]))
+        B, H, Sq, D = ops.q.shape
+        return torch.empty(B, H, Sq, D, dtype=torch.bfloat16), torch.empty(B, H, Sq)
+
+    monkeypatch.setattr(hops, "attn_fwd_kernel", Recorder())
+    monkeypatch.setattr(hops, "launch_forward_pipelined", gluon)
+    monkeypatch.setattr(hops, "tma_descriptors", lambda ops: None)
+
+    def operands(d, sk=200, padded=True, qk=torch.bfloat16):
+        q, k = torch.zeros(1, 2, 3, d, dtype=qk), torch.zeros(1, 2, sk, d, dtype=qk)
+        rows = -(-sk // BLOCK_N) * BLOCK_N if padded else sk
+        vt = torch.zeros(1, 2, d, rows, dtype=torch.float8_e4m3fn)[..., :sk]
+        return KernelOperands(q, k, torch.ones(1, 2, 3), torch.ones(1, 2, sk), vt, torch.ones(1, 2, d),
+                              vt_keys_padded=padded)
+
+    def route(ops, p_mode=0, **kw):
+        calls.clear()
+        hops.launch_forward(ops, scale=0.1, causal_offset=kw.pop("causal_offset", None), p_mode=p_mode, **kw)
+        return calls[0][0]
+
+    assert calls == [] and route(operands(128)) == "gluon"
+    assert calls[0][3:] == (hops.WS_PARTITIONS, hops.WS_OVERLAP)
+    assert route(operands(128), causal_offset=197) == "gluon"
+    assert route(operands(128), p_mode=1) == "triton"  # Direct-P: slower in the Gluon kernel
+    assert route(operands(128), p_mode=2) == "triton"
+    assert route(operands(64)) == "triton"  # D=64: three Triton programs per SM
+    assert route(operands(128, padded=False)) == "triton"  # V^T not TMA-loadable
+    assert route(operands(128, qk=torch.float8_e4m3fn)) == "triton"  # fast accumulation
+    assert route(operands(128), write_p=1) == "triton"  # debug tiles
+    assert route(operands(128), pv_promote=False) == "triton"
+    assert route(operands(128), key_bias=torch.zeros(1, 200)) == "triton"
+    monkeypatch.setenv(hops.LAUNCH_ENV, "64,4,2,1,0,1,1")  # warp_specialized off
+    assert route(operands(128)) == "triton"
