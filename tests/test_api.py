@@ -372,8 +372,10 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
         B, H, Sq, D = ops.q.shape
         return torch.empty(B, H, Sq, D, dtype=torch.bfloat16), torch.empty(B, H, Sq)
 
+    from fp4attn.kernels.hopper import forward_pipelined
+
     monkeypatch.setattr(hops, "attn_fwd_kernel", Recorder())
-    monkeypatch.setattr(hops, "launch_forward_pipelined", gluon)
+    monkeypatch.setattr(forward_pipelined, "launch_forward_pipelined", gluon)
     monkeypatch.setattr(hops, "tma_descriptors", lambda ops: None)
 
     def operands(d, sk=200, padded=True, qk=torch.bfloat16):

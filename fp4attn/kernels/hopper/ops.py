@@ -18,7 +18,6 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fp4attn.kernels.hopper.forward import attn_fwd_kernel
-from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, tma_loadable
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe
@@ -183,7 +182,10 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
     if (cfg.warp_specialized and p_mode == 0 and not qk_fp8 and pv_promote and not write_p and key_bias is None
             and tma_loadable(ops) and ops.q.is_contiguous()):
-        # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key bias
+        # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
+        # bias (imported here: only this path needs Triton's Gluon frontend)
+        from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
+
         out, lse = launch_forward_pipelined(ops, scale=scale, causal_offset=causal_offset, p_mode=p_mode,
                                             p_hw_cvt=cfg.p_hw_cvt, warp_specialized=True, partitions=WS_PARTITIONS,
                                             stages=cfg.stages, overlap=WS_OVERLAP)
