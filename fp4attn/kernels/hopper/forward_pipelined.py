@@ -331,6 +331,18 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
 
 
 @gluon.jit
+def _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j, Sk, imprecise: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """Once K_j has arrived: QK_j issued (its token) and tile j's key scales loaded, one
+    per thread, to arrive while the product runs."""
+    stage = j % k_smem.type.shape[0]
+    mbarrier.wait(k_ready.index(stage), (j // k_smem.type.shape[0]) & 1)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                          max_num_imprecise_acc=imprecise, is_async=True)
+    return s_tok, _key_scales(ks_ptr, j, offs_ks, Sk, BLOCK_N)
+
+
+@gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                  off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
                  WG: gl.constexpr, WGS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -379,10 +391,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     ks_layout: gl.constexpr = gl.BlockedLayout([1], [32], [warps], [0])
     offs_ks = gl.arange(0, BLOCK_N, layout=ks_layout)
     mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                          max_num_imprecise_acc=imprecise, is_async=True)
-    kb = _key_scales(ks_ptr, 0, offs_ks, Sk, BLOCK_N)
+    s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, 0, Sk, imprecise, BLOCK_N)
     for j in range(n_tiles):
         stage = j % stages
         s = warpgroup_mma_wait(0, deps=[s_tok])
@@ -394,11 +403,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
         pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         if OVERLAP > 0:
             if j + 1 < n_tiles:
-                nxt = (j + 1) % stages
-                mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
-                s_tok = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
-                                      max_num_imprecise_acc=imprecise, is_async=True)
-                kb = _key_scales(ks_ptr, j + 1, offs_ks, Sk, BLOCK_N)
+                s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
+                                          BLOCK_N)
             pv = warpgroup_mma_wait(OVERLAP - 1, deps=[pv_tok])
         else:
             pv = warpgroup_mma_wait(0, deps=[pv_tok])
@@ -406,11 +412,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv
         if OVERLAP == 0:
             if j + 1 < n_tiles:
-                nxt = (j + 1) % stages
-                mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
-                s_tok = warpgroup_mma(q_tile, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False,
-                                      max_num_imprecise_acc=imprecise, is_async=True)
-                kb = _key_scales(ks_ptr, j + 1, offs_ks, Sk, BLOCK_N)
+                s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
+                                          BLOCK_N)
     _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, block, Sq, o_layout, HEAD_DIM, BLOCK_M)
 
 
