@@ -1,9 +1,15 @@
 """Attention forward for Hopper (sm_90) in Gluon: the Triton kernel's numerics
-(`forward.py`, same P builders from `kernels/common.py`) with the tensor cores kept busy
-while the softmax runs.
+(`forward.py`, same P builders from `kernels/common.py`) in two kernels that schedule
+the tensor cores and the loads themselves.
 
-Triton 3.6 serializes each tile: QK^T, wait, softmax, PV, wait (it does not
-warp-specialize on sm_90; docs/notes/hopper-forward.md), so the per-element work of the
+`attn_fwd_ws_kernel` (routed by `ops.launch_forward` for FP8 P at D=128): warp
+specialization, a producer warp that keeps K/V^T rings full by TMA and consumer
+warpgroups that wait only on mbarriers; bit-identical to the Triton kernel's `pv_add`
+path, 7-9% faster than it on the H200 (docs/notes/hopper-forward.md, "Warp
+specialization in Gluon").
+
+`attn_fwd_pipelined_kernel` (not routed): Triton 3.6 serializes each tile: QK^T, wait,
+softmax, PV, wait (it does not warp-specialize on sm_90), so the per-element work of the
 exact recipes (scale multiplies, e4m3 rounding, Direct-P's classifier) adds to the
 products' time. Here one warpgroup of 4 warps owns BLOCK_M = 64 query rows and orders
 the asynchronous wgmmas itself, in one of two schedules (SCHEDULE):
@@ -32,7 +38,8 @@ work as well.
 
 Operands are the forward's (`KernelOperands`): Q/K e4m3 or bf16 grid values with
 per-token scales, V^T e4m3 (B, Hkv, D, Sk) with per-channel scales. TMA needs Sk to be a
-multiple of 16 (V^T's row stride in bytes); the launcher pads V^T's keys otherwise.
+multiple of 16 (V^T's row stride in bytes); the launcher reads the fused quantizers'
+V^T as stored (rows padded with zero keys to whole tiles) and pads other V^T itself.
 """
 
 import triton
