@@ -362,8 +362,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     never live with PV_j's accumulator; 1: it is issued right after PV_j and one wait
     retires both, so the tensor cores run them back to back (S_{j+1}, PV_j and O live
     together, 192 registers, no softmax temporaries). ptxas chains each product's wgmmas
-    either way; a wait for PV_j alone (QK^T still in flight) made it serialize every
-    wgmma (C7514).
+    either way; 2, the same order with a wait for PV_j alone (QK^T still in flight),
+    makes it serialize every wgmma (C7514) and is kept only to show that.
     Gluon syncs a partition's warps before each mbarrier wait and arrive, so warpgroups
     that share a partition move in step at those points."""
     stages: gl.constexpr = k_smem.type.shape[0]
