@@ -2,7 +2,9 @@
 and print registers, stack, the key SASS instructions (QGMMA/HGMMA, MUFU.EX2) and the
 instructions per score element of the unmasked tile loop, with the largest opcodes
 (docs/notes/hopper-forward.md, "Instruction budget"). Sequence lengths are specialized
-as multiples of 16, as the JIT compiles them at the bench shapes.
+as multiples of 16, as the JIT compiles them at the bench shapes. A second table does
+the same for the warp-specialized Gluon kernel in its routed layout (its registers are
+the consumer's and the producer's `setmaxnreg`; its tile loop is the consumer's).
 
     python scripts/compile_check.py [--sass-dir DIR]
 """
@@ -10,9 +12,11 @@ as multiples of 16, as the JIT compiles them at the bench shapes.
 import argparse
 from pathlib import Path
 
-from fp4attn.kernels.hopper.machine_code import inspect_forward, per_element
+import re
+
+from fp4attn.kernels.hopper.machine_code import compile_forward_pipelined, inspect, inspect_forward, per_element
 from fp4attn.kernels.hopper.operands import BLOCK_N
-from fp4attn.kernels.hopper.ops import forward_launch
+from fp4attn.kernels.hopper.ops import WS_OVERLAP, WS_PARTITIONS, forward_launch
 
 
 def main():
@@ -37,6 +41,28 @@ def main():
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
                         name = f"fwd_qk{int(qk_fp8)}_p{p_mode}_c{int(causal)}_d{d}.sass"
                         (args.sass_dir / name).write_text(r.sass)
+    print(f"\nWarp-specialized Gluon kernel, PARTITIONS={WS_PARTITIONS}, OVERLAP={WS_OVERLAP} (bf16 Q/K)")
+    print("| P mode | causal | D | setmaxnreg consumer / producer | stack | QGMMA | HGMMA | MUFU.EX2 | SASS lines "
+          "| loop instr/elem | largest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for p_mode in (0, 1):
+        for causal in (False, True):
+            for d in (64, 128):
+                kernel = compile_forward_pipelined(False, p_mode, causal, d, warp_specialized=True,
+                                                   partitions=WS_PARTITIONS, overlap=WS_OVERLAP)
+                r = inspect(kernel)
+                regs = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])
+                # the consumer's tile loop: the longest loop holding one tile's QK^T (half the
+                # HGMMAs; the prologue has the other half) and every PV QGMMA. The mbarrier
+                # waits are loops of their own, and branches back into the loop body make
+                # shorter "loops" of part of it. It also holds the masked tiles' branch.
+                count = lambda lp, op: sum(o.startswith(op) for o in lp)  # noqa: E731
+                loop = max((lp for lp in r.loops() if count(lp, "QGMMA") == r.count("QGMMA")
+                            and 2 * count(lp, "HGMMA") == r.count("HGMMA")), key=len)
+                n, ops = per_element(loop, 64 * BLOCK_N // 128)
+                top = ", ".join(f"{k} {v:.1f}" for k, v in ops[:4])
+                print(f"| {p_mode} | {causal} | {d} | {regs[0]} / {regs[2]} | {r.stack} | {r.count('QGMMA')} "
+                      f"| {r.count('HGMMA')} | {r.count('MUFU.EX2')} | {r.sass.count(chr(10))} | {n:.1f} | {top} |")
 
 
 if __name__ == "__main__":
