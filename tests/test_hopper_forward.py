@@ -229,11 +229,12 @@ def test_auto_backend_uses_kernel_and_dtype():
         fp4attn.attention(q, k, v, recipe="bf16", backend="triton")
 
 
-def test_torch_compile_traces_the_kernel_op():
+@pytest.mark.parametrize("recipe", ["fp8-directp", "fp8"])  # the Triton kernel, the warp-specialized Gluon one
+def test_torch_compile_traces_the_kernel_op(recipe):
     q, k, v = _qkv(1, 2, 2, 256, 256, 128)
-    f = torch.compile(lambda a, b, c: fp4attn.attention(a, b, c, recipe="fp8-directp", backend="triton"),
+    f = torch.compile(lambda a, b, c: fp4attn.attention(a, b, c, recipe=recipe, backend="triton"),
                       fullgraph=False)
-    torch.testing.assert_close(f(q, k, v), fp4attn.attention(q, k, v, recipe="fp8-directp", backend="triton"))
+    torch.testing.assert_close(f(q, k, v), fp4attn.attention(q, k, v, recipe=recipe, backend="triton"))
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4-fp8", "fp8", "directp"])
