@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
-from fp4attn.kernels.hopper.operands import BLOCK_N, tma_loadable
+from fp4attn.kernels.hopper.operands import BLOCK_N, padded_vt_rows, tma_loadable
 
 BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
 
@@ -71,6 +71,34 @@ def ws_launch(partitions: int) -> tuple[int, int, int]:
 
 
 NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM (bf16 K: 112 KB each)
+
+
+@gluon.constexpr_function
+def _s_layout(warps, block_n, qk_fp8):
+    """S in the QK^T accumulator layout: wgmma rows of 16 per warp, K of 32 (e4m3) or 16 (bf16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                     instr_shape=[16, block_n, 32 if qk_fp8 else 16])
+
+
+@gluon.constexpr_function
+def _o_layout(warps, head_dim):
+    """O (and PV) in the PV accumulator layout; P enters PV as its register A operand."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, head_dim, 32])
+
+
+@gluon.jit
+def _softmax_state(QS, KS, off_bh, bhk, Sq, Sk, block, qk_scale, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+    """The rows of query block `block` (in units of BLOCK_M), the key offsets of a tile,
+    the rows' scale a (q_scale * softmax_scale * log2 e), the key scales' base pointer,
+    and the online softmax's initial running max (-inf) and row sum (0)."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    a_i = gl.load(QS + off_bh * Sq + rows, mask=rows < Sq, other=0.0) * qk_scale
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    return rows, offs_n, a_i, KS + bhk * Sk, m_i, l_i
 
 
 @gluon.jit
@@ -175,15 +203,9 @@ def attn_fwd_pipelined_kernel(
 ):
     gl.static_assert(BLOCK_M == 64)  # one warpgroup, wgmma's M
     gl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
-    # -- layouts: S in the QK^T accumulator layout, O in the PV one, P as PV's register A
-    qk_k: gl.constexpr = 32 if QK_FP8 else 16
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, qk_k])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
+    s_layout: gl.constexpr = _s_layout(4, BLOCK_N, QK_FP8)
+    o_layout: gl.constexpr = _o_layout(4, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     start_m, off_bh, bhk, q_row, k_row, v_row = _program_rows(Sq, Sk, H, GROUP, HEAD_DIM, BLOCK_M)
@@ -205,12 +227,8 @@ def attn_fwd_pipelined_kernel(
         mbarrier.expect(v_bar.index(i), v_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(v_desc, [v_row, i * BLOCK_N], v_bar.index(i), v_smem.index(i), pred=pred)
 
-    rows = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
-    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-    a_i = gl.load(QS + off_bh * Sq + rows, mask=rows < Sq, other=0.0) * qk_scale
-    ks_ptr = KS + bhk * Sk
-    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    rows, offs_n, a_i, ks_ptr, m_i, l_i = _softmax_state(QS, KS, off_bh, bhk, Sq, Sk, start_m, qk_scale, s_layout,
+                                                         BLOCK_M, BLOCK_N)
     acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     imprecise: gl.constexpr = 32 if QK_FP8 else 0  # promotion every 32 products, as forward.py
@@ -368,24 +386,16 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     that share a partition move in step at those points."""
     stages: gl.constexpr = k_smem.type.shape[0]
     warps: gl.constexpr = BLOCK_M // 16
-    qk_k: gl.constexpr = 32 if QK_FP8 else 16
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                       instr_shape=[16, BLOCK_N, qk_k])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
+    s_layout: gl.constexpr = _s_layout(warps, BLOCK_N, QK_FP8)
+    o_layout: gl.constexpr = _o_layout(warps, HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     imprecise: gl.constexpr = 32 if QK_FP8 else 0  # promotion every 32 products, as forward.py
 
     block = start_m * WGS + WG  # in units of BLOCK_M rows
-    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
-    offs_n = gl.arange(0, BLOCK_N, layout=col_s)
-    a_i = gl.load(QS + off_bh * Sq + rows, mask=rows < Sq, other=0.0) * qk_scale
-    ks_ptr = KS + bhk * Sk
-    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    rows, offs_n, a_i, ks_ptr, m_i, l_i = _softmax_state(QS, KS, off_bh, bhk, Sq, Sk, block, qk_scale, s_layout,
+                                                         BLOCK_M, BLOCK_N)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -507,7 +517,7 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
         block_m, num_warps, maxnreg = ws_launch(partitions)
     q2, k2 = q.reshape(B * H * Sq, D), k.reshape(B * Hkv * Sk, D)
     if tma_loadable(ops):  # rows padded with zero keys to whole tiles: read as they are stored
-        v2 = vt.as_strided((B * Hkv * D, vt.stride(2)), (vt.stride(2), 1))
+        v2 = padded_vt_rows(ops)
     else:
         if Sk % 16:  # TMA: V^T's row stride must be a multiple of 16 bytes
             pad = torch.zeros((B, Hkv, D, 16 - Sk % 16), dtype=vt.dtype, device=vt.device)
