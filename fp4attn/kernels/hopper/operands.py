@@ -72,3 +72,10 @@ def tma_loadable(ops: KernelOperands) -> bool:
     return (ops.vt_keys_padded and k.is_contiguous() and vt.stride(3) == 1 and vt.stride(2) % BLOCK_N == 0
             and vt.stride(1) == D * vt.stride(2) and vt.stride(0) == Hkv * vt.stride(1)
             and (k.data_ptr() | vt.data_ptr()) % 16 == 0)
+
+
+def padded_vt_rows(ops: KernelOperands) -> torch.Tensor:
+    """V^T as the (B*Hkv*D, keys) matrix the TMA descriptors cover, each row its stored
+    keys padded with zeros to whole tiles (needs `tma_loadable`)."""
+    rows = ops.vt.stride(2)
+    return ops.vt.as_strided((ops.vt.shape[0] * ops.vt.shape[1] * ops.vt.shape[2], rows), (rows, 1))

@@ -18,7 +18,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fp4attn.kernels.hopper.forward import attn_fwd_kernel
-from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, tma_loadable
+from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, padded_vt_rows, tma_loadable
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E, log2_bias
@@ -147,15 +147,12 @@ def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescri
     V^T, (B*Hkv*D, keys) in tiles of (D, BLOCK_N); None where the operands do not allow
     them (TMA needs contiguous rows with 16-byte strides, and V^T padded to whole tiles
     so that no tile reads past its head's keys)."""
-    k, vt = ops.k, ops.vt
-    B, Hkv, Sk, D = k.shape
     if not tma_loadable(ops):
         return None
-    rows = vt.stride(2)  # keys per V^T row, Sk padded to whole tiles
-    k2 = k.view(B * Hkv * Sk, D)
-    vt2 = vt.as_strided((B * Hkv * D, rows), (rows, 1))
+    B, Hkv, Sk, D = ops.k.shape
+    k2, vt2 = ops.k.view(B * Hkv * Sk, D), padded_vt_rows(ops)
     return (TensorDescriptor(k2, list(k2.shape), [D, 1], [BLOCK_N, D]),
-            TensorDescriptor(vt2, list(vt2.shape), [rows, 1], [D, BLOCK_N]))
+            TensorDescriptor(vt2, list(vt2.shape), [vt2.shape[1], 1], [D, BLOCK_N]))
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
@@ -173,15 +170,13 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     q, k = ops.q, ops.k
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
-    lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     qk_fp8 = q.dtype == torch.float8_e4m3fn
     if ops.vt_keys_padded and ops.vt.stride(2) % BLOCK_N:
         raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
                          f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
     if (cfg.warp_specialized and p_mode == 0 and not qk_fp8 and pv_promote and not write_p and key_bias is None
-            and tma_loadable(ops) and ops.q.is_contiguous()):
+            and tma_loadable(ops) and q.is_contiguous()):
         # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
         # bias (imported here: only this path needs Triton's Gluon frontend)
         from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
@@ -190,6 +185,8 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
                                             p_hw_cvt=cfg.p_hw_cvt, warp_specialized=True, partitions=WS_PARTITIONS,
                                             stages=cfg.stages, overlap=WS_OVERLAP)
         return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
+    out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
+    lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
     # never touched without write_p: allocated, not filled (a fill is one more launch per call)
     dbg = (torch.zeros((B, H, sq_pad, Sk), device=q.device, dtype=torch.float32) if write_p else
