@@ -252,3 +252,19 @@ def test_backward_descriptors_read_whole_tiles_of_one_head():
     ops = list(operands(B, H, Hkv, Sq, Sk, D))
     ops[0] = ops[0].transpose(1, 2).contiguous().transpose(1, 2)
     assert backward_descriptors(*ops) is None
+
+
+def test_warp_specialized_launch_rejects_unknown_layouts():
+    """A partition layout or OVERLAP the kernel does not have is named in the error,
+    before anything is launched."""
+    from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined, ws_launch
+    from fp4attn.kernels.hopper.operands import KernelOperands
+
+    assert ws_launch(2) == (64, 4, 128)
+    with pytest.raises(ValueError, match="partitions=3; the layouts are"):
+        ws_launch(3)
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    ops = KernelOperands(q, q, None, None, torch.zeros(1, 2, 128, 64, dtype=torch.float8_e4m3fn), None)
+    for kw, msg in ((dict(partitions=5), "partitions=5"), (dict(overlap=3), "overlap=3")):
+        with pytest.raises(ValueError, match=msg):
+            launch_forward_pipelined(ops, scale=0.1, causal_offset=None, p_mode=0, warp_specialized=True, **kw)

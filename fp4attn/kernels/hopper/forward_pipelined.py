@@ -67,7 +67,10 @@ def ws_launch(partitions: int) -> tuple[int, int, int]:
     warpgroups: 0 and 1 run 12 warps at 168 (64512 of the SM's 65536: two consumer
     warpgroups at 240, the producer's at 24), 2 runs 8 warps at 128 so that two
     programs share an SM (a consumer at 232, the producer at 24)."""
-    return {0: (128, 8, 168), 1: (128, 4, 168), 2: (64, 4, 128)}[partitions]
+    launches = {0: (128, 8, 168), 1: (128, 4, 168), 2: (64, 4, 128)}
+    if partitions not in launches:
+        raise ValueError(f"warp-specialized forward: partitions={partitions!r}; the layouts are {sorted(launches)}")
+    return launches[partitions]
 
 
 NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM (bf16 K: 112 KB each)
@@ -515,6 +518,8 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     block_m, block_n = BLOCK_M, BLOCK_N
     if warp_specialized:
         block_m, num_warps, maxnreg = ws_launch(partitions)
+        if overlap not in (0, 1, 2):
+            raise ValueError(f"warp-specialized forward: overlap={overlap!r}; OVERLAP is 0, 1 or 2")
     q2, k2 = q.reshape(B * H * Sq, D), k.reshape(B * Hkv * Sk, D)
     if tma_loadable(ops):  # rows padded with zero keys to whole tiles: read as they are stored
         v2 = padded_vt_rows(ops)
