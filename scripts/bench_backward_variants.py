@@ -19,19 +19,11 @@ from fp4attn.kernels.hopper.training import BackwardConfig
 from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
-# the defaults first, then the loops' operand tiles by TMA; the dq_atomic variants were
-# measured at commit 3f801e5 (benchmarks/results/h200-backward-variants-dq-atomic.txt), the
-# launch shapes at 54392bf (benchmarks/results/h200-backward-variants.txt)
-C = BackwardConfig
-VARIANTS = {
-    64: [C(tma=True), C(block_n_dkdv=64, warps_dkdv=4, tma=True), C(tma=True, block_m_dq=64, warps_dq=4),
-         C(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True),
-         C(block_n_dkdv=64, warps_dkdv=4, stages_dkdv=3, block_m_dq=64, warps_dq=4, tma=True)],
-    128: [C(block_n_dkdv=64, tma=True), C(block_n_dkdv=64, warps_dkdv=4, tma=True),
-          C(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True),
-          C(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True),
-          C(block_n_dkdv=64, warps_dkdv=4, stages_dkdv=1, block_m_dq=64, warps_dq=4, tma=True)],
-}
+# the default first, then the dK/dV kernel in Gluon (`backward_pipelined.py`); the launch
+# shapes and TMA tiles were measured at 7f750d2 (benchmarks/results/
+# h200-backward-variants-tma.txt), dq_atomic at 3f801e5 (h200-backward-variants-dq-atomic.txt)
+VARIANTS = {d: [training.BACKWARD_CONFIGS[d], dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_gluon=True)]
+            for d in (64, 128)}
 
 
 def short(cfg: BackwardConfig) -> str:
@@ -70,9 +62,9 @@ for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
         bad = not all(bool(torch.isfinite(g).all()) for g in grads)
         print(f"| {B},{H},{S},{D} | {short(cfg)} | {ms:.2f} | {fwd:.2f} | {cudnn:.2f} | {cudnn / (ms + fwd):.2f}x | "
               f"{'non-finite' if bad else f'{diff:.1e}'} |")
+        for name, (_, kms) in sorted(device_kernels(backward, reps=5).items(), key=lambda kv: -kv[1][1]):
+            print(f"| {B},{H},{S},{D} | {short(cfg)}, kernel {name[:50]} | {kms:.3f} | | | | |")
     training.BACKWARD_CONFIGS[D] = default
-    for name, (_, ms) in sorted(device_kernels(backward, reps=5).items(), key=lambda kv: -kv[1][1]):
-        print(f"| {B},{H},{S},{D} | default, kernel {name[:60]} | {ms:.3f} | | | | |")
     # prep alone: the fused quantizers (and delta) before the two kernels
     out, _, q_codes, q_bscale, k_codes, k_bscale, *rest = saved
     decode = bench(lambda: (decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)))

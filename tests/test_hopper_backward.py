@@ -129,6 +129,51 @@ def test_backward_tile_loads(recipe, d, tma, monkeypatch):
         assert bool(torch.isfinite(g[0, [0, 2]]).all())
 
 
+def _train_grads(q, k, v, dout, causal_offset):
+    """dq, dk, dv of `train` through the two custom ops (causal_offset None: non-causal)."""
+    r = PRESETS["train"]
+    off, causal, scale = causal_offset or 0, causal_offset is not None, q.shape[-1] ** -0.5
+    saved = torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, off, causal, scale)
+    return torch.ops.fp4attn.hopper_train_backward(dout, *saved, r.p, r.p_build, off, causal, scale,
+                                                   *[torch.bfloat16] * 3)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_pipelined_dkdv_equals_triton_kernel(d, monkeypatch):
+    """The Gluon dK/dV kernel does the Triton kernel's arithmetic operation for
+    operation, on the same tensor-core sums: dK and dV equal bit for bit (dQ, from the
+    dq kernel either way, too), non-causal and causal from either corner, GQA, Sq != Sk;
+    it matches the reference as the Triton kernel does; a NaN in one head's dO stays in
+    that head."""
+    import dataclasses
+
+    from fp4attn.kernels.hopper import training
+
+    triton_cfg = dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_gluon=False, tma=True)
+    gluon_cfg = dataclasses.replace(triton_cfg, dkdv_gluon=True)
+    for b, hq, hkv, sq, sk, off in ((1, 2, 2, 128, 128, None), (2, 4, 2, 256, 192, 192 - 256), (1, 6, 2, 512, 512, 0),
+                                    (1, 3, 3, 64, 320, None), (1, 2, 1, 1024, 1024, 0), (1, 2, 2, 192, 512, 320)):
+        q, k, v = _inputs(b, hq, hkv, sq, sk, d)
+        dout = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+        grads = []
+        for cfg in (triton_cfg, gluon_cfg):
+            monkeypatch.setitem(training.BACKWARD_CONFIGS, d, cfg)
+            grads.append(_train_grads(q, k, v, dout, off))
+        for name, t, g in zip("qkv", *grads):
+            assert bool(torch.isfinite(g).all()), (name, b, hq, hkv, sq, sk, off)
+            diff = float((t.float() - g.float()).abs().max())
+            assert torch.equal(t.view(torch.int16), g.view(torch.int16)), (f"d{name}", b, hq, hkv, sq, sk, off, diff)
+    for b, hq, hkv, sq, sk, causal in ((2, 2, 2, 256, 1024, None), (1, 6, 2, 1024, 1024, "top_left"),
+                                       (1, 4, 2, 512, 320, "bottom_right")):
+        _check("train", b, hq, hkv, sq, sk, d, causal=causal)
+    q, k, v = _inputs(1, 3, 3, 256, 256, d)
+    dout = torch.randn(1, 3, 256, d, device="cuda", dtype=torch.bfloat16)
+    dout[0, 1, 70, 5] = float("nan")
+    for g in _train_grads(q, k, v, dout, 0):
+        assert bool(torch.isnan(g[0, 1]).any())
+        assert bool(torch.isfinite(g[0, [0, 2]]).all())
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("d", [32, 96])
 def test_backward_padded_head_dims(recipe, d):

@@ -71,7 +71,8 @@ def fp8_scale_inv(amax):
     rows below FP8_MIN_AMAX (flushed, as all-zero rows)."""
     zero = amax < FP8_MIN_AMAX
     scale = tl.where(zero, 1.0, tl.div_rn(amax, 448.0))
-    inv = tl.where(zero, 1.0, tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax))
+    # 448 as a tensor of amax's shape by `where` (tl.full needs a layout under Gluon)
+    inv = tl.where(zero, 1.0, tl.div_rn(tl.where(zero, 448.0, 448.0), amax))
     return scale, inv
 
 

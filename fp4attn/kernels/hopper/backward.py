@@ -47,7 +47,7 @@ P_OFFSET = tl.constexpr(float(2**P_OFFSET_LOG2.value))  # FP8 P's fixed scale, 2
 
 
 @triton.jit
-def _e4m3_rows(x, AXIS: tl.constexpr, HW_CVT: tl.constexpr):
+def e4m3_rows(x, AXIS: tl.constexpr, HW_CVT: tl.constexpr):
     """FP8 e4m3 view of a tile with one scale per row along AXIS: (e4m3 tile, scale), as
     `formats.fp8.quantize_fp8` (scale = amax / 448, element = e4m3(x * (448 / amax)),
     rows below FP8_MIN_AMAX scale 1 and zero; NaN stays NaN)."""
@@ -89,7 +89,7 @@ def _channel_tile(T, first_row, start, cols, ok, length, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
+def p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
     """P in the recipe's P format times 2**8, as e4m3 (keys along axis 0)."""
     if P_MODE == 0:
         p256 = pt * P_OFFSET  # exact: the reference's exp2(x) * 2**8
@@ -123,7 +123,7 @@ def _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, 
     # dV += P_r^T dO_c (P_r times 2**8; dO_c's channel scale differs per query head)
     do_c = _channel_tile(DO_C, hd_off, start_m, offs_m, row_ok, Sq, HEAD_DIM, TMA)
     do_cs = tl.load(DO_CS + hd_off + offs_d)
-    dv += tl.dot(_p_r(xt, pt, P_MODE, HW_CVT), tl.trans(do_c)) * do_cs[None, :]
+    dv += tl.dot(p_r(xt, pt, P_MODE, HW_CVT), tl.trans(do_c)) * do_cs[None, :]
     # dP^T = V_t dO_t^T on per-token e4m3 views
     do_t = _token_tile(DO_T, row_off, start_m, offs_m, row_ok, HEAD_DIM, TMA)
     do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
@@ -131,14 +131,14 @@ def _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, 
     dpt = tl.dot(v, tl.trans(do_t)) * v_s[:, None] * do_s[None, :]
     dst = pt * (dpt - delta[None, :])
     # dK += dS^T Q_c: dS^T in e4m3 with one scale per key over this query tile
-    ds_g, ds_s = _e4m3_rows(dst, 1, HW_CVT)
+    ds_g, ds_s = e4m3_rows(dst, 1, HW_CVT)
     q_c = _channel_tile(Q_C, hd_off, start_m, offs_m, row_ok, Sq, HEAD_DIM, TMA)
     q_cs = tl.load(Q_CS + hd_off + offs_d)
     dk += tl.dot(ds_g, tl.trans(q_c)) * ds_s[:, None] * q_cs[None, :]
     if DQ_ATOMIC:
         # dQ += dS K_c for these queries: dS in e4m3 with one scale per query over this
         # program's 64 keys (the dq kernel's view), added to DQ with float32 atomics
-        ds_q, ds_qs = _e4m3_rows(dst, 0, HW_CVT)
+        ds_q, ds_qs = e4m3_rows(dst, 0, HW_CVT)
         dq = tl.dot(tl.trans(ds_q), tl.trans(k_c)) * ds_qs[:, None] * k_cs[None, :]
         tl.atomic_add(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq, mask=row_ok[:, None],
                       sem="relaxed")
@@ -146,12 +146,17 @@ def _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, 
 
 
 @triton.jit
-def _lse2(ptrs, rows_ok):
+def lse_log2(lse):
     """The forward's LSE in log2 units (rounded alone, never contracted into the
-    subtraction that follows), +inf for rows that see no key (LSE -inf) and rows past
-    Sq, so that their P is 0 without a test per element; NaN stays NaN."""
-    lse = tl.load(ptrs, mask=rows_ok, other=-float("inf"))
+    subtraction that follows), +inf for rows that see no key (LSE -inf), so that their
+    P is 0 without a test per element; NaN stays NaN."""
     return tl.where(lse == -float("inf"), float("inf"), libdevice.mul_rn(lse, LOG2E))
+
+
+@triton.jit
+def _lse2(ptrs, rows_ok):
+    """`lse_log2` of the rows loaded from ptrs, +inf for rows past Sq (not rows_ok)."""
+    return lse_log2(tl.load(ptrs, mask=rows_ok, other=-float("inf")))
 
 
 @triton.jit
@@ -250,7 +255,7 @@ def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, 
     dp = tl.dot(do_t, tl.trans(v)) * do_s[:, None] * v_s[None, :]
     ds = p * (dp - delta[:, None])
     # dQ += dS K_c: dS in e4m3 with one scale per query row over this key tile
-    ds_g, ds_s = _e4m3_rows(ds, 1, HW_CVT)
+    ds_g, ds_s = e4m3_rows(ds, 1, HW_CVT)
     k_c = _channel_tile(K_C, kvd_off, start_n, offs_n, key_ok, Sk, HEAD_DIM, TMA)
     return dq + tl.dot(ds_g, tl.trans(k_c)) * ds_s[:, None]
 

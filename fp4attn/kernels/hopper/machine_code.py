@@ -225,3 +225,28 @@ def inspect_forward_pipelined(*args, **kwargs) -> KernelReport:
 
 def inspect_backward(*args, **kwargs) -> KernelReport:
     return inspect(compile_backward(*args, **kwargs))
+
+
+def compile_backward_pipelined(causal: bool, head_dim: int):
+    """The compiled Gluon dK/dV kernel (`backward_pipelined.py`) as
+    `launch_dkdv_pipelined` launches it: bf16 gradients."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fp4attn.kernels.hopper import backward_pipelined as bp
+
+    def desc(dtype, block):
+        name = "fp8e4nv" if dtype == gl.float8e4nv else "bf16"
+        return f"tensordesc<{name}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
+
+    token, channel = [bp.BLOCK, head_dim], [head_dim, bp.BLOCK]
+    sig = {"q_desc": desc(gl.bfloat16, token), "k_desc": desc(gl.bfloat16, token),
+           "do_t_desc": desc(gl.float8e4nv, token), "do_c_desc": desc(gl.float8e4nv, channel),
+           "v_desc": desc(gl.float8e4nv, token), "q_c_desc": desc(gl.float8e4nv, channel),
+           **{n: "*fp32" for n in ("QS", "KS", "LSE", "DELTA", "DO_TS", "DO_CS", "V_TS", "Q_CS")},
+           "DK": "*bf16", "DV": "*bf16", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
+           "qk_scale": "fp32", "sm_scale": "fp32"}
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=bp.BLOCK, BLOCK_N=bp.BLOCK, CAUSAL=causal)
+    src = GluonASTSource(bp.attn_bwd_dkdv_pipelined_kernel, {**sig, **{c: "constexpr" for c in consts}},
+                         constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))

@@ -57,6 +57,10 @@ class BackwardConfig:
     # the loop's operand tiles (Q, dO, Q_c, dO_c in dkdv; K, V, K_c in dq) by TMA where
     # the lengths are whole tiles (`backward_descriptors`); pointer loads otherwise
     tma: bool = False
+    # dK/dV by the Gluon kernel (`backward_pipelined.py`: one warpgroup owns its 64 keys
+    # and all of D) where the lengths are whole tiles, for FP8 P with the hardware's e4m3
+    # conversion; the Triton kernel otherwise
+    dkdv_gluon: bool = False
 
 
 # per head dim, the fastest of `scripts/bench_backward_variants.py` on the H200, causal
@@ -195,12 +199,19 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
     off = causal_offset if causal else 0
     descs = backward_descriptors(qv, do_t, do_c, q_c, kv, v_t, k_c) if cfg.tma else None
     tiles = descs or dict(Q=qv, DO_T=do_t, DO_C=do_c, Q_C=q_c, K=kv, V_T=v_t, K_C=k_c)
-    attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
-        tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
-        q_cs, dk, dv, k_c, k_cs, dq, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=P_MODES[(p, p_build)], CAUSAL=causal,
-        HW_CVT=cfg.hw_cvt, DQ_ATOMIC=atomic, TMA=descs is not None, num_warps=cfg.warps_dkdv,
-        num_stages=cfg.stages_dkdv)
+    p_mode = P_MODES[(p, p_build)]
+    if cfg.dkdv_gluon and descs is not None and p_mode == 0 and cfg.hw_cvt and not atomic:
+        from fp4attn.kernels.hopper.backward_pipelined import launch_dkdv_pipelined
+
+        launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
+                              off, causal, scale)
+    else:
+        attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
+            tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
+            q_cs, dk, dv, k_c, k_cs, dq, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
+            HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
+            HW_CVT=cfg.hw_cvt, DQ_ATOMIC=atomic, TMA=descs is not None, num_warps=cfg.warps_dkdv,
+            num_stages=cfg.stages_dkdv)
     if atomic:
         return dq.to(dtypes[0]), dk, dv
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](

@@ -1,0 +1,259 @@
+"""dK/dV of the training recipes' backward for Hopper (sm_90) in Gluon: the Triton
+dkdv kernel's arithmetic (`backward.py`, operation for operation) with one warpgroup
+that owns its keys.
+
+Why a second kernel: at D=128 the Triton kernel's 8-warp program lays its (64 keys x 64
+queries) S^T and dP^T tiles over warps [8, 1], so both warpgroups compute the whole
+tile (and its exp2, P and dS) and each then takes half of D for the dK and dV products:
+1.5x the tile's tensor work and twice its per-element work, and the layouts that avoid
+it spill (docs/notes/hopper-train.md, "What the 8-warp dkdv program does twice"). Here
+one warpgroup of 4 warps owns BLOCK_N = 64 keys and all of D, with the wgmma layouts
+and the order of its asynchronous products written out, so that the live tiles are
+known: dK and dV (2 x 64 registers per thread at D=128), then per query tile
+
+    1. issue S^T = K Q^T (bf16) and dP^T = V dO_t^T (e4m3), both in flight
+    2. wait for S^T: P^T = 2**(t - lse), P_r^T (FP8 P times 2**8, e4m3)
+    3. wait for dP^T: dS^T = P^T (dP^T - delta), its e4m3 view per key (one scale per
+       key over the tile's 64 queries, the recipe's DS_BLOCK)
+    4. dV_j = P_r^T dO_c on a fresh accumulator, wait, dV += dV_j x dO_c's channel scale
+    5. dK_j = dS^T Q_c likewise, dK += dK_j x dS's key scale x Q_c's channel scale
+
+(each product on a fresh accumulator added in float32, as the Triton kernel: the fp8
+wgmma's own sums across tiles keep fewer mantissa bits). The tiles of one query tile
+(Q, dO_t, dO_c, Q_c: 40 KB at D=128) arrive by TMA in a two-stage ring, the next
+tile's issued as the current one starts; K and V once. Two programs share an SM
+(104 KB of shared memory each at D=128), so one program's products run while the
+other works on its elementwise steps.
+
+GQA: a program walks the query tiles of every query head of its K/V head in one loop,
+so the ring runs across heads. Causal: query tiles start where the diagonal reaches
+the program's keys; those that straddle it are masked (a runtime branch).
+
+Launched by `training.launch_backward` where the lengths are whole tiles (the TMA
+path) for FP8 P with the hardware's e4m3 conversion; otherwise the Triton kernel runs.
+"""
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from fp4attn.kernels.common import log2_scores
+from fp4attn.kernels.hopper.backward import P_OFFSET, e4m3_rows, lse_log2, p_r
+from fp4attn.reference.backward import DS_BLOCK
+
+BLOCK = DS_BLOCK  # keys per program (wgmma's M) and queries per tile (dS's scale block, the recipe's)
+STAGES = gl.constexpr(2)
+
+
+@gluon.constexpr_function
+def _tile_layout(block, k):
+    """S^T (bf16, k 16) and dP^T (e4m3, k 32), keys x queries, in the wgmma accumulator
+    layout: the same registers either way (the layout's k names the instruction)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block, k])
+
+
+@gluon.constexpr_function
+def _grad_layout(head_dim):
+    """dK and dV (keys x D), and each tile's products, in the wgmma accumulator layout."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 32])
+
+
+@gluon.jit
+def _spread(ptr, n: gl.constexpr, layout: gl.constexpr):
+    """n floats loaded one per thread (coalesced, few instructions) and moved to
+    `layout` through shared memory: cheaper than the wgmma slice layouts' own loads,
+    which give each thread many scattered elements."""
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.convert_layout(gl.load(ptr + gl.arange(0, n, layout=flat)), layout)
+
+
+@gluon.jit
+def _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Tile i of the program's walk: (first query, that head's first row in the
+    token-major (B*H*Sq, D) views, its first row in the channel-major (B*H*D, Sq) views)."""
+    g = i // n_m
+    start_m = lo + (i - g * n_m) * BLOCK_M
+    bh = b * H + hk * GROUP + g
+    return start_m, bh * Sq, bh * HEAD_DIM
+
+
+@gluon.jit
+def _load_query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
+                     q_smem, do_t_smem, do_c_smem, q_c_smem, ready, pred,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """TMA of tile i's Q, dO_t, dO_c and Q_c into its ring stage, one mbarrier for all four."""
+    stage = i % STAGES
+    start_m, row, hd_row = _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM, BLOCK_M)
+    bar = ready.index(stage)
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_t_desc.block_type.nbytes + do_c_desc.block_type.nbytes
+                            + q_c_desc.block_type.nbytes)
+    mbarrier.expect(bar, nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [row + start_m, 0], bar, q_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(do_t_desc, [row + start_m, 0], bar, do_t_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(do_c_desc, [hd_row, start_m], bar, do_c_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(q_c_desc, [hd_row, start_m], bar, q_c_smem.index(stage), pred=pred)
+
+
+@gluon.jit
+def _ring(desc, stages: gl.constexpr):
+    return gl.allocate_shared_memory(desc.dtype, [stages] + desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def attn_bwd_dkdv_pipelined_kernel(
+    q_desc, k_desc, do_t_desc, do_c_desc, v_desc, q_c_desc,
+    QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
+    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+):
+    """Operands as `backward.attn_bwd_dkdv_kernel` reads them, the tiles by TMA:
+    q_desc (B*H*Sq, D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles,
+    do_c_desc and q_c_desc (B*H*D, Sq) e4m3 in (D, BLOCK_M) tiles, k_desc (B*Hkv*Sk,
+    D) bf16 and v_desc (B*Hkv*Sk, D) e4m3 (V per token) in (BLOCK_N, D) tiles. Sq and
+    Sk are multiples of the tiles. FP8 P, e4m3 by the hardware's conversion."""
+    gl.static_assert(BLOCK_N == 64)  # one warpgroup's wgmma rows
+    gl.static_assert(BLOCK_M == 64)  # dS's scale block along the queries (DS_BLOCK)
+    gl.static_assert(gl.num_warps() == 4)
+    t_layout: gl.constexpr = _tile_layout(BLOCK_M, 16)
+    dp_layout: gl.constexpr = _tile_layout(BLOCK_M, 32)
+    g_layout: gl.constexpr = _grad_layout(HEAD_DIM)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=4)
+    keys_t: gl.constexpr = gl.SliceLayout(1, t_layout)
+    queries_t: gl.constexpr = gl.SliceLayout(0, t_layout)
+    keys_g: gl.constexpr = gl.SliceLayout(1, g_layout)
+    dims_g: gl.constexpr = gl.SliceLayout(0, g_layout)
+
+    start_n = gl.program_id(0) * BLOCK_N
+    off_bh = gl.program_id(1)  # (b, kv head)
+    Hkv = H // GROUP
+    b = off_bh // Hkv
+    hk = off_bh % Hkv
+    kv_row = off_bh * Sk + start_n
+
+    # query tiles start at multiples of BLOCK_M: [lo, mid) straddle the causal diagonal
+    # (masked), [mid, Sq) see every key of this block (as the Triton kernel)
+    lo = 0
+    mid = 0
+    if CAUSAL:
+        lo = gl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+        mid = gl.minimum(gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M, Sq)
+        mid = gl.maximum(mid, lo)
+    n_m = gl.maximum(Sq - lo, 0) // BLOCK_M
+    n_tiles = GROUP * n_m
+
+    # -- shared memory: K and V once, the query tiles' operands in a ring
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    q_smem = _ring(q_desc, STAGES)
+    do_t_smem = _ring(do_t_desc, STAGES)
+    do_c_smem = _ring(do_c_desc, STAGES)
+    q_c_smem = _ring(q_c_desc, STAGES)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar.index(0), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar.index(0), k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar.index(0), v_smem)
+    _load_query_tile(0, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
+                     q_smem, do_t_smem, do_c_smem, q_c_smem, ready, n_tiles > 0, HEAD_DIM, BLOCK_M)
+
+    q_scale = gl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
+    k_scale = gl.load(KS)
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=keys_t)
+    offs_mb = gl.arange(0, BLOCK_M, layout=queries_t)
+    v_s = gl.expand_dims(_spread(V_TS + off_bh * Sk + start_n, BLOCK_N, keys_t), 1)
+    t_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_layout)
+    dp_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=dp_layout)
+    g_zero = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+    mbarrier.wait(kv_bar.index(0), 0)
+
+    for i in range(n_tiles):
+        stage = i % STAGES
+        start_m, row, hd_row = _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM, BLOCK_M)
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        # the next tile into the other stage (tile i-1's, whose products were waited for)
+        _load_query_tile(i + 1, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
+                         q_smem, do_t_smem, do_c_smem, q_c_smem, ready, i + 1 < n_tiles, HEAD_DIM, BLOCK_M)
+        # 1. S^T and dP^T in flight; the tile's per-query numbers load meanwhile
+        st_tok = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        dpt_tok = warpgroup_mma(v_smem, do_t_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False,
+                                is_async=True)
+        lse2 = gl.expand_dims(lse_log2(_spread(LSE + row + start_m, BLOCK_M, queries_t)), 0)
+        do_s = gl.expand_dims(_spread(DO_TS + row + start_m, BLOCK_M, queries_t), 0)
+        delta = gl.expand_dims(_spread(DELTA + row + start_m, BLOCK_M, queries_t), 0)
+        # 2. P^T and its FP8 form
+        st = warpgroup_mma_wait(1, deps=[st_tok])
+        tt = log2_scores(st, q_scale, k_scale)
+        if start_m < mid:  # a tile on the causal diagonal
+            offs_m = start_m + offs_mb
+            visible = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_offset
+            tt = gl.where(visible, tt, -float("inf"))
+        xt = tt - lse2
+        pt = gl.exp2(xt)
+        pr = gl.convert_layout(p_r(xt, pt, 0, True), a_layout)
+        # 3. dS^T and its e4m3 view per key
+        dpt = gl.convert_layout(warpgroup_mma_wait(0, deps=[dpt_tok]), t_layout) * v_s * do_s
+        dst = pt * (dpt - delta)
+        ds_g, ds_s = e4m3_rows(dst, 1, True)
+        ds_g = gl.convert_layout(ds_g, a_layout)
+        ds_s = gl.expand_dims(gl.convert_layout(ds_s, keys_g), 1)
+        # 4. dV += P_r^T dO_c (dO_c's channel scale differs per query head)
+        dv_tok = warpgroup_mma(pr, do_c_smem.index(stage).permute((1, 0)), g_zero, use_acc=False, is_async=True)
+        do_cs = gl.expand_dims(_spread(DO_CS + hd_row, HEAD_DIM, dims_g), 0)
+        dv += warpgroup_mma_wait(0, deps=[dv_tok]) * do_cs
+        # 5. dK += dS^T Q_c, dS^T with one scale per key over this query tile
+        dk_tok = warpgroup_mma(ds_g, q_c_smem.index(stage).permute((1, 0)), g_zero, use_acc=False, is_async=True)
+        q_cs = gl.expand_dims(_spread(Q_CS + hd_row, HEAD_DIM, dims_g), 0)
+        dk += warpgroup_mma_wait(0, deps=[dk_tok]) * ds_s * q_cs
+
+    mbarrier.invalidate(kv_bar.index(0))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    rows = start_n + gl.arange(0, BLOCK_N, layout=keys_g)
+    offs_d = gl.arange(0, HEAD_DIM, layout=dims_g)
+    out = (off_bh * Sk + gl.expand_dims(rows, 1)).to(gl.int64) * HEAD_DIM + gl.expand_dims(offs_d, 0)
+    gl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty))
+    gl.store(DV + out, (dv * (1.0 / P_OFFSET)).to(DV.dtype.element_ty))
+
+
+def dkdv_descriptors(q, k, do_t, do_c, v_t, q_c):
+    """Gluon TMA descriptors of the kernel's operands (contiguous, lengths whole tiles)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def desc(t, channel_major):
+        t2 = t.view(-1, t.shape[-1])
+        block = [t.shape[-2], BLOCK] if channel_major else [BLOCK, t.shape[-1]]
+        dtype = gl.float8e4nv if t.dtype == torch.float8_e4m3fn else gl.bfloat16
+        return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+    return (desc(q, False), desc(k, False), desc(do_t, False), desc(do_c, True), desc(v_t, False), desc(q_c, True))
+
+
+def launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
+                          causal_offset: int, causal: bool, scale: float):
+    """Run the kernel into dk, dv (B, Hkv, Sk, D), from `training.backward_operands`'s
+    views; Sq and Sk multiples of BLOCK, every operand contiguous."""
+    from fp4attn.reference.forward import LOG2E
+
+    B, H, Sq, D = qv.shape
+    Hkv, Sk = kv.shape[1], kv.shape[2]
+    descs = dkdv_descriptors(qv, kv, do_t, do_c, v_t, q_c)
+    attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
+        *descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, H, H // Hkv, Sq, Sk, causal_offset,
+        scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, num_warps=4)
