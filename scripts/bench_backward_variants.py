@@ -22,7 +22,8 @@ bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="med
 # the default first, then the dK/dV kernel in Gluon (`backward_pipelined.py`); the launch
 # shapes and TMA tiles were measured at 7f750d2 (benchmarks/results/
 # h200-backward-variants-tma.txt), dq_atomic at 3f801e5 (h200-backward-variants-dq-atomic.txt)
-VARIANTS = {d: [training.BACKWARD_CONFIGS[d], dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_gluon=True)]
+VARIANTS = {d: [training.BACKWARD_CONFIGS[d]] + [dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_gluon=True,
+                                                                     dkdv_in_flight=n) for n in (1, 2)]
             for d in (64, 128)}
 
 

@@ -66,12 +66,17 @@ def _grad_layout(head_dim):
 
 
 @gluon.jit
-def _spread(ptr, n: gl.constexpr, layout: gl.constexpr):
-    """n floats loaded one per thread (coalesced, few instructions) and moved to
-    `layout` through shared memory: cheaper than the wgmma slice layouts' own loads,
-    which give each thread many scattered elements."""
-    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return gl.convert_layout(gl.load(ptr + gl.arange(0, n, layout=flat)), layout)
+def _flat(ptr, n: gl.constexpr):
+    """n floats, one per thread (coalesced): a tile's per-query or per-channel numbers,
+    loaded a tile ahead and moved to the wgmma slice layouts (`_spread`) when used; in
+    those layouts each thread would load 16-32 scattered elements."""
+    return gl.load(ptr + gl.arange(0, n, layout=gl.BlockedLayout([1], [32], [4], [0])))
+
+
+@gluon.jit
+def _spread(x, layout: gl.constexpr, axis: gl.constexpr):
+    """`_flat` numbers broadcast along `axis` of a wgmma tile (through shared memory)."""
+    return gl.expand_dims(gl.convert_layout(x, layout), axis)
 
 
 @gluon.jit
@@ -82,6 +87,18 @@ def _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM: gl.constexpr, BLOCK_M
     start_m = lo + (i - g * n_m) * BLOCK_M
     bh = b * H + hk * GROUP + g
     return start_m, bh * Sq, bh * HEAD_DIM
+
+
+@gluon.jit
+def _query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Tile i's LSE, dO's token scales and delta (per query), and dO_c's and Q_c's
+    channel scales (per half of D), `_flat`."""
+    start_m, row, hd_row = _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM, BLOCK_M)
+    half: gl.constexpr = HEAD_DIM // 2
+    return (_flat(LSE + row + start_m, BLOCK_M), _flat(DO_TS + row + start_m, BLOCK_M),
+            _flat(DELTA + row + start_m, BLOCK_M), _flat(DO_CS + hd_row, half), _flat(DO_CS + hd_row + half, half),
+            _flat(Q_CS + hd_row, half), _flat(Q_CS + hd_row + half, half))
 
 
 @gluon.jit
@@ -107,23 +124,37 @@ def _ring(desc, stages: gl.constexpr):
 
 
 @gluon.jit
+def _product(a, b_smem, zero):
+    """a @ b on a fresh accumulator (b_smem (N, K), K contiguous), issued."""
+    return warpgroup_mma(a, b_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
 def attn_bwd_dkdv_pipelined_kernel(
     q_desc, k_desc, do_t_desc, do_c_desc, v_desc, q_c_desc,
     QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    IN_FLIGHT: gl.constexpr = 1,
 ):
     """Operands as `backward.attn_bwd_dkdv_kernel` reads them, the tiles by TMA:
     q_desc (B*H*Sq, D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles,
     do_c_desc and q_c_desc (B*H*D, Sq) e4m3 in (D, BLOCK_M) tiles, k_desc (B*Hkv*Sk,
     D) bf16 and v_desc (B*Hkv*Sk, D) e4m3 (V per token) in (BLOCK_N, D) tiles. Sq and
-    Sk are multiples of the tiles. FP8 P, e4m3 by the hardware's conversion."""
+    Sk are multiples of the tiles. FP8 P, e4m3 by the hardware's conversion.
+
+    dK and dV are held as two halves of D each, and each tile's four half products
+    (dV's two, then dK's) run on fresh accumulators: IN_FLIGHT 1 waits for each before
+    the next is issued (one temporary of 64 x D/2); 2 keeps the next one in flight
+    while the previous is added (two temporaries)."""
     gl.static_assert(BLOCK_N == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_M == 64)  # dS's scale block along the queries (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
+    gl.static_assert(IN_FLIGHT == 1 or IN_FLIGHT == 2)
+    HALF: gl.constexpr = HEAD_DIM // 2
     t_layout: gl.constexpr = _tile_layout(BLOCK_M, 16)
     dp_layout: gl.constexpr = _tile_layout(BLOCK_M, 32)
-    g_layout: gl.constexpr = _grad_layout(HEAD_DIM)
+    g_layout: gl.constexpr = _grad_layout(HALF)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=4)
     keys_t: gl.constexpr = gl.SliceLayout(1, t_layout)
     queries_t: gl.constexpr = gl.SliceLayout(0, t_layout)
@@ -167,34 +198,38 @@ def attn_bwd_dkdv_pipelined_kernel(
     tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar.index(0), v_smem)
     _load_query_tile(0, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
                      q_smem, do_t_smem, do_c_smem, q_c_smem, ready, n_tiles > 0, HEAD_DIM, BLOCK_M)
+    # tile 0's numbers (a program without tiles reads tile 0's, which exist, unused)
+    lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = _query_numbers(0, gl.maximum(n_m, 1), 0, b, hk, H, GROUP, Sq,
+                                                                    LSE, DO_TS, DELTA, DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
 
     q_scale = gl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
     k_scale = gl.load(KS)
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=keys_t)
     offs_mb = gl.arange(0, BLOCK_M, layout=queries_t)
-    v_s = gl.expand_dims(_spread(V_TS + off_bh * Sk + start_n, BLOCK_N, keys_t), 1)
+    v_s = _spread(_flat(V_TS + kv_row, BLOCK_N), keys_t, 1)
     t_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_layout)
     dp_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=dp_layout)
-    g_zero = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=g_layout)
+    g_zero = gl.zeros([BLOCK_N, HALF], gl.float32, layout=g_layout)
+    dk0 = gl.zeros([BLOCK_N, HALF], gl.float32, layout=g_layout)
+    dk1 = gl.zeros([BLOCK_N, HALF], gl.float32, layout=g_layout)
+    dv0 = gl.zeros([BLOCK_N, HALF], gl.float32, layout=g_layout)
+    dv1 = gl.zeros([BLOCK_N, HALF], gl.float32, layout=g_layout)
     mbarrier.wait(kv_bar.index(0), 0)
 
     for i in range(n_tiles):
         stage = i % STAGES
-        start_m, row, hd_row = _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM, BLOCK_M)
+        start_m = _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM, BLOCK_M)[0]
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        # the next tile into the other stage (tile i-1's, whose products were waited for)
+        # 1. S^T and dP^T in flight; the next tile into the other stage (tile i-1's, whose
+        # products were waited for) and its numbers into registers
+        st_tok = _product(k_smem, q_smem.index(stage), t_zero)
+        dpt_tok = _product(v_smem, do_t_smem.index(stage), dp_zero)
         _load_query_tile(i + 1, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
                          q_smem, do_t_smem, do_c_smem, q_c_smem, ready, i + 1 < n_tiles, HEAD_DIM, BLOCK_M)
-        # 1. S^T and dP^T in flight; the tile's per-query numbers load meanwhile
-        st_tok = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        dpt_tok = warpgroup_mma(v_smem, do_t_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False,
-                                is_async=True)
-        lse2 = gl.expand_dims(lse_log2(_spread(LSE + row + start_m, BLOCK_M, queries_t)), 0)
-        do_s = gl.expand_dims(_spread(DO_TS + row + start_m, BLOCK_M, queries_t), 0)
-        delta = gl.expand_dims(_spread(DELTA + row + start_m, BLOCK_M, queries_t), 0)
+        nxt = _query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
+                             DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
         # 2. P^T and its FP8 form
+        lse2 = _spread(lse_log2(lse), queries_t, 0)
         st = warpgroup_mma_wait(1, deps=[st_tok])
         tt = log2_scores(st, q_scale, k_scale)
         if start_m < mid:  # a tile on the causal diagonal
@@ -205,29 +240,47 @@ def attn_bwd_dkdv_pipelined_kernel(
         pt = gl.exp2(xt)
         pr = gl.convert_layout(p_r(xt, pt, 0, True), a_layout)
         # 3. dS^T and its e4m3 view per key
-        dpt = gl.convert_layout(warpgroup_mma_wait(0, deps=[dpt_tok]), t_layout) * v_s * do_s
-        dst = pt * (dpt - delta)
+        dpt = gl.convert_layout(warpgroup_mma_wait(0, deps=[dpt_tok]), t_layout)
+        dpt = dpt * v_s * _spread(do_s, queries_t, 0)
+        dst = pt * (dpt - _spread(delta, queries_t, 0))
         ds_g, ds_s = e4m3_rows(dst, 1, True)
         ds_g = gl.convert_layout(ds_g, a_layout)
         ds_s = gl.expand_dims(gl.convert_layout(ds_s, keys_g), 1)
-        # 4. dV += P_r^T dO_c (dO_c's channel scale differs per query head)
-        dv_tok = warpgroup_mma(pr, do_c_smem.index(stage).permute((1, 0)), g_zero, use_acc=False, is_async=True)
-        do_cs = gl.expand_dims(_spread(DO_CS + hd_row, HEAD_DIM, dims_g), 0)
-        dv += warpgroup_mma_wait(0, deps=[dv_tok]) * do_cs
+        # 4. dV += P_r^T dO_c (dO_c's channel scale differs per query head), then
         # 5. dK += dS^T Q_c, dS^T with one scale per key over this query tile
-        dk_tok = warpgroup_mma(ds_g, q_c_smem.index(stage).permute((1, 0)), g_zero, use_acc=False, is_async=True)
-        q_cs = gl.expand_dims(_spread(Q_CS + hd_row, HEAD_DIM, dims_g), 0)
-        dk += warpgroup_mma_wait(0, deps=[dk_tok]) * ds_s * q_cs
+        do_c_tile = do_c_smem.index(stage)
+        q_c_tile = q_c_smem.index(stage)
+        tok = _product(pr, do_c_tile.slice(0, HALF), g_zero)
+        if IN_FLIGHT == 2:
+            tok1 = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
+            dv0 += warpgroup_mma_wait(1, deps=[tok]) * _spread(do_cs0, dims_g, 0)
+            tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
+            dv1 += warpgroup_mma_wait(1, deps=[tok1]) * _spread(do_cs1, dims_g, 0)
+            tok1 = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
+            dk0 += warpgroup_mma_wait(1, deps=[tok]) * ds_s * _spread(q_cs0, dims_g, 0)
+            dk1 += warpgroup_mma_wait(0, deps=[tok1]) * ds_s * _spread(q_cs1, dims_g, 0)
+        else:
+            dv0 += warpgroup_mma_wait(0, deps=[tok]) * _spread(do_cs0, dims_g, 0)
+            tok = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
+            dv1 += warpgroup_mma_wait(0, deps=[tok]) * _spread(do_cs1, dims_g, 0)
+            tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
+            dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _spread(q_cs0, dims_g, 0)
+            tok = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
+            dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _spread(q_cs1, dims_g, 0)
+        lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt
 
     mbarrier.invalidate(kv_bar.index(0))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
 
     rows = start_n + gl.arange(0, BLOCK_N, layout=keys_g)
-    offs_d = gl.arange(0, HEAD_DIM, layout=dims_g)
+    offs_d = gl.arange(0, HALF, layout=dims_g)
     out = (off_bh * Sk + gl.expand_dims(rows, 1)).to(gl.int64) * HEAD_DIM + gl.expand_dims(offs_d, 0)
-    gl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty))
-    gl.store(DV + out, (dv * (1.0 / P_OFFSET)).to(DV.dtype.element_ty))
+    dty: gl.constexpr = DK.dtype.element_ty
+    gl.store(DK + out, (dk0 * sm_scale).to(dty))
+    gl.store(DK + out + HALF, (dk1 * sm_scale).to(dty))
+    gl.store(DV + out, (dv0 * (1.0 / P_OFFSET)).to(DV.dtype.element_ty))
+    gl.store(DV + out + HALF, (dv1 * (1.0 / P_OFFSET)).to(DV.dtype.element_ty))
 
 
 def dkdv_descriptors(q, k, do_t, do_c, v_t, q_c):
@@ -246,7 +299,7 @@ def dkdv_descriptors(q, k, do_t, do_c, v_t, q_c):
 
 
 def launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
-                          causal_offset: int, causal: bool, scale: float):
+                          causal_offset: int, causal: bool, scale: float, in_flight: int = 1):
     """Run the kernel into dk, dv (B, Hkv, Sk, D), from `training.backward_operands`'s
     views; Sq and Sk multiples of BLOCK, every operand contiguous."""
     from fp4attn.reference.forward import LOG2E
@@ -256,4 +309,4 @@ def launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, 
     descs = dkdv_descriptors(qv, kv, do_t, do_c, v_t, q_c)
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
         *descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, H, H // Hkv, Sq, Sk, causal_offset,
-        scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, num_warps=4)
+        scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, IN_FLIGHT=in_flight, num_warps=4)

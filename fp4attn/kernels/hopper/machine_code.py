@@ -227,7 +227,7 @@ def inspect_backward(*args, **kwargs) -> KernelReport:
     return inspect(compile_backward(*args, **kwargs))
 
 
-def compile_backward_pipelined(causal: bool, head_dim: int):
+def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1):
     """The compiled Gluon dK/dV kernel (`backward_pipelined.py`) as
     `launch_dkdv_pipelined` launches it: bf16 gradients."""
     from triton.experimental.gluon import language as gl
@@ -246,7 +246,7 @@ def compile_backward_pipelined(causal: bool, head_dim: int):
            **{n: "*fp32" for n in ("QS", "KS", "LSE", "DELTA", "DO_TS", "DO_CS", "V_TS", "Q_CS")},
            "DK": "*bf16", "DV": "*bf16", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
            "qk_scale": "fp32", "sm_scale": "fp32"}
-    consts = dict(HEAD_DIM=head_dim, BLOCK_M=bp.BLOCK, BLOCK_N=bp.BLOCK, CAUSAL=causal)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=bp.BLOCK, BLOCK_N=bp.BLOCK, CAUSAL=causal, IN_FLIGHT=in_flight)
     src = GluonASTSource(bp.attn_bwd_dkdv_pipelined_kernel, {**sig, **{c: "constexpr" for c in consts}},
                          constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))

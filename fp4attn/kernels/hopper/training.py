@@ -61,6 +61,7 @@ class BackwardConfig:
     # and all of D) where the lengths are whole tiles, for FP8 P with the hardware's e4m3
     # conversion; the Triton kernel otherwise
     dkdv_gluon: bool = False
+    dkdv_in_flight: int = 1  # the Gluon kernel's IN_FLIGHT: dK/dV half products in flight at once
 
 
 # per head dim, the fastest of `scripts/bench_backward_variants.py` on the H200, causal
@@ -204,7 +205,7 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
         from fp4attn.kernels.hopper.backward_pipelined import launch_dkdv_pipelined
 
         launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
-                              off, causal, scale)
+                              off, causal, scale, cfg.dkdv_in_flight)
     else:
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
             tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
