@@ -198,9 +198,10 @@ def attn_bwd_dkdv_pipelined_kernel(
     tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar.index(0), v_smem)
     _load_query_tile(0, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
                      q_smem, do_t_smem, do_c_smem, q_c_smem, ready, n_tiles > 0, HEAD_DIM, BLOCK_M)
-    # tile 0's numbers (a program without tiles reads tile 0's, which exist, unused)
-    lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = _query_numbers(0, gl.maximum(n_m, 1), 0, b, hk, H, GROUP, Sq,
-                                                                    LSE, DO_TS, DELTA, DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
+    # tile 0's numbers (a program without tiles reads the last query tile's, unused)
+    lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = _query_numbers(
+        0, gl.maximum(n_m, 1), gl.minimum(lo, Sq - BLOCK_M), b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS,
+        HEAD_DIM, BLOCK_M)
 
     q_scale = gl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
     k_scale = gl.load(KS)
