@@ -20,11 +20,12 @@ from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
 # the default first (dK/dV in Gluon), then the Triton dK/dV kernel and the Gluon one's
-# IN_FLIGHT 2; the launch
+# other IN_FLIGHT; the launch
 # shapes and TMA tiles were measured at 7f750d2 (benchmarks/results/
 # h200-backward-variants-tma.txt), dq_atomic at 3f801e5 (h200-backward-variants-dq-atomic.txt)
 VARIANTS = {d: [training.BACKWARD_CONFIGS[d], dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_gluon=False),
-                dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_in_flight=2)] for d in (64, 128)}
+                dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_in_flight=3 - training.BACKWARD_CONFIGS[d].dkdv_in_flight)]
+            for d in (64, 128)}
 
 
 def short(cfg: BackwardConfig) -> str:
