@@ -23,9 +23,12 @@ bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="med
 # other IN_FLIGHT; the launch
 # shapes and TMA tiles were measured at 7f750d2 (benchmarks/results/
 # h200-backward-variants-tma.txt), dq_atomic at 3f801e5 (h200-backward-variants-dq-atomic.txt)
-VARIANTS = {d: [training.BACKWARD_CONFIGS[d], dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_gluon=False),
-                dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_in_flight=3 - training.BACKWARD_CONFIGS[d].dkdv_in_flight)]
-            for d in (64, 128)}
+def _variants(cfg: BackwardConfig) -> list[BackwardConfig]:
+    other = 3 - cfg.dkdv_in_flight  # IN_FLIGHT is 1 or 2
+    return [cfg, dataclasses.replace(cfg, dkdv_gluon=False), dataclasses.replace(cfg, dkdv_in_flight=other)]
+
+
+VARIANTS = {d: _variants(training.BACKWARD_CONFIGS[d]) for d in (64, 128)}
 
 
 def short(cfg: BackwardConfig) -> str:
