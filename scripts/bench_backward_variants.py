@@ -19,13 +19,13 @@ from fp4attn.kernels.hopper.training import BackwardConfig
 from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
-# the default first (dK/dV in Gluon), then the Triton dK/dV kernel and the Gluon one's
-# other IN_FLIGHT; the launch
+# the default first, then with the other dq kernel (Gluon or Triton), then both Triton
+# kernels; the Gluon dK/dV kernel's IN_FLIGHT in h200-backward-dkdv-gluon-2.txt; the launch
 # shapes and TMA tiles were measured at 7f750d2 (benchmarks/results/
 # h200-backward-variants-tma.txt), dq_atomic at 3f801e5 (h200-backward-variants-dq-atomic.txt)
 def _variants(cfg: BackwardConfig) -> list[BackwardConfig]:
-    other = 3 - cfg.dkdv_in_flight  # IN_FLIGHT is 1 or 2
-    return [cfg, dataclasses.replace(cfg, dkdv_gluon=False), dataclasses.replace(cfg, dkdv_in_flight=other)]
+    return [cfg, dataclasses.replace(cfg, dq_gluon=not cfg.dq_gluon),
+            dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)]
 
 
 VARIANTS = {d: _variants(training.BACKWARD_CONFIGS[d]) for d in (64, 128)}

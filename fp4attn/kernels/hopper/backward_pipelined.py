@@ -284,30 +284,185 @@ def attn_bwd_dkdv_pipelined_kernel(
     gl.store(DV + out + HALF, (dv1 * (1.0 / P_OFFSET)).to(DV.dtype.element_ty))
 
 
-def dkdv_descriptors(q, k, do_t, do_c, v_t, q_c):
-    """Gluon TMA descriptors of the kernel's operands (contiguous, lengths whole tiles)."""
+@gluon.jit
+def _load_key_tile(j, kv_row, kd_row, k_desc, v_desc, k_c_desc, k_smem, v_smem, k_c_smem, ready, pred,
+                   BLOCK_N: gl.constexpr):
+    """TMA of key tile j's K, V (per token) and K_c into its ring stage, one mbarrier."""
+    stage = j % STAGES
+    bar = ready.index(stage)
+    nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes + k_c_desc.block_type.nbytes
+    mbarrier.expect(bar, nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(k_c_desc, [kd_row, j * BLOCK_N], bar, k_c_smem.index(stage), pred=pred)
+
+
+@gluon.jit
+def _issue_scores(j, q_smem, do_t_smem, k_smem, v_smem, ready, s_zero, dp_zero):
+    """Once key tile j has arrived: S = Q K^T and dP = dO_t V^T issued (their tokens)."""
+    stage = j % STAGES
+    mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+    return _product(q_smem, k_smem.index(stage), s_zero), _product(do_t_smem, v_smem.index(stage), dp_zero)
+
+
+@gluon.jit
+def attn_bwd_dq_pipelined_kernel(
+    q_desc, k_desc, do_t_desc, v_desc, k_c_desc,
+    QS, KS, LSE, DELTA, DO_TS, V_TS, K_CS, DQ,
+    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+):
+    """dQ of BLOCK_M queries of one head over its visible key tiles, the Triton dq
+    kernel's arithmetic (`backward._dq_tile`) operation for operation: q_desc (B*H*Sq,
+    D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles, loaded once; k_desc
+    (B*Hkv*Sk, D) bf16, v_desc (B*Hkv*Sk, D) e4m3 in (BLOCK_N, D) tiles and k_c_desc
+    (B*Hkv*D, Sk) e4m3 in (D, BLOCK_N) tiles, a two-stage ring. Sq and Sk are multiples
+    of the tiles. Per key tile j (S_j and dP_j issued in the iteration before):
+
+        wait for S_j and dP_j; P, dS and dS's e4m3 view per query (the recipe's 64 keys)
+        issue S_{j+1} and dP_{j+1}, then dQ_j = dS K_c on a fresh accumulator
+        wait for all three; dQ += dQ_j x dS's query scale; K_c_j's stage takes tile j+2
+
+    so the products of the next tile run while this one's dQ product does."""
+    gl.static_assert(BLOCK_M == 64)  # one warpgroup's wgmma rows
+    gl.static_assert(BLOCK_N == 64)  # dS's scale block along the keys (DS_BLOCK)
+    gl.static_assert(gl.num_warps() == 4)
+    s_layout: gl.constexpr = _tile_layout(BLOCK_N, 16)
+    dp_layout: gl.constexpr = _tile_layout(BLOCK_N, 32)
+    g_layout: gl.constexpr = _grad_layout(HEAD_DIM)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=4)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    keys_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_g: gl.constexpr = gl.SliceLayout(1, g_layout)
+    dims_g: gl.constexpr = gl.SliceLayout(0, g_layout)
+
+    start_m = gl.program_id(0) * BLOCK_M
+    off_bh = gl.program_id(1)  # (b, h)
+    bhk = (off_bh // H) * (H // GROUP) + (off_bh % H) // GROUP
+    q_row = off_bh * Sq + start_m
+    kv_row = bhk * Sk
+    kd_row = bhk * HEAD_DIM
+    # key tiles [0, full) are visible to every row of this block, [full, hi) are masked
+    # (as the Triton kernel; rows that see no key have P = 0 through their log2 LSE of +inf)
+    hi = Sk
+    full = Sk
+    if CAUSAL:
+        hi = gl.maximum(gl.minimum(start_m + BLOCK_M + causal_offset, Sk), 0)
+        full = gl.minimum(gl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, Sk)
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    do_t_smem = gl.allocate_shared_memory(do_t_desc.dtype, do_t_desc.block_type.shape, do_t_desc.layout)
+    k_smem = _ring(k_desc, STAGES)
+    v_smem = _ring(v_desc, STAGES)
+    k_c_smem = _ring(k_c_desc, STAGES)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar.index(0), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes + do_t_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar.index(0), q_smem)
+    tma.async_copy_global_to_shared(do_t_desc, [q_row, 0], q_bar.index(0), do_t_smem)
+    # key tile 0 always (it exists: a block that sees no key still issues its products
+    # once, unused, so that the loop's first wait has them)
+    for j in gl.static_range(STAGES):
+        _load_key_tile(j, kv_row, kd_row, k_desc, v_desc, k_c_desc, k_smem, v_smem, k_c_smem, ready,
+                       (j < n_tiles) | (j == 0), BLOCK_N)
+
+    q_scale = gl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
+    k_scale = gl.load(KS)
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_s)
+    offs_nb = gl.arange(0, BLOCK_N, layout=keys_s)
+    lse2 = gl.expand_dims(lse_log2(gl.load(LSE + off_bh * Sq + offs_m)), 1)
+    delta = gl.expand_dims(gl.load(DELTA + off_bh * Sq + offs_m), 1)
+    do_s = gl.expand_dims(gl.load(DO_TS + off_bh * Sq + offs_m), 1)
+    v_s = _flat(V_TS + kv_row, BLOCK_N)  # key tile 0's V scales (a tile ahead from here on)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    dp_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=dp_layout)
+    g_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=g_layout)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=g_layout)
+
+    mbarrier.wait(q_bar.index(0), 0)
+    s_tok, dp_tok = _issue_scores(0, q_smem, do_t_smem, k_smem, v_smem, ready, s_zero, dp_zero)
+    for j in range(n_tiles):
+        stage = j % STAGES
+        v_s_next = _flat(V_TS + kv_row + gl.minimum(j + 1, n_tiles - 1) * BLOCK_N, BLOCK_N)
+        # P and dS of tile j
+        scores = warpgroup_mma_wait(1, deps=[s_tok])
+        t = log2_scores(scores, q_scale, k_scale)
+        if j * BLOCK_N >= full:  # a tile on the causal diagonal
+            cols = j * BLOCK_N + offs_nb
+            visible = gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1) + causal_offset
+            t = gl.where(visible, t, -float("inf"))
+        p = gl.exp2(t - lse2)
+        dp = gl.convert_layout(warpgroup_mma_wait(0, deps=[dp_tok]), s_layout)
+        dp = dp * do_s * _spread(v_s, keys_s, 0)
+        ds = p * (dp - delta)
+        ds_g, ds_s = e4m3_rows(ds, 1, True)
+        ds_g = gl.convert_layout(ds_g, a_layout)
+        # the next tile's products, then dQ_j, one wait for the three
+        if j + 1 < n_tiles:
+            s_tok, dp_tok = _issue_scores(j + 1, q_smem, do_t_smem, k_smem, v_smem, ready, s_zero, dp_zero)
+        dq_tok = _product(ds_g, k_c_smem.index(stage), g_zero)
+        dq += warpgroup_mma_wait(0, deps=[dq_tok]) * gl.expand_dims(gl.convert_layout(ds_s, rows_g), 1)
+        # tile j is read: its stage takes tile j + 2
+        _load_key_tile(j + STAGES, kv_row, kd_row, k_desc, v_desc, k_c_desc, k_smem, v_smem, k_c_smem, ready,
+                       j + STAGES < n_tiles, BLOCK_N)
+        v_s = v_s_next
+
+    warpgroup_mma_wait(0, deps=[s_tok, dp_tok])  # (only a block without keys has them pending)
+    mbarrier.invalidate(q_bar.index(0))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    offs_d = gl.arange(0, HEAD_DIM, layout=dims_g)
+    k_cs = gl.load(K_CS + kd_row + offs_d)
+    dq = dq * gl.expand_dims(k_cs, 0) * sm_scale
+    rows = start_m + gl.arange(0, BLOCK_M, layout=rows_g)
+    out = (off_bh * Sq + gl.expand_dims(rows, 1)).to(gl.int64) * HEAD_DIM + gl.expand_dims(offs_d, 0)
+    gl.store(DQ + out, dq.to(DQ.dtype.element_ty))
+
+
+def _descriptor(t, channel_major: bool):
+    """Gluon TMA descriptor of a contiguous (.., S, D) token-major operand in (BLOCK, D)
+    tiles, or of a (.., D, S) channel-major one in (D, BLOCK) tiles."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    def desc(t, channel_major):
-        t2 = t.view(-1, t.shape[-1])
-        block = [t.shape[-2], BLOCK] if channel_major else [BLOCK, t.shape[-1]]
-        dtype = gl.float8e4nv if t.dtype == torch.float8_e4m3fn else gl.bfloat16
-        return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), block,
-                                gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-    return (desc(q, False), desc(k, False), desc(do_t, False), desc(do_c, True), desc(v_t, False), desc(q_c, True))
+    t2 = t.view(-1, t.shape[-1])
+    block = [t.shape[-2], BLOCK] if channel_major else [BLOCK, t.shape[-1]]
+    dtype = gl.float8e4nv if t.dtype == torch.float8_e4m3fn else gl.bfloat16
+    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
 def launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
                           causal_offset: int, causal: bool, scale: float, in_flight: int = 1):
-    """Run the kernel into dk, dv (B, Hkv, Sk, D), from `training.backward_operands`'s
-    views; Sq and Sk multiples of BLOCK, every operand contiguous."""
+    """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D), from
+    `training.backward_operands`'s views; Sq and Sk multiples of BLOCK, every operand
+    contiguous."""
     from fp4attn.reference.forward import LOG2E
 
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
-    descs = dkdv_descriptors(qv, kv, do_t, do_c, v_t, q_c)
+    descs = [_descriptor(t, cm) for t, cm in ((qv, False), (kv, False), (do_t, False), (do_c, True), (v_t, False),
+                                              (q_c, True))]
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
         *descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, H, H // Hkv, Sq, Sk, causal_offset,
-        scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, IN_FLIGHT=in_flight, num_warps=4)
+        scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, IN_FLIGHT=in_flight,
+        num_warps=4)
+
+
+def launch_dq_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq, causal_offset: int,
+                        causal: bool, scale: float):
+    """Run the dQ kernel into dq (B, H, Sq, D), as `launch_dkdv_pipelined`."""
+    from fp4attn.reference.forward import LOG2E
+
+    B, H, Sq, D = qv.shape
+    Hkv, Sk = kv.shape[1], kv.shape[2]
+    descs = [_descriptor(t, cm) for t, cm in ((qv, False), (kv, False), (do_t, False), (v_t, False), (k_c, True))]
+    attn_bwd_dq_pipelined_kernel[(triton.cdiv(Sq, BLOCK), B * H)](
+        *descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, num_warps=4)

@@ -227,9 +227,9 @@ def inspect_backward(*args, **kwargs) -> KernelReport:
     return inspect(compile_backward(*args, **kwargs))
 
 
-def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1):
-    """The compiled Gluon dK/dV kernel (`backward_pipelined.py`) as
-    `launch_dkdv_pipelined` launches it: bf16 gradients."""
+def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv"):
+    """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_pipelined.py`)
+    as its launcher runs it: bf16 gradients."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -240,13 +240,21 @@ def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1):
         return f"tensordesc<{name}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
 
     token, channel = [bp.BLOCK, head_dim], [head_dim, bp.BLOCK]
-    sig = {"q_desc": desc(gl.bfloat16, token), "k_desc": desc(gl.bfloat16, token),
-           "do_t_desc": desc(gl.float8e4nv, token), "do_c_desc": desc(gl.float8e4nv, channel),
-           "v_desc": desc(gl.float8e4nv, token), "q_c_desc": desc(gl.float8e4nv, channel),
-           **{n: "*fp32" for n in ("QS", "KS", "LSE", "DELTA", "DO_TS", "DO_CS", "V_TS", "Q_CS")},
-           "DK": "*bf16", "DV": "*bf16", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
-           "qk_scale": "fp32", "sm_scale": "fp32"}
-    consts = dict(HEAD_DIM=head_dim, BLOCK_M=bp.BLOCK, BLOCK_N=bp.BLOCK, CAUSAL=causal, IN_FLIGHT=in_flight)
-    src = GluonASTSource(bp.attn_bwd_dkdv_pipelined_kernel, {**sig, **{c: "constexpr" for c in consts}},
-                         constexprs=consts)
+    bf16, e4m3 = gl.bfloat16, gl.float8e4nv
+    if part == "dkdv":
+        fn = bp.attn_bwd_dkdv_pipelined_kernel
+        sig = {"q_desc": desc(bf16, token), "k_desc": desc(bf16, token), "do_t_desc": desc(e4m3, token),
+               "do_c_desc": desc(e4m3, channel), "v_desc": desc(e4m3, token), "q_c_desc": desc(e4m3, channel),
+               **{n: "*fp32" for n in ("QS", "KS", "LSE", "DELTA", "DO_TS", "DO_CS", "V_TS", "Q_CS")},
+               "DK": "*bf16", "DV": "*bf16"}
+    else:
+        fn = bp.attn_bwd_dq_pipelined_kernel
+        sig = {"q_desc": desc(bf16, token), "k_desc": desc(bf16, token), "do_t_desc": desc(e4m3, token),
+               "v_desc": desc(e4m3, token), "k_c_desc": desc(e4m3, channel),
+               **{n: "*fp32" for n in ("QS", "KS", "LSE", "DELTA", "DO_TS", "V_TS", "K_CS")}, "DQ": "*bf16"}
+    sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")}, qk_scale="fp32", sm_scale="fp32")
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=bp.BLOCK, BLOCK_N=bp.BLOCK, CAUSAL=causal)
+    if part == "dkdv":
+        consts["IN_FLIGHT"] = in_flight
+    src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))

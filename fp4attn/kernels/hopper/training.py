@@ -62,6 +62,8 @@ class BackwardConfig:
     # conversion; the Triton kernel otherwise
     dkdv_gluon: bool = False
     dkdv_in_flight: int = 1  # the Gluon kernel's IN_FLIGHT: dK/dV half products in flight at once
+    # dQ by the Gluon kernel (`backward_pipelined.py`) under the same conditions
+    dq_gluon: bool = False
 
 
 # per head dim, the fastest of `scripts/bench_backward_variants.py` on the H200, causal
@@ -219,6 +221,11 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
             num_stages=cfg.stages_dkdv)
     if atomic:
         return dq.to(dtypes[0]), dk, dv
+    if cfg.dq_gluon and descs is not None and cfg.hw_cvt:
+        from fp4attn.kernels.hopper.backward_pipelined import launch_dq_pipelined
+
+        launch_dq_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq, off, causal, scale)
+        return dq, dk, dv
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
         qv, tiles["K"], qs, ks, lse, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
