@@ -19,16 +19,20 @@ from fp4attn.kernels.hopper.training import BackwardConfig
 from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
-# the default first, then with the other dq kernel (Gluon or Triton), then both Triton
-# kernels; the Gluon dK/dV kernel's IN_FLIGHT in h200-backward-dkdv-gluon-2.txt; the launch
-# shapes and TMA tiles were measured at 7f750d2 (benchmarks/results/
-# h200-backward-variants-tma.txt), dq_atomic at 3f801e5 (h200-backward-variants-dq-atomic.txt)
-def _variants(cfg: BackwardConfig) -> list[BackwardConfig]:
-    return [cfg, dataclasses.replace(cfg, dq_gluon=not cfg.dq_gluon),
-            dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)]
+# the default first, then with the other dq kernel (Gluon or Triton), at D=64 the Gluon
+# kernels at 168 registers, then both Triton kernels. The Gluon dK/dV kernel's IN_FLIGHT
+# was measured at d417778 (benchmarks/results/h200-backward-dkdv-gluon-2.txt), the launch
+# shapes and TMA tiles at 7f750d2 (h200-backward-variants-tma.txt), dq_atomic at 3f801e5
+# (h200-backward-variants-dq-atomic.txt)
+def _variants(cfg: BackwardConfig, head_dim: int) -> list[BackwardConfig]:
+    out = [cfg, dataclasses.replace(cfg, dq_gluon=not cfg.dq_gluon)]
+    if head_dim == 64:  # three programs per SM (168 registers)
+        out += [dataclasses.replace(cfg, dq_gluon=True, dq_maxnreg=168),
+                dataclasses.replace(cfg, dq_gluon=True, dq_maxnreg=168, dkdv_maxnreg=168)]
+    return out + [dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)]
 
 
-VARIANTS = {d: _variants(training.BACKWARD_CONFIGS[d]) for d in (64, 128)}
+VARIANTS = {d: _variants(training.BACKWARD_CONFIGS[d], d) for d in (64, 128)}
 
 
 def short(cfg: BackwardConfig) -> str:

@@ -439,7 +439,8 @@ def _descriptor(t, channel_major: bool):
 
 
 def launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
-                          causal_offset: int, causal: bool, scale: float, in_flight: int = 1):
+                          causal_offset: int, causal: bool, scale: float, in_flight: int = 1,
+                          maxnreg: int | None = None):
     """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D), from
     `training.backward_operands`'s views; Sq and Sk multiples of BLOCK, every operand
     contiguous."""
@@ -452,11 +453,11 @@ def launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, 
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
         *descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, H, H // Hkv, Sq, Sk, causal_offset,
         scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, IN_FLIGHT=in_flight,
-        num_warps=4)
+        num_warps=4, maxnreg=maxnreg)
 
 
 def launch_dq_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq, causal_offset: int,
-                        causal: bool, scale: float):
+                        causal: bool, scale: float, maxnreg: int | None = None):
     """Run the dQ kernel into dq (B, H, Sq, D), as `launch_dkdv_pipelined`."""
     from fp4attn.reference.forward import LOG2E
 
@@ -465,4 +466,4 @@ def launch_dq_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, v_t, v_ts, k_c,
     descs = [_descriptor(t, cm) for t, cm in ((qv, False), (kv, False), (do_t, False), (v_t, False), (k_c, True))]
     attn_bwd_dq_pipelined_kernel[(triton.cdiv(Sq, BLOCK), B * H)](
         *descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, num_warps=4)
+        HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, num_warps=4, maxnreg=maxnreg)

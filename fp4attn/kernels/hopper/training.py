@@ -64,6 +64,10 @@ class BackwardConfig:
     dkdv_in_flight: int = 1  # the Gluon kernel's IN_FLIGHT: dK/dV half products in flight at once
     # dQ by the Gluon kernel (`backward_pipelined.py`) under the same conditions
     dq_gluon: bool = False
+    # register caps of the Gluon kernels' 4-warp programs (None: ptxas's choice, up to
+    # 255, two programs per SM; 168 lets three share an SM)
+    dkdv_maxnreg: int | None = None
+    dq_maxnreg: int | None = None
 
 
 # per head dim, the fastest of `scripts/bench_backward_variants.py` on the H200, causal
@@ -73,11 +77,14 @@ class BackwardConfig:
 # at D=64 also dkdv programs of 64 keys and 4 warps -> 4.20 (at D=128 those spill, 4.78)
 # The dK/dV kernel in Gluon (`dkdv_gluon`, benchmarks/results/h200-backward-dkdv-gluon-2.txt):
 # 2.99 -> 1.33 ms at (4,16,4096,128) with its half products waited one at a time (1.52
-# with two in flight), 2.23 -> 1.69 at (8,16,4096,64) with two in flight (1.76 with one)
+# with two in flight), 2.23 -> 1.69 at (8,16,4096,64) with two in flight (1.76 with one);
+# dQ by the Gluon kernel (`dq_gluon`, h200-backward-dq-gluon.txt): 0.90 -> 0.78 ms at
+# (4,16,4096,128), 1.12 -> 1.18 at (8,16,4096,64) (two programs per SM, 210 registers,
+# where the Triton kernel fits three)
 BACKWARD_CONFIGS = {
     64: BackwardConfig(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
                        dkdv_in_flight=2),
-    128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True),
+    128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dq_gluon=True),
 }
 BACKWARD_ENV = "FP4ATTN_BACKWARD_DQ_ATOMIC"  # "1": the dq_atomic variant at 64 keys per dkdv program (tuning)
 
@@ -211,7 +218,7 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
         from fp4attn.kernels.hopper.backward_pipelined import launch_dkdv_pipelined
 
         launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
-                              off, causal, scale, cfg.dkdv_in_flight)
+                              off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg)
     else:
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
             tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
@@ -224,7 +231,8 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
     if cfg.dq_gluon and descs is not None and cfg.hw_cvt:
         from fp4attn.kernels.hopper.backward_pipelined import launch_dq_pipelined
 
-        launch_dq_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq, off, causal, scale)
+        launch_dq_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq, off, causal, scale,
+                            cfg.dq_maxnreg)
         return dq, dk, dv
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
         qv, tiles["K"], qs, ks, lse, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
