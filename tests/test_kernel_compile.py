@@ -142,28 +142,33 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_dkdv_owns_its_keys_and_fits_two_programs_per_sm(head_dim, causal):
-    """The routed Gluon dK/dV kernel: each tile's S^T and dP^T are computed once (the
-    Triton kernel's two warpgroups each computed them whole at D=128, 16 HGMMA and 8
-    QGMMA per tile each), its wgmmas chained (no C7511/C7514), two programs' shared
-    memory fits an SM, and little spills (none causal at D=128; 208 bytes stack before
-    dK and dV were halved)."""
+def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, causal):
+    """The routed Gluon backward kernels. dK/dV: each tile's S^T and dP^T are computed
+    once (the Triton kernel's two warpgroups each computed them whole at D=128, 16 HGMMA
+    and 8 QGMMA per tile each). Both: wgmmas chained (no C7511/C7514), little spill
+    (the first dK/dV version had 208 bytes of stack at D=128, before dK and dV were
+    halved), and as many programs per SM as registers and shared memory were meant to
+    allow: two at up to 255 registers, three at D=64 (168)."""
     from fp4attn.kernels.hopper.machine_code import compile_backward_pipelined, inspect, ptxas_messages
     from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
 
     cfg = BACKWARD_CONFIGS[head_dim]
-    assert cfg.dkdv_gluon and cfg.tma
-    kernel = compile_backward_pipelined(causal, head_dim, cfg.dkdv_in_flight)
-    report = ptxas_messages(kernel)
-    assert "C7511" not in report and "C7514" not in report, report
-    r = inspect(kernel)
-    loop = r.tile_loop()
-    # S^T: D/16 bf16 k-steps; dP^T: D/32 e4m3 k-steps; dV and dK: 2 halves x 2 k-steps each
-    assert sum(op.startswith("HGMMA") for op in loop) == head_dim // 16
-    assert sum(op.startswith("QGMMA") for op in loop) == head_dim // 32 + 8
-    assert r.count("UTMALDG") > 0
-    assert r.stack <= 96, r.stack
-    assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024
+    assert cfg.dkdv_gluon and cfg.dq_gluon and cfg.tma
+    for part, maxnreg in (("dkdv", cfg.dkdv_maxnreg), ("dq", cfg.dq_maxnreg)):
+        kernel = compile_backward_pipelined(causal, head_dim, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg)
+        report = ptxas_messages(kernel)
+        assert "C7511" not in report and "C7514" not in report, (part, report)
+        r = inspect(kernel)
+        loop = r.tile_loop()
+        # S: D/16 bf16 k-steps; dP: D/32 e4m3 k-steps; dV and dK: 2 halves x 2 k-steps
+        # each (dkdv); dQ: 2 k-steps (dq)
+        assert sum(op.startswith("HGMMA") for op in loop) == head_dim // 16, part
+        assert sum(op.startswith("QGMMA") for op in loop) == head_dim // 32 + (8 if part == "dkdv" else 2), part
+        assert r.count("UTMALDG") > 0
+        assert r.stack <= 96, (part, r.stack)
+        programs = 65536 // (128 * r.registers)
+        assert programs == (3 if maxnreg == 168 else 2), (part, r.registers)
+        assert programs * (kernel.metadata.shared + 1024) <= 228 * 1024, (part, kernel.metadata.shared)
 
 
 def test_training_forward_keeps_the_packed_nvfp4_payload():

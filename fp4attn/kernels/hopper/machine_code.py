@@ -227,7 +227,8 @@ def inspect_backward(*args, **kwargs) -> KernelReport:
     return inspect(compile_backward(*args, **kwargs))
 
 
-def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv"):
+def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
+                               maxnreg: int | None = None):
     """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_pipelined.py`)
     as its launcher runs it: bf16 gradients."""
     from triton.experimental.gluon import language as gl
@@ -257,4 +258,4 @@ def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, 
     if part == "dkdv":
         consts["IN_FLIGHT"] = in_flight
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=maxnreg))

@@ -80,10 +80,12 @@ class BackwardConfig:
 # with two in flight), 2.23 -> 1.69 at (8,16,4096,64) with two in flight (1.76 with one);
 # dQ by the Gluon kernel (`dq_gluon`, h200-backward-dq-gluon.txt): 0.90 -> 0.78 ms at
 # (4,16,4096,128), 1.12 -> 1.18 at (8,16,4096,64) (two programs per SM, 210 registers,
-# where the Triton kernel fits three)
+# where the Triton kernel fits three); capped at 168 registers, three programs per SM
+# (h200-backward-gluon-maxnreg.txt): dq 1.13 -> 1.06 ms against the Triton kernel, dkdv
+# 1.69 -> 1.67 (40 bytes of spill)
 BACKWARD_CONFIGS = {
     64: BackwardConfig(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
-                       dkdv_in_flight=2),
+                       dkdv_in_flight=2, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),
     128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dq_gluon=True),
 }
 BACKWARD_ENV = "FP4ATTN_BACKWARD_DQ_ATOMIC"  # "1": the dq_atomic variant at 64 keys per dkdv program (tuning)
