@@ -19,17 +19,15 @@ from fp4attn.kernels.hopper.training import BackwardConfig
 from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
-# the default first, then with the other dq kernel (Gluon or Triton), at D=64 the Gluon
-# kernels at 168 registers, then both Triton kernels. The Gluon dK/dV kernel's IN_FLIGHT
-# was measured at d417778 (benchmarks/results/h200-backward-dkdv-gluon-2.txt), the launch
-# shapes and TMA tiles at 7f750d2 (h200-backward-variants-tma.txt), dq_atomic at 3f801e5
+# the default first, then the Gluon dK/dV kernel with the other STAGED, then both Triton
+# kernels. Measured before: the Gluon dQ kernel and the 168-register caps at commit
+# 8062919 (benchmarks/results/h200-backward-gluon-maxnreg.txt), the Gluon dK/dV kernel's
+# IN_FLIGHT at d417778 (h200-backward-dkdv-gluon-2.txt), the launch shapes and TMA tiles at
+# 7f750d2 (h200-backward-variants-tma.txt), dq_atomic at 3f801e5
 # (h200-backward-variants-dq-atomic.txt)
 def _variants(cfg: BackwardConfig, head_dim: int) -> list[BackwardConfig]:
-    out = [cfg, dataclasses.replace(cfg, dq_gluon=not cfg.dq_gluon)]
-    if head_dim == 64:  # three programs per SM (168 registers)
-        out += [dataclasses.replace(cfg, dq_gluon=True, dq_maxnreg=168),
-                dataclasses.replace(cfg, dq_gluon=True, dq_maxnreg=168, dkdv_maxnreg=168)]
-    return out + [dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)]
+    return [cfg, dataclasses.replace(cfg, dkdv_staged=not cfg.dkdv_staged),
+            dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)]
 
 
 VARIANTS = {d: _variants(training.BACKWARD_CONFIGS[d], d) for d in (64, 128)}

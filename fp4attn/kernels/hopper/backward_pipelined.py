@@ -80,6 +80,18 @@ def _spread(x, layout: gl.constexpr, axis: gl.constexpr):
 
 
 @gluon.jit
+def _number(x, staged, layout: gl.constexpr, axis: gl.constexpr, STAGED: gl.constexpr):
+    """A tile's `_flat` numbers x broadcast along `axis` of a wgmma tile: read from their
+    buffer `staged` (STAGED: the tile's numbers were stored together, one barrier for
+    all) or moved by their own layout change (a barrier pair each)."""
+    if STAGED:
+        v = staged.load(layout)
+    else:
+        v = gl.convert_layout(x, layout)
+    return gl.expand_dims(v, axis)
+
+
+@gluon.jit
 def _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """Tile i of the program's walk: (first query, that head's first row in the
     token-major (B*H*Sq, D) views, its first row in the channel-major (B*H*D, Sq) views)."""
@@ -135,7 +147,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    IN_FLIGHT: gl.constexpr = 1,
+    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = False,
 ):
     """Operands as `backward.attn_bwd_dkdv_kernel` reads them, the tiles by TMA:
     q_desc (B*H*Sq, D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles,
@@ -146,7 +158,12 @@ def attn_bwd_dkdv_pipelined_kernel(
     dK and dV are held as two halves of D each, and each tile's four half products
     (dV's two, then dK's) run on fresh accumulators: IN_FLIGHT 1 waits for each before
     the next is issued (one temporary of 64 x D/2); 2 keeps the next one in flight
-    while the previous is added (two temporaries)."""
+    while the previous is added (two temporaries).
+
+    A tile's per-query numbers (log2 LSE, dO's token scales, delta) and channel scales
+    reach the wgmma layouts through shared memory: STAGED stores all seven together at
+    the top of the tile (two CTA barriers per tile), otherwise each moves by its own
+    layout change (fourteen)."""
     gl.static_assert(BLOCK_N == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_M == 64)  # dS's scale block along the queries (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
@@ -186,6 +203,14 @@ def attn_bwd_dkdv_pipelined_kernel(
     do_t_smem = _ring(do_t_desc, STAGES)
     do_c_smem = _ring(do_c_desc, STAGES)
     q_c_smem = _ring(q_c_desc, STAGES)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain)
+    do_s_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain)
+    delta_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain)
+    do_cs0_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
+    do_cs1_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
+    q_cs0_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
+    q_cs1_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar.index(0), count=1)
@@ -227,10 +252,19 @@ def attn_bwd_dkdv_pipelined_kernel(
         dpt_tok = _product(v_smem, do_t_smem.index(stage), dp_zero)
         _load_query_tile(i + 1, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
                          q_smem, do_t_smem, do_c_smem, q_c_smem, ready, i + 1 < n_tiles, HEAD_DIM, BLOCK_M)
+        lse = lse_log2(lse)
+        if STAGED:  # this tile's numbers, for the layouts below
+            lse_s.store(lse)
+            do_s_s.store(do_s)
+            delta_s.store(delta)
+            do_cs0_s.store(do_cs0)
+            do_cs1_s.store(do_cs1)
+            q_cs0_s.store(q_cs0)
+            q_cs1_s.store(q_cs1)
         nxt = _query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
                              DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
         # 2. P^T and its FP8 form
-        lse2 = _spread(lse_log2(lse), queries_t, 0)
+        lse2 = _number(lse, lse_s, queries_t, 0, STAGED)
         st = warpgroup_mma_wait(1, deps=[st_tok])
         tt = log2_scores(st, q_scale, k_scale)
         if start_m < mid:  # a tile on the causal diagonal
@@ -242,8 +276,8 @@ def attn_bwd_dkdv_pipelined_kernel(
         pr = gl.convert_layout(p_r(xt, pt, 0, True), a_layout)
         # 3. dS^T and its e4m3 view per key
         dpt = gl.convert_layout(warpgroup_mma_wait(0, deps=[dpt_tok]), t_layout)
-        dpt = dpt * v_s * _spread(do_s, queries_t, 0)
-        dst = pt * (dpt - _spread(delta, queries_t, 0))
+        dpt = dpt * v_s * _number(do_s, do_s_s, queries_t, 0, STAGED)
+        dst = pt * (dpt - _number(delta, delta_s, queries_t, 0, STAGED))
         ds_g, ds_s = e4m3_rows(dst, 1, True)
         ds_g = gl.convert_layout(ds_g, a_layout)
         ds_s = gl.expand_dims(gl.convert_layout(ds_s, keys_g), 1)
@@ -254,20 +288,20 @@ def attn_bwd_dkdv_pipelined_kernel(
         tok = _product(pr, do_c_tile.slice(0, HALF), g_zero)
         if IN_FLIGHT == 2:
             tok1 = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
-            dv0 += warpgroup_mma_wait(1, deps=[tok]) * _spread(do_cs0, dims_g, 0)
+            dv0 += warpgroup_mma_wait(1, deps=[tok]) * _number(do_cs0, do_cs0_s, dims_g, 0, STAGED)
             tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
-            dv1 += warpgroup_mma_wait(1, deps=[tok1]) * _spread(do_cs1, dims_g, 0)
+            dv1 += warpgroup_mma_wait(1, deps=[tok1]) * _number(do_cs1, do_cs1_s, dims_g, 0, STAGED)
             tok1 = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
-            dk0 += warpgroup_mma_wait(1, deps=[tok]) * ds_s * _spread(q_cs0, dims_g, 0)
-            dk1 += warpgroup_mma_wait(0, deps=[tok1]) * ds_s * _spread(q_cs1, dims_g, 0)
+            dk0 += warpgroup_mma_wait(1, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_s, dims_g, 0, STAGED)
+            dk1 += warpgroup_mma_wait(0, deps=[tok1]) * ds_s * _number(q_cs1, q_cs1_s, dims_g, 0, STAGED)
         else:
-            dv0 += warpgroup_mma_wait(0, deps=[tok]) * _spread(do_cs0, dims_g, 0)
+            dv0 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs0, do_cs0_s, dims_g, 0, STAGED)
             tok = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
-            dv1 += warpgroup_mma_wait(0, deps=[tok]) * _spread(do_cs1, dims_g, 0)
+            dv1 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs1, do_cs1_s, dims_g, 0, STAGED)
             tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
-            dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _spread(q_cs0, dims_g, 0)
+            dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_s, dims_g, 0, STAGED)
             tok = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
-            dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _spread(q_cs1, dims_g, 0)
+            dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1, q_cs1_s, dims_g, 0, STAGED)
         lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt
 
     mbarrier.invalidate(kv_bar.index(0))
@@ -440,7 +474,7 @@ def _descriptor(t, channel_major: bool):
 
 def launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
                           causal_offset: int, causal: bool, scale: float, in_flight: int = 1,
-                          maxnreg: int | None = None):
+                          maxnreg: int | None = None, staged: bool = False):
     """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D), from
     `training.backward_operands`'s views; Sq and Sk multiples of BLOCK, every operand
     contiguous."""
@@ -453,7 +487,7 @@ def launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, 
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
         *descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, H, H // Hkv, Sq, Sk, causal_offset,
         scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, IN_FLIGHT=in_flight,
-        num_warps=4, maxnreg=maxnreg)
+        STAGED=staged, num_warps=4, maxnreg=maxnreg)
 
 
 def launch_dq_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq, causal_offset: int,

@@ -62,6 +62,7 @@ class BackwardConfig:
     # conversion; the Triton kernel otherwise
     dkdv_gluon: bool = False
     dkdv_in_flight: int = 1  # the Gluon kernel's IN_FLIGHT: dK/dV half products in flight at once
+    dkdv_staged: bool = False  # its STAGED: a tile's numbers through shared memory together
     # dQ by the Gluon kernel (`backward_pipelined.py`) under the same conditions
     dq_gluon: bool = False
     # register caps of the Gluon kernels' 4-warp programs (None: ptxas's choice, up to
@@ -220,7 +221,7 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
         from fp4attn.kernels.hopper.backward_pipelined import launch_dkdv_pipelined
 
         launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
-                              off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg)
+                              off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg, cfg.dkdv_staged)
     else:
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
             tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
