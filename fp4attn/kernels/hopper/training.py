@@ -83,11 +83,14 @@ class BackwardConfig:
 # (4,16,4096,128), 1.12 -> 1.18 at (8,16,4096,64) (two programs per SM, 210 registers,
 # where the Triton kernel fits three); capped at 168 registers, three programs per SM
 # (h200-backward-gluon-maxnreg.txt): dq 1.13 -> 1.06 ms against the Triton kernel, dkdv
-# 1.69 -> 1.67 (40 bytes of spill)
+# 1.69 -> 1.67 (40 bytes of spill); a tile's numbers staged through shared memory
+# together (`dkdv_staged`, h200-backward-dkdv-staged.txt): dkdv 1.34 -> 1.29 ms at
+# (4,16,4096,128), 1.68 -> 1.47 at (8,16,4096,64)
 BACKWARD_CONFIGS = {
     64: BackwardConfig(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
-                       dkdv_in_flight=2, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),
-    128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dq_gluon=True),
+                       dkdv_in_flight=2, dkdv_staged=True, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),
+    128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dkdv_staged=True,
+                        dq_gluon=True),
 }
 BACKWARD_ENV = "FP4ATTN_BACKWARD_DQ_ATOMIC"  # "1": the dq_atomic variant at 64 keys per dkdv program (tuning)
 
