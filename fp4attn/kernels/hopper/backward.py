@@ -160,6 +160,21 @@ def _lse2(ptrs, rows_ok):
 
 
 @triton.jit
+def causal_query_tiles(start_n, Sq, causal_offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """(lo, mid) for the key block at start_n: its query tiles start at multiples of
+    BLOCK_M from lo, those in [lo, mid) straddle the causal diagonal (masked) and those
+    in [mid, Sq) see every key of the block; (0, 0) when not CAUSAL."""
+    lo = 0
+    mid = 0
+    if CAUSAL:
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+        mid = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M, Sq)
+        mid = tl.maximum(mid, lo)
+    return lo, mid
+
+
+@triton.jit
 def attn_bwd_dkdv_kernel(
     Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, V_T, V_TS, Q_C, Q_CS, DK, DV, K_C, K_CS, DQ,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
@@ -212,12 +227,7 @@ def attn_bwd_dkdv_kernel(
     # query tiles start at multiples of BLOCK_M (dS's scale block for dK): [lo, mid)
     # straddle the causal diagonal, [mid, Sq) see every key of this block (rows past Sq
     # have P = 0 through their log2 LSE of +inf); a block that runs past Sk masks every tile
-    lo = 0
-    mid = 0
-    if CAUSAL:
-        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-        mid = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M, Sq)
-        mid = tl.maximum(mid, lo)
+    lo, mid = causal_query_tiles(start_n, Sq, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
     mid = tl.where(start_n + BLOCK_N > Sk, Sq, mid)
     for g in range(GROUP):
         h = hk * GROUP + g

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import log2_scores
-from fp4attn.kernels.hopper.backward import P_OFFSET, e4m3_rows, lse_log2, p_r
+from fp4attn.kernels.hopper.backward import P_OFFSET, causal_query_tiles, e4m3_rows, lse_log2, p_r
 from fp4attn.reference.backward import DS_BLOCK
 
 BLOCK = DS_BLOCK  # keys per program (wgmma's M) and queries per tile (dS's scale block, the recipe's)
@@ -63,6 +63,12 @@ def _tile_layout(block, k):
 def _grad_layout(head_dim):
     """dK and dV (keys x D), and each tile's products, in the wgmma accumulator layout."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 32])
+
+
+@gluon.constexpr_function
+def _operand_layout(grad_layout):
+    """P^T, dS^T or dS as the register A operand (e4m3) of a product in `grad_layout`."""
+    return gl.DotOperandLayout(operand_index=0, parent=grad_layout, k_width=4)
 
 
 @gluon.jit
@@ -172,7 +178,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     t_layout: gl.constexpr = _tile_layout(BLOCK_M, 16)
     dp_layout: gl.constexpr = _tile_layout(BLOCK_M, 32)
     g_layout: gl.constexpr = _grad_layout(HALF)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=4)
+    a_layout: gl.constexpr = _operand_layout(g_layout)
     keys_t: gl.constexpr = gl.SliceLayout(1, t_layout)
     queries_t: gl.constexpr = gl.SliceLayout(0, t_layout)
     keys_g: gl.constexpr = gl.SliceLayout(1, g_layout)
@@ -185,14 +191,9 @@ def attn_bwd_dkdv_pipelined_kernel(
     hk = off_bh % Hkv
     kv_row = off_bh * Sk + start_n
 
-    # query tiles start at multiples of BLOCK_M: [lo, mid) straddle the causal diagonal
-    # (masked), [mid, Sq) see every key of this block (as the Triton kernel)
-    lo = 0
-    mid = 0
-    if CAUSAL:
-        lo = gl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-        mid = gl.minimum(gl.cdiv(gl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0), BLOCK_M) * BLOCK_M, Sq)
-        mid = gl.maximum(mid, lo)
+    # query tiles from lo: [lo, mid) straddle the causal diagonal (masked), [mid, Sq) see
+    # every key of this block
+    lo, mid = causal_query_tiles(start_n, Sq, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
     n_m = gl.maximum(Sq - lo, 0) // BLOCK_M
     n_tiles = GROUP * n_m
 
@@ -364,7 +365,7 @@ def attn_bwd_dq_pipelined_kernel(
     s_layout: gl.constexpr = _tile_layout(BLOCK_N, 16)
     dp_layout: gl.constexpr = _tile_layout(BLOCK_N, 32)
     g_layout: gl.constexpr = _grad_layout(HEAD_DIM)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=4)
+    a_layout: gl.constexpr = _operand_layout(g_layout)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     keys_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_g: gl.constexpr = gl.SliceLayout(1, g_layout)
