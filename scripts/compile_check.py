@@ -6,23 +6,68 @@ as multiples of 16, as the JIT compiles them at the bench shapes. A second table
 the same for the warp-specialized Gluon kernel in its routed layout (its registers are
 the consumer's and the producer's `setmaxnreg`; its tile loop is the consumer's).
 
-    python scripts/compile_check.py [--sass-dir DIR]
+`--backward` prints the backward's dK/dV and dQ kernels instead, Triton and Gluon, each
+at its routed launch (docs/notes/hopper-train.md): registers, stack, shared memory,
+programs per SM, the CTA barriers and instructions of the tile loop (per thread, and per
+element of the 64 x 64 score tile for one warpgroup, 32 per thread).
+
+    python scripts/compile_check.py [--sass-dir DIR] [--backward]
 """
 
 import argparse
+import dataclasses
+import re
 from pathlib import Path
 
-import re
-
-from fp4attn.kernels.hopper.machine_code import compile_forward_pipelined, inspect, inspect_forward, per_element
+from fp4attn.kernels.hopper.machine_code import (
+    compile_backward,
+    compile_backward_pipelined,
+    compile_forward_pipelined,
+    inspect,
+    inspect_forward,
+    per_element,
+)
 from fp4attn.kernels.hopper.operands import BLOCK_N
 from fp4attn.kernels.hopper.ops import WS_OVERLAP, WS_PARTITIONS, forward_launch
+
+
+def backward_table():
+    from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
+
+    print("| kernel | D | causal | warps | regs | stack | shared KB | programs/SM | loop BAR | loop instr/thread "
+          "| instr/elem | largest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for d in (64, 128):
+        cfg = BACKWARD_CONFIGS[d]
+        triton_cfg = dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)
+        for causal in (False, True):
+            for part in ("dkdv", "dq"):
+                warps = triton_cfg.warps_dkdv if part == "dkdv" else triton_cfg.warps_dq
+                builds = [(f"{part} Triton", compile_backward(part, 0, causal, d, config=triton_cfg), warps)]
+                if cfg.dkdv_gluon if part == "dkdv" else cfg.dq_gluon:
+                    maxnreg = cfg.dkdv_maxnreg if part == "dkdv" else cfg.dq_maxnreg
+                    builds.append((f"{part} Gluon", compile_backward_pipelined(
+                        causal, d, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg, staged=cfg.dkdv_staged), 4))
+                for name, kernel, w in builds:
+                    r = inspect(kernel)
+                    loop = r.tile_loop()
+                    shared = kernel.metadata.shared
+                    programs = min(65536 // (r.registers * 32 * w), 228 * 1024 // (shared + 1024))
+                    n, ops = per_element(loop, 32)
+                    top = ", ".join(f"{k} {v:.1f}" for k, v in ops[:4])
+                    bars = sum(op.startswith("BAR") for op in loop)
+                    print(f"| {name} | {d} | {causal} | {w} | {r.registers} | {r.stack} | {shared / 1024:.1f} "
+                          f"| {programs} | {bars} | {len(loop)} | {n:.1f} | {top} |")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass-dir", type=Path)
+    ap.add_argument("--backward", action="store_true")
     args = ap.parse_args()
+    if args.backward:
+        backward_table()
+        return
     print("| qk | P mode | causal | D | regs | stack | QGMMA | HGMMA | MUFU.EX2 | SASS lines | loop instr/elem "
           "| largest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
