@@ -403,3 +403,57 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
     assert route(operands(128), key_bias=torch.zeros(1, 200)) == "triton"
     monkeypatch.setenv(hops.LAUNCH_ENV, "64,4,2,1,0,1,1")  # warp_specialized off
     assert route(operands(128)) == "triton"
+
+
+def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
+    """`training.launch_backward` runs the Gluon dK/dV and dQ kernels with the launch
+    table's flags where the lengths are whole 64-row tiles (FP8 P for dK/dV: the
+    `train-mxfp4pv` P keeps the Triton dK/dV kernel), and the Triton kernels elsewhere;
+    every launch is recorded instead of run, so this needs no GPU."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from fp4attn.kernels.hopper import backward_pipelined, training
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((self.name, "triton"))
+
+    monkeypatch.setattr(training, "attn_bwd_dkdv_kernel", Recorder("dkdv"))
+    monkeypatch.setattr(training, "attn_bwd_dq_kernel", Recorder("dq"))
+    monkeypatch.setattr(backward_pipelined, "launch_dkdv_pipelined",
+                        lambda *a: calls.append(("dkdv", "gluon", *a[-3:])))
+    monkeypatch.setattr(backward_pipelined, "launch_dq_pipelined", lambda *a: calls.append(("dq", "gluon", a[-1])))
+
+    def operands(dout, out, qv, kv, qs, ks, vt, vs):  # the quantizers' shapes, not their values
+        B, H, Sq, D = qv.shape
+        Hkv, Sk = kv.shape[1], kv.shape[2]
+        e4m3 = lambda *s: torch.zeros(*s, dtype=torch.float8_e4m3fn)  # noqa: E731
+        return (e4m3(B, H, Sq, D), torch.ones(B, H, Sq), e4m3(B, H, D, Sq), torch.ones(B, H, D),
+                e4m3(B, Hkv, Sk, D), torch.ones(B, Hkv, Sk), e4m3(B, H, D, Sq), torch.ones(B, H, D),
+                e4m3(B, Hkv, D, Sk), torch.ones(B, Hkv, D), torch.zeros(B, H, Sq))
+
+    monkeypatch.setattr(training, "backward_operands", operands)
+
+    def route(d, sq=256, sk=128, p=("fp8", "exp2")):
+        calls.clear()
+        qv, kv = torch.zeros(1, 4, sq, d, dtype=torch.bfloat16), torch.zeros(1, 2, sk, d, dtype=torch.bfloat16)
+        vt = torch.zeros(1, 2, d, sk, dtype=torch.float8_e4m3fn)
+        training.launch_backward(torch.zeros(1, 4, sq, d), torch.zeros(1, 4, sq, d), torch.zeros(1, 4, sq), qv, kv,
+                                 torch.ones(1), torch.ones(1), vt, torch.ones(1, 2, d), *p, sk - sq, True, d**-0.5)
+        return calls[:]
+
+    for d in (64, 128):
+        cfg = training.BACKWARD_CONFIGS[d]
+        assert route(d) == [("dkdv", "gluon", cfg.dkdv_in_flight, cfg.dkdv_maxnreg, cfg.dkdv_staged),
+                            ("dq", "gluon", cfg.dq_maxnreg)]
+        assert route(d, p=("mxfp4", "directp")) == [("dkdv", "triton"), ("dq", "gluon", cfg.dq_maxnreg)]
+        assert route(d, sq=200) == [("dkdv", "triton"), ("dq", "triton")]  # not whole tiles
+        assert route(d, sk=100) == [("dkdv", "triton"), ("dq", "triton")]
+        monkeypatch.setitem(training.BACKWARD_CONFIGS, d, dataclasses.replace(cfg, hw_cvt=False))
+        assert route(d) == [("dkdv", "triton"), ("dq", "triton")]  # e4m3 by bit arithmetic: Triton only
