@@ -1,36 +1,43 @@
-"""dK/dV of the training recipes' backward for Hopper (sm_90) in Gluon: the Triton
-dkdv kernel's arithmetic (`backward.py`, operation for operation) with one warpgroup
-that owns its keys.
+"""The training recipes' backward for Hopper (sm_90) in Gluon: the Triton kernels'
+arithmetic (`backward.py`, operation for operation; the GPU tests hold the gradients to
+theirs bit for bit) in two kernels of one warpgroup per program, with the wgmma
+layouts, the order of the asynchronous products and the loads written out.
 
-Why a second kernel: at D=128 the Triton kernel's 8-warp program lays its (64 keys x 64
-queries) S^T and dP^T tiles over warps [8, 1], so both warpgroups compute the whole
-tile (and its exp2, P and dS) and each then takes half of D for the dK and dV products:
-1.5x the tile's tensor work and twice its per-element work, and the layouts that avoid
-it spill (docs/notes/hopper-train.md, "What the 8-warp dkdv program does twice"). Here
-one warpgroup of 4 warps owns BLOCK_N = 64 keys and all of D, with the wgmma layouts
-and the order of its asynchronous products written out, so that the live tiles are
-known: dK and dV (2 x 64 registers per thread at D=128), then per query tile
+`attn_bwd_dkdv_pipelined_kernel`. Why: at D=128 the Triton dkdv kernel's 8-warp program
+lays its (64 keys x 64 queries) S^T and dP^T tiles over warps [8, 1], so both
+warpgroups compute the whole tile (and its exp2, P and dS) and each then takes half of
+D for the dK and dV products: 1.5x the tile's tensor work and twice its per-element
+work, and the layouts that avoid it spill (docs/notes/hopper-train.md, "What the 8-warp
+dkdv program does twice"). Here one warpgroup of 4 warps owns BLOCK_N = 64 keys and all
+of D: dK and dV live as two halves of D each (2 x 64 registers per thread at D=128),
+then per query tile
 
     1. issue S^T = K Q^T (bf16) and dP^T = V dO_t^T (e4m3), both in flight
     2. wait for S^T: P^T = 2**(t - lse), P_r^T (FP8 P times 2**8, e4m3)
     3. wait for dP^T: dS^T = P^T (dP^T - delta), its e4m3 view per key (one scale per
        key over the tile's 64 queries, the recipe's DS_BLOCK)
-    4. dV_j = P_r^T dO_c on a fresh accumulator, wait, dV += dV_j x dO_c's channel scale
+    4. dV_j = P_r^T dO_c per half of D on a fresh accumulator, dV += dV_j x dO_c's
+       channel scale
     5. dK_j = dS^T Q_c likewise, dK += dK_j x dS's key scale x Q_c's channel scale
 
 (each product on a fresh accumulator added in float32, as the Triton kernel: the fp8
 wgmma's own sums across tiles keep fewer mantissa bits). The tiles of one query tile
 (Q, dO_t, dO_c, Q_c: 40 KB at D=128) arrive by TMA in a two-stage ring, the next
-tile's issued as the current one starts; K and V once. Two programs share an SM
-(104 KB of shared memory each at D=128), so one program's products run while the
-other works on its elementwise steps.
+tile's issued as the current one starts, and its per-query numbers (LSE, dO's scales,
+delta) and channel scales load one tile ahead; K and V once. Two programs share an SM
+at D=128 (107 KB of shared memory each), three at D=64 (168 registers), so one
+program's products run while another works on its elementwise steps. GQA: a program
+walks the query tiles of every query head of its K/V head in one loop, so the ring runs
+across heads. Causal: query tiles start where the diagonal reaches the program's keys;
+those that straddle it are masked (a runtime branch).
 
-GQA: a program walks the query tiles of every query head of its K/V head in one loop,
-so the ring runs across heads. Causal: query tiles start where the diagonal reaches
-the program's keys; those that straddle it are masked (a runtime branch).
+`attn_bwd_dq_pipelined_kernel`: 64 queries of one head over their visible key tiles
+(the Triton dq kernel's recomputation of S, P, dP and dS), the next key tile's products
+issued beside this tile's dQ product.
 
-Launched by `training.launch_backward` where the lengths are whole tiles (the TMA
-path) for FP8 P with the hardware's e4m3 conversion; otherwise the Triton kernel runs.
+Launched by `training.launch_backward` where Sq and Sk are whole 64-row tiles (the TMA
+path), with the hardware's e4m3 conversion, dK/dV for FP8 P (`train`); the Triton
+kernels run otherwise. Measurements: docs/notes/hopper-train.md.
 """
 
 import triton
