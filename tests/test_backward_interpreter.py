@@ -28,10 +28,10 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
             (128, 128, 128, True, {}, fp8), (64, 128, 128, True, dict(dq_atomic=True, block_n_dkdv=64), fp8),
             (128, 128, 128, True, {}, mxfp4)):
         for tma in (False, True):
-            # the Triton kernels (the Gluon dK/dV kernel does not run under the interpreter;
-            # a GPU test holds it to the Triton one bit for bit)
+            # the Triton kernels (the Gluon ones do not run under the interpreter; a GPU
+            # test holds them to the Triton ones bit for bit)
             training.BACKWARD_CONFIGS[D] = dataclasses.replace(training.BACKWARD_CONFIGS[D], tma=tma,
-                                                               dkdv_gluon=False, **cfg)
+                                                               dkdv_gluon=False, dq_gluon=False, **cfg)
             q, dout, out = (torch.randn(B, HQ, sq, D, generator=g).bfloat16() for _ in range(3))
             k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
             qv, qs = quantize_qk_nvfp4(q)
@@ -96,7 +96,7 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
         # e4m3 by bit arithmetic: every value on its grid before the cast, which the
         # interpreter then does exactly (its own rounding of off-grid values is wrong)
         training.BACKWARD_CONFIGS[D] = dataclasses.replace(training.BACKWARD_CONFIGS[D], hw_cvt=False, tma=tma,
-                                                           dkdv_gluon=False)
+                                                           dkdv_gluon=False, dq_gluon=False)
         got = training.launch_backward(dout, out, fwd.lse, qv.float(), kv.float(), qs.reshape(-1)[:1].clone(),
                                        ks.reshape(-1)[:1].clone(), vt, vs, r.p, r.p_build,
                                        causal_offset(causal, sq, sk) or 0, causal is not None, D**-0.5,
