@@ -166,6 +166,10 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
         assert sum(op.startswith("QGMMA") for op in loop) == head_dim // 32 + (8 if part == "dkdv" else 2), part
         assert r.count("UTMALDG") > 0
         assert r.stack <= 96, (part, r.stack)
+        # CTA barriers per tile: the TMA issue's and, with STAGED, one pair for all of a
+        # dK/dV tile's numbers (18 when each moved through shared memory by itself)
+        bars = sum(op.startswith("BAR") for op in loop)
+        assert bars <= (6 if part == "dq" or cfg.dkdv_staged else 18), (part, bars)
         programs = 65536 // (128 * r.registers)
         assert programs == (3 if maxnreg == 168 else 2), (part, r.registers)
         assert programs * (kernel.metadata.shared + 1024) <= 228 * 1024, (part, kernel.metadata.shared)
