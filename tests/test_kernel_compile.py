@@ -155,7 +155,8 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
     cfg = BACKWARD_CONFIGS[head_dim]
     assert cfg.dkdv_gluon and cfg.dq_gluon and cfg.tma
     for part, maxnreg in (("dkdv", cfg.dkdv_maxnreg), ("dq", cfg.dq_maxnreg)):
-        kernel = compile_backward_pipelined(causal, head_dim, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg)
+        kernel = compile_backward_pipelined(causal, head_dim, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg,
+                                            staged=cfg.dkdv_staged)
         report = ptxas_messages(kernel)
         assert "C7511" not in report and "C7514" not in report, (part, report)
         r = inspect(kernel)
