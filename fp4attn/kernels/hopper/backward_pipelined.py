@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from fp4attn.kernels.common import log2_scores
 from fp4attn.kernels.hopper.backward import P_OFFSET, causal_query_tiles, e4m3_rows, lse_log2, p_r
+from fp4attn.kernels.hopper.gluon_common import barriers, invalidate
 from fp4attn.reference.backward import DS_BLOCK
 
 BLOCK = DS_BLOCK  # keys per program (wgmma's M) and queries per tile (dS's scale block, the recipe's)
@@ -219,11 +220,8 @@ def attn_bwd_dkdv_pipelined_kernel(
     do_cs1_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
     q_cs0_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
     q_cs1_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar.index(0), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+    kv_bar = barriers(1, 1)
+    ready = barriers(STAGES, 1)
     fence_async_shared()
 
     mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -312,9 +310,8 @@ def attn_bwd_dkdv_pipelined_kernel(
             dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1, q_cs1_s, dims_g, 0, STAGED)
         lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt
 
-    mbarrier.invalidate(kv_bar.index(0))
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
+    invalidate(kv_bar, 1)
+    invalidate(ready, STAGES)
 
     rows = start_n + gl.arange(0, BLOCK_N, layout=keys_g)
     offs_d = gl.arange(0, HALF, layout=dims_g)
@@ -398,11 +395,8 @@ def attn_bwd_dq_pipelined_kernel(
     k_smem = _ring(k_desc, STAGES)
     v_smem = _ring(v_desc, STAGES)
     k_c_smem = _ring(k_c_desc, STAGES)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar.index(0), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
+    q_bar = barriers(1, 1)
+    ready = barriers(STAGES, 1)
     fence_async_shared()
 
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes + do_t_desc.block_type.nbytes)
@@ -456,9 +450,8 @@ def attn_bwd_dq_pipelined_kernel(
         v_s = v_s_next
 
     warpgroup_mma_wait(0, deps=[s_tok, dp_tok])  # (only a block without keys has them pending)
-    mbarrier.invalidate(q_bar.index(0))
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
+    invalidate(q_bar, 1)
+    invalidate(ready, STAGES)
 
     offs_d = gl.arange(0, HEAD_DIM, layout=dims_g)
     k_cs = gl.load(K_CS + kd_row + offs_d)

@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
+from fp4attn.kernels.hopper.gluon_common import barriers
 from fp4attn.kernels.hopper.operands import BLOCK_N, padded_vt_rows, tma_loadable
 
 BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
@@ -151,15 +152,6 @@ def _operand_rings(q_desc, k_desc, v_desc, STAGES: gl.constexpr, HEAD_DIM: gl.co
 
 
 @gluon.jit
-def _barriers(n: gl.constexpr, count: gl.constexpr):
-    """n mbarriers, each completing a phase after `count` arrivals."""
-    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(n):
-        mbarrier.init(bars.index(i), count=count)
-    return bars
-
-
-@gluon.jit
 def _key_tiles(start_m, Sk, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Which key tiles the query block start_m sees (as forward.py): (full, n_tiles),
     keys [0, full) need no mask."""
@@ -216,9 +208,9 @@ def attn_fwd_pipelined_kernel(
 
     # -- shared memory and barriers
     q_smem, k_smem, v_smem = _operand_rings(q_desc, k_desc, v_desc, NUM_STAGES, HEAD_DIM, BLOCK_N)
-    q_bar = _barriers(1, 1).index(0)
-    k_bar = _barriers(NUM_STAGES, 1)
-    v_bar = _barriers(NUM_STAGES, 1)
+    q_bar = barriers(1, 1).index(0)
+    k_bar = barriers(NUM_STAGES, 1)
+    v_bar = barriers(NUM_STAGES, 1)
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -461,11 +453,11 @@ def attn_fwd_ws_kernel(
 
     q_smem, k_smem, v_smem = _operand_rings(q_desc, k_desc, v_desc, STAGES, HEAD_DIM, BLOCK_N)
     consumers: gl.constexpr = 2 if PARTITIONS == 1 else 1  # arrivals that free a stage
-    q_bar = _barriers(1, 1).index(0)
-    k_ready = _barriers(STAGES, 1)
-    k_empty = _barriers(STAGES, consumers)
-    v_ready = _barriers(STAGES, 1)
-    v_empty = _barriers(STAGES, consumers)
+    q_bar = barriers(1, 1).index(0)
+    k_ready = barriers(STAGES, 1)
+    k_empty = barriers(STAGES, consumers)
+    v_ready = barriers(STAGES, 1)
+    v_empty = barriers(STAGES, consumers)
     fence_async_shared()
 
     if PARTITIONS == 1:
