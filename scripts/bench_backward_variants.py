@@ -25,12 +25,12 @@ bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="med
 # IN_FLIGHT at d417778 (h200-backward-dkdv-gluon-2.txt), the launch shapes and TMA tiles at
 # 7f750d2 (h200-backward-variants-tma.txt), dq_atomic at 3f801e5
 # (h200-backward-variants-dq-atomic.txt)
-def _variants(cfg: BackwardConfig, head_dim: int) -> list[BackwardConfig]:
+def _variants(cfg: BackwardConfig) -> list[BackwardConfig]:
     return [cfg, dataclasses.replace(cfg, dkdv_staged=not cfg.dkdv_staged),
             dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)]
 
 
-VARIANTS = {d: _variants(training.BACKWARD_CONFIGS[d], d) for d in (64, 128)}
+VARIANTS = {d: _variants(training.BACKWARD_CONFIGS[d]) for d in (64, 128)}
 
 
 def short(cfg: BackwardConfig) -> str:

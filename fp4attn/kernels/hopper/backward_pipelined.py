@@ -53,24 +53,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from fp4attn.kernels.common import log2_scores
 from fp4attn.kernels.hopper.backward import P_OFFSET, causal_query_tiles, e4m3_rows, lse_log2, p_r
-from fp4attn.kernels.hopper.gluon_common import barriers, invalidate
+from fp4attn.kernels.hopper.gluon_common import barriers, invalidate, wgmma_layout
 from fp4attn.reference.backward import DS_BLOCK
 
 BLOCK = DS_BLOCK  # keys per program (wgmma's M) and queries per tile (dS's scale block, the recipe's)
 STAGES = gl.constexpr(2)
-
-
-@gluon.constexpr_function
-def _tile_layout(block, k):
-    """S^T (bf16, k 16) and dP^T (e4m3, k 32), keys x queries, in the wgmma accumulator
-    layout: the same registers either way (the layout's k names the instruction)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block, k])
-
-
-@gluon.constexpr_function
-def _grad_layout(head_dim):
-    """dK and dV (keys x D), and each tile's products, in the wgmma accumulator layout."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 32])
 
 
 @gluon.constexpr_function
@@ -99,10 +86,10 @@ def _number(x, staged, layout: gl.constexpr, axis: gl.constexpr, STAGED: gl.cons
     buffer `staged` (STAGED: the tile's numbers were stored together, one barrier for
     all) or moved by their own layout change (a barrier pair each)."""
     if STAGED:
-        v = staged.load(layout)
+        v = gl.expand_dims(staged.load(layout), axis)
     else:
-        v = gl.convert_layout(x, layout)
-    return gl.expand_dims(v, axis)
+        v = _spread(x, layout, axis)
+    return v
 
 
 @gluon.jit
@@ -183,9 +170,11 @@ def attn_bwd_dkdv_pipelined_kernel(
     gl.static_assert(gl.num_warps() == 4)
     gl.static_assert(IN_FLIGHT == 1 or IN_FLIGHT == 2)
     HALF: gl.constexpr = HEAD_DIM // 2
-    t_layout: gl.constexpr = _tile_layout(BLOCK_M, 16)
-    dp_layout: gl.constexpr = _tile_layout(BLOCK_M, 32)
-    g_layout: gl.constexpr = _grad_layout(HALF)
+    # S^T (bf16 products) and dP^T (e4m3) share their registers, keys x queries; dK and
+    # dV halves (and each tile's products) keys x D/2
+    t_layout: gl.constexpr = wgmma_layout(4, BLOCK_M, 16)
+    dp_layout: gl.constexpr = wgmma_layout(4, BLOCK_M, 32)
+    g_layout: gl.constexpr = wgmma_layout(4, HALF, 32)
     a_layout: gl.constexpr = _operand_layout(g_layout)
     keys_t: gl.constexpr = gl.SliceLayout(1, t_layout)
     queries_t: gl.constexpr = gl.SliceLayout(0, t_layout)
@@ -366,9 +355,10 @@ def attn_bwd_dq_pipelined_kernel(
     gl.static_assert(BLOCK_M == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_N == 64)  # dS's scale block along the keys (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
-    s_layout: gl.constexpr = _tile_layout(BLOCK_N, 16)
-    dp_layout: gl.constexpr = _tile_layout(BLOCK_N, 32)
-    g_layout: gl.constexpr = _grad_layout(HEAD_DIM)
+    # S (bf16 products) and dP (e4m3) share their registers, queries x keys; dQ queries x D
+    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N, 16)
+    dp_layout: gl.constexpr = wgmma_layout(4, BLOCK_N, 32)
+    g_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM, 32)
     a_layout: gl.constexpr = _operand_layout(g_layout)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     keys_s: gl.constexpr = gl.SliceLayout(0, s_layout)

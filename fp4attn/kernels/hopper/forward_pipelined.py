@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
-from fp4attn.kernels.hopper.gluon_common import barriers
+from fp4attn.kernels.hopper.gluon_common import barriers, wgmma_layout
 from fp4attn.kernels.hopper.operands import BLOCK_N, padded_vt_rows, tma_loadable
 
 BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
@@ -80,14 +80,13 @@ NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM 
 @gluon.constexpr_function
 def _s_layout(warps, block_n, qk_fp8):
     """S in the QK^T accumulator layout: wgmma rows of 16 per warp, K of 32 (e4m3) or 16 (bf16)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                     instr_shape=[16, block_n, 32 if qk_fp8 else 16])
+    return wgmma_layout(warps, block_n, 32 if qk_fp8 else 16)
 
 
 @gluon.constexpr_function
 def _o_layout(warps, head_dim):
     """O (and PV) in the PV accumulator layout; P enters PV as its register A operand."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, head_dim, 32])
+    return wgmma_layout(warps, head_dim, 32)
 
 
 @gluon.jit
