@@ -409,13 +409,25 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
     """`training.launch_backward` runs the Gluon dK/dV and dQ kernels with the launch
     table's flags where the lengths are whole 64-row tiles (FP8 P for dK/dV: the
     `train-mxfp4pv` P keeps the Triton dK/dV kernel), and the Triton kernels elsewhere;
-    every launch is recorded instead of run, so this needs no GPU."""
+    every launch is recorded instead of run, so this needs no GPU. The TMA descriptors
+    are host time at every call: the Triton kernels' are built only where one of them
+    runs, the Gluon kernels' once for both, each the tile its kernel reads."""
     pytest.importorskip("triton")
     import dataclasses
 
     from fp4attn.kernels.hopper import backward_pipelined, training
 
     calls = []
+    gluon_tiles = {}  # name -> tile shape of the Gluon descriptors of the last call
+    triton_descs = []
+    build_triton = training.backward_descriptors
+    monkeypatch.setattr(training, "backward_descriptors", lambda *a: triton_descs.append(1) or build_triton(*a))
+
+    def gluon(name, *recorded):
+        def launch(descs, *a):
+            gluon_tiles.update({n: list(t.block_shape) for n, t in descs.items()})
+            calls.append((name, "gluon", *a[len(a) - recorded[0]:]))
+        return launch
 
     class Recorder:
         def __init__(self, name):
@@ -426,9 +438,8 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
 
     monkeypatch.setattr(training, "attn_bwd_dkdv_kernel", Recorder("dkdv"))
     monkeypatch.setattr(training, "attn_bwd_dq_kernel", Recorder("dq"))
-    monkeypatch.setattr(backward_pipelined, "launch_dkdv_pipelined",
-                        lambda *a: calls.append(("dkdv", "gluon", *a[-3:])))
-    monkeypatch.setattr(backward_pipelined, "launch_dq_pipelined", lambda *a: calls.append(("dq", "gluon", a[-1])))
+    monkeypatch.setattr(backward_pipelined, "launch_dkdv_pipelined", gluon("dkdv", 3))  # in_flight, maxnreg, staged
+    monkeypatch.setattr(backward_pipelined, "launch_dq_pipelined", gluon("dq", 1))  # maxnreg
 
     def operands(dout, out, qv, kv, qs, ks, vt, vs):  # the quantizers' shapes, not their values
         B, H, Sq, D = qv.shape
@@ -442,6 +453,8 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
 
     def route(d, sq=256, sk=128, p=("fp8", "exp2")):
         calls.clear()
+        gluon_tiles.clear()
+        triton_descs.clear()
         qv, kv = torch.zeros(1, 4, sq, d, dtype=torch.bfloat16), torch.zeros(1, 2, sk, d, dtype=torch.bfloat16)
         vt = torch.zeros(1, 2, d, sk, dtype=torch.float8_e4m3fn)
         training.launch_backward(torch.zeros(1, 4, sq, d), torch.zeros(1, 4, sq, d), torch.zeros(1, 4, sq), qv, kv,
@@ -452,7 +465,11 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
         cfg = training.BACKWARD_CONFIGS[d]
         assert route(d) == [("dkdv", "gluon", cfg.dkdv_in_flight, cfg.dkdv_maxnreg, cfg.dkdv_staged),
                             ("dq", "gluon", cfg.dq_maxnreg)]
+        token, channel = [64, d], [d, 64]
+        assert gluon_tiles == dict(q=token, k=token, do_t=token, v_t=token, do_c=channel, q_c=channel, k_c=channel)
+        assert triton_descs == []
         assert route(d, p=("mxfp4", "directp")) == [("dkdv", "triton"), ("dq", "gluon", cfg.dq_maxnreg)]
+        assert gluon_tiles == dict(q=token, k=token, do_t=token, v_t=token, k_c=channel) and triton_descs == [1]
         assert route(d, sq=200) == [("dkdv", "triton"), ("dq", "triton")]  # not whole tiles
         assert route(d, sk=100) == [("dkdv", "triton"), ("dq", "triton")]
         monkeypatch.setitem(training.BACKWARD_CONFIGS, d, dataclasses.replace(cfg, hw_cvt=False))

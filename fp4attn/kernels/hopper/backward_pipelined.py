@@ -451,44 +451,51 @@ def attn_bwd_dq_pipelined_kernel(
     gl.store(DQ + out, dq.to(DQ.dtype.element_ty))
 
 
-def _descriptor(t, channel_major: bool):
-    """Gluon TMA descriptor of a contiguous (.., S, D) token-major operand in (BLOCK, D)
-    tiles, or of a (.., D, S) channel-major one in (D, BLOCK) tiles."""
+CHANNEL_MAJOR = ("do_c", "q_c", "k_c")  # (.., D, S) operands; q, k, do_t, v_t are (.., S, D)
+
+
+def descriptors(**operands) -> dict:
+    """Gluon TMA descriptors of the kernels' operands by name (q, k, do_t, v_t
+    token-major in (BLOCK, D) tiles; do_c, q_c, k_c channel-major in (D, BLOCK) tiles),
+    contiguous: built once for both kernels, which share q, k, do_t and v_t."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    t2 = t.view(-1, t.shape[-1])
-    block = [t.shape[-2], BLOCK] if channel_major else [BLOCK, t.shape[-1]]
-    dtype = gl.float8e4nv if t.dtype == torch.float8_e4m3fn else gl.bfloat16
-    return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+    def desc(t, channel_major):
+        t2 = t.view(-1, t.shape[-1])
+        block = [t.shape[-2], BLOCK] if channel_major else [BLOCK, t.shape[-1]]
+        dtype = gl.float8e4nv if t.dtype == torch.float8_e4m3fn else gl.bfloat16
+        return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+    return {name: desc(t, name in CHANNEL_MAJOR) for name, t in operands.items()}
 
 
-def launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
-                          causal_offset: int, causal: bool, scale: float, in_flight: int = 1,
-                          maxnreg: int | None = None, staged: bool = False):
-    """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D), from
-    `training.backward_operands`'s views; Sq and Sk multiples of BLOCK, every operand
-    contiguous."""
+def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,
+                          causal: bool, scale: float, in_flight: int = 1, maxnreg: int | None = None,
+                          staged: bool = False):
+    """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D) from `training.backward_operands`'s
+    views, their tiles by `descs` (`descriptors` of q, k, do_t, do_c, v_t, q_c); Sq and Sk
+    multiples of BLOCK."""
     from fp4attn.reference.forward import LOG2E
 
-    B, H, Sq, D = qv.shape
-    Hkv, Sk = kv.shape[1], kv.shape[2]
-    descs = [_descriptor(t, cm) for t, cm in ((qv, False), (kv, False), (do_t, False), (do_c, True), (v_t, False),
-                                              (q_c, True))]
+    B, Hkv, Sk, D = dk.shape
+    H, Sq = lse.shape[1], lse.shape[2]
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
-        *descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, H, H // Hkv, Sq, Sk, causal_offset,
-        scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, IN_FLIGHT=in_flight,
-        STAGED=staged, num_warps=4, maxnreg=maxnreg)
+        *(descs[n] for n in ("q", "k", "do_t", "do_c", "v_t", "q_c")), qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs,
+        dk, dv, H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+        CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=staged, num_warps=4, maxnreg=maxnreg)
 
 
-def launch_dq_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq, causal_offset: int,
-                        causal: bool, scale: float, maxnreg: int | None = None):
-    """Run the dQ kernel into dq (B, H, Sq, D), as `launch_dkdv_pipelined`."""
+def launch_dq_pipelined(descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, causal_offset: int, causal: bool,
+                        scale: float, maxnreg: int | None = None):
+    """Run the dQ kernel into dq (B, H, Sq, D), its tiles by `descs` (`descriptors` of q,
+    k, do_t, v_t, k_c), as `launch_dkdv_pipelined`."""
     from fp4attn.reference.forward import LOG2E
 
-    B, H, Sq, D = qv.shape
-    Hkv, Sk = kv.shape[1], kv.shape[2]
-    descs = [_descriptor(t, cm) for t, cm in ((qv, False), (kv, False), (do_t, False), (v_t, False), (k_c, True))]
+    B, H, Sq, D = dq.shape
+    Hkv, Sk = v_ts.shape[1], v_ts.shape[2]
     attn_bwd_dq_pipelined_kernel[(triton.cdiv(Sq, BLOCK), B * H)](
-        *descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, num_warps=4, maxnreg=maxnreg)
+        *(descs[n] for n in ("q", "k", "do_t", "v_t", "k_c")), qs, ks, lse, delta, do_ts, v_ts, k_cs, dq,
+        H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+        CAUSAL=causal, num_warps=4, maxnreg=maxnreg)

@@ -178,6 +178,14 @@ def backward_operands(dout, out, qv, kv, qs, ks, vt, vs):
     return do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta
 
 
+def tiles_tma_loadable(q, do_t, do_c, q_c, k, v_t, k_c) -> bool:
+    """Whether the backward loops' operand tiles can arrive by TMA: both lengths whole
+    tiles of DS_BLOCK and every operand contiguous and 16-byte aligned."""
+    Sq, Sk = q.shape[2], k.shape[2]
+    ops = (q, do_t, do_c, q_c, k, v_t, k_c)
+    return not (Sq % DS_BLOCK or Sk % DS_BLOCK) and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ops)
+
+
 def backward_descriptors(q, do_t, do_c, q_c, k, v_t, k_c) -> dict[str, TensorDescriptor] | None:
     """Host-built TMA descriptors of the tiles each backward loop reads, by kernel
     argument name: token-major operands (B*heads*S, D) in tiles of (DS_BLOCK, D),
@@ -185,9 +193,7 @@ def backward_descriptors(q, do_t, do_c, q_c, k, v_t, k_c) -> dict[str, TensorDes
     lengths are whole tiles (then no tile reads a row of the next head, whose values,
     NaN included, would otherwise meet a finite P or dS) and every operand is
     contiguous and 16-byte aligned, as TMA needs."""
-    Sq, Sk = q.shape[2], k.shape[2]
-    ops = (q, do_t, do_c, q_c, k, v_t, k_c)
-    if Sq % DS_BLOCK or Sk % DS_BLOCK or not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ops):
+    if not tiles_tma_loadable(q, do_t, do_c, q_c, k, v_t, k_c):
         return None
 
     def desc(t: torch.Tensor, channel_major: bool) -> TensorDescriptor:
@@ -217,14 +223,27 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
     dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[1])
     dv = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[2])
     off = causal_offset if causal else 0
-    descs = backward_descriptors(qv, do_t, do_c, q_c, kv, v_t, k_c) if cfg.tma else None
-    tiles = descs or dict(Q=qv, DO_T=do_t, DO_C=do_c, Q_C=q_c, K=kv, V_T=v_t, K_C=k_c)
     p_mode = P_MODES[(p, p_build)]
-    if cfg.dkdv_gluon and descs is not None and p_mode == 0 and cfg.hw_cvt and not atomic:
-        from fp4attn.kernels.hopper.backward_pipelined import launch_dkdv_pipelined
+    tma = cfg.tma and tiles_tma_loadable(qv, do_t, do_c, q_c, kv, v_t, k_c)
+    dkdv_gluon = cfg.dkdv_gluon and tma and p_mode == 0 and cfg.hw_cvt and not atomic
+    dq_gluon = cfg.dq_gluon and tma and cfg.hw_cvt and not atomic
+    # the Triton kernels' TMA descriptors only where one of them runs; the Gluon
+    # kernels' once for both (each costs host time at every call)
+    descs = backward_descriptors(qv, do_t, do_c, q_c, kv, v_t, k_c) if tma and not (dkdv_gluon and dq_gluon) else None
+    tiles = descs or dict(Q=qv, DO_T=do_t, DO_C=do_c, Q_C=q_c, K=kv, V_T=v_t, K_C=k_c)
+    if dkdv_gluon or dq_gluon:
+        from fp4attn.kernels.hopper import backward_pipelined
 
-        launch_dkdv_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, dk, dv,
-                              off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg, cfg.dkdv_staged)
+        gluon_ops = dict(q=qv, k=kv, do_t=do_t, v_t=v_t)
+        if dkdv_gluon:
+            gluon_ops.update(do_c=do_c, q_c=q_c)
+        if dq_gluon:
+            gluon_ops.update(k_c=k_c)
+        gluon_descs = backward_pipelined.descriptors(**gluon_ops)
+    if dkdv_gluon:
+        backward_pipelined.launch_dkdv_pipelined(gluon_descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv,
+                                                 off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg,
+                                                 cfg.dkdv_staged)
     else:
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
             tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
@@ -234,11 +253,9 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
             num_stages=cfg.stages_dkdv)
     if atomic:
         return dq.to(dtypes[0]), dk, dv
-    if cfg.dq_gluon and descs is not None and cfg.hw_cvt:
-        from fp4attn.kernels.hopper.backward_pipelined import launch_dq_pipelined
-
-        launch_dq_pipelined(qv, kv, qs, ks, lse, delta, do_t, do_ts, v_t, v_ts, k_c, k_cs, dq, off, causal, scale,
-                            cfg.dq_maxnreg)
+    if dq_gluon:
+        backward_pipelined.launch_dq_pipelined(gluon_descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, off, causal,
+                                               scale, cfg.dq_maxnreg)
         return dq, dk, dv
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
         qv, tiles["K"], qs, ks, lse, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
