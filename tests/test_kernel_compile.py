@@ -176,6 +176,15 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
         assert programs * (kernel.metadata.shared + 1024) <= 228 * 1024, (part, kernel.metadata.shared)
 
 
+def test_gluon_dkdv_launch_rejects_unknown_in_flight():
+    """IN_FLIGHT other than 1 or 2 is a ValueError naming the accepted values, raised
+    before anything is built or launched."""
+    from fp4attn.kernels.hopper.backward_pipelined import launch_dkdv_pipelined
+
+    with pytest.raises(ValueError, match="IN_FLIGHT is 1 or 2"):
+        launch_dkdv_pipelined({}, *[None] * 10, 0, True, 0.1, in_flight=3)
+
+
 def test_training_forward_keeps_the_packed_nvfp4_payload():
     """What the training forward keeps for the backward, as its fake implementation
     (what torch.compile traces) declares it: Q/K as packed NVFP4 (two E2M1 codes a byte,
