@@ -14,7 +14,6 @@ import triton
 
 from fp4attn.cli.bench import device_kernels
 from fp4attn.kernels.hopper import training
-from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows
 from fp4attn.kernels.hopper.training import BackwardConfig
 from fp4attn.recipes import PRESETS
 
@@ -72,10 +71,7 @@ for B, H, S, D in [(4, 16, 4096, 128), (8, 16, 4096, 64)]:
         for name, (_, kms) in sorted(device_kernels(backward, reps=5).items(), key=lambda kv: -kv[1][1]):
             print(f"| {B},{H},{S},{D} | {short(cfg)}, kernel {name[:50]} | {kms:.3f} | | | | |")
     training.BACKWARD_CONFIGS[D] = default
-    # prep alone: the fused quantizers (and delta) before the two kernels
-    out, _, q_codes, q_bscale, k_codes, k_bscale, *rest = saved
-    decode = bench(lambda: (decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)))
-    qv, kv = decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)
-    prep = bench(lambda: training.backward_operands(dout, out, qv, kv, *rest))
-    print(f"| {B},{H},{S},{D} | decoding the saved NVFP4 Q/K alone | {decode:.2f} | | | | |")
+    # prep alone: the saved Q/K decoded with their channel views, dO's views and delta
+    out, _, *rest = saved
+    prep = bench(lambda: training.backward_operands(dout, out, *rest))
     print(f"| {B},{H},{S},{D} | backward operand quantizers alone | {prep:.2f} | | | | |")

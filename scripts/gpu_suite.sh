@@ -50,7 +50,7 @@ if run trainstep; then
     --model-step-compile reduce-overhead --json "$OUT/model-step-compiled.json" 2>&1 | grep -E "^\|"
 fi
 if run profile; then
-  python3 scripts/profile_quantizers.py 2>&1 | grep -E "^\||^\(B" | tee "$OUT/quantizers-profile.txt"
+  python3 scripts/profile_quantizers.py ${TRAIN_SHAPE:+--train-shape $TRAIN_SHAPE} 2>&1 | grep -E "^\||^\(B" | tee "$OUT/quantizers-profile.txt"
 fi
 if run minilm; then
   for batching in "" --unpadded; do

@@ -5,8 +5,10 @@ profiler, CUDA activity) against the time of the whole call seen from the host
 (`triton.testing.do_bench`, which includes the launch work of every torch op and
 Triton kernel). A call whose host time exceeds its device time is launch-bound: its
 GB/s then say nothing about the kernels. Prints Markdown tables.
+With --train-shape also every kernel of one whole causal `train` forward+backward
+(quantizers, forward, backward) at that shape, against cuDNN bf16's in the same run.
 
-    python scripts/profile_quantizers.py [--shape 8,16,4096,128]
+    python scripts/profile_quantizers.py [--shape 8,16,4096,128] [--train-shape 4,16,4096,128]
 """
 
 import argparse
@@ -15,12 +17,13 @@ import triton
 
 from fp4attn.cli.bench import device_kernels
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-from fp4attn.kernels.hopper.training import backward_operands
+from fp4attn.kernels.hopper.training import backward_operands, quantize_for_training
 from fp4attn.recipes import PRESETS
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="8,16,4096,128")
-ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp,train")
+ap.add_argument("--recipes", default="fp8,nvfp4-fp8,fp8-directp")
+ap.add_argument("--train-shape", help="B,H,S,D of a whole causal `train` forward+backward to break down")
 args = ap.parse_args()
 B, H, S, D = (int(s) for s in args.shape.split(","))
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median")  # noqa: E731
@@ -31,9 +34,9 @@ copy_ms = bench(lambda: q.clone())
 print(f"(B,H,S,D) = {(B, H, S, D)}; copy of one bf16 operand {copy_ms:.3f} ms, "
       f"{2 * q.numel() * 2 / copy_ms * 1e-6:.0f} GB/s (read + write)\n")
 calls = {f"quantize for {r}": (lambda r=r: prepare_operands_fused(q, k, v, PRESETS[r])) for r in args.recipes.split(",")}
-saved = prepare_operands_fused(q, k, v, PRESETS["train"])
-calls["backward operand views (train)"] = lambda: backward_operands(dout, out, saved.q, saved.k, saved.qs, saved.ks,
-                                                                    saved.vt, saved.vs)
+_, saved = quantize_for_training(q, k, v, "fp8")
+calls["train forward's quantization"] = lambda: quantize_for_training(q, k, v, "fp8")
+calls["backward operand views (train)"] = lambda: backward_operands(dout, out, *saved)
 print("| call | host-seen ms | device ms (sum of kernels) | kernels per call | GB/s of device time (bf16 Q, K, V read) |")
 print("|---|---|---|---|---|")
 details = {}
@@ -45,6 +48,21 @@ for name, f in calls.items():
     details[name] = kern
     gbs = f"{n_bytes / dev * 1e-6:.0f}" if name.startswith("quantize") else ""
     print(f"| {name} | {host:.3f} | {dev:.3f} | {launches:.0f} | {gbs} |")
+if args.train_shape:
+    from fp4attn.cli.bench_train import _fwd_bwd
+
+    tshape = tuple(int(s) for s in args.train_shape.split(","))
+    tq, tk, tv = (torch.randn(tshape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    tdo = torch.randn(tshape, device="cuda", dtype=torch.bfloat16)
+    for impl in ("train", "sdpa-cudnn"):
+        fn = _fwd_bwd(impl)
+        step = lambda fn=fn: torch.autograd.backward(fn(tq, tk, tv), tdo)  # noqa: E731
+        host = bench(step)
+        kern = device_kernels(step)
+        name = f"{impl} causal forward+backward {tshape}"
+        details[name] = kern
+        print(f"| {name} | {host:.3f} | {sum(ms for _, ms in kern.values()):.3f} | "
+              f"{sum(n for n, _ in kern.values()):.0f} |  |")
 for name, kern in details.items():
     print(f"\n{name}:\n| kernel | launches | device ms |\n|---|---|---|")
     for kname, (n, ms) in sorted(kern.items(), key=lambda kv: -kv[1][1]):

@@ -441,24 +441,19 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
     monkeypatch.setattr(backward_pipelined, "launch_dkdv_pipelined", gluon("dkdv", 3))  # in_flight, maxnreg, staged
     monkeypatch.setattr(backward_pipelined, "launch_dq_pipelined", gluon("dq", 1))  # maxnreg
 
-    def operands(dout, out, qv, kv, qs, ks, vt, vs):  # the quantizers' shapes, not their values
-        B, H, Sq, D = qv.shape
-        Hkv, Sk = kv.shape[1], kv.shape[2]
-        e4m3 = lambda *s: torch.zeros(*s, dtype=torch.float8_e4m3fn)  # noqa: E731
-        return (e4m3(B, H, Sq, D), torch.ones(B, H, Sq), e4m3(B, H, D, Sq), torch.ones(B, H, D),
-                e4m3(B, Hkv, Sk, D), torch.ones(B, Hkv, Sk), e4m3(B, H, D, Sq), torch.ones(B, H, D),
-                e4m3(B, Hkv, D, Sk), torch.ones(B, Hkv, D), torch.zeros(B, H, Sq))
-
-    monkeypatch.setattr(training, "backward_operands", operands)
-
     def route(d, sq=256, sk=128, p=("fp8", "exp2")):
         calls.clear()
         gluon_tiles.clear()
         triton_descs.clear()
-        qv, kv = torch.zeros(1, 4, sq, d, dtype=torch.bfloat16), torch.zeros(1, 2, sk, d, dtype=torch.bfloat16)
-        vt = torch.zeros(1, 2, d, sk, dtype=torch.float8_e4m3fn)
-        training.launch_backward(torch.zeros(1, 4, sq, d), torch.zeros(1, 4, sq, d), torch.zeros(1, 4, sq), qv, kv,
-                                 torch.ones(1), torch.ones(1), vt, torch.ones(1, 2, d), *p, sk - sq, True, d**-0.5)
+        B, H, Hkv = 1, 4, 2  # the operands' shapes, not their values
+        e4m3 = lambda *s: torch.zeros(*s, dtype=torch.float8_e4m3fn)  # noqa: E731
+        ops = training.BackwardOperands(
+            q=torch.zeros(B, H, sq, d, dtype=torch.bfloat16), k=torch.zeros(B, Hkv, sk, d, dtype=torch.bfloat16),
+            qs=torch.ones(1), ks=torch.ones(1), do_t=e4m3(B, H, sq, d), do_ts=torch.ones(B, H, sq),
+            do_c=e4m3(B, H, d, sq), do_cs=torch.ones(B, H, d), v_t=e4m3(B, Hkv, sk, d), v_ts=torch.ones(B, Hkv, sk),
+            q_c=e4m3(B, H, d, sq), q_cs=torch.ones(B, H, d), k_c=e4m3(B, Hkv, d, sk), k_cs=torch.ones(B, Hkv, d),
+            delta=torch.zeros(B, H, sq))
+        training.launch_backward(ops, torch.zeros(B, H, sq), *p, sk - sq, True, d**-0.5)
         return calls[:]
 
     for d in (64, 128):

@@ -20,8 +20,8 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
     import dataclasses
 
     from fp4attn.kernels.hopper import training
-    from fp4attn.kernels.hopper.quantize import quantize_qk_nvfp4, quantize_v_t
 
+    kv_names = ("k", "v_t", "v_ts", "k_c", "k_cs")  # the operands of the K/V heads
     fp8, mxfp4 = ("fp8", "exp2", "fp8"), ("mxfp4", "directp", "mxfp4")  # train, train-mxfp4pv
     for D, sq, sk, causal, cfg, (p, p_build, v_fmt) in (
             (64, 128, 128, True, {}, fp8), (64, 128, 192, False, {}, fp8), (64, 100, 76, True, {}, fp8),
@@ -34,22 +34,21 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
                                                                dkdv_gluon=False, dq_gluon=False, **cfg)
             q, dout, out = (torch.randn(B, HQ, sq, D, generator=g).bfloat16() for _ in range(3))
             k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
-            qv, qs = quantize_qk_nvfp4(q)
-            kv, ks = quantize_qk_nvfp4(k)
-            qv, kv = qv.float(), kv.float()  # the interpreter's bf16 dot is wrong; float32 holds them
-            qs, ks = qs.reshape(-1)[:1].clone(), ks.reshape(-1)[:1].clone()
-            vt, vs = quantize_v_t(v, v_fmt)
-            s = (qv * qs) @ (kv * ks).repeat_interleave(HQ // HKV, 1).transpose(-1, -2) * D**-0.5
+            _, saved = training.quantize_for_training(q, k, v, v_fmt)
+            # grid values in float32: the interpreter's bf16 dot is wrong, float32 holds them
+            ops = training.backward_operands(dout, out, *saved, values_dtype=torch.float32)
+            s = (ops.q * ops.qs) @ (ops.k * ops.ks).repeat_interleave(HQ // HKV, 1).transpose(-1, -2) * D**-0.5
             if causal:
                 s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
             lse = torch.logsumexp(s, -1)  # the LSE a forward would have saved
 
             def grads(bs, gs):
+                # the operands of batch entries bs and K/V heads gs (their query heads hq)
                 hq = slice(gs.start * HQ // HKV, gs.stop * HQ // HKV)
-                return training.launch_backward(
-                    dout[bs, hq].contiguous(), out[bs, hq].contiguous(), lse[bs, hq].contiguous(),
-                    qv[bs, hq].contiguous(), kv[bs, gs].contiguous(), qs, ks, vt[bs, gs].contiguous(),
-                    vs[bs, gs].contiguous(), p, p_build, sk - sq, causal, D**-0.5, (torch.float32,) * 3)
+                heads = {name: (t if name in ("qs", "ks") else t[bs, gs if name in kv_names else hq].contiguous())
+                         for name, t in ops._asdict().items()}
+                return training.launch_backward(training.BackwardOperands(**heads), lse[bs, hq].contiguous(), p,
+                                                p_build, sk - sq, causal, D**-0.5, (torch.float32,) * 3)
 
             whole = grads(slice(0, B), slice(0, HKV))
             assert all(bool(torch.isfinite(t).all()) and bool(t.abs().sum() > 0) for t in whole), (D, sq, sk)
@@ -72,7 +71,6 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
     import dataclasses
     import torch
     from fp4attn.kernels.hopper import training
-    from fp4attn.kernels.hopper.quantize import quantize_qk_nvfp4, quantize_v_t
     from fp4attn.metrics import error_metrics
     from fp4attn.recipes import PRESETS
     from fp4attn.reference import reference_forward
@@ -90,17 +88,14 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
         fwd = reference_forward(q, k, v, r, scale=D**-0.5, causal=causal)
         out = fwd.out.bfloat16()
         want = reference_backward(fwd, out, dout, r, scale=D**-0.5, causal=causal)
-        qv, qs = quantize_qk_nvfp4(q)
-        kv, ks = quantize_qk_nvfp4(k)
-        vt, vs = quantize_v_t(v, r.v)
+        _, saved = training.quantize_for_training(q, k, v, r.v)
         # e4m3 by bit arithmetic: every value on its grid before the cast, which the
         # interpreter then does exactly (its own rounding of off-grid values is wrong)
         training.BACKWARD_CONFIGS[D] = dataclasses.replace(training.BACKWARD_CONFIGS[D], hw_cvt=False, tma=tma,
                                                            dkdv_gluon=False, dq_gluon=False)
-        got = training.launch_backward(dout, out, fwd.lse, qv.float(), kv.float(), qs.reshape(-1)[:1].clone(),
-                                       ks.reshape(-1)[:1].clone(), vt, vs, r.p, r.p_build,
-                                       causal_offset(causal, sq, sk) or 0, causal is not None, D**-0.5,
-                                       (torch.float32,) * 3)
+        ops = training.backward_operands(dout, out, *saved, values_dtype=torch.float32)
+        got = training.launch_backward(ops, fwd.lse, r.p, r.p_build, causal_offset(causal, sq, sk) or 0,
+                                       causal is not None, D**-0.5, (torch.float32,) * 3)
         for grad, a, b in zip(("dq", "dk", "dv"), got, want):
             err = error_metrics(a, b)["rel_l2"]
             # measured 2e-7 to 4e-7; an FP8 code of P or dS that float32 summation order

@@ -68,35 +68,69 @@ def test_packed_nvfp4_payload_is_the_reference_bytes(s, d, special):
     assert torch.equal(decode_nvfp4_rows(codes, bscale).view(torch.int16), values.view(torch.int16))
 
 
-@pytest.mark.parametrize("s,d", [(1, 64), (113, 128), (1000, 64)])
-def test_backward_operand_views_match_reference(s, d):
-    """The backward's e4m3 views (kernels/hopper/training.py) are the reference
-    backward's `low_precision_view`s of dO, V's represented values and the dequantized
-    NVFP4 Q/K, scale for scale."""
+@pytest.mark.parametrize("s,d,v_fmt", [(1, 64, "fp8"), (113, 128, "fp8"), (1000, 64, "fp8"), (239, 128, "mxfp4")])
+def test_backward_operand_views_match_reference(s, d, v_fmt):
+    """The training forward's quantization (kernels/hopper/training.py) gives the forward
+    kernel the inference quantizers' operands, and from what it saves the backward's
+    operands are the reference backward's `low_precision_view`s of dO, V's represented
+    values and the dequantized NVFP4 Q/K, scale for scale, with Q/K's grid values."""
     from fp4attn.formats import quantize_fp8
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-    from fp4attn.kernels.hopper.training import backward_operands
+    from fp4attn.kernels.hopper.training import backward_operands, quantize_for_training
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
     q, k, v, dout = (torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(4))
     dout[0, 1, 0] = 0.0  # an all-zero token
     dout[1, 0, :, 3] *= 2.0**-120  # a channel below FP8_MIN_AMAX
+    k[1, 2, :, 5] = 0.0  # an all-zero channel of K
     out = torch.randn_like(dout)
-    ops = prepare_operands_fused(q, k, v, PRESETS["train"])
-    *got, delta = backward_operands(dout, out, ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs)
-    torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-4)
+    fwd, saved = quantize_for_training(q, k, v, v_fmt)
+    want_fwd = prepare_operands_fused(q, k, v, PRESETS["train" if v_fmt == "fp8" else "train-mxfp4pv"])
+    for name in ("q", "k", "qs", "ks", "vt", "vs"):
+        a, b = getattr(want_fwd, name), getattr(fwd, name)
+        assert _same(a, b)[0], f"forward {name}"
+    got = backward_operands(dout, out, *saved)
+    torch.testing.assert_close(got.delta, (dout.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-4)
 
     def view(x, dim):  # (e4m3 data in the kernel's layout, scale)
         f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
         return f.data.squeeze(-2), f.scale.squeeze(-1)
 
-    want = [*view(dout.float(), -1), *view(dout.float(), -2), *view(quantize_v(v, "fp8"), -1),
-            *view(quantize_qk(q, "nvfp4").dequantize(), -2), *view(quantize_qk(k, "nvfp4").dequantize(), -2)]
-    names = ("do_t", "do_ts", "do_c", "do_cs", "v_t", "v_ts", "q_c", "q_cs", "k_c", "k_cs")
-    for name, a, b in zip(names, want, got):
+    want = [*view(dout.float(), -1), *view(dout.float(), -2), *view(quantize_v(v, v_fmt), -1),
+            *view(quantize_qk(q, "nvfp4").dequantize(), -2), *view(quantize_qk(k, "nvfp4").dequantize(), -2),
+            want_fwd.q, want_fwd.k]
+    names = ("do_t", "do_ts", "do_c", "do_cs", "v_t", "v_ts", "q_c", "q_cs", "k_c", "k_cs", "q", "k")
+    for name, a in zip(names, want):
+        b = getattr(got, name)
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
         values, zero_sign = _same(a.contiguous(), b)
         assert values, f"{name}: values differ"
+
+
+@pytest.mark.parametrize("special", ["nan", "inf"])
+def test_backward_operand_views_carry_non_finite_values(special):
+    """A NaN or Inf in dO, Q or V reaches the views as it reaches the reference's: the
+    channel maxima recorded by atomics (float32 bits, NaN above Inf) give that channel
+    a NaN scale, and the token's per-token scale is NaN."""
+    from fp4attn.formats import quantize_fp8
+    from fp4attn.kernels.hopper.training import backward_operands, quantize_for_training
+    from fp4attn.reference.operands import quantize_qk, quantize_v
+
+    q, k, v, dout = (torch.randn(1, 2, 130, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    dout[0, 1, 7, 9] = float(special)
+    v[0, 0, 100, 3] = float(special)
+    q[0, 1, 64, 2] = float(special)
+    _, saved = quantize_for_training(q, k, v, "fp8")
+    got = backward_operands(dout, torch.randn_like(dout), *saved)
+    for name, x, dim in (("do_t", dout.float(), -1), ("do_c", dout.float(), -2), ("v_t", quantize_v(v, "fp8"), -1),
+                         ("q_c", quantize_qk(q, "nvfp4").dequantize(), -2)):
+        f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
+        scale, want = getattr(got, name + "s"), f.scale.squeeze(-1)
+        assert torch.equal(torch.isnan(want), torch.isnan(scale)), name
+        # an Inf in Q saturates in NVFP4 (the tensor scale is then 1): its views stay finite
+        assert bool(torch.isnan(scale).any()) == (name != "q_c" or special == "nan"), name
+        keep = ~torch.isnan(want)
+        assert torch.equal(want[keep], scale[keep]), name
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8-directp", "nvfp4-fp8", "directp", "train"])

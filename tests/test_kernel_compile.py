@@ -199,12 +199,14 @@ def test_training_forward_keeps_the_packed_nvfp4_payload():
     with FakeTensorMode():
         q, k, v = (torch.empty(B, h, S, D, dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
         saved = torch.ops.fp4attn.hopper_train_forward(q, k, v, "nvfp4", "fp8", "exp2", "fp8", 0, True, D**-0.5)
-        out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, vt, vs = saved
+        out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts = saved
         assert (q_codes.dtype, q_codes.shape) == (torch.uint8, (B, H, S, D // 2))
         assert (k_bscale.dtype, k_bscale.shape) == (torch.float8_e4m3fn, (B, Hkv, S, D // 16))
-        assert (vt.dtype, vt.shape) == (torch.float8_e4m3fn, (B, Hkv, D, S))
+        assert (q_amax.dtype, q_amax.shape) == (torch.int32, (B, H, D))
+        assert (v_t.dtype, v_t.shape, v_ts.shape) == (torch.float8_e4m3fn, (B, Hkv, S, D), (B, Hkv, S))
         per_element = sum(t.numel() * t.element_size() for t in saved) / q.numel()
-        assert 4.1 < per_element < 4.2, per_element  # 4.125 + the LSE
+        # 4.125 + the LSE and V's per-token scales (4 / D each) + the channel maxima (4 / S each)
+        assert 4.1 < per_element < 4.21, per_element
         dtypes = [torch.bfloat16, torch.float16, torch.float32]
         grads = torch.ops.fp4attn.hopper_train_backward(out, *saved, "fp8", "exp2", 0, True, D**-0.5, *dtypes)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent('''
     from fp4attn.formats import quantize_fp8
     from fp4attn.kernels.hopper.operands import prepare_operands
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-    from fp4attn.kernels.hopper.training import backward_operands
+    from fp4attn.kernels.hopper.training import backward_operands, quantize_for_training
     from fp4attn.recipes import PRESETS
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
@@ -53,19 +53,28 @@ SCRIPT = textwrap.dedent('''
     keep = ~want.vt.float().isnan()
     assert int((~keep).sum()) == 64, "one 32-key block per non-finite element"
     same(want.vt.float()[keep], got.vt.float()[keep], "non-finite V vt")
-    ops = prepare_operands_fused(q, k, v, PRESETS["train"])
-    out = torch.randn(dout.shape, generator=g).bfloat16()
-    *got, delta = backward_operands(dout, out, ops.q, ops.k, ops.qs, ops.ks, ops.vt, ops.vs)
+    # the training forward's quantization (the forward kernel's operands are the
+    # inference quantizers', and what it saves), and the backward's operands from it
+    for v_fmt in ("fp8", "mxfp4"):
+        fwd_ops, saved = quantize_for_training(q, k, v, v_fmt)
+        want = prepare_operands(q, k, v, PRESETS["train" if v_fmt == "fp8" else "train-mxfp4pv"])
+        for name in ("q", "k", "qs", "ks", "vt", "vs"):
+            same(getattr(want, name), getattr(fwd_ops, name), f"train {v_fmt} forward {name}")
+        out = torch.randn(dout.shape, generator=g).bfloat16()
+        got = backward_operands(dout, out, *saved)
 
-    def view(x, dim):
-        f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
-        return f.data.squeeze(-2), f.scale.squeeze(-1)
+        def view(x, dim):
+            f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
+            return f.data.squeeze(-2), f.scale.squeeze(-1)
 
-    want = [*view(dout.float(), -1), *view(dout.float(), -2), *view(quantize_v(v, "fp8"), -1),
-            *view(quantize_qk(q, "nvfp4").dequantize(), -2), *view(quantize_qk(k, "nvfp4").dequantize(), -2)]
-    for name, a, b in zip(("do_t", "do_ts", "do_c", "do_cs", "v_t", "v_ts", "q_c", "q_cs", "k_c", "k_cs"), want, got):
-        same(a.contiguous(), b, name)
-    torch.testing.assert_close(delta, (dout.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-4)
+        want = dict(zip(("do_t", "do_ts", "do_c", "do_cs", "v_t", "v_ts", "q_c", "q_cs", "k_c", "k_cs"),
+                        [*view(dout.float(), -1), *view(dout.float(), -2), *view(quantize_v(v, v_fmt), -1),
+                         *view(quantize_qk(q, "nvfp4").dequantize(), -2),
+                         *view(quantize_qk(k, "nvfp4").dequantize(), -2)]))
+        want.update(q=fwd_ops.q, k=fwd_ops.k)
+        for name, a in want.items():
+            same(a.contiguous(), getattr(got, name), f"train {v_fmt} backward {name}")
+        torch.testing.assert_close(got.delta, (dout.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-4)
 
     # the training forward's packed NVFP4 Q/K: codes as `quantize_nvfp4` packs them, the
     # decode giving back the grid values bit for bit (-0 included)

@@ -1,9 +1,15 @@
 """Fused Triton quantizers: bf16/fp16/fp32 Q, K, V into the forward kernel's operand
-layouts, one pass over each operand after the reductions its scales need: the minimum
-and maximum of the tensor (NVFP4 Q/K) or of each channel (FP8 V) by `torch.aminmax`,
-from which the kernels compute the scales themselves, and MXFP4 V's block exponents
-and head maximum (`_mx_block_stats_kernel`). Two or three launches per operand, and
-nothing here waits for the GPU.
+layouts, and the training backward's e4m3 views, one pass over each operand after the
+reductions its scales need: max |x| of the tensor (NVFP4 Q/K) or of each head's
+channels (FP8 V, dO) by `_abs_max_kernel`, or fused into a pass that reads the operand
+anyway (`channel_amax=True`), from which the kernels compute the scales themselves;
+MXFP4 V's block exponents and head maximum (`_mx_block_stats_kernel`). Every kernel
+works on (heads, S, D) tiles of one head, so per-channel maxima are one atomic max per
+channel and program, and nothing here waits for the GPU.
+
+Maxima are kept as the int32 bits of |x| in float32: non-negative floats order as their
+bits, NaN above +Inf, so `tl.atomic_max` over them is max |x| with NaN propagating,
+`x.float().abs().max()` exactly, in any program order.
 
 Each reproduces the reference quantizer bit for bit (`kernels/hopper/operands.py`
 builds the same tensors from `fp4attn.formats`; tests compare them with
@@ -15,6 +21,7 @@ cast.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -22,7 +29,7 @@ import triton.language as tl
 
 from fp4attn.formats import constants
 from fp4attn.formats.constants import MX_BLOCK
-from fp4attn.kernels.common import fp8_scale_inv, round_e4m3
+from fp4attn.kernels.common import fp8_scale_inv, round_e4m3, round_e4m3_cvt
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, qk_dtype
 from fp4attn.recipes import Recipe
 from fp4attn.reference import encoding
@@ -42,10 +49,72 @@ def _with_sign_of(mag, v):
 
 
 @triton.jit
-def _e4m3_signed(v):
-    """float32 on the e4m3 grid, nearest even, saturating at +-448, NaN kept."""
+def _e4m3_signed(v, HW_CVT: tl.constexpr):
+    """float32 on the e4m3 grid, nearest even, saturating at +-448 (Inf too), NaN kept:
+    by the packed hardware conversion (cvt.rn.satfinite, `round_e4m3_cvt`) on the GPU,
+    or on the float32 bits (`round_e4m3`) where it cannot run (the interpreter). The bit
+    arithmetic took about five times the instructions, and made the quantizers that
+    round twice (the training's per-token view of V) instruction-bound."""
+    if HW_CVT:
+        return round_e4m3_cvt(v)
     r = _with_sign_of(round_e4m3(tl.minimum(tl.abs(v), 448.0)), v)
     return tl.where(v != v, v, r)
+
+
+@triton.jit
+def _abs_bits(x):
+    """The float32 bits of |x| as int32: ordered as the magnitudes, NaN above +Inf."""
+    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _abs_bits_max(run, x, ok):
+    """The running elementwise max of |x|'s bits (rows where ok) over a program's row
+    blocks: no exchange between threads until `_channel_amax_flush`."""
+    return tl.maximum(run, tl.where(ok, _abs_bits(x), 0))
+
+
+@triton.jit
+def _channel_amax_flush(CAMAX, run, D: tl.constexpr):
+    """Atomic max of the running (rows, D) maximum's per-channel max into one head's D
+    slots at CAMAX, as float32 bits. Relaxed: a max needs no ordering with the
+    program's other memory operations (the default acq_rel put a MEMBAR.ALL.GPU beside
+    every atomic); one per channel and program: with a program per 16 rows the dO
+    pass's same-address atomics doubled its time."""
+    tl.atomic_max(CAMAX + tl.arange(0, D), tl.max(run, axis=0), sem="relaxed")
+
+
+@triton.jit
+def _abs_max_kernel(X, AMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
+                    PER_CHANNEL: tl.constexpr):
+    """max |x| of X (G, S, D) as float32 bits, BLOCKS blocks of BLOCK_S rows a program:
+    per head and channel into AMAX (G, D), or of the whole tensor into AMAX (1,); AMAX
+    starts at 0 (+0.0)."""
+    g = tl.program_id(1).to(tl.int64)
+    run = tl.zeros([BLOCK_S, D], tl.int32)
+    for i in range(BLOCKS):
+        s = (tl.program_id(0) * BLOCKS + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+        ok = (s < S)[:, None]
+        x = tl.load(X + g * S * D + s.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=ok, other=0.0)
+        run = _abs_bits_max(run, x, ok)
+    if PER_CHANNEL:
+        _channel_amax_flush(AMAX + g * D, run, D)
+    else:
+        tl.atomic_max(AMAX, tl.max(tl.max(run, axis=1), axis=0), sem="relaxed")
+
+
+@triton.jit
+def _fp8_channel_scales(AMAX, SCALE, D: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Per-channel FP8 scales of one head from its channels' max |x| (D float32 bits at
+    AMAX), as `formats.fp8.fp8_scales`: (scale, NaN for a channel holding a NaN or Inf;
+    multiplier 448 / amax). With HAS_SCALE, of max |x| * SCALE, which is max |x * SCALE|
+    (rounding is monotonic)."""
+    amax = tl.load(AMAX + tl.arange(0, D)).to(tl.float32, bitcast=True)
+    nonfinite = (amax != amax) | (amax == float("inf"))
+    if HAS_SCALE:
+        amax = amax * tl.load(SCALE)
+    scale, inv = fp8_scale_inv(amax)
+    return tl.where(nonfinite, float("nan"), scale), inv
 
 
 @triton.jit
@@ -70,7 +139,7 @@ def _e2m1_value(a):
 
 
 @triton.jit
-def _fp8_per_row(x, AXIS: tl.constexpr):
+def _fp8_per_row(x, AXIS: tl.constexpr, HW_CVT: tl.constexpr):
     """FP8 e4m3 of a float32 tile with one scale per row along AXIS, as
     `formats.fp8.quantize_fp8`: (values on the e4m3 grid, as float32; scale). scale =
     amax / 448, element = e4m3(x * (448 / amax)); rows below FP8_MIN_AMAX get scale 1;
@@ -80,58 +149,47 @@ def _fp8_per_row(x, AXIS: tl.constexpr):
     amax = tl.where(bad, float("nan"), amax)
     scale, inv = fp8_scale_inv(amax)
     nonfinite = bad | (amax == float("inf"))
-    y = _e4m3_signed(x * (inv[:, None] if AXIS == 1 else inv[None, :]))
+    y = _e4m3_signed(x * tl.expand_dims(inv, AXIS), HW_CVT)
     return y, tl.where(nonfinite, float("nan"), scale)
 
 
 @triton.jit
-def _fp8_rows_kernel(X, Y, S, O, DOT, R, D: tl.constexpr, BLOCK_R: tl.constexpr, WITH_DOT: tl.constexpr):
-    """Per-row FP8 of rows of D contiguous elements, stored as Y's dtype (e4m3, or bf16,
-    which holds every e4m3 value); with WITH_DOT also the row dot products
-    DOT = sum(X * O) (the backward's delta = rowsum(dO * O), fused into the pass that
-    reads dO)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
-    ok = (rows < R)[:, None]
-    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-    y, scale = _fp8_per_row(x, 1)
-    tl.store(S + rows, scale, mask=rows < R)
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
-    if WITH_DOT:
-        o = tl.load(O + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(DOT + rows, tl.sum(x * o, axis=1), mask=rows < R)
+def _fp8_rows_kernel(X, Y, S_OUT, O, DOT, CAMAX, S, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr,
+                     WITH_DOT: tl.constexpr, CHANNEL_AMAX: tl.constexpr, HW_CVT: tl.constexpr):
+    """Per-row FP8 of X (G, S, D), BLOCKS blocks of BLOCK_R rows a program, stored as Y's
+    dtype (e4m3, or bf16, which holds every e4m3 value), scales into S_OUT (G, S); with
+    WITH_DOT also the row dot products DOT = sum(X * O) (the backward's delta =
+    rowsum(dO * O), fused into the pass that reads dO); with CHANNEL_AMAX also each
+    head's per-channel max |x| into CAMAX (G, D) (float32 bits, starting at 0), for the
+    per-channel view of the same X."""
+    g = tl.program_id(1).to(tl.int64)
+    run = tl.zeros([BLOCK_R, D], tl.int32)
+    for i in range(BLOCKS):
+        s = (tl.program_id(0) * BLOCKS + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = g * S + s
+        offs = rows[:, None] * D + tl.arange(0, D)[None, :]
+        ok = (s < S)[:, None]
+        x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+        y, scale = _fp8_per_row(x, 1, HW_CVT)
+        tl.store(S_OUT + rows, scale, mask=s < S)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
+        if WITH_DOT:
+            o = tl.load(O + offs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(DOT + rows, tl.sum(x * o, axis=1), mask=s < S)
+        if CHANNEL_AMAX:
+            run = _abs_bits_max(run, x, ok)
+    if CHANNEL_AMAX:
+        _channel_amax_flush(CAMAX + g * D, run, D)
 
 
 @triton.jit
-def _fp8_tokens_of_vt_kernel(VT, VS, Y, YS, S, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Per-token FP8 of V's represented values, read from its (D, S) e4m3 form and
-    per-channel scales VS: Y (S, D) e4m3 and YS (S,) per head."""
-    bh = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    d = tl.arange(0, D)
-    ok = (s < S)[None, :]
-    v = tl.load(VT + bh * D * S + d[:, None] * S + s[None, :], mask=ok, other=0.0).to(tl.float32)
-    v = v * tl.load(VS + bh * D + d)[:, None]  # the reference's represented values, exactly
-    y, scale = _fp8_per_row(v, 0)
-    tl.store(YS + bh * S + s, scale, mask=s < S)
-    tl.store(Y + bh * S * D + s[None, :] * D + d[:, None], y.to(tl.float8e4nv), mask=ok)
-
-
-@triton.jit
-def _abs_max_of(lo, hi):
-    """max |x| from the minimum and maximum of x, exactly x.float().abs().max() (NaN
-    propagates, +0 for an all-zero x)."""
-    return tl.abs(tl.maximum(hi.to(tl.float32), -lo.to(tl.float32), propagate_nan=tl.PropagateNan.ALL))
-
-
-@triton.jit
-def _nvfp4_tensor_scales(LO, HI):
-    """(multiplier, decode scale) of an NVFP4 tensor whose minimum and maximum are at LO
-    and HI, as `formats.nvfp4` computes them (TransformerEngine's rule): S_enc =
+def _nvfp4_tensor_scales(AMAX):
+    """(multiplier, decode scale) of an NVFP4 tensor whose max |x| (float32 bits) is at
+    AMAX, as `formats.nvfp4` computes them (TransformerEngine's rule): S_enc =
     min(448 * 6 / amax, FP32_MAX), 1 where that is 0; decode 1 / S_enc; multiplier
     S_enc * (1 / 6). Every operation is a single IEEE-rounded one (no product meets an
     add, so nothing is contracted into an FMA)."""
-    amax = _abs_max_of(tl.load(LO), tl.load(HI))
+    amax = tl.load(AMAX).to(tl.float32, bitcast=True)
     one = tl.full(amax.shape, 1.0, tl.float32)
     s_enc = tl.minimum(tl.div_rn(one * 2688.0, amax), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
     s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
@@ -141,64 +199,94 @@ def _nvfp4_tensor_scales(LO, HI):
 @triton.jit
 def _nvfp4_block_offsets(rows, D: tl.constexpr):
     """Element offsets of rows of D contiguous elements seen as (rows, D / 16 blocks, 16)."""
-    return (rows.to(tl.int64)[:, None, None] * D + tl.arange(0, D // 16)[None, :, None] * 16
-            + tl.arange(0, 16)[None, None, :])
+    return rows[:, None, None] * D + tl.arange(0, D // 16)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
 
 
 @triton.jit
 def _row_offsets(rows, N: tl.constexpr):
     """Offsets of rows of N contiguous entries, (rows, N): the payload's code bytes
     (N = D / 2) and block scales (N = D / 16)."""
-    return rows.to(tl.int64)[:, None] * N + tl.arange(0, N)[None, :]
+    return rows[:, None] * N + tl.arange(0, N)[None, :]
 
 
 @triton.jit
-def _nvfp4_rows_kernel(X, Y, LO, HI, SDEC, CODES, BSCALE, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                       PACKED: tl.constexpr):
-    """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) as bf16,
-    in TransformerEngine's operation order (formats/nvfp4.py), the tensor scale from the
-    tensor's minimum and maximum at LO and HI; SDEC (R,) gets the decode scale in every
-    row's slot. With PACKED also the payload as `quantize_nvfp4` stores it: CODES (R,
-    D / 2) uint8, two E2M1 codes a byte, element 2i in the low nibble; BSCALE (R, D / 16)
-    the e4m3 block scales."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs = _nvfp4_block_offsets(rows, D)
-    ok = (rows < R)[:, None, None]
-    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-    mult, s_dec = _nvfp4_tensor_scales(LO, HI)
-    tl.store(SDEC + rows, tl.full([BLOCK_R], 0.0, tl.float32) + s_dec, mask=rows < R)
-    # a NaN anywhere makes the tensor scale NaN, and with it every block scale (torch's
-    # clamp propagates NaN; tl.minimum must be told to)
-    nan_ok: tl.constexpr = tl.PropagateNan.ALL
-    d = tl.minimum(tl.max(tl.abs(x), axis=2) * mult, FP32_MAX, propagate_nan=nan_ok)
-    d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
-    enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), FP32_MAX, propagate_nan=nan_ok)
-    y = x * enc[:, :, None]
-    code = _e2m1_code(tl.minimum(tl.abs(y), 6.0))
-    val = _with_sign_of(_e2m1_magnitude(code), y) * d[:, :, None]
-    tl.store(Y + offs, val.to(tl.bfloat16), mask=ok)
-    if PACKED:
-        # a NaN element gets code 0 (E2M1 has no NaN; the block scale carries it)
-        nan = y != y
-        code = tl.where(nan, 0, code | tl.where(y.to(tl.int32, bitcast=True) < 0, 8, 0))
-        lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
-        rok = (rows < R)[:, None]
-        tl.store(CODES + _row_offsets(rows, D // 2), (lo | (hi << 4)).to(tl.uint8), mask=rok)
-        tl.store(BSCALE + _row_offsets(rows, D // 16), d.to(tl.float8e4nv), mask=rok)
+def _head_rows(S, BLOCK_R: tl.constexpr):
+    """This program's head g (int64), its rows' positions s in the head, and their row
+    indices g * S + s (int64) in a (G, S, ...) tensor; grid (cdiv(S, BLOCK_R), G)."""
+    g = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return g, s, g * S + s
 
 
 @triton.jit
-def _nvfp4_decode_rows_kernel(CODES, BSCALE, Y, R, D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The bf16 grid values (E2M1 x block scale) of packed NVFP4 rows: the inverse of
-    `_nvfp4_rows_kernel`'s payload, the same values as its Y."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rok = (rows < R)[:, None]
+def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, S, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCKS: tl.constexpr, PACKED: tl.constexpr, CHANNEL_AMAX: tl.constexpr):
+    """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) of X (G, S,
+    D) as bf16, in TransformerEngine's operation order (formats/nvfp4.py), the tensor
+    scale from the tensor's max |x| at AMAX; SDEC (G, S) gets the decode scale in every
+    row's slot. With PACKED also the payload as `quantize_nvfp4` stores it: CODES (G, S,
+    D / 2) uint8, two E2M1 codes a byte, element 2i in the low nibble; BSCALE (G, S,
+    D / 16) the e4m3 block scales. With CHANNEL_AMAX also each head's per-channel max
+    |grid value| into CAMAX (G, D) (float32 bits, starting at 0). BLOCKS blocks of
+    BLOCK_R rows a program."""
+    g = tl.program_id(1).to(tl.int64)
+    mult, s_dec = _nvfp4_tensor_scales(AMAX)
+    run = tl.zeros([BLOCK_R, D], tl.int32)
+    for i in range(BLOCKS):
+        s = (tl.program_id(0) * BLOCKS + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = g * S + s
+        offs = _nvfp4_block_offsets(rows, D)
+        ok = (s < S)[:, None, None]
+        x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(SDEC + rows, tl.full([BLOCK_R], 0.0, tl.float32) + s_dec, mask=s < S)
+        # a NaN anywhere makes the tensor scale NaN, and with it every block scale
+        # (torch's clamp propagates NaN; tl.minimum must be told to)
+        nan_ok: tl.constexpr = tl.PropagateNan.ALL
+        d = tl.minimum(tl.max(tl.abs(x), axis=2) * mult, FP32_MAX, propagate_nan=nan_ok)
+        d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
+        enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), FP32_MAX, propagate_nan=nan_ok)
+        y = x * enc[:, :, None]
+        code = _e2m1_code(tl.minimum(tl.abs(y), 6.0))
+        val = _with_sign_of(_e2m1_magnitude(code), y) * d[:, :, None]
+        tl.store(Y + offs, val.to(tl.bfloat16), mask=ok)
+        if CHANNEL_AMAX:
+            run = _abs_bits_max(run, tl.reshape(val, [BLOCK_R, D]), (s < S)[:, None])
+        if PACKED:
+            # a NaN element gets code 0 (E2M1 has no NaN; the block scale carries it)
+            nan = y != y
+            code = tl.where(nan, 0, code | tl.where(y.to(tl.int32, bitcast=True) < 0, 8, 0))
+            lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
+            rok = (s < S)[:, None]
+            tl.store(CODES + _row_offsets(rows, D // 2), (lo | (hi << 4)).to(tl.uint8), mask=rok)
+            tl.store(BSCALE + _row_offsets(rows, D // 16), d.to(tl.float8e4nv), mask=rok)
+    if CHANNEL_AMAX:
+        _channel_amax_flush(CAMAX + g * D, run, D)
+
+
+@triton.jit
+def _nvfp4_decode_kernel(CODES, BSCALE, Y, CT, CS, SCALE, CAMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         CHANNELS: tl.constexpr, HW_CVT: tl.constexpr):
+    """The grid values (E2M1 x block scale) of packed NVFP4 rows (G, S, D / 2) into Y
+    (G, S, D) as Y's dtype: the inverse of `_nvfp4_rows_kernel`'s payload, the same
+    values as its Y. With CHANNELS also the per-channel FP8 of the dequantized values
+    (grid values times the tensor decode scale SCALE), stored transposed: CT (G, D, S)
+    e4m3 and CS (G, D), from the channels' max |grid value| CAMAX (G, D) that the
+    quantizing pass recorded (the backward's Q/K views for dK = dS^T Q and dQ = dS K)."""
+    g, s, rows = _head_rows(S, BLOCK_S)
+    rok = (s < S)[:, None]
     b = tl.load(CODES + _row_offsets(rows, D // 2), mask=rok, other=0).to(tl.int32)
-    code = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_R, D // 16, 16])
+    code = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_S, D // 16, 16])
     d = tl.load(BSCALE + _row_offsets(rows, D // 16), mask=rok, other=0.0).to(tl.float32)
     mag = _e2m1_magnitude(code & 7)
     val = tl.where(code >= 8, -mag, mag) * d[:, :, None]
-    tl.store(Y + _nvfp4_block_offsets(rows, D), val.to(tl.bfloat16), mask=rok[:, :, None])
+    tl.store(Y + _nvfp4_block_offsets(rows, D), val.to(Y.dtype.element_ty), mask=rok[:, :, None])
+    if CHANNELS:
+        dd = tl.arange(0, D)
+        scale, inv = _fp8_channel_scales(CAMAX + g * D, SCALE, D, True)
+        if tl.program_id(0) == 0:
+            tl.store(CS + g * D + dd, scale)
+        out = _e4m3_signed(tl.reshape(val, [BLOCK_S, D]) * tl.load(SCALE) * inv[None, :], HW_CVT)
+        tl.store(CT + g * D * S + dd[None, :] * S + s[:, None], out.to(tl.float8e4nv), mask=rok)
 
 
 @triton.jit
@@ -219,19 +307,21 @@ def _pow2(e):
 
 
 @triton.jit
-def _v_kernel(V, VT, VS, SCALE, LO, HI, E, FINITE, EMAX, S, S_ROW, D: tl.constexpr, BLOCK_S: tl.constexpr,
-              MXFP4: tl.constexpr, HAS_SCALE: tl.constexpr):
+def _v_kernel(V, VT, VS, SCALE, AMAX, E, FINITE, EMAX, Y, YS, S, S_ROW, D: tl.constexpr, BLOCK_S: tl.constexpr,
+              MXFP4: tl.constexpr, HAS_SCALE: tl.constexpr, TOKENS: tl.constexpr, HW_CVT: tl.constexpr):
     """V (S, D) of one head -> e4m3 V^T (D, S) in rows of S_ROW >= S keys and the
     per-channel scales VS (B*H, D), written by the first program of each head.
 
     FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE; the
-    per-channel scales from each channel's minimum and maximum over the sequence (LO,
-    HI: (B*H, D)) as `formats.fp8.fp8_scales` computes them (with SCALE, of max |v| *
-    SCALE, which is max |v * SCALE|: rounding is monotonic).
+    per-channel scales from each channel's max |v| over the sequence (AMAX: (B*H, D)
+    float32 bits) as `formats.fp8.fp8_scales` computes them (`_fp8_channel_scales`).
     MXFP4: E2M1 of v * 2**-e times 2**(e - c), with E and FINITE the block exponents and
     finiteness per 32 keys and channel ((B*H, n_blocks, D), `_mx_block_stats_kernel`)
     and c from the head's largest finite exponent EMAX (`reference.operands.v_window`):
-    blocks more than V_WINDOW below it are flushed to +0, non-finite blocks are NaN."""
+    blocks more than V_WINDOW below it are flushed to +0, non-finite blocks are NaN.
+    TOKENS: also the per-token FP8 of V's represented values (V^T's values times VS),
+    Y (B*H, S, D) e4m3 and YS (B*H, S): the training backward's view of V in
+    dP = dO V^T, from the tile already in registers."""
     NB: tl.constexpr = BLOCK_S // 32
     bh = tl.program_id(1).to(tl.int64)
     blk = tl.program_id(0) * NB + tl.arange(0, NB)  # 32-key block index
@@ -255,19 +345,20 @@ def _v_kernel(V, VT, VS, SCALE, LO, HI, E, FINITE, EMAX, S, S_ROW, D: tl.constex
         mag = _e2m1_value(tl.abs(y))
         out = _with_sign_of(mag, y) * osc
         out = tl.where(osc == 0.0, 0.0, out)  # a flushed block is +0, as the reference's masked_fill
-        if tl.program_id(0) == 0:
-            tl.store(VS + bh * D + dd, tl.full([D], 0.0, tl.float32) + _pow2(c))
+        vs = tl.full([D], 0.0, tl.float32) + _pow2(c)
     else:
-        amax = _abs_max_of(tl.load(LO + bh * D + dd), tl.load(HI + bh * D + dd))
-        nonfinite = (amax != amax) | (amax == float("inf"))  # the channel holds a NaN or Inf
+        vs, inv = _fp8_channel_scales(AMAX + bh * D, SCALE, D, HAS_SCALE)
         if HAS_SCALE:
-            amax = amax * tl.load(SCALE)
             v = v * tl.load(SCALE)
-        scale, inv = fp8_scale_inv(amax)
-        if tl.program_id(0) == 0:
-            tl.store(VS + bh * D + dd, tl.where(nonfinite, float("nan"), scale))
-        out = _e4m3_signed(v * inv[None, None, :])
+        out = _e4m3_signed(v * inv[None, None, :], HW_CVT)
+    if tl.program_id(0) == 0:
+        tl.store(VS + bh * D + dd, vs)
     tl.store(VT + bh * D * S_ROW + d * S_ROW + s, out.to(tl.float8e4nv), mask=ok)
+    if TOKENS:
+        # the represented values exactly as the reference's (one float32 product)
+        y, ys = _fp8_per_row(out * vs[None, None, :], 2, HW_CVT)
+        tl.store(YS + bh * S + blk[:, None] * 32 + tl.arange(0, 32)[None, :], ys, mask=tl.reshape(ok, [NB, 32]))
+        tl.store(Y + bh * S * D + s * D + d, y.to(tl.float8e4nv), mask=ok)
 
 
 @triton.jit
@@ -295,68 +386,144 @@ def _mx_block_stats_kernel(V, E, FINITE, EMAX, S, D: tl.constexpr, BLOCK_S: tl.c
     ok = blk[:, None] < nblocks
     tl.store(E + off, e, mask=ok)
     tl.store(FINITE + off, all_finite.to(tl.int8), mask=ok)
-    tl.atomic_max(EMAX + bh, tl.max(tl.max(tl.where(all_finite & ok, e, E8M0_EMIN), axis=1), axis=0))
+    tl.atomic_max(EMAX + bh, tl.max(tl.max(tl.where(all_finite & ok, e, E8M0_EMIN), axis=1), axis=0), sem="relaxed")
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().reshape(-1, x.shape[-1])
+def _hw_cvt() -> bool:
+    """Whether the kernels round to e4m3 by the hardware conversion: everywhere but
+    under the Triton interpreter, which cannot run its inline PTX."""
+    return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn):
-    """Per-token FP8 of x (..., D): (e4m3 values as `dtype`, float8_e4m3fn or bfloat16;
-    scales (...)); with `dot_with` (same shape) also the row sums of x * dot_with in
-    float32."""
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """x (..., S, D) as a contiguous (G, S, D), G the product of the leading dims (a
+    1-D x is one row)."""
+    S = x.shape[-2] if x.dim() > 1 else 1
+    return x.contiguous().view(-1, S, x.shape[-1])
+
+
+def _row_grid(S: int, G: int, blocks: int, most: int = 16) -> tuple[tuple[int, int], int]:
+    """Grid and rows per block of a (G, S, D) row kernel whose programs take `blocks`
+    blocks of up to `most` rows (fewer for a short head): several where the programs
+    end in one atomic per channel."""
+    block = min(most, triton.next_power_of_2(S))
+    return (triton.cdiv(S, block * blocks), G), block
+
+
+# row blocks per program of the passes that record maxima: one atomic per channel per 8
+# blocks of rows
+CHANNEL_BLOCKS = 8
+
+
+def abs_max_bits(x: torch.Tensor, per_channel: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """max |x| as the int32 bits of a float32, NaN if x holds one: per head and channel
+    of x (..., S, D) as (..., D) (`per_channel`), or of the whole tensor as (1,); into
+    `out` (int32 zeros of that size) if given."""
+    x3 = _heads(x)
+    G, S, D = x3.shape
+    amax = torch.zeros((G, D) if per_channel else (1,), device=x.device, dtype=torch.int32) if out is None else out
+    grid, block = _row_grid(S, G, CHANNEL_BLOCKS, most=32)
+    _abs_max_kernel[grid](x3, amax, S, D=D, BLOCK_S=block, BLOCKS=CHANNEL_BLOCKS, PER_CHANNEL=per_channel,
+                          num_warps=4)
+    return amax.view(*x.shape[:-2], D) if per_channel else amax
+
+
+def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn,
+                    channel_amax: bool = False):
+    """Per-token FP8 of x (..., S, D): (e4m3 values as `dtype`, float8_e4m3fn or
+    bfloat16; scales (..., S)); with `dot_with` (same shape) also the row sums of
+    x * dot_with in float32; with `channel_amax` also max |x| per head and channel
+    (..., D), as `abs_max_bits(x, per_channel=True)` (for a per-channel view of x)."""
     if dtype not in (torch.float8_e4m3fn, torch.bfloat16):
         raise ValueError(f"quantize_qk_fp8: dtype float8_e4m3fn or bfloat16, got {dtype}")
-    xr = _rows(x)
-    y = torch.empty(xr.shape, device=x.device, dtype=dtype)
-    s = torch.empty(xr.shape[0], device=x.device, dtype=torch.float32)
-    dot = torch.empty(xr.shape[0] if dot_with is not None else 0, device=x.device, dtype=torch.float32)
-    other = _rows(dot_with) if dot_with is not None else xr
-    grid = (triton.cdiv(xr.shape[0], 16),)
-    _fp8_rows_kernel[grid](xr, y, s, other, dot, xr.shape[0], D=x.shape[-1], BLOCK_R=16,
-                           WITH_DOT=dot_with is not None, num_warps=4)
+    x3 = _heads(x)
+    G, S, D = x3.shape
+    y = torch.empty(x3.shape, device=x.device, dtype=dtype)
+    s = torch.empty((G, S), device=x.device, dtype=torch.float32)
+    dot = torch.empty((G, S) if dot_with is not None else 0, device=x.device, dtype=torch.float32)
+    camax = torch.zeros((G, D) if channel_amax else 0, device=x.device, dtype=torch.int32)
+    other = _heads(dot_with) if dot_with is not None else x3
+    blocks = CHANNEL_BLOCKS if channel_amax else 1
+    grid, block = _row_grid(S, G, blocks)
+    _fp8_rows_kernel[grid](x3, y, s, other, dot, camax, S, D=D, BLOCK_R=block, BLOCKS=blocks,
+                           WITH_DOT=dot_with is not None, CHANNEL_AMAX=channel_amax, HW_CVT=_hw_cvt(), num_warps=4)
+    out = (y.view(x.shape), s.view(x.shape[:-1]))
     if dot_with is not None:
-        return y.view(x.shape), s.view(x.shape[:-1]), dot.view(x.shape[:-1])
-    return y.view(x.shape), s.view(x.shape[:-1])
-
-
-def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False):
-    """NVFP4 of x (..., D) along D with one tensor scale (`formats.quantize_nvfp4`):
-    (bf16 grid values without the tensor scale, the tensor decode scale broadcast to
-    (...)); with `packed` also the payload, (codes (..., D / 2) uint8, block scales
-    (..., D / 16) float8_e4m3fn), byte for byte `quantize_nvfp4(x)`'s data and scale."""
-    lo, hi = torch.aminmax(x)  # the tensor scale is computed from them in the row kernel
-    xr = _rows(x)
-    D = x.shape[-1]
-    y = torch.empty(xr.shape, device=x.device, dtype=torch.bfloat16)
-    s_dec = torch.empty(xr.shape[0], device=x.device, dtype=torch.float32)
-    codes = torch.empty((xr.shape[0], D // 2 if packed else 0), device=x.device, dtype=torch.uint8)
-    bscale = torch.empty((xr.shape[0], D // 16 if packed else 0), device=x.device, dtype=torch.float8_e4m3fn)
-    grid = (triton.cdiv(xr.shape[0], 16),)
-    _nvfp4_rows_kernel[grid](xr, y, lo, hi, s_dec, codes, bscale, xr.shape[0], D=D, BLOCK_R=16, PACKED=packed,
-                             num_warps=4)
-    out = (y.view(x.shape), s_dec.view(x.shape[:-1]))
-    if packed:
-        out += (codes.view(*x.shape[:-1], D // 2), bscale.view(*x.shape[:-1], D // 16))
+        out += (dot.view(x.shape[:-1]),)
+    if channel_amax:
+        out += (camax.view(*x.shape[:-2], D),)
     return out
 
 
-def decode_nvfp4_rows(codes: torch.Tensor, bscale: torch.Tensor) -> torch.Tensor:
-    """bf16 grid values (..., D) of a packed NVFP4 payload (`quantize_qk_nvfp4(...,
-    packed=True)`'s codes and block scales), without the tensor scale."""
+def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool = False):
+    """NVFP4 of x (..., S, D) along D with one tensor scale (`formats.quantize_nvfp4`):
+    (bf16 grid values without the tensor scale, the tensor decode scale broadcast to
+    (..., S)); with `packed` also the payload, (codes (..., S, D / 2) uint8, block
+    scales (..., S, D / 16) float8_e4m3fn), byte for byte `quantize_nvfp4(x)`'s data and
+    scale; with `channel_amax` also max |grid value| per head and channel (..., D) as
+    float32 bits (what `decode_nvfp4_rows(..., channels_scale=...)` needs)."""
+    x3 = _heads(x)
+    G, S, D = x3.shape
+    # both maxima start at zero: one buffer, one fill; the channel maxima (an output)
+    # first, at the buffer's aligned start
+    zeros = torch.zeros((G * D if channel_amax else 0) + 1, device=x.device, dtype=torch.int32)
+    camax = zeros[:-1]
+    amax = abs_max_bits(x3, per_channel=False, out=zeros[-1:])  # the row kernel computes the tensor scale from it
+    y = torch.empty(x3.shape, device=x.device, dtype=torch.bfloat16)
+    s_dec = torch.empty((G, S), device=x.device, dtype=torch.float32)
+    codes = torch.empty((G, S, D // 2) if packed else 0, device=x.device, dtype=torch.uint8)
+    bscale = torch.empty((G, S, D // 16) if packed else 0, device=x.device, dtype=torch.float8_e4m3fn)
+    blocks = CHANNEL_BLOCKS if channel_amax else 1
+    grid, block = _row_grid(S, G, blocks)
+    _nvfp4_rows_kernel[grid](x3, y, amax, s_dec, codes, bscale, camax, S, D=D, BLOCK_R=block, BLOCKS=blocks,
+                             PACKED=packed, CHANNEL_AMAX=channel_amax, num_warps=4)
+    out = (y.view(x.shape), s_dec.view(x.shape[:-1]))
+    if packed:
+        out += (codes.view(*x.shape[:-1], D // 2), bscale.view(*x.shape[:-1], D // 16))
+    if channel_amax:
+        out += (camax.view(*x.shape[:-2], D),)
+    return out
+
+
+def decode_nvfp4_rows(codes: torch.Tensor, bscale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                      channels_scale: torch.Tensor | None = None, channel_amax: torch.Tensor | None = None):
+    """Grid values (..., S, D) as `dtype` (bfloat16 or float32; both hold them exactly)
+    of a packed NVFP4 payload (`quantize_qk_nvfp4(..., packed=True)`'s codes and block
+    scales), without the tensor scale.
+
+    With `channels_scale` (the tensor decode scale, a float32 (1,) tensor) and
+    `channel_amax` (the channels' max |grid value| per head, (..., D) float32 bits, from
+    `quantize_qk_nvfp4(..., channel_amax=True)`), also the per-channel FP8 of the
+    dequantized values in the same pass, as `quantize_v_t(values, "fp8",
+    scale=channels_scale)` makes it: (values, e4m3 (..., D, S), scales (..., D))."""
     D = codes.shape[-1] * 2
     if bscale.shape[-1] * 16 != D or codes.dtype != torch.uint8 or bscale.dtype != torch.float8_e4m3fn:
         raise ValueError(f"decode_nvfp4_rows: codes (..., D/2) uint8 and block scales (..., D/16) float8_e4m3fn, "
                          f"got {tuple(codes.shape)} {codes.dtype} and {tuple(bscale.shape)} {bscale.dtype}")
-    cr, br = _rows(codes), _rows(bscale)
-    y = torch.empty((cr.shape[0], D), device=codes.device, dtype=torch.bfloat16)
-    _nvfp4_decode_rows_kernel[(triton.cdiv(cr.shape[0], 16),)](cr, br, y, cr.shape[0], D=D, BLOCK_R=16, num_warps=4)
-    return y.view(*codes.shape[:-1], D)
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"decode_nvfp4_rows: dtype bfloat16 or float32, got {dtype}")
+    channels = channels_scale is not None
+    if channels != (channel_amax is not None):
+        raise ValueError("decode_nvfp4_rows: channels_scale and channel_amax go together (the per-channel view)")
+    c3, b3 = _heads(codes), _heads(bscale)
+    G, S, _ = c3.shape
+    y = torch.empty((G, S, D), device=codes.device, dtype=dtype)
+    ct = torch.empty((G, D, S) if channels else 0, device=codes.device, dtype=torch.float8_e4m3fn)
+    cs = torch.empty((G, D) if channels else 0, device=codes.device, dtype=torch.float32)
+    none = cs  # pointer arguments the decode alone does not read
+    grid, block = _row_grid(S, G, 1)
+    _nvfp4_decode_kernel[grid](
+        c3, b3, y, ct, cs, channels_scale if channels else none, channel_amax.contiguous() if channels else none,
+        S, D=D, BLOCK_S=block, CHANNELS=channels, HW_CVT=_hw_cvt(), num_warps=4)
+    values = y.view(*codes.shape[:-1], D)
+    if not channels:
+        return values
+    lead = codes.shape[:-2]
+    return values, ct.view(*lead, D, S), cs.view(*lead, D)
 
 
-def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None,
-                 pad_keys_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, pad_keys_to: int = 1,
+                 channel_amax: torch.Tensor | None = None, tokens: bool = False):
     """V (B, H, S, D) as e4m3 V^T (B, H, D, S) and its per-channel scale (B, H, D): FP8 per
     channel, or MXFP4 inside its e4m3 window (`reference.operands.quantize_v`).
 
@@ -365,9 +532,15 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None,
     `pad_keys_to`: V^T's rows are allocated with a multiple of this many keys, zero past
     S, and V^T is returned as the (B, H, D, S) view of them: a kernel can then read
     whole key tiles without a mask, and rows start 16-byte aligned whatever S is (an
-    unaligned row stride made the forward load V^T a byte at a time)."""
-    if scale is not None and fmt != "fp8":
-        raise ValueError(f"quantize_v_t: `scale` is for fmt='fp8' only, got fmt={fmt!r}")
+    unaligned row stride made the forward load V^T a byte at a time).
+    `channel_amax` (FP8 only): max |v| per head and channel, (B, H, D) float32 bits,
+    when a pass over v has recorded it (`quantize_qk_fp8(..., channel_amax=True)`);
+    computed here otherwise.
+    `tokens`: also the per-token FP8 of V's represented values (V^T's values times the
+    scales), (B, H, S, D) e4m3 and (B, H, S): the training backward's view of V, made
+    from the tile in registers instead of a pass over V^T."""
+    if (scale is not None or channel_amax is not None) and fmt != "fp8":
+        raise ValueError(f"quantize_v_t: `scale` and `channel_amax` are for fmt='fp8' only, got fmt={fmt!r}")
     if not isinstance(pad_keys_to, int) or pad_keys_to < 1:
         raise ValueError(f"quantize_v_t: pad_keys_to must be a positive int (1: no padding), got {pad_keys_to!r}")
     B, H, S, D = v.shape
@@ -377,34 +550,28 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None,
     if s_row > S:
         vt[..., S:].zero_()
     vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
+    y = torch.empty((B, H, S, D) if tokens else 0, device=v.device, dtype=torch.float8_e4m3fn)
+    ys = torch.empty((B, H, S) if tokens else 0, device=v.device, dtype=torch.float32)
     none = vs  # pointer arguments the other format's path does not read
-    block_s = 64
+    # keys per program: 64 (80 registers on sm_90 at D = 128); 32 with the per-token
+    # view, which at 64 took 167
+    block_s = 32 if tokens else 64
     grid = (triton.cdiv(S, block_s), B * H)
     if fmt == "fp8":
-        lo, hi = torch.aminmax(vc, dim=-2)  # the scales are computed from them in _v_kernel
-        _v_kernel[grid](vc, vt, vs, scale if scale is not None else none, lo, hi, none, none, none, S, s_row, D=D,
-                        BLOCK_S=block_s, MXFP4=False, HAS_SCALE=scale is not None, num_warps=4)
+        amax = channel_amax.contiguous() if channel_amax is not None else abs_max_bits(vc, per_channel=True)
+        _v_kernel[grid](vc, vt, vs, scale if scale is not None else none, amax, none, none, none, y, ys, S, s_row,
+                        D=D, BLOCK_S=block_s, MXFP4=False, HAS_SCALE=scale is not None, TOKENS=tokens,
+                        HW_CVT=_hw_cvt(), num_warps=4)
     else:
         n_blocks = triton.cdiv(S, MX_BLOCK)
         e = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int32)
         finite = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int8)
         e_max = torch.full((B * H,), constants.E8M0_EMIN, device=v.device, dtype=torch.int32)
-        _mx_block_stats_kernel[grid](vc, e, finite, e_max, S, D=D, BLOCK_S=block_s, num_warps=4)
-        _v_kernel[grid](vc, vt, vs, none, none, none, e, finite, e_max, S, s_row, D=D, BLOCK_S=block_s,
-                        MXFP4=True, HAS_SCALE=False, num_warps=4)
-    return (vt[..., :S] if s_row > S else vt), vs
-
-
-def quantize_fp8_tokens_of_vt(vt: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token FP8 (B, H, S, D) e4m3 and scales (B, H, S) of V's represented values
-    vt^T * vs, read from the forward's V^T (B, H, D, S) and per-channel scales (B, H, D)."""
-    B, H, D, S = vt.shape
-    y = torch.empty((B, H, S, D), device=vt.device, dtype=torch.float8_e4m3fn)
-    ys = torch.empty((B, H, S), device=vt.device, dtype=torch.float32)
-    block_s = 32
-    _fp8_tokens_of_vt_kernel[(triton.cdiv(S, block_s), B * H)](vt.contiguous(), vs.contiguous(), y, ys, S, D=D,
-                                                                BLOCK_S=block_s, num_warps=4)
-    return y, ys
+        _mx_block_stats_kernel[(triton.cdiv(S, 64), B * H)](vc, e, finite, e_max, S, D=D, BLOCK_S=64, num_warps=4)
+        _v_kernel[grid](vc, vt, vs, none, none, e, finite, e_max, y, ys, S, s_row, D=D, BLOCK_S=block_s,
+                        MXFP4=True, HAS_SCALE=False, TOKENS=tokens, HW_CVT=_hw_cvt(), num_warps=4)
+    out = ((vt[..., :S] if s_row > S else vt), vs)
+    return out + (y, ys) if tokens else out
 
 
 def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe) -> KernelOperands:

@@ -5,10 +5,12 @@ activation checkpointing trace through them).
 
 The forward saves what the recipe's backward reads and nothing more, as the paper
 keeps it: the NVFP4 Q/K payloads (two E2M1 codes a byte, an e4m3 scale per 16, the
-tensor scale), V as the e4m3 V^T with its scales, the output and the LSE: about 4.2
-bytes per element of Q/K/V/O, where bf16 grid values of Q/K took 7 and bf16 attention
-keeps 8. No score tile is kept: the backward decodes Q/K to their bf16 grid values and
-rebuilds P from these.
+tensor scale, and each channel's largest grid value, which the backward's per-channel
+FP8 views of Q and K need), V as the per-token e4m3 view of its represented values
+that dP = dO V^T reads, the output and the LSE: about 4.2 bytes per element of
+Q/K/V/O, where bf16 grid values of Q/K took 7 and bf16 attention keeps 8. No score
+tile is kept: the backward decodes Q/K to their bf16 grid values and rebuilds P from
+these.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -24,13 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 from fp4attn.kernels.hopper.ops import P_MODES, launch_forward, unsupported_reason
-from fp4attn.kernels.hopper.quantize import (
-    decode_nvfp4_rows,
-    quantize_fp8_tokens_of_vt,
-    quantize_qk_fp8,
-    quantize_qk_nvfp4,
-    quantize_v_t,
-)
+from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows, quantize_qk_fp8, quantize_qk_nvfp4, quantize_v_t
 from fp4attn.recipes import Recipe
 from fp4attn.reference.backward import DS_BLOCK
 from fp4attn.reference.forward import LOG2E
@@ -116,66 +113,100 @@ def training_unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
     return unsupported_reason(recipe, head_dim)
 
 
+def quantize_for_training(q, k, v, v_fmt: str) -> tuple[KernelOperands, tuple[torch.Tensor, ...]]:
+    """The forward kernel's operands of a training recipe (NVFP4 Q/K, V in `v_fmt`), and
+    what the backward reads, in the order `backward_operands` takes it: Q's codes and
+    block scales, K's, the tensor decode scales of Q and K (one float each), the
+    channels' max |grid value| of Q and K ((B, H, D) float32 bits), and the per-token
+    e4m3 view of V's represented values with its scales."""
+    qv, qs, q_codes, q_bscale, q_amax = quantize_qk_nvfp4(q, packed=True, channel_amax=True)
+    kv, ks, k_codes, k_bscale, k_amax = quantize_qk_nvfp4(k, packed=True, channel_amax=True)
+    vt, vs, v_t, v_ts = quantize_v_t(v, v_fmt, pad_keys_to=BLOCK_N, tokens=True)
+    ops = KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
+    return ops, (q_codes, q_bscale, k_codes, k_bscale, qs.flatten()[:1], ks.flatten()[:1], q_amax, k_amax, v_t, v_ts)
+
+
 @torch.library.custom_op("fp4attn::hopper_train_forward", mutates_args=())
 def _train_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
     causal_offset: int, causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, then what the backward reads: Q's codes and block scales, K's, the
-    tensor decode scales of Q and K (one float each), V^T e4m3 and its scales). The
-    bf16 grid values the forward kernel multiplies are made in the same pass as the
-    payload and dropped after it."""
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, then what the backward reads: `quantize_for_training`'s saved
+    tensors). The bf16 grid values and V^T the forward kernel multiplies are made in
+    the same passes as these and dropped after it."""
     if qk != "nvfp4":
         raise ValueError(f"hopper_train_forward: Q/K format {qk!r} (the training kernels run 'nvfp4')")
-    qv, qs, q_codes, q_bscale = quantize_qk_nvfp4(q, packed=True)
-    kv, ks, k_codes, k_bscale = quantize_qk_nvfp4(k, packed=True)
-    vt, vs = quantize_v_t(v, v_fmt, pad_keys_to=BLOCK_N)
-    out, lse, _ = launch_forward(KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True), scale=scale,
-                                 causal_offset=causal_offset if causal else None, p_mode=P_MODES[(p, p_build)])
-    # V^T is saved contiguous, as the fake implementation describes it (a copy only when
-    # its rows were padded, at key counts that are not a multiple of the tile)
-    return (out, lse, q_codes, q_bscale, k_codes, k_bscale, qs.flatten()[:1].clone(), ks.flatten()[:1].clone(),
-            vt.contiguous(), vs)
+    ops, saved = quantize_for_training(q, k, v, v_fmt)
+    out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
+                                 p_mode=P_MODES[(p, p_build)])
+    # the tensor scales are views of the per-row scales: cloned, so that only one float
+    # each is kept
+    return (out, lse, *saved[:4], saved[4].clone(), saved[5].clone(), *saved[6:])
 
 
 @_train_forward_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    f32, u8, e4m3 = torch.float32, torch.uint8, torch.float8_e4m3fn
+    f32, u8, i32, e4m3 = torch.float32, torch.uint8, torch.int32, torch.float8_e4m3fn
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
             q.new_empty((B, H, Sq, D // 2), dtype=u8), q.new_empty((B, H, Sq, D // 16), dtype=e4m3),
             q.new_empty((B, Hkv, Sk, D // 2), dtype=u8), q.new_empty((B, Hkv, Sk, D // 16), dtype=e4m3),
             q.new_empty((1,), dtype=f32), q.new_empty((1,), dtype=f32),
-            q.new_empty((B, Hkv, D, Sk), dtype=e4m3), q.new_empty((B, Hkv, D), dtype=f32))
+            q.new_empty((B, H, D), dtype=i32), q.new_empty((B, Hkv, D), dtype=i32),
+            q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32))
 
 
 @torch.library.custom_op("fp4attn::hopper_train_backward", mutates_args=())
 def _train_backward_op(
     dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_codes: torch.Tensor, q_bscale: torch.Tensor,
-    k_codes: torch.Tensor, k_bscale: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, vt: torch.Tensor,
-    vs: torch.Tensor, p: str, p_build: str, causal_offset: int, causal: bool, scale: float,
-    dq_dtype: torch.dtype, dk_dtype: torch.dtype, dv_dtype: torch.dtype,
+    k_codes: torch.Tensor, k_bscale: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, q_amax: torch.Tensor,
+    k_amax: torch.Tensor, v_t: torch.Tensor, v_ts: torch.Tensor, p: str, p_build: str, causal_offset: int,
+    causal: bool, scale: float, dq_dtype: torch.dtype, dk_dtype: torch.dtype, dv_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the given dtypes from the forward's saved operands."""
-    qv, kv = decode_nvfp4_rows(q_codes, q_bscale), decode_nvfp4_rows(k_codes, k_bscale)
-    return launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale,
-                           (dq_dtype, dk_dtype, dv_dtype))
+    ops = backward_operands(dout, out, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts)
+    return launch_backward(ops, lse, p, p_build, causal_offset, causal, scale, (dq_dtype, dk_dtype, dv_dtype))
 
 
-def backward_operands(dout, out, qv, kv, qs, ks, vt, vs):
-    """The e4m3 views of the gradient products (reference/backward.py), from fused
-    quantizers: per token for dO and V in dP = dO V^T; per channel, stored transposed
-    (contraction dim contiguous) for dO, Q and K in dV, dK and dQ. Q and K are their
-    dequantized NVFP4 values: grid values times the tensor scale, one scalar per tensor.
-    Also delta = rowsum(dO * O), computed in the pass over dO."""
-    do_t, do_ts, delta = quantize_qk_fp8(dout, dot_with=out)
-    do_c, do_cs = quantize_v_t(dout, "fp8")
-    v_t, v_ts = quantize_fp8_tokens_of_vt(vt, vs)
-    q_c, q_cs = quantize_v_t(qv, "fp8", scale=qs.reshape(-1)[:1])
-    k_c, k_cs = quantize_v_t(kv, "fp8", scale=ks.reshape(-1)[:1])
-    return do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta
+class BackwardOperands(NamedTuple):
+    """What the backward kernels read besides the LSE (reference/backward.py's views):
+    Q and K as their NVFP4 grid values (B, heads, S, D) and tensor decode scales qs, ks
+    (1,); e4m3 views with float32 scales, per token (B, heads, S, D) for dO and V in
+    dP = dO V^T, per channel and stored transposed (B, heads, D, S; contraction dim
+    contiguous) for dO, Q and K in dV, dK and dQ; delta = rowsum(dO * O)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    qs: torch.Tensor
+    ks: torch.Tensor
+    do_t: torch.Tensor
+    do_ts: torch.Tensor
+    do_c: torch.Tensor
+    do_cs: torch.Tensor
+    v_t: torch.Tensor
+    v_ts: torch.Tensor
+    q_c: torch.Tensor
+    q_cs: torch.Tensor
+    k_c: torch.Tensor
+    k_cs: torch.Tensor
+    delta: torch.Tensor
+
+
+def backward_operands(dout, out, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts,
+                      values_dtype: torch.dtype = torch.bfloat16) -> BackwardOperands:
+    """The backward's operands from the forward's saved ones (`quantize_for_training`),
+    in four passes: Q and K each decoded to grid values (as `values_dtype`) together
+    with their per-channel views, whose scales the forward's channel maxima give; dO
+    read once for its per-token view, delta and its channel maxima, and once more for
+    its per-channel view."""
+    qv, q_c, q_cs = decode_nvfp4_rows(q_codes, q_bscale, values_dtype, channels_scale=qs, channel_amax=q_amax)
+    kv, k_c, k_cs = decode_nvfp4_rows(k_codes, k_bscale, values_dtype, channels_scale=ks, channel_amax=k_amax)
+    do_t, do_ts, delta, do_amax = quantize_qk_fp8(dout, dot_with=out, channel_amax=True)
+    do_c, do_cs = quantize_v_t(dout, "fp8", channel_amax=do_amax)
+    return BackwardOperands(qv, kv, qs.contiguous(), ks.contiguous(), do_t, do_ts, do_c, do_cs, v_t.contiguous(),
+                            v_ts.contiguous(), q_c, q_cs, k_c, k_cs, delta)
 
 
 def tiles_tma_loadable(q, do_t, do_c, q_c, k, v_t, k_c) -> bool:
@@ -205,16 +236,14 @@ def backward_descriptors(q, do_t, do_c, q_c, k, v_t, k_c) -> dict[str, TensorDes
                 K=desc(k, False), V_T=desc(v_t, False), K_C=desc(k_c, True))
 
 
-def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale,
+def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causal, scale,
                     dtypes=(torch.float32,) * 3):
-    """Quantize the backward's operand views and run the dkdv and dq kernels: (dq, dk,
-    dv), float32 sums stored in `dtypes`. qs, ks: (1,) the tensor decode scales of the
-    NVFP4 Q and K whose grid values are qv, kv."""
+    """Run the dkdv and dq kernels on the backward's operands: (dq, dk, dv), float32
+    sums stored in `dtypes`."""
+    qv, kv, qs, ks, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta = ops
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
-    do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta = backward_operands(
-        dout, out, qv, kv, qs, ks, vt, vs)
-    lse, qv, kv, qs, ks = lse.contiguous(), qv.contiguous(), kv.contiguous(), qs.contiguous(), ks.contiguous()
+    lse = lse.contiguous()
     cfg = backward_config(D)
     atomic = cfg.dq_atomic and not torch.are_deterministic_algorithms_enabled()
     # dQ by atomics is summed in float32 and cast after
@@ -266,8 +295,8 @@ def launch_backward(dout, out, lse, qv, kv, qs, ks, vt, vs, p, p_build, causal_o
 
 
 @_train_backward_op.register_fake
-def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, vt, vs, p, p_build, causal_offset, causal, scale,
-      dq_dtype, dk_dtype, dv_dtype):
+def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts, p, p_build,
+      causal_offset, causal, scale, dq_dtype, dk_dtype, dv_dtype):
     kshape = (*k_codes.shape[:-1], k_codes.shape[-1] * 2)
     return (dout.new_empty(dout.shape, dtype=dq_dtype), dout.new_empty(kshape, dtype=dk_dtype),
             dout.new_empty(kshape, dtype=dv_dtype))
@@ -276,6 +305,9 @@ def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, vt, vs, p, p
 def _setup_context(ctx, inputs, output):
     q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale = inputs
     ctx.save_for_backward(*output)  # out, lse and the quantized operands
+    # the LSE and the saved operands get no gradient: left None, not filled with zeros
+    # (nine fill kernels per backward)
+    ctx.set_materialize_grads(False)
     ctx.args = (p, p_build, causal_offset, causal, scale)
     ctx.dtypes = (q.dtype, k.dtype, v.dtype)
 
@@ -283,6 +315,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, *_unused):
     """Gradients of q, k, v (in their dtypes) from the output's; the LSE and the saved
     operands are not differentiable outputs."""
+    if dout is None:  # the output was not used: no gradient flows to q, k, v
+        return (None,) * 10
     grads = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
     return tuple(grads) + (None,) * 7
 
