@@ -129,3 +129,42 @@ SCRIPT = textwrap.dedent('''
 
 def test_fused_quantizers_under_the_interpreter():
     run_under_interpreter(SCRIPT, timeout=900)
+
+
+E2M1_SCRIPT = textwrap.dedent('''
+    import torch
+    import triton
+    import triton.language as tl
+    from fp4attn.formats import decode_e2m1, encode_e2m1
+    from fp4attn.kernels.hopper import quantize as qz
+
+    @triton.jit
+    def e2m1(X, V, C, N, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + i, mask=i < N, other=0.0)
+        v = qz._e2m1_value(x)
+        tl.store(V + i, v, mask=i < N)
+        tl.store(C + i, qz._e2m1_code(v), mask=i < N)
+
+    # every 61st float32 from 0 to 16 (about 18 million), every rounding boundary and
+    # tie, and the float32 on either side of each
+    x = torch.arange(0, 0x41800000, 61, dtype=torch.int32).view(torch.float32)
+    edges = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 7.99, 1e30])
+    x = torch.cat([x, edges, torch.nextafter(edges, torch.zeros(())), torch.nextafter(edges, torch.full((), 1e38))])
+    v, c = torch.empty_like(x), torch.empty(x.shape, dtype=torch.int32)
+    block = 1 << 20
+    e2m1[(triton.cdiv(x.numel(), block),)](x, v, c, x.numel(), BLOCK=block)
+    want = encode_e2m1(x)
+    assert torch.equal(c.to(torch.uint8), want), x[c.to(torch.uint8) != want][:8]
+    assert torch.equal(v.view(torch.int32), decode_e2m1(want).view(torch.int32)), x[v != decode_e2m1(want)][:8]
+    print("ok")
+''')
+
+
+def test_e2m1_rounding_helpers_are_the_reference_rounding():
+    """The quantizers' E2M1 rounding (`_e2m1_value`: one mantissa bit on the float32
+    bits, the 2**23 shift below 1) and the code it stores (`_e2m1_code`, from the
+    value's bits) against `formats.encode_e2m1`, bit for bit, over a sweep of float32
+    from 0 to 16 with every tie and its neighbours. Pure float32 arithmetic, which the
+    interpreter does as the GPU."""
+    run_under_interpreter(E2M1_SCRIPT, timeout=900)

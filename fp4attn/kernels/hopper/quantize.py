@@ -118,24 +118,32 @@ def _fp8_channel_scales(AMAX, SCALE, D: tl.constexpr, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_code(a):
-    """E2M1 magnitude code (0 .. 7, int32) nearest to non-negative a, ties to even,
-    saturating: the number of rounding boundaries a passes (0.25 and 1.25 and 2.5 are
-    ties that go down to the even code, 0.75, 1.75 and 3.5 ties that go up)."""
-    return ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+def _e2m1_value(a):
+    """E2M1 value (0 .. 6) nearest to non-negative a, ties to the even code, saturating
+    at 6: at and above 1 the float32 rounded to one mantissa bit on its bits (nearest
+    even: 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4, as E2M1's even codes), below
+    1 the nearest even multiple of 0.5 by the 2**23 shift (0.25 -> 0, 0.75 -> 1). About
+    a third of the instructions of counting the seven rounding boundaries and mapping
+    the count back to a value (sm_90 SASS)."""
+    a = tl.minimum(a, 6.0)
+    b = a.to(tl.int32, bitcast=True)
+    b = (b + ((1 << 21) - 1) + ((b >> 22) & 1)) & ~((1 << 22) - 1)
+    sub = ((a * 2.0 + 8388608.0) - 8388608.0) * 0.5
+    return tl.where(a >= 1.0, b.to(tl.float32, bitcast=True), sub)
+
+
+@triton.jit
+def _e2m1_code(v):
+    """E2M1 magnitude code (0 .. 7, int32) of a value on the E2M1 grid: from 1 up its
+    float32 exponent and mantissa bit ((e + 127) * 2 + m - 252: 1 -> 2, 6 -> 7), below
+    it 0.5 -> 1, 0 -> 0."""
+    return tl.where(v >= 1.0, (v.to(tl.int32, bitcast=True) >> 22) - 252, (v > 0.0).to(tl.int32))
 
 
 @triton.jit
 def _e2m1_magnitude(c):
     """The value (0, 0.5, 1, 1.5, 2, 3, 4, 6) of E2M1 magnitude code c (int32, 0 .. 7)."""
     return tl.where(c <= 4, c.to(tl.float32) * 0.5, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0)))
-
-
-@triton.jit
-def _e2m1_value(a):
-    """E2M1 value (0 .. 6) nearest to non-negative a, ties to even, saturating."""
-    return _e2m1_magnitude(_e2m1_code(a))
 
 
 @triton.jit
@@ -246,15 +254,15 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, S, D: tl.constexp
         d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
         enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), FP32_MAX, propagate_nan=nan_ok)
         y = x * enc[:, :, None]
-        code = _e2m1_code(tl.minimum(tl.abs(y), 6.0))
-        val = _with_sign_of(_e2m1_magnitude(code), y) * d[:, :, None]
+        mag = _e2m1_value(tl.abs(y))
+        val = _with_sign_of(mag, y) * d[:, :, None]
         tl.store(Y + offs, val.to(tl.bfloat16), mask=ok)
         if CHANNEL_AMAX:
             run = _abs_bits_max(run, tl.reshape(val, [BLOCK_R, D]), (s < S)[:, None])
         if PACKED:
             # a NaN element gets code 0 (E2M1 has no NaN; the block scale carries it)
             nan = y != y
-            code = tl.where(nan, 0, code | tl.where(y.to(tl.int32, bitcast=True) < 0, 8, 0))
+            code = tl.where(nan, 0, _e2m1_code(mag) | tl.where(y.to(tl.int32, bitcast=True) < 0, 8, 0))
             lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
             rok = (s < S)[:, None]
             tl.store(CODES + _row_offsets(rows, D // 2), (lo | (hi << 4)).to(tl.uint8), mask=rok)
