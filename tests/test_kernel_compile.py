@@ -188,7 +188,8 @@ def test_gluon_dkdv_launch_rejects_unknown_in_flight():
 def test_training_forward_keeps_the_packed_nvfp4_payload():
     """What the training forward keeps for the backward, as its fake implementation
     (what torch.compile traces) declares it: Q/K as packed NVFP4 (two E2M1 codes a byte,
-    an e4m3 scale per 16 elements), e4m3 V^T, bf16 output, float32 LSE and scales:
+    an e4m3 scale per 16 elements, the channels' maxima), V's per-token e4m3 view, bf16
+    output, float32 LSE and scales:
     about 4.2 bytes per element of Q/K/V/O, against 8 for bf16 copies; and the
     backward's gradients in the shapes of q and k/v (GQA)."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -88,7 +88,7 @@ SCRIPT = textwrap.dedent('''
     assert torch.equal(codes, ref.data) and torch.equal(bscale.float(), ref.scale.float())
     assert torch.equal(decode_nvfp4_rows(codes, bscale).view(torch.int16), values.view(torch.int16))
 
-    # the tensor and channel scales the kernels compute from the minimum and maximum:
+    # the tensor and channel scales the kernels compute from the maxima of |x|:
     # all-zero (S_enc clamped to FP32_MAX, a subnormal decode scale), Inf (S_enc 1), NaN
     # (NaN scales), fp16 and fp32 inputs, and FP8 V with the training's scalar factor
     from fp4attn.kernels.hopper.quantize import quantize_v_t
