@@ -45,9 +45,12 @@ def _check(q, k, v, recipe, causal=None, attn_mask=None):
     identical = (got == want).float().mean().item()
     # fast_accum's scores come from the fp8 wgmma, whose accumulation is not float32 even
     # with promotion every 32 products, and FP8 P has a rounding midpoint every 1/8 octave:
-    # measured 99.86-99.89% identical for `fp8-fastacc`, >= 99.9% for every other recipe
+    # measured 99.86-99.89% identical for `fp8-fastacc`, >= 99.9% for every other recipe.
+    # A tile of a dozen codes cannot show a fraction: there one flipped code is allowed
+    # (fp8-fastacc at Sq=1, Sk=3 flipped 1 of 12 in one run of many)
     min_identical = 0.998 if recipe.fast_accum and recipe.p == "fp8" else 0.999
-    assert identical >= min_identical, f"{recipe.name}: P bytes identical {identical:.6f}"
+    flipped = int((got != want).sum())
+    assert identical >= min_identical or flipped <= 1, f"{recipe.name}: P bytes identical {identical:.6f}"
     bias = torch.zeros(q.shape[-2], k.shape[-2], device="cuda", dtype=torch.float64)
     if causal is not None:
         bias = bias.masked_fill(~_mask(q.shape[-2], k.shape[-2], offset), float("-inf"))

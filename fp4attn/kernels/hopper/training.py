@@ -61,7 +61,8 @@ class BackwardConfig:
     dkdv_in_flight: int = 1  # the Gluon kernel's IN_FLIGHT: dK/dV half products in flight at once
     dkdv_staged: bool = False  # its STAGED: a tile's numbers through shared memory together
     # its SPLIT_MASKED: the causal diagonal's tiles in a loop of their own (the others
-    # skip the mask, which ptxas had if-converted into every tile)
+    # skip the mask, which ptxas had if-converted into every tile); measured slower
+    # (benchmarks/results/h200-quantizers-profile-aaa8ead.txt), not routed
     dkdv_split_masked: bool = False
     # dQ by the Gluon kernel (`backward_pipelined.py`) under the same conditions
     dq_gluon: bool = False
@@ -88,10 +89,9 @@ class BackwardConfig:
 # (4,16,4096,128), 1.68 -> 1.47 at (8,16,4096,64)
 BACKWARD_CONFIGS = {
     64: BackwardConfig(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
-                       dkdv_in_flight=2, dkdv_staged=True, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168,
-                       dkdv_split_masked=True),
+                       dkdv_in_flight=2, dkdv_staged=True, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),
     128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dkdv_staged=True,
-                        dq_gluon=True, dkdv_split_masked=True),
+                        dq_gluon=True),
 }
 BACKWARD_ENV = "FP4ATTN_BACKWARD_DQ_ATOMIC"  # "1": the dq_atomic variant at 64 keys per dkdv program (tuning)
 
