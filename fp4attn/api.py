@@ -208,6 +208,8 @@ def attention(
         enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention).
         return_lse: also return the log-sum-exp, float32 (B, Hq, Sq), natural log of
             the softmax denominator of the scaled scores; -inf for rows seeing no key.
+            On the Triton training kernels it carries no gradient (only the output's
+            gradient reaches q, k, v).
         backend: "auto" (the Triton kernels where they run the recipe: CUDA sm_90,
             head_dim a multiple of 16 up to 128 (below 64 or 128 zero-padded, which
             is exact), key masks only; with gradients, the training recipes
