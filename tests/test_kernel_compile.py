@@ -326,3 +326,30 @@ def test_warp_specialized_launch_rejects_unknown_layouts():
     for kw, msg in ((dict(partitions=5), "partitions=5"), (dict(overlap=3), "overlap=3")):
         with pytest.raises(ValueError, match=msg):
             launch_forward_pipelined(ops, scale=0.1, causal_offset=None, p_mode=0, warp_specialized=True, **kw)
+
+
+@pytest.mark.parametrize("name,consts", [
+    ("_abs_max_kernel", dict(BLOCK_S=32, BLOCKS=8, PER_CHANNEL=True)),
+    ("_fp8_rows_kernel", dict(BLOCK_R=16, BLOCKS=8, WITH_DOT=True, CHANNEL_AMAX=True, HW_CVT=True)),
+    ("_nvfp4_rows_kernel", dict(BLOCK_R=16, BLOCKS=8, PACKED=True, CHANNEL_AMAX=True)),
+    ("_nvfp4_decode_kernel", dict(BLOCK_S=16, CHANNELS=True, HW_CVT=True)),
+    ("_v_kernel", dict(BLOCK_S=32, MXFP4=False, HAS_SCALE=False, TOKENS=True, HW_CVT=True)),
+])
+def test_quantizer_builds_keep_their_measured_form(name, consts):
+    """The training step's quantizers as their launchers build them (sm_90, D=128): the
+    maxima by relaxed reductions (`REDG`; the default acq_rel compiled to an `ATOMG`
+    with a `MEMBAR.ALL.GPU` and made the passes slower than the ones they replaced), no
+    spill, at most 128 registers (four programs of 4 warps per SM; 32- and 64-row tiles
+    took up to 167), and e4m3 by the packed conversion (`F2FP`) where they round to it
+    (the bit arithmetic made the V pass instruction-bound). docs/notes/hopper-train.md,
+    "Quantizers of the training step"."""
+    from fp4attn.kernels.hopper.machine_code import compile_quantizer, inspect
+
+    r = inspect(compile_quantizer(name, **consts))
+    assert r.stack == 0, (name, r.stack)
+    assert r.registers <= 128, (name, r.registers)
+    assert r.count(r"MEMBAR") == 0 and r.count(r"\bATOMG\b") == 0, name
+    if consts.get("CHANNEL_AMAX") or name == "_abs_max_kernel":
+        assert r.count(r"\bREDG\.E\.MAX") > 0, name
+    if consts.get("HW_CVT"):
+        assert r.count(r"F2FP\.SATFINITE\.E4M3") > 0, name

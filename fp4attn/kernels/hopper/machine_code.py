@@ -229,6 +229,30 @@ def inspect_backward(*args, **kwargs) -> KernelReport:
     return inspect(compile_backward(*args, **kwargs))
 
 
+# the quantizers' pointer signatures (kernels/hopper/quantize.py), bf16 input, D = 128
+_QUANTIZER_SIGS = {
+    "_abs_max_kernel": dict(X="*bf16", AMAX="*i32", S="i32"),
+    "_fp8_rows_kernel": dict(X="*bf16", Y="*fp8e4nv", S_OUT="*fp32", O="*bf16", DOT="*fp32", CAMAX="*i32", S="i32"),
+    "_nvfp4_rows_kernel": dict(X="*bf16", Y="*bf16", AMAX="*i32", SDEC="*fp32", CODES="*u8", BSCALE="*fp8e4nv",
+                               CAMAX="*i32", S="i32"),
+    "_nvfp4_decode_kernel": dict(CODES="*u8", BSCALE="*fp8e4nv", Y="*bf16", CT="*fp8e4nv", CS="*fp32",
+                                 SCALE="*fp32", CAMAX="*i32", S="i32"),
+    "_v_kernel": dict(V="*bf16", VT="*fp8e4nv", VS="*fp32", SCALE="*fp32", AMAX="*i32", E="*i32", FINITE="*i8",
+                      EMAX="*i32", Y="*fp8e4nv", YS="*fp32", S="i32", S_ROW="i32"),
+}
+
+
+def compile_quantizer(name: str, **constexprs):
+    """Quantizer kernel `name` of `quantize.py` compiled for sm_90 with these constexprs
+    (D = 128 unless given), 4 warps as its launcher runs it; pointers and lengths
+    specialized as multiples of 16."""
+    from fp4attn.kernels.hopper import quantize
+
+    sig = _QUANTIZER_SIGS[name]
+    aligned = [n for n, t in sig.items() if t.startswith("*")] + [n for n in ("S", "S_ROW") if n in sig]
+    return _compile_sm90(getattr(quantize, name), sig, {"D": 128, **constexprs}, aligned, 4, 1)
+
+
 def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
                                maxnreg: int | None = None, staged: bool = False, split_masked: bool = False):
     """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_pipelined.py`)
