@@ -47,8 +47,7 @@ def backward_table():
                 if cfg.dkdv_gluon if part == "dkdv" else cfg.dq_gluon:
                     maxnreg = cfg.dkdv_maxnreg if part == "dkdv" else cfg.dq_maxnreg
                     builds.append((f"{part} Gluon", compile_backward_pipelined(
-                        causal, d, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg, staged=cfg.dkdv_staged,
-                        split_masked=cfg.dkdv_split_masked), 4))
+                        causal, d, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg, staged=cfg.dkdv_staged), 4))
                 for name, kernel, w in builds:
                     r = inspect(kernel)
                     loop = r.tile_loop()

@@ -157,7 +157,7 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
     assert cfg.dkdv_gluon and cfg.dq_gluon and cfg.tma
     def build(part, maxnreg, causal):
         return compile_backward_pipelined(causal, head_dim, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg,
-                                          staged=cfg.dkdv_staged, split_masked=cfg.dkdv_split_masked)
+                                          staged=cfg.dkdv_staged)
 
     for part, maxnreg in (("dkdv", cfg.dkdv_maxnreg), ("dq", cfg.dq_maxnreg)):
         kernel = build(part, maxnreg, causal)
@@ -171,10 +171,10 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
         assert sum(op.startswith("QGMMA") for op in loop) == head_dim // 32 + (8 if part == "dkdv" else 2), part
         assert r.count("UTMALDG") > 0
         assert r.stack <= 96, (part, r.stack)
-        if causal and (part == "dq" or cfg.dkdv_split_masked):
+        if causal and part == "dq":
             # the tiles off the causal diagonal select no mask: their loop is the
-            # non-causal one's (dQ's branch skips it; dK/dV's only with SPLIT_MASKED:
-            # ptxas if-converts its mask, 90 more instructions a tile at D=128)
+            # non-causal one's (dQ's branch skips it; dK/dV's mask ptxas if-converts,
+            # 90 more instructions a tile at D=128, docs/notes/hopper-train.md)
             plain = inspect(build(part, maxnreg, False)).tile_loop()
             assert len(loop) <= len(plain) + 32, (part, len(loop), len(plain))
         # CTA barriers per tile: the TMA issue's and, with STAGED, one pair for all of a

@@ -142,96 +142,13 @@ def _product(a, b_smem, zero):
     return warpgroup_mma(a, b_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
-# how `_dkdv_tile` masks a tile's scores: not at all, always, or where the tile starts
-# before the end of the causal diagonal (`mid`; a runtime test that ptxas if-converts,
-# so that every tile pays for the mask: 90 of the causal loop's 1,117 sm_90
-# instructions per thread at D=128; `SPLIT_MASKED` walks the two kinds in loops of
-# their own)
-MASK_NONE = gl.constexpr(0)
-MASK_ALL = gl.constexpr(1)
-MASK_DIAGONAL = gl.constexpr(2)
-
-
-@gluon.jit
-def _dkdv_tile(i, carry, n_tiles, n_m, lo, mid, b, hk, H, GROUP, Sq, causal_offset, q_desc, do_t_desc, do_c_desc,
-               q_c_desc, k_smem, v_smem, q_smem, do_t_smem, do_c_smem, q_c_smem, ready, lse_s, do_s_s, delta_s,
-               do_cs0_s, do_cs1_s, q_cs0_s, q_cs1_s, LSE, DO_TS, DELTA, DO_CS, Q_CS, q_scale, k_scale, offs_n, offs_mb,
-               v_s, t_zero, dp_zero, g_zero, MASK: gl.constexpr, t_layout: gl.constexpr, queries_t: gl.constexpr,
-               keys_g: gl.constexpr, dims_g: gl.constexpr, a_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, HALF: gl.constexpr, IN_FLIGHT: gl.constexpr, STAGED: gl.constexpr):
-    """Query tile i of the dK/dV program's walk (`attn_bwd_dkdv_pipelined_kernel`):
-    carry = (dk0, dk1, dv0, dv1, then tile i's numbers, loaded a tile ahead), returned
-    with the sums updated and tile i + 1's numbers."""
-    dk0, dk1, dv0, dv1, lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = carry
-    stage = i % STAGES
-    start_m = _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM, BLOCK_M)[0]
-    mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-    # 1. S^T and dP^T in flight; the next tile into the other stage (tile i-1's, whose
-    # products were waited for) and its numbers into registers
-    st_tok = _product(k_smem, q_smem.index(stage), t_zero)
-    dpt_tok = _product(v_smem, do_t_smem.index(stage), dp_zero)
-    _load_query_tile(i + 1, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
-                     q_smem, do_t_smem, do_c_smem, q_c_smem, ready, i + 1 < n_tiles, HEAD_DIM, BLOCK_M)
-    lse = lse_log2(lse)
-    if STAGED:  # this tile's numbers, for the layouts below
-        lse_s.store(lse)
-        do_s_s.store(do_s)
-        delta_s.store(delta)
-        do_cs0_s.store(do_cs0)
-        do_cs1_s.store(do_cs1)
-        q_cs0_s.store(q_cs0)
-        q_cs1_s.store(q_cs1)
-    nxt = _query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
-                         DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
-    # 2. P^T and its FP8 form
-    lse2 = _number(lse, lse_s, queries_t, 0, STAGED)
-    st = warpgroup_mma_wait(1, deps=[st_tok])
-    tt = log2_scores(st, q_scale, k_scale)
-    if MASK == MASK_ALL or (MASK == MASK_DIAGONAL and start_m < mid):  # a tile on the causal diagonal
-        offs_m = start_m + offs_mb
-        visible = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_offset
-        tt = gl.where(visible, tt, -float("inf"))
-    xt = tt - lse2
-    pt = gl.exp2(xt)
-    pr = gl.convert_layout(p_r(xt, pt, 0, True), a_layout)
-    # 3. dS^T and its e4m3 view per key
-    dpt = gl.convert_layout(warpgroup_mma_wait(0, deps=[dpt_tok]), t_layout)
-    dpt = dpt * v_s * _number(do_s, do_s_s, queries_t, 0, STAGED)
-    dst = pt * (dpt - _number(delta, delta_s, queries_t, 0, STAGED))
-    ds_g, ds_s = e4m3_rows(dst, 1, True)
-    ds_g = gl.convert_layout(ds_g, a_layout)
-    ds_s = gl.expand_dims(gl.convert_layout(ds_s, keys_g), 1)
-    # 4. dV += P_r^T dO_c (dO_c's channel scale differs per query head), then
-    # 5. dK += dS^T Q_c, dS^T with one scale per key over this query tile
-    do_c_tile = do_c_smem.index(stage)
-    q_c_tile = q_c_smem.index(stage)
-    tok = _product(pr, do_c_tile.slice(0, HALF), g_zero)
-    if IN_FLIGHT == 2:
-        tok1 = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
-        dv0 += warpgroup_mma_wait(1, deps=[tok]) * _number(do_cs0, do_cs0_s, dims_g, 0, STAGED)
-        tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
-        dv1 += warpgroup_mma_wait(1, deps=[tok1]) * _number(do_cs1, do_cs1_s, dims_g, 0, STAGED)
-        tok1 = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
-        dk0 += warpgroup_mma_wait(1, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_s, dims_g, 0, STAGED)
-        dk1 += warpgroup_mma_wait(0, deps=[tok1]) * ds_s * _number(q_cs1, q_cs1_s, dims_g, 0, STAGED)
-    else:
-        dv0 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs0, do_cs0_s, dims_g, 0, STAGED)
-        tok = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
-        dv1 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs1, do_cs1_s, dims_g, 0, STAGED)
-        tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
-        dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_s, dims_g, 0, STAGED)
-        tok = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
-        dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1, q_cs1_s, dims_g, 0, STAGED)
-    return (dk0, dk1, dv0, dv1) + nxt
-
-
 @gluon.jit
 def attn_bwd_dkdv_pipelined_kernel(
     q_desc, k_desc, do_t_desc, do_c_desc, v_desc, q_c_desc,
     QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = False, SPLIT_MASKED: gl.constexpr = False,
+    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = False,
 ):
     """Operands as `backward.attn_bwd_dkdv_kernel` reads them, the tiles by TMA:
     q_desc (B*H*Sq, D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles,
@@ -247,10 +164,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     A tile's per-query numbers (log2 LSE, dO's token scales, delta) and channel scales
     reach the wgmma layouts through shared memory: STAGED stores all seven together at
     the top of the tile (two CTA barriers per tile), otherwise each moves by its own
-    layout change (fourteen).
-
-    SPLIT_MASKED (causal): each head's tiles on the diagonal and the others in loops of
-    their own, in the same order, so that only the former compute the mask (`MASK_*`)."""
+    layout change (fourteen)."""
     gl.static_assert(BLOCK_N == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_M == 64)  # dS's scale block along the queries (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
@@ -323,27 +237,67 @@ def attn_bwd_dkdv_pipelined_kernel(
     dv1 = gl.zeros([BLOCK_N, HALF], gl.float32, layout=g_layout)
     mbarrier.wait(kv_bar.index(0), 0)
 
-    tile_args = (n_tiles, n_m, lo, mid, b, hk, H, GROUP, Sq, causal_offset, q_desc, do_t_desc, do_c_desc, q_c_desc,
-                 k_smem, v_smem, q_smem, do_t_smem, do_c_smem, q_c_smem, ready, lse_s, do_s_s, delta_s, do_cs0_s,
-                 do_cs1_s, q_cs0_s, q_cs1_s, LSE, DO_TS, DELTA, DO_CS, Q_CS, q_scale, k_scale, offs_n, offs_mb, v_s,
-                 t_zero, dp_zero, g_zero)
-    carry = (dk0, dk1, dv0, dv1, lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1)
-    if SPLIT_MASKED and CAUSAL:
-        # each head's query tiles in the walk's order: those on the diagonal, masked,
-        # then those that see every key, with no mask to select
-        n_masked = (mid - lo) // BLOCK_M
-        for g in range(GROUP):
-            for i in range(g * n_m, g * n_m + n_masked):
-                carry = _dkdv_tile(i, carry, *tile_args, MASK_ALL, t_layout, queries_t, keys_g, dims_g, a_layout,
-                                   HEAD_DIM, BLOCK_M, HALF, IN_FLIGHT, STAGED)
-            for i in range(g * n_m + n_masked, (g + 1) * n_m):
-                carry = _dkdv_tile(i, carry, *tile_args, MASK_NONE, t_layout, queries_t, keys_g, dims_g, a_layout,
-                                   HEAD_DIM, BLOCK_M, HALF, IN_FLIGHT, STAGED)
-    else:
-        for i in range(n_tiles):
-            carry = _dkdv_tile(i, carry, *tile_args, MASK_DIAGONAL, t_layout, queries_t, keys_g, dims_g, a_layout,
-                               HEAD_DIM, BLOCK_M, HALF, IN_FLIGHT, STAGED)
-    dk0, dk1, dv0, dv1 = carry[0], carry[1], carry[2], carry[3]
+    for i in range(n_tiles):
+        stage = i % STAGES
+        start_m = _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM, BLOCK_M)[0]
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        # 1. S^T and dP^T in flight; the next tile into the other stage (tile i-1's, whose
+        # products were waited for) and its numbers into registers
+        st_tok = _product(k_smem, q_smem.index(stage), t_zero)
+        dpt_tok = _product(v_smem, do_t_smem.index(stage), dp_zero)
+        _load_query_tile(i + 1, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
+                         q_smem, do_t_smem, do_c_smem, q_c_smem, ready, i + 1 < n_tiles, HEAD_DIM, BLOCK_M)
+        lse = lse_log2(lse)
+        if STAGED:  # this tile's numbers, for the layouts below
+            lse_s.store(lse)
+            do_s_s.store(do_s)
+            delta_s.store(delta)
+            do_cs0_s.store(do_cs0)
+            do_cs1_s.store(do_cs1)
+            q_cs0_s.store(q_cs0)
+            q_cs1_s.store(q_cs1)
+        nxt = _query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
+                             DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
+        # 2. P^T and its FP8 form
+        lse2 = _number(lse, lse_s, queries_t, 0, STAGED)
+        st = warpgroup_mma_wait(1, deps=[st_tok])
+        tt = log2_scores(st, q_scale, k_scale)
+        if start_m < mid:  # a tile on the causal diagonal
+            offs_m = start_m + offs_mb
+            visible = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_offset
+            tt = gl.where(visible, tt, -float("inf"))
+        xt = tt - lse2
+        pt = gl.exp2(xt)
+        pr = gl.convert_layout(p_r(xt, pt, 0, True), a_layout)
+        # 3. dS^T and its e4m3 view per key
+        dpt = gl.convert_layout(warpgroup_mma_wait(0, deps=[dpt_tok]), t_layout)
+        dpt = dpt * v_s * _number(do_s, do_s_s, queries_t, 0, STAGED)
+        dst = pt * (dpt - _number(delta, delta_s, queries_t, 0, STAGED))
+        ds_g, ds_s = e4m3_rows(dst, 1, True)
+        ds_g = gl.convert_layout(ds_g, a_layout)
+        ds_s = gl.expand_dims(gl.convert_layout(ds_s, keys_g), 1)
+        # 4. dV += P_r^T dO_c (dO_c's channel scale differs per query head), then
+        # 5. dK += dS^T Q_c, dS^T with one scale per key over this query tile
+        do_c_tile = do_c_smem.index(stage)
+        q_c_tile = q_c_smem.index(stage)
+        tok = _product(pr, do_c_tile.slice(0, HALF), g_zero)
+        if IN_FLIGHT == 2:
+            tok1 = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
+            dv0 += warpgroup_mma_wait(1, deps=[tok]) * _number(do_cs0, do_cs0_s, dims_g, 0, STAGED)
+            tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
+            dv1 += warpgroup_mma_wait(1, deps=[tok1]) * _number(do_cs1, do_cs1_s, dims_g, 0, STAGED)
+            tok1 = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
+            dk0 += warpgroup_mma_wait(1, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_s, dims_g, 0, STAGED)
+            dk1 += warpgroup_mma_wait(0, deps=[tok1]) * ds_s * _number(q_cs1, q_cs1_s, dims_g, 0, STAGED)
+        else:
+            dv0 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs0, do_cs0_s, dims_g, 0, STAGED)
+            tok = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
+            dv1 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs1, do_cs1_s, dims_g, 0, STAGED)
+            tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
+            dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_s, dims_g, 0, STAGED)
+            tok = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
+            dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1, q_cs1_s, dims_g, 0, STAGED)
+        lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt
 
     invalidate(kv_bar, 1)
     invalidate(ready, STAGES)
@@ -519,7 +473,7 @@ def descriptors(**operands) -> dict:
 
 def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,
                           causal: bool, scale: float, in_flight: int = 1, maxnreg: int | None = None,
-                          staged: bool = False, split_masked: bool = False):
+                          staged: bool = False):
     """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D) from `training.backward_operands`'s
     views, their tiles by `descs` (`descriptors` of q, k, do_t, do_c, v_t, q_c); Sq and Sk
     multiples of BLOCK."""
@@ -532,7 +486,7 @@ def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, d
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
         *(descs[n] for n in ("q", "k", "do_t", "do_c", "v_t", "q_c")), qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs,
         dk, dv, H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
-        CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=staged, SPLIT_MASKED=split_masked, num_warps=4, maxnreg=maxnreg)
+        CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=staged, num_warps=4, maxnreg=maxnreg)
 
 
 def launch_dq_pipelined(descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, causal_offset: int, causal: bool,
