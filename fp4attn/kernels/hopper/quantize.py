@@ -85,6 +85,15 @@ def _channel_amax_flush(CAMAX, run, D: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):
+    """The positions s in head g (int64) of this program's i-th block of BLOCK_R rows
+    (BLOCKS blocks a program, grid (cdiv(S, BLOCK_R * BLOCKS), G)), and their row indices
+    g * S + s (int64) in a (G, S, ...) tensor."""
+    s = (tl.program_id(0) * BLOCKS + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return s, g * S + s
+
+
+@triton.jit
 def _abs_max_kernel(X, AMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
                     PER_CHANNEL: tl.constexpr):
     """max |x| of X (G, S, D) as float32 bits, BLOCKS blocks of BLOCK_S rows a program:
@@ -93,9 +102,9 @@ def _abs_max_kernel(X, AMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: 
     g = tl.program_id(1).to(tl.int64)
     run = tl.zeros([BLOCK_S, D], tl.int32)
     for i in range(BLOCKS):
-        s = (tl.program_id(0) * BLOCKS + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+        s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
         ok = (s < S)[:, None]
-        x = tl.load(X + g * S * D + s.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=ok, other=0.0)
+        x = tl.load(X + rows[:, None] * D + tl.arange(0, D)[None, :], mask=ok, other=0.0)
         run = _abs_bits_max(run, x, ok)
     if PER_CHANNEL:
         _channel_amax_flush(AMAX + g * D, run, D)
@@ -173,8 +182,7 @@ def _fp8_rows_kernel(X, Y, S_OUT, O, DOT, CAMAX, S, D: tl.constexpr, BLOCK_R: tl
     g = tl.program_id(1).to(tl.int64)
     run = tl.zeros([BLOCK_R, D], tl.int32)
     for i in range(BLOCKS):
-        s = (tl.program_id(0) * BLOCKS + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rows = g * S + s
+        s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
         offs = rows[:, None] * D + tl.arange(0, D)[None, :]
         ok = (s < S)[:, None]
         x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
@@ -218,15 +226,6 @@ def _row_offsets(rows, N: tl.constexpr):
 
 
 @triton.jit
-def _head_rows(S, BLOCK_R: tl.constexpr):
-    """This program's head g (int64), its rows' positions s in the head, and their row
-    indices g * S + s (int64) in a (G, S, ...) tensor; grid (cdiv(S, BLOCK_R), G)."""
-    g = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    return g, s, g * S + s
-
-
-@triton.jit
 def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, S, D: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCKS: tl.constexpr, PACKED: tl.constexpr, CHANNEL_AMAX: tl.constexpr):
     """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) of X (G, S,
@@ -241,8 +240,7 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, S, D: tl.constexp
     mult, s_dec = _nvfp4_tensor_scales(AMAX)
     run = tl.zeros([BLOCK_R, D], tl.int32)
     for i in range(BLOCKS):
-        s = (tl.program_id(0) * BLOCKS + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rows = g * S + s
+        s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
         offs = _nvfp4_block_offsets(rows, D)
         ok = (s < S)[:, None, None]
         x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
@@ -280,7 +278,8 @@ def _nvfp4_decode_kernel(CODES, BSCALE, Y, CT, CS, SCALE, CAMAX, S, D: tl.conste
     (grid values times the tensor decode scale SCALE), stored transposed: CT (G, D, S)
     e4m3 and CS (G, D), from the channels' max |grid value| CAMAX (G, D) that the
     quantizing pass recorded (the backward's Q/K views for dK = dS^T Q and dQ = dS K)."""
-    g, s, rows = _head_rows(S, BLOCK_S)
+    g = tl.program_id(1).to(tl.int64)
+    s, rows = _block_rows(g, S, 0, BLOCK_S, 1)
     rok = (s < S)[:, None]
     b = tl.load(CODES + _row_offsets(rows, D // 2), mask=rok, other=0).to(tl.int32)
     code = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_S, D // 16, 16])
