@@ -308,6 +308,8 @@ def test_quantize_v_t_rejects_a_scale_for_mxfp4():
 
     with pytest.raises(ValueError, match="fmt='fp8' only"):
         quantize_v_t(torch.zeros(1, 1, 32, 64), "mxfp4", scale=torch.ones(1))
+    with pytest.raises(ValueError, match="`channel_amax` are for fmt='fp8' only"):  # MXFP4 has no channel scales
+        quantize_v_t(torch.zeros(1, 1, 32, 64), "mxfp4", channel_amax=torch.zeros(1, 1, 64, dtype=torch.int32))
     for bad in (0, -128, 1.5):
         with pytest.raises(ValueError, match="pad_keys_to must be a positive int"):
             quantize_v_t(torch.zeros(1, 1, 32, 64), "fp8", pad_keys_to=bad)

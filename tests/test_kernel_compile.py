@@ -235,6 +235,11 @@ def test_packed_nvfp4_entry_points_reject_bad_input():
         decode_nvfp4_rows(codes, torch.zeros(4, 4, dtype=torch.float8_e4m3fn))  # 4 scales for D = 128: want 8
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         decode_nvfp4_rows(codes, torch.zeros(4, 8, dtype=torch.uint8))
+    bscale = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="dtype bfloat16 or float32, got torch.float16"):
+        decode_nvfp4_rows(codes, bscale, torch.float16)
+    with pytest.raises(ValueError, match="channels_scale and channel_amax go together"):
+        decode_nvfp4_rows(codes, bscale, channels_scale=torch.ones(1))
     q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="Q/K format 'fp8'.*'nvfp4'"):
         torch.ops.fp4attn.hopper_train_forward(q, q, q, "fp8", "fp8", "exp2", "fp8", 0, True, 0.125)
