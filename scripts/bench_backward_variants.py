@@ -25,7 +25,7 @@ bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="med
 # 7f750d2 (h200-backward-variants-tma.txt), dq_atomic at 3f801e5
 # (h200-backward-variants-dq-atomic.txt)
 def _variants(cfg: BackwardConfig) -> list[BackwardConfig]:
-    return [cfg, dataclasses.replace(cfg, dkdv_early_dv=not cfg.dkdv_early_dv),
+    return [cfg, dataclasses.replace(cfg, dkdv_staged=not cfg.dkdv_staged),
             dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)]
 
 

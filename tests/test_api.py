@@ -440,7 +440,7 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
 
     monkeypatch.setattr(training, "attn_bwd_dkdv_kernel", Recorder("dkdv"))
     monkeypatch.setattr(training, "attn_bwd_dq_kernel", Recorder("dq"))
-    monkeypatch.setattr(backward_pipelined, "launch_dkdv_pipelined", gluon("dkdv", 4))  # in_flight, maxnreg, staged, early_dv
+    monkeypatch.setattr(backward_pipelined, "launch_dkdv_pipelined", gluon("dkdv", 3))  # in_flight, maxnreg, staged
     monkeypatch.setattr(backward_pipelined, "launch_dq_pipelined", gluon("dq", 1))  # maxnreg
 
     def route(d, sq=256, sk=128, p=("fp8", "exp2")):
@@ -460,8 +460,7 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
 
     for d in (64, 128):
         cfg = training.BACKWARD_CONFIGS[d]
-        assert route(d) == [("dkdv", "gluon", cfg.dkdv_in_flight, cfg.dkdv_maxnreg, cfg.dkdv_staged,
-                             cfg.dkdv_early_dv),
+        assert route(d) == [("dkdv", "gluon", cfg.dkdv_in_flight, cfg.dkdv_maxnreg, cfg.dkdv_staged),
                             ("dq", "gluon", cfg.dq_maxnreg)]
         token, channel = [64, d], [d, 64]
         assert gluon_tiles == dict(q=token, k=token, do_t=token, v_t=token, do_c=channel, q_c=channel, k_c=channel)

@@ -157,7 +157,7 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
     assert cfg.dkdv_gluon and cfg.dq_gluon and cfg.tma
     def build(part, maxnreg, causal):
         return compile_backward_pipelined(causal, head_dim, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg,
-                                          staged=cfg.dkdv_staged, early_dv=cfg.dkdv_early_dv)
+                                          staged=cfg.dkdv_staged)
 
     for part, maxnreg in (("dkdv", cfg.dkdv_maxnreg), ("dq", cfg.dq_maxnreg)):
         kernel = build(part, maxnreg, causal)

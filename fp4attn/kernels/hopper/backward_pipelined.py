@@ -148,7 +148,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = False, EARLY_DV: gl.constexpr = False,
+    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = False,
 ):
     """Operands as `backward.attn_bwd_dkdv_kernel` reads them, the tiles by TMA:
     q_desc (B*H*Sq, D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles,
@@ -269,15 +269,8 @@ def attn_bwd_dkdv_pipelined_kernel(
         xt = tt - lse2
         pt = gl.exp2(xt)
         pr = gl.convert_layout(p_r(xt, pt, 0, True), a_layout)
-        do_c_tile = do_c_smem.index(stage)
-        q_c_tile = q_c_smem.index(stage)
-        if EARLY_DV:  # dV's first half product runs while dS^T is built
-            tok = _product(pr, do_c_tile.slice(0, HALF), g_zero)
-            dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
-        else:
-            dpt = warpgroup_mma_wait(0, deps=[dpt_tok])
         # 3. dS^T and its e4m3 view per key
-        dpt = gl.convert_layout(dpt, t_layout)
+        dpt = gl.convert_layout(warpgroup_mma_wait(0, deps=[dpt_tok]), t_layout)
         dpt = dpt * v_s * _number(do_s, do_s_s, queries_t, 0, STAGED)
         dst = pt * (dpt - _number(delta, delta_s, queries_t, 0, STAGED))
         ds_g, ds_s = e4m3_rows(dst, 1, True)
@@ -285,8 +278,9 @@ def attn_bwd_dkdv_pipelined_kernel(
         ds_s = gl.expand_dims(gl.convert_layout(ds_s, keys_g), 1)
         # 4. dV += P_r^T dO_c (dO_c's channel scale differs per query head), then
         # 5. dK += dS^T Q_c, dS^T with one scale per key over this query tile
-        if not EARLY_DV:
-            tok = _product(pr, do_c_tile.slice(0, HALF), g_zero)
+        do_c_tile = do_c_smem.index(stage)
+        q_c_tile = q_c_smem.index(stage)
+        tok = _product(pr, do_c_tile.slice(0, HALF), g_zero)
         if IN_FLIGHT == 2:
             tok1 = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
             dv0 += warpgroup_mma_wait(1, deps=[tok]) * _number(do_cs0, do_cs0_s, dims_g, 0, STAGED)
@@ -479,7 +473,7 @@ def descriptors(**operands) -> dict:
 
 def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,
                           causal: bool, scale: float, in_flight: int = 1, maxnreg: int | None = None,
-                          staged: bool = False, early_dv: bool = False):
+                          staged: bool = False):
     """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D) from `training.backward_operands`'s
     views, their tiles by `descs` (`descriptors` of q, k, do_t, do_c, v_t, q_c); Sq and Sk
     multiples of BLOCK."""
@@ -492,7 +486,7 @@ def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, d
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
         *(descs[n] for n in ("q", "k", "do_t", "do_c", "v_t", "q_c")), qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs,
         dk, dv, H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
-        CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=staged, EARLY_DV=early_dv, num_warps=4, maxnreg=maxnreg)
+        CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=staged, num_warps=4, maxnreg=maxnreg)
 
 
 def launch_dq_pipelined(descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, causal_offset: int, causal: bool,

@@ -254,7 +254,7 @@ def compile_quantizer(name: str, **constexprs):
 
 
 def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
-                               maxnreg: int | None = None, staged: bool = False, early_dv: bool = False):
+                               maxnreg: int | None = None, staged: bool = False):
     """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_pipelined.py`)
     as its launcher runs it: bf16 gradients."""
     from triton.experimental.gluon import language as gl
@@ -282,6 +282,6 @@ def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, 
     sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")}, qk_scale="fp32", sm_scale="fp32")
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bp.BLOCK, BLOCK_N=bp.BLOCK, CAUSAL=causal)
     if part == "dkdv":
-        consts.update(IN_FLIGHT=in_flight, STAGED=staged, EARLY_DV=early_dv)
+        consts.update(IN_FLIGHT=in_flight, STAGED=staged)
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=maxnreg))

@@ -60,7 +60,6 @@ class BackwardConfig:
     dkdv_gluon: bool = False
     dkdv_in_flight: int = 1  # the Gluon kernel's IN_FLIGHT: dK/dV half products in flight at once
     dkdv_staged: bool = False  # its STAGED: a tile's numbers through shared memory together
-    dkdv_early_dv: bool = False  # its EARLY_DV: dV's first half product issued before dS^T is built
     # dQ by the Gluon kernel (`backward_pipelined.py`) under the same conditions
     dq_gluon: bool = False
     # register caps of the Gluon kernels' 4-warp programs (None: ptxas's choice, up to
@@ -273,7 +272,7 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     if dkdv_gluon:
         backward_pipelined.launch_dkdv_pipelined(gluon_descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv,
                                                  off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg,
-                                                 cfg.dkdv_staged, cfg.dkdv_early_dv)
+                                                 cfg.dkdv_staged)
     else:
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
             tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
