@@ -48,19 +48,19 @@ def device_ms(f) -> tuple[float, int]:
 
 
 @triton.jit
-def _empty_kernel(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, X: tl.constexpr):  # noqa: E741
+def _empty_kernel(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, X: tl.constexpr):
     pass
 
 
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-step = lambda: torch.autograd.grad(fp4attn.attention(q, k, v, recipe="train", causal=True), (q, k, v), dout)  # noqa: E731
+step = lambda: torch.autograd.grad(fp4attn.attention(q, k, v, recipe="train", causal=True), (q, k, v), dout)
 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-    sdpa = lambda: torch.autograd.grad(  # noqa: E731
+    sdpa = lambda: torch.autograd.grad(
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), dout)
     sdpa_host = host_ms(sdpa)
 ptrs = [torch.empty(64, device="cuda") for _ in range(8)]
-empty = lambda: _empty_kernel[(1,)](*ptrs, *range(8), X=1)  # noqa: E731
+empty = lambda: _empty_kernel[(1,)](*ptrs, *range(8), X=1)
 
 dev, launches = device_ms(step)
 wall = triton.testing.do_bench(step, warmup=5, rep=50, return_mode="median")
