@@ -74,6 +74,50 @@ for _ in range(20):
     step()
 prof.disable()
 torch.cuda.synchronize()
+# the host time of each layer of the call: the custom ops against their bodies, and the
+# bodies' parts (quantizers, kernel launches)
+from fp4attn.kernels.hopper import training
+from fp4attn.kernels.hopper.ops import launch_forward
+from fp4attn.recipes import PRESETS
+
+r = PRESETS["train"]
+fargs = (q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5)
+saved = torch.ops.fp4attn.hopper_train_forward(*fargs)
+bargs = (dout.contiguous(), *saved, r.p, r.p_build, 0, True, D**-0.5, *[torch.bfloat16] * 3)
+ops_f, _ = training.quantize_for_training(q, k, v, r.v)
+ops_b = training.backward_operands(dout, *saved[:1], *saved[2:])
+parts = {
+    "forward op (torch.ops, no autograd)": lambda: torch.ops.fp4attn.hopper_train_forward(*fargs),
+    "forward op body": lambda: training._train_forward_op._init_fn(*fargs),
+    "  its quantizers (quantize_for_training)": lambda: training.quantize_for_training(q, k, v, r.v),
+    "  its kernel launch (launch_forward)": lambda: launch_forward(ops_f, scale=D**-0.5, causal_offset=0, p_mode=0),
+    "backward op (torch.ops)": lambda: torch.ops.fp4attn.hopper_train_backward(*bargs),
+    "backward op body": lambda: training._train_backward_op._init_fn(*bargs),
+    "  its operand views (backward_operands)": lambda: training.backward_operands(dout, *saved[:1], *saved[2:]),
+    "  its kernel launches (launch_backward)": lambda: training.launch_backward(ops_b, saved[1], r.p, r.p_build, 0,
+                                                                                True, D**-0.5),
+}
+from fp4attn.kernels.hopper import backward_pipelined as bp
+from fp4attn.kernels.hopper.quantize import quantize_qk_nvfp4, quantize_v_t
+
+out0 = fp4attn.attention(q, k, v, recipe="train", causal=True)
+gops = {n: getattr(ops_b, n) for n in ("q", "k", "do_t", "v_t", "do_c", "q_c", "k_c")}
+descs = bp.descriptors(**gops)
+dk, dv, dq = (torch.empty_like(t) for t in (k, v, q))
+b = ops_b
+parts.update({
+    "attention forward alone (autograd graph built)": lambda: fp4attn.attention(q, k, v, recipe="train", causal=True),
+    "torch.autograd.grad alone (retain_graph)": lambda: torch.autograd.grad(out0, (q, k, v), dout, retain_graph=True),
+    "  Gluon descriptors of the backward (7)": lambda: bp.descriptors(**gops),
+    "  dK/dV launch alone": lambda: bp.launch_dkdv_pipelined(descs, b.qs, b.ks, saved[1], b.delta, b.do_ts, b.do_cs,
+                                                            b.v_ts, b.q_cs, dk, dv, 0, True, D**-0.5,
+                                                            staged=True),
+    "  dQ launch alone": lambda: bp.launch_dq_pipelined(descs, b.qs, b.ks, saved[1], b.delta, b.do_ts, b.v_ts, b.k_cs,
+                                                       dq, 0, True, D**-0.5),
+    "  one NVFP4 quantization (quantize_qk_nvfp4)": lambda: quantize_qk_nvfp4(q, packed=True, channel_amax=True),
+    "  V's quantization (quantize_v_t)": lambda: quantize_v_t(v, "fp8", pad_keys_to=64, tokens=True),
+})
+part_ms = {name: host_ms(f) for name, f in parts.items()}
 model = {r["impl"]: r["ms_step"] for r in model_step(["train"], steps=args.steps)}
 
 print(f"`train` causal fwd+bwd at (B,H,S,D) = {(B, H, S, D)}; GPT step: 20 layers, dim 2048, seq 4096, batch 1")
@@ -82,6 +126,8 @@ print("| host ms per call | device ms per call | kernels per call | do_bench ms 
 print("|---|---|---|---|---|---|---|---|")
 print(f"| {host:.2f} | {dev:.2f} | {launches} | {wall:.2f} | {sdpa_host:.3f} | {empty_host:.4f} | "
       f"{model['train']:.1f} | {model['sdpa-cudnn']:.1f} |")
+print("\n| part of one call | host ms |\n|---|---|")
+print("\n".join(f"| {name} | {ms:.3f} |" for name, ms in part_ms.items()))
 out = io.StringIO()
 stats = pstats.Stats(prof, stream=out)
 print(f"\nHost profile of 20 calls (cProfile, top {args.top} by own time, then by cumulative time):\n")
