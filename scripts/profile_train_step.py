@@ -118,6 +118,8 @@ parts.update({
     "  V's quantization (quantize_v_t)": lambda: quantize_v_t(v, "fp8", pad_keys_to=64, tokens=True),
 })
 part_ms = {name: host_ms(f) for name, f in parts.items()}
+print("| part of one call | host ms |\n|---|---|")
+print("\n".join(f"| {name} | {ms:.3f} |" for name, ms in part_ms.items()), flush=True)
 model = {r["impl"]: r["ms_step"] for r in model_step(["train"], steps=args.steps)}
 
 print(f"`train` causal fwd+bwd at (B,H,S,D) = {(B, H, S, D)}; GPT step: 20 layers, dim 2048, seq 4096, batch 1")
@@ -126,8 +128,6 @@ print("| host ms per call | device ms per call | kernels per call | do_bench ms 
 print("|---|---|---|---|---|---|---|---|")
 print(f"| {host:.2f} | {dev:.2f} | {launches} | {wall:.2f} | {sdpa_host:.3f} | {empty_host:.4f} | "
       f"{model['train']:.1f} | {model['sdpa-cudnn']:.1f} |")
-print("\n| part of one call | host ms |\n|---|---|")
-print("\n".join(f"| {name} | {ms:.3f} |" for name, ms in part_ms.items()))
 out = io.StringIO()
 stats = pstats.Stats(prof, stream=out)
 print(f"\nHost profile of 20 calls (cProfile, top {args.top} by own time, then by cumulative time):\n")
