@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from fp4attn.kernels.common import log2_scores
 from fp4attn.kernels.hopper.backward import P_OFFSET, causal_query_tiles, e4m3_rows, lse_log2, p_r
-from fp4attn.kernels.hopper.gluon_common import barriers, invalidate, wgmma_layout
+from fp4attn.kernels.hopper.gluon_common import barriers, invalidate, tma_descriptor, wgmma_layout
 from fp4attn.reference.backward import DS_BLOCK
 
 BLOCK = DS_BLOCK  # keys per program (wgmma's M) and queries per tile (dS's scale block, the recipe's)
@@ -458,15 +458,9 @@ def descriptors(**operands) -> dict:
     """Gluon TMA descriptors of the kernels' operands by name (q, k, do_t, v_t
     token-major in (BLOCK, D) tiles; do_c, q_c, k_c channel-major in (D, BLOCK) tiles),
     contiguous: built once for both kernels, which share q, k, do_t and v_t."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     def desc(t, channel_major):
-        t2 = t.view(-1, t.shape[-1])
         block = [t.shape[-2], BLOCK] if channel_major else [BLOCK, t.shape[-1]]
-        dtype = gl.float8e4nv if t.dtype == torch.float8_e4m3fn else gl.bfloat16
-        return TensorDescriptor(t2, list(t2.shape), list(t2.stride()), block,
-                                gl.NVMMASharedLayout.get_default_for(block, dtype))
+        return tma_descriptor(t.view(-1, t.shape[-1]), block)
 
     return {name: desc(t, name in CHANNEL_MAJOR) for name, t in operands.items()}
 

@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
-from fp4attn.kernels.hopper.gluon_common import barriers, wgmma_layout
+from fp4attn.kernels.hopper.gluon_common import barriers, tma_descriptor, wgmma_layout
 from fp4attn.kernels.hopper.operands import BLOCK_N, padded_vt_rows, tma_loadable
 
 BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
@@ -499,7 +499,6 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     their QK^T then runs on the bf16 tensor cores, without the fp8 accumulation's
     promotion."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from fp4attn.reference.forward import LOG2E
 
@@ -521,15 +520,10 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
         v2 = vt.reshape(B * Hkv * D, vt.shape[-1])
         v2 = v2[:, :Sk] if v2.shape[1] != Sk else v2  # a view: the padded stride, the true extent
 
-    def desc(t, block):
-        dtype = gl.float8e4nv if t.dtype == torch.float8_e4m3fn else gl.bfloat16
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, block_m), B * H)
-    args = (desc(q2, [block_m, D]), desc(k2, [block_n, D]), desc(v2, [D, block_n]), ops.qs, ops.ks, ops.vs, out, lse,
+    args = (tma_descriptor(q2, [block_m, D]), tma_descriptor(k2, [block_n, D]), tma_descriptor(v2, [D, block_n]), ops.qs, ops.ks, ops.vs, out, lse,
             H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E)
     flags = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode,
                  CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt)

@@ -1,9 +1,31 @@
 """Gluon helpers shared by the Hopper kernels in `forward_pipelined.py` and
-`backward_pipelined.py`: the wgmma accumulator layout and mbarriers."""
+`backward_pipelined.py`: the wgmma accumulator layout, mbarriers, and the host-side TMA
+descriptors of their operands."""
 
+import functools
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+@functools.cache
+def shared_layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The NVMMA shared-memory layout of a (bf16 or e4m3) TMA tile of shape `block`, as
+    wgmma reads it. Cached: building one took the host 5-15 us, and a `train` forward
+    and backward builds ten descriptors (the backward's seven took 0.16 ms of host time,
+    benchmarks/results/h200-train-step-profile.txt)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GLUON_DTYPES[dtype])
+
+
+def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """Gluon TMA descriptor of the 2-D tensor t (bf16 or e4m3, last dim contiguous) in
+    tiles of `block`."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, shared_layout(tuple(block), t.dtype))
 
 
 @gluon.constexpr_function

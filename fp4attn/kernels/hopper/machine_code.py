@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -71,6 +72,15 @@ def per_element(loop: list[str], elements_per_thread: int) -> tuple[float, list[
     return len(loop) / elements_per_thread, [(k, v / elements_per_thread) for k, v in ops.most_common()]
 
 
+def _desc_sig(dtype: torch.dtype, block: list[int]) -> str:
+    """The signature type of a Gluon kernel's TMA descriptor argument, as the launcher
+    specializes it (`gluon_common.tma_descriptor`'s layout)."""
+    from fp4attn.kernels.hopper.gluon_common import shared_layout
+
+    name = "fp8e4nv" if dtype == torch.float8_e4m3fn else "bf16"
+    return f"tensordesc<{name}[{block[0]}, {block[1]}],{shared_layout(tuple(block), dtype)!r}>"
+
+
 def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: int, num_stages: int):
     """`fn` compiled as the JIT would build it for sm_90, pointers and the names in
     `aligned` specialized as multiples of 16."""
@@ -121,7 +131,6 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
     """The compiled Gluon forward (`forward_pipelined.py`) for one flag combination:
     `attn_fwd_pipelined_kernel`, or with `warp_specialized` `attn_fwd_ws_kernel` at
     the launch `launch_forward_pipelined` gives it."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fp4attn.kernels.hopper import forward_pipelined as fp
@@ -129,13 +138,9 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
     BLOCK_N = fp.BLOCK_N
     BLOCK_M = fp.ws_launch(partitions)[0] if warp_specialized else fp.BLOCK_M
 
-    def desc(dtype, block):
-        name = "fp8e4nv" if dtype == gl.float8e4nv else "bf16"
-        return f"tensordesc<{name}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
-
-    qk = gl.float8e4nv if qk_fp8 else gl.bfloat16
-    sig = {"q_desc": desc(qk, [BLOCK_M, head_dim]), "k_desc": desc(qk, [BLOCK_N, head_dim]),
-           "v_desc": desc(gl.float8e4nv, [head_dim, BLOCK_N]), "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
+    qk = torch.float8_e4m3fn if qk_fp8 else torch.bfloat16
+    sig = {"q_desc": _desc_sig(qk, [BLOCK_M, head_dim]), "k_desc": _desc_sig(qk, [BLOCK_N, head_dim]),
+           "v_desc": _desc_sig(torch.float8_e4m3fn, [head_dim, BLOCK_N]), "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
            "O": "*bf16", "LSE": "*fp32", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
            "qk_scale": "fp32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal,
@@ -257,17 +262,13 @@ def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, 
                                maxnreg: int | None = None, staged: bool = False):
     """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_pipelined.py`)
     as its launcher runs it: bf16 gradients."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fp4attn.kernels.hopper import backward_pipelined as bp
 
-    def desc(dtype, block):
-        name = "fp8e4nv" if dtype == gl.float8e4nv else "bf16"
-        return f"tensordesc<{name}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
-
     token, channel = [bp.BLOCK, head_dim], [head_dim, bp.BLOCK]
-    bf16, e4m3 = gl.bfloat16, gl.float8e4nv
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    desc = _desc_sig
     if part == "dkdv":
         fn = bp.attn_bwd_dkdv_pipelined_kernel
         sig = {"q_desc": desc(bf16, token), "k_desc": desc(bf16, token), "do_t_desc": desc(e4m3, token),
