@@ -2,24 +2,11 @@
 called directly and against the body inside a plain autograd.Function, interleaved
 (three rounds), at (1,16,4096,128) causal."""
 
-import time
-
 import torch
 
+from fp4attn.cli.bench import host_ms
 from fp4attn.kernels.hopper import training
 from fp4attn.recipes import PRESETS
-
-
-def host_ms(f, n: int = 50) -> float:
-    f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        f()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return host / n * 1e3
-
 
 B, H, S, D = 1, 16, 4096, 128
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -50,7 +37,7 @@ cases = {
 res = {n: [] for n in cases}
 for _ in range(3):
     for n, f in cases.items():
-        res[n].append(host_ms(f))
+        res[n].append(host_ms(f, 50))
 print("| call | host ms, three rounds |\n|---|---|")
 for n, ms in res.items():
     print(f"| {n} | {' / '.join(f'{x:.3f}' for x in ms)} |")

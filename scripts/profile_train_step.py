@@ -12,14 +12,13 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 import triton
 import triton.language as tl
 
 import fp4attn
-from fp4attn.cli.bench import device_kernels
+from fp4attn.cli.bench import device_kernels, host_ms
 from fp4attn.cli.bench_train import model_step
 
 ap = argparse.ArgumentParser()
@@ -28,17 +27,6 @@ ap.add_argument("--steps", type=int, default=12)
 ap.add_argument("--top", type=int, default=25)
 args = ap.parse_args()
 B, H, S, D = (int(s) for s in args.shape.split(","))
-
-
-def host_ms(f, n: int = 20) -> float:
-    f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        f()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return host / n * 1e3
 
 
 def device_ms(f) -> tuple[float, int]:

@@ -99,6 +99,22 @@ def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def host_ms(fn, n: int = 20) -> float:
+    """Host time per call of `fn` when nothing waits on the GPU: n calls, then one
+    synchronization. A call whose host time exceeds its device time (`device_kernels`)
+    is launch-bound."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / n * 1e3
+
+
 def device_kernels(fn, reps: int = 20) -> dict[str, tuple[float, float]]:
     """{kernel name: (launches per call, device ms per call)} of the kernels `fn` runs,
     from the torch profiler (CUDA activity; each kernel's own span on the device). For
