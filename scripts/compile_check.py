@@ -1,7 +1,9 @@
 """Compile every Hopper forward variant for sm_90 (no GPU needed) at its default launch
 and print registers, stack, the key SASS instructions (QGMMA/HGMMA, MUFU.EX2) and the
 instructions per score element of the unmasked tile loop, with the largest opcodes
-(docs/notes/hopper-forward.md, "Instruction budget"). Sequence lengths are specialized
+(docs/notes/hopper-forward.md, "Instruction budget"); "full tile" counts what a tile off
+the causal diagonal and before the last issues: the loop less the mask code that such a
+tile branches around (`KernelReport.path`). Sequence lengths are specialized
 as multiples of 16, as the JIT compiles them at the bench shapes. A second table does
 the same for the warp-specialized Gluon kernel in its routed layout (its registers are
 the consumer's and the producer's `setmaxnreg`; its tile loop is the consumer's).
@@ -35,8 +37,8 @@ def backward_table():
     from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
 
     print("| kernel | D | causal | warps | regs | stack | shared KB | programs/SM | loop BAR | loop instr/thread "
-          "| instr/elem | largest |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| full tile instr/thread | full tile instr/elem | largest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d in (64, 128):
         cfg = BACKWARD_CONFIGS[d]
         triton_cfg = dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)
@@ -53,11 +55,12 @@ def backward_table():
                     loop = r.tile_loop()
                     shared = kernel.metadata.shared
                     programs = min(65536 // (r.registers * 32 * w), 228 * 1024 // (shared + 1024))
-                    n, ops = per_element(loop, 32)
+                    full = r.tile_path()
+                    n, ops = per_element(full, 32)
                     top = ", ".join(f"{k} {v:.1f}" for k, v in ops[:4])
                     bars = sum(op.startswith("BAR") for op in loop)
                     print(f"| {name} | {d} | {causal} | {w} | {r.registers} | {r.stack} | {shared / 1024:.1f} "
-                          f"| {programs} | {bars} | {len(loop)} | {n:.1f} | {top} |")
+                          f"| {programs} | {bars} | {len(loop)} | {len(full)} | {n:.1f} | {top} |")
 
 
 def main():
@@ -69,27 +72,29 @@ def main():
         backward_table()
         return
     print("| qk | P mode | causal | D | regs | stack | QGMMA | HGMMA | MUFU.EX2 | SASS lines | loop instr/elem "
-          "| largest |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| full tile instr/elem | largest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for qk_fp8 in (True, False):
         for p_mode in (0, 1, 2):
             for causal in (False, True):
                 for d in (64, 128):
                     r = inspect_forward(qk_fp8, p_mode, causal, d)
                     launch = forward_launch(d, qk_fp8, causal)
-                    n, ops = per_element(r.tile_loop(), launch.block_m * BLOCK_N // (launch.warps * 32))
+                    per_thread = launch.block_m * BLOCK_N // (launch.warps * 32)
+                    n_loop = len(r.tile_loop()) / per_thread
+                    n, ops = per_element(r.tile_path(), per_thread)
                     top = ", ".join(f"{k} {v:.1f}" for k, v in ops[:4])
                     print(f"| {'fp8' if qk_fp8 else 'bf16'} | {p_mode} | {causal} | {d} | {r.registers} | {r.stack} "
                           f"| {r.count('QGMMA')} | {r.count('HGMMA')} | {r.count('MUFU.EX2')} "
-                          f"| {r.sass.count(chr(10))} | {n:.1f} | {top} |")
+                          f"| {r.sass.count(chr(10))} | {n_loop:.1f} | {n:.1f} | {top} |")
                     if args.sass_dir:
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
                         name = f"fwd_qk{int(qk_fp8)}_p{p_mode}_c{int(causal)}_d{d}.sass"
                         (args.sass_dir / name).write_text(r.sass)
     print(f"\nWarp-specialized Gluon kernel, PARTITIONS={WS_PARTITIONS}, OVERLAP={WS_OVERLAP} (bf16 Q/K)")
     print("| P mode | causal | D | setmaxnreg consumer / producer | stack | QGMMA | HGMMA | MUFU.EX2 | SASS lines "
-          "| loop instr/elem | largest |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| loop instr/elem | full tile instr/elem | largest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p_mode in (0, 1):
         for causal in (False, True):
             for d in (64, 128):
@@ -100,14 +105,19 @@ def main():
                 # the consumer's tile loop: the longest loop holding one tile's QK^T (half the
                 # HGMMAs; the prologue has the other half) and every PV QGMMA. The mbarrier
                 # waits are loops of their own, and branches back into the loop body make
-                # shorter "loops" of part of it. It also holds the masked tiles' branch.
+                # shorter "loops" of part of it. It also holds the masks, which full tiles
+                # branch around ("full tile").
                 count = lambda lp, op: sum(o.startswith(op) for o in lp)  # noqa: E731
-                loop = max((lp for lp in r.loops() if count(lp, "QGMMA") == r.count("QGMMA")
-                            and 2 * count(lp, "HGMMA") == r.count("HGMMA")), key=len)
-                n, ops = per_element(loop, 64 * BLOCK_N // 128)
-                top = ", ".join(f"{k} {v:.1f}" for k, v in ops[:4])
+                ops = [op for _, op, _ in r.instructions()]
+                span = max((sp for sp in r.loop_spans() if count(ops[sp[0]:sp[1] + 1], "QGMMA") == r.count("QGMMA")
+                            and 2 * count(ops[sp[0]:sp[1] + 1], "HGMMA") == r.count("HGMMA")),
+                           key=lambda sp: sp[1] - sp[0])
+                per_thread = 64 * BLOCK_N // 128
+                n, top_ops = per_element(r.path(span), per_thread)
+                top = ", ".join(f"{k} {v:.1f}" for k, v in top_ops[:4])
                 print(f"| {p_mode} | {causal} | {d} | {regs[0]} / {regs[2]} | {r.stack} | {r.count('QGMMA')} "
-                      f"| {r.count('HGMMA')} | {r.count('MUFU.EX2')} | {r.sass.count(chr(10))} | {n:.1f} | {top} |")
+                      f"| {r.count('HGMMA')} | {r.count('MUFU.EX2')} | {r.sass.count(chr(10))} "
+                      f"| {(span[1] - span[0] + 1) / per_thread:.1f} | {n:.1f} | {top} |")
 
 
 if __name__ == "__main__":

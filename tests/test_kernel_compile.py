@@ -171,12 +171,14 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
         assert sum(op.startswith("QGMMA") for op in loop) == head_dim // 32 + (8 if part == "dkdv" else 2), part
         assert r.count("UTMALDG") > 0
         assert r.stack <= 96, (part, r.stack)
-        if causal and part == "dq":
-            # the tiles off the causal diagonal select no mask: their loop is the
-            # non-causal one's (dQ's branch skips it; dK/dV's mask ptxas if-converts,
-            # 90 more instructions a tile at D=128, docs/notes/hopper-train.md)
-            plain = inspect(build(part, maxnreg, False)).tile_loop()
-            assert len(loop) <= len(plain) + 32, (part, len(loop), len(plain))
+        if causal:
+            # the tiles off the causal diagonal issue no mask: ptxas leaves the mask in a
+            # region they branch around (not predicated into every tile), so their path
+            # is the non-causal one's (docs/notes/hopper-train.md, "The masks are branched
+            # around")
+            full, plain = r.tile_path(), inspect(build(part, maxnreg, False)).tile_path()
+            assert len(full) <= len(plain) + 24, (part, len(full), len(plain))
+            assert len(loop) - len(full) >= 64, (part, len(loop), len(full))  # the mask's compares and selects
         # CTA barriers per tile: the TMA issue's and, with STAGED, one pair for all of a
         # dK/dV tile's numbers (18 when each moved through shared memory by itself)
         bars = sum(op.startswith("BAR") for op in loop)
@@ -358,3 +360,29 @@ def test_quantizer_builds_keep_their_measured_form(name, consts):
         assert r.count(r"\bREDG\.E\.MAX") > 0, name
     if consts.get("HW_CVT"):
         assert r.count(r"F2FP\.SATFINITE\.E4M3") > 0, name
+
+
+def test_tile_path_drops_only_the_arithmetic_a_full_tile_branches_around():
+    """`KernelReport.path`: a loop's forward branch around compares and selects (a
+    mask) is left out of a full tile's path; one around a tensor-core instruction (the
+    next tile's product, issued on every tile but the last) is kept, as is the loop."""
+    from fp4attn.kernels.hopper.machine_code import KernelReport
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0020*/              @P0 BRA 0x60 ;
+        /*0030*/                   ISETP.GE.AND P1, PT, R2, R3, PT ;
+        /*0040*/                   FSEL R4, R4, -INF , P1 ;
+        /*0050*/                   ISETP.GE.AND P2, PT, R2, R5, PT ;
+        /*0060*/                   FADD R6, R4, R7 ;
+        /*0070*/              @P3 BRA 0x90 ;
+        /*0080*/                   HGMMA.64x64x16.F32.BF16 R56, gdesc[UR8], RZ ;
+        /*0090*/                   MUFU.EX2 R8, R6 ;
+        /*00a0*/              @P4 BRA 0x10 ;
+        /*00b0*/                   EXIT ;
+    """
+    r = KernelReport(registers=32, stack=0, sass=sass)
+    assert r.loop_spans() == [(1, 10)]
+    assert r.tile_loop()[0].startswith("HGMMA") and len(r.tile_loop()) == 10
+    assert [op.split(".")[0] for op in r.tile_path()] == ["HGMMA", "BRA", "FADD", "BRA", "HGMMA", "MUFU", "BRA"]

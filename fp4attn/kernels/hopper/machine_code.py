@@ -40,29 +40,72 @@ class KernelReport:
     def count(self, pattern: str) -> int:
         return len(re.findall(pattern, self.sass))
 
+    def instructions(self) -> list[tuple[int, str, str]]:
+        """(address, opcode with modifiers, operands) of every SASS instruction."""
+        return [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+                re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;\n]*);", self.sass)]
+
+    @staticmethod
+    def _target(op: str, operands: str) -> int | None:
+        m = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
+        return int(m.group(1), 16) if m else None
+
+    def loop_spans(self) -> list[tuple[int, int]]:
+        """(first, last) instruction index of each loop (a backward branch and what it
+        jumps over), shortest first."""
+        ins = self.instructions()
+        at = {a: i for i, (a, _, _) in enumerate(ins)}
+        spans = [(at[t], i) for i, (a, op, operands) in enumerate(ins)
+                 if (t := self._target(op, operands)) is not None and t < a and t in at]
+        return sorted(spans, key=lambda s: s[1] - s[0])
+
     def loops(self) -> list[list[str]]:
         """The instructions of each loop (a backward branch and what it jumps over),
         shortest first, each an opcode with its modifiers (`FADD`, `LDG.E.U8`, ...)."""
-        ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
-               re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;\n]*);", self.sass)]
-        at = {a: i for i, (a, _, _) in enumerate(ins)}
-        out = []
-        for i, (a, op, operands) in enumerate(ins):
-            target = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
-            if target and int(target.group(1), 16) < a and int(target.group(1), 16) in at:
-                out.append([o for _, o, _ in ins[at[int(target.group(1), 16)]:i + 1]])
-        return sorted(out, key=len)
+        ops = [op for _, op, _ in self.instructions()]
+        return [ops[i:j + 1] for i, j in self.loop_spans()]
+
+    def _tile_span(self) -> tuple[int, int]:
+        # the shortest loop holding half the kernel's tensor-core instructions (the
+        # masked loop, where there is one, holds the other half); a backward branch
+        # into the epilogue (ptxas places some loop bodies after it) spans the EXIT and
+        # the stores: not a tile loop
+        ops = [op for _, op, _ in self.instructions()]
+        half = len(re.findall(r"\b[QH]GMMA\.", self.sass)) // 2
+        return next((i, j) for i, j in self.loop_spans()
+                    if sum("GMMA." in op for op in ops[i:j + 1]) >= half and "EXIT" not in ops[i:j + 1])
 
     def tile_loop(self) -> list[str]:
         """The unmasked tile loop: the shortest loop holding one iteration's tensor-core
         instructions, half the kernel's (the masked loop holds the other half). TMA
         builds also have loops that only wait on an mbarrier, and a pipelined region
-        with the PV product alone."""
-        gmma = lambda lp: sum("GMMA." in op for op in lp)  # noqa: E731
-        half = len(re.findall(r"\b[QH]GMMA\.", self.sass)) // 2
-        # a backward branch into the epilogue (ptxas places some loop bodies after it)
-        # spans the EXIT and the stores: not a tile loop
-        return next(lp for lp in self.loops() if gmma(lp) >= half and "EXIT" not in lp)
+        with the PV product alone. Static: it includes code that a tile may branch
+        around (`tile_path`)."""
+        i, j = self._tile_span()
+        return [op for _, op, _ in self.instructions()[i:j + 1]]
+
+    def tile_path(self) -> list[str]:
+        """`tile_loop` less the arithmetic that a full tile branches around (`path`)."""
+        return self.path(self._tile_span())
+
+    def path(self, span: tuple[int, int]) -> list[str]:
+        """The loop `span` (`loop_spans`) less the regions its forward branches skip
+        that issue no tensor-core, TMA, mbarrier or barrier instruction: the masks of
+        the causal diagonal and of the last key tile, which ptxas leaves branched
+        around, not predicated. The instructions a full tile (one off the diagonal,
+        before the last) issues, as far as the SASS shows it statically."""
+        ins = self.instructions()
+        i, j = span
+        keep = re.compile(r"GMMA|UTMA|SYNCS|BAR|WARPGROUP")
+        skipped: set[int] = set()
+        for k in range(i, j + 1):
+            a, op, operands = ins[k]
+            t = self._target(op, operands)
+            if t is not None and a < t <= ins[j][0]:
+                region = range(k + 1, next(m for m in range(k + 1, j + 1) if ins[m][0] >= t))
+                if not any(keep.search(ins[m][1]) for m in region):
+                    skipped.update(region)
+        return [ins[k][1] for k in range(i, j + 1) if k not in skipped]
 
 
 def per_element(loop: list[str], elements_per_thread: int) -> tuple[float, list[tuple[str, float]]]:
