@@ -523,8 +523,8 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, block_m), B * H)
-    args = (tma_descriptor(q2, [block_m, D]), tma_descriptor(k2, [block_n, D]), tma_descriptor(v2, [D, block_n]), ops.qs, ops.ks, ops.vs, out, lse,
-            H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E)
+    descs = (tma_descriptor(q2, [block_m, D]), tma_descriptor(k2, [block_n, D]), tma_descriptor(v2, [D, block_n]))
+    args = (*descs, ops.qs, ops.ks, ops.vs, out, lse, H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E)
     flags = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode,
                  CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt)
     if warp_specialized:
