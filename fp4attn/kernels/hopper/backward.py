@@ -36,10 +36,10 @@ instead of the float32 bit arithmetic the forward needs for its row sums.
 
 import triton
 import triton.language as tl
-
 from triton.language.extra import libdevice
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, fp8_scale_inv, log2_scores, round_e4m3
+from fp4attn.reference.backward import DS_BLOCK
 from fp4attn.reference.forward import LOG2E as _LOG2E
 
 LOG2E = tl.constexpr(_LOG2E)
@@ -320,3 +320,13 @@ def attn_bwd_dq_kernel(
     dq = dq * k_cs[None, :] * sm_scale
     tl.store(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
+
+
+def operand_tile(t, channel_major: bool):
+    """A contiguous backward loop operand as the 2-D matrix its TMA descriptor covers,
+    and the descriptor's tile: token-major (B, heads, S, D) as (B*heads*S, D) in tiles
+    of (DS_BLOCK, D), channel-major (B, heads, D, S) as (B*heads*D, S) in tiles of (D,
+    DS_BLOCK). Shared by the Triton kernels' descriptors (`training.backward_descriptors`)
+    and the Gluon kernels' (`backward_pipelined.descriptors`)."""
+    block = [t.shape[-2], DS_BLOCK] if channel_major else [DS_BLOCK, t.shape[-1]]
+    return t.view(-1, t.shape[-1]), block

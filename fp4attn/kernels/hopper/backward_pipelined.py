@@ -52,7 +52,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import log2_scores
-from fp4attn.kernels.hopper.backward import P_OFFSET, causal_query_tiles, e4m3_rows, lse_log2, p_r
+from fp4attn.kernels.hopper.backward import (
+    P_OFFSET,
+    causal_query_tiles,
+    e4m3_rows,
+    lse_log2,
+    operand_tile,
+    p_r,
+)
 from fp4attn.kernels.hopper.gluon_common import barriers, invalidate, tma_descriptor, wgmma_layout
 from fp4attn.reference.backward import DS_BLOCK
 
@@ -458,11 +465,7 @@ def descriptors(**operands) -> dict:
     """Gluon TMA descriptors of the kernels' operands by name (q, k, do_t, v_t
     token-major in (BLOCK, D) tiles; do_c, q_c, k_c channel-major in (D, BLOCK) tiles),
     contiguous: built once for both kernels, which share q, k, do_t and v_t."""
-    def desc(t, channel_major):
-        block = [t.shape[-2], BLOCK] if channel_major else [BLOCK, t.shape[-1]]
-        return tma_descriptor(t.view(-1, t.shape[-1]), block)
-
-    return {name: desc(t, name in CHANNEL_MAJOR) for name, t in operands.items()}
+    return {name: tma_descriptor(*operand_tile(t, name in CHANNEL_MAJOR)) for name, t in operands.items()}
 
 
 def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,

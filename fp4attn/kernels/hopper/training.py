@@ -24,10 +24,15 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, operand_tile
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 from fp4attn.kernels.hopper.ops import P_MODES, launch_forward, unsupported_reason
-from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows, quantize_qk_fp8, quantize_qk_nvfp4, quantize_v_t
+from fp4attn.kernels.hopper.quantize import (
+    decode_nvfp4_rows,
+    quantize_qk_fp8,
+    quantize_qk_nvfp4,
+    quantize_v_t,
+)
 from fp4attn.recipes import Recipe
 from fp4attn.reference.backward import DS_BLOCK
 from fp4attn.reference.forward import LOG2E
@@ -228,8 +233,7 @@ def backward_descriptors(q, do_t, do_c, q_c, k, v_t, k_c) -> dict[str, TensorDes
         return None
 
     def desc(t: torch.Tensor, channel_major: bool) -> TensorDescriptor:
-        t2 = t.view(-1, t.shape[-1])
-        block = [t.shape[-2], DS_BLOCK] if channel_major else [DS_BLOCK, t.shape[-1]]
+        t2, block = operand_tile(t, channel_major)
         return TensorDescriptor(t2, list(t2.shape), [t2.shape[1], 1], block)
 
     return dict(Q=desc(q, False), DO_T=desc(do_t, False), DO_C=desc(do_c, True), Q_C=desc(q_c, True),
