@@ -406,3 +406,5 @@ def test_gluon_tma_descriptors_share_cached_layouts():
     assert (d8.shape, d8.strides) == ([128, 200], [256, 1])
     assert d8.layout == gl.NVMMASharedLayout.get_default_for([128, 64], gl.float8e4nv)
     assert d8.layout is shared_layout((128, 64), torch.float8_e4m3fn) is tma_descriptor(e, [128, 64]).layout
+    with pytest.raises(ValueError, match="float16.*Gluon kernels load"):
+        tma_descriptor(torch.zeros(64, 64, dtype=torch.float16), [64, 64])

@@ -19,6 +19,8 @@ def shared_layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedL
     wgmma reads it. Cached: building one took the host 5-15 us, and a `train` forward
     and backward builds ten descriptors (the backward's seven took 0.16 ms of host time,
     benchmarks/results/h200-train-step-profile.txt)."""
+    if dtype not in _GLUON_DTYPES:
+        raise ValueError(f"TMA tile of dtype {dtype}: the Gluon kernels load {sorted(map(str, _GLUON_DTYPES))}")
     return gl.NVMMASharedLayout.get_default_for(list(block), _GLUON_DTYPES[dtype])
 
 
