@@ -38,9 +38,10 @@ class Recipe:
             the float32 sum of the exact e4m3 products, as the reference computes it;
             the Hopper kernels multiply the e4m3 values on the bf16 tensor cores, which
             hold them exactly and accumulate in float32. True ("fp8-fastacc",
-            "fp8-directp-fastacc"): the products are summed on the FP8 tensor cores,
-            whose sums keep fewer bits than float32 even with the kernels' promotion
-            into float32 every 32 products (as torch._scaled_mm's use_fast_accum). That
+            "fp8-directp-fastacc"): the products are summed on the FP8 tensor cores
+            over the whole head dim, with the tensor core's own accumulation (fewer
+            bits than float32; as torch._scaled_mm's use_fast_accum=True, FlashAttention-3's
+            and cuDNN's FP8 attention), each key tile's PV still added in float32. That
             is a different recipe: no reference reproduces the tensor core's sums, the
             reference computes the exact ones, and the measured fraction of P codes
             identical to them is below 1 (docs/numerics.md).

@@ -2,8 +2,8 @@
 
 A variant is `LAUNCH[@PROMOTE][+nopv]`: LAUNCH as FP4ATTN_FORWARD_LAUNCH takes it
 (`block_m,warps,stages[,p_hw_cvt[,rowsum_mma]]`, or `default` for `ops.DEFAULT_LAUNCH`),
-PROMOTE the FP8 tensor cores' QK^T promotion interval (32 default, 0 none; the
-`fast_accum` recipes only), `+nopv` accumulates O on the tensor cores instead
+PROMOTE the FP8 tensor cores' QK^T promotion interval (0, none, the default and the
+recipes' definition; 32 every wgmma's K; the `fast_accum` recipes only), `+nopv` accumulates O on the tensor cores instead
 of adding each tile's PV into it in float32 (`pv_promote=False`). For each recipe and
 variant it reports (all but TFLOP/s skipped with --no-check):
 
@@ -48,11 +48,11 @@ def parse(variant: str):
     launch, _, promote = spec.partition("@")
     if set(flags) - {"nopv"}:
         raise SystemExit(f"variant {variant!r}: the one flag is +nopv")
-    return launch, int(promote or 32), "nopv" not in flags
+    return launch, int(promote or 0), "nopv" not in flags
 
 
 def applies(variant: str, recipe) -> bool:
-    return recipe.fast_accum or parse(variant)[1] == 32
+    return recipe.fast_accum or parse(variant)[1] == 0
 
 
 def run(variant: str, ops, recipe, causal: bool, **kw):

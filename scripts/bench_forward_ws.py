@@ -9,8 +9,10 @@ bf16 on the bench shapes.
         [--shapes 8,16,4096,128/2,16,16384,128] [--causal both] [--no-check]
         [--variants 0:2,0:3,2:2,1:2]
 
-A variant is `partitions:stages[:overlap]` (`forward_pipelined.ws_launch`, the
-kernel's OVERLAP).
+A variant is `partitions:stages[:overlap[:promote]]` (`forward_pipelined.ws_launch`, the
+kernel's OVERLAP and, for e4m3 Q/K on the FP8 tensor cores (the `fast_accum` recipes),
+QK_PROMOTE: products summed by the tensor core before each float32 addition, 0 (none,
+the default) or 32). The Triton kernel it is checked against runs the same promotion.
 """
 
 import argparse
@@ -32,7 +34,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--variants", default="0:2,0:3,2:2,1:2,2:2:1")
 args = kernel_script_args(ap, shapes="8,16,4096,128/2,16,16384,128", recipes="nvfp4-fp8,fp8,directp",
                           no_check_help="skip the output comparison on awkward shapes")
-VARIANTS = [tuple(int(x) for x in (v + ":0").split(":")[:3]) for v in args.variants.split(",")]
+VARIANTS = [tuple(int(x) for x in (v + ":0:0").split(":")[:4]) for v in args.variants.split(",")]
 
 
 def prepared(q, k, v, name, causal_offset):
@@ -41,21 +43,21 @@ def prepared(q, k, v, name, causal_offset):
     return ops, dict(scale=q.shape[-1] ** -0.5, causal_offset=causal_offset, p_mode=P_MODES[(r.p, r.p_build)])
 
 
-def triton_kernel(ops, kw):
+def triton_kernel(ops, kw, promote=0):
     """The Triton kernel with the default launch's other fields (`launch_forward` routes
-    D=128 FP8 P to the Gluon kernel itself)."""
+    D=128 FP8 P to the Gluon kernel itself), promoting e4m3 QK^T every `promote` products."""
     launch = DEFAULT_LAUNCH[ops.q.shape[-1], ops.q.dtype == torch.float8_e4m3fn, kw["causal_offset"] is not None]
     os.environ[LAUNCH_ENV] = ",".join(str(int(x)) for x in dataclasses.astuple(
         dataclasses.replace(launch, warp_specialized=False)))
     try:
-        return launch_forward(ops, **kw)[:2]
+        return launch_forward(ops, **kw, qk_promote=promote)[:2]
     finally:
         del os.environ[LAUNCH_ENV]
 
 
-def ws(ops, kw, partitions, stages, overlap):
+def ws(ops, kw, partitions, stages, overlap, promote):
     return launch_forward_pipelined(ops, **kw, warp_specialized=True, partitions=partitions, stages=stages,
-                                    overlap=overlap)
+                                    overlap=overlap, qk_promote=promote)
 
 
 if not args.no_check:
@@ -66,8 +68,8 @@ for shape, (q, k, v) in () if args.no_check else check_cases():
     for name in args.recipes:
         for causal in args.causal:
             ops, kw = prepared(q, k, v, name, (Sk - Sq) if causal else None)
-            o1, l1 = triton_kernel(ops, kw)
             for variant in VARIANTS:
+                o1, l1 = triton_kernel(ops, kw, variant[3])
                 o2, l2 = ws(ops, kw, *variant)
                 print(f"| {name} | {','.join(map(str, shape))} | {causal} | {':'.join(map(str, variant))} | "
                       f"{compare_outputs(o1, l1, o2, l2)} |", flush=True)

@@ -111,31 +111,41 @@ def test_fa3_schedule_keeps_wgmma_pipelined_with_bf16_qk(p_mode, causal):
     assert "C7511" not in report and "C7514" not in report, report
 
 
-@pytest.mark.parametrize("p_mode,causal", [(0, False), (0, True), (1, True)])
-def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm(p_mode, causal):
+@pytest.mark.parametrize("qk_fp8,p_mode,causal", [(False, 0, False), (False, 0, True), (False, 1, True),
+                                                 (True, 0, False), (True, 0, True)])
+def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm(qk_fp8, p_mode, causal):
     """The routed layout of the warp-specialized Gluon forward at D=128 (one consumer
     warpgroup at 232 registers, a producer warp at 24): ptxas chains each product's
     wgmmas (no C7511/C7514), the consumer never waits at a CTA-wide barrier, and two
     programs' shared memory fits an SM (228 KB, 1 KB reserved per program): with the
-    key scales in a TMA ring it did not, by 568 bytes."""
+    key scales in a TMA ring it did not, by 568 bytes. With e4m3 Q/K (`fast_accum`) as
+    routed, QK^T unpromoted; promoted every 32 products it needs a second S accumulator
+    and ptxas serializes the wgmmas (C7511), which is why that stays off this kernel."""
     import re
 
     from fp4attn.kernels.hopper.machine_code import compile_forward_pipelined, inspect, ptxas_messages
     from fp4attn.kernels.hopper.ops import WS_OVERLAP, WS_PARTITIONS
 
-    kernel = compile_forward_pipelined(False, p_mode, causal, 128, warp_specialized=True, partitions=WS_PARTITIONS,
+    kernel = compile_forward_pipelined(qk_fp8, p_mode, causal, 128, warp_specialized=True, partitions=WS_PARTITIONS,
                                        overlap=WS_OVERLAP)
     report = ptxas_messages(kernel)
     assert "C7511" not in report and "C7514" not in report, report
     assert re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])[:3] == ["232", "232", "24"]
     r = inspect(kernel)
-    assert r.count(r"UTMALDG") > 0 and r.count(r"HGMMA") > 0 and r.count(r"QGMMA") > 0
+    assert r.count(r"UTMALDG") > 0 and r.count(r"QGMMA") > 0
+    # QK^T: 8 bf16 k-steps of 16 (twice: the loop and the prologue), or 4 e4m3 ones of 32
+    assert (r.count(r"HGMMA"), r.count(r"QGMMA")) == ((0, 12) if qk_fp8 else (16, 4))
+    assert r.stack <= 32, r.stack
+    if qk_fp8:
+        promoted = compile_forward_pipelined(True, p_mode, causal, 128, warp_specialized=True,
+                                             partitions=WS_PARTITIONS, overlap=WS_OVERLAP, qk_promote=32)
+        assert "C7511" in ptxas_messages(promoted)
     assert r.count(r"WARPGROUP\.DEPBAR") <= 3, "one wait per product or pair of products (and the prologue's)"
     # the partitions' own barriers (before each mbarrier wait and arrive) span one
     # warpgroup, 128 threads; with both consumers in one partition they span 256
     counts = lambda rep: set(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x\w+, (0x\w+)", rep.sass))  # noqa: E731
     assert counts(r) == {"0x80"}
-    joint = compile_forward_pipelined(False, p_mode, causal, 128, warp_specialized=True, partitions=0)
+    joint = compile_forward_pipelined(qk_fp8, p_mode, causal, 128, warp_specialized=True, partitions=0)
     assert counts(inspect(joint)) == {"0x100"}
     assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024
 

@@ -12,7 +12,8 @@ Recipes map to constexpr flags:
     ROWSUM_MMA the consistent row sum of the e4m3 P tile comes from the tensor cores (P
              times a ones tile, the PV product's operand and accumulation), not from
              float32 copies of P on the CUDA cores; FP8 P is then rounded by the cast
-    QK_PROMOTE fp8 QK^T is added into float32 every QK_PROMOTE products (0: never)
+    QK_PROMOTE fp8 QK^T is added into float32 every QK_PROMOTE products (0: never, the
+             tensor core's own accumulation over all of D: the `fast_accum` recipes)
     PV_PROMOTE each tile's PV is added into O in float32 (off, a diagnostic: O accumulates on
              the fp8 tensor cores, whose sums keep fewer mantissa bits than float32, and
              the output drifts from the reference as rows get longer)
@@ -60,8 +61,8 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
         b_j = tl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
     else:
         b_j = tl.load(ks_ptr + cols)
-    # fp8 wgmma accumulates with reduced precision; promoting into fp32 every 32 products
-    # keeps the scores within fp32 rounding of the reference (P codes depend on them)
+    # fp8 wgmma accumulates with fewer bits than float32: fast_accum recipes take those
+    # sums (QK_PROMOTE 0); promotion into float32 every 32 products is a diagnostic
     s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=QK_PROMOTE if QK_FP8 and QK_PROMOTE > 0 else None)
     t = log2_scores(s, a_i[:, None], b_j[None, :])
     if KEY_BIAS:  # added before hiding keys, as the reference does
@@ -127,7 +128,7 @@ def attn_fwd_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
-    QK_PROMOTE: tl.constexpr = 32, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
+    QK_PROMOTE: tl.constexpr = 0, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
     ROWSUM_MMA: tl.constexpr = False, PV_PROMOTE: tl.constexpr = True, VT_PADDED: tl.constexpr = False,
     TMA_KV: tl.constexpr = False, PV_ADD: tl.constexpr = False,
 ):

@@ -225,7 +225,7 @@ def attn_fwd_pipelined_kernel(
                                                          BLOCK_M, BLOCK_N)
     acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    imprecise: gl.constexpr = 32 if QK_FP8 else 0  # promotion every 32 products, as forward.py
+    imprecise: gl.constexpr = 32 if QK_FP8 else 0  # promotion every 32 products (a diagnostic kernel)
 
     # -- S_0
     mbarrier.wait(q_bar, 0)
@@ -356,8 +356,11 @@ def _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j, Sk, impre
     per thread, to arrive while the product runs."""
     stage = j % k_smem.type.shape[0]
     mbarrier.wait(k_ready.index(stage), (j // k_smem.type.shape[0]) & 1)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
-                          max_num_imprecise_acc=imprecise, is_async=True)
+    if imprecise > 0:
+        s_tok = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False,
+                              max_num_imprecise_acc=imprecise, is_async=True)
+    else:  # e4m3: Triton's sm_90 default, the tensor core's own accumulation over all of K
+        s_tok = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     return s_tok, _key_scales(ks_ptr, j, offs_ks, Sk, BLOCK_N)
 
 
@@ -366,7 +369,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
                  off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
                  WG: gl.constexpr, WGS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr,
-                 P_HW_CVT: gl.constexpr, OVERLAP: gl.constexpr):
+                 P_HW_CVT: gl.constexpr, OVERLAP: gl.constexpr, QK_PROMOTE: gl.constexpr):
     """BLOCK_M query rows (rows WG * BLOCK_M ... of the program's block, which WGS such
     partitions share) on BLOCK_M // 16 warps: per tile QK^T, the softmax, PV on a fresh
     accumulator added to O in float32 (the Triton kernel's `PV_ADD` arithmetic), then
@@ -385,7 +388,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    imprecise: gl.constexpr = 32 if QK_FP8 else 0  # promotion every 32 products, as forward.py
+    imprecise: gl.constexpr = QK_PROMOTE if QK_FP8 else 0
 
     block = start_m * WGS + WG  # in units of BLOCK_M rows
     rows, offs_n, a_i, ks_ptr, m_i, l_i = _softmax_state(QS, KS, off_bh, bhk, Sq, Sk, block, qk_scale, s_layout,
@@ -435,6 +438,7 @@ def attn_fwd_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr,
     STAGES: gl.constexpr = 2, PARTITIONS: gl.constexpr = 0, OVERLAP: gl.constexpr = 0,
+    QK_PROMOTE: gl.constexpr = 0,
 ):
     """Warp-specialized forward: a producer warp keeps `STAGES`-deep K and V^T rings
     full; the consumers never issue a copy or wait at a CTA barrier. PARTITIONS
@@ -467,17 +471,17 @@ def attn_fwd_ws_kernel(
                             q_row, k_row, v_row, n_tiles, BLOCK_N)),
             (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP)),
+                            0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE)),
             (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            1, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP)),
+                            1, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE)),
         ], [4, 4], [240, 240])
     else:
         gl.static_assert(gl.num_warps() == BLOCK_M // 16)
         gl.warp_specialize([
             (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP)),
+                            0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                             q_row, k_row, v_row, n_tiles, BLOCK_N)),
         ], [1], [24])
@@ -485,7 +489,7 @@ def attn_fwd_ws_kernel(
 
 def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True,
                              schedule: int = 0, warp_specialized: bool = False, partitions: int = 0,
-                             stages: int = 2, overlap: int = 0):
+                             stages: int = 2, overlap: int = 0, qk_promote: int = 0):
     """Run a Gluon kernel on prepared operands (`KernelOperands`, contiguous):
     (out bf16, lse fp32), as `ops.launch_forward` without its debug outputs.
 
@@ -529,7 +533,7 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
                  CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt)
     if warp_specialized:
         attn_fwd_ws_kernel[grid](*args, **flags, STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap,
-                                 num_warps=num_warps, maxnreg=maxnreg)
+                                 QK_PROMOTE=qk_promote, num_warps=num_warps, maxnreg=maxnreg)
     else:
         attn_fwd_pipelined_kernel[grid](*args, **flags, SCHEDULE=schedule, num_warps=4)
     return out, lse

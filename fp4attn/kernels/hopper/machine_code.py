@@ -137,7 +137,7 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
                     block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, rowsum_mma=None,
-                    qk_promote=32, pv_promote=True, lengths_div16=True, vt_padded=True, tma_kv=None, pv_add=None):
+                    qk_promote=0, pv_promote=True, lengths_div16=True, vt_padded=True, tma_kv=None, pv_add=None):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given; sequence lengths specialized as multiples of 16 (as
     the JIT compiles it for such lengths) unless `lengths_div16` is False; V^T with rows
@@ -170,7 +170,7 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
 
 def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True,
                               schedule: int = 0, warp_specialized: bool = False, stages: int = 2,
-                              partitions: int = 0, overlap: int = 0):
+                              partitions: int = 0, overlap: int = 0, qk_promote: int = 0):
     """The compiled Gluon forward (`forward_pipelined.py`) for one flag combination:
     `attn_fwd_pipelined_kernel`, or with `warp_specialized` `attn_fwd_ws_kernel` at
     the launch `launch_forward_pipelined` gives it."""
@@ -192,7 +192,7 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
     if not warp_specialized:
         consts.update(SCHEDULE=schedule)
     else:
-        consts.update(STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap)
+        consts.update(STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap, QK_PROMOTE=qk_promote)
         _, num_warps, maxnreg = fp.ws_launch(partitions)
         options = dict(num_warps=num_warps, maxnreg=maxnreg)
     fn = fp.attn_fwd_ws_kernel if warp_specialized else fp.attn_fwd_pipelined_kernel

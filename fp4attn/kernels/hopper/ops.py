@@ -78,10 +78,14 @@ class ForwardLaunch:
 # fp8 at (16,16,2048,64) 341 -> 343, causal 282 -> 238), so D=64 keeps Triton's
 # promotion. The warp-specialized Gluon kernel (h200-forward-ws-2.txt) then took FP8 P
 # at (8,16,4096,128) from 494 to 536 (causal 447 -> 478) and lost on Direct-P (286 ->
-# 270) and at D=64 (nvfp4-fp8 341 -> 327), so it runs FP8 P at D=128 only.
+# 270) and at D=64 (nvfp4-fp8 341 -> 327), so it runs FP8 P at D=128 only. With QK^T on
+# the FP8 tensor cores summed by the tensor core alone (the `fast_accum` recipes, no
+# promotion: the Gluon kernel then compiles as with bf16 QK^T) it took fp8-fastacc at
+# D=128 from 450-505 (Triton, promoted) to 616-656 TFLOP/s, causal 366-486 -> 543-623
+# (h200-forward-fastacc.txt); at D=64 the Triton kernel stays ahead (392 against 364).
 # Keyed by (head dim, QK^T on the FP8 tensor cores, causal).
 DEFAULT_LAUNCH = {
-    **{(128, True, causal): ForwardLaunch(64, 4, 2, True) for causal in (True, False)},
+    **{(128, True, causal): ForwardLaunch(64, 4, 2, True, warp_specialized=True) for causal in (True, False)},
     **{(64, True, causal): ForwardLaunch(64, 4, 3, True) for causal in (True, False)},
     **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True)
        for causal in (True, False)},
@@ -156,14 +160,15 @@ def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescri
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
-                   write_p: int = 0, qk_promote: int = 32, pv_promote: bool = True,
+                   write_p: int = 0, qk_promote: int = 0, pv_promote: bool = True,
                    key_bias: torch.Tensor | None = None):
     """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
 
     write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
     values; tests); 2 the log2 scores (diagnostics). key_bias: (B, Sk) float32 added to
     the log2 scores (`key_bias_of_mask`). qk_promote: fp8 QK^T products accumulated on
-    the tensor cores before each float32 addition (0: all of them; a diagnostic);
+    the tensor cores before each float32 addition (0: all of them, the `fast_accum`
+    recipes' definition; 32, Triton kernel only: a diagnostic);
     pv_promote: each tile's PV product added into O in float32 (False, a diagnostic:
     O accumulates on the tensor cores).
     """
@@ -175,15 +180,16 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
                          f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
-    if (cfg.warp_specialized and p_mode == 0 and not qk_fp8 and pv_promote and not write_p and key_bias is None
-            and tma_loadable(ops) and q.is_contiguous()):
+    if (cfg.warp_specialized and p_mode == 0 and not (qk_fp8 and qk_promote) and pv_promote and not write_p
+            and key_bias is None and tma_loadable(ops) and q.is_contiguous()):
         # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
-        # bias (imported here: only this path needs Triton's Gluon frontend)
+        # bias, no promotion of e4m3 QK^T (with it ptxas serializes the kernel's wgmmas,
+        # C7511; imported here: only this path needs Triton's Gluon frontend)
         from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
 
         out, lse = launch_forward_pipelined(ops, scale=scale, causal_offset=causal_offset, p_mode=p_mode,
                                             p_hw_cvt=cfg.p_hw_cvt, warp_specialized=True, partitions=WS_PARTITIONS,
-                                            stages=cfg.stages, overlap=WS_OVERLAP)
+                                            stages=cfg.stages, overlap=WS_OVERLAP, qk_promote=qk_promote)
         return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
