@@ -91,32 +91,34 @@ def main():
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
                         name = f"fwd_qk{int(qk_fp8)}_p{p_mode}_c{int(causal)}_d{d}.sass"
                         (args.sass_dir / name).write_text(r.sass)
-    print(f"\nWarp-specialized Gluon kernel, PARTITIONS={WS_PARTITIONS}, OVERLAP={WS_OVERLAP} (bf16 Q/K)")
-    print("| P mode | causal | D | setmaxnreg consumer / producer | stack | QGMMA | HGMMA | MUFU.EX2 | SASS lines "
+    print(f"\nWarp-specialized Gluon kernel, PARTITIONS={WS_PARTITIONS}, OVERLAP={WS_OVERLAP} (fp8 Q/K: unpromoted)")
+    print("| qk | P mode | causal | D | setmaxnreg consumer / producer | stack | QGMMA | HGMMA | MUFU.EX2 | SASS lines "
           "| loop instr/elem | full tile instr/elem | largest |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for p_mode in (0, 1):
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for qk_fp8, p_mode in ((False, 0), (False, 1), (True, 0)):
         for causal in (False, True):
             for d in (64, 128):
-                kernel = compile_forward_pipelined(False, p_mode, causal, d, warp_specialized=True,
+                kernel = compile_forward_pipelined(qk_fp8, p_mode, causal, d, warp_specialized=True,
                                                    partitions=WS_PARTITIONS, overlap=WS_OVERLAP)
                 r = inspect(kernel)
                 regs = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])
-                # the consumer's tile loop: the longest loop holding one tile's QK^T (half the
-                # HGMMAs; the prologue has the other half) and every PV QGMMA. The mbarrier
+                # the consumer's tile loop: the longest loop holding one tile's QK^T (the
+                # prologue has the first tile's) and one PV. The mbarrier
                 # waits are loops of their own, and branches back into the loop body make
                 # shorter "loops" of part of it. It also holds the masks, which full tiles
                 # branch around ("full tile").
                 count = lambda lp, op: sum(o.startswith(op) for o in lp)  # noqa: E731
                 ops = [op for _, op, _ in r.instructions()]
-                span = max((sp for sp in r.loop_spans() if count(ops[sp[0]:sp[1] + 1], "QGMMA") == r.count("QGMMA")
-                            and 2 * count(ops[sp[0]:sp[1] + 1], "HGMMA") == r.count("HGMMA")),
-                           key=lambda sp: sp[1] - sp[0])
+                def holds_one_tile(sp):  # QK^T's k-steps (32 e4m3 or 16 bf16 each) and PV's
+                    body = ops[sp[0]:sp[1] + 1]
+                    return count(body, "QGMMA") + count(body, "HGMMA") == d // (32 if qk_fp8 else 16) + BLOCK_N // 32
+
+                span = max((sp for sp in r.loop_spans() if holds_one_tile(sp)), key=lambda sp: sp[1] - sp[0])
                 per_thread = 64 * BLOCK_N // 128
                 n, top_ops = per_element(r.path(span), per_thread)
                 top = ", ".join(f"{k} {v:.1f}" for k, v in top_ops[:4])
-                print(f"| {p_mode} | {causal} | {d} | {regs[0]} / {regs[2]} | {r.stack} | {r.count('QGMMA')} "
-                      f"| {r.count('HGMMA')} | {r.count('MUFU.EX2')} | {r.sass.count(chr(10))} "
+                print(f"| {'fp8' if qk_fp8 else 'bf16'} | {p_mode} | {causal} | {d} | {regs[0]} / {regs[2]} "
+                      f"| {r.stack} | {r.count('QGMMA')} | {r.count('HGMMA')} | {r.count('MUFU.EX2')} | {r.sass.count(chr(10))} "
                       f"| {(span[1] - span[0] + 1) / per_thread:.1f} | {n:.1f} | {top} |")
 
 

@@ -283,8 +283,8 @@ def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, partitions
 def test_pipelined_kernel_equals_triton_kernel(recipe, causal, schedule):
     """The Gluon forward (asynchronous wgmma, TMA rings) computes the Triton kernel's
     arithmetic with O accumulated on the tensor cores (pv_promote=False, which the Gluon
-    kernel does not implement): same outputs and LSE, bit for bit, on awkward shapes and
-    GQA."""
+    kernel does not implement) and e4m3 QK^T promoted every 32 products (as the Gluon
+    kernel does): same outputs and LSE, bit for bit, on awkward shapes and GQA."""
     from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
     from fp4attn.kernels.hopper.ops import P_MODES, launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
@@ -295,6 +295,6 @@ def test_pipelined_kernel_equals_triton_kernel(recipe, causal, schedule):
         q, k, v = _qkv(b, hq, hkv, sq, sk, d)
         ops = prepare_operands_fused(q * 2, k * 2, v, r)
         kw = dict(scale=d**-0.5, causal_offset=(sk - sq) if causal else None, p_mode=P_MODES[(r.p, r.p_build)])
-        out, lse = launch_forward(ops, **kw, pv_promote=False)[:2]
+        out, lse = launch_forward(ops, **kw, pv_promote=False, qk_promote=32)[:2]
         out2, lse2 = launch_forward_pipelined(ops, **kw, schedule=schedule)
         assert torch.equal(out, out2) and torch.equal(lse, lse2), (recipe, sq, sk, d)

@@ -499,7 +499,9 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
 
     `warp_specialized`: `attn_fwd_ws_kernel` in the partition layout `partitions`
     (`ws_launch`) with `stages`-deep K/V rings and its OVERLAP flag `overlap`; its O is added in float32 per tile, as
-    the Triton kernel's at D=128 (`pv_add`). e4m3 Q/K may also be given as bf16 (exact):
+    the Triton kernel's at D=128 (`pv_add`); e4m3 QK^T is promoted into float32 every
+    `qk_promote` products (0: never, the `fast_accum` recipes; the pipelined kernel
+    always promotes every 32). e4m3 Q/K may also be given as bf16 (exact):
     their QK^T then runs on the bf16 tensor cores, without the fp8 accumulation's
     promotion."""
     import torch
