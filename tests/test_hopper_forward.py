@@ -91,9 +91,9 @@ def test_kernel_matches_reference(recipe, d, sq, sk):
 
 @pytest.mark.parametrize("recipe", RECIPES + P_VARIANTS, ids=str)
 @pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
-@pytest.mark.parametrize("sq,sk", [(1023, 1023), (113, 500), (500, 113)])
-def test_kernel_causal_gqa(recipe, causal, sq, sk):
-    q, k, v = _qkv(1, 6, 2, sq, sk, 128)
+@pytest.mark.parametrize("sq,sk,d", [(1023, 1023, 128), (113, 500, 128), (500, 113, 128), (113, 500, 64)])
+def test_kernel_causal_gqa(recipe, causal, sq, sk, d):
+    q, k, v = _qkv(1, 6, 2, sq, sk, d)
     r = PRESETS[recipe] if isinstance(recipe, str) else recipe
     _check(q, k, v, r, causal=causal)
 

@@ -83,10 +83,14 @@ class ForwardLaunch:
 # promotion: the Gluon kernel then compiles as with bf16 QK^T) it took fp8-fastacc at
 # D=128 from 450-505 (Triton, promoted) to 616-656 TFLOP/s, causal 366-486 -> 543-623
 # (h200-forward-fastacc.txt); at D=64 the Triton kernel stays ahead (392 against 364).
-# Keyed by (head dim, QK^T on the FP8 tensor cores, causal).
+# Unpromoted it no longer spills, and at D=64 causal K and V^T by TMA then gain
+# (h200-forward-d64-fastacc.txt: fp8-fastacc 286 -> 318 at (16,16,2048,64), 344 -> 378 at
+# (4,16,8192,64); fp8-directp-fastacc 147 -> 146, 168 -> 166), non-causal they lose
+# (392 -> 368, 412 -> 390). Keyed by (head dim, QK^T on the FP8 tensor cores, causal).
 DEFAULT_LAUNCH = {
     **{(128, True, causal): ForwardLaunch(64, 4, 2, True, warp_specialized=True) for causal in (True, False)},
-    **{(64, True, causal): ForwardLaunch(64, 4, 3, True) for causal in (True, False)},
+    (64, True, False): ForwardLaunch(64, 4, 3, True),
+    (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True),
     **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True)
        for causal in (True, False)},
     **{(64, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for causal in (True, False)},
