@@ -164,13 +164,18 @@ def test_kernel_error_does_not_grow_with_row_length(recipe):
     fast_accum a row's code flips follow its score distribution, which changes with its
     length (`fp8-directp-fastacc` measured 3.8e-3 -> 6.4e-3), so there the O scale is
     the check."""
+    # fast_accum's unpromoted QK^T sums bias the scores themselves: O's scale measured
+    # 1.0-2.1e-4 from the reference's at every length (fp8-directp-fastacc, whose E2M1
+    # steps are coarse, the most), against 7e-4 at 32768 keys for O summed across tiles
+    # on the tensor cores, the failure this check exists for
+    scale_tol = 4e-4 if PRESETS[recipe].fast_accum else 2e-4
     errs = []
     for sk in (1024, 32768):
         q, k, v = _qkv(1, 2, 2, 256, sk, 128)
         out = fp4attn.attention(q, k, v, recipe=recipe, backend="triton").float()
         ref = fp4attn.attention(q, k, v, recipe=recipe, backend="reference").float()
         errs.append(error_metrics(out, ref)["rel_l2"])
-        assert abs((out * ref).sum().item() / (ref * ref).sum().item() - 1) < 2e-4, (recipe, sk)
+        assert abs((out * ref).sum().item() / (ref * ref).sum().item() - 1) < scale_tol, (recipe, sk)
     # + 5e-4: directp and fp8-directp match their references all but exactly (measured
     # 2e-9 .. 2e-5 at 1024 keys, 3e-5 .. 1.3e-4 at 32768: Direct-P codes flipped by the
     # float32 summation order); the growth this test exists for was 1.8e-3 -> 5.2e-3
