@@ -365,47 +365,6 @@ def _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j, Sk, impre
 
 
 @gluon.jit
-def _ws_fa3_order(acc, s_tok, kb, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, o_zero, ks_ptr,
-                  offs_ks, m_i, l_i, a_i, offs_n, rows, Sk, causal_offset, full, n_tiles, s_layout: gl.constexpr,
-                  p_layout: gl.constexpr, o_layout: gl.constexpr, imprecise: gl.constexpr, P_MODE: gl.constexpr,
-                  P_HW_CVT: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """OVERLAP 3, FlashAttention-3's intra-warpgroup order with the same arithmetic:
-    iteration j issues QK_j, then PV_{j-1} (P_{j-1} from registers, a fresh accumulator),
-    waits for QK_j alone and runs the softmax of S_j while PV_{j-1} runs, then adds
-    PV_{j-1} into O (O = O * alpha_{j-1} + PV_{j-1}, the order `pv_add` adds them in).
-    QK_0 is issued by the caller."""
-    stages: gl.constexpr = k_smem.type.shape[0]
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    s = warpgroup_mma_wait(0, deps=[s_tok])
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p8, alpha, m_i, l_i = _softmax_tile(s, 0, m_i, l_i, a_i, gl.convert_layout(kb, col_s), offs_n, rows, Sk,
-                                        causal_offset, full, s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
-    for j in range(1, n_tiles):
-        stage = j % stages
-        prev = (j - 1) % stages
-        s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j, Sk, imprecise, BLOCK_N)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // stages) & 1)
-        pv_tok = warpgroup_mma(p8, v_smem.index(prev).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])  # QK_j (issued first) is done, PV_{j-1} runs on
-        mbarrier.arrive(k_empty.index(stage), count=1)
-        p8_next, alpha_next, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, gl.convert_layout(kb, col_s), offs_n, rows,
-                                                      Sk, causal_offset, full, s_layout, p_layout, P_MODE, P_HW_CVT,
-                                                      CAUSAL, BLOCK_N)
-        pv = warpgroup_mma_wait(0, deps=[pv_tok])
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv
-        p8 = p8_next
-        alpha = alpha_next
-    last = n_tiles - 1
-    mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
-    pv_tok = warpgroup_mma(p8, v_smem.index(last % stages).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-    pv = warpgroup_mma_wait(0, deps=[pv_tok])
-    mbarrier.arrive(v_empty.index(last % stages), count=1)
-    return acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv, m_i, l_i
-
-
-@gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                  off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
                  WG: gl.constexpr, WGS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -419,9 +378,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     retires both, so the tensor cores run them back to back (S_{j+1}, PV_j and O live
     together, 192 registers, no softmax temporaries). ptxas chains each product's wgmmas
     either way; 2, the same order with a wait for PV_j alone (QK^T still in flight),
-    makes it serialize every wgmma (C7514) and is kept only to show that; 3,
-    FlashAttention-3's order (`_ws_fa3_order`): the softmax of S_j runs while PV_{j-1}
-    does (S_j, PV_{j-1}'s accumulator, its P operand and O live together).
+    makes it serialize every wgmma (C7514) and is kept only to show that.
     Gluon syncs a partition's warps before each mbarrier wait and arrive, so warpgroups
     that share a partition move in step at those points."""
     stages: gl.constexpr = k_smem.type.shape[0]
@@ -449,34 +406,28 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     offs_ks = gl.arange(0, BLOCK_N, layout=ks_layout)
     mbarrier.wait(q_bar, 0)
     s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, 0, Sk, imprecise, BLOCK_N)
-    if OVERLAP == 3:
-        acc, m_i, l_i = _ws_fa3_order(acc, s_tok, kb, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                                      s_zero, o_zero, ks_ptr, offs_ks, m_i, l_i, a_i, offs_n, rows, Sk, causal_offset,
-                                      full, n_tiles, s_layout, p_layout, o_layout, imprecise, P_MODE, P_HW_CVT, CAUSAL,
-                                      BLOCK_N)
-    else:
-        for j in range(n_tiles):
-            stage = j % stages
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            mbarrier.arrive(k_empty.index(stage), count=1)  # QK_j has read K_j
-            b_j = gl.convert_layout(kb, col_s)
-            p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
-                                                s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
-            mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
-            pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-            if OVERLAP > 0:
-                if j + 1 < n_tiles:
-                    s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
-                                              BLOCK_N)
-                pv = warpgroup_mma_wait(OVERLAP - 1, deps=[pv_tok])
-            else:
-                pv = warpgroup_mma_wait(0, deps=[pv_tok])
-            mbarrier.arrive(v_empty.index(stage), count=1)  # PV_j has read V_j
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv
-            if OVERLAP == 0:
-                if j + 1 < n_tiles:
-                    s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
-                                              BLOCK_N)
+    for j in range(n_tiles):
+        stage = j % stages
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(stage), count=1)  # QK_j has read K_j
+        b_j = gl.convert_layout(kb, col_s)
+        p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
+                                            s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
+        mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
+        pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        if OVERLAP > 0:
+            if j + 1 < n_tiles:
+                s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
+                                          BLOCK_N)
+            pv = warpgroup_mma_wait(OVERLAP - 1, deps=[pv_tok])
+        else:
+            pv = warpgroup_mma_wait(0, deps=[pv_tok])
+        mbarrier.arrive(v_empty.index(stage), count=1)  # PV_j has read V_j
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv
+        if OVERLAP == 0:
+            if j + 1 < n_tiles:
+                s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
+                                          BLOCK_N)
     _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, block, Sq, o_layout, HEAD_DIM, BLOCK_M)
 
 
@@ -563,8 +514,8 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     block_m, block_n = BLOCK_M, BLOCK_N
     if warp_specialized:
         block_m, num_warps, maxnreg = ws_launch(partitions)
-        if overlap not in (0, 1, 2, 3):
-            raise ValueError(f"warp-specialized forward: overlap={overlap!r}; OVERLAP is 0, 1, 2 or 3")
+        if overlap not in (0, 1, 2):
+            raise ValueError(f"warp-specialized forward: overlap={overlap!r}; OVERLAP is 0, 1 or 2")
     q2, k2 = q.reshape(B * H * Sq, D), k.reshape(B * Hkv * Sk, D)
     if tma_loadable(ops):  # rows padded with zero keys to whole tiles: read as they are stored
         v2 = padded_vt_rows(ops)
