@@ -5,6 +5,7 @@ for Direct-P)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -40,10 +41,15 @@ class KernelReport:
     def count(self, pattern: str) -> int:
         return len(re.findall(pattern, self.sass))
 
+    @functools.cached_property
+    def _parsed(self) -> tuple[tuple[int, str, str], ...]:
+        # parsed once: the loop, tile and path queries each read every instruction
+        return tuple((int(m.group(1), 16), m.group(2), m.group(3)) for m in
+                     re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;\n]*);", self.sass))
+
     def instructions(self) -> list[tuple[int, str, str]]:
         """(address, opcode with modifiers, operands) of every SASS instruction."""
-        return [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
-                re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;\n]*);", self.sass)]
+        return list(self._parsed)
 
     @staticmethod
     def _target(op: str, operands: str) -> int | None:
