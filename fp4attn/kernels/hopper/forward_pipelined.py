@@ -405,10 +405,6 @@ def _ws_consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_r
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     r_layout: gl.constexpr = wgmma_layout(warps, ONES_ROWS, 32)
     r_zero = gl.zeros([BLOCK_M, ONES_ROWS], gl.float32, layout=r_layout)
-    # P as the row sums' A operand: a register operand's layout names the product's
-    # accumulator; the registers are PV's (a free conversion), but given PV's layout the
-    # N = 16 product read them wrongly (l 23x too large on the H200)
-    pr_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=4)
     q_tile = q_smem.slice(WG * BLOCK_M, BLOCK_M)  # this partition's rows of the program's Q block
 
     # the key scales of a tile are loaded while its QK^T runs: issued right after the
@@ -429,8 +425,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_r
         mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         if ROWSUM:  # every column of P @ ones is the tile's row sum
-            r_tok = warpgroup_mma(gl.convert_layout(p8, pr_layout), ones_smem.permute((1, 0)), r_zero, use_acc=False,
-                                  is_async=True)
+            r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), r_zero, use_acc=False, is_async=True)
         if OVERLAP > 0:
             if j + 1 < n_tiles:
                 s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
@@ -465,10 +460,7 @@ def _ones_tile(ROWSUM: gl.constexpr, BLOCK_N: gl.constexpr):
     ones = gl.allocate_shared_memory(gl.float8e4nv, [n, keys], layout)
     if ROWSUM:
         fill: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
-        # 1.0 as its e4m3 bits (0x38): a float32 splat cast to e4m3 compiled to one packed
-        # conversion whose upper half-word came from an unrelated register (F2FP
-        # ...PACK_AB_MERGE_C), copied into every word of the tile
-        ones.store(gl.full([n, keys], 0x38, gl.uint8, fill).to(gl.float8e4nv, bitcast=True))
+        ones.store(gl.full([n, keys], 1.0, gl.float32, fill).to(gl.float8e4nv))
         gl.thread_barrier()
     return ones
 
