@@ -74,7 +74,6 @@ def ws_launch(partitions: int) -> tuple[int, int, int]:
     return launches[partitions]
 
 
-ONES_ROWS = gl.constexpr(16)  # P @ ones: wgmma's smallest N with a register A operand and e4m3
 NUM_STAGES = gl.constexpr(2)  # K and V^T rings: 64-row programs fit two per SM (bf16 K: 112 KB each)
 
 
@@ -108,12 +107,10 @@ def _softmax_state(QS, KS, off_bh, bhk, Sq, Sk, block, qk_scale, s_layout: gl.co
 @gluon.jit
 def _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
                   s_layout: gl.constexpr, p_layout: gl.constexpr, P_MODE: gl.constexpr, P_HW_CVT: gl.constexpr,
-                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, SUM_P: gl.constexpr = True):
+                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """Tile j's P (e4m3, times 2**8) as PV's register operand, the rescale factor and
     the new running max and row sum: `forward._tile`'s arithmetic, operation for
-    operation. b_j: the tile's key scales (any value past Sk: those keys are masked).
-    SUM_P=False: l comes back rescaled only, the tile's sum left to the tensor cores
-    (`online_softmax_p`)."""
+    operation. b_j: the tile's key scales (any value past Sk: those keys are masked)."""
     cols = j * BLOCK_N + offs_n
     masked = j * BLOCK_N >= full
     t = log2_scores(s, gl.expand_dims(a_i, 1), gl.expand_dims(b_j, 0))
@@ -123,7 +120,7 @@ def _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, ful
             visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + causal_offset)
         t = gl.where(visible, t, -float("inf"))
     key_block = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)) // 32, 0)
-    p, alpha, m_new, l_i = online_softmax_p(t, m_i, l_i, P_MODE, P_HW_CVT, True, key_block, SUM_P)
+    p, alpha, m_new, l_i = online_softmax_p(t, m_i, l_i, P_MODE, P_HW_CVT, True, key_block)
     return gl.convert_layout(p.to(gl.float8e4nv), p_layout), alpha, m_new, l_i
 
 
@@ -368,11 +365,11 @@ def _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j, Sk, impre
 
 
 @gluon.jit
-def _ws_consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                  off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
                  WG: gl.constexpr, WGS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr,
-                 P_HW_CVT: gl.constexpr, OVERLAP: gl.constexpr, QK_PROMOTE: gl.constexpr, ROWSUM: gl.constexpr):
+                 P_HW_CVT: gl.constexpr, OVERLAP: gl.constexpr, QK_PROMOTE: gl.constexpr):
     """BLOCK_M query rows (rows WG * BLOCK_M ... of the program's block, which WGS such
     partitions share) on BLOCK_M // 16 warps: per tile QK^T, the softmax, PV on a fresh
     accumulator added to O in float32 (the Triton kernel's `PV_ADD` arithmetic), then
@@ -382,10 +379,6 @@ def _ws_consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_r
     together, 192 registers, no softmax temporaries). ptxas chains each product's wgmmas
     either way; 2, the same order with a wait for PV_j alone (QK^T still in flight),
     makes it serialize every wgmma (C7514) and is kept only to show that.
-    ROWSUM: the tile's row sum of the e4m3 P is P @ ones (`ones_smem`, 16 keys-major
-    columns of ones), issued beside PV on the same register operand and added into l in
-    float32, instead of float32 copies of P summed on the CUDA cores (`forward.py`'s
-    ROWSUM_MMA: the same sums).
     Gluon syncs a partition's warps before each mbarrier wait and arrive, so warpgroups
     that share a partition move in step at those points."""
     stages: gl.constexpr = k_smem.type.shape[0]
@@ -403,8 +396,6 @@ def _ws_consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_r
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     o_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-    r_layout: gl.constexpr = wgmma_layout(warps, ONES_ROWS, 32)
-    r_zero = gl.zeros([BLOCK_M, ONES_ROWS], gl.float32, layout=r_layout)
     q_tile = q_smem.slice(WG * BLOCK_M, BLOCK_M)  # this partition's rows of the program's Q block
 
     # the key scales of a tile are loaded while its QK^T runs: issued right after the
@@ -421,25 +412,16 @@ def _ws_consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_r
         mbarrier.arrive(k_empty.index(stage), count=1)  # QK_j has read K_j
         b_j = gl.convert_layout(kb, col_s)
         p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
-                                            s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N, not ROWSUM)
+                                            s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        if ROWSUM:  # every column of P @ ones is the tile's row sum
-            r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), r_zero, use_acc=False, is_async=True)
         if OVERLAP > 0:
             if j + 1 < n_tiles:
                 s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
                                           BLOCK_N)
-            if ROWSUM:
-                pv, r = warpgroup_mma_wait(OVERLAP - 1, deps=[pv_tok, r_tok])
-            else:
-                pv = warpgroup_mma_wait(OVERLAP - 1, deps=[pv_tok])
-        elif ROWSUM:
-            pv, r = warpgroup_mma_wait(0, deps=[pv_tok, r_tok])
+            pv = warpgroup_mma_wait(OVERLAP - 1, deps=[pv_tok])
         else:
             pv = warpgroup_mma_wait(0, deps=[pv_tok])
-        if ROWSUM:
-            l_i = l_i + gl.convert_layout(gl.max(r, axis=1), gl.SliceLayout(1, s_layout))
         mbarrier.arrive(v_empty.index(stage), count=1)  # PV_j has read V_j
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv
         if OVERLAP == 0:
@@ -450,29 +432,13 @@ def _ws_consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_r
 
 
 @gluon.jit
-def _ones_tile(ROWSUM: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The rows of ones that P @ ones sums P's rows with (16 of them: wgmma's N for a
-    register A operand; 2 KB in e4m3), written once per program; with ROWSUM off, 8 bytes
-    that nothing reads (a partition's arguments cannot be None)."""
-    n: gl.constexpr = ONES_ROWS if ROWSUM else 1
-    keys: gl.constexpr = BLOCK_N if ROWSUM else 8
-    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if ROWSUM else 0, element_bitwidth=8, rank=2)
-    ones = gl.allocate_shared_memory(gl.float8e4nv, [n, keys], layout)
-    if ROWSUM:
-        fill: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [gl.num_warps(), 1], [1, 0])
-        ones.store(gl.full([n, keys], 1.0, gl.float32, fill).to(gl.float8e4nv))
-        gl.thread_barrier()
-    return ones
-
-
-@gluon.jit
 def attn_fwd_ws_kernel(
     q_desc, k_desc, v_desc, QS, KS, VS, O, LSE,
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr,
     STAGES: gl.constexpr = 2, PARTITIONS: gl.constexpr = 0, OVERLAP: gl.constexpr = 0,
-    QK_PROMOTE: gl.constexpr = 0, ROWSUM: gl.constexpr = False,
+    QK_PROMOTE: gl.constexpr = 0,
 ):
     """Warp-specialized forward: a producer warp keeps `STAGES`-deep K and V^T rings
     full; the consumers never issue a copy or wait at a CTA barrier. PARTITIONS
@@ -495,7 +461,6 @@ def attn_fwd_ws_kernel(
     k_empty = barriers(STAGES, consumers)
     v_ready = barriers(STAGES, 1)
     v_empty = barriers(STAGES, consumers)
-    ones_smem = _ones_tile(ROWSUM, BLOCK_N)
     fence_async_shared()
 
     if PARTITIONS == 1:
@@ -504,22 +469,19 @@ def attn_fwd_ws_kernel(
         gl.warp_specialize([
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                             q_row, k_row, v_row, n_tiles, BLOCK_N)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE,
-                            ROWSUM)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+                            0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            1, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE,
-                            ROWSUM)),
+                            1, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE)),
         ], [4, 4], [240, 240])
     else:
         gl.static_assert(gl.num_warps() == BLOCK_M // 16)
         gl.warp_specialize([
-            (_ws_consumer, (q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE,
-                            ROWSUM)),
+                            0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                             q_row, k_row, v_row, n_tiles, BLOCK_N)),
         ], [1], [24])
@@ -527,7 +489,7 @@ def attn_fwd_ws_kernel(
 
 def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True,
                              schedule: int = 0, warp_specialized: bool = False, partitions: int = 0,
-                             stages: int = 2, overlap: int = 0, qk_promote: int = 0, rowsum: bool = False):
+                             stages: int = 2, overlap: int = 0, qk_promote: int = 0):
     """Run a Gluon kernel on prepared operands (`KernelOperands`, contiguous):
     (out bf16, lse fp32), as `ops.launch_forward` without its debug outputs.
 
@@ -539,8 +501,7 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     (`ws_launch`) with `stages`-deep K/V rings and its OVERLAP flag `overlap`; its O is added in float32 per tile, as
     the Triton kernel's at D=128 (`pv_add`); e4m3 QK^T is promoted into float32 every
     `qk_promote` products (0: never, the `fast_accum` recipes; the pipelined kernel
-    always promotes every 32); `rowsum` takes P's row sums from the tensor cores
-    (ROWSUM). e4m3 Q/K may also be given as bf16 (exact):
+    always promotes every 32). e4m3 Q/K may also be given as bf16 (exact):
     their QK^T then runs on the bf16 tensor cores, without the fp8 accumulation's
     promotion."""
     import torch
@@ -574,7 +535,7 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
                  CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt)
     if warp_specialized:
         attn_fwd_ws_kernel[grid](*args, **flags, STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap,
-                                 QK_PROMOTE=qk_promote, ROWSUM=rowsum, num_warps=num_warps, maxnreg=maxnreg)
+                                 QK_PROMOTE=qk_promote, num_warps=num_warps, maxnreg=maxnreg)
     else:
         attn_fwd_pipelined_kernel[grid](*args, **flags, SCHEDULE=schedule, num_warps=4)
     return out, lse

@@ -176,7 +176,7 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
 
 def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True,
                               schedule: int = 0, warp_specialized: bool = False, stages: int = 2,
-                              partitions: int = 0, overlap: int = 0, qk_promote: int = 0, rowsum: bool = False):
+                              partitions: int = 0, overlap: int = 0, qk_promote: int = 0):
     """The compiled Gluon forward (`forward_pipelined.py`) for one flag combination:
     `attn_fwd_pipelined_kernel`, or with `warp_specialized` `attn_fwd_ws_kernel` at
     the launch `launch_forward_pipelined` gives it."""
@@ -198,7 +198,7 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
     if not warp_specialized:
         consts.update(SCHEDULE=schedule)
     else:
-        consts.update(STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap, QK_PROMOTE=qk_promote, ROWSUM=rowsum)
+        consts.update(STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap, QK_PROMOTE=qk_promote)
         _, num_warps, maxnreg = fp.ws_launch(partitions)
         options = dict(num_warps=num_warps, maxnreg=maxnreg)
     fn = fp.attn_fwd_ws_kernel if warp_specialized else fp.attn_fwd_pipelined_kernel

@@ -193,8 +193,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
 
         out, lse = launch_forward_pipelined(ops, scale=scale, causal_offset=causal_offset, p_mode=p_mode,
                                             p_hw_cvt=cfg.p_hw_cvt, warp_specialized=True, partitions=WS_PARTITIONS,
-                                            stages=cfg.stages, overlap=WS_OVERLAP, qk_promote=qk_promote,
-                                            rowsum=cfg.rowsum_mma)
+                                            stages=cfg.stages, overlap=WS_OVERLAP, qk_promote=qk_promote)
         return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
