@@ -9,11 +9,10 @@ bf16 on the bench shapes.
         [--shapes 8,16,4096,128/2,16,16384,128] [--causal both] [--no-check]
         [--variants 0:2,0:3,2:2,1:2]
 
-A variant is `partitions:stages[:overlap[:promote[:release[:ks_ring]]]]`
-(`forward_pipelined.ws_launch`, the kernel's OVERLAP; for e4m3 Q/K on the FP8 tensor
-cores (the `fast_accum` recipes) QK_PROMOTE: products summed by the tensor core before
-each float32 addition, 0 (none, the default) or 32; RELEASE and KS_RING as
-`_ws_consumer` has them). The Triton kernel it is checked against runs the same promotion.
+A variant is `partitions:stages[:overlap[:promote]]` (`forward_pipelined.ws_launch`, the
+kernel's OVERLAP and, for e4m3 Q/K on the FP8 tensor cores (the `fast_accum` recipes),
+QK_PROMOTE: products summed by the tensor core before each float32 addition, 0 (none,
+the default) or 32). The Triton kernel it is checked against runs the same promotion.
 """
 
 import argparse
@@ -35,7 +34,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--variants", default="0:2,0:3,2:2,1:2,2:2:1")
 args = kernel_script_args(ap, shapes="8,16,4096,128/2,16,16384,128", recipes="nvfp4-fp8,fp8,directp",
                           no_check_help="skip the output comparison on awkward shapes")
-VARIANTS = [tuple(int(x) for x in (v + ":0:0:0:0").split(":")[:6]) for v in args.variants.split(",")]
+VARIANTS = [tuple(int(x) for x in (v + ":0:0").split(":")[:4]) for v in args.variants.split(",")]
 
 
 def prepared(q, k, v, name, causal_offset):
@@ -56,9 +55,9 @@ def triton_kernel(ops, kw, promote=0):
         del os.environ[LAUNCH_ENV]
 
 
-def ws(ops, kw, partitions, stages, overlap, promote, release, ks_ring):
+def ws(ops, kw, partitions, stages, overlap, promote):
     return launch_forward_pipelined(ops, **kw, warp_specialized=True, partitions=partitions, stages=stages,
-                                    overlap=overlap, qk_promote=promote, release=release, ks_ring=ks_ring)
+                                    overlap=overlap, qk_promote=promote)
 
 
 if not args.no_check:

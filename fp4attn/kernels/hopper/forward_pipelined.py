@@ -330,42 +330,30 @@ def attn_fwd_pipelined_kernel(
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready,
-                 v_empty, q_row, k_row, v_row, n_tiles, BLOCK_N: gl.constexpr, RELEASE: gl.constexpr,
-                 KS_RING: gl.constexpr):
-    """Q once, then K_j (and with KS_RING its key scales, on K_j's barrier) and V^T_j
-    into the rings as their stages come free (one thread issues each TMA copy). A fresh
-    mbarrier counts as having completed the phase before its first, so the first pass
-    over each stage does not wait. RELEASE 1: the consumer's one arrival per tile, on
-    k_empty after QK_j, frees K_j's stage and V_{j-1}'s (PV_{j-1} was waited before)."""
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                 q_row, k_row, v_row, n_tiles, BLOCK_N: gl.constexpr):
+    """Q once, then K_j and V^T_j into the rings as their stages come free (one thread
+    issues each TMA copy). A fresh mbarrier counts as having completed the phase before
+    its first, so the first pass over each stage does not wait."""
     stages: gl.constexpr = k_smem.type.shape[0]
-    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (ks_desc.block_type.nbytes if KS_RING else 0)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
     for j in range(n_tiles):
         stage = j % stages
         free = ((j // stages) & 1) ^ 1
         mbarrier.wait(k_empty.index(stage), free)
-        mbarrier.expect(k_ready.index(stage), k_bytes)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-        if KS_RING:
-            tma.async_copy_global_to_shared(ks_desc, [k_row + j * BLOCK_N], k_ready.index(stage), ks_smem.index(stage))
-        if RELEASE == 1:
-            # V_{j-stages} was read once the consumer arrived after QK_{j-stages+1}: arrival
-            # number j - stages + 1 on k_empty; the first `stages` V tiles wait for nothing
-            mbarrier.wait(k_empty.index((j + 1) % stages), (((j + 1) // stages) & 1) ^ 1, pred=j >= stages)
-        else:
-            mbarrier.wait(v_empty.index(stage), free)
+        mbarrier.wait(v_empty.index(stage), free)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [v_row, j * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, ks_ring, offs_ks, j, Sk, imprecise: gl.constexpr,
-                  BLOCK_N: gl.constexpr, KS_RING: gl.constexpr, col_layout: gl.constexpr):
-    """Once K_j has arrived: QK_j issued (its token) and tile j's key scales: from
-    global memory, one per thread, to arrive while the product runs (KS_RING 0), from
-    their ring in the softmax's layout (2), or nothing (1: read after the product)."""
+def _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j, Sk, imprecise: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """Once K_j has arrived: QK_j issued (its token) and tile j's key scales loaded, one
+    per thread, to arrive while the product runs."""
     stage = j % k_smem.type.shape[0]
     mbarrier.wait(k_ready.index(stage), (j // k_smem.type.shape[0]) & 1)
     if imprecise > 0:
@@ -373,22 +361,15 @@ def _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, ks_ring, offs_ks, j, 
                               max_num_imprecise_acc=imprecise, is_async=True)
     else:  # e4m3: Triton's sm_90 default, the tensor core's own accumulation over all of K
         s_tok = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if KS_RING == 2:
-        kb = ks_ring.index(stage).load(col_layout)
-    elif KS_RING == 1:
-        kb = offs_ks  # unused
-    else:
-        kb = _key_scales(ks_ptr, j, offs_ks, Sk, BLOCK_N)
-    return s_tok, kb
+    return s_tok, _key_scales(ks_ptr, j, offs_ks, Sk, BLOCK_N)
 
 
 @gluon.jit
-def _ws_consumer(q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                  off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
                  WG: gl.constexpr, WGS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr,
-                 P_HW_CVT: gl.constexpr, OVERLAP: gl.constexpr, QK_PROMOTE: gl.constexpr, RELEASE: gl.constexpr,
-                 KS_RING: gl.constexpr):
+                 P_HW_CVT: gl.constexpr, OVERLAP: gl.constexpr, QK_PROMOTE: gl.constexpr):
     """BLOCK_M query rows (rows WG * BLOCK_M ... of the program's block, which WGS such
     partitions share) on BLOCK_M // 16 warps: per tile QK^T, the softmax, PV on a fresh
     accumulator added to O in float32 (the Triton kernel's `PV_ADD` arithmetic), then
@@ -398,12 +379,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_rea
     together, 192 registers, no softmax temporaries). ptxas chains each product's wgmmas
     either way; 2, the same order with a wait for PV_j alone (QK^T still in flight),
     makes it serialize every wgmma (C7514) and is kept only to show that.
-    Gluon syncs a partition's warps before each mbarrier arrive (one thread arrives
-    for all), so warpgroups that share a partition move in step at those points; RELEASE
-    1 arrives once per tile instead of twice (`_ws_producer`). KS_RING: the key scales
-    come with K_j by TMA and are read from shared memory in the softmax's layout (1: after
-    QK_j, 2: before it is issued), instead of a per-thread load spread through shared
-    memory (two more partition syncs per tile)."""
+    Gluon syncs a partition's warps before each mbarrier wait and arrive, so warpgroups
+    that share a partition move in step at those points."""
     stages: gl.constexpr = k_smem.type.shape[0]
     warps: gl.constexpr = BLOCK_M // 16
     s_layout: gl.constexpr = _s_layout(warps, BLOCK_N, QK_FP8)
@@ -428,58 +405,40 @@ def _ws_consumer(q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_rea
     ks_layout: gl.constexpr = gl.BlockedLayout([1], [32], [warps], [0])
     offs_ks = gl.arange(0, BLOCK_N, layout=ks_layout)
     mbarrier.wait(q_bar, 0)
-    s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, ks_smem, offs_ks, 0, Sk, imprecise, BLOCK_N,
-                              KS_RING, col_s)
+    s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, 0, Sk, imprecise, BLOCK_N)
     for j in range(n_tiles):
         stage = j % stages
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        if KS_RING == 1:
-            b_j = ks_smem.index(stage).load(col_s)  # read before K_j's stage is released
-        elif KS_RING == 2:
-            b_j = kb
-        mbarrier.arrive(k_empty.index(stage), count=1)  # QK_j has read K_j (RELEASE 1: and PV_{j-1} V_{j-1})
-        if KS_RING == 0:
-            b_j = gl.convert_layout(kb, col_s)
+        mbarrier.arrive(k_empty.index(stage), count=1)  # QK_j has read K_j
+        b_j = gl.convert_layout(kb, col_s)
         p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
                                             s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         if OVERLAP > 0:
             if j + 1 < n_tiles:
-                s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, ks_smem, offs_ks, j + 1, Sk,
-                                          imprecise, BLOCK_N, KS_RING, col_s)
+                s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
+                                          BLOCK_N)
             pv = warpgroup_mma_wait(OVERLAP - 1, deps=[pv_tok])
         else:
             pv = warpgroup_mma_wait(0, deps=[pv_tok])
-        if RELEASE == 0:
-            mbarrier.arrive(v_empty.index(stage), count=1)  # PV_j has read V_j
+        mbarrier.arrive(v_empty.index(stage), count=1)  # PV_j has read V_j
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv
         if OVERLAP == 0:
             if j + 1 < n_tiles:
-                s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, ks_smem, offs_ks, j + 1, Sk,
-                                          imprecise, BLOCK_N, KS_RING, col_s)
+                s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
+                                          BLOCK_N)
     _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, block, Sq, o_layout, HEAD_DIM, BLOCK_M)
 
 
 @gluon.jit
-def _key_scale_ring(ks_desc, KS_RING: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """With KS_RING the key scales' ring beside K's (float32, 512 bytes a stage); without,
-    8 bytes that nothing reads (a partition's arguments cannot be None)."""
-    if KS_RING:
-        ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], ks_desc.layout)
-    else:
-        ring = gl.allocate_shared_memory(gl.float32, [1, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    return ring
-
-
-@gluon.jit
 def attn_fwd_ws_kernel(
-    q_desc, k_desc, v_desc, ks_desc, QS, KS, VS, O, LSE,
+    q_desc, k_desc, v_desc, QS, KS, VS, O, LSE,
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr,
     STAGES: gl.constexpr = 2, PARTITIONS: gl.constexpr = 0, OVERLAP: gl.constexpr = 0,
-    QK_PROMOTE: gl.constexpr = 0, RELEASE: gl.constexpr = 0, KS_RING: gl.constexpr = 0,
+    QK_PROMOTE: gl.constexpr = 0,
 ):
     """Warp-specialized forward: a producer warp keeps `STAGES`-deep K and V^T rings
     full; the consumers never issue a copy or wait at a CTA barrier. PARTITIONS
@@ -502,40 +461,35 @@ def attn_fwd_ws_kernel(
     k_empty = barriers(STAGES, consumers)
     v_ready = barriers(STAGES, 1)
     v_empty = barriers(STAGES, consumers)
-    ks_smem = _key_scale_ring(ks_desc, KS_RING, STAGES, BLOCK_N)
     fence_async_shared()
 
     if PARTITIONS == 1:
         gl.static_assert(gl.num_warps() == 4)
         HALF: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
-            (_ws_producer, (q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready,
-                            k_empty, v_ready, v_empty, q_row, k_row, v_row, n_tiles, BLOCK_N, RELEASE, KS_RING)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                            q_row, k_row, v_row, n_tiles, BLOCK_N)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE,
-                            RELEASE, KS_RING)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+                            0, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            1, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE,
-                            RELEASE, KS_RING)),
+                            1, 2, HEAD_DIM, HALF, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE)),
         ], [4, 4], [240, 240])
     else:
         gl.static_assert(gl.num_warps() == BLOCK_M // 16)
         gl.warp_specialize([
-            (_ws_consumer, (q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
                             off_bh, bhk, start_m, Sq, Sk, causal_offset, qk_scale, n_tiles, full,
-                            0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE,
-                            RELEASE, KS_RING)),
-            (_ws_producer, (q_desc, k_desc, v_desc, ks_desc, q_smem, k_smem, v_smem, ks_smem, q_bar, k_ready,
-                            k_empty, v_ready, v_empty, q_row, k_row, v_row, n_tiles, BLOCK_N, RELEASE, KS_RING)),
+                            0, 1, HEAD_DIM, BLOCK_M, BLOCK_N, QK_FP8, P_MODE, CAUSAL, P_HW_CVT, OVERLAP, QK_PROMOTE)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                            q_row, k_row, v_row, n_tiles, BLOCK_N)),
         ], [1], [24])
 
 
 def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True,
                              schedule: int = 0, warp_specialized: bool = False, partitions: int = 0,
-                             stages: int = 2, overlap: int = 0, qk_promote: int = 0, release: int = 0,
-                             ks_ring: int = 0):
+                             stages: int = 2, overlap: int = 0, qk_promote: int = 0):
     """Run a Gluon kernel on prepared operands (`KernelOperands`, contiguous):
     (out bf16, lse fp32), as `ops.launch_forward` without its debug outputs.
 
@@ -547,8 +501,7 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     (`ws_launch`) with `stages`-deep K/V rings and its OVERLAP flag `overlap`; its O is added in float32 per tile, as
     the Triton kernel's at D=128 (`pv_add`); e4m3 QK^T is promoted into float32 every
     `qk_promote` products (0: never, the `fast_accum` recipes; the pipelined kernel
-    always promotes every 32); `release` and `ks_ring` as the kernel's RELEASE and
-    KS_RING (`_ws_consumer`). e4m3 Q/K may also be given as bf16 (exact):
+    always promotes every 32). e4m3 Q/K may also be given as bf16 (exact):
     their QK^T then runs on the bf16 tensor cores, without the fp8 accumulation's
     promotion."""
     import torch
@@ -577,15 +530,12 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, block_m), B * H)
     descs = (tma_descriptor(q2, [block_m, D]), tma_descriptor(k2, [block_n, D]), tma_descriptor(v2, [D, block_n]))
-    if warp_specialized:  # the key scales' descriptor (K's as a stand-in that nothing reads)
-        descs += (tma_descriptor(ops.ks.reshape(B * Hkv * Sk), [block_n]) if ks_ring else descs[1],)
     args = (*descs, ops.qs, ops.ks, ops.vs, out, lse, H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E)
     flags = dict(HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode,
                  CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt)
     if warp_specialized:
         attn_fwd_ws_kernel[grid](*args, **flags, STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap,
-                                 QK_PROMOTE=qk_promote, RELEASE=release, KS_RING=ks_ring, num_warps=num_warps,
-                                 maxnreg=maxnreg)
+                                 QK_PROMOTE=qk_promote, num_warps=num_warps, maxnreg=maxnreg)
     else:
         attn_fwd_pipelined_kernel[grid](*args, **flags, SCHEDULE=schedule, num_warps=4)
     return out, lse

@@ -10,12 +10,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32}
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
 @functools.cache
 def shared_layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The NVMMA shared-memory layout of a (bf16, e4m3 or float32) TMA tile of shape `block`, as
+    """The NVMMA shared-memory layout of a (bf16 or e4m3) TMA tile of shape `block`, as
     wgmma reads it. Cached: building one took the host 5-15 us, and a `train` forward
     and backward builds ten descriptors (the backward's seven took 0.16 ms of host time,
     benchmarks/results/h200-train-step-profile.txt)."""
@@ -25,8 +25,8 @@ def shared_layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedL
 
 
 def tma_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """Gluon TMA descriptor of the 1- or 2-D tensor t (bf16, e4m3 or float32, last dim
-    contiguous) in tiles of `block`."""
+    """Gluon TMA descriptor of the 2-D tensor t (bf16 or e4m3, last dim contiguous) in
+    tiles of `block`."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, shared_layout(tuple(block), t.dtype))
 
 

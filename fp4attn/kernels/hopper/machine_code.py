@@ -126,8 +126,8 @@ def _desc_sig(dtype: torch.dtype, block: list[int]) -> str:
     specializes it (`gluon_common.tma_descriptor`'s layout)."""
     from fp4attn.kernels.hopper.gluon_common import shared_layout
 
-    name = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-    return f"tensordesc<{name}[{', '.join(map(str, block))}],{shared_layout(tuple(block), dtype)!r}>"
+    name = "fp8e4nv" if dtype == torch.float8_e4m3fn else "bf16"
+    return f"tensordesc<{name}[{block[0]}, {block[1]}],{shared_layout(tuple(block), dtype)!r}>"
 
 
 def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: int, num_stages: int):
@@ -176,8 +176,7 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
 
 def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True,
                               schedule: int = 0, warp_specialized: bool = False, stages: int = 2,
-                              partitions: int = 0, overlap: int = 0, qk_promote: int = 0, release: int = 0,
-                              ks_ring: int = 0):
+                              partitions: int = 0, overlap: int = 0, qk_promote: int = 0):
     """The compiled Gluon forward (`forward_pipelined.py`) for one flag combination:
     `attn_fwd_pipelined_kernel`, or with `warp_specialized` `attn_fwd_ws_kernel` at
     the launch `launch_forward_pipelined` gives it."""
@@ -190,10 +189,8 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
 
     qk = torch.float8_e4m3fn if qk_fp8 else torch.bfloat16
     sig = {"q_desc": _desc_sig(qk, [BLOCK_M, head_dim]), "k_desc": _desc_sig(qk, [BLOCK_N, head_dim]),
-           "v_desc": _desc_sig(torch.float8_e4m3fn, [head_dim, BLOCK_N]),
-           **({"ks_desc": _desc_sig(torch.float32, [BLOCK_N]) if ks_ring else _desc_sig(qk, [BLOCK_N, head_dim])}
-              if warp_specialized else {}),
-           "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "O": "*bf16", "LSE": "*fp32", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
+           "v_desc": _desc_sig(torch.float8_e4m3fn, [head_dim, BLOCK_N]), "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
+           "O": "*bf16", "LSE": "*fp32", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
            "qk_scale": "fp32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal,
                   P_HW_CVT=p_hw_cvt)
@@ -201,8 +198,7 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
     if not warp_specialized:
         consts.update(SCHEDULE=schedule)
     else:
-        consts.update(STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap, QK_PROMOTE=qk_promote, RELEASE=release,
-                      KS_RING=ks_ring)
+        consts.update(STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap, QK_PROMOTE=qk_promote)
         _, num_warps, maxnreg = fp.ws_launch(partitions)
         options = dict(num_warps=num_warps, maxnreg=maxnreg)
     fn = fp.attn_fwd_ws_kernel if warp_specialized else fp.attn_fwd_pipelined_kernel
