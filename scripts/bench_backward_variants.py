@@ -18,14 +18,14 @@ from fp4attn.kernels.hopper.training import BackwardConfig
 from fp4attn.recipes import PRESETS
 
 bench = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
-# the default first, then the Gluon dK/dV kernel with the other STAGED, then both Triton
+# the default first, then the Gluon dK/dV kernel with the other STAGED forms, then both Triton
 # kernels. Measured before: the Gluon dQ kernel and the 168-register caps at commit
 # 8062919 (benchmarks/results/h200-backward-gluon-maxnreg.txt), the Gluon dK/dV kernel's
 # IN_FLIGHT at d417778 (h200-backward-dkdv-gluon-2.txt), the launch shapes and TMA tiles at
 # 7f750d2 (h200-backward-variants-tma.txt), dq_atomic at 3f801e5
 # (h200-backward-variants-dq-atomic.txt)
 def _variants(cfg: BackwardConfig) -> list[BackwardConfig]:
-    return [cfg, dataclasses.replace(cfg, dkdv_staged=not cfg.dkdv_staged),
+    return [cfg, *(dataclasses.replace(cfg, dkdv_staged=s) for s in (0, 1, 2) if s != cfg.dkdv_staged),
             dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)]
 
 

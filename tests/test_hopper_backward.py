@@ -139,7 +139,8 @@ def _train_grads(q, k, v, dout, causal_offset):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("in_flight,staged", [(1, True), (2, True)])  # the routed D=128 and D=64 forms
+# the routed D=128 and D=64 forms, and the numbers by asynchronous copies (STAGED 2)
+@pytest.mark.parametrize("in_flight,staged", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_pipelined_backward_equals_triton_kernels(d, in_flight, staged, monkeypatch):
     """The Gluon dK/dV and dQ kernels do the Triton kernels' arithmetic operation for
     operation, on the same tensor-core sums: dQ, dK and dV equal bit for bit,

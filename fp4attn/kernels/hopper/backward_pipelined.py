@@ -43,6 +43,7 @@ kernels run otherwise. Measurements: docs/notes/hopper-train.md.
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -74,11 +75,17 @@ def _operand_layout(grad_layout):
 
 
 @gluon.jit
+def _flat_ptrs(ptr, n: gl.constexpr):
+    """The addresses of n floats from ptr, one per thread (coalesced)."""
+    return ptr + gl.arange(0, n, layout=gl.BlockedLayout([1], [32], [4], [0]))
+
+
+@gluon.jit
 def _flat(ptr, n: gl.constexpr):
     """n floats, one per thread (coalesced): a tile's per-query or per-channel numbers,
     loaded a tile ahead and moved to the wgmma slice layouts (`_spread`) when used; in
     those layouts each thread would load 16-32 scattered elements."""
-    return gl.load(ptr + gl.arange(0, n, layout=gl.BlockedLayout([1], [32], [4], [0])))
+    return gl.load(_flat_ptrs(ptr, n))
 
 
 @gluon.jit
@@ -110,15 +117,62 @@ def _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM: gl.constexpr, BLOCK_M
 
 
 @gluon.jit
-def _query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Tile i's LSE, dO's token scales and delta (per query), and dO_c's and Q_c's
-    channel scales (per half of D), `_flat`."""
+def _query_number_ptrs(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Where tile i's LSE, dO's token scales and delta (per query), and dO_c's and Q_c's
+    channel scales (per half of D) are, `_flat_ptrs`."""
     start_m, row, hd_row = _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM, BLOCK_M)
     half: gl.constexpr = HEAD_DIM // 2
-    return (_flat(LSE + row + start_m, BLOCK_M), _flat(DO_TS + row + start_m, BLOCK_M),
-            _flat(DELTA + row + start_m, BLOCK_M), _flat(DO_CS + hd_row, half), _flat(DO_CS + hd_row + half, half),
-            _flat(Q_CS + hd_row, half), _flat(Q_CS + hd_row + half, half))
+    return (_flat_ptrs(LSE + row + start_m, BLOCK_M), _flat_ptrs(DO_TS + row + start_m, BLOCK_M),
+            _flat_ptrs(DELTA + row + start_m, BLOCK_M), _flat_ptrs(DO_CS + hd_row, half),
+            _flat_ptrs(DO_CS + hd_row + half, half), _flat_ptrs(Q_CS + hd_row, half),
+            _flat_ptrs(Q_CS + hd_row + half, half))
+
+
+@gluon.jit
+def _query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Tile i's numbers (`_query_number_ptrs`) loaded into registers."""
+    ptrs = _query_number_ptrs(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
+    return (gl.load(ptrs[0]), gl.load(ptrs[1]), gl.load(ptrs[2]), gl.load(ptrs[3]), gl.load(ptrs[4]),
+            gl.load(ptrs[5]), gl.load(ptrs[6]))
+
+
+@gluon.jit
+def _copy_query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, bufs, stage,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Tile i's numbers (`_query_number_ptrs`) copied asynchronously into stage `stage`
+    of their seven buffers, one commit group: no register holds them."""
+    ptrs = _query_number_ptrs(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
+    for n in gl.static_range(7):
+        async_copy.async_copy_global_to_shared(bufs[n].index(stage), ptrs[n])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _number_buffers(STAGED: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+    """The seven number buffers (per query: LSE, dO token scales, delta; per channel:
+    dO_c's and Q_c's scales by half of D): one each (STAGED 0, 1), or a two-stage ring
+    each that asynchronous copies fill a tile ahead (2)."""
+    if STAGED == 2:
+        ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # per stage
+        bufs = (gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ring),
+                gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ring),
+                gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ring),
+                gl.allocate_shared_memory(gl.float32, [STAGES, HALF], ring),
+                gl.allocate_shared_memory(gl.float32, [STAGES, HALF], ring),
+                gl.allocate_shared_memory(gl.float32, [STAGES, HALF], ring),
+                gl.allocate_shared_memory(gl.float32, [STAGES, HALF], ring))
+    else:
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        bufs = (gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain),
+                gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain),
+                gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain),
+                gl.allocate_shared_memory(gl.float32, [HALF], plain),
+                gl.allocate_shared_memory(gl.float32, [HALF], plain),
+                gl.allocate_shared_memory(gl.float32, [HALF], plain),
+                gl.allocate_shared_memory(gl.float32, [HALF], plain))
+    return bufs
 
 
 @gluon.jit
@@ -155,7 +209,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = False,
+    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = 0,
 ):
     """Operands as `backward.attn_bwd_dkdv_kernel` reads them, the tiles by TMA:
     q_desc (B*H*Sq, D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles,
@@ -169,9 +223,13 @@ def attn_bwd_dkdv_pipelined_kernel(
     while the previous is added (two temporaries).
 
     A tile's per-query numbers (log2 LSE, dO's token scales, delta) and channel scales
-    reach the wgmma layouts through shared memory: STAGED stores all seven together at
-    the top of the tile (two CTA barriers per tile), otherwise each moves by its own
-    layout change (fourteen)."""
+    reach the wgmma layouts through shared memory: STAGED 1 stores all seven together at
+    the top of the tile (two CTA barriers per tile), 0 moves each by its own layout change
+    (fourteen); both load them into registers a tile ahead. STAGED 2 copies them
+    asynchronously (cp.async) into two-stage buffers a tile ahead instead: with the
+    registers at their limit, ptxas spilled the loaded numbers right after their loads,
+    and each spill store waited out the global load (ncu: 4% of the kernel's warp
+    samples on those stores, benchmarks/results/h200-backward-ncu.txt)."""
     gl.static_assert(BLOCK_N == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_M == 64)  # dS's scale block along the queries (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
@@ -208,14 +266,8 @@ def attn_bwd_dkdv_pipelined_kernel(
     do_t_smem = _ring(do_t_desc, STAGES)
     do_c_smem = _ring(do_c_desc, STAGES)
     q_c_smem = _ring(q_c_desc, STAGES)
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    lse_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain)
-    do_s_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain)
-    delta_s = gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain)
-    do_cs0_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
-    do_cs1_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
-    q_cs0_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
-    q_cs1_s = gl.allocate_shared_memory(gl.float32, [HALF], plain)
+    bufs = _number_buffers(STAGED, BLOCK_M, HALF)
+    lse_s, do_s_s, delta_s, do_cs0_s, do_cs1_s, q_cs0_s, q_cs1_s = bufs
     kv_bar = barriers(1, 1)
     ready = barriers(STAGES, 1)
     fence_async_shared()
@@ -226,9 +278,13 @@ def attn_bwd_dkdv_pipelined_kernel(
     _load_query_tile(0, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
                      q_smem, do_t_smem, do_c_smem, q_c_smem, ready, n_tiles > 0, HEAD_DIM, BLOCK_M)
     # tile 0's numbers (a program without tiles reads the last query tile's, unused)
-    lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = _query_numbers(
-        0, gl.maximum(n_m, 1), gl.minimum(lo, Sq - BLOCK_M), b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS,
-        HEAD_DIM, BLOCK_M)
+    if STAGED == 2:
+        _copy_query_numbers(0, gl.maximum(n_m, 1), gl.minimum(lo, Sq - BLOCK_M), b, hk, H, GROUP, Sq, LSE, DO_TS,
+                            DELTA, DO_CS, Q_CS, bufs, 0, HEAD_DIM, BLOCK_M)
+    else:
+        lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = _query_numbers(
+            0, gl.maximum(n_m, 1), gl.minimum(lo, Sq - BLOCK_M), b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS,
+            Q_CS, HEAD_DIM, BLOCK_M)
 
     q_scale = gl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
     k_scale = gl.load(KS)
@@ -254,19 +310,32 @@ def attn_bwd_dkdv_pipelined_kernel(
         dpt_tok = _product(v_smem, do_t_smem.index(stage), dp_zero)
         _load_query_tile(i + 1, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
                          q_smem, do_t_smem, do_c_smem, q_c_smem, ready, i + 1 < n_tiles, HEAD_DIM, BLOCK_M)
-        lse = lse_log2(lse)
-        if STAGED:  # this tile's numbers, for the layouts below
-            lse_s.store(lse)
-            do_s_s.store(do_s)
-            delta_s.store(delta)
-            do_cs0_s.store(do_cs0)
-            do_cs1_s.store(do_cs1)
-            q_cs0_s.store(q_cs0)
-            q_cs1_s.store(q_cs1)
-        nxt = _query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
-                             DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
-        # 2. P^T and its FP8 form
-        lse2 = _number(lse, lse_s, queries_t, 0, STAGED)
+        if STAGED == 2:
+            # tile i+1's numbers into the other stage; tile i's, copied a tile ago, are in
+            _copy_query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
+                                DO_CS, Q_CS, bufs, (i + 1) % STAGES, HEAD_DIM, BLOCK_M)
+            async_copy.wait_group(1)
+            lse_b, do_s_b, delta_b = lse_s.index(stage), do_s_s.index(stage), delta_s.index(stage)
+            do_cs0_b, do_cs1_b = do_cs0_s.index(stage), do_cs1_s.index(stage)
+            q_cs0_b, q_cs1_b = q_cs0_s.index(stage), q_cs1_s.index(stage)
+            lse2 = gl.expand_dims(lse_log2(lse_b.load(queries_t)), 0)
+            # (not read: `_number` reads the buffers)
+            do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = lse2, lse2, lse2, lse2, lse2, lse2
+        else:
+            lse_b, do_s_b, delta_b, do_cs0_b, do_cs1_b, q_cs0_b, q_cs1_b = bufs
+            lse = lse_log2(lse)
+            if STAGED:  # this tile's numbers, for the layouts below
+                lse_s.store(lse)
+                do_s_s.store(do_s)
+                delta_s.store(delta)
+                do_cs0_s.store(do_cs0)
+                do_cs1_s.store(do_cs1)
+                q_cs0_s.store(q_cs0)
+                q_cs1_s.store(q_cs1)
+            nxt = _query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
+                                 DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
+            # 2. P^T and its FP8 form
+            lse2 = _number(lse, lse_s, queries_t, 0, STAGED)
         st = warpgroup_mma_wait(1, deps=[st_tok])
         tt = log2_scores(st, q_scale, k_scale)
         if start_m < mid:  # a tile on the causal diagonal
@@ -278,8 +347,8 @@ def attn_bwd_dkdv_pipelined_kernel(
         pr = gl.convert_layout(p_r(xt, pt, 0, True), a_layout)
         # 3. dS^T and its e4m3 view per key
         dpt = gl.convert_layout(warpgroup_mma_wait(0, deps=[dpt_tok]), t_layout)
-        dpt = dpt * v_s * _number(do_s, do_s_s, queries_t, 0, STAGED)
-        dst = pt * (dpt - _number(delta, delta_s, queries_t, 0, STAGED))
+        dpt = dpt * v_s * _number(do_s, do_s_b, queries_t, 0, STAGED)
+        dst = pt * (dpt - _number(delta, delta_b, queries_t, 0, STAGED))
         ds_g, ds_s = e4m3_rows(dst, 1, True)
         ds_g = gl.convert_layout(ds_g, a_layout)
         ds_s = gl.expand_dims(gl.convert_layout(ds_s, keys_g), 1)
@@ -290,22 +359,25 @@ def attn_bwd_dkdv_pipelined_kernel(
         tok = _product(pr, do_c_tile.slice(0, HALF), g_zero)
         if IN_FLIGHT == 2:
             tok1 = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
-            dv0 += warpgroup_mma_wait(1, deps=[tok]) * _number(do_cs0, do_cs0_s, dims_g, 0, STAGED)
+            dv0 += warpgroup_mma_wait(1, deps=[tok]) * _number(do_cs0, do_cs0_b, dims_g, 0, STAGED)
             tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
-            dv1 += warpgroup_mma_wait(1, deps=[tok1]) * _number(do_cs1, do_cs1_s, dims_g, 0, STAGED)
+            dv1 += warpgroup_mma_wait(1, deps=[tok1]) * _number(do_cs1, do_cs1_b, dims_g, 0, STAGED)
             tok1 = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
-            dk0 += warpgroup_mma_wait(1, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_s, dims_g, 0, STAGED)
-            dk1 += warpgroup_mma_wait(0, deps=[tok1]) * ds_s * _number(q_cs1, q_cs1_s, dims_g, 0, STAGED)
+            dk0 += warpgroup_mma_wait(1, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_b, dims_g, 0, STAGED)
+            dk1 += warpgroup_mma_wait(0, deps=[tok1]) * ds_s * _number(q_cs1, q_cs1_b, dims_g, 0, STAGED)
         else:
-            dv0 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs0, do_cs0_s, dims_g, 0, STAGED)
+            dv0 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs0, do_cs0_b, dims_g, 0, STAGED)
             tok = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
-            dv1 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs1, do_cs1_s, dims_g, 0, STAGED)
+            dv1 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs1, do_cs1_b, dims_g, 0, STAGED)
             tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
-            dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_s, dims_g, 0, STAGED)
+            dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_b, dims_g, 0, STAGED)
             tok = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
-            dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1, q_cs1_s, dims_g, 0, STAGED)
-        lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt
+            dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1, q_cs1_b, dims_g, 0, STAGED)
+        if STAGED != 2:
+            lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt
 
+    if STAGED == 2:
+        async_copy.wait_group(0)  # the last copy (a repeat of the last tile's numbers)
     invalidate(kv_bar, 1)
     invalidate(ready, STAGES)
 
@@ -470,7 +542,7 @@ def descriptors(**operands) -> dict:
 
 def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,
                           causal: bool, scale: float, in_flight: int = 1, maxnreg: int | None = None,
-                          staged: bool = False):
+                          staged: int = 0):
     """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D) from `training.backward_operands`'s
     views, their tiles by `descs` (`descriptors` of q, k, do_t, do_c, v_t, q_c); Sq and Sk
     multiples of BLOCK."""

@@ -130,6 +130,16 @@ def _desc_sig(dtype: torch.dtype, block: list[int]) -> str:
     return f"tensordesc<{name}[{block[0]}, {block[1]}],{shared_layout(tuple(block), dtype)!r}>"
 
 
+def _jit_divisibility(sig: dict, lengths=()) -> dict:
+    """The JIT's specialization of a launch on torch tensors (16-byte aligned) and of the
+    integers `lengths` (multiples of 16 at the bench shapes), as compile attributes:
+    without it the build is another kernel (the backward's CPU build had no spills, the
+    GPU's spilled its prefetched numbers: benchmarks/results/h200-backward-ncu.txt)."""
+    names = list(sig)
+    return {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+            if t.startswith("*") or n in lengths}
+
+
 def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: int, num_stages: int):
     """`fn` compiled as the JIT would build it for sm_90, pointers and the names in
     `aligned` specialized as multiples of 16."""
@@ -202,7 +212,8 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
         _, num_warps, maxnreg = fp.ws_launch(partitions)
         options = dict(num_warps=num_warps, maxnreg=maxnreg)
     fn = fp.attn_fwd_ws_kernel if warp_specialized else fp.attn_fwd_pipelined_kernel
-    src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
+    src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
+                         attrs=_jit_divisibility(sig, lengths=("H", "Sq", "Sk")))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
 
 
@@ -308,7 +319,7 @@ def compile_quantizer(name: str, **constexprs):
 
 
 def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
-                               maxnreg: int | None = None, staged: bool = False):
+                               maxnreg: int | None = None, staged: int = 0):
     """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_pipelined.py`)
     as its launcher runs it: bf16 gradients."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -333,5 +344,6 @@ def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, 
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bp.BLOCK, BLOCK_N=bp.BLOCK, CAUSAL=causal)
     if part == "dkdv":
         consts.update(IN_FLIGHT=in_flight, STAGED=staged)
-    src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
+    src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
+                         attrs=_jit_divisibility(sig, lengths=("H", "Sq", "Sk")))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=maxnreg))

@@ -64,7 +64,10 @@ class BackwardConfig:
     # conversion; the Triton kernel otherwise
     dkdv_gluon: bool = False
     dkdv_in_flight: int = 1  # the Gluon kernel's IN_FLIGHT: dK/dV half products in flight at once
-    dkdv_staged: bool = False  # its STAGED: a tile's numbers through shared memory together
+    # its STAGED: a tile's numbers (LSE, delta, scales) loaded a tile ahead and moved
+    # through shared memory one by one (0) or together (1), or copied asynchronously into
+    # two-stage buffers a tile ahead (2: no registers hold them)
+    dkdv_staged: int = 0
     # dQ by the Gluon kernel (`backward_pipelined.py`) under the same conditions
     dq_gluon: bool = False
     # register caps of the Gluon kernels' 4-warp programs (None: ptxas's choice, up to
