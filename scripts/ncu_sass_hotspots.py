@@ -45,7 +45,8 @@ def breakdown(rows, reasons, label: str) -> None:
 
 
 def main() -> None:
-    lines = open(sys.argv[1]).read().splitlines()
+    with open(sys.argv[1]) as f:
+        lines = f.read().splitlines()
     lines = lines[next(i for i, line in enumerate(lines) if line.startswith('"Address"')):]  # after the kernel name
     rows = [r for r in csv.DictReader(lines) if r["Source"].strip()]
     top = int(sys.argv[2]) if len(sys.argv) > 2 else 30
