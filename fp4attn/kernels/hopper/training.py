@@ -90,11 +90,14 @@ class BackwardConfig:
 # (h200-backward-gluon-maxnreg.txt): dq 1.13 -> 1.06 ms against the Triton kernel, dkdv
 # 1.69 -> 1.67 (40 bytes of spill); a tile's numbers staged through shared memory
 # together (`dkdv_staged`, h200-backward-dkdv-staged.txt): dkdv 1.34 -> 1.29 ms at
-# (4,16,4096,128), 1.68 -> 1.47 at (8,16,4096,64)
+# (4,16,4096,128), 1.68 -> 1.47 at (8,16,4096,64); copied asynchronously into two-stage
+# buffers instead (`dkdv_staged=2`, h200-backward-dkdv-async-numbers.txt): 1.294 -> 1.250
+# ms at (4,16,4096,128), where ptxas spilled the loaded numbers, and 1.465 -> 1.563 at
+# (8,16,4096,64), where nothing spilled (168 registers, three programs per SM)
 BACKWARD_CONFIGS = {
     64: BackwardConfig(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
-                       dkdv_in_flight=2, dkdv_staged=True, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),
-    128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dkdv_staged=True,
+                       dkdv_in_flight=2, dkdv_staged=1, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),
+    128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dkdv_staged=2,
                         dq_gluon=True),
 }
 BACKWARD_ENV = "FP4ATTN_BACKWARD_DQ_ATOMIC"  # "1": the dq_atomic variant at 64 keys per dkdv program (tuning)
