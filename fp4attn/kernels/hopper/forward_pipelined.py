@@ -378,7 +378,9 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     retires both, so the tensor cores run them back to back (S_{j+1}, PV_j and O live
     together, 192 registers, no softmax temporaries). ptxas chains each product's wgmmas
     either way; 2, the same order with a wait for PV_j alone (QK^T still in flight),
-    makes it serialize every wgmma (C7514) and is kept only to show that.
+    makes it serialize every wgmma (C7514) and is kept only to show that; 4: QK^T of
+    tile j+1 is issued before tile j's softmax (S_j, S_{j+1} and O live together through
+    the softmax) and one wait after PV_j retires both.
     Gluon syncs a partition's warps before each mbarrier wait and arrive, so warpgroups
     that share a partition move in step at those points."""
     stages: gl.constexpr = k_smem.type.shape[0]
@@ -411,11 +413,19 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)  # QK_j has read K_j
         b_j = gl.convert_layout(kb, col_s)
+        if OVERLAP == 4:
+            # QK^T of the next tile runs during this tile's softmax; issued on every tile
+            # (the last one repeats its own, unused): under a branch, the token's merge
+            # made ptxas wait for it before the softmax (C7517)
+            s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, gl.minimum(j + 1, n_tiles - 1),
+                                      Sk, imprecise, BLOCK_N)
         p8, alpha, m_i, l_i = _softmax_tile(s, j, m_i, l_i, a_i, b_j, offs_n, rows, Sk, causal_offset, full,
                                             s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        if OVERLAP > 0:
+        if OVERLAP == 4:
+            pv = warpgroup_mma_wait(0, deps=[pv_tok])  # and QK_{j+1}, issued before it
+        elif OVERLAP > 0:
             if j + 1 < n_tiles:
                 s_tok, kb = _issue_scores(q_tile, k_smem, k_ready, s_zero, ks_ptr, offs_ks, j + 1, Sk, imprecise,
                                           BLOCK_N)
@@ -514,8 +524,8 @@ def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p
     block_m, block_n = BLOCK_M, BLOCK_N
     if warp_specialized:
         block_m, num_warps, maxnreg = ws_launch(partitions)
-        if overlap not in (0, 1, 2):
-            raise ValueError(f"warp-specialized forward: overlap={overlap!r}; OVERLAP is 0, 1 or 2")
+        if overlap not in (0, 1, 2, 4):
+            raise ValueError(f"warp-specialized forward: overlap={overlap!r}; OVERLAP is 0, 1, 2 or 4")
     q2, k2 = q.reshape(B * H * Sq, D), k.reshape(B * Hkv * Sk, D)
     if tma_loadable(ops):  # rows padded with zero keys to whole tiles: read as they are stored
         v2 = padded_vt_rows(ops)
