@@ -30,7 +30,7 @@ from fp4attn.kernels.hopper.machine_code import (
     per_element,
 )
 from fp4attn.kernels.hopper.operands import BLOCK_N
-from fp4attn.kernels.hopper.ops import WS_OVERLAP, WS_PARTITIONS, forward_launch
+from fp4attn.kernels.hopper.ops import WS_PARTITIONS, forward_launch
 
 
 def backward_table():
@@ -91,19 +91,22 @@ def main():
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
                         name = f"fwd_qk{int(qk_fp8)}_p{p_mode}_c{int(causal)}_d{d}.sass"
                         (args.sass_dir / name).write_text(r.sass)
-    print(f"\nWarp-specialized Gluon kernel, PARTITIONS={WS_PARTITIONS}, OVERLAP={WS_OVERLAP} (fp8 Q/K: unpromoted)")
-    print("| qk | P mode | causal | D | setmaxnreg consumer / producer | stack | QGMMA | HGMMA | MUFU.EX2 | SASS lines "
-          "| loop instr/elem | full tile instr/elem | largest |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\nWarp-specialized Gluon kernel, PARTITIONS={WS_PARTITIONS}, OVERLAP as routed at D=128 "
+          "(`ForwardLaunch.ws_overlap`; fp8 Q/K: unpromoted)")
+    print("| qk | P mode | causal | D | OVERLAP | setmaxnreg consumer / producer | stack | QGMMA | HGMMA | MUFU.EX2 "
+          "| SASS lines | loop instr/elem | full tile instr/elem | largest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for qk_fp8, p_mode in ((False, 0), (False, 1), (True, 0)):
         for causal in (False, True):
             for d in (64, 128):
+                overlap = forward_launch(128, qk_fp8, causal).ws_overlap
                 kernel = compile_forward_pipelined(qk_fp8, p_mode, causal, d, warp_specialized=True,
-                                                   partitions=WS_PARTITIONS, overlap=WS_OVERLAP)
+                                                   partitions=WS_PARTITIONS, overlap=overlap)
                 r = inspect(kernel)
                 regs = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])
                 # the consumer's tile loop: the longest loop holding one tile's QK^T (the
-                # prologue has the first tile's) and one PV. The mbarrier
+                # prologue has the first tile's) and one PV, and no store (a span that
+                # runs on into the epilogue is not the loop). The mbarrier
                 # waits are loops of their own, and branches back into the loop body make
                 # shorter "loops" of part of it. It also holds the masks, which full tiles
                 # branch around ("full tile").
@@ -111,13 +114,14 @@ def main():
                 ops = [op for _, op, _ in r.instructions()]
                 def holds_one_tile(sp):  # QK^T's k-steps (32 e4m3 or 16 bf16 each) and PV's
                     body = ops[sp[0]:sp[1] + 1]
-                    return count(body, "QGMMA") + count(body, "HGMMA") == d // (32 if qk_fp8 else 16) + BLOCK_N // 32
+                    return (count(body, "QGMMA") + count(body, "HGMMA") == d // (32 if qk_fp8 else 16) + BLOCK_N // 32
+                            and count(body, "STG") == 0)
 
                 span = max((sp for sp in r.loop_spans() if holds_one_tile(sp)), key=lambda sp: sp[1] - sp[0])
                 per_thread = 64 * BLOCK_N // 128
                 n, top_ops = per_element(r.path(span), per_thread)
                 top = ", ".join(f"{k} {v:.1f}" for k, v in top_ops[:4])
-                print(f"| {'fp8' if qk_fp8 else 'bf16'} | {p_mode} | {causal} | {d} | {regs[0]} / {regs[2]} "
+                print(f"| {'fp8' if qk_fp8 else 'bf16'} | {p_mode} | {causal} | {d} | {overlap} | {regs[0]} / {regs[2]} "
                       f"| {r.stack} | {r.count('QGMMA')} | {r.count('HGMMA')} | {r.count('MUFU.EX2')} | {r.sass.count(chr(10))} "
                       f"| {(span[1] - span[0] + 1) / per_thread:.1f} | {n:.1f} | {top} |")
 

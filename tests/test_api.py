@@ -282,8 +282,10 @@ def test_forward_launch_override_is_checked(monkeypatch):
     assert forward_launch(64, False, False) == ForwardLaunch(64, 4, 2, True, False, True, True)
     monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1,1")
     assert forward_launch(64, False, True) == ForwardLaunch(64, 4, 2, True, False, True, True, True)
+    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1,1,4")
+    assert forward_launch(128, True, False) == ForwardLaunch(64, 4, 2, True, False, True, True, True, ws_overlap=4)
     for bad in ("64,4", "32,4,2", "64,2,2", "x", "64,4,2,2", "64,4,2,1,2", "64,4,2,1,0,2", "64,4,2,1,0,1,2",
-                "64,4,2,1,0,1,1,2", "64,4,2,1,0,0,0,0,0"):
+                "64,4,2,1,0,1,1,2", "64,4,2,1,0,0,0,1,3", "64,4,2,1,0,0,0,0,0,0"):
         monkeypatch.setenv(LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match=LAUNCH_ENV):
             forward_launch(128, True, False)
@@ -394,14 +396,14 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
         return calls[0][0]
 
     assert calls == [] and route(operands(128)) == "gluon"
-    assert calls[0][3:] == (hops.WS_PARTITIONS, hops.WS_OVERLAP, 0)
+    assert calls[0][3:] == (hops.WS_PARTITIONS, hops.DEFAULT_LAUNCH[128, False, False].ws_overlap, 0)
     assert route(operands(128), causal_offset=197) == "gluon"
     assert route(operands(128), p_mode=1) == "triton"  # Direct-P: slower in the Gluon kernel
     assert route(operands(128), p_mode=2) == "triton"
     assert route(operands(64)) == "triton"  # D=64: three Triton programs per SM
     assert route(operands(128, padded=False)) == "triton"  # V^T not TMA-loadable
     assert route(operands(128, qk=torch.float8_e4m3fn)) == "gluon"  # fast accumulation
-    assert calls[0][3:] == (hops.WS_PARTITIONS, hops.WS_OVERLAP, 0)
+    assert calls[0][3:] == (hops.WS_PARTITIONS, hops.DEFAULT_LAUNCH[128, True, False].ws_overlap, 0)
     assert route(operands(128, qk=torch.float8_e4m3fn), causal_offset=197) == "gluon"
     # promoted every 32 products (a diagnostic), ptxas serializes the Gluon kernel's wgmmas
     assert route(operands(128, qk=torch.float8_e4m3fn), qk_promote=32) == "triton"

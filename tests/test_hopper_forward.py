@@ -253,7 +253,7 @@ def test_torch_compile_traces_the_kernel_op(recipe):
 
 @pytest.mark.parametrize("recipe", ["nvfp4-fp8", "fp8", "directp", "fp8-fastacc"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("partitions,overlap", [(0, 0), (1, 0), (2, 0), (2, 1)])
+@pytest.mark.parametrize("partitions,overlap", [(0, 0), (1, 0), (2, 0), (2, 1), (2, 4)])
 def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, partitions, overlap, monkeypatch):
     """The warp-specialized Gluon forward computes the Triton kernel's arithmetic with
     each tile's PV added into O in float32 (pv_add): same outputs and LSE, bit for bit,

@@ -124,10 +124,11 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     import re
 
     from fp4attn.kernels.hopper.machine_code import compile_forward_pipelined, inspect, ptxas_messages
-    from fp4attn.kernels.hopper.ops import WS_OVERLAP, WS_PARTITIONS
+    from fp4attn.kernels.hopper.ops import WS_PARTITIONS, forward_launch
 
+    overlap = forward_launch(128, qk_fp8, causal).ws_overlap
     kernel = compile_forward_pipelined(qk_fp8, p_mode, causal, 128, warp_specialized=True, partitions=WS_PARTITIONS,
-                                       overlap=WS_OVERLAP)
+                                       overlap=overlap)
     report = ptxas_messages(kernel)
     assert "C7511" not in report and "C7514" not in report, report
     assert re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])[:3] == ["232", "232", "24"]
@@ -138,7 +139,7 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     assert r.stack <= 32, r.stack
     if qk_fp8:
         promoted = compile_forward_pipelined(True, p_mode, causal, 128, warp_specialized=True,
-                                             partitions=WS_PARTITIONS, overlap=WS_OVERLAP, qk_promote=32)
+                                             partitions=WS_PARTITIONS, overlap=overlap, qk_promote=32)
         assert "C7511" in ptxas_messages(promoted)
     assert r.count(r"WARPGROUP\.DEPBAR") <= 3, "one wait per product or pair of products (and the prologue's)"
     # the partitions' own barriers (before each mbarrier wait and arrive) span one

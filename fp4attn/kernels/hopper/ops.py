@@ -26,13 +26,11 @@ from fp4attn.reference.masks import key_mask_view
 
 # the warp-specialized kernel's layout where it runs: one consumer warpgroup and the
 # producer warp per 64-row program, two programs per SM (forward_pipelined.ws_launch;
-# h200-forward-ws-2.txt: 536 TFLOP/s against 455-468 for 128-row programs), with QK^T
-# of the next tile issued beside PV (OVERLAP 1; h200-forward-ws-overlap.txt: 545 -> 553,
-# causal 474 -> 486 at (8,16,4096,128))
+# h200-forward-ws-2.txt: 536 TFLOP/s against 455-468 for 128-row programs); its OVERLAP
+# is `ForwardLaunch.ws_overlap`
 WS_PARTITIONS = 2
-WS_OVERLAP = 1
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
-# "block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add[,warp_specialized]]]]]"
+# "block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add[,warp_specialized[,ws_overlap]]]]]]"
 LAUNCH_ENV = "FP4ATTN_FORWARD_LAUNCH"
 
 
@@ -47,7 +45,9 @@ class ForwardLaunch:
     addition of its own, which lets ptxas chain the wgmmas, instead of through Triton's
     promotion; warp_specialized runs the FP8-P recipes on the Gluon kernel
     `forward_pipelined.attn_fwd_ws_kernel` instead, 64-row programs of one consumer
-    warpgroup and a producer warp, with pv_add's arithmetic: bit-identical outputs)."""
+    warpgroup and a producer warp, with pv_add's arithmetic: bit-identical outputs;
+    ws_overlap its OVERLAP, where the next tile's QK^T is issued: 1 beside PV, 4 before
+    the softmax)."""
 
     block_m: int = 128
     warps: int = 8
@@ -57,6 +57,7 @@ class ForwardLaunch:
     tma_kv: bool = False
     pv_add: bool = False
     warp_specialized: bool = False
+    ws_overlap: int = 1
 
 
 # Measured at (8,16,4096,128) and (16,16,2048,64), kernel alone, TFLOP/s
@@ -86,13 +87,20 @@ class ForwardLaunch:
 # Unpromoted it no longer spills, and at D=64 causal K and V^T by TMA then gain
 # (h200-forward-d64-fastacc.txt: fp8-fastacc 286 -> 318 at (16,16,2048,64), 344 -> 378 at
 # (4,16,8192,64); fp8-directp-fastacc 147 -> 146, 168 -> 166), non-causal they lose
-# (392 -> 368, 412 -> 390). Keyed by (head dim, QK^T on the FP8 tensor cores, causal).
+# (392 -> 368, 412 -> 390). The next tile's QK^T issued before the softmax instead of
+# beside PV (ws_overlap 4, h200-forward-ws-overlap4.txt, (8,16,4096,128) /
+# (2,16,16384,128) / (4,32,4096,128)): bf16 QK^T causal +4-8% (fp8 489 -> 529, 536 -> 569,
+# 478 -> 496), non-causal 0-2% (nvfp4-fp8 +1-10%); e4m3 QK^T causal +3-5% (fp8-fastacc
+# 548 -> 574, 616 -> 633, 543 -> 559), non-causal -7-8% (646 -> 594): its QK^T hides
+# less (half the tensor time) than the 64 register moves per tile and the last tile's
+# repeated product cost. Keyed by (head dim, QK^T on the FP8 tensor cores, causal).
 DEFAULT_LAUNCH = {
-    **{(128, True, causal): ForwardLaunch(64, 4, 2, True, warp_specialized=True) for causal in (True, False)},
+    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True),
+    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4),
     (64, True, False): ForwardLaunch(64, 4, 3, True),
     (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True),
-    **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True)
-       for causal in (True, False)},
+    **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True,
+                                           ws_overlap=4) for causal in (True, False)},
     **{(64, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for causal in (True, False)},
 }
 
@@ -107,16 +115,19 @@ def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
         fields = [int(x) for x in spec.split(",")]
         block_m, warps, stages = fields[:3]
         flags = (fields[3:] + [0] * 5)[:5]
-        if len(fields) > 8:
+        overlap = fields[8] if len(fields) == 9 else 1
+        if len(fields) > 9:
             raise ValueError
     except ValueError as e:
         raise ValueError(f"{LAUNCH_ENV}={spec!r}: expected "
-                         "'block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add[,warp_specialized]]]]]', "
+                         "'block_m,warps,stages[,p_hw_cvt[,rowsum_mma[,tma_kv[,pv_add[,warp_specialized"
+                         "[,ws_overlap]]]]]]', "
                          "e.g. '64,4,2' or '64,4,2,1,0,1,1'") from e
-    if block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4 or set(flags) - {0, 1}:
+    if (block_m not in (64, 128) or warps not in (4, 8) or not 1 <= stages <= 4 or set(flags) - {0, 1}
+            or overlap not in (0, 1, 4)):
         raise ValueError(f"{LAUNCH_ENV}={spec!r}: block_m 64 or 128, warps 4 or 8, stages 1-4, p_hw_cvt, "
-                         "rowsum_mma, tma_kv, pv_add and warp_specialized 0 or 1")
-    return ForwardLaunch(block_m, warps, stages, *(bool(f) for f in flags))
+                         "rowsum_mma, tma_kv, pv_add and warp_specialized 0 or 1, ws_overlap 0, 1 or 4")
+    return ForwardLaunch(block_m, warps, stages, *(bool(f) for f in flags), ws_overlap=overlap)
 
 
 HEAD_DIMS = (64, 128)
@@ -193,7 +204,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
 
         out, lse = launch_forward_pipelined(ops, scale=scale, causal_offset=causal_offset, p_mode=p_mode,
                                             p_hw_cvt=cfg.p_hw_cvt, warp_specialized=True, partitions=WS_PARTITIONS,
-                                            stages=cfg.stages, overlap=WS_OVERLAP, qk_promote=qk_promote)
+                                            stages=cfg.stages, overlap=cfg.ws_overlap, qk_promote=qk_promote)
         return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
