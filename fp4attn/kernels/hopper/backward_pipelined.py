@@ -319,8 +319,7 @@ def attn_bwd_dkdv_pipelined_kernel(
             do_cs0_b, do_cs1_b = do_cs0_s.index(stage), do_cs1_s.index(stage)
             q_cs0_b, q_cs1_b = q_cs0_s.index(stage), q_cs1_s.index(stage)
             lse2 = gl.expand_dims(lse_log2(lse_b.load(queries_t)), 0)
-            # (not read: `_number` reads the buffers)
-            do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = lse2, lse2, lse2, lse2, lse2, lse2
+            do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = None, None, None, None, None, None  # `_number` reads bufs
         else:
             lse_b, do_s_b, delta_b, do_cs0_b, do_cs1_b, q_cs0_b, q_cs1_b = bufs
             lse = lse_log2(lse)
