@@ -381,8 +381,10 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
     makes it serialize every wgmma (C7514) and is kept only to show that; 4: QK^T of
     tile j+1 is issued before tile j's softmax (S_j, S_{j+1} and O live together through
     the softmax) and one wait after PV_j retires both.
-    Gluon syncs a partition's warps before each mbarrier wait and arrive, so warpgroups
-    that share a partition move in step at those points."""
+    Gluon syncs a partition's warps before each mbarrier arrive (one thread arrives for
+    all), and around the key scales' trip through shared memory, so warpgroups that share
+    a partition move in step at those points (one sync fewer per tile measured no faster:
+    docs/notes/hopper-forward.md)."""
     stages: gl.constexpr = k_smem.type.shape[0]
     warps: gl.constexpr = BLOCK_M // 16
     s_layout: gl.constexpr = _s_layout(warps, BLOCK_N, QK_FP8)
