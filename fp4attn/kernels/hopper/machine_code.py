@@ -130,23 +130,27 @@ def _desc_sig(dtype: torch.dtype, block: list[int]) -> str:
     return f"tensordesc<{name}[{block[0]}, {block[1]}],{shared_layout(tuple(block), dtype)!r}>"
 
 
-def _jit_divisibility(sig: dict, lengths=()) -> dict:
-    """The JIT's specialization of a launch on torch tensors (16-byte aligned) and of the
-    integers `lengths` (multiples of 16 at the bench shapes), as compile attributes:
-    without it the build is another kernel (the backward's CPU build had no spills, the
-    GPU's spilled its prefetched numbers: benchmarks/results/h200-backward-ncu.txt)."""
+def _pointers_and(sig: dict, lengths=()) -> list[str]:
+    """The pointer arguments of `sig` and the integers `lengths`: what the JIT
+    specializes as multiples of 16 on a launch with torch tensors (16-byte aligned) and
+    lengths that are multiples of 16, as at the bench shapes."""
+    return [n for n, t in sig.items() if t.startswith("*") or n in lengths]
+
+
+def _divisibility(sig: dict, aligned: list[str]) -> dict:
+    """The compile attributes that specialize the arguments `aligned` of `sig` as
+    multiples of 16, as the JIT does: without them the build is another kernel (the
+    backward's CPU build had no spills, the GPU's spilled its prefetched numbers:
+    benchmarks/results/h200-backward-ncu.txt)."""
     names = list(sig)
-    return {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-            if t.startswith("*") or n in lengths}
+    return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 
 
 def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: int, num_stages: int):
-    """`fn` compiled as the JIT would build it for sm_90, pointers and the names in
-    `aligned` specialized as multiples of 16."""
+    """`fn` compiled as the JIT would build it for sm_90, the names in `aligned`
+    specialized as multiples of 16."""
     sig = {**sig, **{c: "constexpr" for c in consts}}
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn, sig, constexprs=consts, attrs=_divisibility(sig, aligned))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
@@ -213,7 +217,7 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
         options = dict(num_warps=num_warps, maxnreg=maxnreg)
     fn = fp.attn_fwd_ws_kernel if warp_specialized else fp.attn_fwd_pipelined_kernel
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
-                         attrs=_jit_divisibility(sig, lengths=("H", "Sq", "Sk")))
+                         attrs=_divisibility(sig, _pointers_and(sig, ("H", "Sq", "Sk"))))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
 
 
@@ -314,8 +318,8 @@ def compile_quantizer(name: str, **constexprs):
     from fp4attn.kernels.hopper import quantize
 
     sig = _QUANTIZER_SIGS[name]
-    aligned = [n for n, t in sig.items() if t.startswith("*")] + [n for n in ("S", "S_ROW") if n in sig]
-    return _compile_sm90(getattr(quantize, name), sig, {"D": 128, **constexprs}, aligned, 4, 1)
+    return _compile_sm90(getattr(quantize, name), sig, {"D": 128, **constexprs}, _pointers_and(sig, ("S", "S_ROW")),
+                         4, 1)
 
 
 def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
@@ -345,5 +349,5 @@ def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, 
     if part == "dkdv":
         consts.update(IN_FLIGHT=in_flight, STAGED=staged)
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
-                         attrs=_jit_divisibility(sig, lengths=("H", "Sq", "Sk")))
+                         attrs=_divisibility(sig, _pointers_and(sig, ("H", "Sq", "Sk"))))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=maxnreg))
