@@ -154,25 +154,22 @@ def _number_buffers(STAGED: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.conste
     """The seven number buffers (per query: LSE, dO token scales, delta; per channel:
     dO_c's and Q_c's scales by half of D): one each (STAGED 0, 1), or a two-stage ring
     each that asynchronous copies fill a tile ahead (2)."""
-    if STAGED == 2:
-        ring: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # per stage
-        bufs = (gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ring),
-                gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ring),
-                gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ring),
-                gl.allocate_shared_memory(gl.float32, [STAGES, HALF], ring),
-                gl.allocate_shared_memory(gl.float32, [STAGES, HALF], ring),
-                gl.allocate_shared_memory(gl.float32, [STAGES, HALF], ring),
-                gl.allocate_shared_memory(gl.float32, [STAGES, HALF], ring))
+    layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (of each stage)
+    stages: gl.constexpr = STAGES if STAGED == 2 else 1
+    return (_float_buffer(stages, BLOCK_M, layout), _float_buffer(stages, BLOCK_M, layout),
+            _float_buffer(stages, BLOCK_M, layout), _float_buffer(stages, HALF, layout),
+            _float_buffer(stages, HALF, layout), _float_buffer(stages, HALF, layout),
+            _float_buffer(stages, HALF, layout))
+
+
+@gluon.jit
+def _float_buffer(stages: gl.constexpr, n: gl.constexpr, layout: gl.constexpr):
+    """n floats in shared memory, or a ring of `stages` such rows (stages > 1)."""
+    if stages > 1:
+        buf = gl.allocate_shared_memory(gl.float32, [stages, n], layout)
     else:
-        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        bufs = (gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain),
-                gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain),
-                gl.allocate_shared_memory(gl.float32, [BLOCK_M], plain),
-                gl.allocate_shared_memory(gl.float32, [HALF], plain),
-                gl.allocate_shared_memory(gl.float32, [HALF], plain),
-                gl.allocate_shared_memory(gl.float32, [HALF], plain),
-                gl.allocate_shared_memory(gl.float32, [HALF], plain))
-    return bufs
+        buf = gl.allocate_shared_memory(gl.float32, [n], layout)
+    return buf
 
 
 @gluon.jit
