@@ -105,8 +105,9 @@ def main():
                 r = inspect(kernel)
                 regs = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])
                 # the consumer's tile loop: the longest loop holding one tile's QK^T (the
-                # prologue has the first tile's) and one PV, and no store (a span that
-                # runs on into the epilogue is not the loop). The mbarrier
+                # prologue has the first tile's) and one PV, and no EXIT (a span that
+                # runs on into the epilogue is not the loop, as `KernelReport.tile_loop`
+                # has it). The mbarrier
                 # waits are loops of their own, and branches back into the loop body make
                 # shorter "loops" of part of it. It also holds the masks, which full tiles
                 # branch around ("full tile").
@@ -115,7 +116,7 @@ def main():
                 def holds_one_tile(sp):  # QK^T's k-steps (32 e4m3 or 16 bf16 each) and PV's
                     body = ops[sp[0]:sp[1] + 1]
                     return (count(body, "QGMMA") + count(body, "HGMMA") == d // (32 if qk_fp8 else 16) + BLOCK_N // 32
-                            and count(body, "STG") == 0)
+                            and "EXIT" not in body)
 
                 span = max((sp for sp in r.loop_spans() if holds_one_tile(sp)), key=lambda sp: sp[1] - sp[0])
                 per_thread = 64 * BLOCK_N // 128
