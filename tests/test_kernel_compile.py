@@ -207,12 +207,25 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
 
 
 def test_gluon_dkdv_launch_rejects_unknown_in_flight():
-    """IN_FLIGHT other than 1 or 2 is a ValueError naming the accepted values, raised
-    before anything is built or launched."""
+    """IN_FLIGHT other than 1 or 2, or STAGED other than 0, 1 or 2, is a ValueError
+    naming the accepted values, raised before anything is built or launched."""
     from fp4attn.kernels.hopper.backward_pipelined import launch_dkdv_pipelined
 
     with pytest.raises(ValueError, match="IN_FLIGHT is 1 or 2"):
         launch_dkdv_pipelined({}, *[None] * 10, 0, True, 0.1, in_flight=3)
+    with pytest.raises(ValueError, match="STAGED is 0, 1 or 2"):
+        launch_dkdv_pipelined({}, *[None] * 10, 0, True, 0.1, staged=3)
+
+
+def test_warp_specialized_forward_launch_rejects_unknown_overlap():
+    """An OVERLAP the warp-specialized forward does not have (0, 1, 2, 4) is a
+    ValueError naming them, raised before anything is built or launched."""
+    from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
+    from fp4attn.kernels.hopper.operands import KernelOperands
+
+    ops = KernelOperands(*(torch.zeros(1, 1, 1, 1) for _ in range(6)))
+    with pytest.raises(ValueError, match="OVERLAP is 0, 1, 2 or 4"):
+        launch_forward_pipelined(ops, scale=0.1, causal_offset=None, p_mode=0, warp_specialized=True, overlap=3)
 
 
 def test_training_forward_keeps_the_packed_nvfp4_payload():

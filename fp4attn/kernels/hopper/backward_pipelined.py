@@ -546,6 +546,9 @@ def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, d
 
     if in_flight not in (1, 2):
         raise ValueError(f"Gluon dK/dV kernel: in_flight={in_flight!r}; IN_FLIGHT is 1 or 2 (half products in flight)")
+    if staged not in (0, 1, 2):
+        raise ValueError(f"Gluon dK/dV kernel: staged={staged!r}; STAGED is 0, 1 or 2 (how a tile's numbers reach "
+                         "its layouts)")
     B, Hkv, Sk, D = dk.shape
     H, Sq = lse.shape[1], lse.shape[2]
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
