@@ -1,0 +1,92 @@
+"""The Blackwell forward as a registered custom op (with a fake implementation, so
+torch.compile traces through it): quantize with the reference quantizers, launch
+`forward_triton.attn_fwd_sm100_kernel`.
+
+Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) the kernel runs without
+its inline PTX (`HW_CVT` off: the same bytes by integer arithmetic); the interpreter
+also needs the block-scaled product it lacks (tests/interpreter_blackwell.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from fp4attn.kernels.blackwell.forward_triton import attn_fwd_sm100_kernel
+from fp4attn.kernels.blackwell.operands import BLOCK_N, BlackwellOperands, prepare_operands
+from fp4attn.recipes import Recipe
+from fp4attn.reference.forward import LOG2E
+from fp4attn.routing import blackwell_forward_launch, interpreting
+
+
+def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int | None,
+                   key_bias: torch.Tensor | None = None, write_p: bool = False):
+    """Run the kernel on prepared operands: (out bf16, lse fp32, P tile or empty).
+
+    write_p: also every P tile's represented values, float32 (B, H, Sq padded to
+    BLOCK_M, Sk) (tests). key_bias: (B, Sk) float32 added to the log2 scores
+    (`reference.forward.key_bias_of_mask`)."""
+    q, k = ops.q, ops.k
+    B, H, Sq = q.shape[:3]
+    Hkv, Sk = k.shape[1], k.shape[2]
+    D = ops.v.shape[2]
+    cfg = blackwell_forward_launch(D, causal_offset is not None)
+    dev = q.device
+    out = torch.empty((B, H, Sq, D), device=dev, dtype=torch.bfloat16)
+    lse = torch.empty((B, H, Sq), device=dev, dtype=torch.float32)
+    sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
+    dbg = (torch.zeros((B, H, sq_pad, Sk), device=dev, dtype=torch.float32) if write_p else
+           torch.empty((1, 1, 1, 1), device=dev, dtype=torch.float32))
+    # arguments a recipe does not read get a tensor of the right type, never loaded
+    q_sc = ops.q_sc if ops.q_sc is not None else torch.empty((1, 1, 1, 1), device=dev, dtype=torch.float8_e4m3fn)
+    k_sc = ops.k_sc if ops.k_sc is not None else q_sc
+    v_sc = ops.v_sc if ops.v_sc is not None else torch.empty((1, 1, 1, 1), device=dev, dtype=torch.uint8)
+    vs = ops.vs if ops.vs is not None else lse
+    kb = key_bias.contiguous() if key_bias is not None else lse
+    grid = (triton.cdiv(Sq, cfg.block_m), B * H)
+    attn_fwd_sm100_kernel[grid](
+        q, q_sc, k, k_sc, ops.qs, ops.ks, ops.v, v_sc, vs, out, lse, dbg, kb,
+        q.stride(0), q.stride(1), q.stride(2),
+        q_sc.stride(0), q_sc.stride(1), q_sc.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        k_sc.stride(0), k_sc.stride(1), k_sc.stride(2),
+        ops.v.stride(0), ops.v.stride(1), ops.v.stride(2),
+        v_sc.stride(0), v_sc.stride(1), v_sc.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        dbg.stride(0), dbg.stride(1), dbg.stride(2),
+        H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N, QK_FP4=ops.qk_fp4, PV_FP4=ops.pv_fp4,
+        CAUSAL=causal_offset is not None, HW_CVT=not interpreting(), KEY_BIAS=key_bias is not None,
+        WRITE_P=write_p, num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+    return out, lse, dbg if write_p else dbg[:0]
+
+
+@torch.library.custom_op("fp4attn::blackwell_attention", mutates_args=())
+def _blackwell_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
+    causal_offset: int, causal: bool, scale: float, write_p: bool, key_bias: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ops = prepare_operands(q, k, v, Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build))
+    return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None, key_bias=key_bias,
+                          write_p=write_p)
+
+
+@_blackwell_attention_op.register_fake
+def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key_bias):
+    B, H, Sq, D = q.shape
+    block_m = blackwell_forward_launch(D, causal).block_m
+    sq_pad = -(-Sq // block_m) * block_m
+    dbg_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
+    return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
+            q.new_empty(dbg_shape, dtype=torch.float32))
+
+
+def blackwell_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None,
+                        key_bias: torch.Tensor | None = None, write_p: bool = False):
+    """Quantize bf16/fp16/fp32 (B, H, S, D) inputs (D 64 or 128) and run the Blackwell
+    forward: (out bf16, lse fp32, P tile or empty; see `launch_forward`)."""
+    return _blackwell_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0,
+                                   causal_offset is not None, scale, bool(write_p), key_bias)

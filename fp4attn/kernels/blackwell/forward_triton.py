@@ -1,0 +1,307 @@
+"""Attention forward for datacenter Blackwell (sm_100a): NVFP4 or FP8 QK^T, Direct-P
+MXFP4 or FP8 P, block-scaled FP4 or FP8 PV, all on the tensor cores (tcgen05).
+
+One program computes BLOCK_M query rows of one head against every visible key tile.
+Recipes map to constexpr flags:
+
+    QK_FP4   Q/K are NVFP4: packed E2M1 codes (two per byte along the head dim) with an
+             e4m3 decode scale per 16 channels, multiplied by `tl.dot_scaled` into
+             `tcgen05.mma ... kind::mxf4nvf4.block_scale.scale_vec::4X`; the float32
+             tensor scale (per token slot, as FP8's per-token scale) is applied to the
+             product. Else e4m3 Q/K with per-token scales on the FP8 tensor cores
+             (`kind::f8f6f4`).
+    PV_FP4   P is MXFP4 built by Direct-P (E2M1 codes, an E8M0 scale per 32 keys) and V
+             MXFP4 (E2M1 codes packed along the keys, an E8M0 scale per 32 keys and
+             channel): `tl.dot_scaled` into `kind::mxf4.block_scale`. Else P is FP8 e4m3
+             (exp2, times 2**8) and V e4m3 with a per-channel scale (`kind::f8f6f4`).
+    HW_CVT   GPU builds: the E2M1 pairs are packed by `cvt.rn.satfinite.e2m1x2.f32` and
+             FP8 P rounded by `cvt.rn.satfinite.e4m3x2.f32` (inline PTX); False (the
+             interpreter, which runs no PTX) builds the same bytes with integer
+             arithmetic.
+    CAUSAL   query i sees keys j <= i + causal_offset
+    KEY_BIAS a per-(batch, key) log2-unit bias is added to the scores (an SDPA key mask)
+    WRITE_P  tests: every tile's represented P values (float32, no offset) to P_DBG
+
+Direct-P on this hardware (docs/notes/blackwell.md): a thread holds whole rows of the
+S tile as it comes out of tensor memory, so the 32-key block maxima are in-thread
+reductions; the E2M1 value is the count of the reference's thresholds passed
+(`kernels.common`), packed two per byte by one conversion instruction, and no exp is
+computed per element. The consistent row sum adds the block sums of the E2M1 values
+times each block's power of two, the numbers the PV product consumes.
+
+The reference (`fp4attn.reference.forward`) defines every value this kernel computes.
+"""
+
+import triton
+import triton.language as tl
+
+from fp4attn.kernels.common import (
+    P_EMIN,
+    P_OFFSET_LOG2,
+    T_075,
+    T_125,
+    T_175,
+    T_5,
+    T_25,
+    T_35,
+    T_QUARTER,
+    log2_scores,
+    round_e4m3,
+    round_e4m3_cvt,
+)
+
+MX_BLOCK = tl.constexpr(32)
+
+
+@triton.jit
+def _pack_e2m1_cvt(lo, hi):
+    """Bytes of E2M1 pairs (lo in the low nibble) from float32 values already on the
+    E2M1 grid (so the conversion is exact): one `cvt.rn.satfinite.e2m1x2.f32` per
+    byte, four bytes per 32-bit result."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b8 b0, b1, b2, b3;
+        cvt.rn.satfinite.e2m1x2.f32 b0, $5, $1;
+        cvt.rn.satfinite.e2m1x2.f32 b1, $6, $2;
+        cvt.rn.satfinite.e2m1x2.f32 b2, $7, $3;
+        cvt.rn.satfinite.e2m1x2.f32 b3, $8, $4;
+        mov.b32 $0, {b0, b1, b2, b3};
+        }""",
+        "=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _e2m1_code(v):
+    """E2M1 code 0..7 of a non-negative float32 v on the E2M1 grid (0, 0.5, 1, 1.5, 2,
+    3, 4, 6): for v >= 1 the exponent and first mantissa bit of its float32 bits
+    ((127 << 1) | 0 for 1.0 is code 2), below that 2 * v."""
+    b = v.to(tl.int32, bitcast=True)
+    return tl.where(v >= 1.0, (b >> 22) - 252, (v * 2.0).to(tl.int32))
+
+
+@triton.jit
+def _pack_e2m1(v, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr):
+    """(BLOCK_M, BLOCK_N // 2) bytes of the E2M1 tile v, key 2i in the low nibble of
+    byte i (the packing `tl.dot_scaled` reads)."""
+    lo, hi = tl.split(tl.reshape(v, (BLOCK_M, BLOCK_N // 2, 2)))
+    if HW_CVT:
+        packed = _pack_e2m1_cvt(lo, hi)
+    else:
+        packed = (_e2m1_code(lo) | (_e2m1_code(hi) << 4)).to(tl.uint8)
+    return packed
+
+
+@triton.jit
+def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.constexpr):
+    """Direct-P MXFP4 P of a tile of normalized log2 scores x (<= 0, -inf masked):
+    (packed E2M1 codes (BLOCK_M, BLOCK_N // 2), E8M0 scales (BLOCK_M, BLOCK_N // 32),
+    consistent row sums of the represented values, the represented values as float32).
+
+    Per block of 32 keys e_b = floor(max x) - 2, y = x - e_b < 3, the E2M1 value the
+    number of thresholds y passes (`reference.directp.directp_classify`, test for test);
+    blocks with e_b below P_EMIN (or fully masked) are dropped: codes 0."""
+    NB: tl.constexpr = BLOCK_N // MX_BLOCK
+    xb = tl.reshape(x, (BLOCK_M, NB, MX_BLOCK))
+    e_b = tl.floor(tl.max(xb, axis=2)) - 2.0  # -inf for a fully masked block
+    keep = e_b >= P_EMIN
+    e_b = tl.where(keep, e_b, 0.0)
+    y = xb - e_b[:, :, None]
+    v = tl.where(y >= T_QUARTER, 0.5, 0.0)
+    v = tl.where(y >= T_075, 1.0, v)
+    v = tl.where(y >= T_125, 1.5, v)
+    v = tl.where(y >= T_175, 2.0, v)
+    v = tl.where(y >= T_25, 3.0, v)
+    v = tl.where(y >= T_35, 4.0, v)
+    v = tl.where(y >= T_5, 6.0, v)
+    v = tl.where(keep[:, :, None], v, 0.0)
+    e_i = e_b.to(tl.int32)
+    pow2 = tl.where(keep, ((e_i + 127) << 23).to(tl.float32, bitcast=True), 0.0)
+    # block sums of E2M1 values are exact (multiples of 0.5 up to 192); times 2**e_b exact
+    row_sum = tl.sum(tl.sum(v, axis=2) * pow2, axis=1)
+    scale = tl.where(keep, e_i + 127, 0).to(tl.uint8)
+    v2 = tl.reshape(v, (BLOCK_M, BLOCK_N))
+    return _pack_e2m1(v2, BLOCK_M, BLOCK_N, HW_CVT), scale, row_sum, v2 * tl.reshape(
+        tl.broadcast_to(pow2[:, :, None], (BLOCK_M, NB, MX_BLOCK)), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr, start_n, offs_m,
+          Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_pm,
+          QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, HW_CVT: tl.constexpr, MASK: tl.constexpr,
+          CAUSAL: tl.constexpr, KEY_BIAS: tl.constexpr, WRITE_P: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = start_n + offs_n
+    key_ok = cols < Sk
+    # -- scores in log2 units: (Qv Kv^T) * (q_scale * softmax_scale * log2 e) * k_scale
+    if QK_FP4:
+        offs_h = tl.arange(0, HEAD_DIM // 2)
+        offs_s = tl.arange(0, HEAD_DIM // 16)
+        # K^T codes (D/2, BLOCK_N), packed along the head dim; scales (BLOCK_N, D/16) e4m3
+        kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_h[:, None]
+        ksc_ptrs = ksc_ptr + cols[:, None] * stride_ksn + offs_s[None, :]
+        if MASK:
+            kt = tl.load(kt_ptrs, mask=key_ok[None, :], other=0)
+            k_sc = tl.load(ksc_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            k_sc = tl.load(ksc_ptrs)
+        s = tl.dot_scaled(q, q_sc, "e2m1", kt, k_sc, "e2m1", zero_m[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        k_ptrs = k_ptr + cols[:, None] * stride_kn + offs_d[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k))
+    if MASK:
+        b_j = tl.load(ks_ptr + cols, mask=key_ok, other=0.0)
+    else:
+        b_j = tl.load(ks_ptr + cols)
+    t = log2_scores(s, a_i[:, None], b_j[None, :])
+    if KEY_BIAS:  # added before hiding keys, as the reference does
+        if MASK:
+            t = t + tl.load(kb_ptr + cols, mask=key_ok, other=0.0)[None, :]
+        else:
+            t = t + tl.load(kb_ptr + cols)[None, :]
+    if MASK:
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+        t = tl.where(visible, t, -float("inf"))
+    # -- online softmax: exact running max, rescale every tile
+    m_new = tl.maximum(m_i, tl.max(t, axis=1))
+    if MASK or KEY_BIAS:  # a row may have seen no key yet
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    x = t - m_use[:, None]
+    # V tiles are stored with keys padded by zeros to whole tiles: no mask
+    if PV_FP4:
+        p_codes, p_sc, p_sum, p_val = _directp_tile(x, BLOCK_M, BLOCK_N, HW_CVT)
+        offs_kh = tl.arange(0, BLOCK_N // 2)
+        offs_kb = tl.arange(0, BLOCK_N // 32)
+        offs_d = tl.arange(0, HEAD_DIM)
+        # V codes (BLOCK_N/2, D) packed along the keys; scales (D, BLOCK_N/32) E8M0
+        v = tl.load(v_ptr + offs_d[None, :] * stride_vd + (start_n // 2 + offs_kh)[:, None])
+        v_sc = tl.load(vsc_ptr + offs_d[:, None] * stride_vsd + (start_n // 32 + offs_kb)[None, :])
+        pv = tl.dot_scaled(p_codes, p_sc, "e2m1", v, v_sc, "e2m1", zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32))
+    else:
+        if HW_CVT:
+            p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
+        else:
+            p = round_e4m3(tl.math.exp2(x + P_OFFSET_LOG2))
+        p_sum = tl.sum(p, axis=1)
+        tl.static_assert(P_OFFSET_LOG2 == 8)
+        p_val = p * 0.00390625  # p / 2**P_OFFSET_LOG2
+        offs_d = tl.arange(0, HEAD_DIM)
+        vt = tl.load(v_ptr + offs_d[:, None] * stride_vd + cols[None, :])  # V^T (D, BLOCK_N) e4m3
+        pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32))
+    if WRITE_P:
+        tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], p_val, mask=key_ok[None, :])
+    # each tile's PV on a fresh accumulator, added into O in float32 (as the reference)
+    acc = acc * alpha[:, None] + pv
+    l_i = l_i * alpha + p_sum
+    return acc, l_i, m_new
+
+
+@triton.jit
+def attn_fwd_sm100_kernel(
+    Q, QSC, K, KSC, QS, KS, V, VSC, VS, O, LSE, P_DBG, KB,
+    stride_qb, stride_qh, stride_qm,
+    stride_qsb, stride_qsh, stride_qsm,
+    stride_kb, stride_kh, stride_kn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vb, stride_vh, stride_vd,
+    stride_vsb, stride_vsh, stride_vsd,
+    stride_ob, stride_oh, stride_om,
+    stride_pb, stride_ph, stride_pm,
+    H, GROUP, Sq, Sk, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr,
+    KEY_BIAS: tl.constexpr = False, WRITE_P: tl.constexpr = False,
+):
+    """Q (B, H, Sq, D/2) uint8 codes or (B, H, Sq, D) e4m3; QSC (B, H, Sq, D/16) e4m3
+    block scales (NVFP4 only); K, KSC likewise at Hkv heads; QS (B, H, Sq), KS (B, Hkv,
+    Sk) float32 per-token scales (NVFP4: the tensor scale in every slot). V: MXFP4 codes
+    (B, Hkv, D, Skp/2) packed along the keys with VSC (B, Hkv, D, Skp/32) E8M0, or V^T
+    e4m3 (B, Hkv, D, Skp) with VS (B, Hkv, D) float32 per-channel scales; Skp is Sk
+    padded with zero keys to whole tiles. O (B, H, Sq, D) bf16, LSE (B, H, Sq) float32."""
+    tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    hk = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < Sq
+
+    k_ptr = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    ksc_ptr = KSC + b.to(tl.int64) * stride_ksb + hk.to(tl.int64) * stride_ksh
+    v_ptr = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    vsc_ptr = VSC + b.to(tl.int64) * stride_vsb + hk.to(tl.int64) * stride_vsh
+    qs_ptr = QS + (b.to(tl.int64) * H + h) * Sq
+    ks_ptr = KS + (b.to(tl.int64) * (H // GROUP) + hk) * Sk
+    p_ptr = P_DBG + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
+    kb_ptr = KB + b.to(tl.int64) * Sk  # (B, Sk) key bias, read only with KEY_BIAS
+
+    q_ptr = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    if QK_FP4:
+        offs_h = tl.arange(0, HEAD_DIM // 2)
+        offs_s = tl.arange(0, HEAD_DIM // 16)
+        q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :], mask=row_ok[:, None], other=0)
+        qsc_ptr = QSC + b.to(tl.int64) * stride_qsb + h.to(tl.int64) * stride_qsh
+        q_sc = tl.load(qsc_ptr + offs_m[:, None] * stride_qsm + offs_s[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q_sc = None
+    a_i = tl.load(qs_ptr + offs_m, mask=row_ok, other=0.0) * qk_scale
+    # the products' fresh accumulators start from this zero: Triton 3.6 fails to build a
+    # block-scaled MMA in a loop whose accumulator is a constant zero ("uninitialized
+    # alloc must have a mutable memdesc type" in its accumulator-init pass); a zero it
+    # cannot fold (a NaN scale gives NaN, as the row's scores would) builds
+    zero_m = a_i * 0.0
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # keys visible to every row of this block, in whole tiles: no mask needed
+    hi = Sk
+    full = Sk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        last = (start_m + 1) * BLOCK_M + causal_offset  # one past the last row's last key
+        first = start_m * BLOCK_M + causal_offset + 1  # one past the first row's last key
+        hi = tl.where(last < Sk, last, Sk)
+        full = tl.where(first < full, first, full)
+        full = tl.where(full > 0, full // BLOCK_N * BLOCK_N, 0)
+    for start_n in range(0, full, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr,
+                              start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd,
+                              stride_pm, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL, KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N,
+                              HEAD_DIM)
+    for start_n in range(full, hi, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr,
+                              start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd,
+                              stride_pm, QK_FP4, PV_FP4, HW_CVT, True, CAUSAL, KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N,
+                              HEAD_DIM)
+
+    # -- epilogue: 1/l, V's per-channel scale (FP8 V); LSE in natural log (FP8 P's 2**8
+    # offset cancels in acc / l and is subtracted from the LSE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    seen = l_i > 0.0
+    inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+    out = acc * inv_l[:, None]
+    if PV_FP4:
+        lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0))
+    else:
+        vs = tl.load(VS + (b.to(tl.int64) * (H // GROUP) + hk) * HEAD_DIM + offs_d)
+        out = out * vs[None, :]
+        lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - P_OFFSET_LOG2
+    lse = tl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
+    o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(o_ptr + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + (b.to(tl.int64) * H + h) * Sq + offs_m, lse, mask=row_ok)

@@ -1,0 +1,151 @@
+"""Compile the Blackwell kernels for sm_100a (or sm_120a) without a GPU and read their
+machine code: registers and spills from ptxas-blackwell, shared and tensor memory from
+the compiler's metadata, the tensor-core instruction kinds from the PTX, and instruction
+counts from the SASS. Used by `fp4attn compile-report` and by the CPU tests that hold the
+kernels to their design (block-scaled FP4 MMAs, no spills, tensor memory within 512
+columns)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fp4attn.kernels.blackwell.forward_triton import attn_fwd_sm100_kernel
+
+ARCHS = {"sm_100a": 100, "sm_120a": 120}
+_BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
+
+_POINTERS = ("Q", "QSC", "K", "KSC", "QS", "KS", "V", "VSC", "VS", "O", "LSE", "P_DBG", "KB")
+_STRIDES = tuple(f"stride_{t}{d}" for t in ("q", "qs", "k", "ks", "v", "vs", "o", "p")
+                 for d in ("b", "h", "m" if t in ("q", "qs", "o", "p") else "n" if t in ("k", "ks") else "d"))
+_LENGTHS = ("Sq", "Sk")
+
+
+def forward_signature(qk_fp4: bool, pv_fp4: bool) -> dict[str, str]:
+    """Argument types of `attn_fwd_sm100_kernel` as the launcher passes them."""
+    types = {"Q": "*u8" if qk_fp4 else "*fp8e4nv", "K": "*u8" if qk_fp4 else "*fp8e4nv",
+             "QSC": "*fp8e4nv", "KSC": "*fp8e4nv", "V": "*u8" if pv_fp4 else "*fp8e4nv", "VSC": "*u8",
+             "O": "*bf16"}
+    sig = {n: types.get(n, "*fp32") for n in _POINTERS}
+    sig.update({n: "i32" for n in _STRIDES})
+    sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")})
+    sig["qk_scale"] = "fp32"
+    return sig
+
+
+def _divisibility(sig: dict, aligned: list[str]) -> dict:
+    """Compile attributes specializing the arguments `aligned` as multiples of 16, as
+    the JIT does for 16-byte aligned tensors and lengths that are multiples of 16."""
+    names = list(sig)
+    return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+
+
+def compile_forward(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, *, arch: str = "sm_100a",
+                    block_m: int = 128, block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
+                    key_bias: bool = False, hw_cvt: bool = True):
+    """The compiled Blackwell forward for one recipe family and launch shape; pointers,
+    strides and lengths specialized as multiples of 16, as the JIT builds it at the
+    bench shapes."""
+    sig = forward_signature(qk_fp4, pv_fp4)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP4=qk_fp4, PV_FP4=pv_fp4,
+                  CAUSAL=causal, HW_CVT=hw_cvt, KEY_BIAS=key_bias, WRITE_P=False)
+    sig = {**sig, **{c: "constexpr" for c in consts}}
+    aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or n in _LENGTHS]
+    src = ASTSource(attn_fwd_sm100_kernel, sig, constexprs=consts, attrs=_divisibility(sig, aligned))
+    return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def ptxas_report(ptx: str, arch: str = "sm_100a") -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from `ptxas-blackwell -v`."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.ptx"
+        path.write_text(ptx)
+        proc = subprocess.run([str(_BIN / "ptxas-blackwell"), "-v", "--gpu-name", arch, str(path), "-o",
+                               str(Path(d) / "k.cubin")], capture_output=True, text=True, check=True)
+    text = proc.stdout + proc.stderr
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return regs, int(spill.group(1)), int(spill.group(2))
+
+
+def sass_of(cubin: bytes) -> str:
+    """The SASS of a cubin, by the bundled cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([str(_BIN / "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def mma_kinds(ptx: str) -> list[str]:
+    """The distinct tensor-core instructions of a PTX text, without their operands,
+    e.g. `tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X`."""
+    return sorted(set(re.findall(r"\b(tcgen05\.mma[.\w:]*|wgmma\.mma_async[.\w:]*|mma\.sync[.\w:]*)", ptx)))
+
+
+@dataclass(frozen=True)
+class BlackwellReport:
+    """What a compiled Blackwell kernel uses, and the instructions of its machine code."""
+
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    tmem_columns: int
+    mma_kinds: list[str]
+    ptx: str = field(repr=False)
+    sass: str = field(repr=False)
+
+    def count(self, pattern: str) -> int:
+        return len(re.findall(pattern, self.sass))
+
+    @functools.cached_property
+    def opcodes(self) -> list[str]:
+        """Every SASS instruction's opcode with modifiers, in order."""
+        return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)[^;\n]*;", self.sass)
+
+    def loops(self) -> list[list[str]]:
+        """The opcodes of each loop (a backward branch and what it jumps over)."""
+        ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;\n]*);", self.sass)
+        at = {int(a, 16): i for i, (a, _, _) in enumerate(ins)}
+        spans = []
+        for i, (a, op, operands) in enumerate(ins):
+            m = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
+            if m and int(m.group(1), 16) < int(a, 16) and int(m.group(1), 16) in at:
+                spans.append((at[int(m.group(1), 16)], i))
+        return [[op for _, op, _ in ins[i:j + 1]] for i, j in sorted(spans, key=lambda s: s[1] - s[0])]
+
+    def tile_loop(self) -> list[str]:
+        """The unmasked key-tile loop: the shortest loop holding UTCQMMA/UTCHMMA/UTCOMMA
+        (tcgen05 MMA) instructions and no EXIT (the first of the kernel's two tile
+        loops in program order is the unmasked one; both are the same size)."""
+        for loop in self.loops():
+            if any(op.startswith("UTC") and "MMA" in op for op in loop) and "EXIT" not in loop:
+                return loop
+        raise ValueError("no loop with tensor-core instructions in the SASS")
+
+
+def inspect(kernel, arch: str = "sm_100a") -> BlackwellReport:
+    """Registers, spills, shared and tensor memory, MMA kinds and SASS of a compiled kernel."""
+    regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"], arch)
+    md = kernel.metadata
+    return BlackwellReport(regs, spill_st + spill_ld, int(md.shared), int(getattr(md, "tmem_size", 0) or 0),
+                           mma_kinds(kernel.asm["ptx"]), kernel.asm["ptx"], sass_of(kernel.asm["cubin"]))
+
+
+def per_element(loop: list[str], elements_per_thread: int) -> tuple[float, Counter]:
+    """Instructions per score element of a tile loop, and the opcode counts (first word)."""
+    ops = Counter(op.split(".")[0] for op in loop)
+    return len(loop) / elements_per_thread, ops
