@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
-import os
 
 import torch
 
+from fp4attn import routing
 from fp4attn.recipes import Recipe, get_recipe
 from fp4attn.reference.backward import reference_backward
-from fp4attn.reference.forward import ForwardResult, reference_forward
+from fp4attn.reference.forward import ForwardResult, key_bias_of_mask, reference_forward
 from fp4attn.reference.masks import causal_offset, key_mask_view, normalize_causal
 from fp4attn.reference.operands import QKOperand
 
 log = logging.getLogger("fp4attn")
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "reference", "triton")
-BACKEND_ENV = "FP4ATTN_BACKEND"  # overrides backend="auto"
+BACKENDS = routing.BACKENDS
+BACKEND_ENV = routing.BACKEND_ENV  # overrides backend="auto"
 HEAD_DIM_MULTIPLE = 16  # NVFP4 blocks of 16 run along the head dim
 MAX_HEAD_DIM = 256
 
@@ -80,24 +81,13 @@ def _resolve_scale(scale: float | None, head_dim: int) -> float:
     return float(scale)
 
 
-def _kernel_unsupported(q: torch.Tensor, recipe: Recipe, needs_grad: bool, attn_mask) -> str | None:
-    """Why the Triton kernels cannot run this call, or None if they can, short of the
-    mask's content (`_resolve_backend` looks at that last, once)."""
-    if attn_mask is not None and needs_grad:
-        return "an attn_mask with a backward (the backward kernels take causal masks only, for now)"
-    if not q.is_cuda:
-        return f"inputs on {q.device.type} (kernels need CUDA)"
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return f"GPU capability {torch.cuda.get_device_capability(q.device)} (kernels are built for sm_90)"
-    try:
-        from fp4attn.kernels.hopper.ops import unsupported_reason
-        from fp4attn.kernels.hopper.training import training_unsupported_reason
-    except ImportError as e:  # Triton missing
-        return f"Triton is not importable ({e})"
-    if needs_grad:
-        reason = training_unsupported_reason(recipe, q.shape[-1])
-        return None if reason is None else f"a backward is needed and {reason}"
-    return unsupported_reason(recipe, q.shape[-1])
+def _mask_kind(attn_mask) -> tuple[str, torch.Tensor | None]:
+    """("none", None), ("key", the mask as (b, 1, 1, Sk)) for a key-padding mask, or
+    ("other", None): what the routing needs to know of a mask."""
+    if attn_mask is None:
+        return "none", None
+    key_mask = key_mask_view(attn_mask)
+    return ("other", None) if key_mask is None else ("key", key_mask)
 
 
 @functools.lru_cache(maxsize=64)
@@ -105,31 +95,64 @@ def _log_once(message: str) -> None:
     log.info(message)
 
 
-def _resolve_backend(backend: str, q: torch.Tensor, recipe: Recipe, needs_grad: bool,
-                     attn_mask) -> tuple[str, torch.Tensor | None]:
-    """("triton" or "reference", the attn_mask as a key mask for the kernels or None)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; accepted: {BACKENDS}")
-    if backend == "auto" and os.environ.get(BACKEND_ENV):
-        backend = os.environ[BACKEND_ENV]
-        if backend not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV}={backend!r} is not a backend; accepted: {BACKENDS}")
-    if backend == "reference":
-        return backend, None
-    reason = _kernel_unsupported(q, recipe, needs_grad, attn_mask)
-    key_mask = None
-    if reason is None and attn_mask is not None:  # the content test runs once, and last
-        key_mask = key_mask_view(attn_mask)
-        if key_mask is None:
-            reason = (f"an attn_mask of shape {tuple(attn_mask.shape)} (the kernels take key masks, broadcastable "
-                      "as (B, 1, 1, Sk), for now)")
-    if reason is None:
-        return "triton", key_mask
-    if backend == "triton":
-        raise ValueError(f"backend='triton' cannot run recipe {recipe.name!r}: {reason}")
-    if not torch.compiler.is_compiling():  # logging is a side effect a compiled graph cannot hold
-        _log_once(f"recipe {recipe.name!r} runs on the reference backend: {reason}")
-    return "reference", None
+def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, needs_grad: bool,
+           attn_mask) -> tuple[routing.Route, torch.Tensor | None]:
+    """The call's route (`fp4attn.routing`) and the attn_mask as a key mask for the
+    kernels, or None. The mask's content is looked at only when kernels could run."""
+    requested = routing.requested_backend(backend)
+    kind, key_mask = ("none", None)
+    if attn_mask is not None:
+        kind = "other" if requested == "reference" else _mask_kind(attn_mask)[0]
+        key_mask = _mask_kind(attn_mask)[1] if kind == "key" else None
+    r = routing.route(recipe, device=q.device, head_dim=q.shape[-1], causal=causal is not None,
+                      needs_grad=needs_grad, mask=kind, backend=requested)
+    if r.backend != "reference":
+        try:
+            _launcher(r.family.launcher)
+        except ImportError as e:  # Triton missing
+            if requested == "triton":
+                raise ValueError(f"backend='triton' cannot run recipe {recipe.name!r}: Triton is not importable "
+                                 f"({e})") from e
+            r = routing.Route("reference", "reference", r.target, f"Triton is not importable ({e})")
+    if r.backend == "reference" and requested == "auto" and not torch.compiler.is_compiling():
+        # logging is a side effect a compiled graph cannot hold
+        _log_once(f"recipe {recipe.name!r} runs on the reference backend: {r.reason}")
+    return r, key_mask
+
+
+def _launcher(spec: str):
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    causal: bool | str = False,
+    recipe: str | Recipe = "directp",
+    enable_gqa: bool = False,
+    backend: str = "auto",
+    needs_grad: bool | None = None,
+) -> dict:
+    """What `fp4attn.attention` would run for these arguments, and why, without running it.
+
+    Returns a plain dict: "backend" ("triton" or "reference"), "kernel" (the kernels'
+    names, or "reference"), "target" ("sm_90", "sm_100", ..., or "cpu"; the
+    FP4ATTN_TARGET environment variable overrides it), "reason", "launcher" (the
+    function that would run), "recipe" (its name), "needs_grad". Works on any device;
+    `needs_grad` defaults to whether any of q, k, v requires grad. Arguments are
+    validated as `attention` validates them.
+    """
+    rec = get_recipe(recipe)
+    mode = normalize_causal(causal)
+    _validate(q, k, v, enable_gqa)
+    _validate_mask(attn_mask, q, k.shape[-2])
+    grad = any(t.requires_grad for t in (q, k, v)) if needs_grad is None else bool(needs_grad)
+    r, _ = _route(backend, q, rec, mode, grad, attn_mask)
+    return {**r.as_dict(), "recipe": rec.name, "needs_grad": grad}
 
 
 class _ReferenceAttention(torch.autograd.Function):
@@ -153,20 +176,19 @@ class _ReferenceAttention(torch.autograd.Function):
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None
 
 
-def _kernel_attention(q, k, v, rec: Recipe, mode: str | None, scale: float, key_mask, needs_grad: bool):
-    """The Hopper kernels on a call `_resolve_backend` accepted: head dims below 64/128
-    zero-padded (exact, `ops.kernel_head_dim`), a key mask as the kernel's key bias."""
-    from fp4attn.kernels.hopper.ops import hopper_attention, kernel_head_dim, key_bias_of_mask
-    from fp4attn.kernels.hopper.training import hopper_train_attention
-
+def _kernel_attention(route: routing.Route, q, k, v, rec: Recipe, mode: str | None, scale: float, key_mask,
+                      needs_grad: bool):
+    """The route's kernels on a call: head dims below the kernel's zero-padded (exact,
+    `routing.kernel_head_dim`), a key mask as the kernel's key bias."""
+    launch = _launcher(route.family.launcher)
     offset = causal_offset(mode, q.shape[-2], k.shape[-2])
-    d, dk = q.shape[-1], kernel_head_dim(q.shape[-1])
+    d, dk = q.shape[-1], routing.kernel_head_dim(q.shape[-1])
     qp, kp, vp = (t if dk == d else torch.nn.functional.pad(t, (0, dk - d)) for t in (q, k, v))
     if needs_grad:
-        out, lse = hopper_train_attention(qp, kp, vp, rec, scale=scale, causal_offset=offset)
+        out, lse = launch(qp, kp, vp, rec, scale=scale, causal_offset=offset)
     else:
         key_bias = None if key_mask is None else key_bias_of_mask(key_mask, q.shape[0], k.shape[-2])
-        out, lse, _ = hopper_attention(qp, kp, vp, rec, scale=scale, causal_offset=offset, key_bias=key_bias)
+        out, lse, _ = launch(qp, kp, vp, rec, scale=scale, causal_offset=offset, key_bias=key_bias)
     out = out.to(q.dtype)
     return (out if dk == d else out[..., :d].contiguous()), lse
 
@@ -230,9 +252,9 @@ def attention(
     _validate_mask(attn_mask, q, k.shape[-2])
     s = _resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    chosen, key_mask = _resolve_backend(backend, q, rec, needs_grad, attn_mask)
-    if chosen == "triton":
-        out, lse = _kernel_attention(q, k, v, rec, mode, s, key_mask, needs_grad)
+    r, key_mask = _route(backend, q, rec, mode, needs_grad, attn_mask)
+    if r.backend == "triton":
+        out, lse = _kernel_attention(r, q, k, v, rec, mode, s, key_mask, needs_grad)
     else:
         out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, attn_mask)
     return (out, lse) if return_lse else out

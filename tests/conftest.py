@@ -1,3 +1,4 @@
+import contextlib
 import faulthandler
 import os
 
@@ -50,3 +51,28 @@ def _gpu_test_watchdog(request):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+class LaunchOverride:
+    """`launch(forward=ForwardLaunch(...), backward=BackwardLaunch(...))` runs the rest of
+    the test with those launches instead of the routing table's; `launch.clear()` goes
+    back to the table."""
+
+    def __init__(self):
+        self._stack = contextlib.ExitStack()
+
+    def __call__(self, **launches):
+        from fp4attn import routing
+
+        self._stack.enter_context(routing.override_launch(**launches))
+
+    def clear(self):
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
+
+
+@pytest.fixture
+def launch():
+    override = LaunchOverride()
+    yield override
+    override.clear()

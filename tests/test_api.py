@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp4attn
-from fp4attn import PRESETS, Recipe
+from fp4attn import PRESETS, Recipe, routing
 from fp4attn.cli.main import main as cli_main
 from fp4attn.metrics import error_metrics
 
@@ -130,7 +130,8 @@ def test_cli_backward_accuracy(tmp_path):
 
 
 def test_bench_table_and_geomean():
-    from fp4attn.cli.bench import format_table, geomean_speedups, visible_pairs
+    from fp4attn.cli.bench import format_table, geomean_speedups
+    from fp4attn.tools.benchmark import visible_pairs
 
     recs = [dict(B=1, H=2, S=64, D=128, causal=c, impl=i, quant_included=False, tflops=t, speedup_vs_cudnn_bf16=x)
             for c in (False, True) for i, t, x in (("sdpa-cudnn", 100.0, 1.0), ("fp8", 50.0, 0.5))]
@@ -141,13 +142,29 @@ def test_bench_table_and_geomean():
     assert visible_pairs(4, 4, True) == 10 and visible_pairs(2, 5, True) == 3
 
 
+def _route_to(monkeypatch, kernel, accepts_mask):
+    """`fp4attn.attention` sends calls to `kernel` as if the Hopper forward kernels ran
+    them (masks where `accepts_mask(mask)`), on CPU tensors."""
+    import fp4attn.api as api
+
+    family = next(f for f in routing.KERNEL_FAMILIES if f.name == "hopper-forward")
+
+    def fake_route(backend, q, recipe, causal, needs_grad, attn_mask):
+        if attn_mask is not None and not accepts_mask(attn_mask):
+            return routing.Route("reference", "reference", "sm_90", "mask"), None
+        key_mask = None if attn_mask is None else api.key_mask_view(attn_mask)
+        return routing.Route("triton", "fake", "sm_90", "test", family), key_mask
+
+    monkeypatch.setattr(api, "_route", fake_route)
+    monkeypatch.setattr(api, "_launcher", lambda spec: kernel)
+
+
 def test_padded_head_dims_reproduce_the_unpadded_recipe(monkeypatch):
     """The kernel path zero-pads head dims below 64 / 128 and cuts the output back. With the
     kernel op replaced by the reference at the padded dim, the result must equal the
     reference at the original dim: padding is exact in every recipe."""
     pytest.importorskip("triton")
     import fp4attn.api as api
-    import fp4attn.kernels.hopper.ops as ops
     from fp4attn.reference import reference_forward
 
     seen = []
@@ -158,8 +175,7 @@ def test_padded_head_dims_reproduce_the_unpadded_recipe(monkeypatch):
         res = reference_forward(q, k, v, recipe, scale=scale, causal=None if causal_offset is None else "top_left")
         return res.out.to(torch.bfloat16), res.lse, None
 
-    monkeypatch.setattr(api, "_resolve_backend", lambda *a: ("triton", None))
-    monkeypatch.setattr(ops, "hopper_attention", fake_kernel)
+    _route_to(monkeypatch, fake_kernel, lambda mask: True)
     gen = torch.Generator().manual_seed(0)
     for d in (16, 32, 48, 80, 112):
         q, k, v = (torch.randn(1, 2, 70, d, generator=gen).bfloat16() * 3 for _ in range(3))
@@ -231,7 +247,6 @@ def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):
     a mask, results equal the reference with the original mask."""
     pytest.importorskip("triton")
     import fp4attn.api as api
-    import fp4attn.kernels.hopper.ops as ops
     from fp4attn.reference import reference_forward
 
     def fake_kernel(q, k, v, recipe, *, scale, causal_offset, write_p=0, key_bias=None):
@@ -239,11 +254,7 @@ def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):
         res = reference_forward(q, k, v, recipe, scale=scale, attn_mask=(key_bias == 0)[:, None, None, :])
         return res.out.to(torch.bfloat16), res.lse, None
 
-    monkeypatch.setattr(ops, "hopper_attention", fake_kernel)
-    real_resolve = api._resolve_backend
-    monkeypatch.setattr(api, "_resolve_backend",
-                        lambda b, q, r, g, m: ("triton", api.key_mask_view(m)) if api.key_mask_view(m) is not None
-                        else ("reference", None))
+    _route_to(monkeypatch, fake_kernel, lambda mask: api.key_mask_view(mask) is not None)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 2, 50, 64, generator=gen).bfloat16() for _ in range(3))
     lengths = torch.tensor([50, 17, 0])  # a batch element with no key at all
@@ -256,53 +267,40 @@ def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):
     assert api.key_mask_view(expanded).shape == (3, 1, 1, 50)
     assert api.key_mask_view(torch.ones(50, 50, dtype=torch.bool).tril()) is None  # a query-dependent mask
     assert api.key_mask_view(torch.ones(3, 2, 1, 50, dtype=torch.bool)) is None  # per head
-    assert real_resolve("auto", q, fp4attn.PRESETS["fp8"], False, torch.ones(50, 50).tril().bool()) == ("reference",
-                                                                                                       None)
-    bias = ops.key_bias_of_mask(torch.tensor([0.5, -1.0]), 2, 2)
+    monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
+    assert routing.route(fp4attn.PRESETS["fp8"], device="cuda", head_dim=64, causal=False, needs_grad=False,
+                         mask=api._mask_kind(torch.ones(50, 50).tril().bool())[0], backend="auto").backend == "reference"
+    bias = api.key_bias_of_mask(torch.tensor([0.5, -1.0]), 2, 2)
     assert torch.equal(bias, torch.tensor([[0.5, -1.0]] * 2) * 1.4426950408889634)
 
 
-def test_forward_launch_override_is_checked(monkeypatch):
-    pytest.importorskip("triton")
-    from fp4attn.kernels.hopper.ops import LAUNCH_ENV, DEFAULT_LAUNCH, ForwardLaunch, forward_launch
+def test_launch_override_is_typed_scoped_and_thread_local():
+    """`routing.override_launch` replaces the table's launches inside its block, in its
+    thread only, restores them after (also on an error), nests, and takes only the
+    launch types."""
+    import threading
 
-    for d in (64, 128):
-        for fp8 in (True, False):
-            for causal in (True, False):
-                assert forward_launch(d, fp8, causal) == DEFAULT_LAUNCH[d, fp8, causal]
-    monkeypatch.setenv(LAUNCH_ENV, "64,4,3")
-    assert forward_launch(128, True, False) == ForwardLaunch(64, 4, 3, False)
-    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1")
-    assert forward_launch(64, False, True) == ForwardLaunch(64, 4, 2, True)
-    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,0,1")
-    assert forward_launch(128, True, True) == ForwardLaunch(64, 4, 2, False, True)
-    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1")
-    assert forward_launch(128, False, False) == ForwardLaunch(64, 4, 2, True, False, True)
-    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1")
-    assert forward_launch(64, False, False) == ForwardLaunch(64, 4, 2, True, False, True, True)
-    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1,1")
-    assert forward_launch(64, False, True) == ForwardLaunch(64, 4, 2, True, False, True, True, True)
-    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1,1,4")
-    assert forward_launch(128, True, False) == ForwardLaunch(64, 4, 2, True, False, True, True, True, ws_overlap=4)
-    for bad in ("64,4", "32,4,2", "64,2,2", "x", "64,4,2,2", "64,4,2,1,2", "64,4,2,1,0,2", "64,4,2,1,0,1,2",
-                "64,4,2,1,0,1,1,2", "64,4,2,1,0,0,0,1,3", "64,4,2,1,0,0,0,0,0,0"):
-        monkeypatch.setenv(LAUNCH_ENV, bad)
-        with pytest.raises(ValueError, match=LAUNCH_ENV):
-            forward_launch(128, True, False)
+    from fp4attn.routing import (BACKWARD_LAUNCH, FORWARD_LAUNCH, BackwardLaunch, ForwardLaunch, backward_launch,
+                                 forward_launch, override_launch)
 
-
-def test_backward_dq_atomic_override_is_checked(monkeypatch):
-    pytest.importorskip("triton")
-    from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS, BACKWARD_ENV, backward_config
-
-    monkeypatch.delenv(BACKWARD_ENV, raising=False)
-    assert backward_config(128) == BACKWARD_CONFIGS[128] and not backward_config(64).dq_atomic
-    monkeypatch.setenv(BACKWARD_ENV, "1")
-    assert backward_config(64).dq_atomic and backward_config(64).block_n_dkdv == 64
-    monkeypatch.setenv(BACKWARD_ENV, "yes")
-    with pytest.raises(ValueError, match=BACKWARD_ENV):
-        backward_config(128)
-
+    for key, cfg in FORWARD_LAUNCH.items():
+        assert forward_launch(*key) == cfg
+    mine, other = ForwardLaunch(64, 4, 3, False), ForwardLaunch(128, 8, 2, True)
+    seen = []
+    with override_launch(forward=mine):
+        assert forward_launch(128, True, False) == mine and backward_launch(128) == BACKWARD_LAUNCH[128]
+        t = threading.Thread(target=lambda: seen.append(forward_launch(128, True, False)))
+        t.start()
+        t.join()
+        with override_launch(forward=other, backward=BackwardLaunch(tma=True)):
+            assert forward_launch(64, False, True) == other and backward_launch(64) == BackwardLaunch(tma=True)
+        assert forward_launch(64, False, True) == mine and backward_launch(64) == BACKWARD_LAUNCH[64]
+    assert seen == [FORWARD_LAUNCH[128, True, False]]  # another thread kept the table's
+    with pytest.raises(RuntimeError), override_launch(forward=mine):
+        raise RuntimeError
+    assert forward_launch(128, True, False) == FORWARD_LAUNCH[128, True, False]
+    with pytest.raises(TypeError, match="ForwardLaunch"), override_launch(forward="64,4,2"):
+        pass
 
 def test_quantize_v_t_rejects_a_scale_for_mxfp4():
     pytest.importorskip("triton")
@@ -318,11 +316,11 @@ def test_quantize_v_t_rejects_a_scale_for_mxfp4():
 
 
 def test_bench_reports_why_cudnn_fp8_did_not_run(monkeypatch):
-    import fp4attn.cli.cudnn_fp8 as cudnn_fp8
-    from fp4attn.cli.bench import _time_cudnn_fp8
+    import fp4attn.tools.cudnn_fp8 as cudnn_fp8
+    from fp4attn.tools.benchmark import time_cudnn_fp8
 
     monkeypatch.setattr(cudnn_fp8, "available", lambda: False)
-    ms, note = _time_cudnn_fp8(None, None, None, False)
+    ms, note = time_cudnn_fp8(None, None, None, False)
     assert ms is None and "nvidia-cudnn-frontend" in note
 
 
@@ -332,19 +330,6 @@ def test_gpu_test_timeout_names_what_it_accepts():
     assert gpu_test_timeout("2.5") == 2.5
     with pytest.raises(ValueError, match="FP4ATTN_GPU_TEST_TIMEOUT='5m'.*seconds as a number"):
         gpu_test_timeout("5m")
-
-
-def test_kernel_script_args_parse_shapes_recipes_and_causal_modes():
-    import argparse
-
-    from fp4attn.cli.bench import kernel_script_args
-
-    args = kernel_script_args(argparse.ArgumentParser(), shapes="8,16,4096,128/16,16,2048,64",
-                              argv=["--recipes", "fp8,directp", "--causal", "yes"])
-    assert args.shapes == [(8, 16, 4096, 128), (16, 16, 2048, 64)] and args.recipes == ["fp8", "directp"]
-    assert args.causal == (True,) and not args.no_check
-    with pytest.raises(SystemExit):
-        kernel_script_args(argparse.ArgumentParser(), shapes="1,1,1,64", argv=["--causal", "maybe"])
 
 
 def test_quantize_qk_fp8_rejects_other_output_dtypes():
@@ -363,7 +348,7 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
     everywhere else; both
     launches are recorded here instead of run, so this needs no GPU."""
     pytest.importorskip("triton")
-    from fp4attn.kernels.hopper import ops as hops
+    from fp4attn.kernels.hopper import forward_op as hops
     from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 
     calls = []
@@ -377,10 +362,10 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
         B, H, Sq, D = ops.q.shape
         return torch.empty(B, H, Sq, D, dtype=torch.bfloat16), torch.empty(B, H, Sq)
 
-    from fp4attn.kernels.hopper import forward_pipelined
+    from fp4attn.kernels.hopper import forward_gluon_ws
 
     monkeypatch.setattr(hops, "attn_fwd_kernel", Recorder())
-    monkeypatch.setattr(forward_pipelined, "launch_forward_pipelined", gluon)
+    monkeypatch.setattr(forward_gluon_ws, "launch_forward_ws", gluon)
     monkeypatch.setattr(hops, "tma_descriptors", lambda ops: None)
 
     def operands(d, sk=200, padded=True, qk=torch.bfloat16):
@@ -396,14 +381,14 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
         return calls[0][0]
 
     assert calls == [] and route(operands(128)) == "gluon"
-    assert calls[0][3:] == (hops.WS_PARTITIONS, hops.DEFAULT_LAUNCH[128, False, False].ws_overlap, 0)
+    assert calls[0][3:] == (hops.WS_PARTITIONS, routing.FORWARD_LAUNCH[128, False, False].ws_overlap, 0)
     assert route(operands(128), causal_offset=197) == "gluon"
     assert route(operands(128), p_mode=1) == "triton"  # Direct-P: slower in the Gluon kernel
     assert route(operands(128), p_mode=2) == "triton"
     assert route(operands(64)) == "triton"  # D=64: three Triton programs per SM
     assert route(operands(128, padded=False)) == "triton"  # V^T not TMA-loadable
     assert route(operands(128, qk=torch.float8_e4m3fn)) == "gluon"  # fast accumulation
-    assert calls[0][3:] == (hops.WS_PARTITIONS, hops.DEFAULT_LAUNCH[128, True, False].ws_overlap, 0)
+    assert calls[0][3:] == (hops.WS_PARTITIONS, routing.FORWARD_LAUNCH[128, True, False].ws_overlap, 0)
     assert route(operands(128, qk=torch.float8_e4m3fn), causal_offset=197) == "gluon"
     # promoted every 32 products (a diagnostic), ptxas serializes the Gluon kernel's wgmmas
     assert route(operands(128, qk=torch.float8_e4m3fn), qk_promote=32) == "triton"
@@ -412,12 +397,12 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
     assert route(operands(128), write_p=1) == "triton"  # debug tiles
     assert route(operands(128), pv_promote=False) == "triton"
     assert route(operands(128), key_bias=torch.zeros(1, 200)) == "triton"
-    monkeypatch.setenv(hops.LAUNCH_ENV, "64,4,2,1,0,1,1")  # warp_specialized off
-    assert route(operands(128)) == "triton"
+    with routing.override_launch(forward=routing.ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True)):
+        assert route(operands(128)) == "triton"  # warp_specialized off
 
 
 def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
-    """`training.launch_backward` runs the Gluon dK/dV and dQ kernels with the launch
+    """`train_op.launch_backward` runs the Gluon dK/dV and dQ kernels with the launch
     table's flags where the lengths are whole 64-row tiles (FP8 P for dK/dV: the
     `train-mxfp4pv` P keeps the Triton dK/dV kernel), and the Triton kernels elsewhere;
     every launch is recorded instead of run, so this needs no GPU. The TMA descriptors
@@ -426,13 +411,13 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
     pytest.importorskip("triton")
     import dataclasses
 
-    from fp4attn.kernels.hopper import backward_pipelined, training
+    from fp4attn.kernels.hopper import backward_gluon, train_op
 
     calls = []
     gluon_tiles = {}  # name -> tile shape of the Gluon descriptors of the last call
     triton_descs = []
-    build_triton = training.backward_descriptors
-    monkeypatch.setattr(training, "backward_descriptors", lambda *a: triton_descs.append(1) or build_triton(*a))
+    build_triton = train_op.backward_descriptors
+    monkeypatch.setattr(train_op, "backward_descriptors", lambda *a: triton_descs.append(1) or build_triton(*a))
 
     def gluon(name, *recorded):
         def launch(descs, *a):
@@ -447,10 +432,10 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **kw: calls.append((self.name, "triton"))
 
-    monkeypatch.setattr(training, "attn_bwd_dkdv_kernel", Recorder("dkdv"))
-    monkeypatch.setattr(training, "attn_bwd_dq_kernel", Recorder("dq"))
-    monkeypatch.setattr(backward_pipelined, "launch_dkdv_pipelined", gluon("dkdv", 3))  # in_flight, maxnreg, staged
-    monkeypatch.setattr(backward_pipelined, "launch_dq_pipelined", gluon("dq", 1))  # maxnreg
+    monkeypatch.setattr(train_op, "attn_bwd_dkdv_kernel", Recorder("dkdv"))
+    monkeypatch.setattr(train_op, "attn_bwd_dq_kernel", Recorder("dq"))
+    monkeypatch.setattr(backward_gluon, "launch_dkdv_gluon", gluon("dkdv", 3))  # in_flight, maxnreg, staged
+    monkeypatch.setattr(backward_gluon, "launch_dq_gluon", gluon("dq", 1))  # maxnreg
 
     def route(d, sq=256, sk=128, p=("fp8", "exp2")):
         calls.clear()
@@ -458,17 +443,17 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
         triton_descs.clear()
         B, H, Hkv = 1, 4, 2  # the operands' shapes, not their values
         e4m3 = lambda *s: torch.zeros(*s, dtype=torch.float8_e4m3fn)  # noqa: E731
-        ops = training.BackwardOperands(
+        ops = train_op.BackwardOperands(
             q=torch.zeros(B, H, sq, d, dtype=torch.bfloat16), k=torch.zeros(B, Hkv, sk, d, dtype=torch.bfloat16),
             qs=torch.ones(1), ks=torch.ones(1), do_t=e4m3(B, H, sq, d), do_ts=torch.ones(B, H, sq),
             do_c=e4m3(B, H, d, sq), do_cs=torch.ones(B, H, d), v_t=e4m3(B, Hkv, sk, d), v_ts=torch.ones(B, Hkv, sk),
             q_c=e4m3(B, H, d, sq), q_cs=torch.ones(B, H, d), k_c=e4m3(B, Hkv, d, sk), k_cs=torch.ones(B, Hkv, d),
             delta=torch.zeros(B, H, sq))
-        training.launch_backward(ops, torch.zeros(B, H, sq), *p, sk - sq, True, d**-0.5)
+        train_op.launch_backward(ops, torch.zeros(B, H, sq), *p, sk - sq, True, d**-0.5)
         return calls[:]
 
     for d in (64, 128):
-        cfg = training.BACKWARD_CONFIGS[d]
+        cfg = routing.BACKWARD_LAUNCH[d]
         assert route(d) == [("dkdv", "gluon", cfg.dkdv_in_flight, cfg.dkdv_maxnreg, cfg.dkdv_staged),
                             ("dq", "gluon", cfg.dq_maxnreg)]
         token, channel = [64, d], [d, 64]
@@ -478,5 +463,5 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
         assert gluon_tiles == dict(q=token, k=token, do_t=token, v_t=token, k_c=channel) and triton_descs == [1]
         assert route(d, sq=200) == [("dkdv", "triton"), ("dq", "triton")]  # not whole tiles
         assert route(d, sk=100) == [("dkdv", "triton"), ("dq", "triton")]
-        monkeypatch.setitem(training.BACKWARD_CONFIGS, d, dataclasses.replace(cfg, hw_cvt=False))
+        monkeypatch.setitem(routing.BACKWARD_LAUNCH, d, dataclasses.replace(cfg, hw_cvt=False))
         assert route(d) == [("dkdv", "triton"), ("dq", "triton")]  # e4m3 by bit arithmetic: Triton only

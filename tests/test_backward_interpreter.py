@@ -19,24 +19,25 @@ pytest.importorskip("triton")
 SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
     import dataclasses
 
-    from fp4attn.kernels.hopper import training
+    from fp4attn import routing
+    from fp4attn.kernels.hopper import train_op
 
     kv_names = ("k", "v_t", "v_ts", "k_c", "k_cs")  # the operands of the K/V heads
     fp8, mxfp4 = ("fp8", "exp2", "fp8"), ("mxfp4", "directp", "mxfp4")  # train, train-mxfp4pv
     for D, sq, sk, causal, cfg, (p, p_build, v_fmt) in (
             (64, 128, 128, True, {}, fp8), (64, 128, 192, False, {}, fp8), (64, 100, 76, True, {}, fp8),
-            (128, 128, 128, True, {}, fp8), (64, 128, 128, True, dict(dq_atomic=True, block_n_dkdv=64), fp8),
+            (128, 128, 128, True, {}, fp8),
             (128, 128, 128, True, {}, mxfp4)):
         for tma in (False, True):
             # the Triton kernels (the Gluon ones do not run under the interpreter; a GPU
             # test holds them to the Triton ones bit for bit)
-            training.BACKWARD_CONFIGS[D] = dataclasses.replace(training.BACKWARD_CONFIGS[D], tma=tma,
-                                                               dkdv_gluon=False, dq_gluon=False, **cfg)
+            routing.BACKWARD_LAUNCH[D] = dataclasses.replace(routing.BACKWARD_LAUNCH[D], tma=tma,
+                                                             dkdv_gluon=False, dq_gluon=False, **cfg)
             q, dout, out = (torch.randn(B, HQ, sq, D, generator=g).bfloat16() for _ in range(3))
             k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
-            _, saved = training.quantize_for_training(q, k, v, v_fmt)
+            _, saved = train_op.quantize_for_training(q, k, v, v_fmt)
             # grid values in float32: the interpreter's bf16 dot is wrong, float32 holds them
-            ops = training.backward_operands(dout, out, *saved, values_dtype=torch.float32)
+            ops = train_op.backward_operands(dout, out, *saved, values_dtype=torch.float32)
             s = (ops.q * ops.qs) @ (ops.k * ops.ks).repeat_interleave(HQ // HKV, 1).transpose(-1, -2) * D**-0.5
             if causal:
                 s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
@@ -47,7 +48,7 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
                 hq = slice(gs.start * HQ // HKV, gs.stop * HQ // HKV)
                 heads = {name: (t if name in ("qs", "ks") else t[bs, gs if name in kv_names else hq].contiguous())
                          for name, t in ops._asdict().items()}
-                return training.launch_backward(training.BackwardOperands(**heads), lse[bs, hq].contiguous(), p,
+                return train_op.launch_backward(training.BackwardOperands(**heads), lse[bs, hq].contiguous(), p,
                                                 p_build, sk - sq, causal, D**-0.5, (torch.float32,) * 3)
 
             whole = grads(slice(0, B), slice(0, HKV))
@@ -70,7 +71,8 @@ def test_backward_programs_read_their_own_batch_and_heads():
 NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
     import dataclasses
     import torch
-    from fp4attn.kernels.hopper import training
+    from fp4attn import routing
+    from fp4attn.kernels.hopper import train_op
     from fp4attn.metrics import error_metrics
     from fp4attn.recipes import PRESETS
     from fp4attn.reference import reference_forward
@@ -88,13 +90,13 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
         fwd = reference_forward(q, k, v, r, scale=D**-0.5, causal=causal)
         out = fwd.out.bfloat16()
         want = reference_backward(fwd, out, dout, r, scale=D**-0.5, causal=causal)
-        _, saved = training.quantize_for_training(q, k, v, r.v)
+        _, saved = train_op.quantize_for_training(q, k, v, r.v)
         # e4m3 by bit arithmetic: every value on its grid before the cast, which the
         # interpreter then does exactly (its own rounding of off-grid values is wrong)
-        training.BACKWARD_CONFIGS[D] = dataclasses.replace(training.BACKWARD_CONFIGS[D], hw_cvt=False, tma=tma,
-                                                           dkdv_gluon=False, dq_gluon=False)
-        ops = training.backward_operands(dout, out, *saved, values_dtype=torch.float32)
-        got = training.launch_backward(ops, fwd.lse, r.p, r.p_build, causal_offset(causal, sq, sk) or 0,
+        routing.BACKWARD_LAUNCH[D] = dataclasses.replace(routing.BACKWARD_LAUNCH[D], hw_cvt=False, tma=tma,
+                                                         dkdv_gluon=False, dq_gluon=False)
+        ops = train_op.backward_operands(dout, out, *saved, values_dtype=torch.float32)
+        got = train_op.launch_backward(ops, fwd.lse, r.p, r.p_build, causal_offset(causal, sq, sk) or 0,
                                        causal is not None, D**-0.5, (torch.float32,) * 3)
         for grad, a, b in zip(("dq", "dk", "dv"), got, want):
             err = error_metrics(a, b)["rel_l2"]

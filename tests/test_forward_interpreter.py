@@ -19,7 +19,12 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
     import dataclasses
     import os
 
-    from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
+    from fp4attn.kernels.hopper.forward_op import P_MODES, launch_forward
+    from fp4attn.routing import ForwardLaunch, override_launch
+
+    # the Triton kernel with pointer loads, and with TMA and PV added in float32 (the
+    # formulations the interpreter runs: e4m3 by bit arithmetic, no Gluon)
+    LAUNCHES = (ForwardLaunch(64, 4, 2), ForwardLaunch(64, 4, 2, tma_kv=True, pv_add=True))
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused, quantize_v_t
     from fp4attn.kernels.hopper.operands import BLOCK_N
     from fp4attn.recipes import PRESETS
@@ -33,11 +38,11 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
         ops = prepare_operands_fused(q, k, v, r)
         if ops.q.dtype == torch.bfloat16:  # the interpreter's bf16 dot is wrong; float32 holds the same values
             ops = dataclasses.replace(ops, q=ops.q.float(), k=ops.k.float())
-        for launch in ("64,4,2,0,0,0,0", "64,4,2,0,0,1,1"):  # pointer loads / TMA and PV added in float32
-            os.environ[LAUNCH_ENV] = launch
+        for launch in LAUNCHES:
             def run(o):
-                return launch_forward(o, scale=D**-0.5, causal_offset=sk - sq if causal else None,
-                                      p_mode=P_MODES[(r.p, r.p_build)])[:2]
+                with override_launch(forward=launch):
+                    return launch_forward(o, scale=D**-0.5, causal_offset=sk - sq if causal else None,
+                                          p_mode=P_MODES[(r.p, r.p_build)])[:2]
             out, lse = run(ops)
             assert bool(torch.isfinite(out.float()).all()), (recipe, launch)
             for b in range(B):
@@ -65,7 +70,12 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
     import dataclasses
     import os
     import torch
-    from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
+    from fp4attn.kernels.hopper.forward_op import P_MODES, launch_forward
+    from fp4attn.routing import ForwardLaunch, override_launch
+
+    # the Triton kernel with pointer loads, and with TMA and PV added in float32 (the
+    # formulations the interpreter runs: e4m3 by bit arithmetic, no Gluon)
+    LAUNCHES = (ForwardLaunch(64, 4, 2), ForwardLaunch(64, 4, 2, tma_kv=True, pv_add=True))
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.metrics import error_metrics
     from fp4attn.recipes import PRESETS
@@ -73,8 +83,7 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
     from fp4attn.reference.masks import causal_offset
 
     g = torch.Generator().manual_seed(0)
-    for launch in ("64,4,2,0,0,0,0", "64,4,2,0,0,1,1"):  # pointer loads / TMA and PV added in float32
-        os.environ[LAUNCH_ENV] = launch
+    for launch in LAUNCHES:
         for name, D, sq, sk, causal in (("fp8", 64, 128, 256, "top_left"), ("nvfp4-fp8", 128, 100, 200, None),
                                         ("fp8-directp", 64, 64, 256, None),
                                         ("directp", 128, 128, 128, "bottom_right"),
@@ -88,8 +97,9 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
             ops = prepare_operands_fused(q, k, v, r)
             if ops.q.dtype == torch.bfloat16:
                 ops = dataclasses.replace(ops, q=ops.q.float(), k=ops.k.float())
-            out, lse = launch_forward(ops, scale=D**-0.5, causal_offset=causal_offset(causal, sq, sk),
-                                      p_mode=P_MODES[(r.p, r.p_build)])[:2]
+            with override_launch(forward=launch):
+                out, lse = launch_forward(ops, scale=D**-0.5, causal_offset=causal_offset(causal, sq, sk),
+                                          p_mode=P_MODES[(r.p, r.p_build)])[:2]
             seen = torch.isfinite(ref.lse)
             assert torch.equal(seen, torch.isfinite(lse)), (launch, name)
             lse_err = (lse[seen] - ref.lse[seen]).abs()

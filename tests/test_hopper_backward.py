@@ -80,31 +80,6 @@ def test_backward_causal_gqa(recipe, causal, sq, sk):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("d", [64, 128])
-def test_backward_dq_by_atomics(recipe, d, monkeypatch):
-    """The dq_atomic variant (dQ added by the dkdv programs) matches the reference like
-    the two-kernel path, causal and not, with GQA; under torch's deterministic mode the
-    two-kernel path runs instead and repeats bit for bit."""
-    from fp4attn.kernels.hopper.training import BACKWARD_ENV
-
-    monkeypatch.setenv(BACKWARD_ENV, "1")
-    for b, hq, hkv, sq, sk, causal in ((2, 4, 4, 113, 239, None), (1, 6, 2, 1023, 1023, "top_left"),
-                                       (1, 4, 2, 500, 113, "bottom_right"), (1, 2, 2, 256, 1024, None)):
-        _check(recipe, b, hq, hkv, sq, sk, d, causal=causal)
-    q, k, v = _inputs(1, 4, 2, 300, 300, d)
-    grads = []
-    torch.use_deterministic_algorithms(True)
-    try:
-        for _ in range(2):
-            q.grad = k.grad = v.grad = None
-            fp4attn.attention(q, k, v, recipe=recipe, causal=True, enable_gqa=True, backend="triton").sum().backward()
-            grads.append([t.grad.clone() for t in (q, k, v)])
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("tma", [False, True])
 def test_backward_tile_loads(recipe, d, tma, monkeypatch):
     """The loops' operand tiles by TMA and by pointer loads both match the reference:
@@ -113,9 +88,9 @@ def test_backward_tile_loads(recipe, d, tma, monkeypatch):
     head's gradients and no other head's: no tile reads across heads."""
     import dataclasses
 
-    from fp4attn.kernels.hopper import training
+    from fp4attn import routing
 
-    monkeypatch.setitem(training.BACKWARD_CONFIGS, d, dataclasses.replace(training.BACKWARD_CONFIGS[d], tma=tma))
+    monkeypatch.setitem(routing.BACKWARD_LAUNCH, d, dataclasses.replace(routing.BACKWARD_LAUNCH[d], tma=tma))
     for b, hq, hkv, sq, sk, causal in ((2, 2, 2, 256, 1024, None), (1, 6, 2, 1024, 1024, "top_left"),
                                        (1, 4, 2, 512, 320, "bottom_right"), (1, 2, 2, 113, 239, None)):
         _check(recipe, b, hq, hkv, sq, sk, d, causal=causal)
@@ -149,9 +124,9 @@ def test_pipelined_backward_equals_triton_kernels(d, in_flight, staged, monkeypa
     head's dO stays in that head."""
     import dataclasses
 
-    from fp4attn.kernels.hopper import training
+    from fp4attn import routing
 
-    triton_cfg = dataclasses.replace(training.BACKWARD_CONFIGS[d], dkdv_gluon=False, dq_gluon=False, tma=True)
+    triton_cfg = dataclasses.replace(routing.BACKWARD_LAUNCH[d], dkdv_gluon=False, dq_gluon=False, tma=True)
     gluon_cfg = dataclasses.replace(triton_cfg, dkdv_gluon=True, dq_gluon=True, dkdv_in_flight=in_flight,
                                     dkdv_staged=staged)
     for b, hq, hkv, sq, sk, off in ((1, 2, 2, 128, 128, None), (2, 4, 2, 256, 192, 192 - 256), (1, 6, 2, 512, 512, 0),
@@ -160,7 +135,7 @@ def test_pipelined_backward_equals_triton_kernels(d, in_flight, staged, monkeypa
         dout = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
         grads = []
         for cfg in (triton_cfg, gluon_cfg):
-            monkeypatch.setitem(training.BACKWARD_CONFIGS, d, cfg)
+            monkeypatch.setitem(routing.BACKWARD_LAUNCH, d, cfg)
             grads.append(_train_grads(q, k, v, dout, off))
         for name, t, g in zip("qkv", *grads):
             assert bool(torch.isfinite(g).all()), (name, b, hq, hkv, sq, sk, off)
@@ -218,10 +193,10 @@ def test_backward_nan_propagates():
 
 
 def test_auto_backend_trains_on_the_kernels(monkeypatch):
-    from fp4attn.kernels.hopper import training
+    from fp4attn.kernels.hopper import train_op
 
     calls = []
-    launch = training.launch_backward
+    launch = train_op.launch_backward
     monkeypatch.setattr(training, "launch_backward", lambda *a: calls.append(1) or launch(*a))
     q, k, v = _inputs(1, 2, 2, 128, 128, 128)
     fp4attn.attention(q, k, v, recipe="train", causal=True).sum().backward()

@@ -17,6 +17,7 @@ from fp4attn.recipes import PRESETS
 from fp4attn.reference import reference_forward
 from fp4attn.reference.encoding import P_OFFSET_LOG2
 from fp4attn.reference.masks import causal_offset, key_mask
+from fp4attn.routing import ForwardLaunch
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +32,7 @@ def _qkv(b, hq, hkv, sq, sk, d):
 
 
 def _check(q, k, v, recipe, causal=None, attn_mask=None):
-    from fp4attn.kernels.hopper.ops import hopper_attention, key_bias_of_mask
+    from fp4attn.kernels.hopper.forward_op import hopper_attention, key_bias_of_mask
 
     scale = q.shape[-1] ** -0.5
     offset = causal_offset(causal, q.shape[-2], k.shape[-2])
@@ -120,38 +121,14 @@ def test_kernel_padded_head_dims(recipe, d):
 @pytest.mark.parametrize("recipe", ["fp8", "nvfp4-fp8"])
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
 @pytest.mark.parametrize("hw_cvt", [0, 1])
-def test_kernel_fp8_p_rounding_variants(recipe, causal, hw_cvt, monkeypatch):
-    """FP8 P rounded by the packed hardware conversion (p_hw_cvt=1) and by the float32
-    bit arithmetic (0) both reproduce the reference; the default launches use each."""
-    from fp4attn.kernels.hopper.ops import LAUNCH_ENV
-
-    monkeypatch.setenv(LAUNCH_ENV, f"64,4,2,{hw_cvt}")
+def test_kernel_fp8_p_rounding_variants(recipe, causal, hw_cvt, launch):
+    """FP8 P rounded by the packed hardware conversion (p_hw_cvt=1, routed) and by the
+    float32 bit arithmetic (0, the formulation the interpreter tests run) both
+    reproduce the reference."""
+    launch(forward=ForwardLaunch(64, 4, 2, bool(hw_cvt)))
     for sq, sk, d in ((113, 239, 128), (1023, 1023, 64), (256, 4096, 128)):
         q, k, v = _qkv(2, 4, 2, sq, sk, d)
         _check(q, k, v, PRESETS[recipe], causal=causal)
-
-
-@pytest.mark.parametrize("recipe", EXACT)
-@pytest.mark.parametrize("causal", [None, "bottom_right"])
-def test_kernel_row_sums_on_tensor_cores(recipe, causal, monkeypatch):
-    """rowsum_mma: the row sums of P from the tensor cores (P @ ones) reproduce the
-    reference (codes included, `_check`), and on a 16384-key row differ from the float32
-    CUDA-core sums by no more than the tensor core's accumulation allows."""
-    from fp4attn.kernels.hopper.ops import LAUNCH_ENV
-
-    for hw_cvt in (0, 1):
-        monkeypatch.setenv(LAUNCH_ENV, f"64,4,2,{hw_cvt},1")
-        for sq, sk, d in ((113, 239, 128), (1023, 1023, 64), (256, 4096, 128)):
-            q, k, v = _qkv(2, 4, 2, sq, sk, d)
-            _check(q, k, v, PRESETS[recipe], causal=causal)
-    q, k, v = _qkv(1, 2, 2, 256, 16384, 128)
-    runs = []
-    for rowsum in (0, 1):
-        monkeypatch.setenv(LAUNCH_ENV, f"64,4,2,1,{rowsum}")
-        runs.append(fp4attn.attention(q, k, v, recipe=recipe, backend="triton", causal=causal, return_lse=True))
-    (out0, lse0), (out1, lse1) = runs
-    assert (lse1 - lse0).abs().max().item() < 1e-3
-    assert error_metrics(out1, out0)["rel_l2"] < 1e-3
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -185,12 +162,10 @@ def test_kernel_error_does_not_grow_with_row_length(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
-def test_kernel_tma_loads(recipe, causal, monkeypatch):
+def test_kernel_tma_loads(recipe, causal, launch):
     """K and V^T tiles by TMA (tma_kv): a tail tile's rows past Sk are the next head's
     keys (or zeros past the tensor), which the mask must hide; GQA and both head dims."""
-    from fp4attn.kernels.hopper.ops import LAUNCH_ENV
-
-    monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1")
+    launch(forward=ForwardLaunch(64, 4, 2, True, tma_kv=True))
     for b, hq, hkv, sq, sk, d in ((2, 4, 2, 113, 239, 128), (1, 6, 2, 1023, 1023, 64), (2, 2, 2, 1, 3, 128),
                                   (1, 2, 1, 256, 4096, 128)):
         q, k, v = _qkv(b, hq, hkv, sq, sk, d)
@@ -254,14 +229,14 @@ def test_torch_compile_traces_the_kernel_op(recipe):
 @pytest.mark.parametrize("recipe", ["nvfp4-fp8", "fp8", "directp", "fp8-fastacc"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("partitions,overlap", [(0, 0), (1, 0), (2, 0), (2, 1), (2, 4)])
-def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, partitions, overlap, monkeypatch):
+def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, partitions, overlap, launch):
     """The warp-specialized Gluon forward computes the Triton kernel's arithmetic with
     each tile's PV added into O in float32 (pv_add): same outputs and LSE, bit for bit,
     in every partition layout, on awkward shapes and GQA, for e4m3 Q/K on the FP8
     tensor cores too (both sum QK^T without promotion); and `launch_forward` routes
     the recipes its launch table marks to it with the same result."""
-    from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
-    from fp4attn.kernels.hopper.ops import LAUNCH_ENV, P_MODES, launch_forward
+    from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
+    from fp4attn.kernels.hopper.forward_op import P_MODES, launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 
     r = PRESETS[recipe]
@@ -270,13 +245,13 @@ def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, partitions
         q, k, v = _qkv(b, hq, hkv, sq, sk, d)
         ops = prepare_operands_fused(q * 2, k * 2, v, r)
         kw = dict(scale=d**-0.5, causal_offset=(sk - sq) if causal else None, p_mode=P_MODES[(r.p, r.p_build)])
-        monkeypatch.setenv(LAUNCH_ENV, "64,4,2,1,0,1,1")  # the Triton kernel, TMA and pv_add
+        launch(forward=ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True))  # the Triton kernel
         out, lse = launch_forward(ops, **kw)[:2]
-        out2, lse2 = launch_forward_pipelined(ops, **kw, warp_specialized=True, partitions=partitions,
+        out2, lse2 = launch_forward_ws(ops, **kw, warp_specialized=True, partitions=partitions,
                                               overlap=overlap)
         assert torch.isfinite(out2).all()
         assert torch.equal(out, out2) and torch.equal(lse, lse2), (recipe, sq, sk, d)
-        monkeypatch.delenv(LAUNCH_ENV)
+        launch.clear()
         if d == 128:  # the default launch: the Gluon kernel where routed, pv_add in either kernel
             out3, lse3 = launch_forward(ops, **kw)[:2]
             assert torch.equal(out, out3) and torch.equal(lse, lse3), (recipe, sq, sk, d)
@@ -290,8 +265,8 @@ def test_pipelined_kernel_equals_triton_kernel(recipe, causal, schedule):
     arithmetic with O accumulated on the tensor cores (pv_promote=False, which the Gluon
     kernel does not implement) and e4m3 QK^T promoted every 32 products (as the Gluon
     kernel does): same outputs and LSE, bit for bit, on awkward shapes and GQA."""
-    from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
-    from fp4attn.kernels.hopper.ops import P_MODES, launch_forward
+    from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
+    from fp4attn.kernels.hopper.forward_op import P_MODES, launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 
     r = PRESETS[recipe]
@@ -301,5 +276,5 @@ def test_pipelined_kernel_equals_triton_kernel(recipe, causal, schedule):
         ops = prepare_operands_fused(q * 2, k * 2, v, r)
         kw = dict(scale=d**-0.5, causal_offset=(sk - sq) if causal else None, p_mode=P_MODES[(r.p, r.p_build)])
         out, lse = launch_forward(ops, **kw, pv_promote=False, qk_promote=32)[:2]
-        out2, lse2 = launch_forward_pipelined(ops, **kw, schedule=schedule)
+        out2, lse2 = launch_forward_ws(ops, **kw, schedule=schedule)
         assert torch.equal(out, out2) and torch.equal(lse, lse2), (recipe, sq, sk, d)

@@ -76,7 +76,7 @@ def test_backward_operand_views_match_reference(s, d, v_fmt):
     values and the dequantized NVFP4 Q/K, scale for scale, with Q/K's grid values."""
     from fp4attn.formats import quantize_fp8
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-    from fp4attn.kernels.hopper.training import backward_operands, quantize_for_training
+    from fp4attn.kernels.hopper.train_op import backward_operands, quantize_for_training
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
     q, k, v, dout = (torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(4))
@@ -113,7 +113,7 @@ def test_backward_operand_views_carry_non_finite_values(special):
     channel maxima recorded by atomics (float32 bits, NaN above Inf) give that channel
     a NaN scale, and the token's per-token scale is NaN."""
     from fp4attn.formats import quantize_fp8
-    from fp4attn.kernels.hopper.training import backward_operands, quantize_for_training
+    from fp4attn.kernels.hopper.train_op import backward_operands, quantize_for_training
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
     q, k, v, dout = (torch.randn(1, 2, 130, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fp4attn.kernels.hopper.machine_code import inspect_backward, inspect_forward  # noqa: E402
+from fp4attn.tools.machine_code import inspect_backward, inspect_forward  # noqa: E402
 
 
 @pytest.mark.parametrize("p_mode,max_ex2", [(0, None), (1, 8)])
@@ -26,7 +26,7 @@ def test_tile_loop_instruction_profile():
     """The unmasked tile loop, per score element: one exp2 for FP8 P, none for Direct-P
     (its exps are per block and per row, outside the element work), and a total in the
     range the instruction budget of docs/notes/hopper-forward.md was measured at."""
-    from fp4attn.kernels.hopper.machine_code import per_element
+    from fp4attn.tools.machine_code import per_element
 
     for p_mode, lo, hi in ((0, 10, 25), (1, 20, 40)):
         n, ops = per_element(inspect_forward(True, p_mode, False, 128).tile_loop(), 64)
@@ -50,20 +50,6 @@ def test_backward_kernel_structure(part, causal):
     assert r.count(r"QGMMA") > 0, "dV, dP, dK / dQ must run on the FP8 tensor cores"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_backward_dq_atomic_variant_adds_dq_with_atomics(head_dim):
-    """The dq_atomic dkdv kernel builds for sm_90 with its extra dQ product on the FP8
-    tensor cores and float32 reductions into global memory; the default has none."""
-    import dataclasses
-
-    from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
-
-    cfg = dataclasses.replace(BACKWARD_CONFIGS[head_dim], dq_atomic=True, block_n_dkdv=64)
-    atomic, plain = inspect_backward("dkdv", 0, True, head_dim, cfg), inspect_backward("dkdv", 0, True, head_dim)
-    assert atomic.count(r"REDG\.E\.ADD\.F32") > 0 and plain.count(r"REDG") == 0
-    assert atomic.count("QGMMA") > plain.count("QGMMA")
-
-
 def test_key_bias_forward_compiles_and_adds_one_load_per_key():
     """The key-mask path compiles for sm_90 with the products still on the tensor cores."""
     plain, masked = inspect_forward(False, 0, False, 128), inspect_forward(False, 0, False, 128, key_bias=True)
@@ -75,9 +61,9 @@ def test_key_bias_forward_compiles_and_adds_one_load_per_key():
 def test_pipelined_forward_compiles_with_async_wgmma(qk_fp8, p_mode, causal, head_dim, schedule):
     """The Gluon forward builds for sm_90: wgmma on the tensor cores, TMA loads into
     shared memory, and the same P builder (no exp per element for Direct-P)."""
-    from fp4attn.kernels.hopper.machine_code import inspect_forward_pipelined
+    from fp4attn.tools.machine_code import inspect_forward_ws
 
-    r = inspect_forward_pipelined(qk_fp8, p_mode, causal, head_dim, schedule=schedule)
+    r = inspect_forward_ws(qk_fp8, p_mode, causal, head_dim, schedule=schedule)
     assert r.count(r"QGMMA") > 0 and (qk_fp8 or r.count(r"HGMMA") > 0)
     assert r.count(r"UTMALDG") > 0, "K and V^T tiles must arrive by TMA"
     if p_mode == 1:
@@ -90,7 +76,7 @@ def test_bf16_qk_forward_chains_its_wgmmas(p_mode, causal):
     """At D=128 the bf16-QK^T forward adds each tile's PV into O itself (pv_add): with
     Triton's max_num_imprecise_acc promotion instead, ptxas serialized every wgmma of
     the kernel (C7514), each of QK^T's eight waiting for the one before."""
-    from fp4attn.kernels.hopper.machine_code import compile_forward, inspect, ptxas_messages
+    from fp4attn.tools.machine_code import compile_forward, inspect, ptxas_messages
 
     kernel = compile_forward(False, p_mode, causal, 128)
     assert "C7514" not in ptxas_messages(kernel)
@@ -104,9 +90,9 @@ def test_fa3_schedule_keeps_wgmma_pipelined_with_bf16_qk(p_mode, causal):
     """With bf16 Q/K the FA3-order schedule leaves ptxas nothing to serialize: its
     softmax can overlap PV. (The QK-ahead schedule is serialized, C7514, and fp8 Q/K
     with promotion runs out of registers, C7511: docs/notes/hopper-forward.md.)"""
-    from fp4attn.kernels.hopper.machine_code import compile_forward_pipelined, ptxas_messages
+    from fp4attn.tools.machine_code import compile_forward_ws, ptxas_messages
 
-    report = ptxas_messages(compile_forward_pipelined(False, p_mode, causal, 128, schedule=1))
+    report = ptxas_messages(compile_forward_ws(False, p_mode, causal, 128, schedule=1))
     assert "Used" in report
     assert "C7511" not in report and "C7514" not in report, report
 
@@ -123,11 +109,12 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     and ptxas serializes the wgmmas (C7511), which is why that stays off this kernel."""
     import re
 
-    from fp4attn.kernels.hopper.machine_code import compile_forward_pipelined, inspect, ptxas_messages
-    from fp4attn.kernels.hopper.ops import WS_PARTITIONS, forward_launch
+    from fp4attn.tools.machine_code import compile_forward_ws, inspect, ptxas_messages
+    from fp4attn.kernels.hopper.forward_op import WS_PARTITIONS
+    from fp4attn.routing import forward_launch
 
     overlap = forward_launch(128, qk_fp8, causal).ws_overlap
-    kernel = compile_forward_pipelined(qk_fp8, p_mode, causal, 128, warp_specialized=True, partitions=WS_PARTITIONS,
+    kernel = compile_forward_ws(qk_fp8, p_mode, causal, 128, warp_specialized=True, partitions=WS_PARTITIONS,
                                        overlap=overlap)
     report = ptxas_messages(kernel)
     assert "C7511" not in report and "C7514" not in report, report
@@ -138,7 +125,7 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     assert (r.count(r"HGMMA"), r.count(r"QGMMA")) == ((0, 12) if qk_fp8 else (16, 4))
     assert r.stack <= 32, r.stack
     if qk_fp8:
-        promoted = compile_forward_pipelined(True, p_mode, causal, 128, warp_specialized=True,
+        promoted = compile_forward_ws(True, p_mode, causal, 128, warp_specialized=True,
                                              partitions=WS_PARTITIONS, overlap=overlap, qk_promote=32)
         assert "C7511" in ptxas_messages(promoted)
     assert r.count(r"WARPGROUP\.DEPBAR") <= 3, "one wait per product or pair of products (and the prologue's)"
@@ -146,7 +133,7 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     # warpgroup, 128 threads; with both consumers in one partition they span 256
     counts = lambda rep: set(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x\w+, (0x\w+)", rep.sass))  # noqa: E731
     assert counts(r) == {"0x80"}
-    joint = compile_forward_pipelined(qk_fp8, p_mode, causal, 128, warp_specialized=True, partitions=0)
+    joint = compile_forward_ws(qk_fp8, p_mode, causal, 128, warp_specialized=True, partitions=0)
     assert counts(inspect(joint)) == {"0x100"}
     assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024
 
@@ -161,13 +148,13 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
     halved), and as many programs per SM as registers and shared memory were meant to
     allow: two at up to 255 registers, three at D=64 (168); dQ's causal tiles off the
     diagonal without the mask's instructions."""
-    from fp4attn.kernels.hopper.machine_code import compile_backward_pipelined, inspect, ptxas_messages
-    from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
+    from fp4attn.tools.machine_code import compile_backward_gluon, inspect, ptxas_messages
+    from fp4attn.routing import BACKWARD_LAUNCH
 
-    cfg = BACKWARD_CONFIGS[head_dim]
+    cfg = BACKWARD_LAUNCH[head_dim]
     assert cfg.dkdv_gluon and cfg.dq_gluon and cfg.tma
     def build(part, maxnreg, causal):
-        return compile_backward_pipelined(causal, head_dim, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg,
+        return compile_backward_gluon(causal, head_dim, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg,
                                           staged=cfg.dkdv_staged)
 
     for part, maxnreg in (("dkdv", cfg.dkdv_maxnreg), ("dq", cfg.dq_maxnreg)):
@@ -209,23 +196,23 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
 def test_gluon_dkdv_launch_rejects_unknown_in_flight():
     """IN_FLIGHT other than 1 or 2, or STAGED other than 0, 1 or 2, is a ValueError
     naming the accepted values, raised before anything is built or launched."""
-    from fp4attn.kernels.hopper.backward_pipelined import launch_dkdv_pipelined
+    from fp4attn.kernels.hopper.backward_gluon import launch_dkdv_gluon
 
     with pytest.raises(ValueError, match="IN_FLIGHT is 1 or 2"):
-        launch_dkdv_pipelined({}, *[None] * 10, 0, True, 0.1, in_flight=3)
+        launch_dkdv_gluon({}, *[None] * 10, 0, True, 0.1, in_flight=3)
     with pytest.raises(ValueError, match="STAGED is 0, 1 or 2"):
-        launch_dkdv_pipelined({}, *[None] * 10, 0, True, 0.1, staged=3)
+        launch_dkdv_gluon({}, *[None] * 10, 0, True, 0.1, staged=3)
 
 
 def test_warp_specialized_forward_launch_rejects_unknown_overlap():
     """An OVERLAP the warp-specialized forward does not have (0, 1, 2, 4) is a
     ValueError naming them, raised before anything is built or launched."""
-    from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined
+    from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
     from fp4attn.kernels.hopper.operands import KernelOperands
 
     ops = KernelOperands(*(torch.zeros(1, 1, 1, 1) for _ in range(6)))
     with pytest.raises(ValueError, match="OVERLAP is 0, 1, 2 or 4"):
-        launch_forward_pipelined(ops, scale=0.1, causal_offset=None, p_mode=0, warp_specialized=True, overlap=3)
+        launch_forward_ws(ops, scale=0.1, causal_offset=None, p_mode=0, warp_specialized=True, overlap=3)
 
 
 def test_training_forward_keeps_the_packed_nvfp4_payload():
@@ -237,7 +224,7 @@ def test_training_forward_keeps_the_packed_nvfp4_payload():
     backward's gradients in the shapes of q and k/v (GQA)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import fp4attn.kernels.hopper.training  # noqa: F401  (registers the ops)
+    import fp4attn.kernels.hopper.train_op  # noqa: F401  (registers the ops)
 
     B, H, Hkv, S, D = 2, 8, 8, 512, 128
     with FakeTensorMode():
@@ -260,7 +247,7 @@ def test_training_forward_keeps_the_packed_nvfp4_payload():
 def test_packed_nvfp4_entry_points_reject_bad_input():
     """The payload decode names the shapes and dtypes it takes; the training forward op
     names the Q/K format its kernels train. Both before any kernel runs."""
-    import fp4attn.kernels.hopper.training  # noqa: F401  (registers the ops)
+    import fp4attn.kernels.hopper.train_op  # noqa: F401  (registers the ops)
     from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows
 
     codes = torch.zeros(4, 64, dtype=torch.uint8)
@@ -305,7 +292,7 @@ def test_tma_descriptors_cover_each_head_and_need_padded_vt():
     import dataclasses
 
     from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
-    from fp4attn.kernels.hopper.ops import tma_descriptors
+    from fp4attn.kernels.hopper.forward_op import tma_descriptors
 
     B, H, Sk, D = 2, 3, 200, 64
     k = torch.zeros(B, H, Sk, D, dtype=torch.bfloat16)
@@ -324,7 +311,7 @@ def test_backward_descriptors_read_whole_tiles_of_one_head():
     """Token-major operands as (B*heads*S, D) rows in (DS_BLOCK, D) tiles, channel-major
     ones as (B*heads*D, S) rows in (D, DS_BLOCK) tiles; None (pointer loads) when a
     length is not a whole number of tiles or an operand is not contiguous."""
-    from fp4attn.kernels.hopper.training import backward_descriptors
+    from fp4attn.kernels.hopper.train_op import backward_descriptors
     from fp4attn.reference.backward import DS_BLOCK
 
     def operands(B, H, Hkv, Sq, Sk, D):
@@ -353,7 +340,7 @@ def test_backward_descriptors_read_whole_tiles_of_one_head():
 def test_warp_specialized_launch_rejects_unknown_layouts():
     """A partition layout or OVERLAP the kernel does not have is named in the error,
     before anything is launched."""
-    from fp4attn.kernels.hopper.forward_pipelined import launch_forward_pipelined, ws_launch
+    from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws, ws_launch
     from fp4attn.kernels.hopper.operands import KernelOperands
 
     assert ws_launch(2) == (64, 4, 128)
@@ -363,7 +350,7 @@ def test_warp_specialized_launch_rejects_unknown_layouts():
     ops = KernelOperands(q, q, None, None, torch.zeros(1, 2, 128, 64, dtype=torch.float8_e4m3fn), None)
     for kw, msg in ((dict(partitions=5), "partitions=5"), (dict(overlap=3), "overlap=3")):
         with pytest.raises(ValueError, match=msg):
-            launch_forward_pipelined(ops, scale=0.1, causal_offset=None, p_mode=0, warp_specialized=True, **kw)
+            launch_forward_ws(ops, scale=0.1, causal_offset=None, p_mode=0, warp_specialized=True, **kw)
 
 
 @pytest.mark.parametrize("name,consts", [
@@ -381,7 +368,7 @@ def test_quantizer_builds_keep_their_measured_form(name, consts):
     took up to 167), and e4m3 by the packed conversion (`F2FP`) where they round to it
     (the bit arithmetic made the V pass instruction-bound). docs/notes/hopper-train.md,
     "Quantizers of the training step"."""
-    from fp4attn.kernels.hopper.machine_code import compile_quantizer, inspect
+    from fp4attn.tools.machine_code import compile_quantizer, inspect
 
     r = inspect(compile_quantizer(name, **consts))
     assert r.stack == 0, (name, r.stack)
@@ -397,7 +384,7 @@ def test_tile_path_drops_only_the_arithmetic_a_full_tile_branches_around():
     """`KernelReport.path`: a loop's forward branch around compares and selects (a
     mask) is left out of a full tile's path; one around a tensor-core instruction (the
     next tile's product, issued on every tile but the last) is kept, as is the loop."""
-    from fp4attn.kernels.hopper.machine_code import KernelReport
+    from fp4attn.tools.machine_code import KernelReport
 
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

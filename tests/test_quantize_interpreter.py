@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent('''
     from fp4attn.formats import quantize_fp8
     from fp4attn.kernels.hopper.operands import prepare_operands
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-    from fp4attn.kernels.hopper.training import backward_operands, quantize_for_training
+    from fp4attn.kernels.hopper.train_op import backward_operands, quantize_for_training
     from fp4attn.recipes import PRESETS
     from fp4attn.reference.operands import quantize_qk, quantize_v
 

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from fp4attn.cli.output import markdown_table, write_json
+from fp4attn.tools.benchmark import parse_shapes, sdpa, time_cudnn_fp8, time_ms, visible_pairs
 
 SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 32768, 128),
           (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
@@ -27,125 +28,6 @@ RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8", "fp8-directp-fastacc", 
 CAUSAL_MODES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
 # torch.compile's modes (--model-step-compile): a typo fails at parsing, not after the bench
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def parse_shapes(spec: str, sep: str) -> list[tuple[int, ...]]:
-    """(B, H, S, D) shapes from text such as "8,16,4096,128;2,16,16384,128" (sep ";")."""
-    return [tuple(map(int, x.split(","))) for x in spec.split(sep)]
-
-
-def kernel_script_args(ap, *, shapes: str, recipes: str = ",".join(RECIPES), no_check_help: str = "timings only",
-                       argv: list[str] | None = None):
-    """The options the kernel variant scripts share (`scripts/bench_forward_*.py`): parsed
-    args with `recipes` (list), `shapes` (list of (B, H, S, D)), `causal` (tuple of bools)
-    and `no_check`."""
-    ap.add_argument("--recipes", default=recipes)
-    ap.add_argument("--shapes", default=shapes, help="B,H,S,D shapes separated by /")
-    ap.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
-    ap.add_argument("--no-check", action="store_true", help=no_check_help)
-    args = ap.parse_args(argv)
-    args.recipes = args.recipes.split(",")
-    args.shapes = parse_shapes(args.shapes, "/")
-    args.causal = CAUSAL_MODES[args.causal]
-    return args
-
-
-def timing_cases(shapes, causal_modes, bench):
-    """For each shape and causal mode of a kernel script: ((B, H, S, D), causal, (q, k, v)
-    fresh bf16 inputs, exact FLOPs, SDPA cuDNN bf16's ms timed by `bench`)."""
-    sdpa_cudnn = _sdpa("sdpa-cudnn")
-    for B, H, S, D in shapes:
-        qkv = tuple(torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for causal in causal_modes:
-            yield ((B, H, S, D), causal, qkv, 4 * B * H * D * visible_pairs(S, S, causal),
-                   bench(lambda: sdpa_cudnn(*qkv, causal)))
-
-
-# awkward shapes for the kernel scripts' output checks: (B, H, Hkv, Sq, Sk, D)
-CHECK_SHAPES = ((1, 2, 2, 1, 3, 128), (2, 4, 2, 113, 239, 128), (1, 3, 1, 1023, 1023, 64),
-                (1, 2, 2, 256, 4096, 128), (2, 2, 1, 640, 640, 128))
-CHECK_COLUMNS = "max abs out diff | out rel L2 diff | max abs lse diff | bf16 equal | finite"
-
-
-def check_cases(shapes=CHECK_SHAPES):
-    """For each check shape of a kernel script: ((B, H, Hkv, Sq, Sk, D), (q, k, v) bf16
-    on the GPU, q and k x 2 for sharper scores), seeded."""
-    torch.manual_seed(0)
-    for B, H, Hkv, Sq, Sk, D in shapes:
-        yield (B, H, Hkv, Sq, Sk, D), (torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16) * 2,
-                                       torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16) * 2,
-                                       torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16))
-
-
-def compare_outputs(out, lse, out2, lse2) -> str:
-    """The `CHECK_COLUMNS` cells comparing a kernel's (out, lse) with another's."""
-    d = out.float() - out2.float()
-    fin = torch.isfinite(lse)
-    lse_diff = (lse[fin] - lse2[fin]).abs().max().item() if fin.any() else 0
-    return (f"{d.abs().max().item():.3g} | {(d.norm() / out.float().norm()).item():.3g} | {lse_diff:.3g} "
-            f"(inf {torch.equal(~fin, ~torch.isfinite(lse2))}) | {(out == out2).float().mean().item():.4f} | "
-            f"{bool(torch.isfinite(out2).all())}")
-
-
-def visible_pairs(sq: int, sk: int, causal: bool) -> int:
-    if not causal:
-        return sq * sk
-    return sum(min(sk, i + 1) for i in range(sq)) if sq != sk else sq * (sq + 1) // 2
-
-
-def _time(fn) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def host_ms(fn, n: int = 20) -> float:
-    """Host time per call of `fn` when nothing waits on the GPU: n calls, then one
-    synchronization. A call whose host time exceeds its device time (`device_kernels`)
-    is launch-bound."""
-    import time
-
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return host / n * 1e3
-
-
-def device_kernels(fn, reps: int = 20) -> dict[str, tuple[float, float]]:
-    """{kernel name: (launches per call, device ms per call)} of the kernels `fn` runs,
-    from the torch profiler (CUDA activity; each kernel's own span on the device). For
-    the scripts that ask where a call's time goes, or whether its host is the bound."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            n_ms = out.setdefault(e.name, [0, 0.0])
-            n_ms[0] += 1
-            n_ms[1] += e.time_range.elapsed_us() / 1e3
-    return {k: (n / reps, ms / reps) for k, (n, ms) in out.items()}
-
-
-def _sdpa(backend_name: str):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[backend_name]
-
-    def run(q, k, v, causal):
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return run
 
 
 def check_recipe(recipe, q, k, v, causal: bool) -> float:
@@ -166,7 +48,7 @@ def check_recipe(recipe, q, k, v, causal: bool) -> float:
 def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, partial: Path | None = None) -> list[dict]:
     """Time every implementation on every (shape, causal); `partial` gets the records
     written after each shape, so a cut-short run keeps what it measured."""
-    from fp4attn.kernels.hopper.ops import P_MODES, hopper_attention, launch_forward
+    from fp4attn.kernels.hopper.forward_op import P_MODES, hopper_attention, launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
 
@@ -179,9 +61,9 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
         row = dict(B=B, H=H, S=S, D=D, causal=causal)
         timed = {}
         for impl in ("sdpa-cudnn", "sdpa-flash"):
-            f = _sdpa(impl)
-            timed[(impl, False)] = _time(lambda: f(q, k, v, causal))
-        fp8_ms, fp8_note = _time_cudnn_fp8(q, k, v, causal)
+            f = sdpa(impl)
+            timed[(impl, False)] = time_ms(lambda: f(q, k, v, causal))
+        fp8_ms, fp8_note = time_cudnn_fp8(q, k, v, causal)
         if fp8_ms is not None:
             timed[("cudnn-fp8", False)] = fp8_ms
         notes.append(f"{B},{H},{S},{D} causal={causal}: cuDNN FP8 SDPA {fp8_note}")
@@ -192,8 +74,8 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
             mode = P_MODES[(recipe.p, recipe.p_build)]
             scale = D**-0.5
             offset = 0 if causal else None
-            timed[(name, False)] = _time(lambda: launch_forward(ops, scale=scale, causal_offset=offset, p_mode=mode))
-            timed[(name, True)] = _time(lambda: hopper_attention(q, k, v, recipe, scale=scale,
+            timed[(name, False)] = time_ms(lambda: launch_forward(ops, scale=scale, causal_offset=offset, p_mode=mode))
+            timed[(name, True)] = time_ms(lambda: hopper_attention(q, k, v, recipe, scale=scale,
                                                                  causal_offset=0 if causal else None))
             row[f"cos_{name}"] = cos
         base = timed[("sdpa-cudnn", False)]
@@ -206,26 +88,6 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
     for n in dict.fromkeys(notes):
         print(n)
     return records
-
-
-def _time_cudnn_fp8(q, k, v, causal: bool) -> tuple[float | None, str]:
-    """(ms, note) of cuDNN's FP8 SDPA on these inputs, after checking its output against
-    bf16 SDPA; (None, why) if the package is missing or the graph fails."""
-    from fp4attn.cli import cudnn_fp8
-    from fp4attn.metrics import error_metrics
-
-    if not cudnn_fp8.available():
-        return None, "not run: the nvidia-cudnn-frontend package is not installed"
-    try:
-        att = cudnn_fp8.CudnnFP8Attention(q, k, v, causal)
-        att.run()
-        sl = (slice(0, 1), slice(0, 2))
-        cos = error_metrics(att.output()[sl], _sdpa("sdpa-cudnn")(q[sl], k[sl], v[sl], causal))["cos"]
-        if not cos > 0.99:
-            return None, f"not timed: its output disagrees with bf16 SDPA (cos {cos:.4f})"
-        return _time(att.run), f"checked (cos {cos:.4f} to bf16 SDPA), e4m3 in and out"
-    except Exception as e:  # an unsupported graph is a result to report, not a crash
-        return None, f"failed: {type(e).__name__}: {str(e)[:200]}"
 
 
 def _case(r: dict) -> tuple:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from fp4attn.cli.bench import parse_shapes
 from fp4attn.cli.output import markdown_table, write_json
+from fp4attn.tools.benchmark import parse_shapes, sdpa, time_ms, visible_pairs
 
 TRAIN_SHAPES = [(4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 16384, 128), (8, 16, 4096, 64)]
 TRAIN_RECIPES = ["train"]
@@ -24,10 +24,9 @@ TRAIN_RECIPES = ["train"]
 
 def _fwd_bwd(impl: str):
     from fp4attn.api import attention
-    from fp4attn.cli.bench import _sdpa
 
     if impl.startswith("sdpa-"):
-        sdpa = _sdpa(impl)
+        sdpa = sdpa(impl)
         return lambda q, k, v: sdpa(q, k, v, True)
     return lambda q, k, v: attention(q, k, v, recipe=impl, causal=True, backend="triton")
 
@@ -51,7 +50,6 @@ def check_gradients(recipe: str, q, k, v, dout) -> float:
 
 
 def run_train_bench(shapes, recipes, partial: Path | None = None) -> list[dict]:
-    from fp4attn.cli.bench import _time, visible_pairs
 
     records = []
     for B, H, S, D in tqdm(shapes, desc="bench --backward", unit="shape"):
@@ -65,7 +63,7 @@ def run_train_bench(shapes, recipes, partial: Path | None = None) -> list[dict]:
             if not impl.startswith("sdpa-"):
                 checks[impl] = check_gradients(impl, q, k, v, dout)
             f = _fwd_bwd(impl)
-            timed[impl] = _time(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), dout))
+            timed[impl] = time_ms(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), dout))
         base = timed["sdpa-cudnn"]
         for impl, ms in timed.items():
             rec = dict(impl=impl, B=B, H=H, S=S, D=D, causal=True, ms_fwd_bwd=ms, tflops=flops / ms * 1e-9,

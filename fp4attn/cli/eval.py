@@ -123,7 +123,7 @@ def run_minilm(recipes, device: str, limit: int | None = None, path: Path | None
 
 
 def _kernels_run(recipe, config) -> bool:
-    from fp4attn.kernels.hopper.ops import unsupported_reason
+    from fp4attn.routing import hopper_forward_unsupported as unsupported_reason
 
     return unsupported_reason(recipe, config.hidden_size // config.num_attention_heads) is None
 

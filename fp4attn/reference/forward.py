@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fp4attn.recipes import Recipe
 from fp4attn.reference.directp import build_p
-from fp4attn.reference.masks import causal_offset, key_mask
+from fp4attn.reference.masks import causal_offset, key_mask, key_mask_view
 from fp4attn.reference.operands import QKOperand, quantize_qk, quantize_v
 
 LOG2E = 1.4426950408889634
@@ -134,3 +134,14 @@ def reference_forward(
     out = torch.where(seen.unsqueeze(-1), acc / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1), 0.0)
     lse = torch.where(seen, (m + torch.log2(torch.where(seen, l, torch.ones_like(l)))) * LN2, -math.inf)
     return ForwardResult(out, lse, q_op, k_op, v_rep, p_all)
+
+
+def key_bias_of_mask(attn_mask: torch.Tensor, batch: int, sk: int) -> torch.Tensor | None:
+    """An SDPA attn_mask that depends on the batch and the key only (`key_mask_view`:
+    key padding) as the (B, Sk) log2-unit bias the kernel adds, computed by the
+    reference's own `log2_bias`; None for any other mask."""
+    key_mask = key_mask_view(attn_mask)
+    if key_mask is None:
+        return None
+    bias = log2_bias(key_mask, sk, 1)  # (b, 1, 1, Sk), padded by 0 keys
+    return bias.expand(batch, 1, 1, sk).reshape(batch, sk).float().contiguous()

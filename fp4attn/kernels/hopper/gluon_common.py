@@ -1,5 +1,5 @@
-"""Gluon helpers shared by the Hopper kernels in `forward_pipelined.py` and
-`backward_pipelined.py`: the wgmma accumulator layout, mbarriers, and the host-side TMA
+"""Gluon helpers shared by the Hopper kernels in `forward_gluon_ws.py` and
+`backward_gluon.py`: the wgmma accumulator layout, mbarriers, and the host-side TMA
 descriptors of their operands."""
 
 import functools

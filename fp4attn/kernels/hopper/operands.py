@@ -21,9 +21,7 @@ from fp4attn.formats.minifloat import pow2
 from fp4attn.recipes import Recipe
 from fp4attn.reference.operands import quantize_qk, quantize_v_mxfp4
 
-# the forward's key tile: equals Recipe.block_n of every preset (the tile is part of the
-# numerics), and the fused quantizers pad V^T's rows to a multiple of it
-BLOCK_N = 128
+from fp4attn.routing import KEY_TILE as BLOCK_N  # the forward's key tile (routing.KEY_TILE)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ Compute: warm-up steps first, then the profiled ones (pick the kernel with -k an
 --launch-skip), on bench-sized operands.
 
     ncu --set full --import-source no -k regex:dkdv --launch-skip 2 --launch-count 1 \\
-        -o prof python3 scripts/ncu_backward.py [train] [4,16,4096,128]
+        -o prof python3 tools/ncu_backward.py [train] [4,16,4096,128]
 """
 
 import sys

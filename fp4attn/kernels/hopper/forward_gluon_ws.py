@@ -2,7 +2,7 @@
 (`forward.py`, same P builders from `kernels/common.py`) in two kernels that schedule
 the tensor cores and the loads themselves.
 
-`attn_fwd_ws_kernel` (routed by `ops.launch_forward` for FP8 P at D=128): warp
+`attn_fwd_ws_kernel` (routed by `forward_op.launch_forward` for FP8 P at D=128): warp
 specialization, a producer warp that keeps K/V^T rings full by TMA and consumer
 warpgroups that wait only on mbarriers; bit-identical to the Triton kernel's `pv_add`
 path, 7-9% faster than it on the H200 (docs/notes/hopper-forward.md, "Warp
@@ -499,11 +499,11 @@ def attn_fwd_ws_kernel(
         ], [1], [24])
 
 
-def launch_forward_pipelined(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True,
+def launch_forward_ws(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True,
                              schedule: int = 0, warp_specialized: bool = False, partitions: int = 0,
                              stages: int = 2, overlap: int = 0, qk_promote: int = 0):
     """Run a Gluon kernel on prepared operands (`KernelOperands`, contiguous):
-    (out bf16, lse fp32), as `ops.launch_forward` without its debug outputs.
+    (out bf16, lse fp32), as `forward_op.launch_forward` without its debug outputs.
 
     `attn_fwd_pipelined_kernel` (one warpgroup per program), schedule 0: QK^T of the
     next tile issued before the softmax (two S tiles live); 1: FA3's order (the softmax

@@ -15,18 +15,15 @@ these.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, operand_tile
+from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, operand_tile
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
-from fp4attn.kernels.hopper.ops import P_MODES, launch_forward, unsupported_reason
+from fp4attn.kernels.hopper.forward_op import launch_forward
 from fp4attn.kernels.hopper.quantize import (
     decode_nvfp4_rows,
     quantize_qk_fp8,
@@ -36,93 +33,7 @@ from fp4attn.kernels.hopper.quantize import (
 from fp4attn.recipes import Recipe
 from fp4attn.reference.backward import DS_BLOCK
 from fp4attn.reference.forward import LOG2E
-
-GRAD_FORMATS = ("e4m3",)
-
-
-@dataclass(frozen=True)
-class BackwardConfig:
-    """Launch shape of the backward (speed only: dS's scale block, the other tile side,
-    is DS_BLOCK and fixed by the recipe)."""
-
-    block_n_dkdv: int = 128  # keys per dkdv program
-    block_m_dq: int = 128  # queries per dq program
-    warps_dkdv: int = 8
-    warps_dq: int = 8
-    stages_dkdv: int = 2
-    stages_dq: int = 2
-    hw_cvt: bool = True  # e4m3 rounding by cvt.rn.satfinite (False: float32 bit arithmetic)
-    # dQ added by the dkdv programs with float32 atomics instead of the dq kernel (needs
-    # block_n_dkdv = 64; the deterministic two-kernel path runs when
-    # torch.are_deterministic_algorithms_enabled())
-    dq_atomic: bool = False
-    # the loop's operand tiles (Q, dO, Q_c, dO_c in dkdv; K, V, K_c in dq) by TMA where
-    # the lengths are whole tiles (`backward_descriptors`); pointer loads otherwise
-    tma: bool = False
-    # dK/dV by the Gluon kernel (`backward_pipelined.py`: one warpgroup owns its 64 keys
-    # and all of D) where the lengths are whole tiles, for FP8 P with the hardware's e4m3
-    # conversion; the Triton kernel otherwise
-    dkdv_gluon: bool = False
-    dkdv_in_flight: int = 1  # the Gluon kernel's IN_FLIGHT: dK/dV half products in flight at once
-    # its STAGED: a tile's numbers (LSE, delta, scales) loaded a tile ahead and moved
-    # through shared memory one by one (0) or together (1), or copied asynchronously into
-    # two-stage buffers a tile ahead (2: no registers hold them)
-    dkdv_staged: int = 0
-    # dQ by the Gluon kernel (`backward_pipelined.py`) under the same conditions
-    dq_gluon: bool = False
-    # register caps of the Gluon kernels' 4-warp programs (None: ptxas's choice, up to
-    # 255, two programs per SM; 168 lets three share an SM)
-    dkdv_maxnreg: int | None = None
-    dq_maxnreg: int | None = None
-
-
-# per head dim, the fastest of `scripts/bench_backward_variants.py` on the H200, causal
-# (4,16,4096,128) and (8,16,4096,64), backward ms (benchmarks/results/
-# h200-backward-variants-tma.txt; docs/notes/hopper-train.md): tiles by TMA 4.89 -> 4.70
-# and 5.13 -> 4.99; dq programs of 64 queries and 4 warps (two per SM) -> 4.52 and 4.48;
-# at D=64 also dkdv programs of 64 keys and 4 warps -> 4.20 (at D=128 those spill, 4.78)
-# The dK/dV kernel in Gluon (`dkdv_gluon`, benchmarks/results/h200-backward-dkdv-gluon-2.txt):
-# 2.99 -> 1.33 ms at (4,16,4096,128) with its half products waited one at a time (1.52
-# with two in flight), 2.23 -> 1.69 at (8,16,4096,64) with two in flight (1.76 with one);
-# dQ by the Gluon kernel (`dq_gluon`, h200-backward-dq-gluon.txt): 0.90 -> 0.78 ms at
-# (4,16,4096,128), 1.12 -> 1.18 at (8,16,4096,64) (two programs per SM, 210 registers,
-# where the Triton kernel fits three); capped at 168 registers, three programs per SM
-# (h200-backward-gluon-maxnreg.txt): dq 1.13 -> 1.06 ms against the Triton kernel, dkdv
-# 1.69 -> 1.67 (40 bytes of spill); a tile's numbers staged through shared memory
-# together (`dkdv_staged`, h200-backward-dkdv-staged.txt): dkdv 1.34 -> 1.29 ms at
-# (4,16,4096,128), 1.68 -> 1.47 at (8,16,4096,64); copied asynchronously into two-stage
-# buffers instead (`dkdv_staged=2`, h200-backward-dkdv-async-numbers.txt): 1.294 -> 1.250
-# ms at (4,16,4096,128), where ptxas spilled the loaded numbers, and 1.465 -> 1.563 at
-# (8,16,4096,64), where nothing spilled (168 registers, three programs per SM)
-BACKWARD_CONFIGS = {
-    64: BackwardConfig(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
-                       dkdv_in_flight=2, dkdv_staged=1, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),
-    128: BackwardConfig(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dkdv_staged=2,
-                        dq_gluon=True),
-}
-BACKWARD_ENV = "FP4ATTN_BACKWARD_DQ_ATOMIC"  # "1": the dq_atomic variant at 64 keys per dkdv program (tuning)
-
-
-def backward_config(head_dim: int) -> BackwardConfig:
-    """The backward's launch shape at this head dim; FP4ATTN_BACKWARD_DQ_ATOMIC=1 selects
-    the dq_atomic variant (for measuring it; 0 or unset: the default)."""
-    cfg = BACKWARD_CONFIGS[head_dim]
-    flag = os.environ.get(BACKWARD_ENV, "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"{BACKWARD_ENV}={flag!r}: expected 0 or 1")
-    return dataclasses.replace(cfg, dq_atomic=True, block_n_dkdv=64) if flag == "1" else cfg
-
-
-def training_unsupported_reason(recipe: Recipe, head_dim: int) -> str | None:
-    """Why the Hopper kernels cannot train `recipe` at `head_dim`, or None if they can."""
-    if recipe.grad is None:
-        return f"recipe {recipe.name!r} is inference-only (grad=None)"
-    if recipe.grad not in GRAD_FORMATS:
-        return f"gradient format {recipe.grad!r} (kernels run {GRAD_FORMATS})"
-    if recipe.qk != "nvfp4":
-        return f"Q/K format {recipe.qk!r} for training (kernels train 'nvfp4' Q/K)"
-    return unsupported_reason(recipe, head_dim)
-
+from fp4attn.routing import P_MODES, backward_launch
 
 def quantize_for_training(q, k, v, v_fmt: str) -> tuple[KernelOperands, tuple[torch.Tensor, ...]]:
     """The forward kernel's operands of a training recipe (NVFP4 Q/K, V in `v_fmt`), and
@@ -254,33 +165,30 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
     lse = lse.contiguous()
-    cfg = backward_config(D)
-    atomic = cfg.dq_atomic and not torch.are_deterministic_algorithms_enabled()
-    # dQ by atomics is summed in float32 and cast after
-    dq = (torch.zeros((B, H, Sq, D), device=qv.device, dtype=torch.float32) if atomic else
-          torch.empty((B, H, Sq, D), device=qv.device, dtype=dtypes[0]))
+    cfg = backward_launch(D)
+    dq = torch.empty((B, H, Sq, D), device=qv.device, dtype=dtypes[0])
     dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[1])
     dv = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[2])
     off = causal_offset if causal else 0
     p_mode = P_MODES[(p, p_build)]
     tma = cfg.tma and tiles_tma_loadable(qv, do_t, do_c, q_c, kv, v_t, k_c)
-    dkdv_gluon = cfg.dkdv_gluon and tma and p_mode == 0 and cfg.hw_cvt and not atomic
-    dq_gluon = cfg.dq_gluon and tma and cfg.hw_cvt and not atomic
+    dkdv_gluon = cfg.dkdv_gluon and tma and p_mode == 0 and cfg.hw_cvt
+    dq_gluon = cfg.dq_gluon and tma and cfg.hw_cvt
     # the Triton kernels' TMA descriptors only where one of them runs; the Gluon
     # kernels' once for both (each costs host time at every call)
     descs = backward_descriptors(qv, do_t, do_c, q_c, kv, v_t, k_c) if tma and not (dkdv_gluon and dq_gluon) else None
     tiles = descs or dict(Q=qv, DO_T=do_t, DO_C=do_c, Q_C=q_c, K=kv, V_T=v_t, K_C=k_c)
     if dkdv_gluon or dq_gluon:
-        from fp4attn.kernels.hopper import backward_pipelined
+        from fp4attn.kernels.hopper import backward_gluon
 
         gluon_ops = dict(q=qv, k=kv, do_t=do_t, v_t=v_t)
         if dkdv_gluon:
             gluon_ops.update(do_c=do_c, q_c=q_c)
         if dq_gluon:
             gluon_ops.update(k_c=k_c)
-        gluon_descs = backward_pipelined.descriptors(**gluon_ops)
+        gluon_descs = backward_gluon.descriptors(**gluon_ops)
     if dkdv_gluon:
-        backward_pipelined.launch_dkdv_pipelined(gluon_descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv,
+        backward_gluon.launch_dkdv_gluon(gluon_descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv,
                                                  off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg,
                                                  cfg.dkdv_staged)
     else:
@@ -288,12 +196,10 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
             tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
             q_cs, dk, dv, k_c, k_cs, dq, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
             HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
-            HW_CVT=cfg.hw_cvt, DQ_ATOMIC=atomic, TMA=descs is not None, num_warps=cfg.warps_dkdv,
+            HW_CVT=cfg.hw_cvt, DQ_ATOMIC=False, TMA=descs is not None, num_warps=cfg.warps_dkdv,
             num_stages=cfg.stages_dkdv)
-    if atomic:
-        return dq.to(dtypes[0]), dk, dv
     if dq_gluon:
-        backward_pipelined.launch_dq_pipelined(gluon_descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, off, causal,
+        backward_gluon.launch_dq_gluon(gluon_descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, off, causal,
                                                scale, cfg.dq_maxnreg)
         return dq, dk, dv
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](

@@ -5,7 +5,7 @@ one synchronization); a call whose host ms exceed its device ms is launch-bound.
 host profile is cProfile's over the same calls (its own overhead inflates every
 Python function by about the same factor: read it as shares). Prints Markdown tables.
 
-    python scripts/profile_train_step.py [--shape 1,16,4096,128] [--steps 12] [--top 25]
+    python tools/profile_train_step.py [--shape 1,16,4096,128] [--steps 12] [--top 25]
 """
 
 import argparse
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 import fp4attn
-from fp4attn.cli.bench import device_kernels, host_ms
+from fp4attn.tools.benchmark import device_kernels, host_ms
 from fp4attn.cli.bench_train import model_step
 
 ap = argparse.ArgumentParser()
@@ -64,28 +64,28 @@ prof.disable()
 torch.cuda.synchronize()
 # the host time of each layer of the call: the custom ops against their bodies, and the
 # bodies' parts (quantizers, kernel launches)
-from fp4attn.kernels.hopper import training
-from fp4attn.kernels.hopper.ops import launch_forward
+from fp4attn.kernels.hopper import train_op
+from fp4attn.kernels.hopper.forward_op import launch_forward
 from fp4attn.recipes import PRESETS
 
 r = PRESETS["train"]
 fargs = (q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5)
 saved = torch.ops.fp4attn.hopper_train_forward(*fargs)
 bargs = (dout.contiguous(), *saved, r.p, r.p_build, 0, True, D**-0.5, *[torch.bfloat16] * 3)
-ops_f, _ = training.quantize_for_training(q, k, v, r.v)
-ops_b = training.backward_operands(dout, *saved[:1], *saved[2:])
+ops_f, _ = train_op.quantize_for_training(q, k, v, r.v)
+ops_b = train_op.backward_operands(dout, *saved[:1], *saved[2:])
 parts = {
     "forward op (torch.ops, no autograd)": lambda: torch.ops.fp4attn.hopper_train_forward(*fargs),
-    "forward op body": lambda: training._train_forward_op._init_fn(*fargs),
-    "  its quantizers (quantize_for_training)": lambda: training.quantize_for_training(q, k, v, r.v),
+    "forward op body": lambda: train_op._train_forward_op._init_fn(*fargs),
+    "  its quantizers (quantize_for_training)": lambda: train_op.quantize_for_training(q, k, v, r.v),
     "  its kernel launch (launch_forward)": lambda: launch_forward(ops_f, scale=D**-0.5, causal_offset=0, p_mode=0),
     "backward op (torch.ops)": lambda: torch.ops.fp4attn.hopper_train_backward(*bargs),
-    "backward op body": lambda: training._train_backward_op._init_fn(*bargs),
-    "  its operand views (backward_operands)": lambda: training.backward_operands(dout, *saved[:1], *saved[2:]),
-    "  its kernel launches (launch_backward)": lambda: training.launch_backward(ops_b, saved[1], r.p, r.p_build, 0,
+    "backward op body": lambda: train_op._train_backward_op._init_fn(*bargs),
+    "  its operand views (backward_operands)": lambda: train_op.backward_operands(dout, *saved[:1], *saved[2:]),
+    "  its kernel launches (launch_backward)": lambda: train_op.launch_backward(ops_b, saved[1], r.p, r.p_build, 0,
                                                                                 True, D**-0.5),
 }
-from fp4attn.kernels.hopper import backward_pipelined as bp
+from fp4attn.kernels.hopper import backward_gluon as bp
 from fp4attn.kernels.hopper.quantize import quantize_qk_nvfp4, quantize_v_t
 
 out0 = fp4attn.attention(q, k, v, recipe="train", causal=True)
@@ -97,10 +97,10 @@ parts.update({
     "attention forward alone (autograd graph built)": lambda: fp4attn.attention(q, k, v, recipe="train", causal=True),
     "torch.autograd.grad alone (retain_graph)": lambda: torch.autograd.grad(out0, (q, k, v), dout, retain_graph=True),
     "  Gluon descriptors of the backward (7)": lambda: bp.descriptors(**gops),
-    "  dK/dV launch alone": lambda: bp.launch_dkdv_pipelined(descs, b.qs, b.ks, saved[1], b.delta, b.do_ts, b.do_cs,
+    "  dK/dV launch alone": lambda: bp.launch_dkdv_gluon(descs, b.qs, b.ks, saved[1], b.delta, b.do_ts, b.do_cs,
                                                             b.v_ts, b.q_cs, dk, dv, 0, True, D**-0.5,
                                                             staged=True),
-    "  dQ launch alone": lambda: bp.launch_dq_pipelined(descs, b.qs, b.ks, saved[1], b.delta, b.do_ts, b.v_ts, b.k_cs,
+    "  dQ launch alone": lambda: bp.launch_dq_gluon(descs, b.qs, b.ks, saved[1], b.delta, b.do_ts, b.v_ts, b.k_cs,
                                                        dq, 0, True, D**-0.5),
     "  one NVFP4 quantization (quantize_qk_nvfp4)": lambda: quantize_qk_nvfp4(q, packed=True, channel_amax=True),
     "  V's quantization (quantize_v_t)": lambda: quantize_v_t(v, "fp8", pad_keys_to=64, tokens=True),

@@ -1,6 +1,6 @@
 """Where the operand quantization's time goes: for each recipe's fused quantizers
 (`prepare_operands_fused`) and the training backward's operand views
-(`training.backward_operands`), the device time of every kernel they launch (torch
+(`train_op.backward_operands`), the device time of every kernel they launch (torch
 profiler, CUDA activity) against the time of the whole call seen from the host
 (`triton.testing.do_bench`, which includes the launch work of every torch op and
 Triton kernel). A call whose host time exceeds its device time is launch-bound: its
@@ -8,16 +8,16 @@ GB/s then say nothing about the kernels. Prints Markdown tables.
 With --train-shape also every kernel of one whole causal `train` forward+backward
 (quantizers, forward, backward) at that shape, against cuDNN bf16's in the same run.
 
-    python scripts/profile_quantizers.py [--shape 8,16,4096,128] [--train-shape 4,16,4096,128]
+    python tools/profile_quantizers.py [--shape 8,16,4096,128] [--train-shape 4,16,4096,128]
 """
 
 import argparse
 import torch
 import triton
 
-from fp4attn.cli.bench import device_kernels
+from fp4attn.tools.benchmark import device_kernels
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-from fp4attn.kernels.hopper.training import backward_operands, quantize_for_training
+from fp4attn.kernels.hopper.train_op import backward_operands, quantize_for_training
 from fp4attn.recipes import PRESETS
 
 ap = argparse.ArgumentParser()

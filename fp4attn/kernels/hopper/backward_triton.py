@@ -21,13 +21,13 @@ value):
 Each program owns its outputs, so the backward is deterministic (no atomics); GQA
 sums dK and dV over the query heads of a group inside one program. The DQ_ATOMIC
 variant of the dkdv kernel adds dQ with atomics instead of running the dq kernel
-(`training.BackwardConfig.dq_atomic`; not deterministic, so never under
+(`train_op.BackwardConfig.dq_atomic`; not deterministic, so never under
 `torch.use_deterministic_algorithms`). Rows that see no
 key (LSE -inf) get a log2 LSE of +inf, so their P is 0 without a per-element test; only
 tiles on the causal diagonal or past Sk build a mask (MASK). The kernels read the
 forward's LSE and write the gradients in their dtype, so that nothing runs between the
 operand quantizers and them, or after them (each launch costs host time, which bounds
-the attention of a small batch: scripts/profile_train_step.py).
+the attention of a small batch: tools/profile_train_step.py).
 
 HW_CVT: the e4m3 operands (P_r for FP8 P, and dS) are rounded by the hardware's packed
 conversion (cvt.rn.satfinite, round-to-nearest-even with saturation, as the reference)
@@ -189,7 +189,7 @@ def attn_bwd_dkdv_kernel(
     D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq) e4m3 with Q_CS (B, H, D). DK, DV
     (B, Hkv, Sk, D): float32 sums stored in their dtype (the gradients'; DQ's likewise).
 
-    TMA: Q, DO_T, DO_C and Q_C are descriptors (`training.backward_descriptors`) and
+    TMA: Q, DO_T, DO_C and Q_C are descriptors (`train_op.backward_descriptors`) and
     Sq is a multiple of BLOCK_M.
 
     DQ_ATOMIC: the program also adds its keys' share of dQ into DQ (B, H, Sq, D) fp32,
@@ -326,7 +326,7 @@ def operand_tile(t, channel_major: bool):
     """A contiguous backward loop operand as the 2-D matrix its TMA descriptor covers,
     and the descriptor's tile: token-major (B, heads, S, D) as (B*heads*S, D) in tiles
     of (DS_BLOCK, D), channel-major (B, heads, D, S) as (B*heads*D, S) in tiles of (D,
-    DS_BLOCK). Shared by the Triton kernels' descriptors (`training.backward_descriptors`)
-    and the Gluon kernels' (`backward_pipelined.descriptors`)."""
+    DS_BLOCK). Shared by the Triton kernels' descriptors (`train_op.backward_descriptors`)
+    and the Gluon kernels' (`backward_gluon.descriptors`)."""
     block = [t.shape[-2], DS_BLOCK] if channel_major else [DS_BLOCK, t.shape[-1]]
     return t.view(-1, t.shape[-1]), block

@@ -1,5 +1,5 @@
 """Compile the Hopper kernels for sm_90 without a GPU and read their machine code:
-registers, stack (spills) and instruction counts. Used by `scripts/compile_check.py`
+registers, stack (spills) and instruction counts. Used by `tools/compile_check.py`
 and by the CPU tests that guard the kernel's structure (wgmma present, exp off MUFU
 for Direct-P)."""
 
@@ -19,8 +19,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fp4attn.kernels.hopper.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
-from fp4attn.kernels.hopper.forward import attn_fwd_kernel
+from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
 
 _POINTERS = ("Q", "K", "QS", "KS", "VT", "VS", "O", "LSE", "P_DBG", "KB")
 # the JIT specializes an integer argument that is a multiple of 16 as such, which lets
@@ -156,14 +156,14 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
-                    block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, rowsum_mma=None,
+                    block_m=None, block_n=128, key_bias=False, p_hw_cvt=None,
                     qk_promote=0, pv_promote=True, lengths_div16=True, vt_padded=True, tma_kv=None, pv_add=None):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given; sequence lengths specialized as multiples of 16 (as
     the JIT compiles it for such lengths) unless `lengths_div16` is False; V^T with rows
     padded to whole key tiles, as the fused quantizers give it, unless `vt_padded` is
     False (the training forward's). Strides are multiples of 16 either way."""
-    from fp4attn.kernels.hopper.ops import forward_launch
+    from fp4attn.routing import forward_launch
 
     launch = forward_launch(head_dim, qk_fp8, causal)
     num_warps, num_stages = num_warps or launch.warps, num_stages or launch.stages
@@ -182,21 +182,21 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     consts.update(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
                   CAUSAL=causal, WRITE_P=0, QK_PROMOTE=qk_promote, KEY_BIAS=key_bias,
                   P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt,
-                  ROWSUM_MMA=launch.rowsum_mma if rowsum_mma is None else rowsum_mma, PV_PROMOTE=pv_promote,
+                  ROWSUM_MMA=False, PV_PROMOTE=pv_promote,
                   VT_PADDED=vt_padded, TMA_KV=tma_kv, PV_ADD=launch.pv_add if pv_add is None else pv_add)
     aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or (lengths_div16 and n in _LENGTHS)]
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 
 
-def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True,
+def compile_forward_ws(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True,
                               schedule: int = 0, warp_specialized: bool = False, stages: int = 2,
                               partitions: int = 0, overlap: int = 0, qk_promote: int = 0):
-    """The compiled Gluon forward (`forward_pipelined.py`) for one flag combination:
+    """The compiled Gluon forward (`forward_gluon_ws.py`) for one flag combination:
     `attn_fwd_pipelined_kernel`, or with `warp_specialized` `attn_fwd_ws_kernel` at
-    the launch `launch_forward_pipelined` gives it."""
+    the launch `launch_forward_ws` gives it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fp4attn.kernels.hopper import forward_pipelined as fp
+    from fp4attn.kernels.hopper import forward_gluon_ws as fp
 
     BLOCK_N = fp.BLOCK_N
     BLOCK_M = fp.ws_launch(partitions)[0] if warp_specialized else fp.BLOCK_M
@@ -223,19 +223,19 @@ def compile_forward_pipelined(qk_fp8: bool, p_mode: int, causal: bool, head_dim:
 
 def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config=None, lengths_div16=True):
     """The compiled backward kernel `part` ("dkdv" or "dq") with `config` (a
-    `training.BackwardConfig`; default: the one `training` launches at this head dim),
+    `routing.BackwardLaunch`; default: the one `routing` gives at this head dim),
     sequence lengths specialized as multiples of 16 unless `lengths_div16` is False."""
-    from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
+    from fp4attn.routing import BACKWARD_LAUNCH
     from fp4attn.reference.backward import DS_BLOCK
 
-    cfg = config or BACKWARD_CONFIGS[head_dim]
+    cfg = config or BACKWARD_LAUNCH[head_dim]
 
     fp8 = ("DO_T", "DO_C", "V_T", "Q_C", "K_C")
     if part == "dkdv":
         fn, ptrs = attn_bwd_dkdv_kernel, ("Q", "K", "QS", "KS", "LSE", "DELTA", "DO_T", "DO_TS", "DO_C", "DO_CS",
                                           "V_T", "V_TS", "Q_C", "Q_CS", "DK", "DV", "K_C", "K_CS", "DQ")
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
-                      HW_CVT=cfg.hw_cvt, DQ_ATOMIC=cfg.dq_atomic)
+                      HW_CVT=cfg.hw_cvt, DQ_ATOMIC=False)
         num_warps, num_stages = cfg.warps_dkdv, cfg.stages_dkdv
     else:
         fn, ptrs = attn_bwd_dq_kernel, ("Q", "K", "QS", "KS", "LSE", "DELTA", "DO_T", "DO_TS", "V_T", "V_TS",
@@ -244,8 +244,8 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
         num_warps, num_stages = cfg.warps_dq, cfg.stages_dq
     sig = {n: "*fp8e4nv" if n in fp8 else "*bf16" if n in ("Q", "K") else "*fp32" for n in ptrs}
     # bf16 gradients, as a bf16 model's backward writes them (dQ by atomics: float32)
-    sig.update({n: "*bf16" for n in ("DK", "DV", "DQ") if n in sig and not (n == "DQ" and cfg.dq_atomic)})
-    if cfg.tma:  # the loop's tiles by TMA, as `training.backward_descriptors` builds them
+    sig.update({n: "*bf16" for n in ("DK", "DV", "DQ") if n in sig})
+    if cfg.tma:  # the loop's tiles by TMA, as `train_op.backward_descriptors` builds them
         tiles = dict(Q=False, DO_T=False, DO_C=True, Q_C=True) if part == "dkdv" else dict(K=False, V_T=False, K_C=True)
         for n, channel_major in tiles.items():
             block = f"{head_dim}, {DS_BLOCK}" if channel_major else f"{DS_BLOCK}, {head_dim}"
@@ -290,8 +290,8 @@ def inspect_forward(*args, **kwargs) -> KernelReport:
     return inspect(compile_forward(*args, **kwargs))
 
 
-def inspect_forward_pipelined(*args, **kwargs) -> KernelReport:
-    return inspect(compile_forward_pipelined(*args, **kwargs))
+def inspect_forward_ws(*args, **kwargs) -> KernelReport:
+    return inspect(compile_forward_ws(*args, **kwargs))
 
 
 def inspect_backward(*args, **kwargs) -> KernelReport:
@@ -322,13 +322,13 @@ def compile_quantizer(name: str, **constexprs):
                          4, 1)
 
 
-def compile_backward_pipelined(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
+def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
                                maxnreg: int | None = None, staged: int = 0):
-    """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_pipelined.py`)
+    """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_gluon.py`)
     as its launcher runs it: bf16 gradients."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fp4attn.kernels.hopper import backward_pipelined as bp
+    from fp4attn.kernels.hopper import backward_gluon as bp
 
     token, channel = [bp.BLOCK, head_dim], [head_dim, bp.BLOCK]
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn

@@ -35,7 +35,7 @@ those that straddle it are masked (a runtime branch).
 (the Triton dq kernel's recomputation of S, P, dP and dS), the next key tile's products
 issued beside this tile's dQ product.
 
-Launched by `training.launch_backward` where Sq and Sk are whole 64-row tiles (the TMA
+Launched by `train_op.launch_backward` where Sq and Sk are whole 64-row tiles (the TMA
 path), with the hardware's e4m3 conversion, dK/dV for FP8 P (`train`); the Triton
 kernels run otherwise. Measurements: docs/notes/hopper-train.md.
 """
@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import log2_scores
-from fp4attn.kernels.hopper.backward import (
+from fp4attn.kernels.hopper.backward_triton import (
     P_OFFSET,
     causal_query_tiles,
     e4m3_rows,
@@ -536,10 +536,10 @@ def descriptors(**operands) -> dict:
     return {name: tma_descriptor(*operand_tile(t, name in CHANNEL_MAJOR)) for name, t in operands.items()}
 
 
-def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,
+def launch_dkdv_gluon(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,
                           causal: bool, scale: float, in_flight: int = 1, maxnreg: int | None = None,
                           staged: int = 0):
-    """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D) from `training.backward_operands`'s
+    """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D) from `train_op.backward_operands`'s
     views, their tiles by `descs` (`descriptors` of q, k, do_t, do_c, v_t, q_c); Sq and Sk
     multiples of BLOCK."""
     from fp4attn.reference.forward import LOG2E
@@ -557,10 +557,10 @@ def launch_dkdv_pipelined(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, d
         CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=staged, num_warps=4, maxnreg=maxnreg)
 
 
-def launch_dq_pipelined(descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, causal_offset: int, causal: bool,
+def launch_dq_gluon(descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, causal_offset: int, causal: bool,
                         scale: float, maxnreg: int | None = None):
     """Run the dQ kernel into dq (B, H, Sq, D), its tiles by `descs` (`descriptors` of q,
-    k, do_t, v_t, k_c), as `launch_dkdv_pipelined`."""
+    k, do_t, v_t, k_c), as `launch_dkdv_gluon`."""
     from fp4attn.reference.forward import LOG2E
 
     B, H, Sq, D = dq.shape

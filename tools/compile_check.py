@@ -13,7 +13,7 @@ at its routed launch (docs/notes/hopper-train.md): registers, stack, shared memo
 programs per SM, the CTA barriers and instructions of the tile loop (per thread, and per
 element of the 64 x 64 score tile for one warpgroup, 32 per thread).
 
-    python scripts/compile_check.py [--sass-dir DIR] [--backward]
+    python tools/compile_check.py [--sass-dir DIR] [--backward]
 """
 
 import argparse
@@ -21,20 +21,20 @@ import dataclasses
 import re
 from pathlib import Path
 
-from fp4attn.kernels.hopper.machine_code import (
+from fp4attn.tools.machine_code import (
     compile_backward,
-    compile_backward_pipelined,
-    compile_forward_pipelined,
+    compile_backward_gluon,
+    compile_forward_ws,
     inspect,
     inspect_forward,
     per_element,
 )
 from fp4attn.kernels.hopper.operands import BLOCK_N
-from fp4attn.kernels.hopper.ops import WS_PARTITIONS, forward_launch
+from fp4attn.kernels.hopper.forward_op import WS_PARTITIONS, forward_launch
 
 
 def backward_table():
-    from fp4attn.kernels.hopper.training import BACKWARD_CONFIGS
+    from fp4attn.kernels.hopper.train_op import BACKWARD_CONFIGS
 
     print("| kernel | D | causal | warps | regs | stack | shared KB | programs/SM | loop BAR | loop instr/thread "
           "| full tile instr/thread | full tile instr/elem | largest |")
@@ -48,7 +48,7 @@ def backward_table():
                 builds = [(f"{part} Triton", compile_backward(part, 0, causal, d, config=triton_cfg), warps)]
                 if cfg.dkdv_gluon if part == "dkdv" else cfg.dq_gluon:
                     maxnreg = cfg.dkdv_maxnreg if part == "dkdv" else cfg.dq_maxnreg
-                    builds.append((f"{part} Gluon", compile_backward_pipelined(
+                    builds.append((f"{part} Gluon", compile_backward_gluon(
                         causal, d, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg, staged=cfg.dkdv_staged), 4))
                 for name, kernel, w in builds:
                     r = inspect(kernel)
@@ -100,7 +100,7 @@ def main():
         for causal in (False, True):
             for d in (64, 128):
                 overlap = forward_launch(128, qk_fp8, causal).ws_overlap
-                kernel = compile_forward_pipelined(qk_fp8, p_mode, causal, d, warp_specialized=True,
+                kernel = compile_forward_ws(qk_fp8, p_mode, causal, d, warp_specialized=True,
                                                    partitions=WS_PARTITIONS, overlap=overlap)
                 r = inspect(kernel)
                 regs = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])

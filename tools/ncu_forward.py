@@ -4,14 +4,14 @@ profiled one (`--launch-skip 2 --launch-count 1` per recipe), on the bench opera
     ncu --clock-control none -k regex:attn_fwd --launch-skip 2 --launch-count 1 \\
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio,\\
         smsp__issue_active.avg.pct_of_peak_sustained_active \\
-        python3 scripts/ncu_forward.py fp8-fastacc [8,16,4096,128] [causal]
+        python3 tools/ncu_forward.py fp8-fastacc [8,16,4096,128] [causal]
 """
 
 import sys
 
 import torch
 
-from fp4attn.kernels.hopper.ops import P_MODES, launch_forward
+from fp4attn.kernels.hopper.forward_op import P_MODES, launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import PRESETS
 

@@ -2,9 +2,9 @@
 source page exported as CSV:
 
     ncu --set full --import-source no -k regex:attn_fwd --launch-skip 2 --launch-count 1 \\
-        -o prof python3 scripts/ncu_forward.py fp8-fastacc
+        -o prof python3 tools/ncu_forward.py fp8-fastacc
     ncu -i prof.ncu-rep --page source --print-source sass --csv > sass.csv
-    python3 scripts/ncu_sass_hotspots.py sass.csv [top]
+    python3 tools/ncu_sass_hotspots.py sass.csv [top]
 
 Prints the kernel's stall reasons over all warp samples, then the same over the
 instructions from the first to the last tensor-core instruction (the consumer's tile

@@ -1,0 +1,600 @@
+// FP8 attention forward for Hopper (sm_90a): FlashAttention-3's schedule in CUDA C++
+// with inline PTX, compiled at first use by NVRTC (fp4attn/kernels/hopper/forward_cuda.py).
+//
+// Numerics: the Gluon kernel's (forward_gluon_ws.attn_fwd_ws_kernel) for FP8 P with Q/K
+// multiplied on the FP8 tensor cores (the `fast_accum` recipes), operation for operation:
+//   t   = (s * a_row) * b_key            log2-unit scores, two rounded products
+//   m   = max(m, rowmax t);  alpha = exp2(m_old - m)
+//   P   = e4m3(exp2((t - m) + 8))        packed cvt.rn.satfinite, P times 2**8
+//   l   = l * alpha + rowsum(P as represented in e4m3)   consistent normalization
+//   O   = O * alpha + P V                each tile's PV on a fresh accumulator, added in fp32
+//   out = O / l * vs,  lse = (m + log2 l - 8) * ln 2
+// Only the order of float32 sums differs (the row sum per thread, reduced once at the end).
+//
+// Schedule (one CTA = 128 query rows, three warpgroups):
+//   warpgroup 0, producer (setmaxnreg down to 24): warp 0 issues the TMA copies of Q once
+//     and of K_j and V^T_j into STAGES-deep rings (full/empty mbarriers); warp 1 copies
+//     the tile's key scales (and key bias) into shared memory beside them;
+//   warpgroups 1 and 2, consumers (setmaxnreg up to 240), 64 query rows each: per tile
+//     QK^T_j and PV_{j-1} issued together, then the softmax of tile j. The two consumers
+//     take turns on the tensor cores through two named barriers, so that one's softmax
+//     runs while the other's products do (FlashAttention-3's ping-pong).
+//
+// P goes from the QK^T accumulator into the A operand of the PV product in registers. The
+// two layouts differ for 8-bit A: a thread's accumulator holds key pairs {2q, 2q+1} and
+// {8+2q, 9+2q} of each 16 columns, the A fragment wants keys {4q .. 4q+3}. Instead of
+// moving bytes between threads, K's rows are loaded permuted: shared-memory row
+// 64h + 8n + 2q + b of a tile holds key 16n + 4q + 2h + b (two 4D TMA boxes, one per h),
+// so that the accumulator's columns come out as the keys the A fragment wants; the key
+// scales, masks and causal limits use the permuted key index.
+//
+// Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES.
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef CAUSAL
+#define CAUSAL 0
+#endif
+#ifndef KEY_BIAS
+#define KEY_BIAS 0
+#endif
+#ifndef STAGES
+#define STAGES 2
+#endif
+
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef unsigned short uint16_t;
+
+#define BLOCK_M 128  // query rows per CTA: two consumer warpgroups of wgmma's 64 rows
+#define BLOCK_N 128  // keys per tile: part of the recipes' numerics (the online softmax's steps)
+#define THREADS 384
+#define P_OFFSET 8.0f  // P is stored times 2**8 (reference/encoding.P_OFFSET_LOG2)
+
+// Shared memory: rows of HEAD_DIM bytes (Q, K) swizzled by 128 or 64 bytes; V^T rows of
+// BLOCK_N = 128 key bytes swizzled by 128.
+#define QK_ROW_BYTES HEAD_DIM
+#define QK_SWIZZLE_LAYOUT (HEAD_DIM == 128 ? 1 : 2)  // wgmma descriptor: 1 = 128B, 2 = 64B swizzle
+#define Q_BYTES (BLOCK_M * HEAD_DIM)
+#define K_BYTES (BLOCK_N * HEAD_DIM)
+#define V_BYTES (HEAD_DIM * BLOCK_N)
+#define K_HALF_BYTES (K_BYTES / 2)
+
+struct __align__(64) TensorMap {
+    uint64_t opaque[16];
+};
+
+// one kernel parameter, passed by value (the tensor maps must live in parameter space)
+struct Params {
+    TensorMap q_map;   // Q as (B*H*Sq rows, D), boxes of (128 rows, D)
+    TensorMap k_map0;  // K as (D, 2, 4, rows / 16): keys 16n + 4q + b of each 16
+    TensorMap k_map1;  // the same from row 2: keys 16n + 4q + 2 + b
+    TensorMap v_map;   // V^T as (B*Hkv*D rows, Sk keys), boxes of (D rows, 128 keys)
+    const float* qs;   // (B, H, Sq) per-token scales of Q
+    const float* ks;   // (B, Hkv, Sk) per-token scales of K
+    const float* vs;   // (B, Hkv, D) per-channel scales of V
+    const float* key_bias;  // (B, Sk) log2-unit bias, read only with KEY_BIAS
+    unsigned short* out;    // (B, H, Sq, D) bf16
+    float* lse;             // (B, H, Sq)
+    int H, group, Sq, Sk, causal_offset, k_rows_per_head;  // k_rows_per_head: Sk rounded up to 16
+    float qk_scale;         // softmax scale * log2 e
+};
+
+// -------------------------------------------------------------------- PTX wrappers
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    uint32_t a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Spins until the barrier's phase `parity` has completed. A wait that never ends (a
+// broken pipeline) traps after about 2**31 polls instead of hanging the GPU.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    for (uint32_t polls = 0;; ++polls) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        if (done) return;
+        if (polls > (1u << 31)) __trap();
+    }
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TensorMap* map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];"
+        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_arrive(uint32_t id, uint32_t threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// wgmma shared-memory descriptor of a K-major tile whose rows are one swizzle span long
+// (8-row core matrices 8 * row bytes apart); `layout` 1: 128-byte swizzle, 2: 64-byte
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t layout, uint32_t row_bytes) {
+    uint64_t d = (uint64_t)((addr & 0x3FFFF) >> 4);
+    d |= (uint64_t)1 << 16;                          // leading offset: unused for swizzled K-major
+    d |= (uint64_t)((8 * row_bytes) >> 4) << 32;     // stride between 8-row core matrices
+    d |= (uint64_t)layout << 62;
+    return d;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// keeps the compiler from moving reads or writes of an accumulator across a wgmma
+// issue or wait (the tensor core writes it asynchronously)
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+    float y;
+    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float fmul_rn(float a, float b) {
+    float y;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+}
+
+__device__ __forceinline__ float fadd_rn(float a, float b) {
+    float y;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+}
+
+// (lo, hi) -> e4m3x2 (lo in the low byte), round to nearest even, saturating; and the two
+// represented values back as float32 (exact: e4m3 -> f16 -> f32)
+__device__ __forceinline__ uint32_t to_e4m3x2(float lo, float hi, float& vlo, float& vhi) {
+    uint32_t packed;
+    asm("{ .reg .b16 e, l16, h16; .reg .b32 h2;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 e, %4, %3;\n"
+        "cvt.rn.f16x2.e4m3x2 h2, e;\n"
+        "mov.b32 {l16, h16}, h2;\n"
+        "cvt.f32.f16 %1, l16;\n"
+        "cvt.f32.f16 %2, h16;\n"
+        "cvt.u32.u16 %0, e; }"
+        : "=r"(packed), "=f"(vlo), "=f"(vhi) : "f"(lo), "f"(hi));
+    return packed;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+    return r;
+}
+
+// -------------------------------------------------------------------- wgmma
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+#if HEAD_DIM == 128
+#define wgmma_pv wgmma_rs_n128
+#else
+#define wgmma_pv wgmma_rs_n64
+#endif
+
+// -------------------------------------------------------------------- the kernel
+struct Smem {
+    uint32_t q, k, v;  // tile bases (shared-memory addresses, 1024-byte aligned)
+    float* ks;         // STAGES x BLOCK_N key scales
+    float* bias;       // STAGES x BLOCK_N key bias (KEY_BIAS)
+    uint32_t q_full, k_full, k_empty, v_full, v_empty, ks_full;  // barrier arrays (8 bytes apart)
+};
+
+__device__ __forceinline__ Smem carve(unsigned char* raw) {
+    unsigned char* base = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
+    Smem s;
+    s.q = smem_addr(base);
+    s.k = s.q + Q_BYTES;
+    s.v = s.k + STAGES * K_BYTES;
+    unsigned char* rest = base + Q_BYTES + STAGES * (K_BYTES + V_BYTES);
+    s.ks = (float*)rest;
+    s.bias = s.ks + STAGES * BLOCK_N;
+    uint32_t bars = smem_addr(s.bias + STAGES * BLOCK_N);
+    s.q_full = bars;
+    s.k_full = bars + 8;
+    s.k_empty = s.k_full + 8 * STAGES;
+    s.v_full = s.k_empty + 8 * STAGES;
+    s.v_empty = s.v_full + 8 * STAGES;
+    s.ks_full = s.v_empty + 8 * STAGES;
+    return s;
+}
+
+// The online-softmax step of one tile on the QK^T accumulator s (64 rows x 128 keys, the
+// thread's rows g and g + 8 as i = 0, 1): scores, mask, running max, P packed as the PV
+// product's A fragments, the thread's part of the row sums. Register s[4n + 2i + b] is
+// key 16 (n % 8) + 4q + 2 (n / 8) + b of the tile (the permuted K rows).
+template <bool MASKED>
+__device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4], float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2], const float (&a)[2], const float* ks_tile,
+                                             const float* bias_tile, int key0, const int (&row)[2], int Sk,
+                                             int causal_offset, int q) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const int kk = 16 * (n & 7) + 4 * q + 2 * (n >> 3);
+        const float2 kb = *(const float2*)(ks_tile + kk);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            s[4 * n + 2 * i] = fmul_rn(fmul_rn(s[4 * n + 2 * i], a[i]), kb.x);
+            s[4 * n + 2 * i + 1] = fmul_rn(fmul_rn(s[4 * n + 2 * i + 1], a[i]), kb.y);
+        }
+#if KEY_BIAS
+        const float2 bb = *(const float2*)(bias_tile + kk);  // added before hiding keys, as the reference
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            s[4 * n + 2 * i] = fadd_rn(s[4 * n + 2 * i], bb.x);
+            s[4 * n + 2 * i + 1] = fadd_rn(s[4 * n + 2 * i + 1], bb.y);
+        }
+#endif
+        if (MASKED) {
+            const int key = key0 + kk;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int b = 0; b < 2; ++b) {
+                    bool visible = key + b < Sk;
+#if CAUSAL
+                    visible = visible && key + b <= row[i] + causal_offset;
+#endif
+                    if (!visible) s[4 * n + 2 * i + b] = -__int_as_float(0x7f800000);
+                }
+            }
+        }
+    }
+    float m_use[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float mx = m[i];
+#pragma unroll
+        for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        m_use[i] = mx == -__int_as_float(0x7f800000) ? 0.0f : mx;  // a row that saw no key yet
+        alpha[i] = ex2(m[i] - m_use[i]);
+        m[i] = mx;
+    }
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const int r = 4 * n + 2 * i + b;
+                s[r] = ex2(fadd_rn(fadd_rn(s[r], -m_use[i]), P_OFFSET));
+            }
+        }
+    }
+    float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // keys 32c + 16 half + 4q + (0..3)
+            const int n_lo = 2 * c + half, n_hi = n_lo + 8;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float v0, v1, v2, v3;
+                const uint32_t lo = to_e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], v0, v1);
+                const uint32_t hi = to_e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], v2, v3);
+                pa[c][2 * half + i] = lo | (hi << 16);
+                sum[i] += v0;
+                sum[i] += v1;
+                sum[i] += v2;
+                sum[i] += v3;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + sum[i];
+}
+
+__device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint32_t k_tile) {
+    const uint64_t k_desc = smem_desc(k_tile, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
+#pragma unroll
+    for (int c = 0; c < HEAD_DIM / 32; ++c) wgmma_ss_n128(s, q_desc + 2 * c, k_desc + 2 * c, c > 0);
+}
+
+__device__ __forceinline__ void issue_pv(float (&pv)[HEAD_DIM / 2], const uint32_t (&pa)[4][4], uint32_t v_tile) {
+    const uint64_t v_desc = smem_desc(v_tile, 1, BLOCK_N);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) wgmma_pv(pv, pa[c], v_desc + 2 * c, c > 0);
+}
+
+__device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&pv)[HEAD_DIM / 2],
+                                       const float (&alpha)[2]) {
+#pragma unroll
+    for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = o[r] * alpha[(r >> 1) & 1] + pv[r];
+}
+
+// One consumer warpgroup: 64 query rows of the block, every key tile of it.
+__device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int tid, int wg, int start_m, int bh,
+                                         int bhk, int full, int n_tiles) {
+    const int Sq = p.Sq, Sk = p.Sk;
+    const int cw = wg - 1;  // 0 or 1: rows 64 cw .. of the block
+    const int t = tid - 128 * wg, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
+    const int row[2] = {start_m * BLOCK_M + cw * 64 + 16 * warp + g, start_m * BLOCK_M + cw * 64 + 16 * warp + g + 8};
+    float a[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) a[i] = row[i] < Sq ? p.qs[(long long)bh * Sq + row[i]] * p.qk_scale : 0.0f;
+
+    float s[64], pv[HEAD_DIM / 2], o[HEAD_DIM / 2];
+    uint32_t pa[4][4];
+    float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.0f, 0.0f}, alpha[2];
+#pragma unroll
+    for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = 0.0f;
+
+    // turn-taking on the tensor cores: consumer cw issues its products after bar.sync on
+    // barrier 1 + cw and hands the turn over by bar.arrive on the other's; consumer 0 goes first
+    const uint32_t my_turn = 1 + cw, other_turn = 2 - cw;
+    if (cw == 1) named_arrive(1, 256);
+
+    const uint64_t q_desc = smem_desc(sm.q + cw * 64 * QK_ROW_BYTES, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
+    const float* bias_base = sm.bias;
+    mbar_wait(sm.q_full, 0);
+
+    // tile 0: QK^T alone
+    mbar_wait(sm.k_full, 0);
+    named_sync(my_turn, 256);
+    fence_regs(s);
+    wgmma_fence();
+    issue_qk(s, q_desc, sm.k);
+    wgmma_commit();
+    named_arrive(other_turn, 256);
+    wgmma_wait<0>();
+    fence_regs(s);
+    if (lane == 0) mbar_arrive(sm.k_empty);
+    mbar_wait(sm.ks_full, 0);
+    if (0 >= full)
+        softmax_tile<true>(s, pa, m, l, alpha, a, sm.ks, bias_base, 0, row, Sk, p.causal_offset, q);
+    else
+        softmax_tile<false>(s, pa, m, l, alpha, a, sm.ks, bias_base, 0, row, Sk, p.causal_offset, q);
+
+    for (int j = 1; j < n_tiles; ++j) {
+        const int st = j % STAGES, prev = (j - 1) % STAGES;
+        const uint32_t parity = (j / STAGES) & 1, prev_parity = ((j - 1) / STAGES) & 1;
+        mbar_wait(sm.k_full + 8 * st, parity);
+        mbar_wait(sm.v_full + 8 * prev, prev_parity);
+        named_sync(my_turn, 256);
+        fence_regs(s);
+        fence_regs(pv);
+        wgmma_fence();
+        issue_pv(pv, pa, sm.v + prev * V_BYTES);
+        issue_qk(s, q_desc, sm.k + st * K_BYTES);
+        wgmma_commit();
+        named_arrive(other_turn, 256);
+        wgmma_wait<0>();
+        fence_regs(s);
+        fence_regs(pv);
+        if (lane == 0) {
+            mbar_arrive(sm.k_empty + 8 * st);
+            mbar_arrive(sm.v_empty + 8 * prev);
+        }
+        add_pv(o, pv, alpha);
+        mbar_wait(sm.ks_full + 8 * st, parity);
+        const float* ks_tile = sm.ks + st * BLOCK_N;
+        const float* bias_tile = bias_base + st * BLOCK_N;
+        if (j * BLOCK_N >= full)
+            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, bias_tile, j * BLOCK_N, row, Sk, p.causal_offset, q);
+        else
+            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, bias_tile, j * BLOCK_N, row, Sk, p.causal_offset, q);
+    }
+
+    // the last tile's PV
+    {
+        const int j = n_tiles - 1, st = j % STAGES;
+        mbar_wait(sm.v_full + 8 * st, (j / STAGES) & 1);
+        named_sync(my_turn, 256);
+        fence_regs(pv);
+        wgmma_fence();
+        issue_pv(pv, pa, sm.v + st * V_BYTES);
+        wgmma_commit();
+        if (cw == 0) named_arrive(other_turn, 256);  // consumer 1's turn is the last one
+        wgmma_wait<0>();
+        fence_regs(pv);
+        if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
+        add_pv(o, pv, alpha);
+    }
+
+    // -------------------------------------------------------------------- epilogue
+    const float* vs = p.vs + (long long)bhk * HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float li = l[i];
+        li += __shfl_xor_sync(0xffffffffu, li, 1);
+        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        const bool seen = li > 0.0f;
+        float inv = 0.0f;
+        if (seen) asm("rcp.rn.f32 %0, %1;" : "=f"(inv) : "f"(li));
+        if (row[i] < Sq) {
+            unsigned short* out_row = p.out + ((long long)bh * Sq + row[i]) * HEAD_DIM;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                const int d = 8 * n + 2 * q;
+                const float2 v = *(const float2*)(vs + d);
+                const float y0 = (o[4 * n + 2 * i] * inv) * v.x;
+                const float y1 = (o[4 * n + 2 * i + 1] * inv) * v.y;
+                *(uint32_t*)(out_row + d) = pack_bf16x2(y0, y1);
+            }
+            if (q == 0)
+                p.lse[(long long)bh * Sq + row[i]] =
+                    seen ? ((m[i] + lg2(li)) - P_OFFSET) * 0.6931471805599453f : -__int_as_float(0x7f800000);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __grid_constant__ Params p) {
+    extern __shared__ unsigned char smem_raw[];
+    const Smem sm = carve(smem_raw);
+    const int tid = threadIdx.x;
+    const int wg = tid / 128;
+
+    // longest query blocks first under a causal mask (they see the most keys)
+    const int start_m = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int bh = blockIdx.y;
+    const int H = p.H, Sq = p.Sq, Sk = p.Sk;
+    const int bhk = (bh / H) * (H / p.group) + (bh % H) / p.group;
+
+    // the key tiles this query block sees: [0, full) unmasked, n_tiles in all (one masked
+    // tile for a block that sees no key), as forward_gluon_ws._key_tiles
+    int hi = Sk, full = Sk / BLOCK_N * BLOCK_N;
+#if CAUSAL
+    {
+        const int last = (start_m + 1) * BLOCK_M + p.causal_offset;
+        const int first = start_m * BLOCK_M + p.causal_offset + 1;
+        hi = min(max(last, 0), Sk);
+        full = min(max(first, 0), full) / BLOCK_N * BLOCK_N;
+    }
+#endif
+    const int n_tiles = max((hi + BLOCK_N - 1) / BLOCK_N, 1);
+
+    if (tid == 0) {
+        mbar_init(sm.q_full, 1);
+        for (int st = 0; st < STAGES; ++st) {
+            mbar_init(sm.k_full + 8 * st, 1);
+            mbar_init(sm.v_full + 8 * st, 1);
+            mbar_init(sm.k_empty + 8 * st, 8);  // one arrival per consumer warp
+            mbar_init(sm.v_empty + 8 * st, 8);
+            mbar_init(sm.ks_full + 8 * st, 32);  // each lane of the scales warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---------------------------------------------------------------- producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+        const int warp = tid / 32, lane = tid % 32;
+        if (warp == 0 && lane == 0) {
+            mbar_expect_tx(sm.q_full, Q_BYTES);
+            tma_load_2d(sm.q, &p.q_map, 0, bh * Sq + start_m * BLOCK_M, sm.q_full);
+            const int group0 = bhk * (p.k_rows_per_head / 16);
+            for (int j = 0; j < n_tiles; ++j) {
+                const int st = j % STAGES;
+                const uint32_t free_parity = ((j / STAGES) & 1) ^ 1;  // a fresh barrier passes at once
+                mbar_wait(sm.k_empty + 8 * st, free_parity);
+                mbar_expect_tx(sm.k_full + 8 * st, K_BYTES);
+                const uint32_t k_tile = sm.k + st * K_BYTES;
+                tma_load_4d(k_tile, &p.k_map0, 0, 0, 0, group0 + j * (BLOCK_N / 16), sm.k_full + 8 * st);
+                tma_load_4d(k_tile + K_HALF_BYTES, &p.k_map1, 0, 0, 0, group0 + j * (BLOCK_N / 16),
+                            sm.k_full + 8 * st);
+                mbar_wait(sm.v_empty + 8 * st, free_parity);
+                mbar_expect_tx(sm.v_full + 8 * st, V_BYTES);
+                tma_load_2d(sm.v + st * V_BYTES, &p.v_map, j * BLOCK_N, bhk * HEAD_DIM, sm.v_full + 8 * st);
+            }
+        } else if (warp == 1) {
+            // key scales (and bias) of tile j into the stage whose V^T has been read: the
+            // consumers read them in the softmax, before that tile's PV
+            const float* ks = p.ks + (long long)bhk * Sk;
+            const float* kb = p.key_bias + (long long)(bh / H) * Sk;
+            for (int j = 0; j < n_tiles; ++j) {
+                const int st = j % STAGES;
+                mbar_wait(sm.v_empty + 8 * st, ((j / STAGES) & 1) ^ 1);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int kk = lane * 4 + e, key = j * BLOCK_N + kk;
+                    sm.ks[st * BLOCK_N + kk] = key < Sk ? ks[key] : 0.0f;
+#if KEY_BIAS
+                    sm.bias[st * BLOCK_N + kk] = key < Sk ? kb[key] : 0.0f;
+#endif
+                }
+                mbar_arrive(sm.ks_full + 8 * st);
+            }
+        }
+    } else {
+        // consumers (one branch of this if/else each role: ptxas applies setmaxnreg only so)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+        consumer(p, sm, tid, wg, start_m, bh, bhk, full, n_tiles);
+    }
+}

@@ -1,0 +1,130 @@
+"""The Hopper forward as a registered custom op (with a fake implementation, so
+torch.compile traces through it), and the recipe -> kernel-flag mapping.
+
+The op takes the bf16/fp16/fp32 inputs and quantizes them inside: the operand
+quantizers are bit-exact definitions, and letting the compiler fuse them changed their
+rounding (torch.compile gave different codes than eager; docs/notes/hopper-forward.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
+from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, padded_vt_rows, tma_loadable
+from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+from fp4attn.recipes import Recipe
+from fp4attn.routing import P_MODES, forward_launch
+from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
+
+# the warp-specialized kernel's layout where it runs: one consumer warpgroup and the
+# producer warp per 64-row program, two programs per SM (`forward_gluon_ws.ws_launch`;
+# h200-forward-ws-2.txt: 536 TFLOP/s against 455-468 for 128-row programs)
+WS_PARTITIONS = 2
+
+
+def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """Host-built TMA descriptors of K, (B*Hkv*Sk, D) in tiles of (BLOCK_N, D), and of
+    V^T, (B*Hkv*D, keys) in tiles of (D, BLOCK_N); None where the operands do not allow
+    them (TMA needs contiguous rows with 16-byte strides, and V^T padded to whole tiles
+    so that no tile reads past its head's keys)."""
+    if not tma_loadable(ops):
+        return None
+    B, Hkv, Sk, D = ops.k.shape
+    k2, vt2 = ops.k.view(B * Hkv * Sk, D), padded_vt_rows(ops)
+    return (TensorDescriptor(k2, list(k2.shape), [D, 1], [BLOCK_N, D]),
+            TensorDescriptor(vt2, list(vt2.shape), [vt2.shape[1], 1], [D, BLOCK_N]))
+
+
+def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
+                   write_p: int = 0, qk_promote: int = 0, pv_promote: bool = True,
+                   key_bias: torch.Tensor | None = None):
+    """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
+
+    write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
+    values; tests); 2 the log2 scores (diagnostics). key_bias: (B, Sk) float32 added to
+    the log2 scores (`key_bias_of_mask`). qk_promote: fp8 QK^T products accumulated on
+    the tensor cores before each float32 addition (0: all of them, the `fast_accum`
+    recipes' definition; 32, Triton kernel only: a diagnostic);
+    pv_promote: each tile's PV product added into O in float32 (False, a diagnostic:
+    O accumulates on the tensor cores).
+    """
+    q, k = ops.q, ops.k
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    qk_fp8 = q.dtype == torch.float8_e4m3fn
+    if ops.vt_keys_padded and ops.vt.stride(2) % BLOCK_N:
+        raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
+                         f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
+    cfg = forward_launch(D, qk_fp8, causal_offset is not None)
+    if (cfg.warp_specialized and p_mode == 0 and not (qk_fp8 and qk_promote) and pv_promote and not write_p
+            and key_bias is None and tma_loadable(ops) and q.is_contiguous()):
+        # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
+        # bias, no promotion of e4m3 QK^T (with it ptxas serializes the kernel's wgmmas,
+        # C7511; imported here: only this path needs Triton's Gluon frontend)
+        from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
+
+        out, lse = launch_forward_ws(ops, scale=scale, causal_offset=causal_offset, p_mode=p_mode,
+                                            p_hw_cvt=cfg.p_hw_cvt, warp_specialized=True, partitions=WS_PARTITIONS,
+                                            stages=cfg.stages, overlap=cfg.ws_overlap, qk_promote=qk_promote)
+        return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
+    out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
+    lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
+    sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
+    # never touched without write_p: allocated, not filled (a fill is one more launch per call)
+    dbg = (torch.zeros((B, H, sq_pad, Sk), device=q.device, dtype=torch.float32) if write_p else
+           torch.empty((1, 1, 1, 1), device=q.device, dtype=torch.float32))
+    grid = (triton.cdiv(Sq, cfg.block_m), B * H)
+    kb = key_bias.contiguous() if key_bias is not None else lse  # never read without KEY_BIAS
+    descs = tma_descriptors(ops) if cfg.tma_kv else None
+    attn_fwd_kernel[grid](
+        q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg, kb, *(descs or (None, None)),
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        ops.vt.stride(0), ops.vt.stride(1), ops.vt.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        dbg.stride(0), dbg.stride(1), dbg.stride(2),
+        H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
+        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
+        QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
+        WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
+        ROWSUM_MMA=False, PV_PROMOTE=pv_promote, VT_PADDED=ops.vt_keys_padded, TMA_KV=descs is not None,
+        PV_ADD=cfg.pv_add,
+        # the debug tile goes through shared memory: one stage less keeps it in 227 KB
+        num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
+    )
+    return out, lse, dbg if write_p else dbg[:0]
+
+
+@torch.library.custom_op("fp4attn::hopper_attention", mutates_args=())
+def _hopper_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str, fast_accum: bool,
+    causal_offset: int, causal: bool, scale: float, write_p: int, key_bias: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum)
+    ops = prepare_operands_fused(q, k, v, recipe)
+    return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
+                          p_mode=P_MODES[(p, p_build)], write_p=write_p, key_bias=key_bias)
+
+
+@_hopper_attention_op.register_fake
+def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, write_p, key_bias):
+    B, H, Sq, D = q.shape
+    block_m = forward_launch(D, fast_accum, causal).block_m
+    sq_pad = math.ceil(Sq / block_m) * block_m
+    dbg_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
+    return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
+            q.new_empty(dbg_shape, dtype=torch.float32))
+
+
+def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: int = 0,
+                     key_bias: torch.Tensor | None = None):
+    """Quantize bf16/fp16/fp32 (B, H, S, D) inputs into the kernel layouts and run the
+    forward: (out bf16, lse fp32, debug tile or empty; see `launch_forward`)."""
+    return _hopper_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, recipe.fast_accum,
+                                causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias)

@@ -1,0 +1,405 @@
+"""Which kernel runs a call, and with which launch: the routing of every op, as data.
+
+Pure Python, no Triton import: `fp4attn.attention` and `fp4attn.explain` ask this
+module, the launchers read their launch tables from it, and a reader finds here every
+decision a call goes through:
+
+    target      the GPU generation the call runs for: "sm_90" (Hopper), "sm_100"
+                (datacenter Blackwell), "sm_120", other "sm_XY", or "cpu";
+                FP4ATTN_TARGET overrides it (with TRITON_INTERPRET=1 that runs a
+                target's Triton kernels on CPU tensors under the interpreter)
+    family      a set of kernels for one target and direction (`KERNEL_FAMILIES`);
+                the first family whose target matches and which accepts the recipe,
+                head dim and mask runs the call, else the reference
+    launch      the launch shape of that family's kernel (`FORWARD_LAUNCH`,
+                `BACKWARD_LAUNCH`), each entry traced to a committed measurement
+
+A launch changes speed only, never a value (query rows are independent; the key tile
+is part of the recipe). `override_launch` replaces a launch for the current thread, to
+measure one against another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from fp4attn.recipes import Recipe
+
+TARGET_ENV = "FP4ATTN_TARGET"  # "sm_90", "sm_100", "sm_120", "cpu": route as if on that target
+BACKEND_ENV = "FP4ATTN_BACKEND"  # overrides backend="auto"
+BACKENDS = ("auto", "reference", "triton")
+TARGETS = ("sm_90", "sm_100", "sm_120", "cpu")
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+# the Hopper forward's key tile: equals Recipe.block_n of every preset (the tile is part of
+# the numerics), and the fused quantizers pad V^T's rows to a multiple of it
+KEY_TILE = 128
+HOPPER_HEAD_DIMS = (64, 128)
+# the forward kernels' P builders, by (Recipe.p, Recipe.p_build): the P_MODE constexpr
+P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
+TRAIN_GRAD_FORMATS = ("e4m3",)
+
+
+# ---------------------------------------------------------------------------- targets
+def target_of(device) -> str:
+    """The target a call on `device` (a torch.device or its type string) runs for:
+    FP4ATTN_TARGET if set, else "cpu" for anything but CUDA, else "sm_<major><minor>"."""
+    override = os.environ.get(TARGET_ENV)
+    if override:
+        if override not in TARGETS:
+            raise ValueError(f"{TARGET_ENV}={override!r} is not a target; accepted: {TARGETS}")
+        return override
+    device_type = device if isinstance(device, str) else device.type
+    if device_type != "cuda":
+        return "cpu"
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the interpreter (TRITON_INTERPRET=1): then a
+    target's kernels run on CPU tensors."""
+    return os.environ.get(INTERPRET_ENV, "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------- launches
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """Launch shape and code variant of the Hopper forward; speed only.
+
+    block_m, warps, stages: the Triton kernel's program (rows, warps, pipeline depth).
+    p_hw_cvt: FP8 P rounded by the packed hardware conversion (RNE, as the bit
+    arithmetic it replaces; False is the formulation the interpreter tests run). tma_kv: K
+    and V^T tiles by TMA where the operands allow it. pv_add: each tile's PV added into
+    O by a float32 addition of its own (lets ptxas chain the wgmmas).
+    warp_specialized: FP8 P on the Gluon kernel `forward_gluon_ws.attn_fwd_ws_kernel`
+    (a producer warp and one consumer warpgroup per 64 rows, bit-identical to the
+    Triton kernel's pv_add path); ws_overlap: where it issues the next tile's QK^T
+    (1: beside PV; 4: before the softmax).
+    """
+
+    block_m: int = 128
+    warps: int = 8
+    stages: int = 3
+    p_hw_cvt: bool = False
+    tma_kv: bool = False
+    pv_add: bool = False
+    warp_specialized: bool = False
+    ws_overlap: int = 1
+
+
+# Keyed by (head dim, QK^T on the FP8 tensor cores, causal). The measurements behind each
+# choice (TFLOP/s per variant and shape, H200) are in docs/notes/hopper-forward.md; the
+# result files: benchmarks/results/h200-forward-ws-overlap4.txt (ws_overlap per case),
+# h200-forward-fastacc.txt and h200-forward-d64-fastacc.txt (FP8 tensor-core QK^T, D=128
+# on the Gluon kernel, D=64 on the Triton one, TMA causal only), h200-forward-ws-2.txt
+# (the Gluon kernel for FP8 P at D=128), h200-forward-tma.txt and h200-forward-pv-add.txt
+# (bf16 QK^T: TMA and pv_add at D=128; D=64 keeps Triton's promotion).
+FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
+    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True),
+    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4),
+    (64, True, False): ForwardLaunch(64, 4, 3, True),
+    (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True),
+    **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True,
+                                           ws_overlap=4) for causal in (True, False)},
+    **{(64, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for causal in (True, False)},
+}
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """Launch shape of the Hopper backward (speed only: dS's scale block, the other
+    tile side, is fixed by the recipe).
+
+    block_n_dkdv / block_m_dq, warps_*, stages_*: the Triton kernels' programs.
+    hw_cvt: e4m3 rounding by cvt.rn.satfinite (False: float32 bit arithmetic).
+    tma: the loops' operand tiles by TMA where the lengths are whole tiles.
+    dkdv_gluon / dq_gluon: dK/dV and dQ by the Gluon kernels (`backward_gluon.py`)
+    where the lengths are whole tiles and P is FP8 (dK/dV). dkdv_in_flight: dK/dV half
+    products in flight at once. dkdv_staged: a tile's numbers (LSE, delta, scales)
+    moved through shared memory one by one (0), together (1), or copied asynchronously
+    into two-stage buffers a tile ahead (2). *_maxnreg: register caps of the Gluon
+    kernels' 4-warp programs (None: ptxas's choice).
+    """
+
+    block_n_dkdv: int = 128
+    block_m_dq: int = 128
+    warps_dkdv: int = 8
+    warps_dq: int = 8
+    stages_dkdv: int = 2
+    stages_dq: int = 2
+    hw_cvt: bool = True
+    tma: bool = False
+    dkdv_gluon: bool = False
+    dkdv_in_flight: int = 1
+    dkdv_staged: int = 0
+    dq_gluon: bool = False
+    dkdv_maxnreg: int | None = None
+    dq_maxnreg: int | None = None
+
+
+# Keyed by head dim; the fastest variants of causal (4,16,4096,128) and (8,16,4096,64),
+# backward ms on the H200, docs/notes/hopper-train.md: the Gluon dK/dV kernel
+# (h200-backward-dkdv-gluon-2.txt), its numbers staged (h200-backward-dkdv-staged.txt) or
+# copied asynchronously at D=128 (h200-backward-dkdv-async-numbers.txt), the Gluon dQ
+# (h200-backward-dq-gluon.txt), register caps at D=64 (h200-backward-gluon-maxnreg.txt).
+BACKWARD_LAUNCH: dict[int, BackwardLaunch] = {
+    64: BackwardLaunch(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
+                       dkdv_in_flight=2, dkdv_staged=1, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),
+    128: BackwardLaunch(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dkdv_staged=2,
+                        dq_gluon=True),
+}
+
+_FORWARD_OVERRIDE: contextvars.ContextVar[ForwardLaunch | None] = contextvars.ContextVar("forward_launch",
+                                                                                        default=None)
+_BACKWARD_OVERRIDE: contextvars.ContextVar[BackwardLaunch | None] = contextvars.ContextVar("backward_launch",
+                                                                                          default=None)
+
+
+@contextlib.contextmanager
+def override_launch(*, forward: ForwardLaunch | None = None, backward: BackwardLaunch | None = None) -> Iterator[None]:
+    """Run the Hopper kernels with these launches instead of the table's, in this thread
+    (and context) only, for measuring one launch against another:
+
+        with fp4attn.routing.override_launch(forward=ForwardLaunch(64, 4, 2, True)):
+            fp4attn.attention(q, k, v, recipe="fp8")
+    """
+    for name, value, kind in (("forward", forward, ForwardLaunch), ("backward", backward, BackwardLaunch)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"override_launch({name}=...) takes a {kind.__name__}, got {type(value).__name__}")
+    tokens = [(_FORWARD_OVERRIDE, _FORWARD_OVERRIDE.set(forward)) if forward is not None else None,
+              (_BACKWARD_OVERRIDE, _BACKWARD_OVERRIDE.set(backward)) if backward is not None else None]
+    try:
+        yield
+    finally:
+        for item in tokens:
+            if item is not None:
+                item[0].reset(item[1])
+
+
+def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
+    """The Hopper forward's launch for this kernel head dim, QK^T format and masking."""
+    return _FORWARD_OVERRIDE.get() or FORWARD_LAUNCH[head_dim, qk_fp8, causal]
+
+
+def backward_launch(head_dim: int) -> BackwardLaunch:
+    """The Hopper backward's launch at this kernel head dim."""
+    return _BACKWARD_OVERRIDE.get() or BACKWARD_LAUNCH[head_dim]
+
+
+# ---------------------------------------------------------------------------- Blackwell (sm_100)
+@dataclass(frozen=True)
+class BlackwellLaunch:
+    """Launch shape of the Blackwell forward (`kernels.blackwell.forward_triton`); speed
+    only. block_m rows per program on 128-lane tensor memory, warps, pipeline stages."""
+
+    block_m: int = 128
+    warps: int = 8
+    stages: int = 2
+
+
+# Keyed by (head dim, causal). Not measured: no Blackwell GPU has run these kernels.
+# Chosen from the sm_100a builds (docs/notes/blackwell.md, `fp4attn compile-report`):
+# 8 warps hold a 128x128 S tile at 64 registers of it per thread; with 4 warps the FP8
+# recipes spill (255 registers, 1784 bytes at D=128), with 8 none does.
+BLACKWELL_FORWARD_LAUNCH: dict[tuple[int, bool], BlackwellLaunch] = {
+    (d, causal): BlackwellLaunch() for d in (64, 128) for causal in (False, True)
+}
+
+
+def blackwell_forward_launch(head_dim: int, causal: bool) -> BlackwellLaunch:
+    """The Blackwell forward's launch for this kernel head dim and masking."""
+    return BLACKWELL_FORWARD_LAUNCH[head_dim, causal]
+
+
+# ---------------------------------------------------------------------------- what each family runs
+def kernel_head_dim(head_dim: int) -> int | None:
+    """The Hopper kernel head dim that runs `head_dim`: itself (64, 128), or for a
+    smaller multiple of 16 the next one up, the inputs zero-padded. Padding is exact in
+    every recipe: zero channels add nothing to a score, leave NVFP4's tensor amax, FP8's
+    per-token amax and MXFP4 V's window unchanged, and come out as zero columns. None
+    above 128."""
+    if head_dim % 16:
+        return None
+    return next((d for d in HOPPER_HEAD_DIMS if head_dim <= d), None)
+
+
+def hopper_forward_unsupported(recipe: Recipe, head_dim: int) -> str | None:
+    """Why the Hopper forward kernels cannot run `recipe` at `head_dim`, or None."""
+    if recipe.qk not in ("fp8", "nvfp4"):
+        return f"Q/K format {recipe.qk!r} (kernels run 'fp8' and 'nvfp4')"
+    if (recipe.p, recipe.p_build) not in P_MODES:
+        return f"P {recipe.p!r} built by {recipe.p_build!r} (kernels run {sorted(P_MODES)})"
+    if recipe.v not in ("fp8", "mxfp4"):
+        return f"V format {recipe.v!r} (kernels run 'fp8' and 'mxfp4')"
+    if not recipe.consistent_norm:
+        return "consistent_norm=False (kernels sum the represented P values)"
+    if recipe.block_n != KEY_TILE:
+        return f"block_n={recipe.block_n} (kernels tile {KEY_TILE} keys)"
+    if kernel_head_dim(head_dim) is None:
+        return (f"head_dim {head_dim} (kernels run multiples of 16 up to {HOPPER_HEAD_DIMS[-1]}; below 64 and 128 "
+                "zero-padded)")
+    return None
+
+
+def hopper_train_unsupported(recipe: Recipe, head_dim: int) -> str | None:
+    """Why the Hopper training kernels cannot train `recipe` at `head_dim`, or None."""
+    if recipe.grad is None:
+        return f"recipe {recipe.name!r} is inference-only (grad=None)"
+    if recipe.grad not in TRAIN_GRAD_FORMATS:
+        return f"gradient format {recipe.grad!r} (kernels run {TRAIN_GRAD_FORMATS})"
+    if recipe.qk != "nvfp4":
+        return f"Q/K format {recipe.qk!r} for training (kernels train 'nvfp4' Q/K)"
+    return hopper_forward_unsupported(recipe, head_dim)
+
+
+def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:
+    """The Hopper forward kernel that runs the call: the Gluon warp-specialized kernel
+    for FP8 P where the launch asks for it and no key mask is given (its operands by TMA,
+    which the fused quantizers' layouts allow), else the Triton kernel."""
+    dk = kernel_head_dim(head_dim)
+    launch = forward_launch(dk, recipe.fast_accum, causal)
+    gluon = launch.warp_specialized and P_MODES[recipe.p, recipe.p_build] == 0 and mask == "none"
+    return "hopper.forward_gluon_ws" if gluon else "hopper.forward_triton"
+
+
+def _hopper_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:
+    fwd = _hopper_forward_kernel(recipe, head_dim, causal, mask)
+    cfg = backward_launch(kernel_head_dim(head_dim))
+    dkdv = "backward_gluon.dkdv" if cfg.dkdv_gluon and recipe.p == "fp8" else "backward_triton.dkdv"
+    dq = "backward_gluon.dq" if cfg.dq_gluon else "backward_triton.dq"
+    return f"{fwd} + hopper.{dkdv} + hopper.{dq} (Gluon where the lengths are whole 64-token tiles)"
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """Kernels of one target and direction. `unsupported(recipe, head_dim, mask)` says
+    why they cannot run a call (mask: "none", "key" for a key-padding mask, "other"),
+    or None; `kernel(recipe, head_dim, causal, mask)` names what runs; `launcher` is
+    the "module:function" the api calls."""
+
+    name: str
+    targets: tuple[str, ...]
+    train: bool
+    unsupported: Callable[[Recipe, int, str], str | None]
+    kernel: Callable[[Recipe, int, bool, str], str]
+    launcher: str
+    masks: tuple[str, ...] = field(default=("none", "key"))
+
+
+def _masks(family_masks: tuple[str, ...], check: Callable[[Recipe, int], str | None]):
+    def unsupported(recipe: Recipe, head_dim: int, mask: str) -> str | None:
+        if mask not in family_masks:
+            return ("an attn_mask that is not a key mask (the kernels take key masks, broadcastable as (B, 1, 1, Sk), "
+                    "for now)" if mask == "other" else "an attn_mask with a backward (the backward kernels take "
+                    "causal masks only, for now)")
+        return check(recipe, head_dim)
+    return unsupported
+
+
+# the Blackwell forward's (P, P build, V): MXFP4 P by Direct-P with MXFP4 V on the FP4
+# tensor cores, or FP8 P from exp2 with FP8 V on the FP8 tensor cores
+BLACKWELL_PV = (("mxfp4", "directp", "mxfp4"), ("fp8", "exp2", "fp8"))
+
+
+def blackwell_forward_unsupported(recipe: Recipe, head_dim: int) -> str | None:
+    """Why the Blackwell forward cannot run `recipe` at `head_dim`, or None."""
+    if getattr(recipe, "robust", False):
+        return "outlier-robust recipe fields (the Blackwell kernels run the plain recipes, for now)"
+    if recipe.qk not in ("fp8", "nvfp4"):
+        return f"Q/K format {recipe.qk!r} (Blackwell kernels run 'fp8' and 'nvfp4')"
+    if (recipe.p, recipe.p_build, recipe.v) not in BLACKWELL_PV:
+        return (f"P {recipe.p!r} built by {recipe.p_build!r} with V {recipe.v!r} (Blackwell kernels run "
+                f"{list(BLACKWELL_PV)})")
+    if not recipe.consistent_norm:
+        return "consistent_norm=False (kernels sum the represented P values)"
+    if recipe.block_n != KEY_TILE:
+        return f"block_n={recipe.block_n} (kernels tile {KEY_TILE} keys)"
+    if kernel_head_dim(head_dim) is None:
+        return (f"head_dim {head_dim} (kernels run multiples of 16 up to {HOPPER_HEAD_DIMS[-1]}; below 64 and 128 "
+                "zero-padded)")
+    return None
+
+
+def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:
+    qk = "NVFP4 QK^T (kind::mxf4nvf4)" if recipe.qk == "nvfp4" else "FP8 QK^T (kind::f8f6f4)"
+    pv = "Direct-P MXFP4 PV (kind::mxf4)" if recipe.p == "mxfp4" else "FP8 PV (kind::f8f6f4)"
+    return f"blackwell.forward_triton ({qk}, {pv})"
+
+
+# In order: the first family whose target matches and that accepts the call runs it.
+KERNEL_FAMILIES: list[KernelFamily] = [
+    KernelFamily("hopper-train", ("sm_90",), True, _masks(("none",), hopper_train_unsupported),
+                 _hopper_train_kernel, "fp4attn.kernels.hopper.train_op:hopper_train_attention", ("none",)),
+    KernelFamily("hopper-forward", ("sm_90",), False, _masks(("none", "key"), hopper_forward_unsupported),
+                 _hopper_forward_kernel, "fp4attn.kernels.hopper.forward_op:hopper_attention"),
+    KernelFamily("blackwell-forward", ("sm_100",), False, _masks(("none", "key"), blackwell_forward_unsupported),
+                 _blackwell_forward_kernel, "fp4attn.kernels.blackwell.forward_op:blackwell_attention"),
+]
+
+
+@dataclass(frozen=True)
+class Route:
+    """What a call runs: `backend` ("triton" or "reference"), `kernel` (the kernels'
+    names, or "reference"), `target`, `reason` (why this backend), and the `family`
+    whose launcher the api calls (None on the reference)."""
+
+    backend: str
+    kernel: str
+    target: str
+    reason: str
+    family: KernelFamily | None = None
+
+    def as_dict(self) -> dict:
+        return {"backend": self.backend, "kernel": self.kernel, "target": self.target, "reason": self.reason,
+                "launcher": self.family.launcher if self.family else None}
+
+
+def requested_backend(backend: str) -> str:
+    """`backend` checked, with FP4ATTN_BACKEND applied to "auto"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; accepted: {BACKENDS}")
+    env = os.environ.get(BACKEND_ENV)
+    if backend == "auto" and env:
+        if env not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={env!r} is not a backend; accepted: {BACKENDS}")
+        return env
+    return backend
+
+
+def route(recipe: Recipe, *, device, head_dim: int, causal: bool, needs_grad: bool, mask: str,
+          backend: str = "auto") -> Route:
+    """The route of a call: kernels where a family of the call's target accepts it,
+    else the reference, with the reason. `mask` is "none", "key" or "other" (see
+    `KernelFamily`); `backend` as `fp4attn.attention`'s ("triton" raises where no
+    kernel runs the call)."""
+    backend = requested_backend(backend)
+    target = target_of(device)
+    if backend == "reference":
+        return Route("reference", "reference", target, "backend='reference' was asked for")
+    device_type = device if isinstance(device, str) else device.type
+    reasons = []
+    if device_type != "cuda" and not interpreting():
+        reasons.append(f"inputs on {device_type} (kernels need CUDA, or TRITON_INTERPRET=1 with {TARGET_ENV})")
+    else:
+        families = [f for f in KERNEL_FAMILIES if target in f.targets and f.train == needs_grad]
+        if not families:
+            what = "training kernels" if needs_grad else "kernels"
+            reasons.append(f"no {what} are built for target {target}")
+        for fam in families:
+            why = fam.unsupported(recipe, head_dim, mask)
+            if why is None:
+                return Route("triton", fam.kernel(recipe, head_dim, causal, mask), target,
+                             f"{fam.name} kernels run recipe {recipe.name!r} at head_dim {head_dim} on {target}",
+                             fam)
+            reasons.append(f"a backward is needed and {why}" if needs_grad else why)
+    reason = "; ".join(reasons)
+    if backend == "triton":
+        raise ValueError(f"backend='triton' cannot run recipe {recipe.name!r}: {reason}")
+    return Route("reference", "reference", target, reason)

@@ -1,0 +1,94 @@
+"""The benchmark harness the CLI's `bench` commands and the developer tools share:
+shapes, exact causal FLOPs, timers (device median, host time, per-kernel device time)
+and the baselines (SDPA's cuDNN and flash backends, cuDNN's FP8 SDPA). Needs CUDA to
+time; imported by the CLI and tools only, never by `import fp4attn`."""
+
+from __future__ import annotations
+
+import torch
+
+
+def parse_shapes(spec: str, sep: str) -> list[tuple[int, ...]]:
+    """(B, H, S, D) shapes from text such as "8,16,4096,128;2,16,16384,128" (sep ";")."""
+    return [tuple(map(int, x.split(","))) for x in spec.split(sep)]
+
+
+def visible_pairs(sq: int, sk: int, causal: bool) -> int:
+    if not causal:
+        return sq * sk
+    return sum(min(sk, i + 1) for i in range(sq)) if sq != sk else sq * (sq + 1) // 2
+
+
+def time_ms(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def host_ms(fn, n: int = 20) -> float:
+    """Host time per call of `fn` when nothing waits on the GPU: n calls, then one
+    synchronization. A call whose host time exceeds its device time (`device_kernels`)
+    is launch-bound."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return host / n * 1e3
+
+
+def device_kernels(fn, reps: int = 20) -> dict[str, tuple[float, float]]:
+    """{kernel name: (launches per call, device ms per call)} of the kernels `fn` runs,
+    from the torch profiler (CUDA activity; each kernel's own span on the device). For
+    the scripts that ask where a call's time goes, or whether its host is the bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n_ms = out.setdefault(e.name, [0, 0.0])
+            n_ms[0] += 1
+            n_ms[1] += e.time_range.elapsed_us() / 1e3
+    return {k: (n / reps, ms / reps) for k, (n, ms) in out.items()}
+
+
+def sdpa(backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[backend_name]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def time_cudnn_fp8(q, k, v, causal: bool) -> tuple[float | None, str]:
+    """(ms, note) of cuDNN's FP8 SDPA on these inputs, after checking its output against
+    bf16 SDPA; (None, why) if the package is missing or the graph fails."""
+    from fp4attn.tools import cudnn_fp8
+    from fp4attn.metrics import error_metrics
+
+    if not cudnn_fp8.available():
+        return None, "not run: the nvidia-cudnn-frontend package is not installed"
+    try:
+        att = cudnn_fp8.CudnnFP8Attention(q, k, v, causal)
+        att.run()
+        sl = (slice(0, 1), slice(0, 2))
+        cos = error_metrics(att.output()[sl], sdpa("sdpa-cudnn")(q[sl], k[sl], v[sl], causal))["cos"]
+        if not cos > 0.99:
+            return None, f"not timed: its output disagrees with bf16 SDPA (cos {cos:.4f})"
+        return time_ms(att.run), f"checked (cos {cos:.4f} to bf16 SDPA), e4m3 in and out"
+    except Exception as e:  # an unsupported graph is a result to report, not a crash
+        return None, f"failed: {type(e).__name__}: {str(e)[:200]}"
