@@ -100,17 +100,16 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// Spins until the barrier's phase `parity` has completed. A wait that never ends (a
-// broken pipeline) traps after about 2**31 polls instead of hanging the GPU.
+// Spins until the barrier's phase `parity` has completed. (No trap on a wait that never
+// ends: a __trap() on this path made ptxas allocate the consumers' registers at the
+// kernel's entry cap of 168 instead of setmaxnreg's 240, serializing every wgmma, C7512.)
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     uint32_t done;
-    for (uint32_t polls = 0;; ++polls) {
+    do {
         asm volatile(
             "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
             : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-        if (done) return;
-        if (polls > (1u << 31)) __trap();
-    }
+    } while (!done);
 }
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TensorMap* map, int c0, int c1, uint32_t bar) {
@@ -299,9 +298,8 @@ __device__ __forceinline__ Smem carve(unsigned char* raw) {
 // key 16 (n % 8) + 4q + 2 (n / 8) + b of the tile (the permuted K rows).
 template <bool MASKED>
 __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4], float (&m)[2], float (&l)[2],
-                                             float (&alpha)[2], const float (&a)[2], const float* ks_tile,
-                                             const float* bias_tile, int key0, const int (&row)[2], int Sk,
-                                             int causal_offset, int q) {
+                                             float (&alpha)[2], const float (&a)[2], const float* ks_tile, int key0,
+                                             const int (&limit)[2], int q) {
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
         const int kk = 16 * (n & 7) + 4 * q + 2 * (n >> 3);
@@ -312,25 +310,20 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
             s[4 * n + 2 * i + 1] = fmul_rn(fmul_rn(s[4 * n + 2 * i + 1], a[i]), kb.y);
         }
 #if KEY_BIAS
-        const float2 bb = *(const float2*)(bias_tile + kk);  // added before hiding keys, as the reference
+        const float2 bb = *(const float2*)(ks_tile + STAGES * BLOCK_N + kk);  // the bias (after the scales): added before
+        // hiding keys, as the reference does
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             s[4 * n + 2 * i] = fadd_rn(s[4 * n + 2 * i], bb.x);
             s[4 * n + 2 * i + 1] = fadd_rn(s[4 * n + 2 * i + 1], bb.y);
         }
 #endif
-        if (MASKED) {
+        if (MASKED) {  // keys past Sk, and past row + causal_offset under a causal mask: limit[i]
             const int key = key0 + kk;
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-#pragma unroll
-                for (int b = 0; b < 2; ++b) {
-                    bool visible = key + b < Sk;
-#if CAUSAL
-                    visible = visible && key + b <= row[i] + causal_offset;
-#endif
-                    if (!visible) s[4 * n + 2 * i + b] = -__int_as_float(0x7f800000);
-                }
+                if (key > limit[i]) s[4 * n + 2 * i] = -__int_as_float(0x7f800000);
+                if (key + 1 > limit[i]) s[4 * n + 2 * i + 1] = -__int_as_float(0x7f800000);
             }
         }
     }
@@ -405,6 +398,9 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     const int cw = wg - 1;  // 0 or 1: rows 64 cw .. of the block
     const int t = tid - 128 * wg, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
     const int row[2] = {start_m * BLOCK_M + cw * 64 + 16 * warp + g, start_m * BLOCK_M + cw * 64 + 16 * warp + g + 8};
+    int limit[2];  // the last key each row sees
+#pragma unroll
+    for (int i = 0; i < 2; ++i) limit[i] = CAUSAL ? min(Sk - 1, row[i] + p.causal_offset) : Sk - 1;
     float a[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) a[i] = row[i] < Sq ? p.qs[(long long)bh * Sq + row[i]] * p.qk_scale : 0.0f;
@@ -421,7 +417,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     if (cw == 1) named_arrive(1, 256);
 
     const uint64_t q_desc = smem_desc(sm.q + cw * 64 * QK_ROW_BYTES, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
-    const float* bias_base = sm.bias;
     mbar_wait(sm.q_full, 0);
 
     // tile 0: QK^T alone
@@ -437,9 +432,9 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     if (lane == 0) mbar_arrive(sm.k_empty);
     mbar_wait(sm.ks_full, 0);
     if (0 >= full)
-        softmax_tile<true>(s, pa, m, l, alpha, a, sm.ks, bias_base, 0, row, Sk, p.causal_offset, q);
+        softmax_tile<true>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
     else
-        softmax_tile<false>(s, pa, m, l, alpha, a, sm.ks, bias_base, 0, row, Sk, p.causal_offset, q);
+        softmax_tile<false>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
 
     for (int j = 1; j < n_tiles; ++j) {
         const int st = j % STAGES, prev = (j - 1) % STAGES;
@@ -464,11 +459,10 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         add_pv(o, pv, alpha);
         mbar_wait(sm.ks_full + 8 * st, parity);
         const float* ks_tile = sm.ks + st * BLOCK_N;
-        const float* bias_tile = bias_base + st * BLOCK_N;
         if (j * BLOCK_N >= full)
-            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, bias_tile, j * BLOCK_N, row, Sk, p.causal_offset, q);
+            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
         else
-            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, bias_tile, j * BLOCK_N, row, Sk, p.causal_offset, q);
+            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
     }
 
     // the last tile's PV
@@ -514,32 +508,38 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     }
 }
 
+// The CTA's query block and heads, and the key tiles it sees: [0, full) unmasked,
+// n_tiles in all (one masked tile for a block that sees no key), as
+// forward_gluon_ws._key_tiles. Each role computes it after its setmaxnreg: a value live
+// across setmaxnreg is spilled by ptxas.
+struct Block {
+    int start_m, bh, bhk, full, n_tiles;
+};
+
+__device__ __forceinline__ Block block_plan(const Params& p) {
+    Block b;
+    // longest query blocks first under a causal mask (they see the most keys)
+    b.start_m = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    b.bh = blockIdx.y;
+    b.bhk = (b.bh / p.H) * (p.H / p.group) + (b.bh % p.H) / p.group;
+    int hi = p.Sk;
+    b.full = p.Sk / BLOCK_N * BLOCK_N;
+#if CAUSAL
+    const int last = (b.start_m + 1) * BLOCK_M + p.causal_offset;
+    const int first = b.start_m * BLOCK_M + p.causal_offset + 1;
+    hi = min(max(last, 0), p.Sk);
+    b.full = min(max(first, 0), b.full) / BLOCK_N * BLOCK_N;
+#endif
+    b.n_tiles = max((hi + BLOCK_N - 1) / BLOCK_N, 1);
+    return b;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __grid_constant__ Params p) {
     extern __shared__ unsigned char smem_raw[];
-    const Smem sm = carve(smem_raw);
     const int tid = threadIdx.x;
     const int wg = tid / 128;
-
-    // longest query blocks first under a causal mask (they see the most keys)
-    const int start_m = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const int bh = blockIdx.y;
-    const int H = p.H, Sq = p.Sq, Sk = p.Sk;
-    const int bhk = (bh / H) * (H / p.group) + (bh % H) / p.group;
-
-    // the key tiles this query block sees: [0, full) unmasked, n_tiles in all (one masked
-    // tile for a block that sees no key), as forward_gluon_ws._key_tiles
-    int hi = Sk, full = Sk / BLOCK_N * BLOCK_N;
-#if CAUSAL
-    {
-        const int last = (start_m + 1) * BLOCK_M + p.causal_offset;
-        const int first = start_m * BLOCK_M + p.causal_offset + 1;
-        hi = min(max(last, 0), Sk);
-        full = min(max(first, 0), full) / BLOCK_N * BLOCK_N;
-    }
-#endif
-    const int n_tiles = max((hi + BLOCK_N - 1) / BLOCK_N, 1);
-
     if (tid == 0) {
+        const Smem sm = carve(smem_raw);
         mbar_init(sm.q_full, 1);
         for (int st = 0; st < STAGES; ++st) {
             mbar_init(sm.k_full + 8 * st, 1);
@@ -555,6 +555,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
     if (wg == 0) {
         // ---------------------------------------------------------------- producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+        const Smem sm = carve(smem_raw);
+        const Block blk = block_plan(p);
+        const int start_m = blk.start_m, bh = blk.bh, bhk = blk.bhk, n_tiles = blk.n_tiles;
+        const int Sq = p.Sq, Sk = p.Sk;
         const int warp = tid / 32, lane = tid % 32;
         if (warp == 0 && lane == 0) {
             mbar_expect_tx(sm.q_full, Q_BYTES);
@@ -577,7 +581,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
             // key scales (and bias) of tile j into the stage whose V^T has been read: the
             // consumers read them in the softmax, before that tile's PV
             const float* ks = p.ks + (long long)bhk * Sk;
-            const float* kb = p.key_bias + (long long)(bh / H) * Sk;
+#if KEY_BIAS
+            const float* kb = p.key_bias + (long long)(bh / p.H) * Sk;
+#endif
             for (int j = 0; j < n_tiles; ++j) {
                 const int st = j % STAGES;
                 mbar_wait(sm.v_empty + 8 * st, ((j / STAGES) & 1) ^ 1);
@@ -595,6 +601,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
     } else {
         // consumers (one branch of this if/else each role: ptxas applies setmaxnreg only so)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
-        consumer(p, sm, tid, wg, start_m, bh, bhk, full, n_tiles);
+        const Block blk = block_plan(p);
+        consumer(p, carve(smem_raw), tid, wg, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
     }
 }

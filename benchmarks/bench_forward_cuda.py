@@ -1,0 +1,173 @@
+"""The CUDA C++ FP8 forward (fp4attn/kernels/hopper/forward_cuda.py) against its baselines,
+on a Hopper GPU, in one process run:
+
+1. correctness of every variant once (head dim 64/128, causal or not) against the routed
+   Triton/Gluon kernel on the same prepared operands: max |out - ref|, the fraction of
+   bit-identical bf16 outputs, max |lse - ref|;
+2. timings (median of triton.testing.do_bench, TFLOP/s = 4 B H Sq Sk D / t, half for
+   causal): SDPA's cuDNN bf16, `fp4attn.attention(..., recipe="fp8-fastacc")` as routed
+   today (quantization included), the Triton/Gluon kernel alone, the CUDA kernel alone
+   per ring depth, and the CUDA kernel with the fused quantizers.
+
+Each phase runs in a child process with a time limit, so a kernel that hangs (an
+mbarrier never completed) costs its phase, not the run. The log goes to --out; the
+table comes last on stdout.
+
+    python benchmarks/bench_forward_cuda.py --out results_dir [--stages 2,3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+SHAPES = [  # B, H, S, D, causal
+    *[(b, h, s, 128, c) for c in (False, True) for b, h, s in ((8, 16, 4096), (2, 16, 16384), (1, 24, 32768),
+                                                              (4, 32, 4096))],
+    *[(b, h, s, 64, c) for c in (False, True) for b, h, s in ((16, 16, 2048), (4, 16, 8192))],
+]
+
+
+def _inputs(B, H, S, D, seed=0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn((B, H, S, D), device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
+
+
+def check(args) -> int:
+    import torch
+
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.forward_op import launch_forward
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.recipes import get_recipe
+
+    recipe = get_recipe("fp8-fastacc")
+    bad = 0
+    for B, H, Sq, Sk, D, causal in [(2, 8, 2000, 2000, 128, False), (2, 8, 2000, 2000, 128, True),
+                                    (2, 8, 1500, 2300, 64, False), (2, 8, 2300, 1500, 64, True)]:
+        q, _, _ = _inputs(B, H, Sq, D, seed=1)
+        _, k, v = _inputs(B, H, Sk, D, seed=2)
+        ops = prepare_operands_fused(q, k, v, recipe)
+        offset = Sk - Sq if causal else None
+        t0 = time.time()
+        out, lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset)
+        torch.cuda.synchronize()
+        t1 = time.time()
+        ref, ref_lse, _ = launch_forward(ops, scale=D ** -0.5, causal_offset=offset, p_mode=0)
+        seen = torch.isfinite(ref_lse)
+        d_out = (out.float() - ref.float()).abs().max().item()
+        same = (out == ref).float().mean().item()
+        d_lse = (lse[seen] - ref_lse[seen]).abs().max().item()
+        ok = d_out < 3e-2 and same >= 0.99 and d_lse < 1e-4 and torch.equal(seen, torch.isfinite(lse))
+        bad += not ok
+        print(f"check B={B} H={H} Sq={Sq} Sk={Sk} D={D} causal={causal}: max|dout|={d_out:.3g} "
+              f"identical={same:.5f} max|dlse|={d_lse:.3g} first call {t1 - t0:.2f}s {'OK' if ok else 'FAIL'}",
+              flush=True)
+    return 1 if bad else 0
+
+
+def timings(args) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    import fp4attn
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.forward_op import launch_forward
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.recipes import get_recipe
+
+    recipe = get_recipe("fp8-fastacc")
+    stages = [int(s) for s in args.stages.split(",")]
+    shapes = SHAPES[:2] + SHAPES[4:6] + SHAPES[8:9] if args.quick else SHAPES
+    rows = []
+    for B, H, S, D, causal in shapes:
+        q, k, v = _inputs(B, H, S, D)
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        ops = prepare_operands_fused(q, k, v, recipe)
+        offset = 0 if causal else None
+        res = {}
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        cands = {
+            "cudnn_bf16": cudnn,
+            "routed_fp8fa": lambda: fp4attn.attention(q, k, v, recipe="fp8-fastacc", causal=causal),
+            "triton_kernel": lambda: launch_forward(ops, scale=D ** -0.5, causal_offset=offset, p_mode=0),
+            **{f"cuda_s{st}": (lambda st=st: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset,
+                                                                stages=st)) for st in stages},
+            "cuda+quant": lambda: launch_forward_cuda(prepare_operands_fused(q, k, v, recipe), scale=D ** -0.5,
+                                                      causal_offset=offset),
+        }
+        for name, fn in cands.items():
+            try:
+                fn()
+                torch.cuda.synchronize()
+                ms = do_bench(fn, warmup=25, rep=100)
+                res[name] = flops / (ms * 1e-3) / 1e12
+            except Exception as e:  # one failing baseline does not end the table
+                print(f"  {name} at {(B, H, S, D, causal)} failed: {type(e).__name__}: {e}", flush=True)
+                res[name] = float("nan")
+        rows.append(((B, H, S, D, causal), res))
+        print(f"time {(B, H, S, D, 'causal' if causal else 'full')}: "
+              + " ".join(f"{n}={t:.0f}" for n, t in res.items()), flush=True)
+        del q, k, v, ops
+        torch.cuda.empty_cache()
+
+    names = list(rows[0][1])
+    print("\nTFLOP/s (ratio to cuDNN bf16 in brackets), H200, same process")
+    print(f"{'B,H,S,D,mask':<24}" + "".join(f"{n:>20}" for n in names))
+    for shape, res in rows:
+        base = res["cudnn_bf16"]
+        label = f"{shape[0]},{shape[1]},{shape[2]},{shape[3]},{'causal' if shape[4] else 'full'}"
+        print(f"{label:<24}" + "".join(f"{res[n]:>12.0f} ({res[n] / base:.2f}x)" for n in names))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the log")
+    parser.add_argument("--stages", default="2", help="ring depths of the CUDA kernel to time, e.g. 2,3")
+    parser.add_argument("--quick", action="store_true", help="five shapes instead of twelve")
+    parser.add_argument("--check-timeout", type=float, default=120)
+    parser.add_argument("--time-timeout", type=float, default=300)
+    parser.add_argument("--phase", choices=("check", "time"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase == "check":
+        return check(args)
+    if args.phase == "time":
+        return timings(args)
+
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "bench_forward_cuda.log")
+    passthrough = [a for a in sys.argv[1:]]
+    status = {}
+    with open(log_path, "w") as log:
+        log.write("command: python benchmarks/bench_forward_cuda.py " + " ".join(passthrough) + "\n")
+        for phase, limit in (("check", args.check_timeout), ("time", args.time_timeout)):
+            cmd = [sys.executable, "-u", __file__, *passthrough, "--phase", phase]
+            try:
+                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=limit)
+                text, status[phase] = proc.stdout, proc.returncode
+            except subprocess.TimeoutExpired as e:
+                out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                text, status[phase] = out + f"\n[{phase} phase stopped after {limit:.0f}s: a hang?]\n", "timeout"
+            log.write(text)
+            log.flush()
+            print(text, flush=True)
+            if status[phase] == "timeout":  # a hung kernel would hang the timings too
+                break
+    print(f"phases: {status}; log: {log_path}")
+    return 0 if all(s == 0 for s in status.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

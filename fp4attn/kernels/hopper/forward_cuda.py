@@ -1,0 +1,323 @@
+"""The Hopper FP8 attention forward in CUDA C++ (`cuda/attn_fwd_fp8.cu`): FlashAttention-3's
+schedule (a TMA producer warpgroup, two consumer warpgroups taking turns on the tensor
+cores, setmaxnreg), which Triton 3.6 cannot express (docs/notes/hopper-cuda-forward.md).
+
+Built at first use by NVRTC through `cuda-bindings` (no CUDA toolkit needed), one cubin
+per variant (head dim, causal, key bias, stages), cached on disk under
+$FP4ATTN_CACHE_DIR or ~/.cache/fp4attn, keyed by the source, the options and NVRTC's
+version; a build prints one line. `compile_variant` also runs without a GPU (the CPU
+compile check); launching needs one.
+
+Numerics: the `fast_accum` FP8-P recipes exactly as the Gluon kernel computes them
+(forward_gluon_ws.attn_fwd_ws_kernel), only float32 sums in another order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
+
+SOURCE = Path(__file__).with_name("cuda") / "attn_fwd_fp8.cu"
+KERNEL_NAME = "attn_fwd_fp8"
+ARCH = "sm_90a"
+BLOCK_M = 128  # query rows per CTA (two consumer warpgroups of 64)
+THREADS = 384  # producer warpgroup + two consumer warpgroups
+HEAD_DIMS = (64, 128)
+CACHE_ENV = "FP4ATTN_CACHE_DIR"
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled form of the kernel (speed and masking only; the arithmetic is the same)."""
+
+    head_dim: int
+    causal: bool
+    key_bias: bool = False
+    stages: int = 2
+
+    def defines(self) -> list[str]:
+        return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}", f"-DKEY_BIAS={int(self.key_bias)}",
+                f"-DSTAGES={self.stages}"]
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
+        mbarriers, and 1024 bytes to align the tiles for the 128-byte swizzle."""
+        d = self.head_dim
+        return 1024 + BLOCK_M * d + self.stages * 2 * BLOCK_N * d + 2 * self.stages * BLOCK_N * 4 + (1 + 5 * self.stages) * 8
+
+
+# the launch per (head dim, causal): ring depth, measured (docs/notes/hopper-cuda-forward.md)
+STAGES = {(128, False): 2, (128, True): 2, (64, False): 2, (64, True): 2}
+
+
+def variant_for(head_dim: int, causal: bool, key_bias: bool = False) -> Variant:
+    return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal])
+
+
+def all_variants() -> list[Variant]:
+    """Every variant the launcher can pick (what the compile check builds)."""
+    return [variant_for(d, c, kb) for d in HEAD_DIMS for c in (False, True) for kb in (False, True)]
+
+
+# ---------------------------------------------------------------------------- build
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as e:  # pragma: no cover - depends on the installation
+        raise RuntimeError("the CUDA forward needs NVRTC: pip install cuda-bindings nvidia-cuda-nvrtc "
+                           "(the fp4attn[test] extra installs them)") from e
+    return nvrtc
+
+
+def _check(result, what: str):
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_check(_nvrtc().nvrtcVersion(), "nvrtcVersion"))
+
+
+def _options(variant: Variant) -> list[str]:
+    # -v: ptxas reports registers and spills in the log (read by the compile check)
+    return [f"--gpu-architecture={ARCH}", "-std=c++17", "--ptxas-options=-v", *variant.defines()]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fp4attn") / "cuda"
+
+
+@dataclass(frozen=True)
+class Build:
+    cubin: bytes
+    log: str  # NVRTC's and ptxas's messages
+
+    def spill_bytes(self) -> int:
+        """Local-memory spill stores plus loads reported by ptxas (0 when none)."""
+        return sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.log))
+
+    def registers(self) -> int | None:
+        m = re.search(r"Used (\d+) registers", self.log)
+        return int(m.group(1)) if m else None
+
+    def serialized_wgmma(self) -> bool:
+        """ptxas's note that it serialized the wgmmas (C7510-C7520: a lost pipeline)."""
+        return "wgmma.mma_async instructions are serialized" in self.log
+
+
+def compile_variant(variant: Variant, *, use_cache: bool = True, announce: bool = True) -> Build:
+    """The variant's cubin for sm_90a, from the disk cache or built by NVRTC (no GPU needed)."""
+    nvrtc = _nvrtc()
+    source = SOURCE.read_bytes()
+    options = _options(variant)
+    key = hashlib.sha256(source + "\0".join(options).encode() + repr(nvrtc_version()).encode()).hexdigest()[:24]
+    path = _cache_dir() / f"{KERNEL_NAME}-{key}.cubin"
+    if use_cache and path.exists():
+        return Build(path.read_bytes(), path.with_suffix(".log").read_text() if path.with_suffix(".log").exists() else "")
+    if announce:
+        print(f"fp4attn: compiling the CUDA attention forward ({variant}) with NVRTC ...", file=sys.stderr, flush=True)
+    prog = _check(nvrtc.nvrtcCreateProgram(source, SOURCE.name.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in options]
+        err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log_text = log.decode(errors="replace").rstrip("\0 \n")
+        if int(err) != 0:
+            raise RuntimeError(f"NVRTC could not compile {SOURCE.name} ({variant}):\n{log_text}")
+        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(cubin)
+            path.with_suffix(".log").write_text(log_text)
+            os.replace(tmp, path)  # atomic: concurrent builds of one variant never read half a file
+        except OSError:
+            pass  # a read-only home: the build still runs, uncached
+    return Build(cubin, log_text)
+
+
+# ---------------------------------------------------------------------------- load and launch
+_lock = threading.Lock()
+_functions: dict[tuple[int, Variant], object] = {}
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _function(variant: Variant, device: torch.device):
+    """The loaded kernel for this variant in the device's primary context (torch's)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, variant)
+    with _lock:
+        fn = _functions.get(key)
+        if fn is None:
+            drv = _driver()
+            torch.cuda.init()
+            with torch.cuda.device(index):
+                torch.cuda.current_stream()  # makes torch's (primary) context current in this thread
+                ctx = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+                if int(ctx) == 0:
+                    dev = _check(drv.cuDeviceGet(index), "cuDeviceGet")
+                    ctx = _check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                    _check((drv.cuCtxSetCurrent(ctx)[0], None), "cuCtxSetCurrent")
+                module = _check(drv.cuModuleLoadData(compile_variant(variant).cubin), "cuModuleLoadData")
+                fn = _check(drv.cuModuleGetFunction(module, KERNEL_NAME.encode()), "cuModuleGetFunction")
+                attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _check((drv.cuFuncSetAttribute(fn, attr, variant.shared_bytes())[0], None), "cuFuncSetAttribute")
+            _functions[key] = fn
+    return fn
+
+
+def _tensor_map(base: int, dims: list[int], strides: list[int], box: list[int], swizzle_bytes: int) -> bytes:
+    """A TMA descriptor of uint8 elements (dims innermost first, strides in bytes of
+    dims 1..), as the 128 bytes the kernel's TensorMap holds."""
+    drv = _driver()
+    swizzle = {64: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+               128: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle_bytes]
+    tmap = _check(drv.cuTensorMapEncodeTiled(
+        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, len(dims), base, dims, strides, box,
+        [1] * len(dims), drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"cuTensorMapEncodeTiled(dims={dims}, box={box})")
+    return ctypes.string_at(tmap.getPtr(), 128)
+
+
+class _Params(ctypes.Structure):
+    # the kernel's `Params`: four 64-byte aligned tensor maps, pointers, ints, the scale;
+    # padded to the C++ struct's size (a multiple of its 64-byte alignment)
+    _fields_ = [("q_map", ctypes.c_uint8 * 128), ("k_map0", ctypes.c_uint8 * 128), ("k_map1", ctypes.c_uint8 * 128),
+                ("v_map", ctypes.c_uint8 * 128),
+                ("qs", ctypes.c_uint64), ("ks", ctypes.c_uint64), ("vs", ctypes.c_uint64),
+                ("key_bias", ctypes.c_uint64), ("out", ctypes.c_uint64), ("lse", ctypes.c_uint64),
+                ("H", ctypes.c_int32), ("group", ctypes.c_int32), ("Sq", ctypes.c_int32), ("Sk", ctypes.c_int32),
+                ("causal_offset", ctypes.c_int32), ("k_rows_per_head", ctypes.c_int32), ("qk_scale", ctypes.c_float),
+                ("_pad", ctypes.c_uint8 * 52)]
+
+
+assert ctypes.sizeof(_Params) == 640
+
+
+def cuda_unsupported_reason(ops: KernelOperands, *, causal_offset: int | None = None,
+                            key_bias: torch.Tensor | None = None) -> str | None:
+    """Why the CUDA kernel cannot run these operands (None: it can)."""
+    q, k, vt = ops.q, ops.k, ops.vt
+    if not q.is_cuda:
+        return "the CUDA forward runs on CUDA tensors only"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"the CUDA forward is built for sm_90a (Hopper); this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+    if q.dtype != torch.float8_e4m3fn or k.dtype != torch.float8_e4m3fn:
+        return f"the CUDA forward multiplies e4m3 Q/K (the fast_accum recipes); got {q.dtype} and {k.dtype}"
+    if vt.dtype != torch.float8_e4m3fn:
+        return f"the CUDA forward takes e4m3 V^T; got {vt.dtype}"
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if D not in HEAD_DIMS:
+        return f"the CUDA forward has head dims {HEAD_DIMS}; got {D}"
+    if H % Hkv:
+        return f"query heads ({H}) must be a multiple of key/value heads ({Hkv})"
+    if Sq < 1 or Sk < 1:
+        return f"empty sequence (Sq={Sq}, Sk={Sk})"
+    if B * H > 65535:
+        return f"batch x heads = {B * H} exceeds the grid's 65535"
+    if key_bias is not None and tuple(key_bias.shape) != (B, Sk):
+        return f"key_bias must be (B, Sk) = {(B, Sk)}; got {tuple(key_bias.shape)}"
+    return None
+
+
+def _k_rows(k: torch.Tensor) -> torch.Tensor:
+    """K as contiguous rows, each head's keys padded with zero rows to a multiple of 16 (the
+    permuted TMA boxes address keys in groups of 16; padded keys are masked)."""
+    B, Hkv, Sk, D = k.shape
+    if Sk % 16 == 0 and k.is_contiguous():
+        return k
+    padded = torch.zeros((B, Hkv, -(-Sk // 16) * 16, D), dtype=k.dtype, device=k.device)
+    padded[:, :, :Sk] = k
+    return padded
+
+
+def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
+    """V^T as (B*Hkv*D, keys) rows with a 16-byte multiple stride (TMA), and that stride."""
+    vt = ops.vt
+    B, Hkv, D, Sk = vt.shape
+    if vt.stride(3) == 1 and vt.stride(2) % 16 == 0 and vt.stride(2) >= Sk and vt.stride(1) == D * vt.stride(2) \
+            and vt.stride(0) == Hkv * vt.stride(1):
+        return vt, vt.stride(2)
+    row = -(-Sk // 16) * 16
+    padded = torch.zeros((B, Hkv, D, row), dtype=vt.dtype, device=vt.device)
+    padded[..., :Sk] = vt
+    return padded, row
+
+
+def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
+                        key_bias: torch.Tensor | None = None, stages: int | None = None):
+    """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
+    (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
+    (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
+    stages: K/V^T ring depth (None: the table's)."""
+    reason = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
+    if reason:
+        raise ValueError(f"launch_forward_cuda: {reason}")
+    q = ops.q.contiguous()
+    B, H, Sq, D = q.shape
+    Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
+    variant = variant_for(D, causal_offset is not None, key_bias is not None)
+    if stages is not None:
+        variant = Variant(variant.head_dim, variant.causal, variant.key_bias, stages)
+    k = _k_rows(ops.k)
+    vt, vt_row = _vt_rows(ops)
+    qs, ks, vs = ops.qs.float().contiguous(), ops.ks.float().contiguous(), ops.vs.float().contiguous()
+    kb = key_bias.float().contiguous() if key_bias is not None else None
+    out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
+    lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
+
+    swz = 128 if D == 128 else 64
+    k_rows = k.shape[0] * k.shape[1] * k.shape[2]
+    p = _Params()
+    maps = (
+        _tensor_map(q.data_ptr(), [D, B * H * Sq], [D], [D, BLOCK_M], swz),
+        # K's rows permuted per 16 keys (see the kernel's header): keys 16n + 4q + 2h + b
+        # land in row 64h + 8n + 2q + b of the tile, one box per h
+        _tensor_map(k.data_ptr(), [D, 2, 4, k_rows // 16], [D, 4 * D, 16 * D], [D, 2, 4, 8], swz),
+        _tensor_map(k.data_ptr() + 2 * D, [D, 2, 4, k_rows // 16], [D, 4 * D, 16 * D], [D, 2, 4, 8], swz),
+        _tensor_map(vt.data_ptr(), [Sk, B * Hkv * D], [vt_row], [BLOCK_N, D], 128),
+    )
+    for name, data in zip(("q_map", "k_map0", "k_map1", "v_map"), maps):
+        ctypes.memmove(ctypes.addressof(getattr(p, name)), data, 128)
+    p.qs, p.ks, p.vs = qs.data_ptr(), ks.data_ptr(), vs.data_ptr()
+    p.key_bias = kb.data_ptr() if kb is not None else 0
+    p.out, p.lse = out.data_ptr(), lse.data_ptr()
+    p.H, p.group, p.Sq, p.Sk = H, H // Hkv, Sq, Sk
+    p.causal_offset = causal_offset or 0
+    p.k_rows_per_head = k.shape[2]
+    p.qk_scale = scale * LOG2E
+
+    fn = _function(variant, q.device)
+    drv = _driver()
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
+    stream = drv.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    _check((drv.cuLaunchKernel(fn, -(-Sq // BLOCK_M), B * H, 1, THREADS, 1, 1, variant.shared_bytes(), stream,
+                               ctypes.addressof(args), 0)[0], None), "cuLaunchKernel")
+    return out, lse

@@ -1,0 +1,104 @@
+"""The CUDA C++ Hopper forward (fp4attn/kernels/hopper/forward_cuda.py).
+
+CPU: every variant the launcher can pick compiles for sm_90a with NVRTC, without
+local-memory spills and with ptxas keeping the wgmmas pipelined.
+GPU (Hopper): outputs against the Triton/Gluon kernel on the same prepared operands; the
+arithmetic is the same, so nearly every bf16 output is bit-identical (the float32 sums
+differ in order only) and the LSE agrees to float32 rounding.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
+
+
+@pytest.mark.skipif(not NVRTC, reason="cuda-bindings (NVRTC) not installed")
+def test_every_variant_compiles_without_spills(tmp_path, monkeypatch):
+    from fp4attn.kernels.hopper import forward_cuda
+
+    monkeypatch.setenv(forward_cuda.CACHE_ENV, str(tmp_path))  # a fresh build, not a cached one
+    for variant in forward_cuda.all_variants():
+        build = forward_cuda.compile_variant(variant, announce=False)
+        assert build.cubin[:4] == b"\x7fELF", variant
+        assert build.spill_bytes() == 0, f"{variant}: ptxas spilled to local memory:\n{build.log}"
+        assert not build.serialized_wgmma(), f"{variant}: ptxas serialized the wgmmas:\n{build.log}"
+    # the second build of a variant comes from the cache
+    assert list(tmp_path.rglob("*.cubin"))
+
+
+def _operands(B, H, Hkv, Sq, Sk, D, seed=0):
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.recipes import get_recipe
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn((B, H, Sq, D), device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn((B, Hkv, Sk, D), device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn((B, Hkv, Sk, D), device="cuda", generator=g).to(torch.bfloat16)
+    return prepare_operands_fused(q, k, v, get_recipe("fp8-fastacc"))
+
+
+def _compare(ops, causal_offset, key_bias=None):
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.forward_op import launch_forward
+
+    D = ops.q.shape[-1]
+    scale = D ** -0.5
+    out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias)
+    ref, ref_lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset, p_mode=0, key_bias=key_bias)
+    torch.cuda.synchronize()
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(seen, torch.isfinite(lse)), "rows that see no key differ"
+    assert (out[~seen] == 0).all(), "a row that sees no key must come out 0"
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=1e-2)
+    same = (out == ref).float().mean().item()
+    assert same >= 0.99, f"only {same:.4f} of the outputs are bit-identical to the Triton/Gluon kernel's"
+
+
+SHAPES = [
+    # B, H, Hkv, Sq, Sk, D, causal ("bottom_right": offset Sk - Sq, "top_left": 0)
+    (1, 2, 2, 1, 1, 128, None),
+    (1, 2, 2, 113, 1023, 128, None),
+    (2, 4, 2, 1023, 113, 128, None),
+    (1, 2, 2, 1024, 1024, 128, "top_left"),
+    (1, 2, 2, 113, 1023, 128, "bottom_right"),
+    (1, 2, 2, 1023, 113, 128, "bottom_right"),  # early rows see no key
+    (2, 4, 1, 300, 700, 128, "top_left"),
+    (1, 2, 2, 1, 1, 64, None),
+    (2, 4, 2, 113, 1023, 64, None),
+    (1, 2, 2, 1023, 1023, 64, "bottom_right"),
+    (1, 4, 2, 700, 300, 64, "top_left"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,Hkv,Sq,Sk,D,causal", SHAPES)
+def test_matches_triton_kernels(B, H, Hkv, Sq, Sk, D, causal):
+    ops = _operands(B, H, Hkv, Sq, Sk, D)
+    offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
+    _compare(ops, offset)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,causal", [(128, False), (64, True)])
+def test_key_bias(D, causal):
+    B, Sq, Sk = 2, 200, 333
+    ops = _operands(B, 2, 2, Sq, Sk, D, seed=1)
+    keep = torch.rand((B, Sk), device="cuda") > 0.3
+    keep[:, 0] = True
+    bias = torch.where(keep, 0.0, -float("inf")).float()
+    _compare(ops, 0 if causal else None, key_bias=bias)
+
+
+@pytest.mark.gpu
+def test_unsupported_operands_are_named():
+    from fp4attn.kernels.hopper.forward_cuda import cuda_unsupported_reason, launch_forward_cuda
+
+    ops = _operands(1, 2, 2, 64, 64, 128)
+    bf16 = type(ops)(ops.q.to(torch.bfloat16), ops.k.to(torch.bfloat16), ops.qs, ops.ks, ops.vt, ops.vs)
+    assert "e4m3 Q/K" in cuda_unsupported_reason(bf16)
+    with pytest.raises(ValueError, match="e4m3 Q/K"):
+        launch_forward_cuda(bf16, scale=1.0, causal_offset=None)
