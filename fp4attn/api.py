@@ -42,11 +42,12 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: boo
         raise ValueError(f"v must have k's shape {tuple(k.shape)} (same head dim as q); got {tuple(v.shape)}")
     if bk != b or dk != d:
         raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch and head_dim")
-    if sq == 0 or sk == 0 or b == 0 or hq == 0:
-        raise ValueError(f"empty attention: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
+    if sq == 0 or sk == 0 or b == 0 or hq == 0 or hkv == 0:
+        raise ValueError(f"empty attention: q {tuple(q.shape)}, k {tuple(k.shape)}; accepted: at least one batch "
+                         "item, head and token in q and in k/v")
+    if d == 0 or d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {d} is not supported; accepted: multiples of {HEAD_DIM_MULTIPLE} "
-                         f"up to {MAX_HEAD_DIM}")
+                         f"from {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}")
     if hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
     if hq != hkv and not enable_gqa:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4attn.formats.blocks import BlockLayout, from_blocks, nonfinite_blocks, to_blocks
+from fp4attn.formats.checks import check_block_input
 from fp4attn.formats.constants import E4M3_MAX, E5M2_MAX, FP8_MIN_AMAX
 from fp4attn.formats.minifloat import encode_fp8, exact_div
 
@@ -60,6 +61,7 @@ def quantize_fp8(x: torch.Tensor, dim: int = -1, block: int | None = None, fmt: 
         block: elements per scale; None for one scale over the whole dim.
         fmt: "e4m3" (max 448) or "e5m2" (max 57344).
     """
+    check_block_input("quantize_fp8", x, dim)
     if fmt not in FP8_MAX:
         raise ValueError(f"unknown fp8 format {fmt!r}; accepted: {tuple(FP8_MAX)}")
     xb, layout = to_blocks(x, dim, block)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4attn.formats.checks import check_float_input
 from fp4attn.formats.constants import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E5M2_MAX, E8M0_BIAS, E8M0_NAN
 
 
@@ -82,6 +83,7 @@ def round_to_format(x: torch.Tensor, spec: FloatSpec) -> torch.Tensor:
 
     Returns float32 values that lie exactly on the format's grid; NaN stays NaN.
     """
+    check_float_input("round_to_format", x)
     x = x.float()
     a = x.abs()
     exp = floor_log2(torch.where(a > 0, a, torch.ones_like(a))).clamp(min=spec.emin)
@@ -111,6 +113,7 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     E2M1 has no NaN: a NaN element gets code 0, and the block formats that use E2M1
     carry the NaN in their block scale instead.
     """
+    check_float_input("encode_e2m1", x)
     v = round_to_format(x, E2M1)
     nan = torch.isnan(v)
     twice = (v.abs() * 2).masked_fill(nan, 0).to(torch.int64)
@@ -144,6 +147,7 @@ def encode_fp8(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
     The value is rounded here and the cast is then exact, so the result does not depend
     on whether torch's own cast saturates (it does on 2.13 CPU, not on 2.11 CUDA).
     """
+    check_float_input("encode_fp8", x)
     spec = {"e4m3": E4M3, "e5m2": E5M2}.get(fmt)
     if spec is None:
         raise ValueError(f"unknown fp8 format {fmt!r}; accepted: 'e4m3', 'e5m2'")
@@ -161,6 +165,7 @@ def encode_ue4m3(x: torch.Tensor) -> torch.Tensor:
     Accepts only non-negative values (a negative scale has no meaning); rounds to
     nearest even and saturates at 448.
     """
+    check_float_input("encode_ue4m3", x)
     if bool((x < 0).any()):
         raise ValueError("UE4M3 encodes non-negative values only; got a negative input")
     return encode_fp8(x, "e4m3").view(torch.uint8)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4attn.formats.blocks import BlockLayout, from_blocks, nonfinite_blocks, to_blocks
+from fp4attn.formats.checks import check_block_input
 from fp4attn.formats.constants import E2M1_EMAX, E8M0_BIAS, E8M0_EMAX, E8M0_EMIN, E8M0_NAN, MX_BLOCK
 from fp4attn.formats.minifloat import decode_e2m1, decode_e8m0, encode_e2m1, floor_log2, pack_e2m1, pow2, unpack_e2m1
 
@@ -75,6 +76,7 @@ def quantize_mxfp4(x: torch.Tensor, dim: int = -1, scale_rule: str = "floor") ->
         scale_rule: "floor" (OCP MX v1.0: floor(log2 amax) - 2) or "rceil"
             (ceil(log2(amax / 6)), no saturation).
     """
+    check_block_input("quantize_mxfp4", x, dim)
     xb, layout = to_blocks(x, dim, MX_BLOCK)
     bad = nonfinite_blocks(xb)
     finite = torch.where(torch.isfinite(xb), xb, torch.zeros_like(xb))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4attn.formats.blocks import BlockLayout, from_blocks, to_blocks
+from fp4attn.formats.checks import check_block_input
 from fp4attn.formats.constants import E2M1_MAX, E4M3_MAX, FP32_MAX, NVFP4_BLOCK
 from fp4attn.formats.minifloat import decode_e2m1, encode_e2m1, encode_fp8, exact_div, pack_e2m1, unpack_e2m1
 
@@ -69,6 +70,7 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1) -> NVFP4Tensor:
 
     One tensor scale covers the whole of `x`. Accepts float32, bfloat16 and float16.
     """
+    check_block_input("quantize_nvfp4", x, dim)
     xb, layout = to_blocks(x, dim, NVFP4_BLOCK)
     s_enc = nvfp4_global_encode_scale(xb.abs().amax())
     s_dec = exact_div(1.0, s_enc)
