@@ -48,7 +48,7 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
                 hq = slice(gs.start * HQ // HKV, gs.stop * HQ // HKV)
                 heads = {name: (t if name in ("qs", "ks") else t[bs, gs if name in kv_names else hq].contiguous())
                          for name, t in ops._asdict().items()}
-                return train_op.launch_backward(training.BackwardOperands(**heads), lse[bs, hq].contiguous(), p,
+                return train_op.launch_backward(train_op.BackwardOperands(**heads), lse[bs, hq].contiguous(), p,
                                                 p_build, sk - sq, causal, D**-0.5, (torch.float32,) * 3)
 
             whole = grads(slice(0, B), slice(0, HKV))

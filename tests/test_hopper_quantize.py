@@ -70,7 +70,7 @@ def test_packed_nvfp4_payload_is_the_reference_bytes(s, d, special):
 
 @pytest.mark.parametrize("s,d,v_fmt", [(1, 64, "fp8"), (113, 128, "fp8"), (1000, 64, "fp8"), (239, 128, "mxfp4")])
 def test_backward_operand_views_match_reference(s, d, v_fmt):
-    """The training forward's quantization (kernels/hopper/training.py) gives the forward
+    """The training forward's quantization (kernels/hopper/train_op.py) gives the forward
     kernel the inference quantizers' operands, and from what it saves the backward's
     operands are the reference backward's `low_precision_view`s of dO, V's represented
     values and the dequantized NVFP4 Q/K, scale for scale, with Q/K's grid values."""
