@@ -11,7 +11,7 @@ import torch
 
 from fp4attn import routing
 from fp4attn.recipes import Recipe, get_recipe
-from fp4attn.reference.backward import reference_backward
+from fp4attn.reference.backward import reference_backward, refuse_double_backward
 from fp4attn.reference.forward import ForwardResult, key_bias_of_mask, reference_forward
 from fp4attn.reference.masks import causal_offset, key_mask_view, normalize_causal
 from fp4attn.reference.operands import QKOperand
@@ -151,7 +151,8 @@ def explain(
     mode = normalize_causal(causal)
     _validate(q, k, v, enable_gqa)
     _validate_mask(attn_mask, q, k.shape[-2])
-    grad = any(t.requires_grad for t in (q, k, v)) if needs_grad is None else bool(needs_grad)
+    grad = any(t is not None and t.requires_grad for t in (q, k, v, attn_mask)) if needs_grad is None \
+        else bool(needs_grad)
     r, _ = _route(backend, q, rec, mode, grad, attn_mask)
     return {**r.as_dict(), "recipe": rec.name, "needs_grad": grad}
 
@@ -170,11 +171,14 @@ class _ReferenceAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        refuse_double_backward("fp4attn.attention")
         qv, qs, kv, ks, v_rep, out, lse = ctx.saved_tensors
         fwd = ForwardResult(out.float(), lse, QKOperand(qv, qs), QKOperand(kv, ks), v_rep)
-        dq, dk, dv = reference_backward(fwd, out, dout, ctx.recipe, scale=ctx.scale, causal=ctx.causal,
-                                        attn_mask=ctx.attn_mask)
-        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, None
+        mask_grad = ctx.needs_input_grad[6]  # a float attn_mask that requires grad: a learned score bias
+        dq, dk, dv, *dmask = reference_backward(fwd, out, dout, ctx.recipe, scale=ctx.scale, causal=ctx.causal,
+                                                attn_mask=ctx.attn_mask, mask_grad=mask_grad)
+        dmask = dmask[0].to(ctx.attn_mask.dtype) if mask_grad else None
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, dmask
 
 
 def _kernel_attention(route: routing.Route, q, k, v, rec: Recipe, mode: str | None, scale: float, key_mask,
@@ -245,14 +249,16 @@ def attention(
         The output (B, Hq, Sq, D) in q's dtype, and the LSE if `return_lse`.
 
     Gradients flow for recipes with a backward (`recipe.grad` not None: "train",
-    "train-mxfp4pv", "bf16"); other recipes raise on backward.
+    "train-mxfp4pv", "bf16"), to q, k, v and to a float attn_mask that requires grad
+    (on the reference); other recipes raise on backward, and so does a second
+    derivative (create_graph=True).
     """
     rec = get_recipe(recipe)
     mode = normalize_causal(causal)
     _validate(q, k, v, enable_gqa)
     _validate_mask(attn_mask, q, k.shape[-2])
     s = _resolve_scale(scale, q.shape[-1])
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
     r, key_mask = _route(backend, q, rec, mode, needs_grad, attn_mask)
     if r.backend == "triton":
         out, lse = _kernel_attention(r, q, k, v, rec, mode, s, key_mask, needs_grad)

@@ -70,8 +70,12 @@ def reference_backward(
     scale: float,
     causal: str | None = None,
     attn_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in fp32 for the forward `fwd` whose output was `out`."""
+    mask_grad: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) in fp32 for the forward `fwd` whose output was `out`; with
+    `mask_grad`, also the gradient of the float `attn_mask` (fp32, in its shape): an
+    additive score bias gets dS = P * (dP - delta) in natural units, summed over the
+    dims the mask broadcasts along."""
     if recipe.grad is None:
         raise RuntimeError(f"recipe {recipe.name!r} is inference-only (grad=None); "
                            "train with 'train', 'train-mxfp4pv' or 'bf16'")
@@ -95,6 +99,10 @@ def reference_backward(
     dk = torch.zeros(*q_a.shape[:2], sk, q_a.shape[-1], device=q_a.device)
     dv = torch.zeros_like(dk)
     step = max(DS_BLOCK, QUERY_CHUNK // DS_BLOCK * DS_BLOCK)
+    if mask_grad:
+        mask_shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
+        broadcast = [d for d in range(4) if mask_shape[d] == 1]  # summed over: the mask repeats along them
+        dmask = torch.zeros(mask_shape, device=q_a.device)
     for i0 in range(0, sq, step):
         rows = slice(i0, min(sq, i0 + step))
         q_rows = QKOperand(fwd.q.values[..., rows, :],
@@ -106,7 +114,22 @@ def reference_backward(
         dv += p_r.transpose(-1, -2) @ do_c[..., rows, :]
         dp = do_t[..., rows, :] @ v_a.transpose(-1, -2)
         ds = p * (dp - delta[..., rows, :])
+        if mask_grad:
+            dmask[..., rows if mask_shape[2] > 1 else slice(None), :] += (
+                ds.sum(dim=broadcast, keepdim=True) if broadcast else ds)  # sum(dim=[]) would sum every dim
         dq[..., rows, :] = (low_precision_view(ds, -1, g, DS_BLOCK) @ k_a) * scale
         dk += low_precision_view(ds, -2, g, DS_BLOCK).transpose(-1, -2) @ q_a[..., rows, :]
     dk = dk * scale
-    return dq, _reduce_heads(dk, hkv), _reduce_heads(dv, hkv)
+    grads = dq, _reduce_heads(dk, hkv), _reduce_heads(dv, hkv)
+    return (*grads, dmask.reshape(attn_mask.shape)) if mask_grad else grads
+
+
+def refuse_double_backward(what: str) -> None:
+    """Raise if a backward runs under create_graph=True (grad mode is on inside it only
+    then). The training backwards are first-order: their quantizers pass gradients
+    straight through and their own operations are not recorded, so a second derivative
+    through them would be wrong, not merely slow; SDPA's fused backwards refuse it too."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what} has no double backward: torch.autograd.grad(..., create_graph=True) and "
+                           ".backward(create_graph=True) through it are not supported (second derivatives need "
+                           "torch.nn.functional.scaled_dot_product_attention's math backend)")

@@ -31,7 +31,7 @@ from fp4attn.kernels.hopper.quantize import (
     quantize_v_t,
 )
 from fp4attn.recipes import Recipe
-from fp4attn.reference.backward import DS_BLOCK
+from fp4attn.reference.backward import DS_BLOCK, refuse_double_backward
 from fp4attn.reference.forward import LOG2E
 from fp4attn.routing import P_MODES, backward_launch
 
@@ -231,6 +231,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, *_unused):
     """Gradients of q, k, v (in their dtypes) from the output's; the LSE and the saved
     operands are not differentiable outputs."""
+    refuse_double_backward("fp4attn.attention (the Hopper training kernels)")
     if dout is None:  # the output was not used: no gradient flows to q, k, v
         return (None,) * 10
     grads = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
