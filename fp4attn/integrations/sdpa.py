@@ -1,5 +1,10 @@
 """`patch_sdpa`: route `torch.nn.functional.scaled_dot_product_attention` to fp4attn.
 
+The route is a `torch.overrides.TorchFunctionMode`, whose stack is per thread: a block
+changes the SDPA calls of the thread that entered it and of nothing else (another
+thread, or code after the block, keeps PyTorch's SDPA), and blocks nest, the innermost
+deciding. `torch.nn.functional.scaled_dot_product_attention` itself is never replaced.
+
 Calls fp4attn cannot honour go to PyTorch's own SDPA, visibly: one warning per reason
 (dropout, 3-D inputs, a head dim fp4attn does not take, ...), never silently.
 """
@@ -11,6 +16,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from fp4attn.api import DTYPES, HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, attention
 from fp4attn.recipes import Recipe, get_recipe
@@ -31,31 +37,47 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal) -> str | No
     return None
 
 
+class _SDPAMode(TorchFunctionMode):
+    """Runs `F.scaled_dot_product_attention` calls as fp4attn in `recipe`; every other
+    function unchanged. While a call is handled the mode is off (the torch function mode
+    stack pops it), so the fallback to PyTorch's SDPA does not come back here."""
+
+    def __init__(self, recipe: Recipe, backend: str):
+        super().__init__()
+        self.recipe, self.backend = recipe, backend
+        self.warned: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self.sdpa(*args, **kwargs)
+
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal)
+        if reason is not None:
+            if reason not in self.warned:
+                self.warned.add(reason)
+                warnings.warn(f"fp4attn.patch_sdpa: falling back to PyTorch SDPA for {reason}", stacklevel=3)
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return attention(query, key, value, attn_mask=attn_mask, causal=is_causal, scale=scale, recipe=self.recipe,
+                         enable_gqa=enable_gqa, backend=self.backend)
+
+
 @contextlib.contextmanager
 def patch_sdpa(recipe: str | Recipe = "directp", backend: str = "auto"):
-    """Within the block, `F.scaled_dot_product_attention` runs fp4attn in `recipe`.
+    """Within the block, `F.scaled_dot_product_attention` runs fp4attn in `recipe`, in
+    the thread that entered the block only; blocks nest (the innermost one decides).
 
     Example:
         with fp4attn.patch_sdpa(recipe="fp8"):
             out = model(inputs)   # every SDPA call inside uses fp4attn
+
+    Every torch function called in the block passes through the mode (a Python call
+    each); only SDPA's are changed.
     """
     rec = get_recipe(recipe)
-    original = F.scaled_dot_product_attention
-    warned: set[str] = set()
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal)
-        if reason is not None:
-            if reason not in warned:
-                warned.add(reason)
-                warnings.warn(f"fp4attn.patch_sdpa: falling back to PyTorch SDPA for {reason}", stacklevel=2)
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
-        return attention(query, key, value, attn_mask=attn_mask, causal=is_causal, scale=scale, recipe=rec,
-                         enable_gqa=enable_gqa, backend=backend)
-
-    F.scaled_dot_product_attention = sdpa
-    try:
+    with _SDPAMode(rec, backend):
         yield rec
-    finally:
-        F.scaled_dot_product_attention = original
