@@ -147,9 +147,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> list[dict]:
     on_kernels = args.device.startswith("cuda") and args.backend != "reference"
+    chosen = args.recipes is not None
     args.recipes = args.recipes or ",".join(preset_names(on_kernels))
+    named = [get_recipe(r) for r in args.recipes.split(",")]  # an unknown name fails before any work
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        raise ValueError(f"--cases {','.join(unknown)}: unknown; accepted: {', '.join(CASES)}")
     if args.backward:
-        recipes = [PRESETS[r] for r in args.recipes.split(",") if PRESETS[r].grad is not None]
+        inference = [r.name for r in named if r.grad is None]
+        if chosen and inference:
+            raise ValueError(f"--backward needs recipes with a backward; inference-only (grad=None): "
+                             f"{', '.join(inference)}; accepted: "
+                             f"{', '.join(n for n, r in PRESETS.items() if r.grad is not None)}")
+        recipes = [r for r in named if r.grad is not None]
         for fmt in filter(None, args.grad_formats.split(",")):
             recipes += [r.with_(grad=fmt, name=f"{r.name} (grad {fmt})") for r in list(recipes)
                         if r.grad not in ("bf16", fmt) and "(grad" not in r.name]

