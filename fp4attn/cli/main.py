@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from fp4attn.cli import accuracy, bench, codes, eval, report, study
+from fp4attn.cli import accuracy, bench, codes, compile_report, eval, report, study
 
 COMMANDS = {
     "report": (report, "the main job: accuracy of every recipe and the Direct-P study"),
@@ -22,6 +22,7 @@ COMMANDS = {
     "eval": (eval, "embedding fidelity of every recipe on a real model (all-MiniLM-L6-v2)"),
     "study": (study, "train a small GPT with each attention recipe and compare the loss curves"),
     "codes": (codes, "Direct-P codes vs exp2 rounding, and the accuracy of the P choices"),
+    "compile-report": (compile_report, "compile the Blackwell kernels for sm_100a here (no GPU) and report their machine code"),
 }
 
 

@@ -149,3 +149,51 @@ def per_element(loop: list[str], elements_per_thread: int) -> tuple[float, Count
     """Instructions per score element of a tile loop, and the opcode counts (first word)."""
     ops = Counter(op.split(".")[0] for op in loop)
     return len(loop) / elements_per_thread, ops
+
+
+# ---------------------------------------------------------------------------- cost prediction
+@dataclass(frozen=True)
+class B200:
+    """B200 figures the prediction uses. Tensor-core rates per SM and clock from the
+    datasheet's dense throughputs (HGX B200: BF16 2.25, FP8 4.5, FP4 9 PFLOP/s) at 148
+    SMs and the clock they imply (2.25e15 / (148 * 8192) = 1.86 GHz); four warp
+    schedulers issue one instruction each per clock; MUFU.EX2 16 per clock per SM."""
+
+    sms: int = 148
+    clock_hz: float = 1.86e9
+    bf16_flop_per_clk: int = 8192
+    fp8_flop_per_clk: int = 16384
+    fp4_flop_per_clk: int = 32768
+    issue_per_clk: int = 4
+    mufu_per_clk: int = 16
+
+
+# FlashAttention-4's BF16 forward on a B200, D=128 (published: 1613 TFLOP/s, 71% of
+# peak); the paper's FP4 kernel reached 2.13x of its BF16 baseline at best, 2.02x geomean
+FA4_BF16_TFLOPS = 1613.0
+
+
+def predict_tile(report: BlackwellReport, *, qk_fp4: bool, pv_fp4: bool, head_dim: int, block_m: int = 128,
+                 block_n: int = 128, warps: int = 8, gpu: B200 = B200()) -> dict:
+    """A ceiling for one key tile of the unmasked loop, from the machine code: the
+    clocks of each resource the tile needs (the warp schedulers' issue slots for the
+    loop's instructions, the tensor cores for QK^T and PV, MUFU for the exps), the
+    largest of them as the tile's time (perfect overlap of the others: a ceiling), and
+    the TFLOP/s that gives on a B200. A prediction, not a measurement."""
+    loop = report.tile_loop()
+    elems = block_m * block_n // (warps * 32)
+    per_elem, ops = per_element(loop, elems)
+    mufu = sum(n for op, n in ops.items() if op == "MUFU")
+    mma = sum(n for op, n in ops.items() if op.startswith("UTC") and "MMA" in op)
+    flop = 2 * block_m * block_n * head_dim
+    tensor = (flop / (gpu.fp4_flop_per_clk if qk_fp4 else gpu.fp8_flop_per_clk)
+              + flop / (gpu.fp4_flop_per_clk if pv_fp4 else gpu.fp8_flop_per_clk))
+    issue = len(loop) * warps / gpu.issue_per_clk
+    mufu_clk = mufu * warps * 32 / gpu.mufu_per_clk
+    tile = max(tensor, issue, mufu_clk)
+    tflops = 2 * flop / tile * gpu.sms * gpu.clock_hz / 1e12
+    bound = {tensor: "tensor cores", issue: "instruction issue", mufu_clk: "MUFU"}[tile]
+    return {"instructions_per_element": round(per_elem, 2), "tile_loop_instructions": len(loop),
+            "mma_instructions": mma, "mufu_per_tile": mufu * warps * 32, "clk_tensor": round(tensor),
+            "clk_issue": round(issue), "clk_mufu": round(mufu_clk), "bound": bound,
+            "predicted_tflops": round(tflops), "predicted_vs_fa4_bf16": round(tflops / FA4_BF16_TFLOPS, 2)}
