@@ -124,3 +124,41 @@ def test_blackwell_forward_matches_reference_under_the_interpreter():
     ulp (plus float32 summation order) on >= 99.9% of entries; fully masked rows (Sq >
     Sk bottom-right, key padding) have LSE -inf and output 0 as the reference."""
     run_under_interpreter(FORWARD)
+
+
+SELFTEST = BLACKWELL_PATCHES + textwrap.dedent('''
+    import os
+
+    os.environ["FP4ATTN_TARGET"] = "sm_100"
+
+    from fp4attn.cli import selftest
+
+    selftest.SHAPE = (1, 2, 1, 70, 90)  # the GPU's shape is too slow for the interpreter
+    recs = [selftest.check_forward("directp", 64, "bottom_right", False, "cpu"),
+            selftest.check_forward("nvfp4-fp8", 128, None, True, "cpu"),
+            selftest.check_forward("bf16", 64, None, False, "cpu")]
+    assert [r["status"] for r in recs] == ["pass", "pass", "reference"], recs
+    assert all("blackwell" in r["kernel"] for r in recs[:2]), recs
+    print("ok")
+''')
+
+
+def test_selftest_checks_pass_on_the_blackwell_kernels():
+    """`fp4attn selftest`'s forward check, as a Blackwell owner runs it, passes on the
+    Blackwell kernels (routed by FP4ATTN_TARGET on the interpreter) and reports the
+    recipes no kernel runs as on the reference."""
+    run_under_interpreter(SELFTEST)
+
+
+def test_selftest_without_a_gpu_says_so_and_exits_2(capsys, monkeypatch):
+    import argparse
+
+    import torch
+
+    from fp4attn.cli import selftest
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        selftest.main(argparse.Namespace(json=None, no_timing=False))
+    assert e.value.code == 2
+    assert "no CUDA GPU" in capsys.readouterr().out

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from fp4attn.cli import accuracy, bench, codes, compile_report, eval, report, study
+from fp4attn.cli import accuracy, bench, codes, compile_report, eval, report, selftest, study
 
 COMMANDS = {
     "report": (report, "the main job: accuracy of every recipe and the Direct-P study"),
@@ -23,6 +23,7 @@ COMMANDS = {
     "study": (study, "train a small GPT with each attention recipe and compare the loss curves"),
     "codes": (codes, "Direct-P codes vs exp2 rounding, and the accuracy of the P choices"),
     "compile-report": (compile_report, "compile the Blackwell kernels for sm_100a here (no GPU) and report their machine code"),
+    "selftest": (selftest, "every routed kernel on this GPU against the reference, and one timing vs SDPA (about a minute)"),
 }
 
 

@@ -1,0 +1,179 @@
+"""`fp4attn selftest`: on the GPU this machine has, run every kernel the routing sends a
+call to, at small awkward shapes, against the reference of the same recipe, time one
+call against SDPA, and print a pass/fail table (about a minute, most of it compiling).
+
+What passes: the LSE within 1e-3 of the reference on >= 99% of the rows that see a key
+(float32 summation order can move a score across a rounding threshold of P: a few rows
+move by up to about 0.1), the same rows seeing no key, the output finite and within 2%
+relative L2 of the reference's (bf16 output), and for the training recipes each
+gradient within 2% relative L2 of the reference backward's.
+
+Exit status: 0 all passed; 1 a case failed; 2 no CUDA GPU (nothing was tested: on a
+CPU machine `fp4attn compile-report` and the test suite are the checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from fp4attn.cli.output import markdown_table, write_json
+from fp4attn.recipes import PRESETS
+
+SHAPE = (2, 4, 2, 200, 333)  # B, Hq, Hkv (GQA), Sq, Sk: lengths not a multiple of any tile
+TIMING_SHAPE = (4, 16, 4096, 128)  # B, H, S, D
+
+
+def _inputs(b, hq, hkv, sq, sk, d, device, requires_grad=False):
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, hq, sq, d, generator=g, device=device).bfloat16()
+    k, v = (torch.randn(b, hkv, sk, d, generator=g, device=device).bfloat16() for _ in range(2))
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def _expand(x, hq):
+    return x.repeat_interleave(hq // x.shape[1], dim=1)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not bool(torch.isfinite(a).all()):
+        return math.nan
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check_forward(name: str, d: int, causal: str | None, masked: bool, device) -> dict:
+    """One forward call on the kernels against the reference."""
+    import fp4attn
+    from fp4attn.reference import reference_forward
+
+    b, hq, hkv, sq, sk = SHAPE
+    q, k, v = _inputs(b, hq, hkv, sq, sk, d, device)
+    mask = None
+    if masked:  # key padding: batch item 0 sees its first 60% of keys
+        mask = torch.ones(b, 1, 1, sk, dtype=torch.bool, device=device)
+        mask[0, ..., int(0.6 * sk):] = False
+    kw = dict(causal=causal or False, recipe=name, enable_gqa=True, attn_mask=mask)
+    info = fp4attn.explain(q, k, v, **kw)
+    rec = dict(recipe=name, head_dim=d, causal=causal or "no", mask="key" if masked else "none",
+               direction="forward", kernel=info["kernel"])
+    if info["backend"] != "triton":
+        return {**rec, "status": "reference", "reason": info["reason"]}
+    out, lse = fp4attn.attention(q, k, v, backend="triton", return_lse=True, **kw)
+    ref = reference_forward(q, _expand(k, hq), _expand(v, hq), PRESETS[name], scale=d**-0.5, causal=causal,
+                            attn_mask=mask)
+    seen = torch.isfinite(ref.lse)
+    same_seen = bool(torch.equal(seen, torch.isfinite(lse)))
+    err = (lse[seen] - ref.lse[seen]).abs()
+    close = float((err < 1e-3).float().mean()) if err.numel() else 1.0
+    worst = float(err.max()) if err.numel() else 0.0
+    out_err = _rel(out.float(), ref.out)
+    ok = same_seen and close >= 0.99 and worst < 0.2 and out_err < 2e-2
+    return {**rec, "status": "pass" if ok else "FAIL", "lse_rows_within_1e-3": round(close, 4),
+            "lse_max_err": worst, "out_rel_l2": out_err}
+
+
+def check_backward(name: str, d: int, causal: str, device) -> dict:
+    """One forward and backward through autograd on the training kernels against the
+    reference backward."""
+    import fp4attn
+    from fp4attn.reference import reference_backward, reference_forward
+    from fp4attn.reference.forward import ForwardResult
+
+    b, hq, hkv, sq, sk = SHAPE
+    q, k, v = _inputs(b, hq, hkv, sq, sk, d, device, requires_grad=True)
+    kw = dict(causal=causal, recipe=name, enable_gqa=True)
+    info = fp4attn.explain(q, k, v, **kw)
+    rec = dict(recipe=name, head_dim=d, causal=causal, mask="none", direction="backward", kernel=info["kernel"])
+    if info["backend"] != "triton":
+        return {**rec, "status": "reference", "reason": info["reason"]}
+    out, lse = fp4attn.attention(q, k, v, backend="triton", return_lse=True, **kw)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    recipe = PRESETS[name]
+    ref = reference_forward(q.detach(), _expand(k.detach(), hq), _expand(v.detach(), hq), recipe, scale=d**-0.5,
+                            causal=causal)
+    fwd = ForwardResult(out.detach().float(), lse.detach(), ref.q, ref.k, ref.v)
+    want = reference_backward(fwd, out.detach(), dout, recipe, scale=d**-0.5, causal=causal)
+    g = hq // hkv
+    want = (want[0], want[1].reshape(b, hkv, g, sk, d).sum(2), want[2].reshape(b, hkv, g, sk, d).sum(2))
+    errs = {f"d{n}_rel_l2": _rel(t.grad.float(), w) for n, t, w in zip("qkv", (q, k, v), want)}
+    ok = all(e < 2e-2 for e in errs.values())
+    return {**rec, "status": "pass" if ok else "FAIL", **errs}
+
+
+def time_against_sdpa(device, recipe: str = "directp") -> dict:
+    """Median time of one forward of `recipe` against SDPA bf16 (cuDNN where torch has
+    it), at TIMING_SHAPE, quantization included."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    import fp4attn
+
+    b, h, s, d = TIMING_SHAPE
+    q, k, v = _inputs(b, h, h, s, s, d, device)
+    ms = do_bench(lambda: fp4attn.attention(q, k, v, recipe=recipe, backend="triton"))
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ref_ms, sdpa = do_bench(lambda: F.scaled_dot_product_attention(q, k, v)), "cuDNN"
+    except RuntimeError:
+        ref_ms, sdpa = do_bench(lambda: F.scaled_dot_product_attention(q, k, v)), "default"
+    flop = 4 * b * h * s * s * d
+    return {"recipe": recipe, "shape": TIMING_SHAPE, "ms": ms, "tflops": flop / ms / 1e9, "sdpa": sdpa,
+            "sdpa_ms": ref_ms, "sdpa_tflops": flop / ref_ms / 1e9, "ratio": ref_ms / ms}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=Path, default=None, help="write the records as JSON")
+    p.add_argument("--no-timing", action="store_true", help="skip the timing against SDPA")
+
+
+def main(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        print("fp4attn selftest: no CUDA GPU found, nothing tested (on a CPU machine the checks are "
+              "`fp4attn compile-report` and the test suite)")
+        raise SystemExit(2)
+    from fp4attn import routing
+
+    device = torch.device("cuda")
+    target = routing.target_of(device)
+    env = {"gpu": torch.cuda.get_device_name(), "target": target, "torch": torch.__version__}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError as e:
+        print(f"fp4attn selftest: Triton is not importable ({e}); the kernels need it")
+        raise SystemExit(1) from e
+    print("fp4attn selftest on", ", ".join(f"{k} {v}" for k, v in env.items()))
+    t0 = time.time()
+    recs = []
+    for name, recipe in PRESETS.items():
+        for d in (64, 128):
+            for causal in (None, "top_left", "bottom_right"):
+                recs.append(check_forward(name, d, causal, False, device))
+            recs.append(check_forward(name, d, None, True, device))
+            if recipe.grad is not None:
+                recs.append(check_backward(name, d, "bottom_right", device))
+    rows = [[r["recipe"], r["direction"], r["head_dim"], r["causal"], r["mask"], r["kernel"], r["status"],
+             r.get("reason") or ", ".join(f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float))]
+            for r in recs]
+    print(markdown_table(["recipe", "direction", "D", "causal", "mask", "kernel", "status", "figures"], rows))
+    timing = None
+    if not args.no_timing:
+        timing = time_against_sdpa(device)
+        print(f"\ntiming at B,H,S,D = {timing['shape']}: {timing['recipe']} {timing['tflops']:.0f} TFLOP/s, SDPA "
+              f"{timing['sdpa']} bf16 {timing['sdpa_tflops']:.0f} TFLOP/s ({timing['ratio']:.2f}x)")
+    failed = [r for r in recs if r["status"] == "FAIL"]
+    ran = sum(r["status"] != "reference" for r in recs)
+    print(f"\n{ran} kernel cases run, {len(failed)} failed, {len(recs) - ran} on the reference "
+          f"({time.time() - t0:.0f} s)")
+    write_json(args.json, {"environment": env, "records": recs, "timing": timing})
+    if failed:
+        raise SystemExit(1)
