@@ -6,7 +6,10 @@ What passes: the LSE within 1e-3 of the reference on >= 99% of the rows that see
 (float32 summation order can move a score across a rounding threshold of P: a few rows
 move by up to about 0.1), the same rows seeing no key, the output finite and within 2%
 relative L2 of the reference's (bf16 output), and for the training recipes each
-gradient within 2% relative L2 of the reference backward's.
+gradient within 2% relative L2 of the reference backward's. The `fast_accum` recipes,
+whose QK^T sums no reference reproduces: the LSE within 2e-2 on >= 95% of the rows,
+the output within 3%. On Blackwell the FP8 Q/K recipes multiply on the FP8 tensor cores
+(`kind::f8f6f4`): the exact ones pass only if those sum in float32, which this checks.
 
 Exit status: 0 all passed; 1 a case failed; 2 no CUDA GPU (nothing was tested: on a
 CPU machine `fp4attn compile-report` and the test suite are the checks).
@@ -68,13 +71,16 @@ def check_forward(name: str, d: int, causal: str | None, masked: bool, device) -
                             attn_mask=mask)
     seen = torch.isfinite(ref.lse)
     same_seen = bool(torch.equal(seen, torch.isfinite(lse)))
+    # fast_accum recipes: the tensor core's own QK^T sums, which the reference does not
+    # reproduce (`Recipe.fast_accum`): about 1% of P codes differ, each moving its row
+    tol, rows, out_tol = (2e-2, 0.95, 3e-2) if PRESETS[name].fast_accum else (1e-3, 0.99, 2e-2)
     err = (lse[seen] - ref.lse[seen]).abs()
-    close = float((err < 1e-3).float().mean()) if err.numel() else 1.0
+    close = float((err < tol).float().mean()) if err.numel() else 1.0
     worst = float(err.max()) if err.numel() else 0.0
     out_err = _rel(out.float(), ref.out)
-    ok = same_seen and close >= 0.99 and worst < 0.2 and out_err < 2e-2
-    return {**rec, "status": "pass" if ok else "FAIL", "lse_rows_within_1e-3": round(close, 4),
-            "lse_max_err": worst, "out_rel_l2": out_err}
+    ok = same_seen and close >= rows and worst < 0.2 and out_err < out_tol
+    return {**rec, "status": "pass" if ok else "FAIL", "lse_rows_close": round(close, 4), "lse_max_err": worst,
+            "out_rel_l2": out_err}
 
 
 def check_backward(name: str, d: int, causal: str, device) -> dict:
