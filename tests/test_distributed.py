@@ -28,6 +28,24 @@ def test_two_process_training(parallel, tmp_path):
     assert run["ranks_agree"]
     history = run["history"]
     assert history[-1][1] < history[0][1] - 0.1 and run["nan_step"] is None
+    assert run["peak_gib"] is None and run["seq"] == 64 and run["batch_per_rank"] == 4  # no CUDA memory on the CPU
+    if parallel == "fsdp":  # the scaling records of tools/multigpu_scale.py, against a one-process run
+        single = tmp_path / "one"
+        proc = subprocess.run(cmd[:4] + ["--nproc-per-node", "1"] + cmd[6:-1] + [str(single)], capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        sys.path.insert(0, "tools")
+        try:
+            from multigpu_scale import scale_records
+        finally:
+            sys.path.remove("tools")
+        recs = scale_records([json.loads(p.read_text()) for p in (single / "train-study.json",
+                                                                   tmp_path / "train-study.json")])
+        assert [(r["world_size"], r["attention"]) for r in recs] == [(1, "train"), (2, "train")]
+        one, two = recs
+        assert one["efficiency"] == 1.0 and two["efficiency"] == round(
+            two["tokens_per_s"] / (2 * one["tokens_per_s"]), 3)
+        assert two["loss"] == run["final_train_loss"] and two["ranks_agree"]
 
 
 def test_parallel_needs_torchrun_and_no_checkpoints(tmp_path):

@@ -61,6 +61,8 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     bar = tqdm(range(state["step"], args.steps), desc=attn, unit="step", initial=state["step"], total=args.steps,
                disable=rank != 0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     for step in bar:
         if state["nan_step"] is not None:
@@ -100,6 +102,8 @@ def train_one(attn: str, cfg: GPTConfig, args, train, val, out: Path) -> dict:
             "seconds": round(state["seconds"], 1),
             "tokens_per_second": round(tokens / max(state["seconds"], 1e-9)), "world_size": world,
             "parallel": args.parallel, "ranks_agree": distributed.params_agree(model, device),
+            "peak_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None),
+            "seq": cfg.seq, "batch_per_rank": args.batch,
             "history": state["history"]}
 
 
