@@ -308,8 +308,14 @@ def _masks(family_masks: tuple[str, ...], check: Callable[[Recipe, int], str | N
 BLACKWELL_PV = (("mxfp4", "directp", "mxfp4"), ("fp8", "exp2", "fp8"))
 
 
-def blackwell_forward_unsupported(recipe: Recipe, head_dim: int) -> str | None:
-    """Why the Blackwell forward cannot run `recipe` at `head_dim`, or None."""
+def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "none") -> str | None:
+    """Why the Blackwell forward cannot run `recipe` at `head_dim` with this mask kind
+    ("none", "key"; see `KernelFamily`), or None."""
+    if mask == "key" and recipe.qk == "fp8" and kernel_head_dim(head_dim) == 128:
+        # the sm_100a builds spill (255 registers; 340 bytes with FP8 P, 276 with
+        # Direct-P): a thread holds its row's 64 keys of the key bias beside their
+        # per-token key scales, the S tile and the output accumulator
+        return "a key mask with FP8 Q/K at head_dim 128 (the Blackwell build would spill registers)"
     if getattr(recipe, "robust", False):
         return "outlier-robust recipe fields (the Blackwell kernels run the plain recipes, for now)"
     if recipe.qk not in ("fp8", "nvfp4"):
@@ -333,14 +339,22 @@ def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask:
     return f"blackwell.forward_triton ({qk}, {pv})"
 
 
+def _blackwell_masks(family_masks: tuple[str, ...], check: Callable[[Recipe, int, str], str | None]):
+    """`_masks` for a check that also depends on the mask kind."""
+    def unsupported(recipe: Recipe, head_dim: int, mask: str) -> str | None:
+        return _masks(family_masks, lambda r, d: None)(recipe, head_dim, mask) or check(recipe, head_dim, mask)
+    return unsupported
+
+
 # In order: the first family whose target matches and that accepts the call runs it.
 KERNEL_FAMILIES: list[KernelFamily] = [
     KernelFamily("hopper-train", ("sm_90",), True, _masks(("none",), hopper_train_unsupported),
                  _hopper_train_kernel, "fp4attn.kernels.hopper.train_op:hopper_train_attention", ("none",)),
     KernelFamily("hopper-forward", ("sm_90",), False, _masks(("none", "key"), hopper_forward_unsupported),
                  _hopper_forward_kernel, "fp4attn.kernels.hopper.forward_op:hopper_attention"),
-    KernelFamily("blackwell-forward", ("sm_100",), False, _masks(("none", "key"), blackwell_forward_unsupported),
-                 _blackwell_forward_kernel, "fp4attn.kernels.blackwell.forward_op:blackwell_attention"),
+    KernelFamily("blackwell-forward", ("sm_100",), False,
+                 _blackwell_masks(("none", "key"), blackwell_forward_unsupported), _blackwell_forward_kernel,
+                 "fp4attn.kernels.blackwell.forward_op:blackwell_attention"),
 ]
 
 

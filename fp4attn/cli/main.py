@@ -22,8 +22,8 @@ COMMANDS = {
     "eval": (eval, "embedding fidelity of every recipe on a real model (all-MiniLM-L6-v2)"),
     "study": (study, "train a small GPT with each attention recipe and compare the loss curves"),
     "codes": (codes, "Direct-P codes vs exp2 rounding, and the accuracy of the P choices"),
-    "compile-report": (compile_report, "compile the Blackwell kernels for sm_100a here (no GPU) and report their machine code"),
-    "selftest": (selftest, "every routed kernel on this GPU against the reference, and one timing vs SDPA (about a minute)"),
+    "compile-report": (compile_report, "compile the Blackwell kernels for sm_100a (no GPU) and report their machine code"),
+    "selftest": (selftest, "every routed kernel on this GPU vs the reference, one timing vs SDPA"),
 }
 
 

@@ -125,8 +125,8 @@ def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.co
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr, start_n, offs_m,
-          Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_pm,
+def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr, start_n,
+          offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_pm,
           QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, HW_CVT: tl.constexpr, MASK: tl.constexpr,
           CAUSAL: tl.constexpr, KEY_BIAS: tl.constexpr, WRITE_P: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -146,7 +146,8 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         else:
             kt = tl.load(kt_ptrs)
             k_sc = tl.load(ksc_ptrs)
-        s = tl.dot_scaled(q, q_sc, "e2m1", kt, k_sc, "e2m1", zero_m[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+        s_init = zero_m[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        s = tl.dot_scaled(q, q_sc, "e2m1", kt, k_sc, "e2m1", s_init)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         k_ptrs = k_ptr + cols[:, None] * stride_kn + offs_d[None, :]
@@ -187,7 +188,8 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         # V codes (BLOCK_N/2, D) packed along the keys; scales (D, BLOCK_N/32) E8M0
         v = tl.load(v_ptr + offs_d[None, :] * stride_vd + (start_n // 2 + offs_kh)[:, None])
         v_sc = tl.load(vsc_ptr + offs_d[:, None] * stride_vsd + (start_n // 32 + offs_kb)[None, :])
-        pv = tl.dot_scaled(p_codes, p_sc, "e2m1", v, v_sc, "e2m1", zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32))
+        pv_init = zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        pv = tl.dot_scaled(p_codes, p_sc, "e2m1", v, v_sc, "e2m1", pv_init)
     else:
         if HW_CVT:
             p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
@@ -198,7 +200,8 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         p_val = p * 0.00390625  # p / 2**P_OFFSET_LOG2
         offs_d = tl.arange(0, HEAD_DIM)
         vt = tl.load(v_ptr + offs_d[:, None] * stride_vd + cols[None, :])  # V^T (D, BLOCK_N) e4m3
-        pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32))
+        pv_init = zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), pv_init)
     if WRITE_P:
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], p_val, mask=key_ok[None, :])
     # each tile's PV on a fresh accumulator, added into O in float32 (as the reference)
@@ -278,15 +281,15 @@ def attn_fwd_sm100_kernel(
         full = tl.where(first < full, first, full)
         full = tl.where(full > 0, full // BLOCK_N * BLOCK_N, 0)
     for start_n in range(0, full, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr,
-                              start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd,
-                              stride_pm, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL, KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N,
-                              HEAD_DIM)
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
+                              kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd,
+                              stride_vsd, stride_pm, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL, KEY_BIAS, WRITE_P,
+                              BLOCK_M, BLOCK_N, HEAD_DIM)
     for start_n in range(full, hi, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr,
-                              start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd,
-                              stride_pm, QK_FP4, PV_FP4, HW_CVT, True, CAUSAL, KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N,
-                              HEAD_DIM)
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
+                              kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd,
+                              stride_vsd, stride_pm, QK_FP4, PV_FP4, HW_CVT, True, CAUSAL, KEY_BIAS, WRITE_P,
+                              BLOCK_M, BLOCK_N, HEAD_DIM)
 
     # -- epilogue: 1/l, V's per-channel scale (FP8 V); LSE in natural log (FP8 P's 2**8
     # offset cancels in acc / l and is subtracted from the LSE)
