@@ -7,13 +7,13 @@ on a Hopper GPU, in one process run:
 2. timings (median of triton.testing.do_bench, TFLOP/s = 4 B H Sq Sk D / t, half for
    causal): SDPA's cuDNN bf16, `fp4attn.attention(..., recipe="fp8-fastacc")` as routed
    today (quantization included), the Triton/Gluon kernel alone, the CUDA kernel alone
-   per ring depth, and the CUDA kernel with the fused quantizers.
+   (its table's launch, and --variants), and the CUDA kernel with the fused quantizers.
 
 Each phase runs in a child process with a time limit, so a kernel that hangs (an
 mbarrier never completed) costs its phase, not the run. The log goes to --out; the
 table comes last on stdout.
 
-    python benchmarks/bench_forward_cuda.py --out results_dir [--stages 2,3] [--quick]
+    python benchmarks/bench_forward_cuda.py --out results_dir [--variants ov0,ov1,ablate] [--quick]
 """
 
 from __future__ import annotations
@@ -48,27 +48,56 @@ def check(args) -> int:
 
     recipe = get_recipe("fp8-fastacc")
     bad = 0
-    for B, H, Sq, Sk, D, causal in [(2, 8, 2000, 2000, 128, False), (2, 8, 2000, 2000, 128, True),
-                                    (2, 8, 1500, 2300, 64, False), (2, 8, 2300, 1500, 64, True)]:
+    cases = [(1, 1, 128, 128, 128, False), (1, 2, 300, 700, 128, False), (2, 8, 2000, 2000, 128, False),
+             (2, 8, 2000, 2000, 128, True), (2, 8, 1500, 2300, 64, False), (2, 8, 2300, 1500, 64, True)]
+    for B, H, Sq, Sk, D, causal in cases:
         q, _, _ = _inputs(B, H, Sq, D, seed=1)
         _, k, v = _inputs(B, H, Sk, D, seed=2)
         ops = prepare_operands_fused(q, k, v, recipe)
         offset = Sk - Sq if causal else None
-        t0 = time.time()
-        out, lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset)
-        torch.cuda.synchronize()
-        t1 = time.time()
+        label = f"B={B} H={H} Sq={Sq} Sk={Sk} D={D} causal={causal}"
+        try:
+            t0 = time.time()
+            out, lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset)
+            torch.cuda.synchronize()
+            t1 = time.time()
+        except Exception as e:
+            bad += 1
+            print(f"check {label}: {type(e).__name__}: {e}", flush=True)
+            continue
         ref, ref_lse, _ = launch_forward(ops, scale=D ** -0.5, causal_offset=offset, p_mode=0)
         seen = torch.isfinite(ref_lse)
-        d_out = (out.float() - ref.float()).abs().max().item()
+        err = (out.float() - ref.float()).abs()
+        d_out = err.max().item()
         same = (out == ref).float().mean().item()
-        d_lse = (lse[seen] - ref_lse[seen]).abs().max().item()
+        d_lse = (lse[seen] - ref_lse[seen]).abs().max().item() if seen.any() else 0.0
         ok = d_out < 3e-2 and same >= 0.99 and d_lse < 1e-4 and torch.equal(seen, torch.isfinite(lse))
         bad += not ok
-        print(f"check B={B} H={H} Sq={Sq} Sk={Sk} D={D} causal={causal}: max|dout|={d_out:.3g} "
-              f"identical={same:.5f} max|dlse|={d_lse:.3g} first call {t1 - t0:.2f}s {'OK' if ok else 'FAIL'}",
-              flush=True)
+        print(f"check {label}: max|dout|={d_out:.3g} identical={same:.5f} max|dlse|={d_lse:.3g} "
+              f"first call {t1 - t0:.2f}s {'OK' if ok else 'FAIL'}", flush=True)
+        if not ok:  # where it goes wrong: the scores (LSE) or the PV product (out only)
+            where = (err == err.max()).nonzero()[0].tolist()
+            lse_bad = ((lse - ref_lse).abs() > 1e-3) | (torch.isfinite(lse) != seen)
+            print(f"  worst out at {where}; rows with a wrong lse: {lse_bad.float().mean().item():.4f} "
+                  f"(first {lse_bad.nonzero()[:3].tolist()}); lse[0,0,:4]={lse[0, 0, :4].tolist()} "
+                  f"ref={ref_lse[0, 0, :4].tolist()}", flush=True)
+            print(f"  out[0,0,0,:8]={out[0, 0, 0, :8].float().tolist()}\n  ref         ={ref[0, 0, 0, :8].float().tolist()}",
+                  flush=True)
+            print(f"  out[0,0,:8,0]={out[0, 0, :8, 0].float().tolist()}\n  ref         ={ref[0, 0, :8, 0].float().tolist()}",
+                  flush=True)
     return 1 if bad else 0
+
+
+def _variant_args(name: str) -> dict:
+    """launch_forward_cuda's keyword arguments for a --variants name: s<N> (ring depth N),
+    ov<N> (OVERLAP N), ablate (no softmax: the ceiling, wrong outputs)."""
+    if name == "ablate":
+        return {"ablate_softmax": True}
+    if name[:1] == "s" and name[1:].isdigit():
+        return {"stages": int(name[1:])}
+    if name[:2] == "ov" and name[2:].isdigit():
+        return {"overlap": int(name[2:])}
+    raise ValueError(f"--variants: unknown {name!r}; accepted: s<N>, ov<N>, ablate")
 
 
 def timings(args) -> int:
@@ -84,7 +113,7 @@ def timings(args) -> int:
     from fp4attn.recipes import get_recipe
 
     recipe = get_recipe("fp8-fastacc")
-    stages = [int(s) for s in args.stages.split(",")]
+    extras = [v for v in args.variants.split(",") if v]
     shapes = SHAPES[:2] + SHAPES[4:6] + SHAPES[8:9] if args.quick else SHAPES
     rows = []
     for B, H, S, D, causal in shapes:
@@ -102,8 +131,9 @@ def timings(args) -> int:
             "cudnn_bf16": cudnn,
             "routed_fp8fa": lambda: fp4attn.attention(q, k, v, recipe="fp8-fastacc", causal=causal),
             "triton_kernel": lambda: launch_forward(ops, scale=D ** -0.5, causal_offset=offset, p_mode=0),
-            **{f"cuda_s{st}": (lambda st=st: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset,
-                                                                stages=st)) for st in stages},
+            "cuda": lambda: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset),
+            **{f"cuda_{name}": (lambda kw=_variant_args(name): launch_forward_cuda(
+                ops, scale=D ** -0.5, causal_offset=offset, **kw)) for name in extras},
             "cuda+quant": lambda: launch_forward_cuda(prepare_operands_fused(q, k, v, recipe), scale=D ** -0.5,
                                                       causal_offset=offset),
         }
@@ -135,7 +165,9 @@ def timings(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the log")
-    parser.add_argument("--stages", default="2", help="ring depths of the CUDA kernel to time, e.g. 2,3")
+    parser.add_argument("--variants", default="",
+                        help="CUDA kernel variants to time beside the routed launch: s<N> (ring depth), ov<N> "
+                             "(OVERLAP), ablate (no softmax: the ceiling, wrong outputs), e.g. ov0,ov1,ablate")
     parser.add_argument("--quick", action="store_true", help="five shapes instead of twelve")
     parser.add_argument("--check-timeout", type=float, default=120)
     parser.add_argument("--time-timeout", type=float, default=300)

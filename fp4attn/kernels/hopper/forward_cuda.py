@@ -15,6 +15,7 @@ Numerics: the `fast_accum` FP8-P recipes exactly as the Gluon kernel computes th
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import re
@@ -45,10 +46,12 @@ class Variant:
     causal: bool
     key_bias: bool = False
     stages: int = 2
+    overlap: int = 1  # 1: each tile's softmax overlaps the previous tile's PV (the kernel's OVERLAP)
+    ablate_softmax: bool = False  # timing only: no softmax, wrong outputs (the kernel's ceiling)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}", f"-DKEY_BIAS={int(self.key_bias)}",
-                f"-DSTAGES={self.stages}"]
+                f"-DSTAGES={self.stages}", f"-DOVERLAP={self.overlap}", f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
@@ -57,12 +60,15 @@ class Variant:
         return 1024 + BLOCK_M * d + self.stages * 2 * BLOCK_N * d + 2 * self.stages * BLOCK_N * 4 + (1 + 5 * self.stages) * 8
 
 
-# the launch per (head dim, causal): ring depth, measured (docs/notes/hopper-cuda-forward.md)
-STAGES = {(128, False): 2, (128, True): 2, (64, False): 2, (64, True): 2}
+# the launch per (head dim, causal): (ring depth, OVERLAP), measured
+# (docs/notes/hopper-cuda-forward.md). OVERLAP 1 needs a second P tile and PV's accumulator
+# live through the softmax: at D=128 ptxas spills it (544+ bytes), so D=128 runs 0.
+LAUNCH = {(128, False): (2, 0), (128, True): (2, 0), (64, False): (2, 1), (64, True): (2, 1)}
 
 
 def variant_for(head_dim: int, causal: bool, key_bias: bool = False) -> Variant:
-    return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal])
+    stages, overlap = LAUNCH[head_dim, causal]
+    return Variant(head_dim, causal, key_bias, stages, overlap)
 
 
 def all_variants() -> list[Variant]:
@@ -198,8 +204,9 @@ def _tensor_map(base: int, dims: list[int], strides: list[int], box: list[int], 
     swizzle = {64: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
                128: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle_bytes]
     tmap = _check(drv.cuTensorMapEncodeTiled(
-        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, len(dims), base, dims, strides, box,
-        [1] * len(dims), drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, len(dims), base,
+        [drv.cuuint64_t(x) for x in dims], [drv.cuuint64_t(x) for x in strides], [drv.cuuint32_t(x) for x in box],
+        [drv.cuuint32_t(1)] * len(dims), drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"cuTensorMapEncodeTiled(dims={dims}, box={box})")
     return ctypes.string_at(tmap.getPtr(), 128)
@@ -272,11 +279,13 @@ def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
 
 
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
-                        key_bias: torch.Tensor | None = None, stages: int | None = None):
+                        key_bias: torch.Tensor | None = None, stages: int | None = None,
+                        overlap: int | None = None, ablate_softmax: bool = False):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
-    stages: K/V^T ring depth (None: the table's)."""
+    stages, overlap: the ring depth and the kernel's OVERLAP (None: the table's), to measure;
+    ablate_softmax: a timing-only build without the softmax (its outputs are wrong)."""
     reason = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
     if reason:
         raise ValueError(f"launch_forward_cuda: {reason}")
@@ -284,8 +293,8 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     B, H, Sq, D = q.shape
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
     variant = variant_for(D, causal_offset is not None, key_bias is not None)
-    if stages is not None:
-        variant = Variant(variant.head_dim, variant.causal, variant.key_bias, stages)
+    variant = dataclasses.replace(variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax,
+                                  overlap=variant.overlap if overlap is None else overlap)
     k = _k_rows(ops.k)
     vt, vt_row = _vt_rows(ops)
     qs, ks, vs = ops.qs.float().contiguous(), ops.ks.float().contiguous(), ops.vs.float().contiguous()

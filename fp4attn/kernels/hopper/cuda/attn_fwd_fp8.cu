@@ -28,7 +28,8 @@
 // so that the accumulator's columns come out as the keys the A fragment wants; the key
 // scales, masks and causal limits use the permuted key index.
 //
-// Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES.
+// Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES, OVERLAP
+// (the softmax of tile j overlapped with PV_{j-1} of the same warpgroup, see `consumer`).
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -41,6 +42,12 @@
 #endif
 #ifndef STAGES
 #define STAGES 2
+#endif
+#ifndef OVERLAP
+#define OVERLAP 1
+#endif
+#ifndef ABLATE_SOFTMAX
+#define ABLATE_SOFTMAX 0  // 1: a timing-only build without the softmax (wrong outputs)
 #endif
 
 typedef unsigned int uint32_t;
@@ -126,12 +133,14 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, 
         ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
 
-__device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+template <uint32_t ID>
+__device__ __forceinline__ void named_sync(uint32_t threads) {
+    asm volatile("bar.sync %0, %1;" ::"n"(ID), "r"(threads) : "memory");
 }
 
-__device__ __forceinline__ void named_arrive(uint32_t id, uint32_t threads) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+template <uint32_t ID>
+__device__ __forceinline__ void named_arrive(uint32_t threads) {
+    asm volatile("bar.arrive %0, %1;" ::"n"(ID), "r"(threads) : "memory");
 }
 
 // wgmma shared-memory descriptor of a K-major tile whose rows are one swizzle span long
@@ -159,9 +168,11 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+// ftz: the non-ftz form adds a range test and two fix-up multiplies per element; it
+// differs only where 2**x is below 2**-126, which P's e4m3 rounding takes to 0 anyway
 __device__ __forceinline__ float ex2(float x) {
     float y;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
@@ -300,6 +311,18 @@ template <bool MASKED>
 __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], const float (&a)[2], const float* ks_tile, int key0,
                                              const int (&limit)[2], int q) {
+#if ABLATE_SOFTMAX
+    // timing only (wrong values): P = 1 everywhere, no softmax work, so the kernel runs at
+    // the ceiling of its loads, products and turn-taking
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pa[c][r] = 0x38383838u;
+    alpha[0] = alpha[1] = 1.0f;
+    l[0] = l[1] = 1.0f;
+    m[0] = m[1] = 0.0f;
+    return;
+#endif
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
         const int kk = 16 * (n & 7) + 4 * q + 2 * (n >> 3);
@@ -330,14 +353,21 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
     float m_use[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        float mx = m[i];
+        float mx[8];  // a tree, not a chain of 32 dependent maxima
 #pragma unroll
-        for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        m_use[i] = mx == -__int_as_float(0x7f800000) ? 0.0f : mx;  // a row that saw no key yet
+        for (int n = 0; n < 8; ++n)
+            mx[n] = fmaxf(fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]),
+                          fmaxf(s[4 * (n + 8) + 2 * i], s[4 * (n + 8) + 2 * i + 1]));
+#pragma unroll
+        for (int w = 4; w > 0; w /= 2)
+#pragma unroll
+            for (int n = 0; n < w; ++n) mx[n] = fmaxf(mx[n], mx[n + w]);
+        float row_max = fmaxf(m[i], mx[0]);
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+        row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+        m_use[i] = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;  // a row that saw no key yet
         alpha[i] = ex2(m[i] - m_use[i]);
-        m[i] = mx;
+        m[i] = row_max;
     }
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
@@ -350,7 +380,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
             }
         }
     }
-    float sum[2] = {0.0f, 0.0f};
+    // The tile's row sums of the represented values are exact in any order: e4m3 values
+    // <= 2**8 are multiples of 2**-9, and 128 of them sum below 2**15 (24 bits), so two
+    // independent partial sums (no long dependent chain) and a quad reduction per tile give
+    // exactly the Gluon kernel's tile sums, and l = l * alpha + sum its rounding.
+    float sum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
 #pragma unroll
@@ -362,15 +396,18 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
                 const uint32_t lo = to_e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], v0, v1);
                 const uint32_t hi = to_e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], v2, v3);
                 pa[c][2 * half + i] = lo | (hi << 16);
-                sum[i] += v0;
-                sum[i] += v1;
-                sum[i] += v2;
-                sum[i] += v3;
+                sum[i][0] += v0 + v1;
+                sum[i][1] += v2 + v3;
             }
         }
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + sum[i];
+    for (int i = 0; i < 2; ++i) {
+        float tile = sum[i][0] + sum[i][1];
+        tile += __shfl_xor_sync(0xffffffffu, tile, 1);
+        tile += __shfl_xor_sync(0xffffffffu, tile, 2);
+        l[i] = l[i] * alpha[i] + tile;
+    }
 }
 
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint32_t k_tile) {
@@ -391,11 +428,14 @@ __device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&p
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = o[r] * alpha[(r >> 1) & 1] + pv[r];
 }
 
-// One consumer warpgroup: 64 query rows of the block, every key tile of it.
-__device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int tid, int wg, int start_m, int bh,
-                                         int bhk, int full, int n_tiles) {
+// One consumer warpgroup, CW 0 or 1: rows 64 CW .. 64 CW + 63 of the block, every key
+// tile of it. (CW a template parameter: the named barriers' ids then are immediates, not
+// registers that ptxas spilled.)
+template <int CW>
+__device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int tid, int start_m, int bh, int bhk,
+                                         int full, int n_tiles) {
     const int Sq = p.Sq, Sk = p.Sk;
-    const int cw = wg - 1;  // 0 or 1: rows 64 cw .. of the block
+    constexpr int cw = CW, wg = CW + 1;
     const int t = tid - 128 * wg, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
     const int row[2] = {start_m * BLOCK_M + cw * 64 + 16 * warp + g, start_m * BLOCK_M + cw * 64 + 16 * warp + g + 8};
     int limit[2];  // the last key each row sees
@@ -406,49 +446,79 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     for (int i = 0; i < 2; ++i) a[i] = row[i] < Sq ? p.qs[(long long)bh * Sq + row[i]] * p.qk_scale : 0.0f;
 
     float s[64], pv[HEAD_DIM / 2], o[HEAD_DIM / 2];
-    uint32_t pa[4][4];
+    uint32_t pa0[4][4];
+#if OVERLAP
+    uint32_t pa1[4][4];  // P of two tiles: one read by PV_{j-1} in flight, one being built
+#else
+    uint32_t(&pa1)[4][4] = pa0;  // one buffer: PV_{j-1} is waited for before P_j is built
+#endif
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.0f, 0.0f}, alpha[2];
 #pragma unroll
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = 0.0f;
 
     // turn-taking on the tensor cores: consumer cw issues its products after bar.sync on
     // barrier 1 + cw and hands the turn over by bar.arrive on the other's; consumer 0 goes first
-    const uint32_t my_turn = 1 + cw, other_turn = 2 - cw;
-    if (cw == 1) named_arrive(1, 256);
+    constexpr uint32_t my_turn = 1 + cw, other_turn = 2 - cw;
+    if (cw == 1) named_arrive<1>(256);
 
     const uint64_t q_desc = smem_desc(sm.q + cw * 64 * QK_ROW_BYTES, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
     mbar_wait(sm.q_full, 0);
 
     // tile 0: QK^T alone
     mbar_wait(sm.k_full, 0);
-    named_sync(my_turn, 256);
+    named_sync<my_turn>(256);
     fence_regs(s);
     wgmma_fence();
     issue_qk(s, q_desc, sm.k);
     wgmma_commit();
-    named_arrive(other_turn, 256);
+    named_arrive<other_turn>(256);
     wgmma_wait<0>();
     fence_regs(s);
     if (lane == 0) mbar_arrive(sm.k_empty);
     mbar_wait(sm.ks_full, 0);
     if (0 >= full)
-        softmax_tile<true>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
+        softmax_tile<true>(s, pa0, m, l, alpha, a, sm.ks, 0, limit, q);
     else
-        softmax_tile<false>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
+        softmax_tile<false>(s, pa0, m, l, alpha, a, sm.ks, 0, limit, q);
 
-    for (int j = 1; j < n_tiles; ++j) {
+    // tile j >= 1: QK^T_j and PV_{j-1} in one turn, then the softmax of tile j. OVERLAP 1:
+    // QK^T_j first and waited alone, so the softmax runs while PV_{j-1} is still on the
+    // tensor cores (its P and accumulator stay live: the second P buffer); OVERLAP 0: both
+    // waited before the softmax.
+    auto step = [&](int j, uint32_t(&pa_prev)[4][4], uint32_t(&pa_next)[4][4]) {
         const int st = j % STAGES, prev = (j - 1) % STAGES;
         const uint32_t parity = (j / STAGES) & 1, prev_parity = ((j - 1) / STAGES) & 1;
         mbar_wait(sm.k_full + 8 * st, parity);
         mbar_wait(sm.v_full + 8 * prev, prev_parity);
-        named_sync(my_turn, 256);
+        named_sync<my_turn>(256);
         fence_regs(s);
         fence_regs(pv);
         wgmma_fence();
-        issue_pv(pv, pa, sm.v + prev * V_BYTES);
+#if OVERLAP
         issue_qk(s, q_desc, sm.k + st * K_BYTES);
         wgmma_commit();
-        named_arrive(other_turn, 256);
+        issue_pv(pv, pa_prev, sm.v + prev * V_BYTES);
+        wgmma_commit();
+        named_arrive<other_turn>(256);
+        wgmma_wait<1>();
+        fence_regs(s);
+        if (lane == 0) mbar_arrive(sm.k_empty + 8 * st);
+        const float alpha_prev[2] = {alpha[0], alpha[1]};
+        mbar_wait(sm.ks_full + 8 * st, parity);
+        const float* ks_tile = sm.ks + st * BLOCK_N;
+        if (j * BLOCK_N >= full)
+            softmax_tile<true>(s, pa_next, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
+        else
+            softmax_tile<false>(s, pa_next, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
+        wgmma_wait<0>();
+        fence_regs(pv);
+        if (lane == 0) mbar_arrive(sm.v_empty + 8 * prev);
+        add_pv(o, pv, alpha_prev);
+#else
+        issue_pv(pv, pa_prev, sm.v + prev * V_BYTES);
+        issue_qk(s, q_desc, sm.k + st * K_BYTES);
+        wgmma_commit();
+        named_arrive<other_turn>(256);
         wgmma_wait<0>();
         fence_regs(s);
         fence_regs(pv);
@@ -460,34 +530,44 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         mbar_wait(sm.ks_full + 8 * st, parity);
         const float* ks_tile = sm.ks + st * BLOCK_N;
         if (j * BLOCK_N >= full)
-            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
+            softmax_tile<true>(s, pa_next, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
         else
-            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
-    }
-
+            softmax_tile<false>(s, pa_next, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
+#endif
+    };
     // the last tile's PV
-    {
+    auto last_pv = [&](uint32_t(&pa_last)[4][4]) {
         const int j = n_tiles - 1, st = j % STAGES;
         mbar_wait(sm.v_full + 8 * st, (j / STAGES) & 1);
-        named_sync(my_turn, 256);
+        named_sync<my_turn>(256);
         fence_regs(pv);
         wgmma_fence();
-        issue_pv(pv, pa, sm.v + st * V_BYTES);
+        issue_pv(pv, pa_last, sm.v + st * V_BYTES);
         wgmma_commit();
-        if (cw == 0) named_arrive(other_turn, 256);  // consumer 1's turn is the last one
+        if (cw == 0) named_arrive<other_turn>(256);  // consumer 1's turn is the last one
         wgmma_wait<0>();
         fence_regs(pv);
         if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
         add_pv(o, pv, alpha);
+    };
+    // unrolled by two so that the P buffers swap by name, not by a run-time index
+    int j = 1;
+    for (; j + 1 < n_tiles; j += 2) {
+        step(j, pa0, pa1);
+        step(j + 1, pa1, pa0);
+    }
+    if (j < n_tiles) {
+        step(j, pa0, pa1);
+        last_pv(pa1);
+    } else {
+        last_pv(pa0);
     }
 
     // -------------------------------------------------------------------- epilogue
     const float* vs = p.vs + (long long)bhk * HEAD_DIM;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        float li = l[i];
-        li += __shfl_xor_sync(0xffffffffu, li, 1);
-        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        const float li = l[i];  // the whole row's (reduced over the quad every tile)
         const bool seen = li > 0.0f;
         float inv = 0.0f;
         if (seen) asm("rcp.rn.f32 %0, %1;" : "=f"(inv) : "f"(li));
@@ -598,10 +678,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
                 mbar_arrive(sm.ks_full + 8 * st);
             }
         }
-    } else {
-        // consumers (one branch of this if/else each role: ptxas applies setmaxnreg only so)
+    } else if (wg == 1) {
+        // consumers: each role one branch of this if/else with its own setmaxnreg (ptxas
+        // applies the new register budget only so)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
         const Block blk = block_plan(p);
-        consumer(p, carve(smem_raw), tid, wg, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
+        consumer<0>(p, carve(smem_raw), tid, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+        const Block blk = block_plan(p);
+        consumer<1>(p, carve(smem_raw), tid, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
     }
 }
