@@ -14,6 +14,8 @@ P_FORMATS = ("mxfp4", "fp8", "bf16")
 V_FORMATS = ("mxfp4", "fp8", "bf16")
 P_BUILDS = ("directp", "exp2")
 GRAD_FORMATS = ("e4m3", "e5m2", "bf16")
+ROTATIONS = ("hadamard",)
+QK_FALLBACKS = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,30 @@ class Recipe:
             is a different recipe: no reference reproduces the tensor core's sums, the
             reference computes the exact ones, and the measured fraction of P codes
             identical to them is below 1 (docs/numerics.md).
+
+    Outlier-robust operands (`fp4attn.reference.robust`; all exact in real arithmetic,
+    measured in docs/notes/robust-numerics.md):
+        smooth_k: subtract K's mean over the keys of each (batch, head) before
+            quantizing (the softmax removes the shift).
+        rotate_qk: "hadamard" multiplies Q and K along the head dim by one Walsh-Hadamard
+            matrix after a fixed random sign vector (QK^T unchanged up to the power of
+            two folded into the scale); None leaves them.
+        smooth_v: subtract V's mean over the keys of each (batch, head, channel) before
+            quantizing and add it to the output (exact with consistent_norm, which it
+            requires).
+        p_sink: MXFP4 P only. In each 32-key block the largest P (the key that ties the
+            block's maximum log-score) is kept outside the block's shared scale as an
+            e4m3 value, and the block scale is set by the block's next largest P. An
+            attention sink (one key holding most of a row's probability) then no
+            longer rounds the other keys of its block to zero. On Hopper P is an e4m3
+            tile already, so this is a different classification, not another product.
+        qk_fallback: "fp8" quantizes Q and K of a (batch, KV head) in FP8 (per token)
+            instead of NVFP4 where their logits are too sharp for NVFP4:
+            `robust.logit_std` above `qk_fallback_logit_std` (qk="nvfp4" only).
+        qk_fallback_logit_std: the threshold of qk_fallback.
+        qk_four_over_six: NVFP4 Q/K blocks scaled so that their amax maps to 4 or to 6,
+            whichever represents the block with the smaller largest error
+            (`formats.quantize_nvfp4(four_over_six=True)`); the same payload format.
     """
 
     qk: str = "nvfp4"
@@ -56,6 +82,13 @@ class Recipe:
     block_n: int = 128
     name: str = "custom"
     fast_accum: bool = False
+    smooth_k: bool = False
+    rotate_qk: str | None = None
+    smooth_v: bool = False
+    p_sink: bool = False
+    qk_fallback: str | None = None
+    qk_fallback_logit_std: float = 1.25
+    qk_four_over_six: bool = False
 
     def __post_init__(self) -> None:
         for field, value, accepted in (
@@ -73,8 +106,33 @@ class Recipe:
         if self.fast_accum and self.qk != "fp8":
             raise ValueError(f"Recipe.fast_accum=True sums FP8 Q/K products on the FP8 tensor cores; it needs "
                              f"qk='fp8', got qk={self.qk!r}")
+        if self.rotate_qk is not None and self.rotate_qk not in ROTATIONS:
+            raise ValueError(f"Recipe.rotate_qk={self.rotate_qk!r} is not supported; accepted: {ROTATIONS} or None")
+        if self.smooth_v and not self.consistent_norm:
+            raise ValueError("Recipe.smooth_v=True is exact only with consistent_norm=True (the row sum of the "
+                             "represented P); got consistent_norm=False")
+        if self.p_sink and self.p != "mxfp4":
+            raise ValueError(f"Recipe.p_sink=True changes MXFP4 P's block scales; it needs p='mxfp4', got "
+                             f"p={self.p!r}")
+        if self.qk_four_over_six and self.qk != "nvfp4":
+            raise ValueError(f"Recipe.qk_four_over_six=True picks NVFP4 block scales; it needs qk='nvfp4', got "
+                             f"qk={self.qk!r}")
+        if self.qk_fallback is not None:
+            if self.qk_fallback not in QK_FALLBACKS:
+                raise ValueError(f"Recipe.qk_fallback={self.qk_fallback!r} is not supported; accepted: "
+                                 f"{QK_FALLBACKS} or None")
+            if self.qk != "nvfp4":
+                raise ValueError(f"Recipe.qk_fallback replaces NVFP4 Q/K; it needs qk='nvfp4', got qk={self.qk!r}")
+            if not self.qk_fallback_logit_std > 0:
+                raise ValueError(f"Recipe.qk_fallback_logit_std must be positive, got {self.qk_fallback_logit_std}")
         if self.block_n <= 0 or self.block_n % 32:
             raise ValueError(f"Recipe.block_n must be a positive multiple of 32, got {self.block_n}")
+
+    @property
+    def robust(self) -> bool:
+        """Whether any outlier-robust field is set (a kernel that lacks one must say so)."""
+        return bool(self.smooth_k or self.rotate_qk or self.smooth_v or self.p_sink or self.qk_fallback
+                    or self.qk_four_over_six)
 
     def with_(self, **changes) -> Recipe:
         """A copy with some fields changed (named "custom" unless a name is given)."""
@@ -94,6 +152,17 @@ PRESETS: dict[str, Recipe] = {
         Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", grad="e4m3", name="train"),
         Recipe(qk="nvfp4", p="mxfp4", v="mxfp4", p_build="directp", grad="e4m3", name="train-mxfp4pv"),
         Recipe(qk="bf16", p="bf16", v="bf16", p_build="exp2", consistent_norm=False, grad="bf16", name="bf16"),
+        # outlier-robust presets: what the measurements of docs/notes/robust-numerics.md
+        # justify (K smoothing for shared key offsets, the FP8 Q/K fallback for heads
+        # whose logits are too sharp for NVFP4, 4-or-6 NVFP4 block scales; for Direct-P
+        # also the sink-aware P blocks and FP8 V, which keeps an attention sink's small
+        # value vector)
+        Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", smooth_k=True, qk_fallback="fp8",
+               qk_four_over_six=True, name="nvfp4-fp8-robust"),
+        Recipe(qk="nvfp4", p="mxfp4", v="fp8", p_build="directp", smooth_k=True, p_sink=True, qk_fallback="fp8",
+               qk_four_over_six=True, name="directp-robust"),
+        Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", grad="e4m3", smooth_k=True, qk_fallback="fp8",
+               qk_four_over_six=True, name="train-robust"),
     )
 }
 

@@ -22,7 +22,7 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
     from fp4attn import routing
     from fp4attn.kernels.hopper import train_op
 
-    kv_names = ("k", "v_t", "v_ts", "k_c", "k_cs")  # the operands of the K/V heads
+    kv_names = ("k", "ks", "v_t", "v_ts", "k_c", "k_cs")  # the operands of the K/V heads
     fp8, mxfp4 = ("fp8", "exp2", "fp8"), ("mxfp4", "directp", "mxfp4")  # train, train-mxfp4pv
     for D, sq, sk, causal, cfg, (p, p_build, v_fmt) in (
             (64, 128, 128, True, {}, fp8), (64, 128, 192, False, {}, fp8), (64, 100, 76, True, {}, fp8),
@@ -38,7 +38,8 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
             _, saved = train_op.quantize_for_training(q, k, v, v_fmt)
             # grid values in float32: the interpreter's bf16 dot is wrong, float32 holds them
             ops = train_op.backward_operands(dout, out, *saved, values_dtype=torch.float32)
-            s = (ops.q * ops.qs) @ (ops.k * ops.ks).repeat_interleave(HQ // HKV, 1).transpose(-1, -2) * D**-0.5
+            qd, kd = ops.q * ops.qs[..., None, None], ops.k * ops.ks[..., None, None]  # a tensor scale per head
+            s = qd @ kd.repeat_interleave(HQ // HKV, 1).transpose(-1, -2) * D**-0.5
             if causal:
                 s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
             lse = torch.logsumexp(s, -1)  # the LSE a forward would have saved
@@ -46,8 +47,7 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
             def grads(bs, gs):
                 # the operands of batch entries bs and K/V heads gs (their query heads hq)
                 hq = slice(gs.start * HQ // HKV, gs.stop * HQ // HKV)
-                heads = {name: (t if name in ("qs", "ks") else t[bs, gs if name in kv_names else hq].contiguous())
-                         for name, t in ops._asdict().items()}
+                heads = {name: t[bs, gs if name in kv_names else hq].contiguous() for name, t in ops._asdict().items()}
                 return train_op.launch_backward(train_op.BackwardOperands(**heads), lse[bs, hq].contiguous(), p,
                                                 p_build, sk - sq, causal, D**-0.5, (torch.float32,) * 3)
 

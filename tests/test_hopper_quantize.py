@@ -50,6 +50,7 @@ def test_packed_nvfp4_payload_is_the_reference_bytes(s, d, special):
     the forward kernel multiplied, bit for bit."""
     from fp4attn.formats.nvfp4 import quantize_nvfp4
     from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows, quantize_qk_nvfp4
+    from fp4attn.reference.operands import quantize_qk
 
     x = torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4
     x[0, 0, 0, :7] = 0.0
@@ -57,11 +58,14 @@ def test_packed_nvfp4_payload_is_the_reference_bytes(s, d, special):
     x[1, 2, 0, :16] *= 2.0**-20  # a block whose elements round to (signed) zero
     if special != "none":
         x[1, 0, -1, 5] = float(special)
-    ref = quantize_nvfp4(x)
+    ref = quantize_nvfp4(x, scale_dims=2)  # one tensor scale per (batch, head)
     values, ts, codes, bscale = quantize_qk_nvfp4(x, packed=True)
     assert torch.equal(codes, ref.data)
     assert torch.equal(bscale.view(torch.uint8), ref.scale.view(torch.uint8))
-    assert torch.equal(ts.flatten()[:1].view(torch.int32), ref.global_scale.reshape(1).view(torch.int32))
+    # the kernels' scale: the head's, NaN for a head holding an Inf (reference.operands)
+    want_ts = quantize_qk(x, "nvfp4").scale.expand(*x.shape[:-1], 1)[..., 0]
+    assert torch.equal(torch.isnan(ts), torch.isnan(want_ts))
+    assert torch.equal(ts.nan_to_num().view(torch.int32), want_ts.nan_to_num().view(torch.int32))
     grid = ref.block_values().flatten(-2).to(torch.bfloat16)
     nan = torch.isnan(grid)
     assert torch.equal(nan, torch.isnan(values)) and torch.equal(values[~nan], grid[~nan])

@@ -1,14 +1,28 @@
-"""`fp4attn accuracy`: the Gaussian operator test and a harder variant, per recipe.
+"""`fp4attn accuracy`: each recipe's output against exact (float64) attention, on input
+families that stand for what real layers hold, or on real captured activations.
 
-"gaussian" is the paper's protocol: q, k, v ~ N(0, 1). "hard" sharpens the logits and
-adds outliers as real layers have them: q and k are scaled by 2 (logit std about 4
-instead of 1), 4 key channels by a further 10 (the channel outliers of LLM keys) and
-0.1% of v's entries by 20. Each recipe's output is compared with float64 attention.
+Families (`make_inputs`; each generator draws its own details from the seed, so tests
+can check fresh inputs of the same kind):
+- "gaussian": the paper's protocol, q, k, v ~ N(0, 1).
+- "hard": q and k scaled by 2, 4 key channels by a further 10, 0.1% of v by 20 (the
+  first stress case).
+- "channels": a few (2-6) key channels 5-10x larger than the rest (LLM keys).
+- "offset": every key of a head shares an offset vector 2-4x the noise.
+- "sharp": q and k scaled by 2-3 (logits 4-9x sharper than Gaussian).
+- "mixture": all of those at once, with heavy-tailed v (Student t, 3 degrees).
+- "sink": 64 keys, one of which takes 70-95% of each row's probability and has a small
+  value vector (the attention sink of trained transformers).
+"minilm" (`--inputs minilm`): the attention operands of every layer of
+all-MiniLM-L6-v2 on the shipped sentences (padded batch; only real tokens' rows count).
+
+Metrics: cosine, relative L2, max error over the whole output, and the 1st percentile
+of the per-row cosine (`metrics.row_cosines`), which the means hide.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -20,26 +34,91 @@ from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.metrics import error_metrics
 from fp4attn.recipes import PRESETS, get_recipe, preset_names
 
-CASES = ("gaussian", "hard")
+CASES = ("gaussian", "hard", "channels", "offset", "sharp", "mixture", "sink")
+DEFAULT_CASES = ("gaussian", "hard")
+SINK_KEYS = 64
 
 
 def make_inputs(case: str, shape: tuple[int, int, int, int], seed: int, device: str):
-    """(q, k, v) float32 for an accuracy case."""
+    """(q, k, v) float32 for an accuracy case; k and v have SINK_KEYS keys for "sink"."""
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}; accepted: {CASES}")
     g = torch.Generator(device="cpu").manual_seed(seed)
+    B, H, S, D = shape
+
+    def u(lo, hi, *size):
+        return lo + (hi - lo) * torch.rand(size, generator=g)
+
     q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
     if case == "hard":
         q, k = q * 2, k * 2
         k[..., :4] *= 10
         outliers = torch.rand(shape, generator=g) < 1e-3
         v = torch.where(outliers, v * 20, v)
+    if case in ("sharp", "mixture"):
+        f = u(2.0, 3.0, B, H, 1, 1)
+        q, k = q * f, k * f
+    if case in ("channels", "mixture"):
+        n = int(torch.randint(2, 7, (1,), generator=g))
+        ch = torch.randperm(D, generator=g)[:n]
+        k[..., ch] *= u(5.0, 10.0, B, H, 1, n)
+    if case in ("offset", "mixture"):
+        k = k + torch.randn(B, H, 1, D, generator=g) * u(2.0, 4.0, B, H, 1, 1) * k.std()
+    if case == "mixture":
+        v = _student_t(shape, 3.0, g)
+    if case == "sink":
+        k, v = k[..., :SINK_KEYS, :], v[..., :SINK_KEYS, :]
+        sink = torch.randint(0, SINK_KEYS, (B, H), generator=g)
+        dirs = torch.nn.functional.normalize(torch.randn(B, H, 1, D, generator=g), dim=-1)
+        # the sink's score q . k_sink / sqrt(D) is a_i + N(0, 1) with a_i in [5.5, 8]:
+        # 70-95% of a row's probability against 63 N(0, 1) scores
+        q = q + dirs * u(5.5, 8.0, B, H, S, 1)
+        idx = sink[..., None, None].expand(B, H, 1, D)
+        k = k.scatter(2, idx, dirs * math.sqrt(D))
+        v = v.scatter(2, idx, 0.05 * torch.randn(B, H, 1, D, generator=g))
     return q.to(device), k.to(device), v.to(device)
+
+
+def _student_t(shape, df: float, g: torch.Generator) -> torch.Tensor:
+    """Student-t samples from normals: z / sqrt(chi2_df / df), chi2 as a sum of squares."""
+    z = torch.randn(shape, generator=g)
+    chi2 = torch.randn((*shape, int(df)), generator=g).square().sum(-1)
+    return z / torch.sqrt(chi2 / df)
 
 
 def exact_attention(q, k, v, causal: bool) -> torch.Tensor:
     """float64 softmax attention (the "fp32 attention" of the tables, computed exactly)."""
     return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+
+
+def minilm_records(recipes, *, n_sentences: int = 64, layers=tuple(range(6)), device="cpu",
+                   backend="auto", dtype=torch.bfloat16) -> list[dict]:
+    """One record per (layer, recipe) on all-MiniLM-L6-v2's attention operands of the
+    first `n_sentences` shipped sentences (one padded batch, its boolean key mask),
+    against float64 attention of the same (cast) operands; metrics over the real
+    tokens' rows only."""
+    from fp4attn.cli.eval import minilm_attention_inputs
+    from fp4attn.reference.masks import key_mask_view
+
+    records = []
+    captured = minilm_attention_inputs(tuple(layers), n_sentences=n_sentences, device=device)
+    for layer, (q, k, v, mask, scale) in tqdm(captured.items(), desc="minilm", unit="layer", leave=False):
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                               attn_mask=mask, scale=scale)
+        keys = key_mask_view(mask) if mask is not None else None
+        rows = None if keys is None else keys.reshape(keys.shape[0], 1, -1)  # a query row is a real token
+        for recipe in recipes:
+            t0 = time.perf_counter()
+            out = attention(q, k, v, recipe=recipe, attn_mask=mask, scale=scale, backend=backend)
+            B, H, S, D = q.shape
+            records.append({
+                "recipe": get_recipe(recipe).name, "case": f"minilm L{layer}", "B": B, "H": H, "S": S, "D": D,
+                "causal": False, "rows": int(rows.sum()) * H if rows is not None else B * H * S,
+                "dtype": str(dtype).removeprefix("torch."), "device": str(q.device), "backend": backend,
+                **error_metrics(out, ref, rows), "seconds": round(time.perf_counter() - t0, 3),
+            })
+    return records
 
 
 def run_accuracy(

@@ -18,7 +18,13 @@ Edge cases, as that order makes them (stated and tested):
 - +-Inf: amax is Inf so S_enc = 0, replaced by 1; the Inf's block scale saturates to
   448 and the Inf itself to +-6;
 - NaN: the tensor amax is NaN, so every block scale is NaN (E4M3 0x7F) and the whole
-  tensor dequantizes to NaN.
+  tensor (or, with `scale_dims`, the whole slice sharing its tensor scale) dequantizes
+  to NaN.
+
+"Tensor" is whatever shares one tensor scale: the whole input by default, as
+TransformerEngine quantizes a weight or activation; `scale_dims=n` gives each index of
+the first n dims its own (attention quantizes Q and K with `scale_dims=2`, one tensor
+scale per (batch, head), so one item's values never move another item's codes).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ class NVFP4Tensor:
 
     data: torch.Tensor  # uint8 (..., padded // 2)
     scale: torch.Tensor  # float8_e4m3fn (..., padded // 16)
-    global_scale: torch.Tensor  # float32 scalar
+    global_scale: torch.Tensor  # float32, () or x.shape[:scale_dims] + (1,) * (ndim - scale_dims + 1)
     layout: BlockLayout
 
     def codes(self) -> torch.Tensor:
@@ -65,18 +71,57 @@ def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(s == 0, torch.ones_like(s), s)
 
 
-def quantize_nvfp4(x: torch.Tensor, dim: int = -1) -> NVFP4Tensor:
+def quantize_nvfp4(x: torch.Tensor, dim: int = -1, scale_dims: int = 0, four_over_six: bool = False) -> NVFP4Tensor:
     """Quantize `x` to NVFP4 along `dim` (blocks of 16; a ragged tail is zero-padded).
 
-    One tensor scale covers the whole of `x`. Accepts float32, bfloat16 and float16.
+    Args:
+        x: float32, bfloat16 or float16 tensor.
+        dim: the dim cut into blocks of 16.
+        scale_dims: how many leading dims get their own tensor scale. 0 (default): one
+            tensor scale over the whole of `x` (TransformerEngine's rule). n > 0: one per
+            index of x.shape[:n], computed from that slice alone, so the payload of one
+            slice does not depend on any other's values; `dim` must lie after them.
+            `global_scale` then has shape x.shape[:n] + (1,) * (x.ndim - n + 1), which
+            broadcasts against `block_values()`.
+        four_over_six: scale each block so that its amax maps to 6 (the rule above) or
+            to 4, whichever gives the smaller largest error max |e2m1 * d - x * S_enc|
+            (ties to 6); 4 holds values near 5 (between 4 and 6 E2M1 has no point)
+            better ("Four Over Six", Cook et al., 2025, with the largest error as the
+            criterion, which any implementation computes identically).
     """
     check_block_input("quantize_nvfp4", x, dim)
+    ndim = x.ndim
+    if not 0 <= scale_dims < max(ndim, 1) or (ndim and dim % ndim < scale_dims):
+        raise ValueError(f"quantize_nvfp4: scale_dims={scale_dims} must be in [0, x.ndim) and leave the blocked "
+                         f"dim after the scaled ones; got x.ndim={ndim}, dim={dim}")
     xb, layout = to_blocks(x, dim, NVFP4_BLOCK)
-    s_enc = nvfp4_global_encode_scale(xb.abs().amax())
+    if scale_dims:
+        # the blocked layout keeps the leading dims in place: reduce everything after them
+        amax = xb.abs().flatten(scale_dims).amax(-1).reshape(*xb.shape[:scale_dims], *(1,) * (xb.ndim - scale_dims))
+    else:
+        amax = xb.abs().amax()
+    s_enc = nvfp4_global_encode_scale(amax)
     s_dec = exact_div(1.0, s_enc)
-    multiplier = s_enc * exact_div(torch.ones_like(s_enc), E2M1_MAX)
-    d = torch.clamp(xb.abs().amax(dim=-1, keepdim=True) * multiplier, max=FP32_MAX)
+    block_amax = xb.abs().amax(dim=-1, keepdim=True)
+    d, codes = _blocks_scaled_to(xb, block_amax, s_enc, s_dec, E2M1_MAX)
+    if four_over_six:
+        d4, codes4 = _blocks_scaled_to(xb, block_amax, s_enc, s_dec, 4.0)
+        better = _block_error(xb, d4, codes4, s_enc) < _block_error(xb, d, codes, s_enc)
+        d, codes = torch.where(better, d4, d), torch.where(better, codes4, codes)
+    return NVFP4Tensor(pack_e2m1(codes.flatten(-2)), d.squeeze(-1), s_dec, layout)
+
+
+def _blocks_scaled_to(xb, block_amax, s_enc, s_dec, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 block decode scales, E2M1 codes) of blocks whose amax is mapped to `top`
+    (6: TransformerEngine's rule)."""
+    multiplier = s_enc * exact_div(torch.ones_like(s_enc), top)
+    d = torch.clamp(block_amax * multiplier, max=FP32_MAX)
     d = encode_fp8(torch.clamp(d, -E4M3_MAX, E4M3_MAX), "e4m3")
     enc = torch.clamp(exact_div(1.0, d.float() * s_dec), max=FP32_MAX)
-    codes = encode_e2m1(torch.clamp(xb * enc, -E2M1_MAX, E2M1_MAX))
-    return NVFP4Tensor(pack_e2m1(codes.flatten(-2)), d.squeeze(-1), s_dec, layout)
+    return d, encode_e2m1(torch.clamp(xb * enc, -E2M1_MAX, E2M1_MAX))
+
+
+def _block_error(xb, d, codes, s_enc) -> torch.Tensor:
+    """max |e2m1 * d - x * S_enc| over each block, float32: each term is a fixed sequence
+    of IEEE operations and a maximum has no order, so any implementation agrees."""
+    return (decode_e2m1(codes) * d.float() - xb * s_enc).abs().amax(dim=-1, keepdim=True)

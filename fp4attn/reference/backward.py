@@ -18,6 +18,14 @@ views carry one scale per DS_BLOCK contraction elements (per query row and 64-ke
 tile for dQ, per key and 64-query tile for dK): a kernel scales each tile's partial
 product and never needs a second pass over dS. The quantizers pass gradients
 straight through (Q's gradient is the gradient of its quantized value).
+
+The recipe's robust transforms (`robust.py`) are applied to the gradients as their
+adjoints: the products run on the rotated Q/K the forward saved, with the scale the
+rotation folds in, and dQ, dK are rotated back (`robust.unrotate`); K smoothing passes
+gradients straight through (exact: the softmax's gradient sums to zero over the keys);
+with V smoothing the saved V is the represented values plus V's mean, so dP and delta
+= rowsum(dO * O) describe the same V. A NaN LSE (a row whose forward was NaN) makes its
+P, and every gradient it feeds, NaN.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch.nn.functional as F
 from fp4attn.formats import quantize_fp8
 from fp4attn.formats.constants import MX_BLOCK
 from fp4attn.recipes import Recipe
+from fp4attn.reference import robust
 from fp4attn.reference.directp import build_p
 from fp4attn.reference.forward import (
     LOG2E,
@@ -84,6 +93,8 @@ def reference_backward(
     hq, hkv = fwd.q.values.shape[1], fwd.k.values.shape[1]
     sq, sk = fwd.q.values.shape[-2], fwd.k.values.shape[-2]
 
+    if recipe.rotate_qk is not None:
+        scale = scale * robust.rotation_scale(fwd.q.values.shape[-1])
     offset, bias = causal_offset(causal, sq, sk), log2_bias(attn_mask, sk, 1)
     do = dout.float()
     # views over the whole sequence or head dim: they exist before the backward starts
@@ -108,9 +119,9 @@ def reference_backward(
         q_rows = QKOperand(fwd.q.values[..., rows, :],
                            fwd.q.scale[..., rows, :] if fwd.q.scale.shape[-2] > 1 else fwd.q.scale)
         t = masked_log2_scores(q_rows, fwd.k, scale, offset, bias, 0, sk, i0)
-        x = torch.where(lse2[..., rows, :] > -math.inf, t - lse2[..., rows, :], torch.full_like(t, -math.inf))
+        x = torch.where(lse2[..., rows, :] == -math.inf, torch.full_like(t, -math.inf), t - lse2[..., rows, :])
         p = torch.exp2(x)
-        p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build)[..., :sk]
+        p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build, recipe.p_sink)[..., :sk]
         dv += p_r.transpose(-1, -2) @ do_c[..., rows, :]
         dp = do_t[..., rows, :] @ v_a.transpose(-1, -2)
         ds = p * (dp - delta[..., rows, :])
@@ -120,6 +131,8 @@ def reference_backward(
         dq[..., rows, :] = (low_precision_view(ds, -1, g, DS_BLOCK) @ k_a) * scale
         dk += low_precision_view(ds, -2, g, DS_BLOCK).transpose(-1, -2) @ q_a[..., rows, :]
     dk = dk * scale
+    if recipe.rotate_qk is not None:
+        dq, dk = robust.unrotate(dq), robust.unrotate(dk)
     grads = dq, _reduce_heads(dk, hkv), _reduce_heads(dv, hkv)
     return (*grads, dmask.reshape(attn_mask.shape)) if mask_grad else grads
 

@@ -30,6 +30,13 @@ a block maximum across a power of two (measured in docs/numerics.md).
 
 Blocks below `encoding.P_EMIN` are dropped, as the Hopper e4m3 encoding cannot hold
 them (`encoding.py`).
+
+With `sink=True` (`Recipe.p_sink`) the keys that tie a block's maximum x are taken out
+of the block: they get the FP8 P value e4m3(2**x * 2**8) / 2**8 (exactly 1 for the row
+maximum) and the block exponent comes from the largest of the other keys, whose codes
+are then built as above. A block whose other keys are all masked holds only its top.
+
+A NaN in x (a NaN score) gives NaN in P, whatever the builder: it must reach the output.
 """
 
 from __future__ import annotations
@@ -101,15 +108,33 @@ def exp2_mxfp4_classify(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(x.shape), torch.where(keep, e_b, torch.full_like(e_b, P_EMIN - 1))
 
 
-def build_p(x: torch.Tensor, p_format: str, p_build: str) -> torch.Tensor:
-    """Represented P values of a log2-score tile x (..., N): what PV consumes."""
+def fp8_p_values(x: torch.Tensor) -> torch.Tensor:
+    """FP8 P: e4m3(2**x * 2**8) / 2**8 (the Hopper P tile's offset, `encoding.py`)."""
+    offset = float(2**P_OFFSET_LOG2)
+    return round_to_format(torch.exp2(x) * offset, E4M3) / offset
+
+
+def _mxfp4_sink_values(x: torch.Tensor, classify) -> torch.Tensor:
+    """MXFP4 P with each block's top keys outside the block scale (module docstring)."""
+    xb = x.reshape(*x.shape[:-1], -1, MX_BLOCK)
+    top = (xb == xb.amax(dim=-1, keepdim=True)) & (xb > -math.inf)
+    rest = mxfp4_p_values(*classify(xb.masked_fill(top, -math.inf).reshape(x.shape)))
+    return torch.where(top.reshape(x.shape), fp8_p_values(x), rest)
+
+
+def build_p(x: torch.Tensor, p_format: str, p_build: str, sink: bool = False) -> torch.Tensor:
+    """Represented P values of a log2-score tile x (..., N): what PV consumes. `sink`
+    (MXFP4 only): each block's top keys kept outside its scale (module docstring)."""
+    nan = torch.isnan(x)
     if p_format == "mxfp4":
         classify = directp_classify if p_build == "directp" else exp2_mxfp4_classify
-        return mxfp4_p_values(*classify(x))
+        p = _mxfp4_sink_values(x, classify) if sink else mxfp4_p_values(*classify(x))
+        return p.masked_fill(nan, float("nan"))
+    if sink:
+        raise ValueError(f"build_p: sink=True is for MXFP4 P, got p_format={p_format!r}")
     p = torch.exp2(x)
     if p_format == "fp8":
-        offset = float(2**P_OFFSET_LOG2)
-        return round_to_format(p * offset, E4M3) / offset
+        return fp8_p_values(x)
     if p_format == "bf16":
         return p.to(torch.bfloat16).float()
     raise ValueError(f"unknown P format {p_format!r}")

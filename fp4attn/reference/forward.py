@@ -12,6 +12,19 @@ For each tile of `recipe.block_n` keys, with t the scores in log2 units
 The rescale is exact-max (every tile), so no key tile is ever scaled against a maximum
 it exceeds: logits of any size stay finite, and tiles far below a later maximum are
 multiplied by 2**(m - m_new) = 0 rather than underflowing inside a block scale.
+
+Before quantizing, the recipe's outlier-robust transforms (`robust.py`: K smoothing,
+Hadamard rotation of Q and K, V smoothing) rewrite the operands without changing the
+attention they define in real arithmetic.
+
+Non-finite values (the rules every backend follows):
+- every scale is computed per (batch, head) at the widest, so nothing in one (batch,
+  head) changes another's result;
+- a NaN or Inf in q, k or v, a NaN in a float mask, or a score that overflows, gives
+  NaN in the output rows that depend on it (a NaN score makes its row's running max,
+  and with it the row, NaN; a NaN or Inf in an operand's scale block reaches every
+  score or value that block feeds, at most its (batch, head)); the LSE is NaN there;
+- a row that sees no key (fully masked) is 0 with LSE -inf, as SDPA in torch >= 2.13.
 """
 
 from __future__ import annotations
@@ -23,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from fp4attn.recipes import Recipe
+from fp4attn.reference import robust
 from fp4attn.reference.directp import build_p
 from fp4attn.reference.masks import causal_offset, key_mask, key_mask_view
-from fp4attn.reference.operands import QKOperand, quantize_qk, quantize_v
+from fp4attn.reference.operands import QKOperand, quantize_qk, quantize_qk_fallback, quantize_v
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -35,10 +49,11 @@ LN2 = 0.6931471805599453
 class ForwardResult:
     out: torch.Tensor  # fp32 (B, Hq, Sq, D)
     lse: torch.Tensor  # fp32 (B, Hq, Sq), natural log; -inf for rows that see no key
-    q: QKOperand  # the quantized operands, (B, H, S, D) with K and V at Hkv heads
-    k: QKOperand
-    v: torch.Tensor
+    q: QKOperand  # the quantized operands, (B, H, S, D) with K and V at Hkv heads, as the
+    k: QKOperand  # score product sees them (rotated and smoothed where the recipe says so)
+    v: torch.Tensor  # V as the output sees it: the represented values (plus V's mean with smooth_v)
     p: torch.Tensor | None = None  # (B, Hq, Sq, Sk) represented P of each key's tile, if asked
+    qk_fallback: torch.Tensor | None = None  # (B, Hkv) bool: heads whose Q/K took `Recipe.qk_fallback`
 
 
 def expand_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
@@ -103,8 +118,9 @@ def reference_forward(
     to (B, Hq, Sq, Sk). `return_p` keeps each tile's represented P (relative to that
     tile's running max), which a kernel's P codes must reproduce.
     """
-    q_op, k_op = quantize_qk(q, recipe.qk), quantize_qk(k, recipe.qk)
-    v_rep = quantize_v(v, recipe.v)
+    q_op, k_op, scale, fallback = robust_qk(q, k, recipe, scale)
+    v_mean = robust.key_mean(v) if recipe.smooth_v else None
+    v_rep = quantize_v(v if v_mean is None else robust.smooth(v, v_mean), recipe.v)
     B, H, Sq, _ = q.shape
     Sk, Dv = k.shape[-2], v.shape[-1]
     bn = recipe.block_n
@@ -122,7 +138,7 @@ def reference_forward(
         m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
         alpha = torch.exp2(m - m_use)
         x = t - m_use.unsqueeze(-1)
-        p = build_p(x, recipe.p, recipe.p_build)
+        p = build_p(x, recipe.p, recipe.p_build, recipe.p_sink)
         if return_p:
             p_all[..., j0 : j0 + bn] = p[..., : min(bn, Sk - j0)]
         l = alpha * l + (p if recipe.consistent_norm else torch.exp2(x)).sum(dim=-1)
@@ -130,10 +146,37 @@ def reference_forward(
         acc = alpha.unsqueeze(-1) * acc + p @ v_tile
         m = m_new
 
-    seen = l > 0
-    out = torch.where(seen.unsqueeze(-1), acc / torch.where(seen, l, torch.ones_like(l)).unsqueeze(-1), 0.0)
-    lse = torch.where(seen, (m + torch.log2(torch.where(seen, l, torch.ones_like(l)))) * LN2, -math.inf)
-    return ForwardResult(out, lse, q_op, k_op, v_rep, p_all)
+    # a row that saw a key has l > 0 (its maximum's P is 1) or NaN; only unseen rows are 0
+    seen = m != -math.inf
+    safe_l = torch.where(seen, l, torch.ones_like(l))
+    out = torch.where(seen.unsqueeze(-1), acc / safe_l.unsqueeze(-1), 0.0)
+    lse = torch.where(seen, (m + torch.log2(safe_l)) * LN2, -math.inf)
+    if v_mean is not None:
+        mean = expand_heads(v_mean, H)
+        out = torch.where(seen.unsqueeze(-1), out + mean, 0.0)
+        v_rep = v_rep + v_mean
+    return ForwardResult(out, lse, q_op, k_op, v_rep, p_all, fallback)
+
+
+def robust_qk(q: torch.Tensor, k: torch.Tensor, recipe: Recipe,
+              scale: float) -> tuple[QKOperand, QKOperand, float, torch.Tensor | None]:
+    """Q and K as the score product sees them under `recipe` (smoothed, rotated,
+    quantized), the softmax scale that goes with them, and the (B, Hkv) heads that took
+    the Q/K fallback format (None without `Recipe.qk_fallback`)."""
+    qf, kf = q, k
+    if recipe.smooth_k:
+        kf = robust.smooth(kf, robust.key_mean(kf))
+    if recipe.rotate_qk is not None:
+        qf, kf = robust.rotate(qf), robust.rotate(kf)
+        scale = scale * robust.rotation_scale(q.shape[-1])
+    f46 = recipe.qk_four_over_six
+    if recipe.qk_fallback is None:
+        return quantize_qk(qf, recipe.qk, f46), quantize_qk(kf, recipe.qk, f46), scale, None
+    hq, hkv = q.shape[1], k.shape[1]
+    spread = robust.logit_std(qf, expand_heads(kf, hq), scale)  # (B, Hq)
+    fallback = spread.reshape(q.shape[0], hkv, hq // hkv).amax(-1) > recipe.qk_fallback_logit_std
+    return (quantize_qk_fallback(qf, expand_heads(fallback[..., None], hq)[..., 0], f46),
+            quantize_qk_fallback(kf, fallback, f46), scale, fallback)
 
 
 def key_bias_of_mask(attn_mask: torch.Tensor, batch: int, sk: int) -> torch.Tensor | None:

@@ -29,17 +29,45 @@ class QKOperand:
         return self.values * self.scale
 
 
-def quantize_qk(x: torch.Tensor, fmt: str) -> QKOperand:
-    """Q or K in `fmt` ("nvfp4", "fp8" or "bf16"); x is (B, H, S, D)."""
+def _inf_to_nan(x: torch.Tensor) -> torch.Tensor:
+    """An unscaled operand's +-Inf as NaN, as the scaled formats' NaN scales make it: an
+    Inf key would otherwise give a -inf score (a silently masked key) or a +-Inf output,
+    where attention has no finite answer."""
+    return x.masked_fill(torch.isinf(x), float("nan"))
+
+
+def quantize_qk(x: torch.Tensor, fmt: str, four_over_six: bool = False) -> QKOperand:
+    """Q or K in `fmt` ("nvfp4", "fp8" or "bf16"); x is (B, H, S, D).
+
+    NVFP4 has one tensor scale per (batch, head) (`quantize_nvfp4(scale_dims=2)`): no
+    item's values move another's codes. A head holding NaN or +-Inf gets the tensor
+    scale NaN (TransformerEngine would saturate an Inf to 6 * 448, a finite value):
+    its scores, and the rows that read them, come out NaN. `four_over_six`: NVFP4
+    blocks scaled to 4 or 6 (`quantize_nvfp4`).
+    """
     if fmt == "nvfp4":
-        q = quantize_nvfp4(x, dim=-1)
-        return QKOperand(from_blocks(q.block_values(), q.layout), q.global_scale.reshape(1, 1, 1, 1), q)
+        q = quantize_nvfp4(x, dim=-1, scale_dims=2, four_over_six=four_over_six)
+        s_dec = q.global_scale.reshape(*x.shape[:2], 1, 1)
+        finite = torch.isfinite(x).flatten(2).all(-1).reshape(s_dec.shape)
+        s_dec = torch.where(finite, s_dec, torch.full_like(s_dec, float("nan")))
+        return QKOperand(from_blocks(q.block_values(), q.layout), s_dec, q)
     if fmt == "fp8":
         q = quantize_fp8(x, dim=-1, block=None, fmt="e4m3")  # one scale per token
         return QKOperand(q.data.float().squeeze(-2), q.scale, q)
     if fmt == "bf16":
-        return QKOperand(x.to(torch.bfloat16).float(), torch.ones((1, 1, 1, 1), device=x.device))
+        return QKOperand(_inf_to_nan(x.to(torch.bfloat16).float()), torch.ones((1, 1, 1, 1), device=x.device))
     raise ValueError(f"unknown Q/K format {fmt!r}")
+
+
+def quantize_qk_fallback(x: torch.Tensor, fallback: torch.Tensor, four_over_six: bool = False) -> QKOperand:
+    """NVFP4 Q or K, except the (batch, head)s where `fallback` (bool, (B, H)) is True,
+    which are per-token FP8: values on either grid and per-row scales (B, H, S, 1), as
+    the Hopper kernels read both formats (bf16 values times a float32 row scale)."""
+    nv, f8 = quantize_qk(x, "nvfp4", four_over_six), quantize_qk(x, "fp8")
+    pick = fallback.reshape(*fallback.shape, 1, 1)
+    values = torch.where(pick, f8.values, nv.values)
+    scale = torch.where(pick, f8.scale, nv.scale.expand(*x.shape[:-1], 1))
+    return QKOperand(values, scale)
 
 
 def v_window(e: torch.Tensor, finite: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,5 +100,5 @@ def quantize_v(v: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "fp8":
         return quantize_fp8(v, dim=-2, block=None, fmt="e4m3").dequantize()
     if fmt == "bf16":
-        return v.to(torch.bfloat16).float()
+        return _inf_to_nan(v.to(torch.bfloat16).float())
     raise ValueError(f"unknown V format {fmt!r}")

@@ -1,7 +1,8 @@
 """Fused Triton quantizers: bf16/fp16/fp32 Q, K, V into the forward kernel's operand
 layouts, and the training backward's e4m3 views, one pass over each operand after the
-reductions its scales need: max |x| of the tensor (NVFP4 Q/K) or of each head's
-channels (FP8 V, dO) by `_abs_max_kernel`, or fused into a pass that reads the operand
+reductions its scales need: max |x| of each head (NVFP4 Q/K: one tensor scale per
+(batch, head), so no item's values move another's codes) or of each head's channels
+(FP8 V, dO) by `_abs_max_kernel`, or fused into a pass that reads the operand
 anyway (`channel_amax=True`), from which the kernels compute the scales themselves;
 MXFP4 V's block exponents and head maximum (`_mx_block_stats_kernel`). Every kernel
 works on (heads, S, D) tiles of one head, so per-channel maxima are one atomic max per
@@ -97,8 +98,8 @@ def _block_rows(g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):
 def _abs_max_kernel(X, AMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
                     PER_CHANNEL: tl.constexpr):
     """max |x| of X (G, S, D) as float32 bits, BLOCKS blocks of BLOCK_S rows a program:
-    per head and channel into AMAX (G, D), or of the whole tensor into AMAX (1,); AMAX
-    starts at 0 (+0.0)."""
+    per head and channel into AMAX (G, D), or per head into AMAX (G,); AMAX starts at 0
+    (+0.0)."""
     g = tl.program_id(1).to(tl.int64)
     run = tl.zeros([BLOCK_S, D], tl.int32)
     for i in range(BLOCKS):
@@ -109,7 +110,7 @@ def _abs_max_kernel(X, AMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: 
     if PER_CHANNEL:
         _channel_amax_flush(AMAX + g * D, run, D)
     else:
-        tl.atomic_max(AMAX, tl.max(tl.max(run, axis=1), axis=0), sem="relaxed")
+        tl.atomic_max(AMAX + g, tl.max(tl.max(run, axis=1), axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -200,16 +201,19 @@ def _fp8_rows_kernel(X, Y, S_OUT, O, DOT, CAMAX, S, D: tl.constexpr, BLOCK_R: tl
 
 @triton.jit
 def _nvfp4_tensor_scales(AMAX):
-    """(multiplier, decode scale) of an NVFP4 tensor whose max |x| (float32 bits) is at
-    AMAX, as `formats.nvfp4` computes them (TransformerEngine's rule): S_enc =
-    min(448 * 6 / amax, FP32_MAX), 1 where that is 0; decode 1 / S_enc; multiplier
-    S_enc * (1 / 6). Every operation is a single IEEE-rounded one (no product meets an
-    add, so nothing is contracted into an FMA)."""
+    """(multiplier, decode scale, decode scale as the kernels read it) of an NVFP4
+    tensor (one head) whose max |x| (float32 bits) is at AMAX, as `formats.nvfp4`
+    computes them (TransformerEngine's rule): S_enc = min(448 * 6 / amax, FP32_MAX), 1
+    where that is 0; decode 1 / S_enc; multiplier S_enc * (1 / 6). Every operation is a
+    single IEEE-rounded one (no product meets an add, so nothing is contracted into an
+    FMA). The scale the kernels read is NaN for a head holding an Inf (as
+    `reference.operands.quantize_qk`), whose values TransformerEngine's rule saturates."""
     amax = tl.load(AMAX).to(tl.float32, bitcast=True)
     one = tl.full(amax.shape, 1.0, tl.float32)
     s_enc = tl.minimum(tl.div_rn(one * 2688.0, amax), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
     s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
-    return s_enc * tl.div_rn(one, one * 6.0), tl.div_rn(one, s_enc)
+    s_dec = tl.div_rn(one, s_enc)
+    return s_enc * tl.div_rn(one, one * 6.0), s_dec, tl.where(amax == float("inf"), float("nan"), s_dec)
 
 
 @triton.jit
@@ -229,23 +233,23 @@ def _row_offsets(rows, N: tl.constexpr):
 def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, S, D: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCKS: tl.constexpr, PACKED: tl.constexpr, CHANNEL_AMAX: tl.constexpr):
     """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) of X (G, S,
-    D) as bf16, in TransformerEngine's operation order (formats/nvfp4.py), the tensor
-    scale from the tensor's max |x| at AMAX; SDEC (G, S) gets the decode scale in every
-    row's slot. With PACKED also the payload as `quantize_nvfp4` stores it: CODES (G, S,
+    D) as bf16, in TransformerEngine's operation order (formats/nvfp4.py), each head's
+    tensor scale from its max |x| at AMAX (G,); SDEC (G, S) gets the head's decode scale
+    (NaN for a head holding an Inf) in every row's slot. With PACKED also the payload as `quantize_nvfp4` stores it: CODES (G, S,
     D / 2) uint8, two E2M1 codes a byte, element 2i in the low nibble; BSCALE (G, S,
     D / 16) the e4m3 block scales. With CHANNEL_AMAX also each head's per-channel max
     |grid value| into CAMAX (G, D) (float32 bits, starting at 0). BLOCKS blocks of
     BLOCK_R rows a program."""
     g = tl.program_id(1).to(tl.int64)
-    mult, s_dec = _nvfp4_tensor_scales(AMAX)
+    mult, s_dec, s_dec_out = _nvfp4_tensor_scales(AMAX + g)
     run = tl.zeros([BLOCK_R, D], tl.int32)
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
         offs = _nvfp4_block_offsets(rows, D)
         ok = (s < S)[:, None, None]
         x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(SDEC + rows, tl.full([BLOCK_R], 0.0, tl.float32) + s_dec, mask=s < S)
-        # a NaN anywhere makes the tensor scale NaN, and with it every block scale
+        tl.store(SDEC + rows, tl.full([BLOCK_R], 0.0, tl.float32) + s_dec_out, mask=s < S)
+        # a NaN anywhere in the head makes its tensor scale NaN, and with it every block scale
         # (torch's clamp propagates NaN; tl.minimum must be told to)
         nan_ok: tl.constexpr = tl.PropagateNan.ALL
         d = tl.minimum(tl.max(tl.abs(x), axis=2) * mult, FP32_MAX, propagate_nan=nan_ok)
@@ -275,7 +279,7 @@ def _nvfp4_decode_kernel(CODES, BSCALE, Y, CT, CS, SCALE, CAMAX, S, D: tl.conste
     """The grid values (E2M1 x block scale) of packed NVFP4 rows (G, S, D / 2) into Y
     (G, S, D) as Y's dtype: the inverse of `_nvfp4_rows_kernel`'s payload, the same
     values as its Y. With CHANNELS also the per-channel FP8 of the dequantized values
-    (grid values times the tensor decode scale SCALE), stored transposed: CT (G, D, S)
+    (grid values times the head's tensor decode scale SCALE (G,)), stored transposed: CT (G, D, S)
     e4m3 and CS (G, D), from the channels' max |grid value| CAMAX (G, D) that the
     quantizing pass recorded (the backward's Q/K views for dK = dS^T Q and dQ = dS K)."""
     g = tl.program_id(1).to(tl.int64)
@@ -289,10 +293,10 @@ def _nvfp4_decode_kernel(CODES, BSCALE, Y, CT, CS, SCALE, CAMAX, S, D: tl.conste
     tl.store(Y + _nvfp4_block_offsets(rows, D), val.to(Y.dtype.element_ty), mask=rok[:, :, None])
     if CHANNELS:
         dd = tl.arange(0, D)
-        scale, inv = _fp8_channel_scales(CAMAX + g * D, SCALE, D, True)
+        scale, inv = _fp8_channel_scales(CAMAX + g * D, SCALE + g, D, True)
         if tl.program_id(0) == 0:
             tl.store(CS + g * D + dd, scale)
-        out = _e4m3_signed(tl.reshape(val, [BLOCK_S, D]) * tl.load(SCALE) * inv[None, :], HW_CVT)
+        out = _e4m3_signed(tl.reshape(val, [BLOCK_S, D]) * tl.load(SCALE + g) * inv[None, :], HW_CVT)
         tl.store(CT + g * D * S + dd[None, :] * S + s[:, None], out.to(tl.float8e4nv), mask=rok)
 
 
@@ -424,15 +428,15 @@ CHANNEL_BLOCKS = 8
 
 def abs_max_bits(x: torch.Tensor, per_channel: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """max |x| as the int32 bits of a float32, NaN if x holds one: per head and channel
-    of x (..., S, D) as (..., D) (`per_channel`), or of the whole tensor as (1,); into
-    `out` (int32 zeros of that size) if given."""
+    of x (..., S, D) as (..., D) (`per_channel`), or per head as (...,); into `out`
+    (int32 zeros of G * D or G elements, G the product of the leading dims) if given."""
     x3 = _heads(x)
     G, S, D = x3.shape
-    amax = torch.zeros((G, D) if per_channel else (1,), device=x.device, dtype=torch.int32) if out is None else out
+    amax = torch.zeros((G, D) if per_channel else (G,), device=x.device, dtype=torch.int32) if out is None else out
     grid, block = _row_grid(S, G, CHANNEL_BLOCKS, most=32)
     _abs_max_kernel[grid](x3, amax, S, D=D, BLOCK_S=block, BLOCKS=CHANNEL_BLOCKS, PER_CHANNEL=per_channel,
                           num_warps=4)
-    return amax.view(*x.shape[:-2], D) if per_channel else amax
+    return amax.view(*x.shape[:-2], D) if per_channel else amax.view(x.shape[:-2])
 
 
 def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn,
@@ -463,19 +467,21 @@ def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None, dtype
 
 
 def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool = False):
-    """NVFP4 of x (..., S, D) along D with one tensor scale (`formats.quantize_nvfp4`):
-    (bf16 grid values without the tensor scale, the tensor decode scale broadcast to
-    (..., S)); with `packed` also the payload, (codes (..., S, D / 2) uint8, block
-    scales (..., S, D / 16) float8_e4m3fn), byte for byte `quantize_nvfp4(x)`'s data and
-    scale; with `channel_amax` also max |grid value| per head and channel (..., D) as
+    """NVFP4 of x (..., S, D) along D with one tensor scale per head, that is per index
+    of the leading dims (`formats.quantize_nvfp4(x, scale_dims=x.ndim - 2)`): (bf16 grid
+    values without the tensor scale, the head's tensor decode scale broadcast to (...,
+    S), NaN for a head holding an Inf as `reference.operands.quantize_qk`); with
+    `packed` also the payload, (codes (..., S, D / 2) uint8, block scales (..., S, D /
+    16) float8_e4m3fn), byte for byte that `quantize_nvfp4`'s data and scale; with `channel_amax` also max |grid value| per head and channel (..., D) as
     float32 bits (what `decode_nvfp4_rows(..., channels_scale=...)` needs)."""
     x3 = _heads(x)
     G, S, D = x3.shape
     # both maxima start at zero: one buffer, one fill; the channel maxima (an output)
     # first, at the buffer's aligned start
-    zeros = torch.zeros((G * D if channel_amax else 0) + 1, device=x.device, dtype=torch.int32)
-    camax = zeros[:-1]
-    amax = abs_max_bits(x3, per_channel=False, out=zeros[-1:])  # the row kernel computes the tensor scale from it
+    n_camax = G * D if channel_amax else 0
+    zeros = torch.zeros(n_camax + G, device=x.device, dtype=torch.int32)
+    camax = zeros[:n_camax]
+    amax = abs_max_bits(x3, per_channel=False, out=zeros[n_camax:])  # the row kernel computes the tensor scales
     y = torch.empty(x3.shape, device=x.device, dtype=torch.bfloat16)
     s_dec = torch.empty((G, S), device=x.device, dtype=torch.float32)
     codes = torch.empty((G, S, D // 2) if packed else 0, device=x.device, dtype=torch.uint8)
@@ -498,7 +504,8 @@ def decode_nvfp4_rows(codes: torch.Tensor, bscale: torch.Tensor, dtype: torch.dt
     of a packed NVFP4 payload (`quantize_qk_nvfp4(..., packed=True)`'s codes and block
     scales), without the tensor scale.
 
-    With `channels_scale` (the tensor decode scale, a float32 (1,) tensor) and
+    With `channels_scale` (the tensor decode scales, float32, one per head: (...,) or
+    (..., S) as `quantize_qk_nvfp4` returns them, whose first column is read) and
     `channel_amax` (the channels' max |grid value| per head, (..., D) float32 bits, from
     `quantize_qk_nvfp4(..., channel_amax=True)`), also the per-channel FP8 of the
     dequantized values in the same pass, as `quantize_v_t(values, "fp8",
@@ -518,15 +525,26 @@ def decode_nvfp4_rows(codes: torch.Tensor, bscale: torch.Tensor, dtype: torch.dt
     ct = torch.empty((G, D, S) if channels else 0, device=codes.device, dtype=torch.float8_e4m3fn)
     cs = torch.empty((G, D) if channels else 0, device=codes.device, dtype=torch.float32)
     none = cs  # pointer arguments the decode alone does not read
+    head_scale = _per_head(channels_scale, G, S) if channels else none
     grid, block = _row_grid(S, G, 1)
     _nvfp4_decode_kernel[grid](
-        c3, b3, y, ct, cs, channels_scale if channels else none, channel_amax.contiguous() if channels else none,
+        c3, b3, y, ct, cs, head_scale, channel_amax.contiguous() if channels else none,
         S, D=D, BLOCK_S=block, CHANNELS=channels, HW_CVT=_hw_cvt(), num_warps=4)
     values = y.view(*codes.shape[:-1], D)
     if not channels:
         return values
     lead = codes.shape[:-2]
     return values, ct.view(*lead, D, S), cs.view(*lead, D)
+
+
+def _per_head(scale: torch.Tensor, G: int, S: int) -> torch.Tensor:
+    """One float32 per head (G,) from per-head (G) or per-row (G * S, every row of a
+    head the same) tensor decode scales."""
+    if scale.numel() == G * S:
+        scale = scale.reshape(G, S)[:, 0]
+    elif scale.numel() != G:
+        raise ValueError(f"tensor decode scales: one per head ({G}) or per row ({G * S}), got {tuple(scale.shape)}")
+    return scale.reshape(G).float().contiguous()
 
 
 def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, pad_keys_to: int = 1,

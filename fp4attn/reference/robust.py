@@ -1,0 +1,113 @@
+"""Outlier-robust operand transforms, exact in real arithmetic (`Recipe.smooth_k`,
+`Recipe.rotate_qk`, `Recipe.smooth_v`), and the per-(batch, head) choice of the Q/K
+format (`Recipe.qk_fallback`).
+
+Each transform changes what is quantized, never the attention it computes:
+
+- K smoothing: k_j - mu for every key j of a (batch, head) shifts each query's scores
+  by the constant q . mu, which the softmax removes. mu is K's mean over the keys,
+  rounded to bf16 (`key_mean`): any mu is exact, this one removes a shared offset.
+- Hadamard rotation: q' = H (s * q), k' = H (s * k) with H the unnormalized
+  Walsh-Hadamard matrix of order D (entries +-1, H H^T = D I) and s a fixed random
+  sign vector, so q' . k' = D (q . k): the softmax scale is divided by D, a power of
+  two (exact). It spreads a few large channels over all of them (incoherence
+  processing, as QuaRot and FlashAttention-3). H is applied as the butterfly of
+  `hadamard`, whose float32 adds are exact for bf16 and fp16 inputs whose row spans
+  fewer than about 2**16 in magnitude, and in a fixed order (the kernels repeat it)
+  otherwise. A head dim that is not a power of two is rotated in blocks of its largest
+  power-of-two divisor (block-diagonal H, still orthogonal up to that block size).
+- V smoothing: V's mean over the keys per (batch, head, channel), mu_v, is subtracted
+  before quantizing and added to the output: with consistent normalization (the row
+  sum taken from the same represented P that multiplies V) sum_j p_j (v_j - mu_v) /
+  sum_j p_j + mu_v = sum_j p_j v_j / sum_j p_j. Rows that see no key stay 0.
+
+The means are float64 sums of the inputs (exact for bf16 inputs in practice: any order
+gives the same sum), divided by the key count and rounded to bf16, then subtracted in
+float32 (one rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+ROTATIONS = ("hadamard",)
+SIGN_SEED = 20261201  # the fixed random sign vector's seed: part of the recipe's numerics
+
+
+@functools.cache
+def _signs_cpu(d: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(SIGN_SEED)
+    return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).float()
+
+
+def hadamard_signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fixed random +-1 float32 sign vector of length d applied before the rotation."""
+    return _signs_cpu(d).to(device)
+
+
+def hadamard_block(d: int) -> int:
+    """Size of the Walsh-Hadamard blocks of head dim d: its largest power-of-two divisor."""
+    if d <= 0:
+        raise ValueError(f"head dim must be positive, got {d}")
+    return d & -d
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform of x's last dim in blocks of
+    `hadamard_block(D)`, as the butterfly: for h = 1, 2, 4, ..., each pair (i, i + h)
+    with bit h of i clear becomes (a + b, a - b), float32 adds."""
+    x = x.float()
+    d = x.shape[-1]
+    n = hadamard_block(d)
+    y = x.reshape(*x.shape[:-1], d // n, n)
+    h = 1
+    while h < n:
+        y = y.reshape(*x.shape[:-1], d // n, n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return y.reshape(x.shape)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """H (s * x) along the last dim (float32); `unrotate` is its adjoint."""
+    return hadamard(x.float() * hadamard_signs(x.shape[-1], x.device))
+
+
+def unrotate(g: torch.Tensor) -> torch.Tensor:
+    """The gradient with respect to x of a gradient g with respect to rotate(x): s * (H g)
+    (H is symmetric)."""
+    return hadamard(g.float()) * hadamard_signs(g.shape[-1], g.device)
+
+
+def rotation_scale(d: int) -> float:
+    """What the softmax scale is multiplied by for rotated Q and K: 1 / (block size), a
+    power of two (q' . k' = block * (q . k))."""
+    return 1.0 / hadamard_block(d)
+
+
+def key_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the keys (dim -2) of x (B, H, S, D), per (batch, head, channel): float64
+    sum / S, rounded to bf16, as float32 (B, H, 1, D). NaN or Inf in a channel gives a
+    non-finite mean there, which the subtraction carries into that channel."""
+    s = x.double().sum(dim=-2, keepdim=True) / x.shape[-2]
+    return s.to(torch.bfloat16).float()
+
+
+def smooth(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """x - mean in float32 (one rounding)."""
+    return x.float() - mean
+
+
+def logit_std(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per (batch, head) estimate of the logits' spread: scale * sqrt(mean |q|^2 *
+    mean |k|^2 / D) (the standard deviation of q . k * scale for directions that are
+    unrelated), float64 (B, H). The Q/K quantization error of the scores grows with
+    it (docs/notes/robust-numerics.md). K at its own heads; GQA heads are expanded by
+    the caller."""
+    d = q.shape[-1]
+    mq = q.double().square().sum(-1).mean(-1)
+    mk = k.double().square().sum(-1).mean(-1)
+    return scale * torch.sqrt(mq * mk / d)
