@@ -48,10 +48,12 @@ class Variant:
     stages: int = 2
     overlap: int = 1  # 1: each tile's softmax overlaps the previous tile's PV (the kernel's OVERLAP)
     ablate_softmax: bool = False  # timing only: no softmax, wrong outputs (the kernel's ceiling)
+    exp_fold: bool = False  # measured only: exp2(t - (m - 8)), one rounding less than the recipe's
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}", f"-DKEY_BIAS={int(self.key_bias)}",
-                f"-DSTAGES={self.stages}", f"-DOVERLAP={self.overlap}", f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}"]
+                f"-DSTAGES={self.stages}", f"-DOVERLAP={self.overlap}", f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}",
+                f"-DEXP_FOLD={int(self.exp_fold)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
@@ -61,9 +63,10 @@ class Variant:
 
 
 # the launch per (head dim, causal): (ring depth, OVERLAP), measured
-# (docs/notes/hopper-cuda-forward.md). OVERLAP 1 needs a second P tile and PV's accumulator
-# live through the softmax: at D=128 ptxas spills it (544+ bytes), so D=128 runs 0.
-LAUNCH = {(128, False): (2, 0), (128, True): (2, 0), (64, False): (2, 1), (64, True): (2, 1)}
+# (docs/notes/hopper-cuda-forward.md, benchmarks/results/h200-forward-cuda*.txt): ring depths
+# 2-4 ran alike; OVERLAP 1 ran 0-10% slower at D=64 and spills at D=128 (544+ bytes: a second
+# P tile and PV's accumulator live through the softmax).
+LAUNCH = {(128, False): (2, 0), (128, True): (2, 0), (64, False): (2, 0), (64, True): (2, 0)}
 
 
 def variant_for(head_dim: int, causal: bool, key_bias: bool = False) -> Variant:
@@ -280,12 +283,13 @@ def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
 
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, stages: int | None = None,
-                        overlap: int | None = None, ablate_softmax: bool = False):
+                        overlap: int | None = None, ablate_softmax: bool = False, exp_fold: bool = False):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
     stages, overlap: the ring depth and the kernel's OVERLAP (None: the table's), to measure;
-    ablate_softmax: a timing-only build without the softmax (its outputs are wrong)."""
+    ablate_softmax: a timing-only build without the softmax (its outputs are wrong);
+    exp_fold: P from exp2(t - (m - 8)) (measured only: not the recipe's rounding)."""
     reason = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
     if reason:
         raise ValueError(f"launch_forward_cuda: {reason}")
@@ -294,6 +298,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
     variant = variant_for(D, causal_offset is not None, key_bias is not None)
     variant = dataclasses.replace(variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax,
+                                  exp_fold=exp_fold,
                                   overlap=variant.overlap if overlap is None else overlap)
     k = _k_rows(ops.k)
     vt, vt_row = _vt_rows(ops)

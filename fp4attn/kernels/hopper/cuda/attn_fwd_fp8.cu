@@ -46,6 +46,9 @@
 #ifndef OVERLAP
 #define OVERLAP 1
 #endif
+#ifndef EXP_FOLD
+#define EXP_FOLD 0  // 1: exp2(t - (m - 8)), one addition less per score, not the recipe's rounding
+#endif
 #ifndef ABLATE_SOFTMAX
 #define ABLATE_SOFTMAX 0  // 1: a timing-only build without the softmax (wrong outputs)
 #endif
@@ -141,6 +144,20 @@ __device__ __forceinline__ void named_sync(uint32_t threads) {
 template <uint32_t ID>
 __device__ __forceinline__ void named_arrive(uint32_t threads) {
     asm volatile("bar.arrive %0, %1;" ::"n"(ID), "r"(threads) : "memory");
+}
+
+// The consumers' turn-taking barriers, 1 for consumer 0 (threads 128-255) and 2 for
+// consumer 1 (threads 256-383): tid / 128 is one's own, 3 - tid / 128 the other's. The id
+// is derived from %tid.x inside the asm, so no register holds it across the loop (held
+// in a register, ptxas spilled it; a template per consumer instead doubled the code,
+// which ran 1.5x slower causal, by instruction-cache misses as far as measured).
+__device__ __forceinline__ void my_turn_wait() {
+    asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 t, t, 7; bar.sync t, %0; }" ::"n"(256) : "memory");
+}
+
+__device__ __forceinline__ void other_turn_give() {
+    asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 t, t, 7; sub.u32 t, 3, t; bar.arrive t, %0; }" ::"n"(256)
+                 : "memory");
 }
 
 // wgmma shared-memory descriptor of a K-major tile whose rows are one swizzle span long
@@ -376,7 +393,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
                 const int r = 4 * n + 2 * i + b;
+#if EXP_FOLD
+                s[r] = ex2(fadd_rn(s[r], P_OFFSET - m_use[i]));
+#else
                 s[r] = ex2(fadd_rn(fadd_rn(s[r], -m_use[i]), P_OFFSET));
+#endif
             }
         }
     }
@@ -428,14 +449,11 @@ __device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&p
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = o[r] * alpha[(r >> 1) & 1] + pv[r];
 }
 
-// One consumer warpgroup, CW 0 or 1: rows 64 CW .. 64 CW + 63 of the block, every key
-// tile of it. (CW a template parameter: the named barriers' ids then are immediates, not
-// registers that ptxas spilled.)
-template <int CW>
-__device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int tid, int start_m, int bh, int bhk,
-                                         int full, int n_tiles) {
+// One consumer warpgroup (1 or 2): rows 64 (wg - 1) .. of the block, every key tile of it.
+__device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int tid, int wg, int start_m, int bh,
+                                         int bhk, int full, int n_tiles) {
     const int Sq = p.Sq, Sk = p.Sk;
-    constexpr int cw = CW, wg = CW + 1;
+    const int cw = wg - 1;
     const int t = tid - 128 * wg, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
     const int row[2] = {start_m * BLOCK_M + cw * 64 + 16 * warp + g, start_m * BLOCK_M + cw * 64 + 16 * warp + g + 8};
     int limit[2];  // the last key each row sees
@@ -449,8 +467,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     uint32_t pa0[4][4];
 #if OVERLAP
     uint32_t pa1[4][4];  // P of two tiles: one read by PV_{j-1} in flight, one being built
-#else
-    uint32_t(&pa1)[4][4] = pa0;  // one buffer: PV_{j-1} is waited for before P_j is built
 #endif
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.0f, 0.0f}, alpha[2];
 #pragma unroll
@@ -458,7 +474,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
 
     // turn-taking on the tensor cores: consumer cw issues its products after bar.sync on
     // barrier 1 + cw and hands the turn over by bar.arrive on the other's; consumer 0 goes first
-    constexpr uint32_t my_turn = 1 + cw, other_turn = 2 - cw;
     if (cw == 1) named_arrive<1>(256);
 
     const uint64_t q_desc = smem_desc(sm.q + cw * 64 * QK_ROW_BYTES, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
@@ -466,12 +481,12 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
 
     // tile 0: QK^T alone
     mbar_wait(sm.k_full, 0);
-    named_sync<my_turn>(256);
+    my_turn_wait();
     fence_regs(s);
     wgmma_fence();
     issue_qk(s, q_desc, sm.k);
     wgmma_commit();
-    named_arrive<other_turn>(256);
+    other_turn_give();
     wgmma_wait<0>();
     fence_regs(s);
     if (lane == 0) mbar_arrive(sm.k_empty);
@@ -490,7 +505,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         const uint32_t parity = (j / STAGES) & 1, prev_parity = ((j - 1) / STAGES) & 1;
         mbar_wait(sm.k_full + 8 * st, parity);
         mbar_wait(sm.v_full + 8 * prev, prev_parity);
-        named_sync<my_turn>(256);
+        my_turn_wait();
         fence_regs(s);
         fence_regs(pv);
         wgmma_fence();
@@ -499,7 +514,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         wgmma_commit();
         issue_pv(pv, pa_prev, sm.v + prev * V_BYTES);
         wgmma_commit();
-        named_arrive<other_turn>(256);
+        other_turn_give();
         wgmma_wait<1>();
         fence_regs(s);
         if (lane == 0) mbar_arrive(sm.k_empty + 8 * st);
@@ -518,7 +533,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         issue_pv(pv, pa_prev, sm.v + prev * V_BYTES);
         issue_qk(s, q_desc, sm.k + st * K_BYTES);
         wgmma_commit();
-        named_arrive<other_turn>(256);
+        other_turn_give();
         wgmma_wait<0>();
         fence_regs(s);
         fence_regs(pv);
@@ -539,17 +554,18 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     auto last_pv = [&](uint32_t(&pa_last)[4][4]) {
         const int j = n_tiles - 1, st = j % STAGES;
         mbar_wait(sm.v_full + 8 * st, (j / STAGES) & 1);
-        named_sync<my_turn>(256);
+        my_turn_wait();
         fence_regs(pv);
         wgmma_fence();
         issue_pv(pv, pa_last, sm.v + st * V_BYTES);
         wgmma_commit();
-        if (cw == 0) named_arrive<other_turn>(256);  // consumer 1's turn is the last one
+        if (cw == 0) other_turn_give();  // consumer 1's turn is the last one
         wgmma_wait<0>();
         fence_regs(pv);
         if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
         add_pv(o, pv, alpha);
     };
+#if OVERLAP
     // unrolled by two so that the P buffers swap by name, not by a run-time index
     int j = 1;
     for (; j + 1 < n_tiles; j += 2) {
@@ -562,6 +578,11 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     } else {
         last_pv(pa0);
     }
+#else
+    // one copy of the loop body (a second copy, unrolled, ran slower)
+    for (int j = 1; j < n_tiles; ++j) step(j, pa0, pa0);
+    last_pv(pa0);
+#endif
 
     // -------------------------------------------------------------------- epilogue
     const float* vs = p.vs + (long long)bhk * HEAD_DIM;
@@ -678,15 +699,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
                 mbar_arrive(sm.ks_full + 8 * st);
             }
         }
-    } else if (wg == 1) {
-        // consumers: each role one branch of this if/else with its own setmaxnreg (ptxas
-        // applies the new register budget only so)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
-        const Block blk = block_plan(p);
-        consumer<0>(p, carve(smem_raw), tid, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
     } else {
+        // consumers: each role one branch of this if/else with its setmaxnreg (ptxas applies
+        // the new register budget only so)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
         const Block blk = block_plan(p);
-        consumer<1>(p, carve(smem_raw), tid, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
+        consumer(p, carve(smem_raw), tid, wg, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
     }
 }
