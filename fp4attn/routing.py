@@ -218,6 +218,25 @@ def blackwell_forward_launch(head_dim: int, causal: bool) -> BlackwellLaunch:
     return BLACKWELL_FORWARD_LAUNCH[head_dim, causal]
 
 
+# The Hopper backward's Triton kernels at their Blackwell launch (`kernels.blackwell.
+# train_op`): no TMA or Gluon paths (those are Hopper's wgmma code). Not measured; from
+# the sm_100a builds (`fp4attn compile-report`): 64-key dK/dV programs of 8 warps, one
+# stage, without spills (two stages spilled 596 bytes at D=128 and 16 with Direct-P P at
+# D=64; 4 warps 3020-7724; 32-key programs leave the tcgen05 tensor cores for mma.sync).
+BLACKWELL_BACKWARD_LAUNCH: dict[int, BackwardLaunch] = {
+    d: BackwardLaunch(block_n_dkdv=64, block_m_dq=64, warps_dkdv=8, warps_dq=8, stages_dkdv=1, stages_dq=2,
+                      tma=False, dkdv_gluon=False, dq_gluon=False) for d in (64, 128)
+}
+
+
+def blackwell_backward_launch(head_dim: int) -> BackwardLaunch:
+    """The Blackwell backward's launch at this kernel head dim (the e4m3 rounding by
+    bit arithmetic under the interpreter, which runs no inline PTX)."""
+    from dataclasses import replace
+
+    return replace(BLACKWELL_BACKWARD_LAUNCH[head_dim], hw_cvt=not interpreting())
+
+
 # ---------------------------------------------------------------------------- what each family runs
 def kernel_head_dim(head_dim: int) -> int | None:
     """The Hopper kernel head dim that runs `head_dim`: itself (64, 128), or for a
@@ -333,6 +352,25 @@ def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "no
     return None
 
 
+def blackwell_train_unsupported(recipe: Recipe, head_dim: int, mask: str = "none") -> str | None:
+    """Why the Blackwell training kernels cannot train `recipe` at `head_dim`, or None."""
+    if recipe.grad is None:
+        return f"recipe {recipe.name!r} is inference-only (grad=None)"
+    if recipe.grad not in TRAIN_GRAD_FORMATS:
+        return f"gradient format {recipe.grad!r} (kernels run {TRAIN_GRAD_FORMATS})"
+    if recipe.qk != "nvfp4":
+        return f"Q/K format {recipe.qk!r} for training (kernels train 'nvfp4' Q/K)"
+    if recipe.p == "mxfp4" and kernel_head_dim(head_dim) == 128:
+        # its dK/dV build with Direct-P spills on sm_100a (255 registers, 244 bytes)
+        return "MXFP4 P in training at head_dim 128 (the Blackwell dK/dV build would spill registers)"
+    return blackwell_forward_unsupported(recipe, head_dim, mask)
+
+
+def _blackwell_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:
+    return (f"{_blackwell_forward_kernel(recipe, head_dim, causal, mask)} + hopper.backward_triton.dkdv + "
+            "hopper.backward_triton.dq (built for sm_100a)")
+
+
 def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:
     qk = "NVFP4 QK^T (kind::mxf4nvf4)" if recipe.qk == "nvfp4" else "FP8 QK^T (kind::f8f6f4)"
     pv = "Direct-P MXFP4 PV (kind::mxf4)" if recipe.p == "mxfp4" else "FP8 PV (kind::f8f6f4)"
@@ -352,6 +390,8 @@ KERNEL_FAMILIES: list[KernelFamily] = [
                  _hopper_train_kernel, "fp4attn.kernels.hopper.train_op:hopper_train_attention", ("none",)),
     KernelFamily("hopper-forward", ("sm_90",), False, _masks(("none", "key"), hopper_forward_unsupported),
                  _hopper_forward_kernel, "fp4attn.kernels.hopper.forward_op:hopper_attention"),
+    KernelFamily("blackwell-train", ("sm_100",), True, _blackwell_masks(("none",), blackwell_train_unsupported),
+                 _blackwell_train_kernel, "fp4attn.kernels.blackwell.train_op:blackwell_train_attention", ("none",)),
     KernelFamily("blackwell-forward", ("sm_100",), False,
                  _blackwell_masks(("none", "key"), blackwell_forward_unsupported), _blackwell_forward_kernel,
                  "fp4attn.kernels.blackwell.forward_op:blackwell_attention"),

@@ -9,7 +9,9 @@ defined as the hardware's: decode the E2M1 codes (two a byte, element 2i in the 
 nibble, along the contraction dim), multiply each by its block scale (e4m3 per 16
 elements, or E8M0 per 32: 2**(s - 127), 0xFF NaN), and multiply the decoded operands in
 float64, rounded once to float32 and added to the accumulator. The tensor cores' float32
-sums differ from that only in order, which the tests' tolerances allow.
+sums differ from that only in order, which the tests' tolerances allow. `tl.dot` gets
+the same definition (the interpreter multiplies bf16 operands as their raw bits; the
+Blackwell training backward's S^T is a bf16 product).
 `test_blackwell_interpreter.py` checks the patch itself against a float64 product of
 the reference's dequantized payloads.
 
@@ -72,6 +74,21 @@ BLACKWELL_PATCHES = KERNEL_PATCHES + textwrap.dedent('''
         return _interp.TensorHandle(out, acc.dtype.scalar)
 
     _interp.InterpreterBuilder.create_dot_scaled = create_dot_scaled
+
+    def _dot_operand(x):
+        """A tl.dot operand as float64: bf16 from its bits (the interpreter holds bf16 as
+        uint16 and multiplies the bits), fp8 by the interpreter's own exact upcast."""
+        if x.dtype == tl.bfloat16:
+            return (x.data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        if x.dtype.primitive_bitwidth == 8 and x.dtype.is_floating():
+            return _interp._convert_float(x.data, x.dtype, tl.float16, None).view(np.float16).astype(np.float64)
+        return x.data.astype(np.float64)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = (_dot_operand(a) @ _dot_operand(b)).astype(d.data.dtype) + d.data
+        return _interp.TensorHandle(out, d.dtype.scalar)
+
+    _interp.InterpreterBuilder.create_dot = create_dot
 
     _dot_scaled = TritonSemantic.dot_scaled
 

@@ -15,7 +15,7 @@ from fp4attn.cli import compile_report  # noqa: E402
 def records():
     """Every routed build without a key mask, and with one at each recipe family's
     largest build (D=128, causal)."""
-    recs = compile_report.records("sm_100a", key_bias=False)
+    recs = compile_report.records("sm_100a", key_bias=False, backward=False)
     masked = [e for e in compile_report.routed_builds(key_bias=True)
               if e["key_bias"] and e["head_dim"] == 128 and e["causal"] and e["recipe"] in ("directp", "nvfp4-fp8")]
     for e in masked:
@@ -62,3 +62,18 @@ def test_directp_packs_by_the_hardware_conversion_and_takes_no_exp_per_element(r
         else:
             assert r["e2m1_cvt"] == 0
             assert pred["mufu_per_tile"] >= r["block_m"] * 128, (r["recipe"], pred)
+
+
+def test_training_backward_builds_for_sm100_without_spills():
+    """The training backward's Triton kernels at their Blackwell launch (the causal
+    builds; `fp4attn compile-report` prints all): no spills, tensor memory within 512
+    columns, the gradient products on the FP8 tensor cores and S^T rebuilt by a bf16
+    product of the NVFP4 grid values (exact)."""
+    for e in compile_report.routed_backward_builds():
+        if not e["causal"]:
+            continue
+        rec = compile_report.backward_report(e["part"], e["p_mode"], True, e["head_dim"], "sm_100a")
+        where = (e["kernel"], e["recipe"], e["head_dim"])
+        assert rec["spill_bytes"] == 0 and 0 < rec["tmem_columns"] <= 512, (where, rec)
+        kinds = " ".join(rec["mma_kinds"])
+        assert "kind::f8f6f4" in kinds and "kind::f16" in kinds, (where, kinds)

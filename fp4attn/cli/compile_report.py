@@ -13,7 +13,13 @@ from pathlib import Path
 
 from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.recipes import PRESETS
-from fp4attn.routing import KEY_TILE, blackwell_forward_launch, blackwell_forward_unsupported
+from fp4attn.routing import (
+    KEY_TILE,
+    P_MODES,
+    blackwell_forward_launch,
+    blackwell_forward_unsupported,
+    blackwell_train_unsupported,
+)
 
 HEAD_DIMS = (64, 128)
 FP4_MMA = "block_scale"  # every NVFP4/MXFP4 product must be a block-scaled FP4 tcgen05.mma (or mma.sync on sm_120a)
@@ -53,6 +59,32 @@ def build_report(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, key_bi
     return rec
 
 
+def routed_backward_builds() -> list[dict]:
+    """One entry per routed (training recipe, head dim, causal, kernel) of the Blackwell
+    training backward: its dK/dV kernel (P rebuilt as the recipe builds it) and its dQ
+    kernel."""
+    out = []
+    for name, r in PRESETS.items():
+        for d in HEAD_DIMS:
+            if blackwell_train_unsupported(r, d) is not None:
+                continue
+            for causal in (False, True):
+                for part in ("dkdv", "dq"):
+                    out.append(dict(kernel=f"hopper.backward_triton.{part}", recipe=name, head_dim=d, causal=causal,
+                                    key_bias=False, part=part, p_mode=P_MODES[r.p, r.p_build] if part == "dkdv" else 0))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def backward_report(part: str, p_mode: int, causal: bool, head_dim: int, arch: str) -> dict:
+    """Compile one training backward build at its Blackwell launch and read it."""
+    from fp4attn.tools.machine_code_sm100 import compile_backward, inspect
+
+    rep = inspect(compile_backward(part, causal, head_dim, p_mode=p_mode, arch=arch), arch)
+    return dict(registers=rep.registers, spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes,
+                tmem_columns=rep.tmem_columns, mma_kinds=rep.mma_kinds)
+
+
 def fp4_products_ok(entry: dict, rec: dict) -> bool:
     """Whether every NVFP4/MXFP4 product of the build is a block-scaled FP4 MMA: the
     NVFP4 QK^T as kind::mxf4nvf4 with e4m3 scales per 16 (scale_vec::4X), the MXFP4 PV
@@ -69,12 +101,18 @@ def fp4_products_ok(entry: dict, rec: dict) -> bool:
     return ok
 
 
-def records(arch: str = "sm_100a", key_bias: bool = True) -> list[dict]:
-    """compile-report's records: one per routed build, with its machine-code figures."""
+def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True) -> list[dict]:
+    """compile-report's records: one per routed build, with its machine-code figures.
+    The training backward's records have `fp4_block_scaled` None: its S^T rebuild is a
+    bf16 product of the NVFP4 grid values (exact; kind::f16), its gradient products
+    FP8 (docs/notes/blackwell.md)."""
     out = []
     for e in routed_builds(key_bias):
         rec = build_report(e["qk_fp4"], e["pv_fp4"], e["causal"], e["head_dim"], e["key_bias"], arch)
         out.append({**e, "arch": arch, **rec, "fp4_block_scaled": fp4_products_ok(e, rec)})
+    for e in routed_backward_builds() if backward else ():
+        rec = backward_report(e["part"], e["p_mode"], e["causal"], e["head_dim"], arch)
+        out.append({**e, "arch": arch, **rec, "fp4_block_scaled": None})
     return out
 
 
@@ -89,16 +127,17 @@ def main(args: argparse.Namespace) -> None:
     rows = []
     for r in recs:
         pred = r.get("prediction", {})
-        rows.append([r["recipe"], r["head_dim"], "yes" if r["causal"] else "no", "yes" if r["key_bias"] else "no",
+        rows.append([r["kernel"].split(".")[-1], r["recipe"], r["head_dim"], "yes" if r["causal"] else "no", "yes" if r["key_bias"] else "no",
                      r["registers"], r["spill_bytes"], r["shared_bytes"], r["tmem_columns"],
                      "<br>".join(k.replace("tcgen05.mma.cta_group::1.", "") for k in r["mma_kinds"]),
                      pred.get("instructions_per_element", "-"), pred.get("predicted_tflops", "-"),
                      pred.get("bound", "-")])
-    print(f"Blackwell forward builds for {args.arch} (kernel blackwell.forward_triton; compiled here, not run; "
-          "TFLOP/s a predicted ceiling on a B200, not a measurement)\n")
-    print(markdown_table(["recipe", "D", "causal", "key mask", "regs", "spill B", "smem B", "tmem cols",
+    print(f"Blackwell builds for {args.arch}: blackwell.forward_triton and the training backward's "
+          "hopper.backward_triton kernels (compiled here, not run; TFLOP/s a predicted ceiling on a B200, "
+          "not a measurement)\n")
+    print(markdown_table(["kernel", "recipe", "D", "causal", "key mask", "regs", "spill B", "smem B", "tmem cols",
                           "MMA kinds", "instr/elem", "pred. TFLOP/s", "bound"], rows))
-    bad = [r for r in recs if r["spill_bytes"] or r["tmem_columns"] > 512 or not r["fp4_block_scaled"]]
+    bad = [r for r in recs if r["spill_bytes"] or r["tmem_columns"] > 512 or r["fp4_block_scaled"] is False]
     write_json(args.json, {"arch": args.arch, "records": recs})
     if bad:
         raise SystemExit(f"{len(bad)} build(s) spill, use more than 512 tensor-memory columns or run an FP4 product "

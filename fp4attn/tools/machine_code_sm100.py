@@ -197,3 +197,48 @@ def predict_tile(report: BlackwellReport, *, qk_fp4: bool, pv_fp4: bool, head_di
             "mma_instructions": mma, "mufu_per_tile": mufu * warps * 32, "clk_tensor": round(tensor),
             "clk_issue": round(issue), "clk_mufu": round(mufu_clk), "bound": bound,
             "predicted_tflops": round(tflops), "predicted_vs_fa4_bf16": round(tflops / FA4_BF16_TFLOPS, 2)}
+
+
+# ---------------------------------------------------------------------------- training backward
+_BWD_FP8 = ("DO_T", "DO_C", "V_T", "Q_C", "K_C")
+_BWD_BF16 = ("Q", "K", "DK", "DV", "DQ")  # NVFP4 grid values in, bf16 gradients out
+_BWD_INTS = ("H", "GROUP", "Sq", "Sk", "causal_offset")
+
+
+def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0, arch: str = "sm_100a"):
+    """The training backward's Triton kernel `part` ("dkdv" or "dq", from
+    `kernels.hopper.backward_triton`) compiled for `arch` at the Blackwell launch
+    (`routing.BLACKWELL_BACKWARD_LAUNCH`), pointers and lengths specialized as
+    multiples of 16. The signature follows the kernel's own parameters, so it tracks
+    their changes."""
+    from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+    from fp4attn.reference.backward import DS_BLOCK
+    from fp4attn.routing import BLACKWELL_BACKWARD_LAUNCH
+
+    cfg = BLACKWELL_BACKWARD_LAUNCH[head_dim]
+    fn = attn_bwd_dkdv_kernel if part == "dkdv" else attn_bwd_dq_kernel
+    if part == "dkdv":
+        consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
+                      HW_CVT=cfg.hw_cvt, TMA=False)
+        warps, stages = cfg.warps_dkdv, cfg.stages_dkdv
+    else:
+        consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
+                      HW_CVT=cfg.hw_cvt, TMA=False)
+        warps, stages = cfg.warps_dq, cfg.stages_dq
+    sig = {}
+    for param in fn.params:
+        n = param.name
+        if param.is_constexpr:
+            sig[n] = "constexpr"
+            consts.setdefault(n, param.default)
+        elif n in _BWD_INTS:
+            sig[n] = "i32"
+        elif n in ("qk_scale", "sm_scale"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "*fp8e4nv" if n in _BWD_FP8 else "*bf16" if n in _BWD_BF16 else "*fp32"
+    aligned = [n for n, t in sig.items() if t.startswith("*") or n in _LENGTHS]
+    consts = {k: v for k, v in consts.items() if k in sig}
+    src = ASTSource(fn, sig, constexprs=consts, attrs=_divisibility(sig, aligned))
+    return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
+                          options=dict(num_warps=warps, num_stages=stages))

@@ -1,0 +1,115 @@
+"""Training on Blackwell: the Blackwell forward on the operands the backward keeps, and
+the backward, each a registered custom op with a fake implementation, the backward
+registered as the forward op's autograd formula.
+
+The saved operands, their quantizers and the backward are the Hopper training
+kernels' (`kernels.hopper.train_op`), which are plain Triton and build for sm_100a
+(`fp4attn compile-report` compiles them): the forward keeps the NVFP4 Q/K payloads (two
+E2M1 codes a byte, an e4m3 scale per 16, the tensor scale) and the LSE, and the
+backward rebuilds P from exactly those (S^T by a bf16 product of the NVFP4 grid values,
+exact, as the forward's block-scaled FP4 product computes it up to float32 summation
+order) with its four gradient products on the FP8 tensor cores (`kind::f8f6f4`). What
+changes from Hopper: the forward is `forward_triton.attn_fwd_sm100_kernel` on the same
+codes and scales (block-scaled FP4 QK^T), and the backward runs its Triton kernels at
+the Blackwell launch (`routing.BLACKWELL_BACKWARD_LAUNCH`: no Hopper TMA or Gluon
+paths).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4attn import routing
+from fp4attn.kernels.blackwell.forward_op import launch_forward
+from fp4attn.kernels.blackwell.operands import BlackwellOperands, quantize_v_mxfp4_packed
+from fp4attn.kernels.hopper.train_op import backward_operands, launch_backward, quantize_for_training
+from fp4attn.recipes import Recipe
+from fp4attn.reference.backward import refuse_double_backward
+
+
+@torch.library.custom_op("fp4attn::blackwell_train_forward", mutates_args=())
+def _train_forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
+    causal_offset: int, causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, then what the backward reads, as the Hopper training forward returns
+    it: `hopper.train_op.quantize_for_training`'s saved tensors)."""
+    if qk != "nvfp4":
+        raise ValueError(f"blackwell_train_forward: Q/K format {qk!r} (the training kernels run 'nvfp4')")
+    ops, saved = quantize_for_training(q, k, v, v_fmt)
+    q_codes, q_bscale, k_codes, k_bscale = saved[:4]
+    if v_fmt == "mxfp4":  # the forward's PV reads MXFP4 codes; the backward keeps its e4m3 view of V
+        v_codes, v_sc = quantize_v_mxfp4_packed(v)
+        v_op, vs = v_codes, None
+    else:
+        v_op, v_sc, vs = ops.vt, None, ops.vs
+    fwd = BlackwellOperands(q_codes, q_bscale, k_codes, k_bscale, ops.qs, ops.ks, v_op, v_sc, vs)
+    out, lse, _ = launch_forward(fwd, scale=scale, causal_offset=causal_offset if causal else None)
+    # the tensor scales are views of the per-row scales: cloned, so that only one float
+    # each is kept
+    return (out, lse, *saved[:4], saved[4].clone(), saved[5].clone(), *saved[6:])
+
+
+@_train_forward_op.register_fake
+def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    f32, u8, i32, e4m3 = torch.float32, torch.uint8, torch.int32, torch.float8_e4m3fn
+    return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
+            q.new_empty((B, H, Sq, D // 2), dtype=u8), q.new_empty((B, H, Sq, D // 16), dtype=e4m3),
+            q.new_empty((B, Hkv, Sk, D // 2), dtype=u8), q.new_empty((B, Hkv, Sk, D // 16), dtype=e4m3),
+            q.new_empty((1,), dtype=f32), q.new_empty((1,), dtype=f32),
+            q.new_empty((B, H, D), dtype=i32), q.new_empty((B, Hkv, D), dtype=i32),
+            q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32))
+
+
+@torch.library.custom_op("fp4attn::blackwell_train_backward", mutates_args=())
+def _train_backward_op(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_codes: torch.Tensor, q_bscale: torch.Tensor,
+    k_codes: torch.Tensor, k_bscale: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, q_amax: torch.Tensor,
+    k_amax: torch.Tensor, v_t: torch.Tensor, v_ts: torch.Tensor, p: str, p_build: str, causal_offset: int,
+    causal: bool, scale: float, dq_dtype: torch.dtype, dk_dtype: torch.dtype, dv_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the given dtypes from the forward's saved operands, by the
+    Triton backward kernels at the Blackwell launch."""
+    ops = backward_operands(dout, out, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts)
+    launch = routing.blackwell_backward_launch(q_codes.shape[-1] * 2)
+    with routing.override_launch(backward=launch):
+        return launch_backward(ops, lse, p, p_build, causal_offset, causal, scale, (dq_dtype, dk_dtype, dv_dtype))
+
+
+@_train_backward_op.register_fake
+def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts, p, p_build,
+      causal_offset, causal, scale, dq_dtype, dk_dtype, dv_dtype):
+    kshape = (*k_codes.shape[:-1], k_codes.shape[-1] * 2)
+    return (dout.new_empty(dout.shape, dtype=dq_dtype), dout.new_empty(kshape, dtype=dk_dtype),
+            dout.new_empty(kshape, dtype=dv_dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale = inputs
+    ctx.save_for_backward(*output)  # out, lse and the quantized operands
+    ctx.set_materialize_grads(False)
+    ctx.args = (p, p_build, causal_offset, causal, scale)
+    ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+
+
+def _backward(ctx, dout, *_unused):
+    """Gradients of q, k, v (in their dtypes) from the output's."""
+    refuse_double_backward("fp4attn.attention (the Blackwell training kernels)")
+    if dout is None:  # the output was not used: no gradient flows to q, k, v
+        return (None,) * 10
+    grads = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
+    return tuple(grads) + (None,) * 7
+
+
+_train_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def blackwell_train_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None):
+    """Forward of a training recipe on the Blackwell kernels, differentiable in q, k, v:
+    (out bf16, lse fp32). GQA: dK and dV are summed over each group's query heads."""
+    out, lse, *_ = _train_forward_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0,
+                                     causal_offset is not None, scale)
+    return out, lse
