@@ -140,6 +140,24 @@ class Recipe:
         return replace(self, **changes)
 
 
+ROBUST_FIELDS = ("smooth_k", "rotate_qk", "smooth_v", "p_sink", "qk_fallback", "qk_four_over_six")
+
+
+def robust_fields(recipe: Recipe) -> tuple[str, ...]:
+    """The outlier-robust fields `recipe` sets (those of ROBUST_FIELDS that are not off)."""
+    return tuple(f for f in ROBUST_FIELDS if getattr(recipe, f) not in (False, None))
+
+
+def robust_unsupported_reason(recipe: Recipe, supported: tuple[str, ...] = ()) -> str | None:
+    """Why kernels that apply only the robust fields `supported` cannot run `recipe`
+    (which would silently compute another recipe), or None: for the routing's reasons."""
+    missing = [f for f in robust_fields(recipe) if f not in supported]
+    if not missing:
+        return None
+    return (f"outlier-robust field{'s' if len(missing) > 1 else ''} {', '.join(missing)} of recipe "
+            f"{recipe.name!r} (the kernels apply {', '.join(supported) or 'none of them'})")
+
+
 PRESETS: dict[str, Recipe] = {
     r.name: r
     for r in (
@@ -161,8 +179,10 @@ PRESETS: dict[str, Recipe] = {
                qk_four_over_six=True, name="nvfp4-fp8-robust"),
         Recipe(qk="nvfp4", p="mxfp4", v="fp8", p_build="directp", smooth_k=True, p_sink=True, qk_fallback="fp8",
                qk_four_over_six=True, name="directp-robust"),
-        Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", grad="e4m3", smooth_k=True, qk_fallback="fp8",
-               qk_four_over_six=True, name="train-robust"),
+        # training: the two fields the training kernels' NVFP4 payload can carry (the FP8
+        # fallback would need FP8 Q/K views in the backward kernels)
+        Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", grad="e4m3", smooth_k=True, qk_four_over_six=True,
+               name="train-robust"),
     )
 }
 

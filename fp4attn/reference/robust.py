@@ -92,7 +92,7 @@ def key_mean(x: torch.Tensor) -> torch.Tensor:
     """Mean over the keys (dim -2) of x (B, H, S, D), per (batch, head, channel): float64
     sum / S, rounded to bf16, as float32 (B, H, 1, D). NaN or Inf in a channel gives a
     non-finite mean there, which the subtraction carries into that channel."""
-    s = x.double().sum(dim=-2, keepdim=True) / x.shape[-2]
+    s = x.float().sum(dim=-2, keepdim=True, dtype=torch.float64) / x.shape[-2]
     return s.to(torch.bfloat16).float()
 
 
@@ -107,7 +107,13 @@ def logit_std(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     unrelated), float64 (B, H). The Q/K quantization error of the scores grows with
     it (docs/notes/robust-numerics.md). K at its own heads; GQA heads are expanded by
     the caller."""
-    d = q.shape[-1]
-    mq = q.double().square().sum(-1).mean(-1)
-    mk = k.double().square().sum(-1).mean(-1)
-    return scale * torch.sqrt(mq * mk / d)
+    sq_q = q.double().square().sum(dim=(-2, -1))
+    sq_k = k.double().square().sum(dim=(-2, -1))
+    return logit_std_of_sums(sq_q, sq_k, q.shape[-2], k.shape[-2], q.shape[-1], scale)
+
+
+def logit_std_of_sums(sq_q: torch.Tensor, sq_k: torch.Tensor, sq: int, sk: int, d: int, scale: float) -> torch.Tensor:
+    """`logit_std` from each head's float64 sums of squares of q and k (B, H): the
+    squares of float32 values summed in float64, exact for bf16 inputs in practice, so
+    the kernels' atomic sums give the same numbers."""
+    return scale * torch.sqrt((sq_q / sq) * (sq_k / sk) / d)

@@ -27,6 +27,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from fp4attn.formats import constants
 from fp4attn.formats.constants import MX_BLOCK
@@ -95,18 +96,29 @@ def _block_rows(g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def _abs_max_kernel(X, AMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
-                    PER_CHANNEL: tl.constexpr):
+def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
+                    PER_CHANNEL: tl.constexpr, HAS_MEAN: tl.constexpr = False, SUM_SQ: tl.constexpr = False):
     """max |x| of X (G, S, D) as float32 bits, BLOCKS blocks of BLOCK_S rows a program:
     per head and channel into AMAX (G, D), or per head into AMAX (G,); AMAX starts at 0
-    (+0.0)."""
+    (+0.0). HAS_MEAN: of x - MEAN (G, D) (float32, one rounding: `robust.smooth`).
+    SUM_SQ: also each head's sum of x**2 into SUMSQ (G,) float64 (squares of the float32
+    values and their sums in float64: exact for bf16 inputs in practice, so the order
+    of the atomic adds does not matter; `robust.logit_std`)."""
     g = tl.program_id(1).to(tl.int64)
     run = tl.zeros([BLOCK_S, D], tl.int32)
+    sq = tl.zeros([BLOCK_S, D], tl.float64)
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
         ok = (s < S)[:, None]
-        x = tl.load(X + rows[:, None] * D + tl.arange(0, D)[None, :], mask=ok, other=0.0)
+        x = tl.load(X + rows[:, None] * D + tl.arange(0, D)[None, :], mask=ok, other=0.0).to(tl.float32)
+        if HAS_MEAN:
+            x = tl.where(ok, x - tl.load(MEAN + g * D + tl.arange(0, D))[None, :], 0.0)
         run = _abs_bits_max(run, x, ok)
+        if SUM_SQ:
+            x64 = x.to(tl.float64)
+            sq += x64 * x64
+    if SUM_SQ:
+        tl.atomic_add(SUMSQ + g, tl.sum(tl.sum(sq, axis=1), axis=0), sem="relaxed")
     if PER_CHANNEL:
         _channel_amax_flush(AMAX + g * D, run, D)
     else:
@@ -213,7 +225,7 @@ def _nvfp4_tensor_scales(AMAX):
     s_enc = tl.minimum(tl.div_rn(one * 2688.0, amax), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
     s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
     s_dec = tl.div_rn(one, s_enc)
-    return s_enc * tl.div_rn(one, one * 6.0), s_dec, tl.where(amax == float("inf"), float("nan"), s_dec)
+    return s_enc * tl.div_rn(one, one * 6.0), s_dec, tl.where(amax == float("inf"), float("nan"), s_dec), s_enc
 
 
 @triton.jit
@@ -230,8 +242,32 @@ def _row_offsets(rows, N: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, S, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCKS: tl.constexpr, PACKED: tl.constexpr, CHANNEL_AMAX: tl.constexpr):
+def _nvfp4_block(x, amax_b, mult, s_dec):
+    """(block decode scales d (rows, blocks), E2M1 magnitudes, the scaled values y) of
+    blocks x (rows, blocks, 16) with max |x| amax_b scaled by `mult` (S_enc / top)."""
+    # a NaN anywhere in the head makes its tensor scale NaN, and with it every block scale
+    # (torch's clamp propagates NaN; tl.minimum must be told to)
+    nan_ok: tl.constexpr = tl.PropagateNan.ALL
+    d = tl.minimum(amax_b * mult, FP32_MAX, propagate_nan=nan_ok)
+    d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
+    enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), FP32_MAX, propagate_nan=nan_ok)
+    y = x * enc[:, :, None]
+    return d, _e2m1_value(tl.abs(y)), y
+
+
+@triton.jit
+def _nvfp4_block_error(x, d, mag, y, s_enc):
+    """max over each block of |e2m1 * d - x * S_enc| (`formats.nvfp4._block_error`):
+    rounded products (mul_rn: never contracted with the difference into an FMA)."""
+    v = libdevice.mul_rn(_with_sign_of(mag, y), d[:, :, None])
+    return tl.max(tl.abs(v - libdevice.mul_rn(x, s_enc)), axis=2)
+
+
+@triton.jit
+def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCKS: tl.constexpr, PACKED: tl.constexpr, CHANNEL_AMAX: tl.constexpr,
+                       HAS_MEAN: tl.constexpr = False, FOUR_OVER_SIX: tl.constexpr = False,
+                       FALLBACK: tl.constexpr = False, HW_CVT: tl.constexpr = True):
     """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) of X (G, S,
     D) as bf16, in TransformerEngine's operation order (formats/nvfp4.py), each head's
     tensor scale from its max |x| at AMAX (G,); SDEC (G, S) gets the head's decode scale
@@ -239,36 +275,55 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, S, D: tl.constexp
     D / 2) uint8, two E2M1 codes a byte, element 2i in the low nibble; BSCALE (G, S,
     D / 16) the e4m3 block scales. With CHANNEL_AMAX also each head's per-channel max
     |grid value| into CAMAX (G, D) (float32 bits, starting at 0). BLOCKS blocks of
-    BLOCK_R rows a program."""
+    BLOCK_R rows a program.
+
+    The outlier-robust forms (`reference.forward.robust_qk`): HAS_MEAN quantizes x - MEAN
+    (G, D) (K smoothing); FOUR_OVER_SIX scales each block to 4 or 6, whichever has the
+    smaller largest error (`formats.quantize_nvfp4(four_over_six=True)`); FALLBACK: the
+    heads whose FB (G,) int8 is 1 are quantized per token to FP8 instead (values as bf16,
+    the row scales into SDEC; not with PACKED or CHANNEL_AMAX)."""
     g = tl.program_id(1).to(tl.int64)
-    mult, s_dec, s_dec_out = _nvfp4_tensor_scales(AMAX + g)
+    mult, s_dec, s_dec_out, s_enc = _nvfp4_tensor_scales(AMAX + g)
     run = tl.zeros([BLOCK_R, D], tl.int32)
+    mu = tl.zeros([1, D // 16, 16], tl.float32)
+    if HAS_MEAN:
+        mu = tl.reshape(tl.load(MEAN + g * D + tl.arange(0, D)), [1, D // 16, 16])
+    fp8_head = False
+    if FALLBACK:
+        fp8_head = tl.load(FB + g) != 0
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
         offs = _nvfp4_block_offsets(rows, D)
         ok = (s < S)[:, None, None]
         x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(SDEC + rows, tl.full([BLOCK_R], 0.0, tl.float32) + s_dec_out, mask=s < S)
-        # a NaN anywhere in the head makes its tensor scale NaN, and with it every block scale
-        # (torch's clamp propagates NaN; tl.minimum must be told to)
-        nan_ok: tl.constexpr = tl.PropagateNan.ALL
-        d = tl.minimum(tl.max(tl.abs(x), axis=2) * mult, FP32_MAX, propagate_nan=nan_ok)
-        d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
-        enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), FP32_MAX, propagate_nan=nan_ok)
-        y = x * enc[:, :, None]
-        mag = _e2m1_value(tl.abs(y))
-        val = _with_sign_of(mag, y) * d[:, :, None]
-        tl.store(Y + offs, val.to(tl.bfloat16), mask=ok)
-        if CHANNEL_AMAX:
-            run = _abs_bits_max(run, tl.reshape(val, [BLOCK_R, D]), (s < S)[:, None])
-        if PACKED:
-            # a NaN element gets code 0 (E2M1 has no NaN; the block scale carries it)
-            nan = y != y
-            code = tl.where(nan, 0, _e2m1_code(mag) | tl.where(y.to(tl.int32, bitcast=True) < 0, 8, 0))
-            lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
-            rok = (s < S)[:, None]
-            tl.store(CODES + _row_offsets(rows, D // 2), (lo | (hi << 4)).to(tl.uint8), mask=rok)
-            tl.store(BSCALE + _row_offsets(rows, D // 16), d.to(tl.float8e4nv), mask=rok)
+        if HAS_MEAN:
+            x = x - mu
+        if fp8_head:
+            y8, sc = _fp8_per_row(tl.reshape(x, [BLOCK_R, D]), 1, HW_CVT)
+            tl.store(SDEC + rows, sc, mask=s < S)
+            tl.store(Y + _row_offsets(rows, D), y8.to(tl.bfloat16), mask=(s < S)[:, None])
+        else:
+            tl.store(SDEC + rows, tl.full([BLOCK_R], 0.0, tl.float32) + s_dec_out, mask=s < S)
+            amax_b = tl.max(tl.abs(x), axis=2)
+            d, mag, y = _nvfp4_block(x, amax_b, mult, s_dec)
+            if FOUR_OVER_SIX:
+                d4, mag4, y4 = _nvfp4_block(x, amax_b, s_enc * 0.25, s_dec)
+                better = _nvfp4_block_error(x, d4, mag4, y4, s_enc) < _nvfp4_block_error(x, d, mag, y, s_enc)
+                d = tl.where(better, d4, d)
+                mag = tl.where(better[:, :, None], mag4, mag)
+                y = tl.where(better[:, :, None], y4, y)
+            val = _with_sign_of(mag, y) * d[:, :, None]
+            tl.store(Y + offs, val.to(tl.bfloat16), mask=ok)
+            if CHANNEL_AMAX:
+                run = _abs_bits_max(run, tl.reshape(val, [BLOCK_R, D]), (s < S)[:, None])
+            if PACKED:
+                # a NaN element gets code 0 (E2M1 has no NaN; the block scale carries it)
+                nan = y != y
+                code = tl.where(nan, 0, _e2m1_code(mag) | tl.where(y.to(tl.int32, bitcast=True) < 0, 8, 0))
+                lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
+                rok = (s < S)[:, None]
+                tl.store(CODES + _row_offsets(rows, D // 2), (lo | (hi << 4)).to(tl.uint8), mask=rok)
+                tl.store(BSCALE + _row_offsets(rows, D // 16), d.to(tl.float8e4nv), mask=rok)
     if CHANNEL_AMAX:
         _channel_amax_flush(CAMAX + g * D, run, D)
 
@@ -426,16 +481,21 @@ def _row_grid(S: int, G: int, blocks: int, most: int = 16) -> tuple[tuple[int, i
 CHANNEL_BLOCKS = 8
 
 
-def abs_max_bits(x: torch.Tensor, per_channel: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+def abs_max_bits(x: torch.Tensor, per_channel: bool, out: torch.Tensor | None = None,
+                 mean: torch.Tensor | None = None, sum_sq: torch.Tensor | None = None) -> torch.Tensor:
     """max |x| as the int32 bits of a float32, NaN if x holds one: per head and channel
     of x (..., S, D) as (..., D) (`per_channel`), or per head as (...,); into `out`
-    (int32 zeros of G * D or G elements, G the product of the leading dims) if given."""
+    (int32 zeros of G * D or G elements, G the product of the leading dims) if given.
+    `mean` (G * D float32): of x - mean per head and channel. `sum_sq` (G float64
+    zeros): also each head's float64 sum of squares added into it."""
     x3 = _heads(x)
     G, S, D = x3.shape
     amax = torch.zeros((G, D) if per_channel else (G,), device=x.device, dtype=torch.int32) if out is None else out
     grid, block = _row_grid(S, G, CHANNEL_BLOCKS, most=32)
-    _abs_max_kernel[grid](x3, amax, S, D=D, BLOCK_S=block, BLOCKS=CHANNEL_BLOCKS, PER_CHANNEL=per_channel,
-                          num_warps=4)
+    none = amax  # pointer arguments the call does not read
+    _abs_max_kernel[grid](x3, amax, mean if mean is not None else none, sum_sq if sum_sq is not None else none, S,
+                          D=D, BLOCK_S=block, BLOCKS=CHANNEL_BLOCKS, PER_CHANNEL=per_channel,
+                          HAS_MEAN=mean is not None, SUM_SQ=sum_sq is not None, num_warps=4)
     return amax.view(*x.shape[:-2], D) if per_channel else amax.view(x.shape[:-2])
 
 
@@ -466,30 +526,46 @@ def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None, dtype
     return out
 
 
-def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool = False):
+def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool = False, *,
+                      mean: torch.Tensor | None = None, four_over_six: bool = False,
+                      fallback: torch.Tensor | None = None, amax: torch.Tensor | None = None):
     """NVFP4 of x (..., S, D) along D with one tensor scale per head, that is per index
     of the leading dims (`formats.quantize_nvfp4(x, scale_dims=x.ndim - 2)`): (bf16 grid
     values without the tensor scale, the head's tensor decode scale broadcast to (...,
     S), NaN for a head holding an Inf as `reference.operands.quantize_qk`); with
     `packed` also the payload, (codes (..., S, D / 2) uint8, block scales (..., S, D /
     16) float8_e4m3fn), byte for byte that `quantize_nvfp4`'s data and scale; with `channel_amax` also max |grid value| per head and channel (..., D) as
-    float32 bits (what `decode_nvfp4_rows(..., channels_scale=...)` needs)."""
+    float32 bits (what `decode_nvfp4_rows(..., channels_scale=...)` needs).
+
+    The outlier-robust forms (`reference.forward.robust_qk`): `mean` (..., 1, D) float32
+    is subtracted first (K smoothing); `four_over_six` picks 4 or 6 per block; `fallback`
+    (bool, one per head) quantizes those heads per token to FP8 instead (inference only:
+    not with `packed` or `channel_amax`). `amax`: the heads' max |x - mean| bits from
+    `abs_max_bits`, if already computed."""
+    if fallback is not None and (packed or channel_amax):
+        raise ValueError("quantize_qk_nvfp4: the FP8 fallback heads have no NVFP4 payload (packed, channel_amax)")
     x3 = _heads(x)
     G, S, D = x3.shape
+    mean3 = mean.reshape(G * D).float().contiguous() if mean is not None else None
     # both maxima start at zero: one buffer, one fill; the channel maxima (an output)
     # first, at the buffer's aligned start
     n_camax = G * D if channel_amax else 0
-    zeros = torch.zeros(n_camax + G, device=x.device, dtype=torch.int32)
+    zeros = torch.zeros(n_camax + (G if amax is None else 0), device=x.device, dtype=torch.int32)
     camax = zeros[:n_camax]
-    amax = abs_max_bits(x3, per_channel=False, out=zeros[n_camax:])  # the row kernel computes the tensor scales
+    if amax is None:  # the row kernel computes the tensor scales from it
+        amax = abs_max_bits(x3, per_channel=False, out=zeros[n_camax:], mean=mean3)
+    amax = amax.reshape(G).contiguous()
     y = torch.empty(x3.shape, device=x.device, dtype=torch.bfloat16)
     s_dec = torch.empty((G, S), device=x.device, dtype=torch.float32)
     codes = torch.empty((G, S, D // 2) if packed else 0, device=x.device, dtype=torch.uint8)
     bscale = torch.empty((G, S, D // 16) if packed else 0, device=x.device, dtype=torch.float8_e4m3fn)
     blocks = CHANNEL_BLOCKS if channel_amax else 1
     grid, block = _row_grid(S, G, blocks)
-    _nvfp4_rows_kernel[grid](x3, y, amax, s_dec, codes, bscale, camax, S, D=D, BLOCK_R=block, BLOCKS=blocks,
-                             PACKED=packed, CHANNEL_AMAX=channel_amax, num_warps=4)
+    fb = fallback.reshape(G).to(torch.int8).contiguous() if fallback is not None else amax
+    _nvfp4_rows_kernel[grid](x3, y, amax, s_dec, codes, bscale, camax, mean3 if mean3 is not None else amax, fb, S,
+                             D=D, BLOCK_R=block, BLOCKS=blocks, PACKED=packed, CHANNEL_AMAX=channel_amax,
+                             HAS_MEAN=mean3 is not None, FOUR_OVER_SIX=four_over_six,
+                             FALLBACK=fallback is not None, HW_CVT=_hw_cvt(), num_warps=4)
     out = (y.view(x.shape), s_dec.view(x.shape[:-1]))
     if packed:
         out += (codes.view(*x.shape[:-1], D // 2), bscale.view(*x.shape[:-1], D // 16))
@@ -599,8 +675,57 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     return out + (y, ys) if tokens else out
 
 
-def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe) -> KernelOperands:
-    """The same tensors as `operands.prepare_operands`, from fused kernels."""
+FUSED_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six", "qk_fallback")  # what the fused quantizers apply
+
+
+def key_mean(k: torch.Tensor) -> torch.Tensor:
+    """`robust.key_mean` on the GPU: float64 sums over the keys (no float64 copy of K)."""
+    s = k.sum(dim=-2, keepdim=True, dtype=torch.float64) / k.shape[-2]
+    return s.to(torch.bfloat16).float()
+
+
+def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: float | None):
+    """NVFP4 Q and K of a recipe with fused robust fields (FUSED_ROBUST_FIELDS), as
+    `reference.forward.robust_qk` computes them: (qv, qs, kv, ks), the kernel's layouts,
+    and the (B, Hkv) heads that took the FP8 fallback (None without it)."""
+    from fp4attn.reference import robust
+
+    if recipe.qk != "nvfp4":
+        raise ValueError(f"robust_qk_operands: the fused robust quantizers are NVFP4's, got qk={recipe.qk!r}")
+    other = [f for f in ("rotate_qk", "smooth_v", "p_sink") if getattr(recipe, f)]
+    if other:
+        raise ValueError(f"robust_qk_operands: {', '.join(other)} are not applied by the fused quantizers")
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    mean = key_mean(k) if recipe.smooth_k else None
+    mean3 = mean.reshape(-1).contiguous() if mean is not None else None
+    fb_q = fb_k = amax_q = amax_k = None
+    if recipe.qk_fallback is not None:
+        if scale is None:
+            raise ValueError("robust_qk_operands: qk_fallback needs the softmax scale")
+        f64 = torch.float64
+        sq_q, sq_k = torch.zeros(B * H, device=q.device, dtype=f64), torch.zeros(B * Hkv, device=q.device, dtype=f64)
+        amax_q = abs_max_bits(q, per_channel=False, sum_sq=sq_q)
+        amax_k = abs_max_bits(k, per_channel=False, mean=mean3, sum_sq=sq_k)
+        sq_k_q = sq_k.view(B, Hkv).repeat_interleave(H // Hkv, dim=1)
+        spread = robust.logit_std_of_sums(sq_q.view(B, H), sq_k_q, Sq, Sk, D, scale)
+        fb_k = spread.view(B, Hkv, H // Hkv).amax(-1) > recipe.qk_fallback_logit_std
+        fb_q = fb_k.repeat_interleave(H // Hkv, dim=1)
+    f46 = recipe.qk_four_over_six
+    qv, qs = quantize_qk_nvfp4(q, four_over_six=f46, fallback=fb_q, amax=amax_q)
+    kv, ks = quantize_qk_nvfp4(k, mean=mean, four_over_six=f46, fallback=fb_k, amax=amax_k)
+    return qv, qs, kv, ks, fb_k
+
+
+def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe,
+                           scale: float | None = None) -> KernelOperands:
+    """The same tensors as `operands.prepare_operands`, from fused kernels; for a recipe
+    with outlier-robust fields (only FUSED_ROBUST_FIELDS; `qk_fallback` needs the softmax
+    `scale`) those of `reference.forward.robust_qk`."""
+    if any(getattr(recipe, f) not in (False, None) for f in FUSED_ROBUST_FIELDS):
+        qv, qs, kv, ks, _ = robust_qk_operands(q, k, recipe, scale)
+        vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=BLOCK_N)
+        return KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
     if recipe.qk == "fp8":
         qk = functools.partial(quantize_qk_fp8, dtype=qk_dtype(recipe))
     else:
