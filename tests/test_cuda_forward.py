@@ -47,7 +47,8 @@ def _compare(ops, causal_offset, key_bias=None):
     D = ops.q.shape[-1]
     scale = D ** -0.5
     out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias)
-    ref, ref_lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset, p_mode=0, key_bias=key_bias)
+    ref, ref_lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset, p_mode=0,
+                                     key_bias=key_bias)
     torch.cuda.synchronize()
     seen = torch.isfinite(ref_lse)
     assert torch.equal(seen, torch.isfinite(lse)), "rows that see no key differ"

@@ -8,8 +8,9 @@ $FP4ATTN_CACHE_DIR or ~/.cache/fp4attn, keyed by the source, the options and NVR
 version; a build prints one line. `compile_variant` also runs without a GPU (the CPU
 compile check); launching needs one.
 
-Numerics: the `fast_accum` FP8-P recipes exactly as the Gluon kernel computes them
-(forward_gluon_ws.attn_fwd_ws_kernel), only float32 sums in another order.
+Numerics: the `fast_accum` FP8-P recipes with the Gluon kernel's arithmetic
+(forward_gluon_ws.attn_fwd_ws_kernel), operation for operation; outputs measured
+bit-identical to it (benchmarks/results/h200-forward-cuda.txt).
 """
 
 from __future__ import annotations
@@ -46,32 +47,28 @@ class Variant:
     causal: bool
     key_bias: bool = False
     stages: int = 2
-    overlap: int = 1  # 1: each tile's softmax overlaps the previous tile's PV (the kernel's OVERLAP)
     ablate_softmax: bool = False  # timing only: no softmax, wrong outputs (the kernel's ceiling)
-    exp_fold: bool = False  # measured only: exp2(t - (m - 8)), one rounding less than the recipe's
 
     def defines(self) -> list[str]:
-        return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}", f"-DKEY_BIAS={int(self.key_bias)}",
-                f"-DSTAGES={self.stages}", f"-DOVERLAP={self.overlap}", f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}",
-                f"-DEXP_FOLD={int(self.exp_fold)}"]
+        return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}",
+                f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
+                f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
         mbarriers, and 1024 bytes to align the tiles for the 128-byte swizzle."""
         d = self.head_dim
-        return 1024 + BLOCK_M * d + self.stages * 2 * BLOCK_N * d + 2 * self.stages * BLOCK_N * 4 + (1 + 5 * self.stages) * 8
+        tiles = BLOCK_M * d + self.stages * 2 * BLOCK_N * d
+        return 1024 + tiles + 2 * self.stages * BLOCK_N * 4 + (1 + 5 * self.stages) * 8
 
 
-# the launch per (head dim, causal): (ring depth, OVERLAP), measured
-# (docs/notes/hopper-cuda-forward.md, benchmarks/results/h200-forward-cuda*.txt): ring depths
-# 2-4 ran alike; OVERLAP 1 ran 0-10% slower at D=64 and spills at D=128 (544+ bytes: a second
-# P tile and PV's accumulator live through the softmax).
-LAUNCH = {(128, False): (2, 0), (128, True): (2, 0), (64, False): (2, 0), (64, True): (2, 0)}
+# K/V^T ring depth per (head dim, causal): depths 2, 3 and 4 ran within 2% of each other
+# (benchmarks/results/h200-forward-cuda-variants.txt, run A; docs/notes/hopper-cuda-forward.md)
+STAGES = {(128, False): 2, (128, True): 2, (64, False): 2, (64, True): 2}
 
 
 def variant_for(head_dim: int, causal: bool, key_bias: bool = False) -> Variant:
-    stages, overlap = LAUNCH[head_dim, causal]
-    return Variant(head_dim, causal, key_bias, stages, overlap)
+    return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal])
 
 
 def all_variants() -> list[Variant]:
@@ -116,7 +113,8 @@ class Build:
 
     def spill_bytes(self) -> int:
         """Local-memory spill stores plus loads reported by ptxas (0 when none)."""
-        return sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.log))
+        pairs = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.log)
+        return sum(int(a) + int(b) for a, b in pairs)
 
     def registers(self) -> int | None:
         m = re.search(r"Used (\d+) registers", self.log)
@@ -132,12 +130,15 @@ def compile_variant(variant: Variant, *, use_cache: bool = True, announce: bool 
     nvrtc = _nvrtc()
     source = SOURCE.read_bytes()
     options = _options(variant)
-    key = hashlib.sha256(source + "\0".join(options).encode() + repr(nvrtc_version()).encode()).hexdigest()[:24]
+    key = hashlib.sha256(source + "\0".join(options).encode() + repr(nvrtc_version()).encode())
+    key = key.hexdigest()[:24]
     path = _cache_dir() / f"{KERNEL_NAME}-{key}.cubin"
     if use_cache and path.exists():
-        return Build(path.read_bytes(), path.with_suffix(".log").read_text() if path.with_suffix(".log").exists() else "")
+        log_path = path.with_suffix(".log")
+        return Build(path.read_bytes(), log_path.read_text() if log_path.exists() else "")
     if announce:
-        print(f"fp4attn: compiling the CUDA attention forward ({variant}) with NVRTC ...", file=sys.stderr, flush=True)
+        print(f"fp4attn: compiling the CUDA attention forward ({variant}) with NVRTC ...", file=sys.stderr,
+              flush=True)
     prog = _check(nvrtc.nvrtcCreateProgram(source, SOURCE.name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
         opts = [o.encode() for o in options]
@@ -195,7 +196,8 @@ def _function(variant: Variant, device: torch.device):
                 module = _check(drv.cuModuleLoadData(compile_variant(variant).cubin), "cuModuleLoadData")
                 fn = _check(drv.cuModuleGetFunction(module, KERNEL_NAME.encode()), "cuModuleGetFunction")
                 attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _check((drv.cuFuncSetAttribute(fn, attr, variant.shared_bytes())[0], None), "cuFuncSetAttribute")
+                _check((drv.cuFuncSetAttribute(fn, attr, variant.shared_bytes())[0], None),
+                       "cuFuncSetAttribute")
             _functions[key] = fn
     return fn
 
@@ -208,22 +210,25 @@ def _tensor_map(base: int, dims: list[int], strides: list[int], box: list[int], 
                128: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle_bytes]
     tmap = _check(drv.cuTensorMapEncodeTiled(
         drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, len(dims), base,
-        [drv.cuuint64_t(x) for x in dims], [drv.cuuint64_t(x) for x in strides], [drv.cuuint32_t(x) for x in box],
-        [drv.cuuint32_t(1)] * len(dims), drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+        [drv.cuuint64_t(x) for x in dims], [drv.cuuint64_t(x) for x in strides],
+        [drv.cuuint32_t(x) for x in box], [drv.cuuint32_t(1)] * len(dims),
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"cuTensorMapEncodeTiled(dims={dims}, box={box})")
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        f"cuTensorMapEncodeTiled(dims={dims}, box={box})")
     return ctypes.string_at(tmap.getPtr(), 128)
 
 
 class _Params(ctypes.Structure):
     # the kernel's `Params`: four 64-byte aligned tensor maps, pointers, ints, the scale;
     # padded to the C++ struct's size (a multiple of its 64-byte alignment)
-    _fields_ = [("q_map", ctypes.c_uint8 * 128), ("k_map0", ctypes.c_uint8 * 128), ("k_map1", ctypes.c_uint8 * 128),
-                ("v_map", ctypes.c_uint8 * 128),
+    _fields_ = [("q_map", ctypes.c_uint8 * 128), ("k_map0", ctypes.c_uint8 * 128),
+                ("k_map1", ctypes.c_uint8 * 128), ("v_map", ctypes.c_uint8 * 128),
                 ("qs", ctypes.c_uint64), ("ks", ctypes.c_uint64), ("vs", ctypes.c_uint64),
                 ("key_bias", ctypes.c_uint64), ("out", ctypes.c_uint64), ("lse", ctypes.c_uint64),
-                ("H", ctypes.c_int32), ("group", ctypes.c_int32), ("Sq", ctypes.c_int32), ("Sk", ctypes.c_int32),
-                ("causal_offset", ctypes.c_int32), ("k_rows_per_head", ctypes.c_int32), ("qk_scale", ctypes.c_float),
+                ("H", ctypes.c_int32), ("group", ctypes.c_int32), ("Sq", ctypes.c_int32),
+                ("Sk", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
+                ("k_rows_per_head", ctypes.c_int32), ("qk_scale", ctypes.c_float),
                 ("_pad", ctypes.c_uint8 * 52)]
 
 
@@ -236,8 +241,9 @@ def cuda_unsupported_reason(ops: KernelOperands, *, causal_offset: int | None = 
     q, k, vt = ops.q, ops.k, ops.vt
     if not q.is_cuda:
         return "the CUDA forward runs on CUDA tensors only"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return f"the CUDA forward is built for sm_90a (Hopper); this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        return f"the CUDA forward is built for sm_90a (Hopper); this GPU is sm_{major}{minor}"
     if q.dtype != torch.float8_e4m3fn or k.dtype != torch.float8_e4m3fn:
         return f"the CUDA forward multiplies e4m3 Q/K (the fast_accum recipes); got {q.dtype} and {k.dtype}"
     if vt.dtype != torch.float8_e4m3fn:
@@ -272,8 +278,9 @@ def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
     """V^T as (B*Hkv*D, keys) rows with a 16-byte multiple stride (TMA), and that stride."""
     vt = ops.vt
     B, Hkv, D, Sk = vt.shape
-    if vt.stride(3) == 1 and vt.stride(2) % 16 == 0 and vt.stride(2) >= Sk and vt.stride(1) == D * vt.stride(2) \
-            and vt.stride(0) == Hkv * vt.stride(1):
+    row = vt.stride(2)
+    if (vt.stride(3) == 1 and row % 16 == 0 and row >= Sk and vt.stride(1) == D * row
+            and vt.stride(0) == Hkv * vt.stride(1)):
         return vt, vt.stride(2)
     row = -(-Sk // 16) * 16
     padded = torch.zeros((B, Hkv, D, row), dtype=vt.dtype, device=vt.device)
@@ -283,13 +290,12 @@ def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
 
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, stages: int | None = None,
-                        overlap: int | None = None, ablate_softmax: bool = False, exp_fold: bool = False):
+                        ablate_softmax: bool = False):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
-    stages, overlap: the ring depth and the kernel's OVERLAP (None: the table's), to measure;
-    ablate_softmax: a timing-only build without the softmax (its outputs are wrong);
-    exp_fold: P from exp2(t - (m - 8)) (measured only: not the recipe's rounding)."""
+    stages: the ring depth (None: the table's), to measure; ablate_softmax: a timing-only
+    build without the softmax (its outputs are wrong)."""
     reason = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
     if reason:
         raise ValueError(f"launch_forward_cuda: {reason}")
@@ -297,9 +303,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     B, H, Sq, D = q.shape
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
     variant = variant_for(D, causal_offset is not None, key_bias is not None)
-    variant = dataclasses.replace(variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax,
-                                  exp_fold=exp_fold,
-                                  overlap=variant.overlap if overlap is None else overlap)
+    variant = dataclasses.replace(variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax)
     k = _k_rows(ops.k)
     vt, vt_row = _vt_rows(ops)
     qs, ks, vs = ops.qs.float().contiguous(), ops.ks.float().contiguous(), ops.vs.float().contiguous()

@@ -28,8 +28,9 @@
 // so that the accumulator's columns come out as the keys the A fragment wants; the key
 // scales, masks and causal limits use the permuted key index.
 //
-// Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES, OVERLAP
-// (the softmax of tile j overlapped with PV_{j-1} of the same warpgroup, see `consumer`).
+// Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES, and
+// ABLATE_SOFTMAX (a timing-only build). Variants measured and removed (an OVERLAP that ran
+// the softmax over the warpgroup's own PV, EXP_FOLD) are in docs/notes/hopper-cuda-forward.md.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -42,12 +43,6 @@
 #endif
 #ifndef STAGES
 #define STAGES 2
-#endif
-#ifndef OVERLAP
-#define OVERLAP 1
-#endif
-#ifndef EXP_FOLD
-#define EXP_FOLD 0  // 1: exp2(t - (m - 8)), one addition less per score, not the recipe's rounding
 #endif
 #ifndef ABLATE_SOFTMAX
 #define ABLATE_SOFTMAX 0  // 1: a timing-only build without the softmax (wrong outputs)
@@ -393,11 +388,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
                 const int r = 4 * n + 2 * i + b;
-#if EXP_FOLD
-                s[r] = ex2(fadd_rn(s[r], P_OFFSET - m_use[i]));
-#else
                 s[r] = ex2(fadd_rn(fadd_rn(s[r], -m_use[i]), P_OFFSET));
-#endif
             }
         }
     }
@@ -464,10 +455,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     for (int i = 0; i < 2; ++i) a[i] = row[i] < Sq ? p.qs[(long long)bh * Sq + row[i]] * p.qk_scale : 0.0f;
 
     float s[64], pv[HEAD_DIM / 2], o[HEAD_DIM / 2];
-    uint32_t pa0[4][4];
-#if OVERLAP
-    uint32_t pa1[4][4];  // P of two tiles: one read by PV_{j-1} in flight, one being built
-#endif
+    uint32_t pa[4][4];  // P of the last softmax, PV's A operand
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.0f, 0.0f}, alpha[2];
 #pragma unroll
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = 0.0f;
@@ -492,15 +480,13 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     if (lane == 0) mbar_arrive(sm.k_empty);
     mbar_wait(sm.ks_full, 0);
     if (0 >= full)
-        softmax_tile<true>(s, pa0, m, l, alpha, a, sm.ks, 0, limit, q);
+        softmax_tile<true>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
     else
-        softmax_tile<false>(s, pa0, m, l, alpha, a, sm.ks, 0, limit, q);
+        softmax_tile<false>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
 
-    // tile j >= 1: QK^T_j and PV_{j-1} in one turn, then the softmax of tile j. OVERLAP 1:
-    // QK^T_j first and waited alone, so the softmax runs while PV_{j-1} is still on the
-    // tensor cores (its P and accumulator stay live: the second P buffer); OVERLAP 0: both
-    // waited before the softmax.
-    auto step = [&](int j, uint32_t(&pa_prev)[4][4], uint32_t(&pa_next)[4][4]) {
+    // tile j >= 1: QK^T_j and PV_{j-1} in one turn, both waited for, O updated, then the
+    // softmax of tile j (the other consumer's products run meanwhile)
+    for (int j = 1; j < n_tiles; ++j) {
         const int st = j % STAGES, prev = (j - 1) % STAGES;
         const uint32_t parity = (j / STAGES) & 1, prev_parity = ((j - 1) / STAGES) & 1;
         mbar_wait(sm.k_full + 8 * st, parity);
@@ -509,28 +495,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         fence_regs(s);
         fence_regs(pv);
         wgmma_fence();
-#if OVERLAP
-        issue_qk(s, q_desc, sm.k + st * K_BYTES);
-        wgmma_commit();
-        issue_pv(pv, pa_prev, sm.v + prev * V_BYTES);
-        wgmma_commit();
-        other_turn_give();
-        wgmma_wait<1>();
-        fence_regs(s);
-        if (lane == 0) mbar_arrive(sm.k_empty + 8 * st);
-        const float alpha_prev[2] = {alpha[0], alpha[1]};
-        mbar_wait(sm.ks_full + 8 * st, parity);
-        const float* ks_tile = sm.ks + st * BLOCK_N;
-        if (j * BLOCK_N >= full)
-            softmax_tile<true>(s, pa_next, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
-        else
-            softmax_tile<false>(s, pa_next, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
-        wgmma_wait<0>();
-        fence_regs(pv);
-        if (lane == 0) mbar_arrive(sm.v_empty + 8 * prev);
-        add_pv(o, pv, alpha_prev);
-#else
-        issue_pv(pv, pa_prev, sm.v + prev * V_BYTES);
+        issue_pv(pv, pa, sm.v + prev * V_BYTES);
         issue_qk(s, q_desc, sm.k + st * K_BYTES);
         wgmma_commit();
         other_turn_give();
@@ -545,44 +510,26 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         mbar_wait(sm.ks_full + 8 * st, parity);
         const float* ks_tile = sm.ks + st * BLOCK_N;
         if (j * BLOCK_N >= full)
-            softmax_tile<true>(s, pa_next, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
+            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
         else
-            softmax_tile<false>(s, pa_next, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
-#endif
-    };
+            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
+    }
+
     // the last tile's PV
-    auto last_pv = [&](uint32_t(&pa_last)[4][4]) {
+    {
         const int j = n_tiles - 1, st = j % STAGES;
         mbar_wait(sm.v_full + 8 * st, (j / STAGES) & 1);
         my_turn_wait();
         fence_regs(pv);
         wgmma_fence();
-        issue_pv(pv, pa_last, sm.v + st * V_BYTES);
+        issue_pv(pv, pa, sm.v + st * V_BYTES);
         wgmma_commit();
         if (cw == 0) other_turn_give();  // consumer 1's turn is the last one
         wgmma_wait<0>();
         fence_regs(pv);
         if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
         add_pv(o, pv, alpha);
-    };
-#if OVERLAP
-    // unrolled by two so that the P buffers swap by name, not by a run-time index
-    int j = 1;
-    for (; j + 1 < n_tiles; j += 2) {
-        step(j, pa0, pa1);
-        step(j + 1, pa1, pa0);
     }
-    if (j < n_tiles) {
-        step(j, pa0, pa1);
-        last_pv(pa1);
-    } else {
-        last_pv(pa0);
-    }
-#else
-    // one copy of the loop body (a second copy, unrolled, ran slower)
-    for (int j = 1; j < n_tiles; ++j) step(j, pa0, pa0);
-    last_pv(pa0);
-#endif
 
     // -------------------------------------------------------------------- epilogue
     const float* vs = p.vs + (long long)bhk * HEAD_DIM;
