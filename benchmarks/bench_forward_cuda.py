@@ -40,15 +40,12 @@ def _inputs(B, H, S, D, seed=0):
 
 def check(args) -> int:
     import torch
+    import triton
 
-    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda, nvrtc_version
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
-
-    import triton
-
-    from fp4attn.kernels.hopper.forward_cuda import nvrtc_version
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
           f"NVRTC {'.'.join(map(str, nvrtc_version()))}", flush=True)
