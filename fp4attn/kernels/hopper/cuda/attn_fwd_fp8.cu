@@ -85,6 +85,8 @@ struct Params {
     int H, group, Sq, Sk, causal_offset, k_rows_per_head;  // k_rows_per_head: Sk rounded up to 16
     float qk_scale;         // softmax scale * log2 e
 };
+// forward_cuda._Params fills these bytes from Python (it asserts the same size)
+static_assert(sizeof(Params) == 640, "Params changed: update forward_cuda._Params to the same layout");
 
 // -------------------------------------------------------------------- PTX wrappers
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
