@@ -343,9 +343,8 @@ def test_quantize_qk_fp8_rejects_other_output_dtypes():
 
 def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch):
     """`launch_forward` runs the Gluon kernel exactly where the launch table says and the
-    arguments allow (FP8 P, D=128, K/V^T TMA-loadable, e4m3 Q/K without promotion, no
-    debug tiles, key bias or O-on-tensor-core diagnostic), and the Triton kernel
-    everywhere else; both
+    arguments allow (FP8 P, D=128, K/V^T TMA-loadable, no debug tiles or key bias), and
+    the Triton kernel everywhere else; both
     launches are recorded here instead of run, so this needs no GPU."""
     pytest.importorskip("triton")
     from fp4attn.kernels.hopper import forward_op as hops
@@ -358,7 +357,7 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
             return lambda *a, **kw: calls.append(("triton", kw["HEAD_DIM"], kw["P_MODE"]))
 
     def gluon(ops, **kw):
-        calls.append(("gluon", ops.q.shape[-1], kw["p_mode"], kw["partitions"], kw["overlap"], kw["qk_promote"]))
+        calls.append(("gluon", ops.q.shape[-1], kw["p_mode"], kw["stages"], kw["overlap"]))
         B, H, Sq, D = ops.q.shape
         return torch.empty(B, H, Sq, D, dtype=torch.bfloat16), torch.empty(B, H, Sq)
 
@@ -381,21 +380,20 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
         return calls[0][0]
 
     assert calls == [] and route(operands(128)) == "gluon"
-    assert calls[0][3:] == (hops.WS_PARTITIONS, routing.FORWARD_LAUNCH[128, False, False].ws_overlap, 0)
+    cfg = routing.FORWARD_LAUNCH[128, False, False]
+    assert calls[0][3:] == (cfg.stages, cfg.ws_overlap)
     assert route(operands(128), causal_offset=197) == "gluon"
     assert route(operands(128), p_mode=1) == "triton"  # Direct-P: slower in the Gluon kernel
     assert route(operands(128), p_mode=2) == "triton"
     assert route(operands(64)) == "triton"  # D=64: three Triton programs per SM
     assert route(operands(128, padded=False)) == "triton"  # V^T not TMA-loadable
     assert route(operands(128, qk=torch.float8_e4m3fn)) == "gluon"  # fast accumulation
-    assert calls[0][3:] == (hops.WS_PARTITIONS, routing.FORWARD_LAUNCH[128, True, False].ws_overlap, 0)
+    cfg = routing.FORWARD_LAUNCH[128, True, True]
     assert route(operands(128, qk=torch.float8_e4m3fn), causal_offset=197) == "gluon"
-    # promoted every 32 products (a diagnostic), ptxas serializes the Gluon kernel's wgmmas
-    assert route(operands(128, qk=torch.float8_e4m3fn), qk_promote=32) == "triton"
+    assert calls[0][3:] == (cfg.stages, cfg.ws_overlap)
     assert route(operands(64, qk=torch.float8_e4m3fn)) == "triton"
     assert route(operands(128, qk=torch.float8_e4m3fn), p_mode=1) == "triton"
     assert route(operands(128), write_p=1) == "triton"  # debug tiles
-    assert route(operands(128), pv_promote=False) == "triton"
     assert route(operands(128), key_bias=torch.zeros(1, 200)) == "triton"
     with routing.override_launch(forward=routing.ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True)):
         assert route(operands(128)) == "triton"  # warp_specialized off

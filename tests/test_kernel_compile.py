@@ -56,14 +56,14 @@ def test_key_bias_forward_compiles_and_adds_one_load_per_key():
     assert masked.count("HGMMA") == plain.count("HGMMA") > 0 and masked.count("QGMMA") == plain.count("QGMMA")
 
 
-@pytest.mark.parametrize("qk_fp8,p_mode,causal,head_dim,schedule", [
-    (True, 0, False, 128, 0), (False, 1, True, 128, 0), (True, 1, True, 64, 0), (False, 0, False, 128, 1)])
-def test_pipelined_forward_compiles_with_async_wgmma(qk_fp8, p_mode, causal, head_dim, schedule):
-    """The Gluon forward builds for sm_90: wgmma on the tensor cores, TMA loads into
-    shared memory, and the same P builder (no exp per element for Direct-P)."""
+@pytest.mark.parametrize("qk_fp8,p_mode,causal,head_dim", [(False, 1, True, 128), (True, 1, True, 64)])
+def test_gluon_forward_builds_every_p_mode_and_head_dim(qk_fp8, p_mode, causal, head_dim):
+    """The warp-specialized Gluon forward also builds for sm_90 where it is not routed
+    (Direct-P, D=64): wgmma on the tensor cores, TMA loads into shared memory, and the
+    same P builder (no exp per element for Direct-P)."""
     from fp4attn.tools.machine_code import inspect_forward_ws
 
-    r = inspect_forward_ws(qk_fp8, p_mode, causal, head_dim, schedule=schedule)
+    r = inspect_forward_ws(qk_fp8, p_mode, causal, head_dim)
     assert r.count(r"QGMMA") > 0 and (qk_fp8 or r.count(r"HGMMA") > 0)
     assert r.count(r"UTMALDG") > 0, "K and V^T tiles must arrive by TMA"
     if p_mode == 1:
@@ -85,18 +85,6 @@ def test_bf16_qk_forward_chains_its_wgmmas(p_mode, causal):
     assert "C7514" in ptxas_messages(compile_forward(False, p_mode, causal, 128, pv_add=False))
 
 
-@pytest.mark.parametrize("p_mode,causal", [(0, False), (1, True)])
-def test_fa3_schedule_keeps_wgmma_pipelined_with_bf16_qk(p_mode, causal):
-    """With bf16 Q/K the FA3-order schedule leaves ptxas nothing to serialize: its
-    softmax can overlap PV. (The QK-ahead schedule is serialized, C7514, and fp8 Q/K
-    with promotion runs out of registers, C7511: docs/notes/hopper-forward.md.)"""
-    from fp4attn.tools.machine_code import compile_forward_ws, ptxas_messages
-
-    report = ptxas_messages(compile_forward_ws(False, p_mode, causal, 128, schedule=1))
-    assert "Used" in report
-    assert "C7511" not in report and "C7514" not in report, report
-
-
 @pytest.mark.parametrize("qk_fp8,p_mode,causal", [(False, 0, False), (False, 0, True), (False, 1, True),
                                                  (True, 0, False), (True, 0, True)])
 def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm(qk_fp8, p_mode, causal):
@@ -104,18 +92,15 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     warpgroup at 232 registers, a producer warp at 24): ptxas chains each product's
     wgmmas (no C7511/C7514), the consumer never waits at a CTA-wide barrier, and two
     programs' shared memory fits an SM (228 KB, 1 KB reserved per program): with the
-    key scales in a TMA ring it did not, by 568 bytes. With e4m3 Q/K (`fast_accum`) as
-    routed, QK^T unpromoted; promoted every 32 products it needs a second S accumulator
-    and ptxas serializes the wgmmas (C7511), which is why that stays off this kernel."""
+    key scales in a TMA ring it did not, by 568 bytes. e4m3 Q/K (`fast_accum`) have
+    their QK^T unpromoted: promoted every 32 products it needed a second S accumulator
+    and ptxas serialized the wgmmas (C7511)."""
     import re
 
     from fp4attn.tools.machine_code import compile_forward_ws, inspect, ptxas_messages
-    from fp4attn.kernels.hopper.forward_op import WS_PARTITIONS
     from fp4attn.routing import forward_launch
 
-    overlap = forward_launch(128, qk_fp8, causal).ws_overlap
-    kernel = compile_forward_ws(qk_fp8, p_mode, causal, 128, warp_specialized=True, partitions=WS_PARTITIONS,
-                                       overlap=overlap)
+    kernel = compile_forward_ws(qk_fp8, p_mode, causal, 128, overlap=forward_launch(128, qk_fp8, causal).ws_overlap)
     report = ptxas_messages(kernel)
     assert "C7511" not in report and "C7514" not in report, report
     assert re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])[:3] == ["232", "232", "24"]
@@ -124,17 +109,10 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     # QK^T: 8 bf16 k-steps of 16 (twice: the loop and the prologue), or 4 e4m3 ones of 32
     assert (r.count(r"HGMMA"), r.count(r"QGMMA")) == ((0, 12) if qk_fp8 else (16, 4))
     assert r.stack <= 32, r.stack
-    if qk_fp8:
-        promoted = compile_forward_ws(True, p_mode, causal, 128, warp_specialized=True,
-                                             partitions=WS_PARTITIONS, overlap=overlap, qk_promote=32)
-        assert "C7511" in ptxas_messages(promoted)
     assert r.count(r"WARPGROUP\.DEPBAR") <= 3, "one wait per product or pair of products (and the prologue's)"
-    # the partitions' own barriers (before each mbarrier wait and arrive) span one
-    # warpgroup, 128 threads; with both consumers in one partition they span 256
-    counts = lambda rep: set(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x\w+, (0x\w+)", rep.sass))  # noqa: E731
-    assert counts(r) == {"0x80"}
-    joint = compile_forward_ws(qk_fp8, p_mode, causal, 128, warp_specialized=True, partitions=0)
-    assert counts(inspect(joint)) == {"0x100"}
+    # the partition's own barriers (before each mbarrier wait and arrive) span its
+    # warpgroup, 128 threads (two consumer warpgroups in one partition were coupled by them)
+    assert set(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING 0x\w+, (0x\w+)", r.sass)) == {"0x80"}
     assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024
 
 
@@ -177,10 +155,10 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
             full, plain = r.tile_path(), inspect(build(part, maxnreg, False)).tile_path()
             assert len(full) <= len(plain) + 24, (part, len(full), len(plain))
             assert len(loop) - len(full) >= 64, (part, len(loop), len(full))  # the mask's compares and selects
-        # CTA barriers per tile: the TMA issue's and, with STAGED, one pair for all of a
-        # dK/dV tile's numbers (18 when each moved through shared memory by itself)
+        # CTA barriers per tile: the TMA issue's and one pair for all of a dK/dV tile's
+        # numbers (STAGED; 18 when each moved through shared memory by itself)
         bars = sum(op.startswith("BAR") for op in loop)
-        assert bars <= (6 if part == "dq" or cfg.dkdv_staged else 18), (part, bars)
+        assert bars <= 6, (part, bars)
         if part == "dkdv" and cfg.dkdv_staged == 2:
             # the seven numbers of the next tile by asynchronous copies, no register
             # holding them: loaded into registers ptxas spilled them right after their
@@ -194,25 +172,27 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
 
 
 def test_gluon_dkdv_launch_rejects_unknown_in_flight():
-    """IN_FLIGHT other than 1 or 2, or STAGED other than 0, 1 or 2, is a ValueError
+    """IN_FLIGHT other than 1 or 2, or STAGED other than 1 or 2, is a ValueError
     naming the accepted values, raised before anything is built or launched."""
     from fp4attn.kernels.hopper.backward_gluon import launch_dkdv_gluon
 
     with pytest.raises(ValueError, match="IN_FLIGHT is 1 or 2"):
         launch_dkdv_gluon({}, *[None] * 10, 0, True, 0.1, in_flight=3)
-    with pytest.raises(ValueError, match="STAGED is 0, 1 or 2"):
-        launch_dkdv_gluon({}, *[None] * 10, 0, True, 0.1, staged=3)
+    for staged in (0, 3):
+        with pytest.raises(ValueError, match="STAGED is 1 or 2"):
+            launch_dkdv_gluon({}, *[None] * 10, 0, True, 0.1, staged=staged)
 
 
 def test_warp_specialized_forward_launch_rejects_unknown_overlap():
-    """An OVERLAP the warp-specialized forward does not have (0, 1, 2, 4) is a
+    """An OVERLAP the warp-specialized forward does not have (it has 1 and 4) is a
     ValueError naming them, raised before anything is built or launched."""
     from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
     from fp4attn.kernels.hopper.operands import KernelOperands
 
     ops = KernelOperands(*(torch.zeros(1, 1, 1, 1) for _ in range(6)))
-    with pytest.raises(ValueError, match="OVERLAP is 0, 1, 2 or 4"):
-        launch_forward_ws(ops, scale=0.1, causal_offset=None, p_mode=0, warp_specialized=True, overlap=3)
+    for overlap in (0, 2, 3):
+        with pytest.raises(ValueError, match=f"overlap={overlap}; OVERLAP is 1 or 4"):
+            launch_forward_ws(ops, scale=0.1, causal_offset=None, p_mode=0, overlap=overlap)
 
 
 def test_training_forward_keeps_the_packed_nvfp4_payload():
@@ -337,22 +317,6 @@ def test_backward_descriptors_read_whole_tiles_of_one_head():
     assert backward_descriptors(*ops) is None
 
 
-def test_warp_specialized_launch_rejects_unknown_layouts():
-    """A partition layout or OVERLAP the kernel does not have is named in the error,
-    before anything is launched."""
-    from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws, ws_launch
-    from fp4attn.kernels.hopper.operands import KernelOperands
-
-    assert ws_launch(2) == (64, 4, 128)
-    with pytest.raises(ValueError, match="partitions=3; the layouts are"):
-        ws_launch(3)
-    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
-    ops = KernelOperands(q, q, None, None, torch.zeros(1, 2, 128, 64, dtype=torch.float8_e4m3fn), None)
-    for kw, msg in ((dict(partitions=5), "partitions=5"), (dict(overlap=3), "overlap=3")):
-        with pytest.raises(ValueError, match=msg):
-            launch_forward_ws(ops, scale=0.1, causal_offset=None, p_mode=0, warp_specialized=True, **kw)
-
-
 @pytest.mark.parametrize("name,consts", [
     ("_abs_max_kernel", dict(BLOCK_S=32, BLOCKS=8, PER_CHANNEL=True)),
     ("_fp8_rows_kernel", dict(BLOCK_R=16, BLOCKS=8, WITH_DOT=True, CHANNEL_AMAX=True, HW_CVT=True)),
@@ -426,3 +390,4 @@ def test_gluon_tma_descriptors_share_cached_layouts():
     assert d8.layout is shared_layout((128, 64), torch.float8_e4m3fn) is tma_descriptor(e, [128, 64]).layout
     with pytest.raises(ValueError, match="float16.*Gluon kernels load"):
         tma_descriptor(torch.zeros(64, 64, dtype=torch.float16), [64, 64])
+

@@ -30,17 +30,15 @@ from fp4attn.tools.machine_code import (
     per_element,
 )
 from fp4attn.kernels.hopper.operands import BLOCK_N
-from fp4attn.kernels.hopper.forward_op import WS_PARTITIONS, forward_launch
+from fp4attn.routing import BACKWARD_LAUNCH, forward_launch
 
 
 def backward_table():
-    from fp4attn.kernels.hopper.train_op import BACKWARD_CONFIGS
-
     print("| kernel | D | causal | warps | regs | stack | shared KB | programs/SM | loop BAR | loop instr/thread "
           "| full tile instr/thread | full tile instr/elem | largest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d in (64, 128):
-        cfg = BACKWARD_CONFIGS[d]
+        cfg = BACKWARD_LAUNCH[d]
         triton_cfg = dataclasses.replace(cfg, dkdv_gluon=False, dq_gluon=False)
         for causal in (False, True):
             for part in ("dkdv", "dq"):
@@ -91,8 +89,8 @@ def main():
                         args.sass_dir.mkdir(parents=True, exist_ok=True)
                         name = f"fwd_qk{int(qk_fp8)}_p{p_mode}_c{int(causal)}_d{d}.sass"
                         (args.sass_dir / name).write_text(r.sass)
-    print(f"\nWarp-specialized Gluon kernel, PARTITIONS={WS_PARTITIONS}, OVERLAP as routed at D=128 "
-          "(`ForwardLaunch.ws_overlap`; fp8 Q/K: unpromoted)")
+    print("\nWarp-specialized Gluon kernel, OVERLAP as routed at D=128 (`ForwardLaunch.ws_overlap`; fp8 Q/K: "
+          "unpromoted)")
     print("| qk | P mode | causal | D | OVERLAP | setmaxnreg consumer / producer | stack | QGMMA | HGMMA | MUFU.EX2 "
           "| SASS lines | loop instr/elem | full tile instr/elem | largest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -100,8 +98,7 @@ def main():
         for causal in (False, True):
             for d in (64, 128):
                 overlap = forward_launch(128, qk_fp8, causal).ws_overlap
-                kernel = compile_forward_ws(qk_fp8, p_mode, causal, d, warp_specialized=True,
-                                                   partitions=WS_PARTITIONS, overlap=overlap)
+                kernel = compile_forward_ws(qk_fp8, p_mode, causal, d, overlap=overlap)
                 r = inspect(kernel)
                 regs = re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])
                 # the consumer's tile loop: the longest loop holding one tile's QK^T (the

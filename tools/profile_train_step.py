@@ -67,6 +67,7 @@ torch.cuda.synchronize()
 from fp4attn.kernels.hopper import train_op
 from fp4attn.kernels.hopper.forward_op import launch_forward
 from fp4attn.recipes import PRESETS
+from fp4attn.routing import backward_launch
 
 r = PRESETS["train"]
 fargs = (q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5)
@@ -99,7 +100,7 @@ parts.update({
     "  Gluon descriptors of the backward (7)": lambda: bp.descriptors(**gops),
     "  dK/dV launch alone": lambda: bp.launch_dkdv_gluon(descs, b.qs, b.ks, saved[1], b.delta, b.do_ts, b.do_cs,
                                                             b.v_ts, b.q_cs, dk, dv, 0, True, D**-0.5,
-                                                            staged=True),
+                                                            staged=backward_launch(D).dkdv_staged),
     "  dQ launch alone": lambda: bp.launch_dq_gluon(descs, b.qs, b.ks, saved[1], b.delta, b.do_ts, b.v_ts, b.k_cs,
                                                        dq, 0, True, D**-0.5),
     "  one NVFP4 quantization (quantize_qk_nvfp4)": lambda: quantize_qk_nvfp4(q, packed=True, channel_amax=True),

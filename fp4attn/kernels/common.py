@@ -186,17 +186,15 @@ def log2_scores(s, a, b):
 
 @triton.jit
 def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, ROWS_MAY_BE_EMPTY: tl.constexpr,
-                     key_block=None, SUM_P: tl.constexpr = True):
+                     key_block=None):
     """One tile of the exact-max online softmax on masked log2 scores t (queries, keys):
     (P as exact e4m3 values times 2**8, the rescale factor alpha, the new running max,
     the new row sum of the represented P values). ROWS_MAY_BE_EMPTY: a row may have
     seen no key yet (max -inf), so it is normalized by 0 instead. P_HW_CVT rounds FP8 P
     by the packed hardware conversion (RNE, as `round_e4m3`); key_block as in
     `_block_max_32` (Gluon callers pass it).
-
-    SUM_P=False leaves the tile's row sum to the caller (l_i comes back rescaled only)
-    and FP8 P unrounded: the caller's cast to e4m3 rounds it (the hardware conversion,
-    RNE) and the tensor cores sum the e4m3 tile (`ROWSUM_MMA` of the forward)."""
+    (Row sums on the tensor cores were measured no faster and removed:
+    docs/notes/hopper-forward.md, "Row sums on the tensor cores".)"""
     m_new = tl.maximum(m_i, tl.max(t, axis=1))
     if ROWS_MAY_BE_EMPTY:
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -204,14 +202,9 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
         m_use = m_new
     alpha = tl.math.exp2(m_i - m_use)
     x = t - tl.expand_dims(m_use, 1)
-    if P_MODE == 0 and not SUM_P:
-        p = tl.math.exp2(x + P_OFFSET_LOG2)
-    elif P_MODE == 0 and P_HW_CVT:
+    if P_MODE == 0 and P_HW_CVT:
         p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
     else:
         p = build_p_tile(x, P_MODE, 1, key_block)
-    if SUM_P:
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-    else:
-        l_i = l_i * alpha
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     return p, alpha, m_new, l_i

@@ -156,8 +156,8 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
-                    block_m=None, block_n=128, key_bias=False, p_hw_cvt=None,
-                    qk_promote=0, pv_promote=True, lengths_div16=True, vt_padded=True, tma_kv=None, pv_add=None):
+                    block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, lengths_div16=True, vt_padded=True,
+                    tma_kv=None, pv_add=None):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given; sequence lengths specialized as multiples of 16 (as
     the JIT compiles it for such lengths) unless `lengths_div16` is False; V^T with rows
@@ -180,45 +180,32 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     sig["qk_scale"] = "fp32"
     consts = dict(K_DESC=None, VT_DESC=None) if not tma_kv else {}
     consts.update(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
-                  CAUSAL=causal, WRITE_P=0, QK_PROMOTE=qk_promote, KEY_BIAS=key_bias,
-                  P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt,
-                  ROWSUM_MMA=False, PV_PROMOTE=pv_promote,
-                  VT_PADDED=vt_padded, TMA_KV=tma_kv, PV_ADD=launch.pv_add if pv_add is None else pv_add)
+                  CAUSAL=causal, WRITE_P=0, KEY_BIAS=key_bias,
+                  P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt, VT_PADDED=vt_padded, TMA_KV=tma_kv, PV_ADD=launch.pv_add if pv_add is None else pv_add)
     aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or (lengths_div16 and n in _LENGTHS)]
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 
 
 def compile_forward_ws(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True,
-                              schedule: int = 0, warp_specialized: bool = False, stages: int = 2,
-                              partitions: int = 0, overlap: int = 0, qk_promote: int = 0):
-    """The compiled Gluon forward (`forward_gluon_ws.py`) for one flag combination:
-    `attn_fwd_pipelined_kernel`, or with `warp_specialized` `attn_fwd_ws_kernel` at
-    the launch `launch_forward_ws` gives it."""
+                       stages: int = 2, overlap: int = 1):
+    """The compiled warp-specialized Gluon forward (`forward_gluon_ws.attn_fwd_ws_kernel`)
+    for one flag combination, at the launch `launch_forward_ws` gives it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fp4attn.kernels.hopper import forward_gluon_ws as fp
 
-    BLOCK_N = fp.BLOCK_N
-    BLOCK_M = fp.ws_launch(partitions)[0] if warp_specialized else fp.BLOCK_M
-
+    BLOCK_M, BLOCK_N = fp.BLOCK_M, fp.BLOCK_N
     qk = torch.float8_e4m3fn if qk_fp8 else torch.bfloat16
     sig = {"q_desc": _desc_sig(qk, [BLOCK_M, head_dim]), "k_desc": _desc_sig(qk, [BLOCK_N, head_dim]),
            "v_desc": _desc_sig(torch.float8_e4m3fn, [head_dim, BLOCK_N]), "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
            "O": "*bf16", "LSE": "*fp32", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
            "qk_scale": "fp32"}
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal,
-                  P_HW_CVT=p_hw_cvt)
-    options = dict(num_warps=4)
-    if not warp_specialized:
-        consts.update(SCHEDULE=schedule)
-    else:
-        consts.update(STAGES=stages, PARTITIONS=partitions, OVERLAP=overlap, QK_PROMOTE=qk_promote)
-        _, num_warps, maxnreg = fp.ws_launch(partitions)
-        options = dict(num_warps=num_warps, maxnreg=maxnreg)
-    fn = fp.attn_fwd_ws_kernel if warp_specialized else fp.attn_fwd_pipelined_kernel
-    src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
+                  P_HW_CVT=p_hw_cvt, STAGES=stages, OVERLAP=overlap)
+    src = GluonASTSource(fp.attn_fwd_ws_kernel, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
                          attrs=_divisibility(sig, _pointers_and(sig, ("H", "Sq", "Sk"))))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                          options=dict(num_warps=fp.WS_WARPS, maxnreg=fp.WS_MAXNREG))
 
 
 def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config=None, lengths_div16=True):
@@ -233,9 +220,9 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
     fp8 = ("DO_T", "DO_C", "V_T", "Q_C", "K_C")
     if part == "dkdv":
         fn, ptrs = attn_bwd_dkdv_kernel, ("Q", "K", "QS", "KS", "LSE", "DELTA", "DO_T", "DO_TS", "DO_C", "DO_CS",
-                                          "V_T", "V_TS", "Q_C", "Q_CS", "DK", "DV", "K_C", "K_CS", "DQ")
+                                          "V_T", "V_TS", "Q_C", "Q_CS", "DK", "DV")
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
-                      HW_CVT=cfg.hw_cvt, DQ_ATOMIC=False)
+                      HW_CVT=cfg.hw_cvt)
         num_warps, num_stages = cfg.warps_dkdv, cfg.stages_dkdv
     else:
         fn, ptrs = attn_bwd_dq_kernel, ("Q", "K", "QS", "KS", "LSE", "DELTA", "DO_T", "DO_TS", "V_T", "V_TS",
@@ -243,7 +230,7 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal, HW_CVT=cfg.hw_cvt)
         num_warps, num_stages = cfg.warps_dq, cfg.stages_dq
     sig = {n: "*fp8e4nv" if n in fp8 else "*bf16" if n in ("Q", "K") else "*fp32" for n in ptrs}
-    # bf16 gradients, as a bf16 model's backward writes them (dQ by atomics: float32)
+    # bf16 gradients, as a bf16 model's backward writes them
     sig.update({n: "*bf16" for n in ("DK", "DV", "DQ") if n in sig})
     if cfg.tma:  # the loop's tiles by TMA, as `train_op.backward_descriptors` builds them
         tiles = dict(Q=False, DO_T=False, DO_C=True, Q_C=True) if part == "dkdv" else dict(K=False, V_T=False, K_C=True)
@@ -323,7 +310,7 @@ def compile_quantizer(name: str, **constexprs):
 
 
 def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
-                               maxnreg: int | None = None, staged: int = 0):
+                               maxnreg: int | None = None, staged: int = 1):
     """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_gluon.py`)
     as its launcher runs it: bf16 gradients."""
     from triton.experimental.gluon._runtime import GluonASTSource

@@ -1,5 +1,5 @@
 """The training recipes' backward for Hopper (sm_90) in Gluon: the Triton kernels'
-arithmetic (`backward.py`, operation for operation; the GPU tests hold the gradients to
+arithmetic (`backward_triton.py`, operation for operation; the GPU tests hold the gradients to
 theirs bit for bit) in two kernels of one warpgroup per program, with the wgmma
 layouts, the order of the asynchronous products and the loads written out.
 
@@ -95,15 +95,10 @@ def _spread(x, layout: gl.constexpr, axis: gl.constexpr):
 
 
 @gluon.jit
-def _number(x, staged, layout: gl.constexpr, axis: gl.constexpr, STAGED: gl.constexpr):
-    """A tile's `_flat` numbers x broadcast along `axis` of a wgmma tile: read from their
-    buffer `staged` (STAGED: the tile's numbers were stored together, one barrier for
-    all) or moved by their own layout change (a barrier pair each)."""
-    if STAGED:
-        v = gl.expand_dims(staged.load(layout), axis)
-    else:
-        v = _spread(x, layout, axis)
-    return v
+def _number(staged, layout: gl.constexpr, axis: gl.constexpr):
+    """A tile's numbers broadcast along `axis` of a wgmma tile, read from their shared
+    memory buffer `staged` (stored together, or copied there a tile ahead: `STAGED`)."""
+    return gl.expand_dims(staged.load(layout), axis)
 
 
 @gluon.jit
@@ -152,7 +147,7 @@ def _copy_query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_C
 @gluon.jit
 def _number_buffers(STAGED: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
     """The seven number buffers (per query: LSE, dO token scales, delta; per channel:
-    dO_c's and Q_c's scales by half of D): one each (STAGED 0, 1), or a two-stage ring
+    dO_c's and Q_c's scales by half of D): one each (STAGED 1), or a two-stage ring
     each that asynchronous copies fill a tile ahead (2)."""
     layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (of each stage)
     stages: gl.constexpr = STAGES if STAGED == 2 else 1
@@ -206,7 +201,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = 0,
+    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = 1,
 ):
     """Operands as `backward.attn_bwd_dkdv_kernel` reads them, the tiles by TMA:
     q_desc (B*H*Sq, D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles,
@@ -220,17 +215,18 @@ def attn_bwd_dkdv_pipelined_kernel(
     while the previous is added (two temporaries).
 
     A tile's per-query numbers (log2 LSE, dO's token scales, delta) and channel scales
-    reach the wgmma layouts through shared memory: STAGED 1 stores all seven together at
-    the top of the tile (two CTA barriers per tile), 0 moves each by its own layout change
-    (fourteen); both load them into registers a tile ahead. STAGED 2 copies them
-    asynchronously (cp.async) into two-stage buffers a tile ahead instead: with the
-    registers at their limit, ptxas spilled the loaded numbers right after their loads,
-    and each spill store waited out the global load (ncu: 4% of the kernel's warp
-    samples on those stores, benchmarks/results/h200-backward-ncu.txt)."""
+    reach the wgmma layouts through shared memory: STAGED 1 loads them into registers a
+    tile ahead and stores all seven together at the top of the tile (two CTA barriers per
+    tile, where a layout change each took fourteen). STAGED 2 copies them asynchronously
+    (cp.async) into two-stage buffers a tile ahead instead: with the registers at their
+    limit, ptxas spilled the loaded numbers right after their loads, and each spill store
+    waited out the global load (docs/notes/hopper-train.md, "A tile's numbers staged
+    together" and the ncu profile after it)."""
     gl.static_assert(BLOCK_N == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_M == 64)  # dS's scale block along the queries (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
     gl.static_assert(IN_FLIGHT == 1 or IN_FLIGHT == 2)
+    gl.static_assert(STAGED == 1 or STAGED == 2)
     HALF: gl.constexpr = HEAD_DIM // 2
     # S^T (bf16 products) and dP^T (e4m3) share their registers, keys x queries; dK and
     # dV halves (and each tile's products) keys x D/2
@@ -316,22 +312,20 @@ def attn_bwd_dkdv_pipelined_kernel(
             do_cs0_b, do_cs1_b = do_cs0_s.index(stage), do_cs1_s.index(stage)
             q_cs0_b, q_cs1_b = q_cs0_s.index(stage), q_cs1_s.index(stage)
             lse2 = gl.expand_dims(lse_log2(lse_b.load(queries_t)), 0)
-            do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = None, None, None, None, None, None  # `_number` reads bufs
         else:
             lse_b, do_s_b, delta_b, do_cs0_b, do_cs1_b, q_cs0_b, q_cs1_b = bufs
-            lse = lse_log2(lse)
-            if STAGED:  # this tile's numbers, for the layouts below
-                lse_s.store(lse)
-                do_s_s.store(do_s)
-                delta_s.store(delta)
-                do_cs0_s.store(do_cs0)
-                do_cs1_s.store(do_cs1)
-                q_cs0_s.store(q_cs0)
-                q_cs1_s.store(q_cs1)
+            # this tile's numbers, for the layouts below
+            lse_s.store(lse_log2(lse))
+            do_s_s.store(do_s)
+            delta_s.store(delta)
+            do_cs0_s.store(do_cs0)
+            do_cs1_s.store(do_cs1)
+            q_cs0_s.store(q_cs0)
+            q_cs1_s.store(q_cs1)
             nxt = _query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
                                  DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
             # 2. P^T and its FP8 form
-            lse2 = _number(lse, lse_s, queries_t, 0, STAGED)
+            lse2 = _number(lse_s, queries_t, 0)
         st = warpgroup_mma_wait(1, deps=[st_tok])
         tt = log2_scores(st, q_scale, k_scale)
         if start_m < mid:  # a tile on the causal diagonal
@@ -343,8 +337,8 @@ def attn_bwd_dkdv_pipelined_kernel(
         pr = gl.convert_layout(p_r(xt, pt, 0, True), a_layout)
         # 3. dS^T and its e4m3 view per key
         dpt = gl.convert_layout(warpgroup_mma_wait(0, deps=[dpt_tok]), t_layout)
-        dpt = dpt * v_s * _number(do_s, do_s_b, queries_t, 0, STAGED)
-        dst = pt * (dpt - _number(delta, delta_b, queries_t, 0, STAGED))
+        dpt = dpt * v_s * _number(do_s_b, queries_t, 0)
+        dst = pt * (dpt - _number(delta_b, queries_t, 0))
         ds_g, ds_s = e4m3_rows(dst, 1, True)
         ds_g = gl.convert_layout(ds_g, a_layout)
         ds_s = gl.expand_dims(gl.convert_layout(ds_s, keys_g), 1)
@@ -355,20 +349,20 @@ def attn_bwd_dkdv_pipelined_kernel(
         tok = _product(pr, do_c_tile.slice(0, HALF), g_zero)
         if IN_FLIGHT == 2:
             tok1 = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
-            dv0 += warpgroup_mma_wait(1, deps=[tok]) * _number(do_cs0, do_cs0_b, dims_g, 0, STAGED)
+            dv0 += warpgroup_mma_wait(1, deps=[tok]) * _number(do_cs0_b, dims_g, 0)
             tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
-            dv1 += warpgroup_mma_wait(1, deps=[tok1]) * _number(do_cs1, do_cs1_b, dims_g, 0, STAGED)
+            dv1 += warpgroup_mma_wait(1, deps=[tok1]) * _number(do_cs1_b, dims_g, 0)
             tok1 = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
-            dk0 += warpgroup_mma_wait(1, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_b, dims_g, 0, STAGED)
-            dk1 += warpgroup_mma_wait(0, deps=[tok1]) * ds_s * _number(q_cs1, q_cs1_b, dims_g, 0, STAGED)
+            dk0 += warpgroup_mma_wait(1, deps=[tok]) * ds_s * _number(q_cs0_b, dims_g, 0)
+            dk1 += warpgroup_mma_wait(0, deps=[tok1]) * ds_s * _number(q_cs1_b, dims_g, 0)
         else:
-            dv0 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs0, do_cs0_b, dims_g, 0, STAGED)
+            dv0 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs0_b, dims_g, 0)
             tok = _product(pr, do_c_tile.slice(HALF, HALF), g_zero)
-            dv1 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs1, do_cs1_b, dims_g, 0, STAGED)
+            dv1 += warpgroup_mma_wait(0, deps=[tok]) * _number(do_cs1_b, dims_g, 0)
             tok = _product(ds_g, q_c_tile.slice(0, HALF), g_zero)
-            dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs0, q_cs0_b, dims_g, 0, STAGED)
+            dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs0_b, dims_g, 0)
             tok = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
-            dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1, q_cs1_b, dims_g, 0, STAGED)
+            dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1_b, dims_g, 0)
         if STAGED != 2:
             lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt
 
@@ -538,7 +532,7 @@ def descriptors(**operands) -> dict:
 
 def launch_dkdv_gluon(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,
                           causal: bool, scale: float, in_flight: int = 1, maxnreg: int | None = None,
-                          staged: int = 0):
+                          staged: int = 1):
     """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D) from `train_op.backward_operands`'s
     views, their tiles by `descs` (`descriptors` of q, k, do_t, do_c, v_t, q_c); Sq and Sk
     multiples of BLOCK."""
@@ -546,8 +540,8 @@ def launch_dkdv_gluon(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, d
 
     if in_flight not in (1, 2):
         raise ValueError(f"Gluon dK/dV kernel: in_flight={in_flight!r}; IN_FLIGHT is 1 or 2 (half products in flight)")
-    if staged not in (0, 1, 2):
-        raise ValueError(f"Gluon dK/dV kernel: staged={staged!r}; STAGED is 0, 1 or 2 (how a tile's numbers reach "
+    if staged not in (1, 2):
+        raise ValueError(f"Gluon dK/dV kernel: staged={staged!r}; STAGED is 1 or 2 (how a tile's numbers reach "
                          "its layouts)")
     B, Hkv, Sk, D = dk.shape
     H, Sq = lse.shape[1], lse.shape[2]

@@ -19,10 +19,9 @@ value):
         dQ  += e4m3(dS per query row, 64 keys) K_c         K_c: e4m3 per channel, (D, Sk)
 
 Each program owns its outputs, so the backward is deterministic (no atomics); GQA
-sums dK and dV over the query heads of a group inside one program. The DQ_ATOMIC
-variant of the dkdv kernel adds dQ with atomics instead of running the dq kernel
-(`train_op.BackwardConfig.dq_atomic`; not deterministic, so never under
-`torch.use_deterministic_algorithms`). Rows that see no
+sums dK and dV over the query heads of a group inside one program (dQ added by the
+dkdv program with atomics instead of a dq kernel was measured slower and removed:
+docs/notes/hopper-train.md, "dQ by atomics"). Rows that see no
 key (LSE -inf) get a log2 LSE of +inf, so their P is 0 without a per-element test; only
 tiles on the causal diagonal or past Sk build a mask (MASK). The kernels read the
 forward's LSE and write the gradients in their dtype, so that nothing runs between the
@@ -103,10 +102,10 @@ def p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset,
-               q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, DQ,
+def _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset,
+               q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
                HEAD_DIM: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-               HW_CVT: tl.constexpr, DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr):
+               HW_CVT: tl.constexpr, TMA: tl.constexpr):
     offs_m = start_m + offs_mb
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
@@ -135,13 +134,6 @@ def _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, 
     q_c = _channel_tile(Q_C, hd_off, start_m, offs_m, row_ok, Sq, HEAD_DIM, TMA)
     q_cs = tl.load(Q_CS + hd_off + offs_d)
     dk += tl.dot(ds_g, tl.trans(q_c)) * ds_s[:, None] * q_cs[None, :]
-    if DQ_ATOMIC:
-        # dQ += dS K_c for these queries: dS in e4m3 with one scale per query over this
-        # program's 64 keys (the dq kernel's view), added to DQ with float32 atomics
-        ds_q, ds_qs = e4m3_rows(dst, 0, HW_CVT)
-        dq = tl.dot(tl.trans(ds_q), tl.trans(k_c)) * ds_qs[:, None] * k_cs[None, :]
-        tl.atomic_add(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq, mask=row_ok[:, None],
-                      sem="relaxed")
     return dk, dv
 
 
@@ -176,28 +168,20 @@ def causal_query_tiles(start_n, Sq, causal_offset, CAUSAL: tl.constexpr, BLOCK_M
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, V_T, V_TS, Q_C, Q_CS, DK, DV, K_C, K_CS, DQ,
+    Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, V_T, V_TS, Q_C, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr = True, DQ_ATOMIC: tl.constexpr = False,
-    TMA: tl.constexpr = False,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False,
 ):
     """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16 (NVFP4 grid
     values); QS/KS (1,) fp32, the tensor decode scales of Q and K; LSE (the forward's,
     -inf for rows that see no key) and DELTA (B, H, Sq) fp32; DO_T (B, H, Sq, D) e4m3
     with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with DO_CS (B, H, D); V_T (B, Hkv, Sk,
     D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq) e4m3 with Q_CS (B, H, D). DK, DV
-    (B, Hkv, Sk, D): float32 sums stored in their dtype (the gradients'; DQ's likewise).
+    (B, Hkv, Sk, D): float32 sums stored in their dtype (the gradients').
 
     TMA: Q, DO_T, DO_C and Q_C are descriptors (`train_op.backward_descriptors`) and
-    Sq is a multiple of BLOCK_M.
-
-    DQ_ATOMIC: the program also adds its keys' share of dQ into DQ (B, H, Sq, D) fp32,
-    zero-filled by the caller, with float32 atomics (K_C, K_CS as `attn_bwd_dq_kernel`
-    reads them), so the dq kernel and its recomputation of S, P, dP and dS are not
-    needed; the sum's order then varies from run to run. Needs BLOCK_N = 64, dS's scale
-    block along the keys."""
-    tl.static_assert(not DQ_ATOMIC or BLOCK_N == 64)
+    Sq is a multiple of BLOCK_M."""
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)  # (b, kv head)
     Hkv = H // GROUP
@@ -209,18 +193,12 @@ def attn_bwd_dkdv_kernel(
     key_ok = offs_n < Sk
 
     kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
-    kvd_off = (b.to(tl.int64) * Hkv + hk) * HEAD_DIM  # this head's first row of K_C
     # the program's own keys, loaded once (pointer loads: a tail block is masked)
     k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
     q_scale = tl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
     k_scale = tl.load(KS)
     v = _token_tile(V_T, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
     v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
-    k_c = v  # placeholders, read only with DQ_ATOMIC
-    k_cs = v_s
-    if DQ_ATOMIC:
-        k_c = _channel_tile(K_C, kvd_off, start_n, offs_n, key_ok, Sk, HEAD_DIM, False)
-        k_cs = tl.load(K_CS + kvd_off + offs_d) * sm_scale
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -234,13 +212,13 @@ def attn_bwd_dkdv_kernel(
         row_off = (b.to(tl.int64) * H + h) * Sq
         hd_off = (b.to(tl.int64) * H + h) * HEAD_DIM
         for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
-                                Sk, causal_offset, q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
-                                DQ, HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, DQ_ATOMIC, TMA)
+            dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
+                                causal_offset, q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, HEAD_DIM,
+                                P_MODE, CAUSAL, True, HW_CVT, TMA)
         for start_m in range(mid, Sq, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, k_c, k_cs, offs_n, start_m, offs_mb, row_off, hd_off, Sq,
-                                Sk, causal_offset, q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
-                                DQ, HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, DQ_ATOMIC, TMA)
+            dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
+                                causal_offset, q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, HEAD_DIM,
+                                P_MODE, CAUSAL, False, HW_CVT, TMA)
     out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
     tl.store(DV + out, (dv * (1.0 / P_OFFSET)).to(DV.dtype.element_ty), mask=key_ok[:, None])

@@ -22,12 +22,6 @@ from fp4attn.recipes import Recipe
 from fp4attn.routing import P_MODES, forward_launch
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
 
-# the warp-specialized kernel's layout where it runs: one consumer warpgroup and the
-# producer warp per 64-row program, two programs per SM (`forward_gluon_ws.ws_launch`;
-# h200-forward-ws-2.txt: 536 TFLOP/s against 455-468 for 128-row programs)
-WS_PARTITIONS = 2
-
-
 def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """Host-built TMA descriptors of K, (B*Hkv*Sk, D) in tiles of (BLOCK_N, D), and of
     V^T, (B*Hkv*D, keys) in tiles of (D, BLOCK_N); None where the operands do not allow
@@ -42,17 +36,12 @@ def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescri
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
-                   write_p: int = 0, qk_promote: int = 0, pv_promote: bool = True,
-                   key_bias: torch.Tensor | None = None):
+                   write_p: int = 0, key_bias: torch.Tensor | None = None):
     """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
 
     write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
-    values; tests); 2 the log2 scores (diagnostics). key_bias: (B, Sk) float32 added to
-    the log2 scores (`key_bias_of_mask`). qk_promote: fp8 QK^T products accumulated on
-    the tensor cores before each float32 addition (0: all of them, the `fast_accum`
-    recipes' definition; 32, Triton kernel only: a diagnostic);
-    pv_promote: each tile's PV product added into O in float32 (False, a diagnostic:
-    O accumulates on the tensor cores).
+    values; tests, on the Triton kernel). key_bias: (B, Sk) float32 added to the log2
+    scores (`key_bias_of_mask`).
     """
     q, k = ops.q, ops.k
     B, H, Sq, D = q.shape
@@ -62,16 +51,14 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
                          f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
-    if (cfg.warp_specialized and p_mode == 0 and not (qk_fp8 and qk_promote) and pv_promote and not write_p
-            and key_bias is None and tma_loadable(ops) and q.is_contiguous()):
+    if (cfg.warp_specialized and p_mode == 0 and not write_p and key_bias is None and tma_loadable(ops)
+            and q.is_contiguous()):
         # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
-        # bias, no promotion of e4m3 QK^T (with it ptxas serializes the kernel's wgmmas,
-        # C7511; imported here: only this path needs Triton's Gluon frontend)
+        # bias (imported here: only this path needs Triton's Gluon frontend)
         from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
 
         out, lse = launch_forward_ws(ops, scale=scale, causal_offset=causal_offset, p_mode=p_mode,
-                                            p_hw_cvt=cfg.p_hw_cvt, warp_specialized=True, partitions=WS_PARTITIONS,
-                                            stages=cfg.stages, overlap=cfg.ws_overlap, qk_promote=qk_promote)
+                                     p_hw_cvt=cfg.p_hw_cvt, stages=cfg.stages, overlap=cfg.ws_overlap)
         return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
@@ -92,9 +79,8 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
-        WRITE_P=int(write_p), QK_PROMOTE=qk_promote, KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
-        ROWSUM_MMA=False, PV_PROMOTE=pv_promote, VT_PADDED=ops.vt_keys_padded, TMA_KV=descs is not None,
-        PV_ADD=cfg.pv_add,
+        WRITE_P=int(write_p), KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
+        VT_PADDED=ops.vt_keys_padded, TMA_KV=descs is not None, PV_ADD=cfg.pv_add,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )

@@ -9,25 +9,26 @@ Recipes map to constexpr flags:
     CAUSAL   query i sees keys j <= i + causal_offset
     KEY_BIAS a per-(batch, key) log2-unit bias is added to the scores (an SDPA key mask:
              0 / -inf for a boolean one), as `reference.forward.log2_bias` makes it
-    ROWSUM_MMA the consistent row sum of the e4m3 P tile comes from the tensor cores (P
-             times a ones tile, the PV product's operand and accumulation), not from
-             float32 copies of P on the CUDA cores; FP8 P is then rounded by the cast
-    QK_PROMOTE fp8 QK^T is added into float32 every QK_PROMOTE products (0: never, the
-             tensor core's own accumulation over all of D: the `fast_accum` recipes)
-    PV_PROMOTE each tile's PV is added into O in float32 (off, a diagnostic: O accumulates on
-             the fp8 tensor cores, whose sums keep fewer mantissa bits than float32, and
-             the output drifts from the reference as rows get longer)
+    P_HW_CVT FP8 P rounded by the packed hardware conversion (cvt.rn.satfinite); False
+             is the same rounding in float32 bit arithmetic, which the interpreter tests
+             run (inline PTX cannot run under the interpreter)
+    WRITE_P  tests: every P tile's values (times 2**8, exact e4m3 values) to P_DBG
     VT_PADDED V^T's rows hold zero keys up to a whole tile (`KernelOperands.vt_keys_padded`),
              so the tail tile loads it without a mask
-    PV_ADD   with PV_PROMOTE: the tile's PV product on a fresh accumulator plus one float32
-             addition, rather than Triton's max_num_imprecise_acc promotion (same sums up to
-             the FMA contraction of O's rescale; the latter makes ptxas serialize the wgmmas)
+    PV_ADD   the tile's PV product on a fresh accumulator plus one float32 addition, rather
+             than Triton's max_num_imprecise_acc promotion (same sums up to the FMA
+             contraction of O's rescale; the latter makes ptxas serialize the wgmmas)
     TMA_KV   K and V^T tiles arrive by the tensor memory accelerator (host-built 2D
              descriptors K_DESC over (B*Hkv*Sk, D) and VT_DESC over (B*Hkv*D, keys); needs
              VT_PADDED), not by per-thread asynchronous copies: the copies' pipeline puts
              a CTA barrier in every iteration, where the warps wait for the slowest
              (ncu: barrier stalls 0.7-1.4 cycles per issued instruction). A tail tile's
              rows past Sk are the next head's keys or zeros; the mask hides their scores
+
+QK^T of e4m3 Q/K takes the tensor core's own accumulation over all of D (the
+`fast_accum` recipes' sums); each tile's PV is added into O in float32 (chained on the
+tensor cores instead, the output drifted from the reference as rows got longer:
+docs/notes/hopper-forward.md, "O accumulated in float32 per tile").
 
 Tiles that need no mask (fully visible, inside Sk) run in a first loop without any
 masking arithmetic; the diagonal and tail tiles run in a second, masked loop.
@@ -37,15 +38,14 @@ The reference (`fp4attn.reference.forward`) defines every value this kernel comp
 import triton
 import triton.language as tl
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p, round_e4m3
+from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
 
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk, causal_offset,
           stride_kn, stride_vn, QK_FP8: tl.constexpr, P_MODE: tl.constexpr, MASK: tl.constexpr,
-          CAUSAL: tl.constexpr, QK_PROMOTE: tl.constexpr, KEY_BIAS: tl.constexpr, P_HW_CVT: tl.constexpr,
-          ROWSUM_MMA: tl.constexpr, PV_PROMOTE: tl.constexpr, VT_PADDED: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+          CAUSAL: tl.constexpr, KEY_BIAS: tl.constexpr, P_HW_CVT: tl.constexpr, VT_PADDED: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
           WRITE_P: tl.constexpr, p_ptr, stride_pm, TMA_KV: tl.constexpr, k_desc, vt_desc, k_row, vt_row,
           PV_ADD: tl.constexpr):
     cols = start_n + offs_n
@@ -61,9 +61,8 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
         b_j = tl.load(ks_ptr + cols, mask=cols < Sk, other=0.0)
     else:
         b_j = tl.load(ks_ptr + cols)
-    # fp8 wgmma accumulates with fewer bits than float32: fast_accum recipes take those
-    # sums (QK_PROMOTE 0); promotion into float32 every 32 products is a diagnostic
-    s = tl.dot(q, tl.trans(k), max_num_imprecise_acc=QK_PROMOTE if QK_FP8 and QK_PROMOTE > 0 else None)
+    # fp8 wgmma accumulates with fewer bits than float32: fast_accum recipes take those sums
+    s = tl.dot(q, tl.trans(k))
     t = log2_scores(s, a_i[:, None], b_j[None, :])
     if KEY_BIAS:  # added before hiding keys, as the reference does
         if MASK:
@@ -77,16 +76,9 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
         t = tl.where(visible, t, -float("inf"))
     # -- online softmax: exact running max, rescale every tile; P as exact e4m3 values
     # (times 2**8) and the consistent row sum
-    p, alpha, m_new, l_i = online_softmax_p(t, m_i, l_i, P_MODE, P_HW_CVT, MASK or KEY_BIAS,
-                                            SUM_P=not ROWSUM_MMA)
-    if WRITE_P:
-        # debug output (tests, diagnostics), float32, rows padded to BLOCK_M: the P tile's
-        # values (WRITE_P=1) or the log2 scores (2)
-        if ROWSUM_MMA and P_MODE == 0:
-            dbg = round_e4m3(p) if WRITE_P == 1 else t  # what the cast below rounds p to
-        else:
-            dbg = p if WRITE_P == 1 else t
-        tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], dbg, mask=(cols < Sk)[None, :])
+    p, alpha, m_new, l_i = online_softmax_p(t, m_i, l_i, P_MODE, P_HW_CVT, MASK or KEY_BIAS)
+    if WRITE_P:  # tests: the P tile's values, float32, rows padded to BLOCK_M
+        tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], p, mask=(cols < Sk)[None, :])
     # -- PV on the FP8 tensor cores; V is stored transposed (D, S) so both are K-major
     if TMA_KV:
         vt = vt_desc.load([vt_row, start_n])
@@ -95,25 +87,15 @@ def _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m,
     else:  # V^T rows padded with zero keys to whole tiles: no mask, 16-byte loads
         vt = tl.load(vt_ptr + offs_d[:, None] * stride_vn + cols[None, :])
     p8 = p.to(tl.float8e4nv)
-    # PV_PROMOTE: each tile's PV into a fresh accumulator, added to O in float32. Chained
-    # on the tensor cores instead, O at 32768 keys was 0.07% small and 3x further from the
-    # reference (rel. error 5.2e-3 vs 1.7e-3, nvfp4-fp8; docs/notes/hopper-forward.md)
-    if PV_PROMOTE and PV_ADD:
+    # each tile's PV added into O in float32 (module docstring)
+    if PV_ADD:
         # the tile's product on its own accumulator, then one float32 addition
         acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
-    elif PV_PROMOTE:
+    else:
         # the same sums through Triton's promotion; its lowering reads the accumulator
         # inside the wgmma pipeline stage, and ptxas then serializes every wgmma of the
         # kernel (C7514: each of QK^T's eight bf16 wgmmas waits for the one before)
         acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None], max_num_imprecise_acc=BLOCK_N)
-    else:
-        acc = tl.dot(p8, tl.trans(vt), acc * alpha[:, None])
-    if ROWSUM_MMA:
-        # every column of P @ ones is the row sum of the e4m3 tile, summed as PV sums it;
-        # a fresh accumulator per tile, added into l in float32 like the CUDA-core sum.
-        # Triton 3.6 then waits for PV inside the loop (two async dots in it).
-        ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(tl.float8e4nv)
-        l_i = l_i + tl.max(tl.dot(p8, ones), axis=1)
     return acc, l_i, m_new
 
 
@@ -128,8 +110,7 @@ def attn_fwd_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
-    QK_PROMOTE: tl.constexpr = 0, KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False,
-    ROWSUM_MMA: tl.constexpr = False, PV_PROMOTE: tl.constexpr = True, VT_PADDED: tl.constexpr = False,
+    KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False, VT_PADDED: tl.constexpr = False,
     TMA_KV: tl.constexpr = False, PV_ADD: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
@@ -171,14 +152,14 @@ def attn_fwd_kernel(
         full = tl.where(full > 0, full // BLOCK_N * BLOCK_N, 0)
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
-                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM,
-                              WRITE_P, p_ptr, stride_pm, TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
+                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, KEY_BIAS,
+                              P_HW_CVT, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm, TMA_KV,
+                              K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
     for start_n in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
-                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, QK_PROMOTE,
-                              KEY_BIAS, P_HW_CVT, ROWSUM_MMA, PV_PROMOTE, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM,
-                              WRITE_P, p_ptr, stride_pm, TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
+                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, KEY_BIAS,
+                              P_HW_CVT, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm, TMA_KV,
+                              K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)

@@ -194,9 +194,9 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     else:
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
             tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
-            q_cs, dk, dv, k_c, k_cs, dq, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
+            q_cs, dk, dv, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
             HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
-            HW_CVT=cfg.hw_cvt, DQ_ATOMIC=False, TMA=descs is not None, num_warps=cfg.warps_dkdv,
+            HW_CVT=cfg.hw_cvt, TMA=descs is not None, num_warps=cfg.warps_dkdv,
             num_stages=cfg.stages_dkdv)
     if dq_gluon:
         backward_gluon.launch_dq_gluon(gluon_descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, off, causal,
