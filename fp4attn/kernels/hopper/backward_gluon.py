@@ -45,7 +45,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -61,7 +60,13 @@ from fp4attn.kernels.hopper.backward_triton import (
     operand_tile,
     p_r,
 )
-from fp4attn.kernels.hopper.gluon_common import barriers, invalidate, tma_descriptor, wgmma_layout
+from fp4attn.kernels.hopper.gluon_common import (
+    barriers,
+    barriers_ready,
+    invalidate,
+    tma_descriptor,
+    wgmma_layout,
+)
 from fp4attn.reference.backward import DS_BLOCK
 
 BLOCK = DS_BLOCK  # keys per program (wgmma's M) and queries per tile (dS's scale block, the recipe's)
@@ -263,7 +268,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     lse_s, do_s_s, delta_s, do_cs0_s, do_cs1_s, q_cs0_s, q_cs1_s = bufs
     kv_bar = barriers(1, 1)
     ready = barriers(STAGES, 1)
-    fence_async_shared()
+    barriers_ready()
 
     mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar.index(0), k_smem)
@@ -456,7 +461,7 @@ def attn_bwd_dq_pipelined_kernel(
     k_c_smem = _ring(k_c_desc, STAGES)
     q_bar = barriers(1, 1)
     ready = barriers(STAGES, 1)
-    fence_async_shared()
+    barriers_ready()
 
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes + do_t_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar.index(0), q_smem)

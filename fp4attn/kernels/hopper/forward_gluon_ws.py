@@ -21,7 +21,6 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -29,7 +28,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
-from fp4attn.kernels.hopper.gluon_common import barriers, tma_descriptor, wgmma_layout
+from fp4attn.kernels.hopper.gluon_common import (
+    barriers,
+    barriers_ready,
+    invalidate,
+    tma_descriptor,
+    wgmma_layout,
+)
 from fp4attn.kernels.hopper.operands import BLOCK_N, padded_vt_rows, tma_loadable
 
 BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
@@ -267,12 +272,13 @@ def attn_fwd_ws_kernel(
     full, n_tiles = _key_tiles(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
 
     q_smem, k_smem, v_smem = _operand_rings(q_desc, k_desc, v_desc, STAGES, HEAD_DIM, BLOCK_N)
-    q_bar = barriers(1, 1).index(0)
+    q_bars = barriers(1, 1)
+    q_bar = q_bars.index(0)
     k_ready = barriers(STAGES, 1)
     k_empty = barriers(STAGES, 1)
     v_ready = barriers(STAGES, 1)
     v_empty = barriers(STAGES, 1)
-    fence_async_shared()
+    barriers_ready()
 
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, QS, KS, VS, O, LSE,
@@ -281,6 +287,14 @@ def attn_fwd_ws_kernel(
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                         q_row, k_row, v_row, n_tiles, BLOCK_N)),
     ], [1], [24])
+    # both partitions are done with the barriers (every copy was waited for): their
+    # shared memory is invalidated before the program ends, as PTX requires of memory
+    # that held an mbarrier before it is used otherwise
+    invalidate(q_bars, 1)
+    invalidate(k_ready, STAGES)
+    invalidate(k_empty, STAGES)
+    invalidate(v_ready, STAGES)
+    invalidate(v_empty, STAGES)
 
 
 def launch_forward_ws(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True, stages: int = 2,

@@ -7,7 +7,7 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
@@ -41,11 +41,25 @@ def wgmma_layout(warps, n, k):
 
 @gluon.jit
 def barriers(n: gl.constexpr, count: gl.constexpr):
-    """n mbarriers, each completing a phase after `count` arrivals."""
+    """n mbarriers, each completing a phase after `count` arrivals; one thread
+    initializes them (`barriers_ready` before any use)."""
     bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(n):
         mbarrier.init(bars.index(i), count=count)
     return bars
+
+
+@gluon.jit
+def barriers_ready():
+    """Once a program's mbarriers are initialized (`barriers`, by one thread), before any
+    thread waits on one, arrives at one or names one in a TMA copy: the inits made visible
+    to the asynchronous proxy (the TMA unit completes copies on them) and to every thread
+    of the program, by a proxy fence and a barrier of all its threads. (A cluster would
+    need `fence.mbarrier_init` as well; these kernels run one CTA per cluster.) Called
+    before `gl.warp_specialize`, the barrier spans the default partition's warps, which
+    run everything before it; the worker partitions start after it."""
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
