@@ -175,8 +175,8 @@ class _ReferenceAttention(torch.autograd.Function):
         qv, qs, kv, ks, v_rep, out, lse = ctx.saved_tensors
         fwd = ForwardResult(out.float(), lse, QKOperand(qv, qs), QKOperand(kv, ks), v_rep)
         mask_grad = ctx.needs_input_grad[6]  # a float attn_mask that requires grad: a learned score bias
-        dq, dk, dv, *dmask = reference_backward(fwd, out, dout, ctx.recipe, scale=ctx.scale, causal=ctx.causal,
-                                                attn_mask=ctx.attn_mask, mask_grad=mask_grad)
+        dq, dk, dv, *dmask = reference_backward(fwd, out, dout, ctx.recipe, scale=ctx.scale,
+                                                causal=ctx.causal, attn_mask=ctx.attn_mask, mask_grad=mask_grad)
         dmask = dmask[0].to(ctx.attn_mask.dtype) if mask_grad else None
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, dmask
 
@@ -258,7 +258,8 @@ def attention(
     _validate(q, k, v, enable_gqa)
     _validate_mask(attn_mask, q, k.shape[-2])
     s = _resolve_scale(scale, q.shape[-1])
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                 for t in (q, k, v, attn_mask))
     r, key_mask = _route(backend, q, rec, mode, needs_grad, attn_mask)
     if r.backend == "triton":
         out, lse = _kernel_attention(r, q, k, v, rec, mode, s, key_mask, needs_grad)

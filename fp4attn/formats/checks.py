@@ -27,8 +27,8 @@ def check_block_input(name: str, x, dim) -> None:
     [-x.ndim, x.ndim)): what a block quantizer needs."""
     check_float_input(name, x)
     if x.ndim == 0 or x.numel() == 0:
-        raise ValueError(f"{name}: x of shape {tuple(x.shape)} has no elements to quantize; accepted: a tensor "
-                         "with at least one dim and one element")
+        raise ValueError(f"{name}: x of shape {tuple(x.shape)} has no elements to quantize; accepted: a "
+                         "tensor with at least one dim and one element")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
         raise IndexError(f"{name}: dim={dim!r} is not a dim of a {x.ndim}-D tensor; accepted: an int in "
                          f"[{-x.ndim}, {x.ndim - 1}]")

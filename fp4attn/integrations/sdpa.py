@@ -62,8 +62,8 @@ class _SDPAMode(TorchFunctionMode):
                 warnings.warn(f"fp4attn.patch_sdpa: falling back to PyTorch SDPA for {reason}", stacklevel=3)
             return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        return attention(query, key, value, attn_mask=attn_mask, causal=is_causal, scale=scale, recipe=self.recipe,
-                         enable_gqa=enable_gqa, backend=self.backend)
+        return attention(query, key, value, attn_mask=attn_mask, causal=is_causal, scale=scale,
+                         recipe=self.recipe, enable_gqa=enable_gqa, backend=self.backend)
 
 
 @contextlib.contextmanager

@@ -144,5 +144,5 @@ def refuse_double_backward(what: str) -> None:
     through them would be wrong, not merely slow; SDPA's fused backwards refuse it too."""
     if torch.is_grad_enabled():
         raise RuntimeError(f"{what} has no double backward: torch.autograd.grad(..., create_graph=True) and "
-                           ".backward(create_graph=True) through it are not supported (second derivatives need "
-                           "torch.nn.functional.scaled_dot_product_attention's math backend)")
+                           ".backward(create_graph=True) through it are not supported (second derivatives "
+                           "need torch.nn.functional.scaled_dot_product_attention's math backend)")
