@@ -91,3 +91,10 @@ def test_report_without_matplotlib_claims_no_png(capsys, monkeypatch, tmp_path):
     wrote = next(line for line in out.splitlines() if line.startswith("wrote "))
     assert "accuracy.png" not in wrote and "accuracy.json" in wrote
     assert not (tmp_path / "accuracy.png").exists()
+
+
+def test_sink_case_on_too_few_keys(capsys):
+    """`codes` runs every case: with S below the sink case's 64 keys it ended in an
+    index error from torch."""
+    line = _fails(capsys, ["codes", "-B", "1", "-H", "1", "-S", "32", "-D", "16", "--device", "cpu"])
+    assert "case 'sink' needs at least 64 keys; got S=32" in line

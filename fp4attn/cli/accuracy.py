@@ -45,6 +45,8 @@ def make_inputs(case: str, shape: tuple[int, int, int, int], seed: int, device: 
         raise ValueError(f"unknown case {case!r}; accepted: {CASES}")
     g = torch.Generator(device="cpu").manual_seed(seed)
     B, H, S, D = shape
+    if case == "sink" and S < SINK_KEYS:
+        raise ValueError(f"case 'sink' needs at least {SINK_KEYS} keys; got S={S} (use -S {SINK_KEYS} or more)")
 
     def u(lo, hi, *size):
         return lo + (hi - lo) * torch.rand(size, generator=g)
