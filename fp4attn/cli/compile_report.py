@@ -85,17 +85,23 @@ def backward_report(part: str, p_mode: int, causal: bool, head_dim: int, arch: s
                 tmem_columns=rep.tmem_columns, mma_kinds=rep.mma_kinds)
 
 
+# the scale-block suffix of a block-scaled MMA: PTX spells it scale_vec::4X / ::2X (Triton
+# 3.6's output) or block16 / block32 (Triton 3.9's)
+SCALES_PER_16 = ("scale_vec::4X", "block16")
+SCALES_PER_32 = ("scale_vec::2X", "block32")
+
+
 def fp4_products_ok(entry: dict, rec: dict) -> bool:
     """Whether every NVFP4/MXFP4 product of the build is a block-scaled FP4 MMA: the
-    NVFP4 QK^T as kind::mxf4nvf4 with e4m3 scales per 16 (scale_vec::4X), the MXFP4 PV
-    as kind::mxf4 (or mxf4nvf4 with E8M0 scales per 32, scale_vec::2X)."""
+    NVFP4 QK^T as kind::mxf4nvf4 with e4m3 scales per 16, the MXFP4 PV as kind::mxf4
+    (or mxf4nvf4) with E8M0 scales per 32."""
     kinds = rec["mma_kinds"]
     fp4 = [k for k in kinds if FP4_MMA in k and ("mxf4" in k)]
     ok = True
     if entry["qk_fp4"]:
-        ok &= any("mxf4nvf4" in k and "4X" in k for k in fp4)
+        ok &= any("mxf4nvf4" in k and any(s in k for s in SCALES_PER_16) for k in fp4)
     if entry["pv_fp4"]:
-        ok &= any("2X" in k for k in fp4)
+        ok &= any(any(s in k for s in SCALES_PER_32) for k in fp4)
     if not (entry["qk_fp4"] or entry["pv_fp4"]):
         ok &= not fp4
     return ok
