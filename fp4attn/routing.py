@@ -123,8 +123,8 @@ class BackwardLaunch:
     dkdv_gluon / dq_gluon: dK/dV and dQ by the Gluon kernels (`backward_gluon.py`)
     where the lengths are whole tiles and P is FP8 (dK/dV). dkdv_in_flight: dK/dV half
     products in flight at once. dkdv_staged: a tile's numbers (LSE, delta, scales)
-    moved through shared memory one by one (0), together (1), or copied asynchronously
-    into two-stage buffers a tile ahead (2). *_maxnreg: register caps of the Gluon
+    moved through shared memory together (1), or copied asynchronously into two-stage
+    buffers a tile ahead (2). *_maxnreg: register caps of the Gluon
     kernels' 4-warp programs (None: ptxas's choice).
     """
 
@@ -138,7 +138,7 @@ class BackwardLaunch:
     tma: bool = False
     dkdv_gluon: bool = False
     dkdv_in_flight: int = 1
-    dkdv_staged: int = 0
+    dkdv_staged: int = 1
     dq_gluon: bool = False
     dkdv_maxnreg: int | None = None
     dq_maxnreg: int | None = None
