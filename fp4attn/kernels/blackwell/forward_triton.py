@@ -104,6 +104,8 @@ def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.co
     xb = tl.reshape(x, (BLOCK_M, NB, MX_BLOCK))
     e_b = tl.floor(tl.max(xb, axis=2)) - 2.0  # -inf for a fully masked block
     keep = e_b >= P_EMIN
+    # a dropped block gets e_b = 0: its y = x is below -13 (or -inf), under every
+    # threshold, so its codes come out 0 without a per-element select
     e_b = tl.where(keep, e_b, 0.0)
     y = xb - e_b[:, :, None]
     v = tl.where(y >= T_QUARTER, 0.5, 0.0)
@@ -113,7 +115,6 @@ def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.co
     v = tl.where(y >= T_25, 3.0, v)
     v = tl.where(y >= T_35, 4.0, v)
     v = tl.where(y >= T_5, 6.0, v)
-    v = tl.where(keep[:, :, None], v, 0.0)
     e_i = e_b.to(tl.int32)
     pow2 = tl.where(keep, ((e_i + 127) << 23).to(tl.float32, bitcast=True), 0.0)
     # block sums of E2M1 values are exact (multiples of 0.5 up to 192); times 2**e_b exact
