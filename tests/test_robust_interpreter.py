@@ -40,6 +40,15 @@ for name in ("nvfp4-fp8-robust", "train-robust"):
     same(ko.values.bfloat16(), ops.k, name + " k")
     same(qo.scale.expand(*q.shape[:-1], 1)[..., 0], ops.qs, name + " qs")
     same(ko.scale.expand(*k.shape[:-1], 1)[..., 0], ops.ks, name + " ks")
+# the training's packed payload (train-robust: smoothing and 4-or-6 scales) is
+# `formats.quantize_nvfp4`'s bytes of the smoothed K
+from fp4attn.formats import quantize_nvfp4
+from fp4attn.kernels.hopper.quantize import key_mean, quantize_qk_nvfp4
+from fp4attn.reference import robust
+mean = key_mean(k)
+_, _, codes, bscale, _ = quantize_qk_nvfp4(k, packed=True, channel_amax=True, mean=mean, four_over_six=True)
+want = quantize_nvfp4(robust.smooth(k, robust.key_mean(k)), scale_dims=2, four_over_six=True)
+assert torch.equal(codes, want.data) and torch.equal(bscale.view(torch.uint8), want.scale.view(torch.uint8))
 print("ok")
 ''')
 

@@ -93,6 +93,22 @@ def exact_attention(q, k, v, causal: bool) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
 
 
+def ablation_recipes() -> list:
+    """The paper presets with the robust fields added one at a time, and the robust
+    presets: which remedy fixes which case (docs/notes/robust-numerics.md)."""
+    out = []
+    for base in ("nvfp4-fp8", "directp"):
+        r = PRESETS[base]
+        steps = [("smooth_k", dict(smooth_k=True)), ("rotate_qk", dict(rotate_qk="hadamard")),
+                 ("qk_four_over_six", dict(qk_four_over_six=True)), ("qk_fallback", dict(qk_fallback="fp8"))]
+        if r.p == "mxfp4":
+            steps += [("p_sink", dict(p_sink=True)), ("smooth_v", dict(smooth_v=True)), ("v=fp8", dict(v="fp8")),
+                      ("p_sink, v=fp8", dict(p_sink=True, v="fp8"))]
+        out += [r] + [r.with_(name=f"{base} + {label}", **fields) for label, fields in steps]
+        out.append(PRESETS[f"{base}-robust"])
+    return out
+
+
 def minilm_records(recipes, *, n_sentences: int = 64, layers=tuple(range(6)), device="cpu",
                    backend="auto", dtype=torch.bfloat16) -> list[dict]:
     """One record per (layer, recipe) on all-MiniLM-L6-v2's attention operands of the
@@ -207,6 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-D", type=int, default=128)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--both-causal", action="store_true", help="run each case non-causal and causal")
+    p.add_argument("--ablation", action="store_true",
+                   help="instead of --recipes: the paper presets with each robust field alone, and the robust presets")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto")
@@ -254,8 +272,9 @@ def main(args: argparse.Namespace) -> list[dict]:
                               for r in records]))
         write_json(args.json, records)
         return records
+    forward = ablation_recipes() if args.ablation else args.recipes.split(",")
     if args.inputs == "minilm":
-        records = minilm_records(args.recipes.split(","), device=args.device, backend=args.backend)
+        records = minilm_records(forward, device=args.device, backend=args.backend)
         print(f"accuracy vs float64 attention, all-MiniLM-L6-v2 attention operands (64 sentences, bf16), "
               f"device={args.device}")
         print(format_table(records))
@@ -265,7 +284,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     records = []
     for causal in ((False, True) if args.both_causal else (args.causal,)):
         records += run_accuracy(
-            args.recipes.split(","), cases, (args.B, args.H, args.S, args.D),
+            forward, cases, (args.B, args.H, args.S, args.D),
             causal=causal, seed=args.seed, device=args.device, backend=args.backend,
         )
     print(f"accuracy vs float64 attention, (B,H,S,D)=({args.B},{args.H},{args.S},{args.D}) "
