@@ -3,7 +3,9 @@ on a Hopper GPU, in one process run:
 
 1. correctness of every variant once (head dim 64/128, causal or not) against the routed
    Triton/Gluon kernel on the same prepared operands: max |out - ref|, the fraction of
-   bit-identical bf16 outputs, max |lse - ref|;
+   bit-identical bf16 outputs, max |lse - ref|; each softmax variant of --variants
+   (forward_cuda.MEASURED) against the CUDA kernel's table launch: bit-identical outputs
+   and LSE, and the fraction of P codes identical to its (from builds that write them);
 2. timings (median of triton.testing.do_bench, TFLOP/s = 4 B H Sq Sk D / t, half for
    causal): SDPA's cuDNN bf16, `fp4attn.attention(..., recipe="fp8-fastacc")` as routed
    today (quantization included), the Triton/Gluon kernel alone, the CUDA kernel alone
@@ -13,7 +15,7 @@ Each phase runs in a child process with a time limit, so a kernel that hangs (an
 mbarrier never completed) costs its phase, not the run. The log goes to --out; the
 table comes last on stdout.
 
-    python benchmarks/bench_forward_cuda.py --out results_dir [--variants s3,ablate] [--quick]
+    python benchmarks/bench_forward_cuda.py --out results_dir [--variants isum,poly4,s3,ablate] [--quick]
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def check(args) -> int:
     import torch
     import triton
 
-    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda, nvrtc_version
+    from fp4attn.kernels.hopper.forward_cuda import (MEASURED, launch_forward_cuda, nvrtc_version,
+                                                     p_dump_buffer)
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -78,6 +81,39 @@ def check(args) -> int:
         bad += not ok
         print(f"check {label}: max|dout|={d_out:.3g} identical={same:.5f} max|dlse|={d_lse:.3g} "
               f"first call {t1 - t0:.2f}s {'OK' if ok else 'FAIL'}", flush=True)
+        variants = [v for v in args.variants.split(",") if v in MEASURED]
+        base_p = None
+        if variants and Sq >= 1024:  # P codes of the table's launch, to compare the variants' with
+            base_p = p_dump_buffer(ops)
+            launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=base_p)
+        for name in variants:
+            try:
+                kw = MEASURED[name]
+                v_out, v_lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, **kw)
+                v_same = (v_out == out).float().mean().item()
+                v_dlse = (v_lse[seen] - lse[seen]).abs().max().item() if seen.any() else 0.0
+                text = f"  {name}: identical to cuda={v_same:.6f} max|dlse|={v_dlse:.3g}"
+                if name == "isum":  # the same arithmetic: bit-identical or wrong
+                    v_ok = v_same == 1.0 and v_dlse == 0.0
+                else:
+                    v_ok = v_same >= 0.99 and v_dlse < 1e-3
+                if base_p is not None:
+                    v_p = p_dump_buffer(ops)
+                    launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=v_p, **kw)
+                    valid = base_p != 0xFF
+                    eq = (v_p == base_p) & valid
+                    nonzero = valid & ((base_p != 0) | (v_p != 0))
+                    frac = eq.sum().item() / valid.sum().item()
+                    frac_nz = (eq & nonzero).sum().item() / max(nonzero.sum().item(), 1)
+                    zeros = (valid & (base_p == 0)).sum().item() / valid.sum().item()
+                    text += (f" P codes identical={frac:.6f} (of {valid.sum().item()}; nonzero ones "
+                             f"{frac_nz:.6f}; zero in cuda {zeros:.3f})")
+                    v_ok = v_ok and (frac == 1.0 if name == "isum" else frac >= 0.999)  # the issue's bar
+                print(text + (" OK" if v_ok else " FAIL"), flush=True)
+                bad += name == "isum" and not v_ok
+            except Exception as e:
+                bad += 1
+                print(f"  {name}: {type(e).__name__}: {e}", flush=True)
         if not ok:  # where it goes wrong: the scores (LSE) or the PV product (out only)
             where = (err == err.max()).nonzero()[0].tolist()
             lse_bad = ((lse - ref_lse).abs() > 1e-3) | (torch.isfinite(lse) != seen)
@@ -93,12 +129,17 @@ def check(args) -> int:
 
 def _variant_args(name: str) -> dict:
     """launch_forward_cuda's keyword arguments for a --variants name: s<N> (ring depth N),
-    ablate (no softmax: the ceiling, wrong outputs)."""
+    ablate (no softmax: the ceiling, wrong outputs), or a softmax variant of
+    forward_cuda.MEASURED (isum, f16, poly4, poly8)."""
+    from fp4attn.kernels.hopper.forward_cuda import MEASURED
+
+    if name in MEASURED:
+        return dict(MEASURED[name])
     if name == "ablate":
         return {"ablate_softmax": True}
     if name[:1] == "s" and name[1:].isdigit():
         return {"stages": int(name[1:])}
-    raise ValueError(f"--variants: unknown {name!r}; accepted: s<N>, ablate")
+    raise ValueError(f"--variants: unknown {name!r}; accepted: s<N>, ablate, {', '.join(MEASURED)}")
 
 
 def timings(args) -> int:
@@ -135,9 +176,10 @@ def timings(args) -> int:
             "cuda": lambda: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset),
             **{f"cuda_{name}": (lambda kw=_variant_args(name): launch_forward_cuda(
                 ops, scale=D ** -0.5, causal_offset=offset, **kw)) for name in extras},
-            "cuda+quant": lambda: launch_forward_cuda(prepare_operands_fused(q, k, v, recipe),
-                                                      scale=D ** -0.5, causal_offset=offset),
         }
+        if not args.no_quant:
+            cands["cuda+quant"] = lambda: launch_forward_cuda(prepare_operands_fused(q, k, v, recipe),
+                                                              scale=D ** -0.5, causal_offset=offset)
         for name, fn in cands.items():
             try:
                 fn()
@@ -168,8 +210,10 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the log")
     parser.add_argument("--variants", default="",
                         help="CUDA kernel variants to time beside the table's launch: s<N> (ring depth), "
-                             "ablate (no softmax: the ceiling, wrong outputs), e.g. s3,ablate")
+                             "ablate (no softmax: the ceiling, wrong outputs), softmax variants "
+                             "(forward_cuda.MEASURED: isum, f16, poly4, poly8; also checked), e.g. isum,s3")
     parser.add_argument("--quick", action="store_true", help="five shapes instead of twelve")
+    parser.add_argument("--no-quant", action="store_true", help="no cuda+quant column")
     parser.add_argument("--check-timeout", type=float, default=120)
     parser.add_argument("--time-timeout", type=float, default=300)
     parser.add_argument("--phase", choices=("check", "time"), help=argparse.SUPPRESS)

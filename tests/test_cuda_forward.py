@@ -4,7 +4,8 @@ CPU: every variant the launcher can pick compiles for sm_90a with NVRTC, without
 local-memory spills and with ptxas keeping the wgmmas pipelined.
 GPU (Hopper): outputs against the Triton/Gluon kernel on the same prepared operands; the
 arithmetic is the same, so nearly every bf16 output is bit-identical (the float32 sums
-differ in order only) and the LSE agrees to float32 rounding.
+differ in order only) and the LSE agrees to float32 rounding; both row-sum conversions
+(ROWSUM_INT), and their bit-identity to each other.
 """
 
 import importlib.util
@@ -29,6 +30,19 @@ def test_every_variant_compiles_without_spills(tmp_path, monkeypatch):
     assert list(tmp_path.rglob("*.cubin"))
 
 
+@pytest.mark.skipif(not NVRTC, reason="cuda-bindings (NVRTC) not installed")
+def test_measured_softmax_variants_compile(tmp_path, monkeypatch):
+    from fp4attn.kernels.hopper import forward_cuda
+
+    monkeypatch.setenv(forward_cuda.CACHE_ENV, str(tmp_path))
+    for variant in forward_cuda.measured_variants():
+        if (variant.head_dim, variant.causal) not in ((128, False), (64, True)):
+            continue
+        build = forward_cuda.compile_variant(variant, announce=False)
+        assert build.spill_bytes() == 0, f"{variant}: ptxas spilled to local memory:\n{build.log}"
+        assert not build.serialized_wgmma(), f"{variant}: ptxas serialized the wgmmas:\n{build.log}"
+
+
 def _operands(B, H, Hkv, Sq, Sk, D, seed=0):
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -40,13 +54,14 @@ def _operands(B, H, Hkv, Sq, Sk, D, seed=0):
     return prepare_operands_fused(q, k, v, get_recipe("fp8-fastacc"))
 
 
-def _compare(ops, causal_offset, key_bias=None):
+def _compare(ops, causal_offset, key_bias=None, rowsum_int=None):
     from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
     from fp4attn.kernels.hopper.forward_op import launch_forward
 
     D = ops.q.shape[-1]
     scale = D ** -0.5
-    out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias)
+    out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
+                                   rowsum_int=rowsum_int)
     ref, ref_lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset, p_mode=0,
                                      key_bias=key_bias)
     torch.cuda.synchronize()
@@ -76,11 +91,26 @@ SHAPES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rowsum_int", [False, True], ids=["rowsum_cvt", "rowsum_int"])
 @pytest.mark.parametrize("B,H,Hkv,Sq,Sk,D,causal", SHAPES)
-def test_matches_triton_kernels(B, H, Hkv, Sq, Sk, D, causal):
+def test_matches_triton_kernels(B, H, Hkv, Sq, Sk, D, causal, rowsum_int):
     ops = _operands(B, H, Hkv, Sq, Sk, D)
     offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
-    _compare(ops, offset)
+    _compare(ops, offset, rowsum_int=rowsum_int)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,causal", [(128, False), (64, True)])
+def test_rowsum_int_is_bit_identical(D, causal):
+    """The row sums' conversion on the integer units changes no bit of the results."""
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+
+    ops = _operands(2, 4, 2, 777, 1500, D, seed=3)
+    offset = 0 if causal else None
+    out0, lse0 = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, rowsum_int=False)
+    out1, lse1 = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, rowsum_int=True)
+    assert torch.equal(out0, out1)
+    assert torch.equal(lse0, lse1)
 
 
 @pytest.mark.gpu

@@ -48,11 +48,17 @@ class Variant:
     key_bias: bool = False
     stages: int = 2
     ablate_softmax: bool = False  # timing only: no softmax, wrong outputs (the kernel's ceiling)
+    rowsum_int: bool = False  # the row sums' e4m3 -> f16 on the integer units (bit-identical)
+    exp_f16: bool = False  # exp2 in f16x2 (double rounding: not the recipe's P codes everywhere)
+    exp_poly: int = 0  # of 16 column groups, how many take exp2 from a polynomial (not MUFU's codes)
+    dump_p: bool = False  # checking only: every tile's P codes written to a buffer
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}",
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
-                f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}"]
+                f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
+                f"-DEXP_F16={int(self.exp_f16)}", f"-DEXP_POLY={self.exp_poly}",
+                f"-DDUMP_P={int(self.dump_p)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
@@ -65,10 +71,27 @@ class Variant:
 # K/V^T ring depth per (head dim, causal): depths 2, 3 and 4 ran within 2% of each other
 # (benchmarks/results/h200-forward-cuda-variants.txt, run A; docs/notes/hopper-cuda-forward.md)
 STAGES = {(128, False): 2, (128, True): 2, (64, False): 2, (64, True): 2}
+# the row sums' conversion on the integer units (same results either way)
+ROWSUM_INT = False
 
 
 def variant_for(head_dim: int, causal: bool, key_bias: bool = False) -> Variant:
-    return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal])
+    return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal], rowsum_int=ROWSUM_INT)
+
+
+def measured_variants() -> list[Variant]:
+    """The softmax variants built for measurement beside the launcher's (compile-checked too)."""
+    return [dataclasses.replace(variant_for(d, c), **kw) for d in HEAD_DIMS for c in (False, True)
+            for kw in MEASURED.values()]
+
+
+# the softmax variants measured beside the launcher's (benchmarks/bench_forward_cuda.py --variants)
+MEASURED = {
+    "isum": {"rowsum_int": True},
+    "f16": {"rowsum_int": True, "exp_f16": True},
+    "poly4": {"rowsum_int": True, "exp_poly": 4},
+    "poly8": {"rowsum_int": True, "exp_poly": 8},
+}
 
 
 def all_variants() -> list[Variant]:
@@ -229,10 +252,11 @@ class _Params(ctypes.Structure):
                 ("H", ctypes.c_int32), ("group", ctypes.c_int32), ("Sq", ctypes.c_int32),
                 ("Sk", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
                 ("k_rows_per_head", ctypes.c_int32), ("qk_scale", ctypes.c_float),
-                ("_pad", ctypes.c_uint8 * 52)]
+                ("p_dump", ctypes.c_uint64),  # at 592 (8-byte aligned, as in C++)
+                ("_pad", ctypes.c_uint8 * 40)]
 
 
-assert ctypes.sizeof(_Params) == 640
+assert ctypes.sizeof(_Params) == 640 and _Params.p_dump.offset == 592
 
 
 def cuda_unsupported_reason(ops: KernelOperands, *, causal_offset: int | None = None,
@@ -288,14 +312,27 @@ def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
     return padded, row
 
 
+def p_dump_buffer(ops: KernelOperands) -> torch.Tensor:
+    """A buffer for `launch_forward_cuda(p_dump=...)`: (B*H, query blocks, key tiles, 256
+    threads, 64) uint8 filled with 0xFF (never a P code: tiles a block skips keep it)."""
+    B, H, Sq, _ = ops.q.shape
+    Sk = ops.k.shape[2]
+    return torch.full((B * H, -(-Sq // BLOCK_M), -(-Sk // BLOCK_N), 256, 64), 0xFF, dtype=torch.uint8,
+                      device=ops.q.device)
+
+
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, stages: int | None = None,
-                        ablate_softmax: bool = False):
+                        ablate_softmax: bool = False, rowsum_int: bool | None = None, exp_f16: bool = False,
+                        exp_poly: int = 0, p_dump: torch.Tensor | None = None):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
-    stages: the ring depth (None: the table's), to measure; ablate_softmax: a timing-only
-    build without the softmax (its outputs are wrong)."""
+    To measure: stages, the ring depth (None: the table's); ablate_softmax, a timing-only
+    build without the softmax (its outputs are wrong); rowsum_int (None: the table's);
+    exp_f16, exp2 through f16, and exp_poly, exp2 of that many of 16 column groups from a
+    polynomial (neither gives the recipe's P codes everywhere); p_dump, a
+    `p_dump_buffer` that receives every tile's P codes."""
     reason = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
     if reason:
         raise ValueError(f"launch_forward_cuda: {reason}")
@@ -303,7 +340,14 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     B, H, Sq, D = q.shape
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
     variant = variant_for(D, causal_offset is not None, key_bias is not None)
-    variant = dataclasses.replace(variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax)
+    variant = dataclasses.replace(
+        variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax, exp_f16=exp_f16,
+        exp_poly=exp_poly, rowsum_int=variant.rowsum_int if rowsum_int is None else rowsum_int,
+        dump_p=p_dump is not None)
+    if p_dump is not None:
+        need = (B * H, -(-Sq // BLOCK_M), -(-Sk // BLOCK_N), 256, 64)
+        if p_dump.dtype != torch.uint8 or tuple(p_dump.shape) != need or not p_dump.is_contiguous():
+            raise ValueError(f"launch_forward_cuda: p_dump must be contiguous uint8 {need} (p_dump_buffer)")
     k = _k_rows(ops.k)
     vt, vt_row = _vt_rows(ops)
     qs, ks, vs = ops.qs.float().contiguous(), ops.ks.float().contiguous(), ops.vs.float().contiguous()
@@ -331,6 +375,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     p.causal_offset = causal_offset or 0
     p.k_rows_per_head = k.shape[2]
     p.qk_scale = scale * LOG2E
+    p.p_dump = p_dump.data_ptr() if p_dump is not None else 0
 
     fn = _function(variant, q.device)
     drv = _driver()

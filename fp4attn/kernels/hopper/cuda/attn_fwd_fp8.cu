@@ -28,8 +28,11 @@
 // so that the accumulator's columns come out as the keys the A fragment wants; the key
 // scales, masks and causal limits use the permuted key index.
 //
-// Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES, and
-// ABLATE_SOFTMAX (a timing-only build). Variants measured and removed (an OVERLAP that ran
+// Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES,
+// ROWSUM_INT (the row sums' e4m3 -> f16 on the integer units, same results), EXP_F16 (exp2
+// in f16x2: not the recipe's rounding, measured), DUMP_P (a checking build that writes P's
+// codes), EXP_POLY (exp2 of some scores on the FMA units, measured) and ABLATE_SOFTMAX
+// (a timing-only build). Variants measured and removed (an OVERLAP that ran
 // the softmax over the warpgroup's own PV, EXP_FOLD) are in docs/notes/hopper-cuda-forward.md.
 
 #ifndef HEAD_DIM
@@ -46,6 +49,18 @@
 #endif
 #ifndef ABLATE_SOFTMAX
 #define ABLATE_SOFTMAX 0  // 1: a timing-only build without the softmax (wrong outputs)
+#endif
+#ifndef ROWSUM_INT
+#define ROWSUM_INT 0  // 1: the row sums' e4m3 -> f16 on the integer units (bit-identical results)
+#endif
+#ifndef EXP_F16
+#define EXP_F16 0  // 1: exp2 as ex2.approx.f16x2, then e4m3x2.f16x2 (double rounding: changes some P codes)
+#endif
+#ifndef EXP_POLY
+#define EXP_POLY 0  // 0..16: of every 16 column groups (4 scores each), how many take exp2 from a polynomial
+#endif
+#ifndef DUMP_P
+#define DUMP_P 0  // 1: a checking build that also writes every tile's P codes to p.p_dump
 #endif
 
 typedef unsigned int uint32_t;
@@ -84,6 +99,7 @@ struct Params {
     float* lse;             // (B, H, Sq)
     int H, group, Sq, Sk, causal_offset, k_rows_per_head;  // k_rows_per_head: Sk rounded up to 16
     float qk_scale;         // softmax scale * log2 e
+    unsigned char* p_dump;  // DUMP_P: (B*H, blocks, key tiles, 256 threads, 64) P codes as the PV A operand
 };
 // forward_cuda._Params fills these bytes from Python (it asserts the same size)
 static_assert(sizeof(Params) == 640, "Params changed: update forward_cuda._Params to the same layout");
@@ -208,6 +224,21 @@ __device__ __forceinline__ float fadd_rn(float a, float b) {
     return y;
 }
 
+// exp2 on the FMA units (EXP_POLY), for x <= 8.5: x = j + f with j = rint(x) (the 1.5 * 2**23
+// trick) and f in [-0.5, 0.5], 2**f from a degree-3 minimax polynomial (relative error
+// 7.5e-5), j added to the exponent bits. x below -125 gives 2**-125 (P's e4m3 rounds it to 0,
+// as exp2 of -inf). Not the hardware's ex2: about 4 in 10,000 P codes differ from MUFU's
+// (measured in numpy on uniform x in [-12, 8]).
+__device__ __forceinline__ float ex2_poly(float x) {
+    x = fmaxf(x, -125.0f);
+    const float j = fadd_rn(x, 12582912.0f);
+    const float f = fadd_rn(x, -fadd_rn(j, -12582912.0f));
+    float p = __fmaf_rn(0.055186375975608826f, f, 0.24261236190795898f);
+    p = __fmaf_rn(p, f, 0.6932582855224609f);
+    p = __fmaf_rn(p, f, 0.9999279379844666f);
+    return __uint_as_float(__float_as_uint(p) + (__float_as_uint(j) << 23));
+}
+
 // (lo, hi) -> e4m3x2 (lo in the low byte), round to nearest even, saturating; and the two
 // represented values back as float32 (exact: e4m3 -> f16 -> f32)
 __device__ __forceinline__ uint32_t to_e4m3x2(float lo, float hi, float& vlo, float& vhi) {
@@ -220,6 +251,51 @@ __device__ __forceinline__ uint32_t to_e4m3x2(float lo, float hi, float& vlo, fl
         "cvt.f32.f16 %2, h16;\n"
         "cvt.u32.u16 %0, e; }"
         : "=r"(packed), "=f"(vlo), "=f"(vhi) : "f"(lo), "f"(hi));
+    return packed;
+}
+
+// The sum of the four e4m3 codes of a packed word w (all non-negative), as float32 times
+// 2**-8, on the integer units: an e4m3 byte b shifted into a half-word, b << 7, is the f16
+// of its value / 2**8 (subnormals included: both formats keep the mantissa's top bits and
+// the exponent biases differ by 8), so (w << 7) & 0x7F807F80 holds bytes 0 and 2 as f16x2
+// and (w >> 1) & 0x7F807F80 bytes 1 and 3. Each f16 pair is added into float32 exactly
+// (values / 2**8 are multiples of 2**-17 and at most 1: 19 bits).
+__device__ __forceinline__ void sum_e4m3x4(uint32_t w, float& acc0, float& acc1) {
+    const uint32_t even = (w << 7) & 0x7F807F80u, odd = (w >> 1) & 0x7F807F80u;
+    float e0, e1, o0, o1;
+    asm("{ .reg .b16 l16, h16;\n"
+        "mov.b32 {l16, h16}, %4;\n"
+        "cvt.f32.f16 %0, l16;\n"
+        "cvt.f32.f16 %1, h16;\n"
+        "mov.b32 {l16, h16}, %5;\n"
+        "cvt.f32.f16 %2, l16;\n"
+        "cvt.f32.f16 %3, h16; }"
+        : "=f"(e0), "=f"(e1), "=f"(o0), "=f"(o1) : "r"(even), "r"(odd));
+    acc0 += e0 + e1;
+    acc1 += o0 + o1;
+}
+
+// EXP_F16: P codes of two exponents x (float32, as the recipe computes them) through
+// f16: x -> f16x2 (round to nearest), ex2.approx.f16x2, e4m3x2 (round to nearest even,
+// saturating). Not the recipe's rounding: fp32 -> f16 -> e4m3 rounds twice.
+__device__ __forceinline__ uint32_t exp2_e4m3x2_f16(float lo, float hi) {
+    uint32_t packed;
+    asm("{ .reg .b16 e; .reg .b32 h2;\n"
+        "cvt.rn.f16x2.f32 h2, %2, %1;\n"
+        "ex2.approx.f16x2 h2, h2;\n"
+        "cvt.rn.satfinite.e4m3x2.f16x2 e, h2;\n"
+        "cvt.u32.u16 %0, e; }"
+        : "=r"(packed) : "f"(lo), "f"(hi));
+    return packed;
+}
+
+// the recipe's P codes of two exp2 results (no row-sum values: ROWSUM_INT sums the codes)
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+    uint32_t packed;
+    asm("{ .reg .b16 e;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 e, %2, %1;\n"
+        "cvt.u32.u16 %0, e; }"
+        : "=r"(packed) : "f"(lo), "f"(hi));
     return packed;
 }
 
@@ -383,6 +459,12 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         alpha[i] = ex2(m[i] - m_use[i]);
         m[i] = row_max;
     }
+#if EXP_F16
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int r = 4 * n; r < 4 * n + 4; ++r) s[r] = fadd_rn(fadd_rn(s[r], -m_use[(r >> 1) & 1]), P_OFFSET);
+#else
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
 #pragma unroll
@@ -390,15 +472,39 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
                 const int r = 4 * n + 2 * i + b;
-                s[r] = ex2(fadd_rn(fadd_rn(s[r], -m_use[i]), P_OFFSET));
+                const float x = fadd_rn(fadd_rn(s[r], -m_use[i]), P_OFFSET);
+                s[r] = n < EXP_POLY ? ex2_poly(x) : ex2(x);
             }
         }
     }
+#endif
     // The tile's row sums of the represented values are exact in any order: e4m3 values
     // <= 2**8 are multiples of 2**-9, and 128 of them sum below 2**15 (24 bits), so two
     // independent partial sums (no long dependent chain) and a quad reduction per tile give
     // exactly the Gluon kernel's tile sums, and l = l * alpha + sum its rounding.
     float sum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+#if ROWSUM_INT || EXP_F16
+    // P codes first, then their sums from the packed words (ROWSUM_INT; EXP_F16 always)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // keys 32c + 16 half + 4q + (0..3)
+            const int n_lo = 2 * c + half, n_hi = n_lo + 8;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#if EXP_F16
+                const uint32_t lo = exp2_e4m3x2_f16(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1]);
+                const uint32_t hi = exp2_e4m3x2_f16(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1]);
+#else
+                const uint32_t lo = e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1]);
+                const uint32_t hi = e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1]);
+#endif
+                pa[c][2 * half + i] = lo | (hi << 16);
+                sum_e4m3x4(pa[c][2 * half + i], sum[i][0], sum[i][1]);
+            }
+        }
+    }
+#else
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
 #pragma unroll
@@ -415,9 +521,14 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
             }
         }
     }
+#endif
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+#if ROWSUM_INT || EXP_F16
+        float tile = (sum[i][0] + sum[i][1]) * 256.0f;  // the sums above are of value / 2**8 (exact)
+#else
         float tile = sum[i][0] + sum[i][1];
+#endif
         tile += __shfl_xor_sync(0xffffffffu, tile, 1);
         tile += __shfl_xor_sync(0xffffffffu, tile, 2);
         l[i] = l[i] * alpha[i] + tile;
@@ -441,6 +552,21 @@ __device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&p
 #pragma unroll
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = o[r] * alpha[(r >> 1) & 1] + pv[r];
 }
+
+#if DUMP_P
+// the P codes of key tile j as this thread holds them (the PV product's A fragments), at
+// ((bh * blocks + block) * key tiles + j) * 256 + consumer thread, 64 bytes each
+__device__ __forceinline__ void dump_p(const Params& p, const uint32_t (&pa)[4][4], int j, int tid) {
+    const int tiles = (p.Sk + BLOCK_N - 1) / BLOCK_N;
+    const long long slot = ((long long)(blockIdx.y * gridDim.x + blockIdx.x) * tiles + j) * 256 + (tid - 128);
+    uint4* dst = (uint4*)(p.p_dump + slot * 64);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dst[c] = make_uint4(pa[c][0], pa[c][1], pa[c][2], pa[c][3]);
+}
+#define DUMP_TILE(j) dump_p(p, pa, j, tid)
+#else
+#define DUMP_TILE(j)
+#endif
 
 // One consumer warpgroup (1 or 2): rows 64 (wg - 1) .. of the block, every key tile of it.
 __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int tid, int wg, int start_m, int bh,
@@ -485,6 +611,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         softmax_tile<true>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
     else
         softmax_tile<false>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
+    DUMP_TILE(0);
 
     // tile j >= 1: QK^T_j and PV_{j-1} in one turn, both waited for, O updated, then the
     // softmax of tile j (the other consumer's products run meanwhile)
@@ -515,6 +642,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
             softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
         else
             softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
+        DUMP_TILE(j);
     }
 
     // the last tile's PV
