@@ -157,11 +157,16 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         else:
             k = tl.load(k_ptrs)
         s = tl.dot(q, tl.trans(k))
-    if MASK:
-        b_j = tl.load(ks_ptr + cols, mask=key_ok, other=0.0)
+    if QK_FP4:
+        # NVFP4's tensor scale is one number per (batch, head), in every token's slot: one
+        # scalar load instead of a row of 64-128 per-key values in every thread
+        t = log2_scores(s, a_i[:, None], tl.load(ks_ptr))
     else:
-        b_j = tl.load(ks_ptr + cols)
-    t = log2_scores(s, a_i[:, None], b_j[None, :])
+        if MASK:
+            b_j = tl.load(ks_ptr + cols, mask=key_ok, other=0.0)
+        else:
+            b_j = tl.load(ks_ptr + cols)
+        t = log2_scores(s, a_i[:, None], b_j[None, :])
     if KEY_BIAS:  # added before hiding keys, as the reference does
         if MASK:
             t = t + tl.load(kb_ptr + cols, mask=key_ok, other=0.0)[None, :]
@@ -229,7 +234,8 @@ def attn_fwd_sm100_kernel(
 ):
     """Q (B, H, Sq, D/2) uint8 codes or (B, H, Sq, D) e4m3; QSC (B, H, Sq, D/16) e4m3
     block scales (NVFP4 only); K, KSC likewise at Hkv heads; QS (B, H, Sq), KS (B, Hkv,
-    Sk) float32 per-token scales (NVFP4: the tensor scale in every slot). V: MXFP4 codes
+    Sk) float32 per-token scales (NVFP4: the tensor scale of the (batch, head) in every
+    slot, read once). V: MXFP4 codes
     (B, Hkv, D, Skp/2) packed along the keys with VSC (B, Hkv, D, Skp/32) E8M0, or V^T
     e4m3 (B, Hkv, D, Skp) with VS (B, Hkv, D) float32 per-channel scales; Skp is Sk
     padded with zero keys to whole tiles. O (B, H, Sq, D) bf16, LSE (B, H, Sq) float32."""
