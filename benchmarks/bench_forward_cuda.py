@@ -15,7 +15,7 @@ Each phase runs in a child process with a time limit, so a kernel that hangs (an
 mbarrier never completed) costs its phase, not the run. The log goes to --out; the
 table comes last on stdout.
 
-    python benchmarks/bench_forward_cuda.py --out results_dir [--variants isum,poly4,s3,ablate] [--quick]
+    python benchmarks/bench_forward_cuda.py --out results_dir [--variants cvt,s3,ablate] [--quick]
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def check(args) -> int:
                 v_same = (v_out == out).float().mean().item()
                 v_dlse = (v_lse[seen] - lse[seen]).abs().max().item() if seen.any() else 0.0
                 text = f"  {name}: identical to cuda={v_same:.6f} max|dlse|={v_dlse:.3g}"
-                if name == "isum":  # the same arithmetic: bit-identical or wrong
+                exact = name in ("cvt", "isum")  # the same arithmetic: bit-identical or wrong
+                if exact:
                     v_ok = v_same == 1.0 and v_dlse == 0.0
                 else:
                     v_ok = v_same >= 0.99 and v_dlse < 1e-3
@@ -108,9 +109,9 @@ def check(args) -> int:
                     zeros = (valid & (base_p == 0)).sum().item() / valid.sum().item()
                     text += (f" P codes identical={frac:.6f} (of {valid.sum().item()}; nonzero ones "
                              f"{frac_nz:.6f}; zero in cuda {zeros:.3f})")
-                    v_ok = v_ok and (frac == 1.0 if name == "isum" else frac >= 0.999)  # the issue's bar
+                    v_ok = v_ok and (frac == 1.0 if exact else frac >= 0.999)  # the issue's bar
                 print(text + (" OK" if v_ok else " FAIL"), flush=True)
-                bad += name == "isum" and not v_ok
+                bad += exact and not v_ok
             except Exception as e:
                 bad += 1
                 print(f"  {name}: {type(e).__name__}: {e}", flush=True)
@@ -130,7 +131,7 @@ def check(args) -> int:
 def _variant_args(name: str) -> dict:
     """launch_forward_cuda's keyword arguments for a --variants name: s<N> (ring depth N),
     ablate (no softmax: the ceiling, wrong outputs), or a softmax variant of
-    forward_cuda.MEASURED (isum, f16, poly4, poly8)."""
+    forward_cuda.MEASURED."""
     from fp4attn.kernels.hopper.forward_cuda import MEASURED
 
     if name in MEASURED:
@@ -211,7 +212,7 @@ def main() -> int:
     parser.add_argument("--variants", default="",
                         help="CUDA kernel variants to time beside the table's launch: s<N> (ring depth), "
                              "ablate (no softmax: the ceiling, wrong outputs), softmax variants "
-                             "(forward_cuda.MEASURED: isum, f16, poly4, poly8; also checked), e.g. isum,s3")
+                             "(forward_cuda.MEASURED, e.g. cvt, isum; also checked), e.g. cvt,s3")
     parser.add_argument("--quick", action="store_true", help="five shapes instead of twelve")
     parser.add_argument("--no-quant", action="store_true", help="no cuda+quant column")
     parser.add_argument("--check-timeout", type=float, default=120)

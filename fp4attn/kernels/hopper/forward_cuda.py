@@ -71,12 +71,15 @@ class Variant:
 # K/V^T ring depth per (head dim, causal): depths 2, 3 and 4 ran within 2% of each other
 # (benchmarks/results/h200-forward-cuda-variants.txt, run A; docs/notes/hopper-cuda-forward.md)
 STAGES = {(128, False): 2, (128, True): 2, (64, False): 2, (64, True): 2}
-# the row sums' conversion on the integer units (same results either way)
-ROWSUM_INT = False
+# the row sums' e4m3 -> f16 on the integer units per (head dim, causal): bit-identical results;
+# at D=128 7-9% faster non-causal, 0.4-1.8% causal, at D=64 0 to -1% (noise)
+# (benchmarks/results/h200-forward-cuda-softmax.txt, cuda against cuda_isum)
+ROWSUM_INT = {(128, False): True, (128, True): True, (64, False): False, (64, True): False}
 
 
 def variant_for(head_dim: int, causal: bool, key_bias: bool = False) -> Variant:
-    return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal], rowsum_int=ROWSUM_INT)
+    return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal],
+                   rowsum_int=ROWSUM_INT[head_dim, causal])
 
 
 def measured_variants() -> list[Variant]:
@@ -85,8 +88,10 @@ def measured_variants() -> list[Variant]:
             for kw in MEASURED.values()]
 
 
-# the softmax variants measured beside the launcher's (benchmarks/bench_forward_cuda.py --variants)
+# the softmax variants measured beside the launcher's (benchmarks/bench_forward_cuda.py --variants);
+# cvt and isum are bit-identical to each other, f16 and poly* not (h200-forward-cuda-softmax.txt)
 MEASURED = {
+    "cvt": {"rowsum_int": False},
     "isum": {"rowsum_int": True},
     "f16": {"rowsum_int": True, "exp_f16": True},
     "poly4": {"rowsum_int": True, "exp_poly": 4},
