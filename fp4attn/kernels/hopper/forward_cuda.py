@@ -49,15 +49,12 @@ class Variant:
     stages: int = 2
     ablate_softmax: bool = False  # timing only: no softmax, wrong outputs (the kernel's ceiling)
     rowsum_int: bool = False  # the row sums' e4m3 -> f16 on the integer units (bit-identical)
-    exp_f16: bool = False  # exp2 in f16x2 (double rounding: not the recipe's P codes everywhere)
-    exp_poly: int = 0  # of 16 column groups, how many take exp2 from a polynomial (not MUFU's codes)
     dump_p: bool = False  # checking only: every tile's P codes written to a buffer
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}",
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
-                f"-DEXP_F16={int(self.exp_f16)}", f"-DEXP_POLY={self.exp_poly}",
                 f"-DDUMP_P={int(self.dump_p)}"]
 
     def shared_bytes(self) -> int:
@@ -88,14 +85,12 @@ def measured_variants() -> list[Variant]:
             for kw in MEASURED.values()]
 
 
-# the softmax variants measured beside the launcher's (benchmarks/bench_forward_cuda.py --variants);
-# cvt and isum are bit-identical to each other, f16 and poly* not (h200-forward-cuda-softmax.txt)
+# the softmax variants measured beside the launcher's (benchmarks/bench_forward_cuda.py --variants),
+# bit-identical to each other; exp2 in f16x2 and by a polynomial were measured and removed
+# (h200-forward-cuda-softmax.txt, commit 0702b95)
 MEASURED = {
     "cvt": {"rowsum_int": False},
     "isum": {"rowsum_int": True},
-    "f16": {"rowsum_int": True, "exp_f16": True},
-    "poly4": {"rowsum_int": True, "exp_poly": 4},
-    "poly8": {"rowsum_int": True, "exp_poly": 8},
 }
 
 
@@ -328,15 +323,13 @@ def p_dump_buffer(ops: KernelOperands) -> torch.Tensor:
 
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, stages: int | None = None,
-                        ablate_softmax: bool = False, rowsum_int: bool | None = None, exp_f16: bool = False,
-                        exp_poly: int = 0, p_dump: torch.Tensor | None = None):
+                        ablate_softmax: bool = False, rowsum_int: bool | None = None,
+                        p_dump: torch.Tensor | None = None):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
     To measure: stages, the ring depth (None: the table's); ablate_softmax, a timing-only
-    build without the softmax (its outputs are wrong); rowsum_int (None: the table's);
-    exp_f16, exp2 through f16, and exp_poly, exp2 of that many of 16 column groups from a
-    polynomial (neither gives the recipe's P codes everywhere); p_dump, a
+    build without the softmax (its outputs are wrong); rowsum_int (None: the table's); p_dump, a
     `p_dump_buffer` that receives every tile's P codes."""
     reason = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
     if reason:
@@ -346,9 +339,8 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
     variant = variant_for(D, causal_offset is not None, key_bias is not None)
     variant = dataclasses.replace(
-        variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax, exp_f16=exp_f16,
-        exp_poly=exp_poly, rowsum_int=variant.rowsum_int if rowsum_int is None else rowsum_int,
-        dump_p=p_dump is not None)
+        variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax,
+        rowsum_int=variant.rowsum_int if rowsum_int is None else rowsum_int, dump_p=p_dump is not None)
     if p_dump is not None:
         need = (B * H, -(-Sq // BLOCK_M), -(-Sk // BLOCK_N), 256, 64)
         if p_dump.dtype != torch.uint8 or tuple(p_dump.shape) != need or not p_dump.is_contiguous():

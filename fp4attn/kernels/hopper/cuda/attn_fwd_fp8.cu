@@ -9,7 +9,7 @@
 //   l   = l * alpha + rowsum(P as represented in e4m3)   consistent normalization
 //   O   = O * alpha + P V                each tile's PV on a fresh accumulator, added in fp32
 //   out = O / l * vs,  lse = (m + log2 l - 8) * ln 2
-// Only the order of float32 sums differs (the row sum per thread, reduced once at the end).
+// Only the order of the tile's row sums differs (exact in any order: see softmax_tile).
 //
 // Schedule (one CTA = 128 query rows, three warpgroups):
 //   warpgroup 0, producer (setmaxnreg down to 24): warp 0 issues the TMA copies of Q once
@@ -29,11 +29,10 @@
 // scales, masks and causal limits use the permuted key index.
 //
 // Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES,
-// ROWSUM_INT (the row sums' e4m3 -> f16 on the integer units, same results), EXP_F16 (exp2
-// in f16x2: not the recipe's rounding, measured), DUMP_P (a checking build that writes P's
-// codes), EXP_POLY (exp2 of some scores on the FMA units, measured) and ABLATE_SOFTMAX
-// (a timing-only build). Variants measured and removed (an OVERLAP that ran
-// the softmax over the warpgroup's own PV, EXP_FOLD) are in docs/notes/hopper-cuda-forward.md.
+// ROWSUM_INT (the row sums' e4m3 -> f16 on the integer units, same results), DUMP_P (a
+// checking build that writes P's codes) and ABLATE_SOFTMAX (a timing-only build). Variants
+// measured and removed (an OVERLAP that ran the softmax over the warpgroup's own PV,
+// EXP_FOLD; exp2 in f16x2 and by a polynomial) are in docs/notes/hopper-cuda-forward.md.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -52,12 +51,6 @@
 #endif
 #ifndef ROWSUM_INT
 #define ROWSUM_INT 0  // 1: the row sums' e4m3 -> f16 on the integer units (bit-identical results)
-#endif
-#ifndef EXP_F16
-#define EXP_F16 0  // 1: exp2 as ex2.approx.f16x2, then e4m3x2.f16x2 (double rounding: changes some P codes)
-#endif
-#ifndef EXP_POLY
-#define EXP_POLY 0  // 0..16: of every 16 column groups (4 scores each), how many take exp2 from a polynomial
 #endif
 #ifndef DUMP_P
 #define DUMP_P 0  // 1: a checking build that also writes every tile's P codes to p.p_dump
@@ -224,21 +217,6 @@ __device__ __forceinline__ float fadd_rn(float a, float b) {
     return y;
 }
 
-// exp2 on the FMA units (EXP_POLY), for x <= 8.5: x = j + f with j = rint(x) (the 1.5 * 2**23
-// trick) and f in [-0.5, 0.5], 2**f from a degree-3 minimax polynomial (relative error
-// 7.5e-5), j added to the exponent bits. x below -125 gives 2**-125 (P's e4m3 rounds it to 0,
-// as exp2 of -inf). Not the hardware's ex2: about 4 in 10,000 P codes differ from MUFU's
-// (measured in numpy on uniform x in [-12, 8]).
-__device__ __forceinline__ float ex2_poly(float x) {
-    x = fmaxf(x, -125.0f);
-    const float j = fadd_rn(x, 12582912.0f);
-    const float f = fadd_rn(x, -fadd_rn(j, -12582912.0f));
-    float p = __fmaf_rn(0.055186375975608826f, f, 0.24261236190795898f);
-    p = __fmaf_rn(p, f, 0.6932582855224609f);
-    p = __fmaf_rn(p, f, 0.9999279379844666f);
-    return __uint_as_float(__float_as_uint(p) + (__float_as_uint(j) << 23));
-}
-
 // (lo, hi) -> e4m3x2 (lo in the low byte), round to nearest even, saturating; and the two
 // represented values back as float32 (exact: e4m3 -> f16 -> f32)
 __device__ __forceinline__ uint32_t to_e4m3x2(float lo, float hi, float& vlo, float& vhi) {
@@ -273,20 +251,6 @@ __device__ __forceinline__ void sum_e4m3x4(uint32_t w, float& acc0, float& acc1)
         : "=f"(e0), "=f"(e1), "=f"(o0), "=f"(o1) : "r"(even), "r"(odd));
     acc0 += e0 + e1;
     acc1 += o0 + o1;
-}
-
-// EXP_F16: P codes of two exponents x (float32, as the recipe computes them) through
-// f16: x -> f16x2 (round to nearest), ex2.approx.f16x2, e4m3x2 (round to nearest even,
-// saturating). Not the recipe's rounding: fp32 -> f16 -> e4m3 rounds twice.
-__device__ __forceinline__ uint32_t exp2_e4m3x2_f16(float lo, float hi) {
-    uint32_t packed;
-    asm("{ .reg .b16 e; .reg .b32 h2;\n"
-        "cvt.rn.f16x2.f32 h2, %2, %1;\n"
-        "ex2.approx.f16x2 h2, h2;\n"
-        "cvt.rn.satfinite.e4m3x2.f16x2 e, h2;\n"
-        "cvt.u32.u16 %0, e; }"
-        : "=r"(packed) : "f"(lo), "f"(hi));
-    return packed;
 }
 
 // the recipe's P codes of two exp2 results (no row-sum values: ROWSUM_INT sums the codes)
@@ -459,12 +423,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         alpha[i] = ex2(m[i] - m_use[i]);
         m[i] = row_max;
     }
-#if EXP_F16
-#pragma unroll
-    for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int r = 4 * n; r < 4 * n + 4; ++r) s[r] = fadd_rn(fadd_rn(s[r], -m_use[(r >> 1) & 1]), P_OFFSET);
-#else
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
 #pragma unroll
@@ -472,19 +430,17 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #pragma unroll
             for (int b = 0; b < 2; ++b) {
                 const int r = 4 * n + 2 * i + b;
-                const float x = fadd_rn(fadd_rn(s[r], -m_use[i]), P_OFFSET);
-                s[r] = n < EXP_POLY ? ex2_poly(x) : ex2(x);
+                s[r] = ex2(fadd_rn(fadd_rn(s[r], -m_use[i]), P_OFFSET));
             }
         }
     }
-#endif
     // The tile's row sums of the represented values are exact in any order: e4m3 values
     // <= 2**8 are multiples of 2**-9, and 128 of them sum below 2**15 (24 bits), so two
     // independent partial sums (no long dependent chain) and a quad reduction per tile give
     // exactly the Gluon kernel's tile sums, and l = l * alpha + sum its rounding.
     float sum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-#if ROWSUM_INT || EXP_F16
-    // P codes first, then their sums from the packed words (ROWSUM_INT; EXP_F16 always)
+#if ROWSUM_INT
+    // P codes first, then their sums from the packed words
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
 #pragma unroll
@@ -492,13 +448,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
             const int n_lo = 2 * c + half, n_hi = n_lo + 8;
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-#if EXP_F16
-                const uint32_t lo = exp2_e4m3x2_f16(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1]);
-                const uint32_t hi = exp2_e4m3x2_f16(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1]);
-#else
                 const uint32_t lo = e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1]);
                 const uint32_t hi = e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1]);
-#endif
                 pa[c][2 * half + i] = lo | (hi << 16);
                 sum_e4m3x4(pa[c][2 * half + i], sum[i][0], sum[i][1]);
             }
@@ -524,7 +475,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #endif
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-#if ROWSUM_INT || EXP_F16
+#if ROWSUM_INT
         float tile = (sum[i][0] + sum[i][1]) * 256.0f;  // the sums above are of value / 2**8 (exact)
 #else
         float tile = sum[i][0] + sum[i][1];
