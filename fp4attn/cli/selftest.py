@@ -162,9 +162,11 @@ def main(args: argparse.Namespace) -> None:
     recs = []
     for name, recipe in PRESETS.items():
         for d in (64, 128):
-            for causal in (None, "top_left", "bottom_right"):
+            # bottom-right causal with Sq < Sk also covers a diagonal that starts mid-tile
+            for causal in (None, "bottom_right"):
                 recs.append(check_forward(name, d, causal, False, device))
-            recs.append(check_forward(name, d, None, True, device))
+            if d == 128:
+                recs.append(check_forward(name, d, None, True, device))
             if recipe.grad is not None:
                 recs.append(check_backward(name, d, "bottom_right", device))
     rows = [[r["recipe"], r["direction"], r["head_dim"], r["causal"], r["mask"], r["kernel"], r["status"],
