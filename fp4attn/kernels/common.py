@@ -162,13 +162,28 @@ def p_mxfp4_exp2(x, KEY_AXIS: tl.constexpr, key_block=None):
 
 
 @triton.jit
+def p_mxfp4_directp_sink(x, KEY_AXIS: tl.constexpr, key_block=None):
+    """Direct-P MXFP4 P with each 32-key block's top keys outside its shared scale
+    (`Recipe.p_sink`, reference/directp.py): the keys that tie the block's maximum get
+    the FP8 P value e4m3(2**(x + 8)), the others Direct-P codes under the exponent of
+    the block's next largest key. On Hopper both are e4m3 values of the one P tile."""
+    top_x = _block_max_32(x, KEY_AXIS, key_block)
+    top = (x == top_x) & (top_x > -float("inf"))
+    p = p_mxfp4_directp(tl.where(top, -float("inf"), x), KEY_AXIS, key_block)
+    return tl.where(top, p_fp8_exp2(x), p)
+
+
+@triton.jit
 def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None):
     """P by the recipe's builder: 0 FP8 from exp2, 1 MXFP4 by Direct-P, 2 MXFP4 from
-    exp2 (the P_MODE of the kernels); key_block as in `_block_max_32`."""
+    exp2, 3 MXFP4 by Direct-P with the blocks' top keys apart (`Recipe.p_sink`) (the
+    P_MODE of the kernels); key_block as in `_block_max_32`."""
     if P_MODE == 0:
         p = p_fp8_exp2(x)
     elif P_MODE == 1:
         p = p_mxfp4_directp(x, KEY_AXIS, key_block)
+    elif P_MODE == 3:
+        p = p_mxfp4_directp_sink(x, KEY_AXIS, key_block)
     else:
         p = p_mxfp4_exp2(x, KEY_AXIS, key_block)
     return p
@@ -185,6 +200,11 @@ def log2_scores(s, a, b):
 
 
 @triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, ROWS_MAY_BE_EMPTY: tl.constexpr,
                      key_block=None):
     """One tile of the exact-max online softmax on masked log2 scores t (queries, keys):
@@ -195,11 +215,16 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
     `_block_max_32` (Gluon callers pass it).
     (Row sums on the tensor cores were measured no faster and removed:
     docs/notes/hopper-forward.md, "Row sums on the tensor cores".)"""
-    m_new = tl.maximum(m_i, tl.max(t, axis=1))
+    # NaN propagates through the running max (tl.max would drop it): a NaN score, from a
+    # NaN in q, k or a float mask, makes its row NaN (reference/forward.py); a score
+    # that overflows to +inf leaves the row's softmax undefined, NaN as in SDPA
+    nan_ok: tl.constexpr = tl.PropagateNan.ALL
+    m_new = tl.maximum(m_i, tl.reduce(t, 1, _max_propagating_nan), propagate_nan=nan_ok)
     if ROWS_MAY_BE_EMPTY:
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
     else:
         m_use = m_new
+    m_use = tl.where(m_new == float("inf"), float("nan"), m_use)
     alpha = tl.math.exp2(m_i - m_use)
     x = t - tl.expand_dims(m_use, 1)
     if P_MODE == 0 and P_HW_CVT:

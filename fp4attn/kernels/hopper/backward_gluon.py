@@ -284,8 +284,11 @@ def attn_bwd_dkdv_pipelined_kernel(
             0, gl.maximum(n_m, 1), gl.minimum(lo, Sq - BLOCK_M), b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS,
             Q_CS, HEAD_DIM, BLOCK_M)
 
-    q_scale = gl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
-    k_scale = gl.load(KS)
+    k_scale = gl.load(KS + off_bh)  # the K head's tensor scale
+    # the tensor scales of the group's query heads (GROUP <= BLOCK_M), held in registers:
+    # each tile picks its head's by a select and a warp reduction, no load in the loop
+    group_t = gl.arange(0, BLOCK_M, layout=queries_t)
+    q_scales = gl.load(QS + b * H + hk * GROUP + group_t, mask=group_t < GROUP, other=0.0)
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=keys_t)
     offs_mb = gl.arange(0, BLOCK_M, layout=queries_t)
     v_s = _spread(_flat(V_TS + kv_row, BLOCK_N), keys_t, 1)
@@ -332,6 +335,7 @@ def attn_bwd_dkdv_pipelined_kernel(
             # 2. P^T and its FP8 form
             lse2 = _number(lse_s, queries_t, 0)
         st = warpgroup_mma_wait(1, deps=[st_tok])
+        q_scale = gl.sum(gl.where(group_t == i // n_m, q_scales, 0.0), axis=0) * qk_scale  # tile i's head's
         tt = log2_scores(st, q_scale, k_scale)
         if start_m < mid:  # a tile on the causal diagonal
             offs_m = start_m + offs_mb
@@ -472,8 +476,8 @@ def attn_bwd_dq_pipelined_kernel(
         _load_key_tile(j, kv_row, kd_row, k_desc, v_desc, k_c_desc, k_smem, v_smem, k_c_smem, ready,
                        (j < n_tiles) | (j == 0), BLOCK_N)
 
-    q_scale = gl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
-    k_scale = gl.load(KS)
+    q_scale = gl.load(QS + off_bh) * qk_scale  # the heads' tensor scales, Q's times scale * log2 e
+    k_scale = gl.load(KS + bhk)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_s)
     offs_nb = gl.arange(0, BLOCK_N, layout=keys_s)
     lse2 = gl.expand_dims(lse_log2(gl.load(LSE + off_bh * Sq + offs_m)), 1)

@@ -174,7 +174,7 @@ def attn_bwd_dkdv_kernel(
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False,
 ):
     """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16 (NVFP4 grid
-    values); QS/KS (1,) fp32, the tensor decode scales of Q and K; LSE (the forward's,
+    values); QS (B, H) / KS (B, Hkv) fp32, the tensor decode scales of Q and K per head; LSE (the forward's,
     -inf for rows that see no key) and DELTA (B, H, Sq) fp32; DO_T (B, H, Sq, D) e4m3
     with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with DO_CS (B, H, D); V_T (B, Hkv, Sk,
     D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq) e4m3 with Q_CS (B, H, D). DK, DV
@@ -195,8 +195,7 @@ def attn_bwd_dkdv_kernel(
     kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
     # the program's own keys, loaded once (pointer loads: a tail block is masked)
     k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
-    q_scale = tl.load(QS) * qk_scale  # every query's: the tensor's, times softmax scale * log2 e
-    k_scale = tl.load(KS)
+    k_scale = tl.load(KS + off_bh)  # the head's tensor scale
     v = _token_tile(V_T, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
     v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
 
@@ -209,6 +208,7 @@ def attn_bwd_dkdv_kernel(
     mid = tl.where(start_n + BLOCK_N > Sk, Sq, mid)
     for g in range(GROUP):
         h = hk * GROUP + g
+        q_scale = tl.load(QS + b * H + h) * qk_scale  # this query head's tensor scale, times scale * log2 e
         row_off = (b.to(tl.int64) * H + h) * Sq
         hd_off = (b.to(tl.int64) * H + h) * HEAD_DIM
         for start_m in range(lo, mid, BLOCK_M):
@@ -274,8 +274,8 @@ def attn_bwd_dq_kernel(
 
     # the program's own queries, loaded once (pointer loads: a tail block is masked)
     q = _token_tile(Q, row_off, start_m, offs_m, row_ok, HEAD_DIM, False)
-    q_scale = tl.load(QS) * qk_scale
-    k_scale = tl.load(KS)
+    q_scale = tl.load(QS + off_bh) * qk_scale  # the heads' tensor scales
+    k_scale = tl.load(KS + b * Hkv + hk)
     lse2 = _lse2(LSE + row_off + offs_m, row_ok)
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
     do_t = _token_tile(DO_T, row_off, start_m, offs_m, row_ok, HEAD_DIM, False)

@@ -142,7 +142,7 @@ def _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, start_m, Sq, o_layout: gl.
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
     m_o = gl.convert_layout(m_i, row_o)
-    seen = l_o > 0.0
+    seen = l_o != 0.0  # 0 only for a row that saw no key; NaN (a NaN row) stays NaN
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
     vs = gl.load(VS + bhk * HEAD_DIM + offs_d)
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_o, 1.0), 0.0)

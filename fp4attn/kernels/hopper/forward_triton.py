@@ -163,7 +163,7 @@ def attn_fwd_kernel(
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # 0 only for a row that saw no key; NaN (a NaN row) stays NaN
     vs = tl.load(VS + (b.to(tl.int64) * (H // GROUP) + hk) * HEAD_DIM + offs_d)
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None] * vs[None, :]

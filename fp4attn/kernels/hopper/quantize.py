@@ -271,11 +271,11 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
     """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) of X (G, S,
     D) as bf16, in TransformerEngine's operation order (formats/nvfp4.py), each head's
     tensor scale from its max |x| at AMAX (G,); SDEC (G, S) gets the head's decode scale
-    (NaN for a head holding an Inf) in every row's slot. With PACKED also the payload as `quantize_nvfp4` stores it: CODES (G, S,
-    D / 2) uint8, two E2M1 codes a byte, element 2i in the low nibble; BSCALE (G, S,
-    D / 16) the e4m3 block scales. With CHANNEL_AMAX also each head's per-channel max
-    |grid value| into CAMAX (G, D) (float32 bits, starting at 0). BLOCKS blocks of
-    BLOCK_R rows a program.
+    (NaN for a head holding an Inf) in every row's slot. With PACKED also the payload
+    as `quantize_nvfp4` stores it: CODES (G, S, D / 2) uint8, two E2M1 codes a byte,
+    element 2i in the low nibble; BSCALE (G, S, D / 16) the e4m3 block scales. With
+    CHANNEL_AMAX also each head's per-channel max |grid value| into CAMAX (G, D)
+    (float32 bits, starting at 0). BLOCKS blocks of BLOCK_R rows a program.
 
     The outlier-robust forms (`reference.forward.robust_qk`): HAS_MEAN quantizes x - MEAN
     (G, D) (K smoothing); FOUR_OVER_SIX scales each block to 4 or 6, whichever has the
@@ -534,8 +534,8 @@ def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool 
     values without the tensor scale, the head's tensor decode scale broadcast to (...,
     S), NaN for a head holding an Inf as `reference.operands.quantize_qk`); with
     `packed` also the payload, (codes (..., S, D / 2) uint8, block scales (..., S, D /
-    16) float8_e4m3fn), byte for byte that `quantize_nvfp4`'s data and scale; with `channel_amax` also max |grid value| per head and channel (..., D) as
-    float32 bits (what `decode_nvfp4_rows(..., channels_scale=...)` needs).
+    16) float8_e4m3fn), byte for byte that `quantize_nvfp4`'s data and scale; with
+    `channel_amax` also max |grid value| per head and channel (..., D) as float32 bits (what `decode_nvfp4_rows(..., channels_scale=...)` needs).
 
     The outlier-robust forms (`reference.forward.robust_qk`): `mean` (..., 1, D) float32
     is subtracted first (K smoothing); `four_over_six` picks 4 or 6 per block; `fallback`

@@ -38,14 +38,14 @@ from fp4attn.routing import P_MODES, backward_launch
 def quantize_for_training(q, k, v, v_fmt: str) -> tuple[KernelOperands, tuple[torch.Tensor, ...]]:
     """The forward kernel's operands of a training recipe (NVFP4 Q/K, V in `v_fmt`), and
     what the backward reads, in the order `backward_operands` takes it: Q's codes and
-    block scales, K's, the tensor decode scales of Q and K (one float each), the
+    block scales, K's, the tensor decode scales of Q and K (one float per head: (B, H), (B, Hkv)), the
     channels' max |grid value| of Q and K ((B, H, D) float32 bits), and the per-token
     e4m3 view of V's represented values with its scales."""
     qv, qs, q_codes, q_bscale, q_amax = quantize_qk_nvfp4(q, packed=True, channel_amax=True)
     kv, ks, k_codes, k_bscale, k_amax = quantize_qk_nvfp4(k, packed=True, channel_amax=True)
     vt, vs, v_t, v_ts = quantize_v_t(v, v_fmt, pad_keys_to=BLOCK_N, tokens=True)
     ops = KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
-    return ops, (q_codes, q_bscale, k_codes, k_bscale, qs.flatten()[:1], ks.flatten()[:1], q_amax, k_amax, v_t, v_ts)
+    return ops, (q_codes, q_bscale, k_codes, k_bscale, qs[..., 0], ks[..., 0], q_amax, k_amax, v_t, v_ts)
 
 
 @torch.library.custom_op("fp4attn::hopper_train_forward", mutates_args=())
@@ -62,9 +62,10 @@ def _train_forward_op(
     ops, saved = quantize_for_training(q, k, v, v_fmt)
     out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
                                  p_mode=P_MODES[(p, p_build)])
-    # the tensor scales are views of the per-row scales: cloned, so that only one float
-    # each is kept
-    return (out, lse, *saved[:4], saved[4].clone(), saved[5].clone(), *saved[6:])
+    # the tensor scales (one per head) are views of the per-row scales: copied, so that
+    # only one float a head is kept
+    return (out, lse, *saved[:4], *(s.clone(memory_format=torch.contiguous_format) for s in saved[4:6]),
+            *saved[6:])
 
 
 @_train_forward_op.register_fake
@@ -75,7 +76,7 @@ def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
             q.new_empty((B, H, Sq, D // 2), dtype=u8), q.new_empty((B, H, Sq, D // 16), dtype=e4m3),
             q.new_empty((B, Hkv, Sk, D // 2), dtype=u8), q.new_empty((B, Hkv, Sk, D // 16), dtype=e4m3),
-            q.new_empty((1,), dtype=f32), q.new_empty((1,), dtype=f32),
+            q.new_empty((B, H), dtype=f32), q.new_empty((B, Hkv), dtype=f32),
             q.new_empty((B, H, D), dtype=i32), q.new_empty((B, Hkv, D), dtype=i32),
             q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32))
 
@@ -95,7 +96,7 @@ def _train_backward_op(
 class BackwardOperands(NamedTuple):
     """What the backward kernels read besides the LSE (reference/backward.py's views):
     Q and K as their NVFP4 grid values (B, heads, S, D) and tensor decode scales qs, ks
-    (1,); e4m3 views with float32 scales, per token (B, heads, S, D) for dO and V in
+    (B, heads), one a head; e4m3 views with float32 scales, per token (B, heads, S, D) for dO and V in
     dP = dO V^T, per channel and stored transposed (B, heads, D, S; contraction dim
     contiguous) for dO, Q and K in dV, dK and dQ; delta = rowsum(dO * O)."""
 
