@@ -10,7 +10,7 @@ from fp4attn.api import attention
 from fp4attn.formats import quantize_nvfp4
 from fp4attn.recipes import PRESETS
 
-INFERENCE = ("directp", "nvfp4-fp8", "fp8-directp", "fp8", "nvfp4-fp8-robust", "directp-robust")
+INFERENCE = ("directp", "nvfp4-fp8", "fp8", "nvfp4-fp8-robust", "directp-robust")
 TRAINING = ("train", "train-mxfp4pv", "train-robust")
 
 
@@ -39,7 +39,7 @@ def _bits(t):
 
 
 @pytest.mark.parametrize("recipe", INFERENCE)
-@pytest.mark.parametrize("how", ["outlier", "zero", "nan"])
+@pytest.mark.parametrize("how", ["outlier", "nan"])
 def test_forward_item_is_bit_identical_whatever_the_others_hold(recipe, how):
     q, k, v = _inputs(1)
     causal = recipe.startswith("directp")
