@@ -204,18 +204,20 @@ class BlackwellLaunch:
     stages: int = 2
 
 
-# Keyed by (head dim, causal). Not measured: no Blackwell GPU has run these kernels.
-# Chosen from the sm_100a builds (docs/notes/blackwell.md, `fp4attn compile-report`):
-# 8 warps hold a 128x128 S tile at 64 registers of it per thread; with 4 warps the FP8
-# recipes spill (255 registers, 1784 bytes at D=128), with 8 none does.
-BLACKWELL_FORWARD_LAUNCH: dict[tuple[int, bool], BlackwellLaunch] = {
-    (d, causal): BlackwellLaunch() for d in (64, 128) for causal in (False, True)
+# Keyed by (head dim, causal, key mask). Not measured: no Blackwell GPU has run these
+# kernels. Chosen from the sm_100a builds (docs/notes/blackwell.md, `fp4attn
+# compile-report`): 8 warps hold a 128x128 S tile at 64 registers of it per thread; with
+# 4 warps the FP8 recipes spill (255 registers, 1784 bytes at D=128), with 8 none does.
+# With a key mask at D=128 one stage: two spilled (nvfp4-fp8 causal, 60 bytes).
+BLACKWELL_FORWARD_LAUNCH: dict[tuple[int, bool, bool], BlackwellLaunch] = {
+    (d, causal, key_mask): BlackwellLaunch(stages=1 if d == 128 and key_mask else 2)
+    for d in (64, 128) for causal in (False, True) for key_mask in (False, True)
 }
 
 
-def blackwell_forward_launch(head_dim: int, causal: bool) -> BlackwellLaunch:
+def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False) -> BlackwellLaunch:
     """The Blackwell forward's launch for this kernel head dim and masking."""
-    return BLACKWELL_FORWARD_LAUNCH[head_dim, causal]
+    return BLACKWELL_FORWARD_LAUNCH[head_dim, causal, key_mask]
 
 
 # The Hopper backward's Triton kernels at their Blackwell launch (`kernels.blackwell.

@@ -210,3 +210,38 @@ def test_blackwell_train_backward_matches_reference_under_the_interpreter():
     of the reference backward's from the same output and LSE (measured 3.2-3.4e-3: the
     bf16 rounding of the gradients)."""
     run_under_interpreter(TRAIN)
+
+
+NONFINITE = BLACKWELL_PATCHES + textwrap.dedent('''
+    import os
+
+    os.environ["FP4ATTN_TARGET"] = "sm_100"
+
+    import fp4attn
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference import reference_forward
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 1, 40, 64, generator=g).bfloat16() for _ in range(3))
+    for name in ("directp", "fp8"):
+        base, base_lse = fp4attn.attention(q, k, v, recipe=name, backend="triton", return_lse=True)
+        for where, value in (("q", float("nan")), ("k", float("nan")), ("q", float("inf")), ("q", 3e38)):
+            args = {"q": q.clone(), "k": k.clone(), "v": v}
+            args[where][1, 0, 5, 3] = value  # batch item 1, token 5
+            out, lse = fp4attn.attention(**args, recipe=name, backend="triton", return_lse=True)
+            ref = reference_forward(*args.values(), PRESETS[name], scale=0.125)
+            assert torch.equal(torch.isnan(out), torch.isnan(ref.out)), (name, where, value)
+            assert torch.equal(torch.isnan(lse), torch.isnan(ref.lse)), (name, where, value)
+            # batch item 0 is untouched, bit for bit
+            assert torch.equal(out[0].view(torch.int16), base[0].view(torch.int16)), (name, where, value)
+            assert torch.equal(lse[0], base_lse[0]), (name, where, value)
+    print("ok")
+''')
+
+
+def test_nonfinite_inputs_propagate_as_the_reference_defines():
+    """A NaN or Inf in q or k, or a score that overflows, gives NaN exactly in the
+    output and LSE entries where the reference has NaN (reference/forward.py,
+    "Non-finite values"), and the other batch item's output and LSE are bit-identical
+    to a run without it."""
+    run_under_interpreter(NONFINITE)

@@ -45,7 +45,7 @@ def build_report(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, key_bi
     """Compile one build at its routed launch and read its machine code."""
     from fp4attn.tools.machine_code_sm100 import compile_forward, inspect, predict_tile
 
-    launch = blackwell_forward_launch(head_dim, causal)
+    launch = blackwell_forward_launch(head_dim, causal, key_bias)
     kernel = compile_forward(qk_fp4, pv_fp4, causal, head_dim, arch=arch, block_m=launch.block_m,
                              block_n=KEY_TILE, num_warps=launch.warps, num_stages=launch.stages, key_bias=key_bias)
     rep = inspect(kernel, arch)

@@ -32,7 +32,7 @@ def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int |
     B, H, Sq = q.shape[:3]
     Hkv, Sk = k.shape[1], k.shape[2]
     D = ops.v.shape[2]
-    cfg = blackwell_forward_launch(D, causal_offset is not None)
+    cfg = blackwell_forward_launch(D, causal_offset is not None, key_bias is not None)
     dev = q.device
     out = torch.empty((B, H, Sq, D), device=dev, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=dev, dtype=torch.float32)

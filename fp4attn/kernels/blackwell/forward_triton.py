@@ -126,6 +126,11 @@ def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.co
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr, start_n,
           offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_pm,
           QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, HW_CVT: tl.constexpr, MASK: tl.constexpr,
@@ -177,12 +182,15 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
         t = tl.where(visible, t, -float("inf"))
-    # -- online softmax: exact running max, rescale every tile
-    m_new = tl.maximum(m_i, tl.max(t, axis=1))
+    # -- online softmax: exact running max, rescale every tile. NaN propagates through
+    # the max (tl.max would drop it): a NaN score makes its row NaN, and a score that
+    # overflows to +inf leaves the row undefined, NaN (reference/forward.py)
+    m_new = tl.maximum(m_i, tl.reduce(t, 1, _max_nan), propagate_nan=tl.PropagateNan.ALL)
     if MASK or KEY_BIAS:  # a row may have seen no key yet
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
     else:
         m_use = m_new
+    m_use = tl.where(m_new == float("inf"), float("nan"), m_use)
     alpha = tl.math.exp2(m_i - m_use)
     x = t - m_use[:, None]
     # V tiles are stored with keys padded by zeros to whole tiles: no mask
@@ -301,7 +309,7 @@ def attn_fwd_sm100_kernel(
     # -- epilogue: 1/l, V's per-channel scale (FP8 V); LSE in natural log (FP8 P's 2**8
     # offset cancels in acc / l and is subtracted from the LSE)
     offs_d = tl.arange(0, HEAD_DIM)
-    seen = l_i > 0.0
+    seen = m_i != -float("inf")  # NaN rows stay NaN; only rows that saw no key are 0
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
     if PV_FP4:
