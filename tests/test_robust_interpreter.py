@@ -55,3 +55,51 @@ print("ok")
 
 def test_robust_quantizers_are_the_reference_under_the_interpreter():
     run_under_interpreter(KERNEL_PATCHES + SCRIPT)
+
+
+FORWARD = textwrap.dedent('''
+    import dataclasses
+    import torch
+    from fp4attn.cli.accuracy import make_inputs
+    from fp4attn.kernels.hopper.forward_op import _p_mode, launch_forward
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference import reference_forward
+    from fp4attn.routing import ForwardLaunch, override_launch
+
+    # the robust presets through the Triton forward: the fused quantizers' operands and
+    # P_MODE 3 give the reference's LSE (within float32 summation order) and output
+    for name, case in (("nvfp4-fp8-robust", "mixture"), ("directp-robust", "sink")):
+        r = PRESETS[name]
+        q, k, v = (t.bfloat16() for t in make_inputs(case, (1, 2, 64, 64), 7, "cpu"))
+        k[:, 1] *= 0.3  # one head under the fallback threshold, one over it
+        ops = prepare_operands_fused(q, k, v, r, scale=0.125)
+        ops = dataclasses.replace(ops, q=ops.q.float(), k=ops.k.float())  # the interpreter's bf16 dot is wrong
+        with override_launch(forward=ForwardLaunch(64, 4, 2)):
+            out, lse = launch_forward(ops, scale=0.125, causal_offset=None, p_mode=_p_mode(r))[:2]
+        ref = reference_forward(q, k, v, r, scale=0.125)
+        assert float((lse - ref.lse).abs().max()) < 1e-4, (name, float((lse - ref.lse).abs().max()))
+        err = float((out.float() - ref.out).norm() / ref.out.norm())
+        assert err < 1e-2, (name, err)
+    print("ok")
+''')
+
+
+def test_robust_presets_run_the_hopper_forward_as_the_reference():
+    run_under_interpreter(KERNEL_PATCHES + FORWARD)
+
+
+def test_hopper_kernels_refuse_robust_fields_they_do_not_apply():
+    """A robust field the kernels lack is a reason (for the routing) and an error at the
+    launcher, never another recipe's numbers."""
+    from fp4attn.kernels.hopper.forward_op import hopper_robust_unsupported
+    from fp4attn.kernels.hopper.train_op import TRAIN_ROBUST_FIELDS
+    from fp4attn.recipes import PRESETS, robust_unsupported_reason
+
+    assert hopper_robust_unsupported(PRESETS["nvfp4-fp8-robust"]) is None
+    assert hopper_robust_unsupported(PRESETS["directp-robust"]) is None
+    assert "rotate_qk" in hopper_robust_unsupported(PRESETS["nvfp4-fp8"].with_(rotate_qk="hadamard"))
+    assert "smooth_v" in hopper_robust_unsupported(PRESETS["directp"].with_(smooth_v=True))
+    assert "exp2" in hopper_robust_unsupported(PRESETS["directp"].with_(p_build="exp2", p_sink=True))
+    assert robust_unsupported_reason(PRESETS["train-robust"], TRAIN_ROBUST_FIELDS) is None
+    assert "qk_fallback" in robust_unsupported_reason(PRESETS["train"].with_(qk_fallback="fp8"), TRAIN_ROBUST_FIELDS)

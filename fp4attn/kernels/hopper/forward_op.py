@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, padded_vt_rows, tma_loadable
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-from fp4attn.recipes import Recipe
+from fp4attn.recipes import Recipe, robust_unsupported_reason
 from fp4attn.routing import P_MODES, forward_launch
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
 
@@ -91,15 +91,43 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
 def _hopper_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str, fast_accum: bool,
     causal_offset: int, causal: bool, scale: float, write_p: int, key_bias: Optional[torch.Tensor],
+    smooth_k: bool = False, four_over_six: bool = False, fallback_logit_std: float = 0.0, p_sink: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum)
-    ops = prepare_operands_fused(q, k, v, recipe)
+    """The robust fields the kernels apply (`HOPPER_ROBUST_FIELDS`): fallback_logit_std
+    0 is no Q/K fallback."""
+    recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum, smooth_k=smooth_k,
+                    qk_four_over_six=four_over_six, p_sink=p_sink,
+                    **(dict(qk_fallback="fp8", qk_fallback_logit_std=fallback_logit_std) if fallback_logit_std else {}))
+    ops = prepare_operands_fused(q, k, v, recipe, scale=scale)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
-                          p_mode=P_MODES[(p, p_build)], write_p=write_p, key_bias=key_bias)
+                          p_mode=_p_mode(recipe), write_p=write_p, key_bias=key_bias)
+
+
+# the outlier-robust fields the Hopper forward applies: the fused quantizers' and Direct-P
+# with the blocks' top keys apart (P_MODE 3)
+HOPPER_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six", "qk_fallback", "p_sink")
+P_MODE_DIRECTP_SINK = 3
+
+
+def _p_mode(recipe: Recipe) -> int:
+    if recipe.p_sink:
+        if recipe.p_build != "directp":
+            raise ValueError(f"the Hopper kernels build p_sink P by Direct-P only, got p_build={recipe.p_build!r}")
+        return P_MODE_DIRECTP_SINK
+    return P_MODES[(recipe.p, recipe.p_build)]
+
+
+def hopper_robust_unsupported(recipe: Recipe) -> str | None:
+    """Why the Hopper forward cannot apply `recipe`'s robust fields, or None (for the
+    routing's reasons)."""
+    if recipe.p_sink and recipe.p_build != "directp":
+        return "p_sink with p_build='exp2' (the kernels build p_sink P by Direct-P)"
+    return robust_unsupported_reason(recipe, HOPPER_ROBUST_FIELDS)
 
 
 @_hopper_attention_op.register_fake
-def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, write_p, key_bias):
+def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, write_p, key_bias, smooth_k=False,
+      four_over_six=False, fallback_logit_std=0.0, p_sink=False):
     B, H, Sq, D = q.shape
     block_m = forward_launch(D, fast_accum, causal).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
@@ -111,6 +139,13 @@ def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, 
 def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: int = 0,
                      key_bias: torch.Tensor | None = None):
     """Quantize bf16/fp16/fp32 (B, H, S, D) inputs into the kernel layouts and run the
-    forward: (out bf16, lse fp32, debug tile or empty; see `launch_forward`)."""
+    forward: (out bf16, lse fp32, debug tile or empty; see `launch_forward`). A recipe
+    with robust fields the kernels do not apply is refused (`hopper_robust_unsupported`),
+    never run as another recipe."""
+    reason = hopper_robust_unsupported(recipe)
+    if reason is not None:
+        raise ValueError(f"hopper_attention: {reason}; the reference runs it")
     return _hopper_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, recipe.fast_accum,
-                                causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias)
+                                causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias,
+                                recipe.smooth_k, recipe.qk_four_over_six,
+                                recipe.qk_fallback_logit_std if recipe.qk_fallback else 0.0, recipe.p_sink)

@@ -692,9 +692,6 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
 
     if recipe.qk != "nvfp4":
         raise ValueError(f"robust_qk_operands: the fused robust quantizers are NVFP4's, got qk={recipe.qk!r}")
-    other = [f for f in ("rotate_qk", "smooth_v", "p_sink") if getattr(recipe, f)]
-    if other:
-        raise ValueError(f"robust_qk_operands: {', '.join(other)} are not applied by the fused quantizers")
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     mean = key_mean(k) if recipe.smooth_k else None
@@ -721,7 +718,11 @@ def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, re
                            scale: float | None = None) -> KernelOperands:
     """The same tensors as `operands.prepare_operands`, from fused kernels; for a recipe
     with outlier-robust fields (only FUSED_ROBUST_FIELDS; `qk_fallback` needs the softmax
-    `scale`) those of `reference.forward.robust_qk`."""
+    `scale`) those of `reference.forward.robust_qk`. `Recipe.p_sink` is the forward's
+    (P_MODE 3); the other robust fields are refused, never dropped."""
+    other = [f for f in ("rotate_qk", "smooth_v") if getattr(recipe, f)]
+    if other:
+        raise ValueError(f"prepare_operands_fused: {', '.join(other)} are not applied by the fused quantizers")
     if any(getattr(recipe, f) not in (False, None) for f in FUSED_ROBUST_FIELDS):
         qv, qs, kv, ks, _ = robust_qk_operands(q, k, recipe, scale)
         vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=BLOCK_N)

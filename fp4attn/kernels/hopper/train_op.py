@@ -26,23 +26,35 @@ from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 from fp4attn.kernels.hopper.forward_op import launch_forward
 from fp4attn.kernels.hopper.quantize import (
     decode_nvfp4_rows,
+    key_mean,
     quantize_qk_fp8,
     quantize_qk_nvfp4,
     quantize_v_t,
 )
-from fp4attn.recipes import Recipe
+from fp4attn.recipes import Recipe, robust_unsupported_reason
 from fp4attn.reference.backward import DS_BLOCK, refuse_double_backward
 from fp4attn.reference.forward import LOG2E
 from fp4attn.routing import P_MODES, backward_launch
 
-def quantize_for_training(q, k, v, v_fmt: str) -> tuple[KernelOperands, tuple[torch.Tensor, ...]]:
+# the outlier-robust fields the training kernels apply (the NVFP4 payload carries them; the
+# FP8 Q/K fallback would need FP8 views of Q and K in the backward kernels)
+TRAIN_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six")
+
+
+def quantize_for_training(q, k, v, v_fmt: str, smooth_k: bool = False,
+                          four_over_six: bool = False) -> tuple[KernelOperands, tuple[torch.Tensor, ...]]:
     """The forward kernel's operands of a training recipe (NVFP4 Q/K, V in `v_fmt`), and
     what the backward reads, in the order `backward_operands` takes it: Q's codes and
     block scales, K's, the tensor decode scales of Q and K (one float per head: (B, H), (B, Hkv)), the
     channels' max |grid value| of Q and K ((B, H, D) float32 bits), and the per-token
-    e4m3 view of V's represented values with its scales."""
-    qv, qs, q_codes, q_bscale, q_amax = quantize_qk_nvfp4(q, packed=True, channel_amax=True)
-    kv, ks, k_codes, k_bscale, k_amax = quantize_qk_nvfp4(k, packed=True, channel_amax=True)
+    e4m3 view of V's represented values with its scales. `smooth_k`, `four_over_six`:
+    the robust fields (`Recipe.smooth_k`, `Recipe.qk_four_over_six`); the backward then
+    reads the smoothed K, whose gradient is K's (the softmax ignores the shift)."""
+    mean = key_mean(k) if smooth_k else None
+    qv, qs, q_codes, q_bscale, q_amax = quantize_qk_nvfp4(q, packed=True, channel_amax=True,
+                                                          four_over_six=four_over_six)
+    kv, ks, k_codes, k_bscale, k_amax = quantize_qk_nvfp4(k, packed=True, channel_amax=True, mean=mean,
+                                                          four_over_six=four_over_six)
     vt, vs, v_t, v_ts = quantize_v_t(v, v_fmt, pad_keys_to=BLOCK_N, tokens=True)
     ops = KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
     return ops, (q_codes, q_bscale, k_codes, k_bscale, qs[..., 0], ks[..., 0], q_amax, k_amax, v_t, v_ts)
@@ -51,7 +63,7 @@ def quantize_for_training(q, k, v, v_fmt: str) -> tuple[KernelOperands, tuple[to
 @torch.library.custom_op("fp4attn::hopper_train_forward", mutates_args=())
 def _train_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
-    causal_offset: int, causal: bool, scale: float,
+    causal_offset: int, causal: bool, scale: float, smooth_k: bool = False, four_over_six: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, then what the backward reads: `quantize_for_training`'s saved
@@ -59,7 +71,7 @@ def _train_forward_op(
     the same passes as these and dropped after it."""
     if qk != "nvfp4":
         raise ValueError(f"hopper_train_forward: Q/K format {qk!r} (the training kernels run 'nvfp4')")
-    ops, saved = quantize_for_training(q, k, v, v_fmt)
+    ops, saved = quantize_for_training(q, k, v, v_fmt, smooth_k, four_over_six)
     out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
                                  p_mode=P_MODES[(p, p_build)])
     # the tensor scales (one per head) are views of the per-row scales: copied, so that
@@ -69,7 +81,7 @@ def _train_forward_op(
 
 
 @_train_forward_op.register_fake
-def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
+def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, smooth_k=False, four_over_six=False):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     f32, u8, i32, e4m3 = torch.float32, torch.uint8, torch.int32, torch.float8_e4m3fn
@@ -220,7 +232,7 @@ def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_am
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale = inputs
+    q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale = inputs[:10]  # then the robust flags
     ctx.save_for_backward(*output)  # out, lse and the quantized operands
     # the LSE and the saved operands get no gradient: left None, not filled with zeros
     # (nine fill kernels per backward)
@@ -234,9 +246,9 @@ def _backward(ctx, dout, *_unused):
     operands are not differentiable outputs."""
     refuse_double_backward("fp4attn.attention (the Hopper training kernels)")
     if dout is None:  # the output was not used: no gradient flows to q, k, v
-        return (None,) * 10
+        return (None,) * 12
     grads = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
-    return tuple(grads) + (None,) * 7
+    return tuple(grads) + (None,) * 9
 
 
 # autograd registered on the op itself (not an autograd.Function around it): under
@@ -247,7 +259,12 @@ _train_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 def hopper_train_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None):
     """Forward of a training recipe on the Hopper kernels, differentiable in q, k, v:
-    (out bf16, lse fp32). GQA: dK and dV are summed over each group's query heads."""
+    (out bf16, lse fp32). GQA: dK and dV are summed over each group's query heads. A
+    recipe with robust fields other than TRAIN_ROBUST_FIELDS is refused, never trained
+    as another recipe."""
+    reason = robust_unsupported_reason(recipe, TRAIN_ROBUST_FIELDS)
+    if reason is not None:
+        raise ValueError(f"hopper_train_attention: {reason}; the reference trains it")
     out, lse, *_ = _train_forward_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0,
-                                     causal_offset is not None, scale)
+                                     causal_offset is not None, scale, recipe.smooth_k, recipe.qk_four_over_six)
     return out, lse
