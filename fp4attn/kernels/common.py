@@ -162,15 +162,39 @@ def p_mxfp4_exp2(x, KEY_AXIS: tl.constexpr, key_block=None):
 
 
 @triton.jit
+def _block_max_and_top_p(x, KEY_AXIS: tl.constexpr, key_block=None):
+    """`_block_max_32` and the FP8 P value e4m3(2**(max + 8)) of each block's maximum,
+    both broadcast to the block's keys: the exp2 once per block and row (an exp2 per
+    element, selected for the top keys only, took one MUFU op per score element)."""
+    n_keys: tl.constexpr = x.shape[KEY_AXIS]
+    blk = key_block
+    if blk is None:
+        if KEY_AXIS == 1:
+            blk = tl.arange(0, n_keys)[None, :] // 32
+        else:
+            blk = tl.arange(0, n_keys)[:, None] // 32
+    out = x
+    top_p = x
+    for b in tl.static_range(n_keys // 32):
+        mb = tl.max(tl.where(blk == b, x, -float("inf")), axis=KEY_AXIS)
+        pb = round_e4m3(tl.math.exp2(mb + P_OFFSET_LOG2))
+        mb = mb[:, None] if KEY_AXIS == 1 else mb[None, :]
+        pb = pb[:, None] if KEY_AXIS == 1 else pb[None, :]
+        out = tl.where(blk == b, mb, out)
+        top_p = tl.where(blk == b, pb, top_p)
+    return out, top_p
+
+
+@triton.jit
 def p_mxfp4_directp_sink(x, KEY_AXIS: tl.constexpr, key_block=None):
     """Direct-P MXFP4 P with each 32-key block's top keys outside its shared scale
     (`Recipe.p_sink`, reference/directp.py): the keys that tie the block's maximum get
     the FP8 P value e4m3(2**(x + 8)), the others Direct-P codes under the exponent of
     the block's next largest key. On Hopper both are e4m3 values of the one P tile."""
-    top_x = _block_max_32(x, KEY_AXIS, key_block)
+    top_x, top_p = _block_max_and_top_p(x, KEY_AXIS, key_block)
     top = (x == top_x) & (top_x > -float("inf"))
     p = p_mxfp4_directp(tl.where(top, -float("inf"), x), KEY_AXIS, key_block)
-    return tl.where(top, p_fp8_exp2(x), p)
+    return tl.where(top, top_p, p)
 
 
 @triton.jit

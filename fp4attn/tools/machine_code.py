@@ -287,10 +287,10 @@ def inspect_backward(*args, **kwargs) -> KernelReport:
 
 # the quantizers' pointer signatures (kernels/hopper/quantize.py), bf16 input, D = 128
 _QUANTIZER_SIGS = {
-    "_abs_max_kernel": dict(X="*bf16", AMAX="*i32", S="i32"),
+    "_abs_max_kernel": dict(X="*bf16", AMAX="*i32", MEAN="*fp32", SUMSQ="*fp64", S="i32"),
     "_fp8_rows_kernel": dict(X="*bf16", Y="*fp8e4nv", S_OUT="*fp32", O="*bf16", DOT="*fp32", CAMAX="*i32", S="i32"),
     "_nvfp4_rows_kernel": dict(X="*bf16", Y="*bf16", AMAX="*i32", SDEC="*fp32", CODES="*u8", BSCALE="*fp8e4nv",
-                               CAMAX="*i32", S="i32"),
+                               CAMAX="*i32", MEAN="*fp32", FB="*i8", S="i32"),
     "_nvfp4_decode_kernel": dict(CODES="*u8", BSCALE="*fp8e4nv", Y="*bf16", CT="*fp8e4nv", CS="*fp32",
                                  SCALE="*fp32", CAMAX="*i32", S="i32"),
     "_v_kernel": dict(V="*bf16", VT="*fp8e4nv", VS="*fp32", SCALE="*fp32", AMAX="*i32", E="*i32", FINITE="*i8",

@@ -106,7 +106,7 @@ def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.conste
     of the atomic adds does not matter; `robust.logit_std`)."""
     g = tl.program_id(1).to(tl.int64)
     run = tl.zeros([BLOCK_S, D], tl.int32)
-    sq = tl.zeros([BLOCK_S, D], tl.float64)
+    sq = tl.zeros([BLOCK_S], tl.float64)  # per row: a (rows, D) float64 tile took 64 more registers
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
         ok = (s < S)[:, None]
@@ -116,9 +116,9 @@ def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.conste
         run = _abs_bits_max(run, x, ok)
         if SUM_SQ:
             x64 = x.to(tl.float64)
-            sq += x64 * x64
+            sq += tl.sum(x64 * x64, axis=1)
     if SUM_SQ:
-        tl.atomic_add(SUMSQ + g, tl.sum(tl.sum(sq, axis=1), axis=0), sem="relaxed")
+        tl.atomic_add(SUMSQ + g, tl.sum(sq, axis=0), sem="relaxed")
     if PER_CHANNEL:
         _channel_amax_flush(AMAX + g * D, run, D)
     else:
