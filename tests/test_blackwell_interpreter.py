@@ -114,6 +114,16 @@ FORWARD = BLACKWELL_PATCHES + textwrap.dedent('''
         # a score that float32 summation order moves across a threshold of P changes one
         # code, and its row's LSE by up to about 0.1: a few such entries are allowed
         assert same_p >= 0.999 and close >= 0.99 and float(lse_err.max()) < 0.2 and within >= 0.999, name
+
+    # the op's fake implementation (torch.compile traces it) gives the real op's shapes
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for write_p in (False, True):
+        real = blackwell_attention(q, k, v, r, scale=0.1, causal_offset=None, write_p=write_p)
+        with FakeTensorMode() as mode:
+            fake = blackwell_attention(*(mode.from_tensor(t) for t in (q, k, v)), r, scale=0.1, causal_offset=None,
+                                       write_p=write_p)
+        assert [(tuple(a.shape), a.dtype) for a in real] == [(tuple(b.shape), b.dtype) for b in fake], write_p
     print("ok")
 ''')
 
@@ -199,6 +209,19 @@ TRAIN = BLACKWELL_PATCHES + textwrap.dedent('''
             err = float((t.grad.float() - w).norm() / w.norm())
             print(name, "d" + n, err)
             assert t.grad.dtype == torch.bfloat16 and err < 1e-2, (name, n, err)
+
+    # the training forward op's fake implementation (torch.compile traces it) gives the
+    # real op's shapes and dtypes
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp4attn.kernels.blackwell.train_op import _train_forward_op
+
+    q, k = torch.randn(2, 4, 70, 64, generator=g).bfloat16(), torch.randn(2, 2, 90, 64, generator=g).bfloat16()
+    args = ("nvfp4", "fp8", "exp2", "fp8", 20, True, 0.125)
+    real = _train_forward_op(q, k, k, *args)
+    with FakeTensorMode() as mode:
+        fake = _train_forward_op(*(mode.from_tensor(t) for t in (q, k, k)), *args)
+    assert [(tuple(a.shape), a.dtype) for a in real] == [(tuple(b.shape), b.dtype) for b in fake]
     print("ok")
 ''')
 

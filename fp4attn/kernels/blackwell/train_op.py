@@ -5,7 +5,7 @@ registered as the forward op's autograd formula.
 The saved operands, their quantizers and the backward are the Hopper training
 kernels' (`kernels.hopper.train_op`), which are plain Triton and build for sm_100a
 (`fp4attn compile-report` compiles them): the forward keeps the NVFP4 Q/K payloads (two
-E2M1 codes a byte, an e4m3 scale per 16, the tensor scale) and the LSE, and the
+E2M1 codes a byte, an e4m3 scale per 16, one tensor scale per head) and the LSE, and the
 backward rebuilds P from exactly those (S^T by a bf16 product of the NVFP4 grid values,
 exact, as the forward's block-scaled FP4 product computes it up to float32 summation
 order) with its four gradient products on the FP8 tensor cores (`kind::f8f6f4`). What
@@ -46,9 +46,10 @@ def _train_forward_op(
         v_op, v_sc, vs = ops.vt, None, ops.vs
     fwd = BlackwellOperands(q_codes, q_bscale, k_codes, k_bscale, ops.qs, ops.ks, v_op, v_sc, vs)
     out, lse, _ = launch_forward(fwd, scale=scale, causal_offset=causal_offset if causal else None)
-    # the tensor scales are views of the per-row scales: cloned, so that only one float
-    # each is kept
-    return (out, lse, *saved[:4], saved[4].clone(), saved[5].clone(), *saved[6:])
+    # the tensor scales (one per head) are views of the per-row scales: copied, so that
+    # only one float a head is kept
+    return (out, lse, *saved[:4], *(s.clone(memory_format=torch.contiguous_format) for s in saved[4:6]),
+            *saved[6:])
 
 
 @_train_forward_op.register_fake
@@ -59,7 +60,7 @@ def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
             q.new_empty((B, H, Sq, D // 2), dtype=u8), q.new_empty((B, H, Sq, D // 16), dtype=e4m3),
             q.new_empty((B, Hkv, Sk, D // 2), dtype=u8), q.new_empty((B, Hkv, Sk, D // 16), dtype=e4m3),
-            q.new_empty((1,), dtype=f32), q.new_empty((1,), dtype=f32),
+            q.new_empty((B, H), dtype=f32), q.new_empty((B, Hkv), dtype=f32),
             q.new_empty((B, H, D), dtype=i32), q.new_empty((B, Hkv, D), dtype=i32),
             q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32))
 
