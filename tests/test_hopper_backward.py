@@ -106,6 +106,8 @@ def test_backward_tile_loads(recipe, d, tma, monkeypatch):
 
 def _train_grads(q, k, v, dout, causal_offset):
     """dq, dk, dv of `train` through the two custom ops (causal_offset None: non-causal)."""
+    import fp4attn.kernels.hopper.train_op  # noqa: F401  (registers the ops)
+
     r = PRESETS["train"]
     off, causal, scale = causal_offset or 0, causal_offset is not None, q.shape[-1] ** -0.5
     saved = torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, off, causal, scale)
@@ -197,7 +199,7 @@ def test_auto_backend_trains_on_the_kernels(monkeypatch):
 
     calls = []
     launch = train_op.launch_backward
-    monkeypatch.setattr(training, "launch_backward", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(train_op, "launch_backward", lambda *a: calls.append(1) or launch(*a))
     q, k, v = _inputs(1, 2, 2, 128, 128, 128)
     fp4attn.attention(q, k, v, recipe="train", causal=True).sum().backward()
     assert calls == [1]
