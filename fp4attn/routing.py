@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from fp4attn.recipes import Recipe
+from fp4attn.recipes import Recipe, robust_unsupported_reason
 
 TARGET_ENV = "FP4ATTN_TARGET"  # "sm_90", "sm_100", "sm_120", "cpu": route as if on that target
 BACKEND_ENV = "FP4ATTN_BACKEND"  # overrides backend="auto"
@@ -337,8 +337,9 @@ def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "no
         # Direct-P): a thread holds its row's 64 keys of the key bias beside their
         # per-token key scales, the S tile and the output accumulator
         return "a key mask with FP8 Q/K at head_dim 128 (the Blackwell build would spill registers)"
-    if getattr(recipe, "robust", False):
-        return "outlier-robust recipe fields (the Blackwell kernels run the plain recipes, for now)"
+    robust = robust_unsupported_reason(recipe)
+    if robust is not None:
+        return robust
     if recipe.qk not in ("fp8", "nvfp4"):
         return f"Q/K format {recipe.qk!r} (Blackwell kernels run 'fp8' and 'nvfp4')"
     if (recipe.p, recipe.p_build, recipe.v) not in BLACKWELL_PV:
@@ -354,6 +355,9 @@ def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "no
     return None
 
 
+BLACKWELL_TRAIN_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six")
+
+
 def blackwell_train_unsupported(recipe: Recipe, head_dim: int, mask: str = "none") -> str | None:
     """Why the Blackwell training kernels cannot train `recipe` at `head_dim`, or None."""
     if recipe.grad is None:
@@ -365,7 +369,11 @@ def blackwell_train_unsupported(recipe: Recipe, head_dim: int, mask: str = "none
     if recipe.p == "mxfp4" and kernel_head_dim(head_dim) == 128:
         # its dK/dV build with Direct-P spills on sm_100a (255 registers, 244 bytes)
         return "MXFP4 P in training at head_dim 128 (the Blackwell dK/dV build would spill registers)"
-    return blackwell_forward_unsupported(recipe, head_dim, mask)
+    # the robust fields the training quantizers put into the saved NVFP4 payload
+    robust = robust_unsupported_reason(recipe, BLACKWELL_TRAIN_ROBUST_FIELDS)
+    if robust is not None:
+        return robust
+    return blackwell_forward_unsupported(recipe.with_(smooth_k=False, qk_four_over_six=False), head_dim, mask)
 
 
 def _blackwell_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:

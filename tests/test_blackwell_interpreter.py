@@ -186,7 +186,8 @@ TRAIN = BLACKWELL_PATCHES + textwrap.dedent('''
 
     g = torch.Generator().manual_seed(2)
     for name, B, HQ, HKV, sq, sk, D, causal in (("train", 1, 2, 1, 100, 130, 64, "bottom_right"),
-                                                ("train-mxfp4pv", 2, 2, 2, 96, 80, 64, "top_left")):
+                                                ("train-mxfp4pv", 2, 2, 2, 96, 80, 64, "top_left"),
+                                                ("train-robust", 1, 2, 1, 64, 64, 64, "top_left")):
         q = torch.randn(B, HQ, sq, D, generator=g).bfloat16().requires_grad_()
         k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16().requires_grad_() for _ in range(2))
         info = fp4attn.explain(q, k, v, causal=causal, recipe=name, enable_gqa=True)
@@ -227,7 +228,8 @@ TRAIN = BLACKWELL_PATCHES + textwrap.dedent('''
 
 
 def test_blackwell_train_backward_matches_reference_under_the_interpreter():
-    """`train` and `train-mxfp4pv` through autograd on the Blackwell route (its forward,
+    """`train`, `train-mxfp4pv` and `train-robust` (K smoothing and 4/6 NVFP4 block
+    scales in the saved payload) through autograd on the Blackwell route (its forward,
     then the Triton backward kernels at their Blackwell launch): the LSE within 1e-5 of
     the reference forward's, and dQ, dK, dV (GQA sums included) within 1% relative L2
     of the reference backward's from the same output and LSE (measured 3.2-3.4e-3: the

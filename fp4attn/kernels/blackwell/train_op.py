@@ -22,22 +22,28 @@ import torch
 from fp4attn import routing
 from fp4attn.kernels.blackwell.forward_op import launch_forward
 from fp4attn.kernels.blackwell.operands import BlackwellOperands, quantize_v_mxfp4_packed
-from fp4attn.kernels.hopper.train_op import backward_operands, launch_backward, quantize_for_training
-from fp4attn.recipes import Recipe
+from fp4attn.kernels.hopper.train_op import (
+    TRAIN_ROBUST_FIELDS,
+    backward_operands,
+    launch_backward,
+    quantize_for_training,
+)
+from fp4attn.recipes import Recipe, robust_unsupported_reason
 from fp4attn.reference.backward import refuse_double_backward
 
 
 @torch.library.custom_op("fp4attn::blackwell_train_forward", mutates_args=())
 def _train_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
-    causal_offset: int, causal: bool, scale: float,
+    causal_offset: int, causal: bool, scale: float, smooth_k: bool = False, four_over_six: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, then what the backward reads, as the Hopper training forward returns
-    it: `hopper.train_op.quantize_for_training`'s saved tensors)."""
+    it: `hopper.train_op.quantize_for_training`'s saved tensors, with the robust fields
+    `smooth_k` and `four_over_six` applied in the NVFP4 payload)."""
     if qk != "nvfp4":
         raise ValueError(f"blackwell_train_forward: Q/K format {qk!r} (the training kernels run 'nvfp4')")
-    ops, saved = quantize_for_training(q, k, v, v_fmt)
+    ops, saved = quantize_for_training(q, k, v, v_fmt, smooth_k, four_over_six)
     q_codes, q_bscale, k_codes, k_bscale = saved[:4]
     if v_fmt == "mxfp4":  # the forward's PV reads MXFP4 codes; the backward keeps its e4m3 view of V
         v_codes, v_sc = quantize_v_mxfp4_packed(v)
@@ -53,7 +59,7 @@ def _train_forward_op(
 
 
 @_train_forward_op.register_fake
-def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
+def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, smooth_k=False, four_over_six=False):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     f32, u8, i32, e4m3 = torch.float32, torch.uint8, torch.int32, torch.float8_e4m3fn
@@ -89,7 +95,7 @@ def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_am
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale = inputs
+    q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale, *_robust = inputs
     ctx.save_for_backward(*output)  # out, lse and the quantized operands
     ctx.set_materialize_grads(False)
     ctx.args = (p, p_build, causal_offset, causal, scale)
@@ -100,9 +106,9 @@ def _backward(ctx, dout, *_unused):
     """Gradients of q, k, v (in their dtypes) from the output's."""
     refuse_double_backward("fp4attn.attention (the Blackwell training kernels)")
     if dout is None:  # the output was not used: no gradient flows to q, k, v
-        return (None,) * 10
+        return (None,) * 12
     grads = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
-    return tuple(grads) + (None,) * 7
+    return tuple(grads) + (None,) * 9
 
 
 _train_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -110,7 +116,12 @@ _train_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 def blackwell_train_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None):
     """Forward of a training recipe on the Blackwell kernels, differentiable in q, k, v:
-    (out bf16, lse fp32). GQA: dK and dV are summed over each group's query heads."""
+    (out bf16, lse fp32). GQA: dK and dV are summed over each group's query heads. A
+    recipe with robust fields other than the Hopper training's (TRAIN_ROBUST_FIELDS) is
+    refused, never trained as another recipe."""
+    reason = robust_unsupported_reason(recipe, TRAIN_ROBUST_FIELDS)
+    if reason is not None:
+        raise ValueError(f"blackwell_train_attention: {reason}; the reference trains it")
     out, lse, *_ = _train_forward_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0,
-                                     causal_offset is not None, scale)
+                                     causal_offset is not None, scale, recipe.smooth_k, recipe.qk_four_over_six)
     return out, lse
