@@ -251,8 +251,37 @@ def kernel_head_dim(head_dim: int) -> int | None:
     return next((d for d in HOPPER_HEAD_DIMS if head_dim <= d), None)
 
 
+# the outlier-robust fields the Hopper kernels apply: the forward's fused quantizers
+# (smooth_k, qk_four_over_six, qk_fallback) and Direct-P with each 32-key block's top key
+# apart (p_sink, P_MODE 3); the training keeps smooth_k and qk_four_over_six in its saved
+# NVFP4 payload (the FP8 fallback would need FP8 Q/K views in the backward kernels)
+HOPPER_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six", "qk_fallback", "p_sink")
+HOPPER_TRAIN_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six")
+P_MODE_DIRECTP_SINK = 3
+
+
+def p_mode(recipe: Recipe) -> int:
+    """The forward kernels' P_MODE for `recipe` (`P_MODES`, or 3 for p_sink's Direct-P)."""
+    if recipe.p_sink:
+        if recipe.p_build != "directp":
+            raise ValueError(f"the Hopper kernels build p_sink P by Direct-P only, got p_build={recipe.p_build!r}")
+        return P_MODE_DIRECTP_SINK
+    return P_MODES[(recipe.p, recipe.p_build)]
+
+
+def hopper_robust_unsupported(recipe: Recipe, fields: tuple[str, ...] = HOPPER_ROBUST_FIELDS) -> str | None:
+    """Why the Hopper kernels cannot apply `recipe`'s robust fields (they apply
+    `fields`), or None."""
+    if recipe.p_sink and recipe.p_build != "directp":
+        return "p_sink with p_build='exp2' (the kernels build p_sink P by Direct-P)"
+    return robust_unsupported_reason(recipe, fields)
+
+
 def hopper_forward_unsupported(recipe: Recipe, head_dim: int) -> str | None:
     """Why the Hopper forward kernels cannot run `recipe` at `head_dim`, or None."""
+    robust = hopper_robust_unsupported(recipe)
+    if robust is not None:
+        return robust
     if recipe.qk not in ("fp8", "nvfp4"):
         return f"Q/K format {recipe.qk!r} (kernels run 'fp8' and 'nvfp4')"
     if (recipe.p, recipe.p_build) not in P_MODES:
@@ -277,6 +306,9 @@ def hopper_train_unsupported(recipe: Recipe, head_dim: int) -> str | None:
         return f"gradient format {recipe.grad!r} (kernels run {TRAIN_GRAD_FORMATS})"
     if recipe.qk != "nvfp4":
         return f"Q/K format {recipe.qk!r} for training (kernels train 'nvfp4' Q/K)"
+    robust = hopper_robust_unsupported(recipe, HOPPER_TRAIN_ROBUST_FIELDS)
+    if robust is not None:
+        return robust
     return hopper_forward_unsupported(recipe, head_dim)
 
 
@@ -323,6 +355,10 @@ def _masks(family_masks: tuple[str, ...], check: Callable[[Recipe, int], str | N
         return check(recipe, head_dim)
     return unsupported
 
+
+# datacenter Blackwell: B200/GB200 (compute capability 10.0) and B300/GB300 (10.3); the
+# kernels build for sm_100a and sm_103a alike (`fp4attn compile-report --arch sm_103a`)
+BLACKWELL_TARGETS = ("sm_100", "sm_103")
 
 # the Blackwell forward's (P, P build, V): MXFP4 P by Direct-P with MXFP4 V on the FP4
 # tensor cores, or FP8 P from exp2 with FP8 V on the FP8 tensor cores
@@ -400,9 +436,9 @@ KERNEL_FAMILIES: list[KernelFamily] = [
                  _hopper_train_kernel, "fp4attn.kernels.hopper.train_op:hopper_train_attention", ("none",)),
     KernelFamily("hopper-forward", ("sm_90",), False, _masks(("none", "key"), hopper_forward_unsupported),
                  _hopper_forward_kernel, "fp4attn.kernels.hopper.forward_op:hopper_attention"),
-    KernelFamily("blackwell-train", ("sm_100",), True, _blackwell_masks(("none",), blackwell_train_unsupported),
+    KernelFamily("blackwell-train", BLACKWELL_TARGETS, True, _blackwell_masks(("none",), blackwell_train_unsupported),
                  _blackwell_train_kernel, "fp4attn.kernels.blackwell.train_op:blackwell_train_attention", ("none",)),
-    KernelFamily("blackwell-forward", ("sm_100",), False,
+    KernelFamily("blackwell-forward", BLACKWELL_TARGETS, False,
                  _blackwell_masks(("none", "key"), blackwell_forward_unsupported), _blackwell_forward_kernel,
                  "fp4attn.kernels.blackwell.forward_op:blackwell_attention"),
 ]

@@ -19,7 +19,8 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
     import dataclasses
     import os
 
-    from fp4attn.kernels.hopper.forward_op import P_MODES, launch_forward
+    from fp4attn.routing import P_MODES
+    from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.routing import ForwardLaunch, override_launch
 
     # the Triton kernel with pointer loads, and with TMA and PV added in float32 (the
@@ -70,7 +71,8 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
     import dataclasses
     import os
     import torch
-    from fp4attn.kernels.hopper.forward_op import P_MODES, launch_forward
+    from fp4attn.routing import P_MODES
+    from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.routing import ForwardLaunch, override_launch
 
     # the Triton kernel with pointer loads, and with TMA and PV added in float32 (the

@@ -236,7 +236,8 @@ def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, overlap, l
     tensor cores too (both sum QK^T without promotion); and `launch_forward` routes
     the recipes its launch table marks to it with the same result."""
     from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
-    from fp4attn.kernels.hopper.forward_op import P_MODES, launch_forward
+    from fp4attn.routing import P_MODES
+    from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 
     r = PRESETS[recipe]

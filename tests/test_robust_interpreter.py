@@ -61,7 +61,8 @@ FORWARD = textwrap.dedent('''
     import dataclasses
     import torch
     from fp4attn.cli.accuracy import make_inputs
-    from fp4attn.kernels.hopper.forward_op import _p_mode, launch_forward
+    from fp4attn.kernels.hopper.forward_op import launch_forward
+    from fp4attn.routing import p_mode as _p_mode
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import PRESETS
     from fp4attn.reference import reference_forward

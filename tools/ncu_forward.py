@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from fp4attn.kernels.hopper.forward_op import P_MODES, launch_forward
+from fp4attn.routing import P_MODES
+from fp4attn.kernels.hopper.forward_op import launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import PRESETS
 

@@ -24,7 +24,8 @@ from fp4attn.tools.benchmark import parse_shapes, sdpa, time_cudnn_fp8, time_ms,
 
 SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 32768, 128),
           (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
-RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8", "fp8-directp-fastacc", "fp8-fastacc"]
+RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8", "fp8-directp-fastacc", "fp8-fastacc", "nvfp4-fp8-robust",
+           "directp-robust"]
 CAUSAL_MODES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
 # torch.compile's modes (--model-step-compile): a typo fails at parsing, not after the bench
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -48,7 +49,8 @@ def check_recipe(recipe, q, k, v, causal: bool) -> float:
 def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, partial: Path | None = None) -> list[dict]:
     """Time every implementation on every (shape, causal); `partial` gets the records
     written after each shape, so a cut-short run keeps what it measured."""
-    from fp4attn.kernels.hopper.forward_op import P_MODES, hopper_attention, launch_forward
+    from fp4attn.kernels.hopper.forward_op import hopper_attention, launch_forward
+    from fp4attn.routing import p_mode
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
 
@@ -71,7 +73,7 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
             recipe = (variants or {}).get(name) or get_recipe(name)
             cos = check_recipe(recipe, q, k, v, causal)
             ops = prepare_operands_fused(q, k, v, recipe)  # the operands `hopper_attention` runs on
-            mode = P_MODES[(recipe.p, recipe.p_build)]
+            mode = p_mode(recipe)
             scale = D**-0.5
             offset = 0 if causal else None
             timed[(name, False)] = time_ms(lambda: launch_forward(ops, scale=scale, causal_offset=offset, p_mode=mode))

@@ -19,7 +19,8 @@ from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, padded_vt_rows, tma_loadable
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe, robust_unsupported_reason
-from fp4attn.routing import P_MODES, forward_launch
+from fp4attn.routing import HOPPER_ROBUST_FIELDS, forward_launch, hopper_robust_unsupported
+from fp4attn.routing import p_mode as _p_mode
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
 
 def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescriptor] | None:
@@ -101,28 +102,6 @@ def _hopper_attention_op(
     ops = prepare_operands_fused(q, k, v, recipe, scale=scale)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
                           p_mode=_p_mode(recipe), write_p=write_p, key_bias=key_bias)
-
-
-# the outlier-robust fields the Hopper forward applies: the fused quantizers' and Direct-P
-# with the blocks' top keys apart (P_MODE 3)
-HOPPER_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six", "qk_fallback", "p_sink")
-P_MODE_DIRECTP_SINK = 3
-
-
-def _p_mode(recipe: Recipe) -> int:
-    if recipe.p_sink:
-        if recipe.p_build != "directp":
-            raise ValueError(f"the Hopper kernels build p_sink P by Direct-P only, got p_build={recipe.p_build!r}")
-        return P_MODE_DIRECTP_SINK
-    return P_MODES[(recipe.p, recipe.p_build)]
-
-
-def hopper_robust_unsupported(recipe: Recipe) -> str | None:
-    """Why the Hopper forward cannot apply `recipe`'s robust fields, or None (for the
-    routing's reasons)."""
-    if recipe.p_sink and recipe.p_build != "directp":
-        return "p_sink with p_build='exp2' (the kernels build p_sink P by Direct-P)"
-    return robust_unsupported_reason(recipe, HOPPER_ROBUST_FIELDS)
 
 
 @_hopper_attention_op.register_fake

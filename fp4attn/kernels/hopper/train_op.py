@@ -34,11 +34,9 @@ from fp4attn.kernels.hopper.quantize import (
 from fp4attn.recipes import Recipe, robust_unsupported_reason
 from fp4attn.reference.backward import DS_BLOCK, refuse_double_backward
 from fp4attn.reference.forward import LOG2E
+# the outlier-robust fields the training kernels apply (`routing.HOPPER_TRAIN_ROBUST_FIELDS`)
+from fp4attn.routing import HOPPER_TRAIN_ROBUST_FIELDS as TRAIN_ROBUST_FIELDS
 from fp4attn.routing import P_MODES, backward_launch
-
-# the outlier-robust fields the training kernels apply (the NVFP4 payload carries them; the
-# FP8 Q/K fallback would need FP8 views of Q and K in the backward kernels)
-TRAIN_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six")
 
 
 def quantize_for_training(q, k, v, v_fmt: str, smooth_k: bool = False,
