@@ -72,9 +72,9 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
         for name in list(recipes) + list(variants or {}):
             recipe = (variants or {}).get(name) or get_recipe(name)
             cos = check_recipe(recipe, q, k, v, causal)
-            ops = prepare_operands_fused(q, k, v, recipe)  # the operands `hopper_attention` runs on
-            mode = p_mode(recipe)
             scale = D**-0.5
+            ops = prepare_operands_fused(q, k, v, recipe, scale)  # the operands `hopper_attention` runs on
+            mode = p_mode(recipe)
             offset = 0 if causal else None
             timed[(name, False)] = time_ms(lambda: launch_forward(ops, scale=scale, causal_offset=offset, p_mode=mode))
             timed[(name, True)] = time_ms(lambda: hopper_attention(q, k, v, recipe, scale=scale,

@@ -26,8 +26,8 @@ def _fwd_bwd(impl: str):
     from fp4attn.api import attention
 
     if impl.startswith("sdpa-"):
-        sdpa = sdpa(impl)
-        return lambda q, k, v: sdpa(q, k, v, True)
+        baseline = sdpa(impl)
+        return lambda q, k, v: baseline(q, k, v, True)
     return lambda q, k, v: attention(q, k, v, recipe=impl, causal=True, backend="triton")
 
 
