@@ -1,9 +1,9 @@
-"""`fp4attn compile-report`: compile every routed Blackwell kernel for sm_100a (or
-sm_120a) on this machine, no GPU needed, and report what each build uses: registers and
-spills (ptxas-blackwell -v), shared memory and tensor-memory columns (the compiler's
-metadata), the tensor-core instruction kinds in its PTX, and a predicted B200 ceiling
-per key tile from its machine code (`tools.machine_code_sm100.predict_tile`: a
-prediction, not a measurement)."""
+"""`fp4attn compile-report`: compile every routed Blackwell kernel for sm_100a (B200,
+GB200), sm_103a (B300) or sm_120a (consumer Blackwell, not routed) on this machine, no
+GPU needed, and report what each build uses: registers and spills (ptxas-blackwell -v),
+shared memory and tensor-memory columns (the compiler's metadata), the tensor-core
+instruction kinds in its PTX, and a predicted B200 ceiling per key tile from its machine
+code (`tools.machine_code_sm100.predict_tile`: a prediction, not a measurement)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def build_report(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, key_bi
                tmem_columns=rep.tmem_columns, mma_kinds=rep.mma_kinds,
                e2m1_cvt=rep.ptx.count("cvt.rn.satfinite.e2m1x2.f32"),
                block_m=launch.block_m, warps=launch.warps, stages=launch.stages)
-    if arch == "sm_100a":
+    if arch == "sm_100a":  # the B200 model reads the SASS
         rec["prediction"] = predict_tile(rep, qk_fp4=qk_fp4, pv_fp4=pv_fp4, head_dim=head_dim,
                                          block_m=launch.block_m, block_n=KEY_TILE, warps=launch.warps)
     return rec
@@ -123,7 +123,8 @@ def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", choices=("sm_100a", "sm_120a"), default="sm_100a", help="target to compile for")
+    p.add_argument("--arch", choices=("sm_100a", "sm_103a", "sm_120a"), default="sm_100a",
+                   help="target to compile for (sm_120a: consumer Blackwell, not routed)")
     p.add_argument("--no-key-bias", action="store_true", help="skip the key-mask builds (half the compile time)")
     p.add_argument("--json", type=Path, default=None, help="write the records as JSON")
 

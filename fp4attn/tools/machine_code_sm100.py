@@ -22,7 +22,9 @@ from triton.compiler import ASTSource
 
 from fp4attn.kernels.blackwell.forward_triton import attn_fwd_sm100_kernel
 
-ARCHS = {"sm_100a": 100, "sm_120a": 120}
+ARCHS = {"sm_100a": 100, "sm_103a": 103, "sm_120a": 120}
+# the bundled cuobjdump (CUDA 12.8's) disassembles these; sm_103a cubins it refuses
+SASS_ARCHS = ("sm_100a", "sm_120a")
 _BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 
 _POINTERS = ("Q", "QSC", "K", "KSC", "QS", "KS", "V", "VSC", "VS", "O", "LSE", "P_DBG", "KB")
@@ -138,11 +140,13 @@ class BlackwellReport:
 
 
 def inspect(kernel, arch: str = "sm_100a") -> BlackwellReport:
-    """Registers, spills, shared and tensor memory, MMA kinds and SASS of a compiled kernel."""
+    """Registers, spills, shared and tensor memory, MMA kinds and SASS (empty where the
+    bundled cuobjdump cannot read the target) of a compiled kernel."""
     regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"], arch)
     md = kernel.metadata
+    sass = sass_of(kernel.asm["cubin"]) if arch in SASS_ARCHS else ""
     return BlackwellReport(regs, spill_st + spill_ld, int(md.shared), int(getattr(md, "tmem_size", 0) or 0),
-                           mma_kinds(kernel.asm["ptx"]), kernel.asm["ptx"], sass_of(kernel.asm["cubin"]))
+                           mma_kinds(kernel.asm["ptx"]), kernel.asm["ptx"], sass)
 
 
 def per_element(loop: list[str], elements_per_thread: int) -> tuple[float, Counter]:
