@@ -360,6 +360,10 @@ def _masks(family_masks: tuple[str, ...], check: Callable[[Recipe, int], str | N
 # kernels build for sm_100a and sm_103a alike (`fp4attn compile-report --arch sm_103a`)
 BLACKWELL_TARGETS = ("sm_100", "sm_103")
 
+# the robust fields the Blackwell forward applies (in its quantizers: the reference's
+# `robust_qk`); K smoothing and 4/6 scales also in training (the saved NVFP4 payload)
+BLACKWELL_FORWARD_ROBUST_FIELDS = ("smooth_k", "rotate_qk", "qk_four_over_six")
+
 # the Blackwell forward's (P, P build, V): MXFP4 P by Direct-P with MXFP4 V on the FP4
 # tensor cores, or FP8 P from exp2 with FP8 V on the FP8 tensor cores
 BLACKWELL_PV = (("mxfp4", "directp", "mxfp4"), ("fp8", "exp2", "fp8"))
@@ -373,7 +377,7 @@ def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "no
         # Direct-P): a thread holds its row's 64 keys of the key bias beside their
         # per-token key scales, the S tile and the output accumulator
         return "a key mask with FP8 Q/K at head_dim 128 (the Blackwell build would spill registers)"
-    robust = robust_unsupported_reason(recipe)
+    robust = robust_unsupported_reason(recipe, BLACKWELL_FORWARD_ROBUST_FIELDS)
     if robust is not None:
         return robust
     if recipe.qk not in ("fp8", "nvfp4"):

@@ -16,9 +16,9 @@ import triton
 
 from fp4attn.kernels.blackwell.forward_triton import attn_fwd_sm100_kernel
 from fp4attn.kernels.blackwell.operands import BLOCK_N, BlackwellOperands, prepare_operands
-from fp4attn.recipes import Recipe
+from fp4attn.recipes import Recipe, robust_unsupported_reason
 from fp4attn.reference.forward import LOG2E
-from fp4attn.routing import blackwell_forward_launch, interpreting
+from fp4attn.routing import BLACKWELL_FORWARD_ROBUST_FIELDS, blackwell_forward_launch, interpreting
 
 
 def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int | None,
@@ -68,14 +68,18 @@ def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int |
 def _blackwell_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
     causal_offset: int, causal: bool, scale: float, write_p: bool, key_bias: Optional[torch.Tensor],
+    smooth_k: bool = False, rotate_qk: str = "", four_over_six: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ops = prepare_operands(q, k, v, Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build))
+    recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, smooth_k=smooth_k, rotate_qk=rotate_qk or None,
+                    qk_four_over_six=four_over_six)
+    ops, scale = prepare_operands(q, k, v, recipe, scale)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None, key_bias=key_bias,
                           write_p=write_p)
 
 
 @_blackwell_attention_op.register_fake
-def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key_bias):
+def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key_bias, smooth_k=False, rotate_qk="",
+      four_over_six=False):
     B, H, Sq, D = q.shape
     block_m = blackwell_forward_launch(D, causal).block_m
     sq_pad = -(-Sq // block_m) * block_m
@@ -87,6 +91,12 @@ def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key
 def blackwell_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, write_p: bool = False):
     """Quantize bf16/fp16/fp32 (B, H, S, D) inputs (D 64 or 128) and run the Blackwell
-    forward: (out bf16, lse fp32, P tile or empty; see `launch_forward`)."""
+    forward: (out bf16, lse fp32, P tile or empty; see `launch_forward`). Of the robust
+    fields it applies those of `routing.BLACKWELL_FORWARD_ROBUST_FIELDS` (in the
+    quantizers) and refuses the others, never running another recipe."""
+    reason = robust_unsupported_reason(recipe, BLACKWELL_FORWARD_ROBUST_FIELDS)
+    if reason is not None:
+        raise ValueError(f"blackwell_attention: {reason}; the reference runs it")
     return _blackwell_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0,
-                                   causal_offset is not None, scale, bool(write_p), key_bias)
+                                   causal_offset is not None, scale, bool(write_p), key_bias, recipe.smooth_k,
+                                   recipe.rotate_qk or "", recipe.qk_four_over_six)

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from fp4attn.formats import quantize_fp8, quantize_mxfp4
 from fp4attn.formats.constants import E8M0_BIAS, E8M0_NAN, MX_BLOCK
 from fp4attn.recipes import Recipe
-from fp4attn.reference.operands import quantize_qk, v_window
+from fp4attn.reference.forward import robust_qk
+from fp4attn.reference.operands import QKOperand, v_window
 
 # the key tile of the Blackwell forward: Recipe.block_n of every preset it runs
 BLOCK_N = 128
@@ -58,9 +59,8 @@ class BlackwellOperands:
         return self.v_sc is not None
 
 
-def _qk(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    op = quantize_qk(x, fmt)
-    scale = op.scale.expand(*x.shape[:-1], 1).squeeze(-1).float().contiguous()
+def _qk(op: QKOperand, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    scale = op.scale.expand(*op.values.shape[:-1], 1).squeeze(-1).float().contiguous()
     if fmt == "nvfp4":
         return op.payload.data.contiguous(), op.payload.scale.contiguous(), scale
     if fmt == "fp8":
@@ -90,10 +90,18 @@ def quantize_v_fp8_t(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return vt.contiguous(), q.scale.squeeze(-1).float().contiguous()
 
 
-def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe) -> BlackwellOperands:
-    """The operands of `recipe` for the Blackwell forward, quantized by the reference."""
-    qv, q_sc, qs = _qk(q, recipe.qk)
-    kv, k_sc, ks = _qk(k, recipe.qk)
+def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe,
+                     scale: float) -> tuple[BlackwellOperands, float]:
+    """The operands of `recipe` for the Blackwell forward, quantized by the reference
+    (with its K smoothing, Hadamard rotation and 4/6 block scales where the recipe asks
+    for them, `reference.forward.robust_qk`), and the softmax scale that goes with them
+    (the rotation folds a power of two into it)."""
+    if recipe.qk_fallback is not None or recipe.p_sink or recipe.smooth_v:
+        raise ValueError(f"the Blackwell forward does not apply qk_fallback, p_sink or smooth_v (recipe "
+                         f"{recipe.name!r})")
+    q_op, k_op, scale, _ = robust_qk(q, k, recipe, scale)
+    qv, q_sc, qs = _qk(q_op, recipe.qk)
+    kv, k_sc, ks = _qk(k_op, recipe.qk)
     if recipe.v == "mxfp4":
         vv, v_sc = quantize_v_mxfp4_packed(v)
         vs = None
@@ -102,4 +110,4 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         v_sc = None
     else:
         raise ValueError(f"the Blackwell forward reads V in 'mxfp4' or 'fp8', not {recipe.v!r}")
-    return BlackwellOperands(qv, q_sc, kv, k_sc, qs, ks, vv, v_sc, vs)
+    return BlackwellOperands(qv, q_sc, kv, k_sc, qs, ks, vv, v_sc, vs), scale
