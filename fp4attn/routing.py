@@ -269,6 +269,19 @@ def p_mode(recipe: Recipe) -> int:
     return P_MODES[(recipe.p, recipe.p_build)]
 
 
+def _shape_unsupported(recipe: Recipe, head_dim: int) -> str | None:
+    """What every kernel family shares: consistent normalization, the key tile, the head
+    dims (`kernel_head_dim`)."""
+    if not recipe.consistent_norm:
+        return "consistent_norm=False (kernels sum the represented P values)"
+    if recipe.block_n != KEY_TILE:
+        return f"block_n={recipe.block_n} (kernels tile {KEY_TILE} keys)"
+    if kernel_head_dim(head_dim) is None:
+        return (f"head_dim {head_dim} (kernels run multiples of 16 up to {HOPPER_HEAD_DIMS[-1]}; below 64 and 128 "
+                "zero-padded)")
+    return None
+
+
 def hopper_robust_unsupported(recipe: Recipe, fields: tuple[str, ...] = HOPPER_ROBUST_FIELDS) -> str | None:
     """Why the Hopper kernels cannot apply `recipe`'s robust fields (they apply
     `fields`), or None."""
@@ -288,14 +301,7 @@ def hopper_forward_unsupported(recipe: Recipe, head_dim: int) -> str | None:
         return f"P {recipe.p!r} built by {recipe.p_build!r} (kernels run {sorted(P_MODES)})"
     if recipe.v not in ("fp8", "mxfp4"):
         return f"V format {recipe.v!r} (kernels run 'fp8' and 'mxfp4')"
-    if not recipe.consistent_norm:
-        return "consistent_norm=False (kernels sum the represented P values)"
-    if recipe.block_n != KEY_TILE:
-        return f"block_n={recipe.block_n} (kernels tile {KEY_TILE} keys)"
-    if kernel_head_dim(head_dim) is None:
-        return (f"head_dim {head_dim} (kernels run multiples of 16 up to {HOPPER_HEAD_DIMS[-1]}; below 64 and 128 "
-                "zero-padded)")
-    return None
+    return _shape_unsupported(recipe, head_dim)
 
 
 def hopper_train_unsupported(recipe: Recipe, head_dim: int) -> str | None:
@@ -385,14 +391,7 @@ def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "no
     if (recipe.p, recipe.p_build, recipe.v) not in BLACKWELL_PV:
         return (f"P {recipe.p!r} built by {recipe.p_build!r} with V {recipe.v!r} (Blackwell kernels run "
                 f"{list(BLACKWELL_PV)})")
-    if not recipe.consistent_norm:
-        return "consistent_norm=False (kernels sum the represented P values)"
-    if recipe.block_n != KEY_TILE:
-        return f"block_n={recipe.block_n} (kernels tile {KEY_TILE} keys)"
-    if kernel_head_dim(head_dim) is None:
-        return (f"head_dim {head_dim} (kernels run multiples of 16 up to {HOPPER_HEAD_DIMS[-1]}; below 64 and 128 "
-                "zero-padded)")
-    return None
+    return _shape_unsupported(recipe, head_dim)
 
 
 BLACKWELL_TRAIN_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six")

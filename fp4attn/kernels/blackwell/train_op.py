@@ -27,9 +27,12 @@ from fp4attn.kernels.hopper.train_op import (
     backward_operands,
     launch_backward,
     quantize_for_training,
+    setup_train_context,
+    train_backward_fake,
+    train_backward_formula,
+    train_forward_fake,
 )
 from fp4attn.recipes import Recipe, robust_unsupported_reason
-from fp4attn.reference.backward import refuse_double_backward
 
 
 @torch.library.custom_op("fp4attn::blackwell_train_forward", mutates_args=())
@@ -58,17 +61,7 @@ def _train_forward_op(
             *saved[6:])
 
 
-@_train_forward_op.register_fake
-def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, smooth_k=False, four_over_six=False):
-    B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    f32, u8, i32, e4m3 = torch.float32, torch.uint8, torch.int32, torch.float8_e4m3fn
-    return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
-            q.new_empty((B, H, Sq, D // 2), dtype=u8), q.new_empty((B, H, Sq, D // 16), dtype=e4m3),
-            q.new_empty((B, Hkv, Sk, D // 2), dtype=u8), q.new_empty((B, Hkv, Sk, D // 16), dtype=e4m3),
-            q.new_empty((B, H), dtype=f32), q.new_empty((B, Hkv), dtype=f32),
-            q.new_empty((B, H, D), dtype=i32), q.new_empty((B, Hkv, D), dtype=i32),
-            q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32))
+_train_forward_op.register_fake(train_forward_fake)
 
 
 @torch.library.custom_op("fp4attn::blackwell_train_backward", mutates_args=())
@@ -86,32 +79,9 @@ def _train_backward_op(
         return launch_backward(ops, lse, p, p_build, causal_offset, causal, scale, (dq_dtype, dk_dtype, dv_dtype))
 
 
-@_train_backward_op.register_fake
-def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts, p, p_build,
-      causal_offset, causal, scale, dq_dtype, dk_dtype, dv_dtype):
-    kshape = (*k_codes.shape[:-1], k_codes.shape[-1] * 2)
-    return (dout.new_empty(dout.shape, dtype=dq_dtype), dout.new_empty(kshape, dtype=dk_dtype),
-            dout.new_empty(kshape, dtype=dv_dtype))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale, *_robust = inputs
-    ctx.save_for_backward(*output)  # out, lse and the quantized operands
-    ctx.set_materialize_grads(False)
-    ctx.args = (p, p_build, causal_offset, causal, scale)
-    ctx.dtypes = (q.dtype, k.dtype, v.dtype)
-
-
-def _backward(ctx, dout, *_unused):
-    """Gradients of q, k, v (in their dtypes) from the output's."""
-    refuse_double_backward("fp4attn.attention (the Blackwell training kernels)")
-    if dout is None:  # the output was not used: no gradient flows to q, k, v
-        return (None,) * 12
-    grads = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
-    return tuple(grads) + (None,) * 9
-
-
-_train_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_train_backward_op.register_fake(train_backward_fake)
+_train_forward_op.register_autograd(train_backward_formula(_train_backward_op, "Blackwell"),
+                                   setup_context=setup_train_context)
 
 
 def blackwell_train_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None):

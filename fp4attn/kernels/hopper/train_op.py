@@ -78,8 +78,10 @@ def _train_forward_op(
             *saved[6:])
 
 
-@_train_forward_op.register_fake
-def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, smooth_k=False, four_over_six=False):
+def train_forward_fake(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, smooth_k=False,
+                       four_over_six=False):
+    """The training forward op's fake implementation (shapes and dtypes of the output and
+    the saved payload); shared by every target's training op."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     f32, u8, i32, e4m3 = torch.float32, torch.uint8, torch.int32, torch.float8_e4m3fn
@@ -221,15 +223,22 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     return dq, dk, dv
 
 
-@_train_backward_op.register_fake
-def _(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts, p, p_build,
-      causal_offset, causal, scale, dq_dtype, dk_dtype, dv_dtype):
+_train_forward_op.register_fake(train_forward_fake)
+
+
+def train_backward_fake(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts, p,
+                        p_build, causal_offset, causal, scale, dq_dtype, dk_dtype, dv_dtype):
+    """The training backward op's fake implementation; shared by every target's."""
     kshape = (*k_codes.shape[:-1], k_codes.shape[-1] * 2)
     return (dout.new_empty(dout.shape, dtype=dq_dtype), dout.new_empty(kshape, dtype=dk_dtype),
             dout.new_empty(kshape, dtype=dv_dtype))
 
 
-def _setup_context(ctx, inputs, output):
+_train_backward_op.register_fake(train_backward_fake)
+
+
+def setup_train_context(ctx, inputs, output):
+    """The training forward op's autograd context, for every target's op."""
     q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale = inputs[:10]  # then the robust flags
     ctx.save_for_backward(*output)  # out, lse and the quantized operands
     # the LSE and the saved operands get no gradient: left None, not filled with zeros
@@ -239,20 +248,24 @@ def _setup_context(ctx, inputs, output):
     ctx.dtypes = (q.dtype, k.dtype, v.dtype)
 
 
-def _backward(ctx, dout, *_unused):
-    """Gradients of q, k, v (in their dtypes) from the output's; the LSE and the saved
-    operands are not differentiable outputs."""
-    refuse_double_backward("fp4attn.attention (the Hopper training kernels)")
-    if dout is None:  # the output was not used: no gradient flows to q, k, v
-        return (None,) * 12
-    grads = _train_backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
-    return tuple(grads) + (None,) * 9
+def train_backward_formula(backward_op, kernels: str):
+    """The training forward op's autograd formula, running `backward_op`: gradients of q,
+    k, v (in their dtypes) from the output's; the LSE and the saved operands are not
+    differentiable outputs, and a second derivative is refused."""
+    def backward(ctx, dout, *_unused):
+        refuse_double_backward(f"fp4attn.attention (the {kernels} training kernels)")
+        if dout is None:  # the output was not used: no gradient flows to q, k, v
+            return (None,) * 12
+        grads = backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
+        return tuple(grads) + (None,) * 9
+    return backward
 
 
 # autograd registered on the op itself (not an autograd.Function around it): under
 # torch.compile the Function's traced backward received a zero output gradient
 # (AOTAutograd, torch 2.11; scripts/diagnose_compile.py), the op-level formula does not
-_train_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_train_forward_op.register_autograd(train_backward_formula(_train_backward_op, "Hopper"),
+                                   setup_context=setup_train_context)
 
 
 def hopper_train_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None):
