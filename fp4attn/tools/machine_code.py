@@ -187,9 +187,11 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
 
 
 def compile_forward_ws(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p_hw_cvt: bool = True,
-                       stages: int = 2, overlap: int = 1):
+                       stages: int = 2, overlap: int = 1, lengths=("H", "Sq", "Sk")):
     """The compiled warp-specialized Gluon forward (`forward_gluon_ws.attn_fwd_ws_kernel`)
-    for one flag combination, at the launch `launch_forward_ws` gives it."""
+    for one flag combination, at the launch `launch_forward_ws` gives it, with the
+    integer arguments `lengths` specialized as multiples of 16 (as the JIT does when
+    they are)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fp4attn.kernels.hopper import forward_gluon_ws as fp
@@ -203,7 +205,7 @@ def compile_forward_ws(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal,
                   P_HW_CVT=p_hw_cvt, STAGES=stages, OVERLAP=overlap)
     src = GluonASTSource(fp.attn_fwd_ws_kernel, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
-                         attrs=_divisibility(sig, _pointers_and(sig, ("H", "Sq", "Sk"))))
+                         attrs=_divisibility(sig, _pointers_and(sig, tuple(lengths))))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128),
                           options=dict(num_warps=fp.WS_WARPS, maxnreg=fp.WS_MAXNREG))
 
@@ -264,6 +266,21 @@ def ptxas_messages(kernel) -> str:
         proc = subprocess.run([str(tool), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(d) / "k.cubin")],
                               capture_output=True, text=True, check=True)
     return proc.stdout + proc.stderr
+
+
+def warp_specialize_dispatch(sass: str) -> tuple[set[int], set[int]]:
+    """The SASS offsets of a warp-specialized kernel's partition dispatch, which Triton
+    generates: the worker warps' loads of their dispatch byte (`LDS.U8`) and the default
+    partition's stores of the dispatch word (`STS`) at the same shared-memory offset, the
+    word above the kernel's own allocations. The two sides are ordered by named barrier
+    1 (`BAR.SYNC` on both); compute-sanitizer's racecheck reports them as hazards
+    (benchmarks/results/h200-sanitize.txt)."""
+    loads = {int(m.group(1), 16): int(m.group(2), 16)
+             for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+LDS\.U8 R\d+, \[R\d+\+UR\d+\+0x([0-9a-f]+)\]", sass)}
+    stores = [(int(m.group(1), 16), int(m.group(2), 16))
+              for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+STS \[UR\d+\+0x([0-9a-f]+)\]", sass)]
+    words = {off + 4 for off in loads.values()}  # the byte of worker warp w is word - 4 + w, w >= 4
+    return set(loads), {pc for pc, off in stores if off in words}
 
 
 def inspect(kernel) -> KernelReport:
@@ -336,5 +353,5 @@ def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part
     if part == "dkdv":
         consts.update(IN_FLIGHT=in_flight, STAGED=staged)
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
-                         attrs=_divisibility(sig, _pointers_and(sig, ("H", "Sq", "Sk"))))
+                         attrs=_divisibility(sig, _pointers_and(sig, tuple(lengths))))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=maxnreg))
