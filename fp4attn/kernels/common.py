@@ -116,6 +116,21 @@ def p_fp8_exp2(x):
 
 
 @triton.jit
+def e2m1_classify(y):
+    """Direct-P's classifier: the E2M1 value (0, 0.5, ..., 6) of a log2 score y relative
+    to its block's exponent (y < 3), the number of the reference's thresholds y passes
+    (`reference.directp.directp_classify`, test for test), as a chain of seven compares
+    and selects. Shared by every generation's kernels."""
+    v = tl.where(y >= T_QUARTER, 0.5, 0.0)
+    v = tl.where(y >= T_075, 1.0, v)
+    v = tl.where(y >= T_125, 1.5, v)
+    v = tl.where(y >= T_175, 2.0, v)
+    v = tl.where(y >= T_25, 3.0, v)
+    v = tl.where(y >= T_35, 4.0, v)
+    return tl.where(y >= T_5, 6.0, v)
+
+
+@triton.jit
 def p_mxfp4_directp(x, KEY_AXIS: tl.constexpr, key_block=None):
     """MXFP4 P by Direct-P, as exact e4m3 values E2M1 * 2**(e_b + 8).
 
@@ -132,14 +147,7 @@ def p_mxfp4_directp(x, KEY_AXIS: tl.constexpr, key_block=None):
     e_b = tl.where(keep, e_b, 0.0)
     scale = tl.where(keep, ((e_b.to(tl.int32) + (P_OFFSET_LOG2 + 127)) << 23).to(tl.float32, bitcast=True), 0.0)
     y = x - e_b
-    v = tl.where(y >= T_QUARTER, 0.5, 0.0)
-    v = tl.where(y >= T_075, 1.0, v)
-    v = tl.where(y >= T_125, 1.5, v)
-    v = tl.where(y >= T_175, 2.0, v)
-    v = tl.where(y >= T_25, 3.0, v)
-    v = tl.where(y >= T_35, 4.0, v)
-    v = tl.where(y >= T_5, 6.0, v)
-    return v * scale
+    return e2m1_classify(y) * scale
 
 
 @triton.jit

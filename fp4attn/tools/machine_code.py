@@ -353,5 +353,5 @@ def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part
     if part == "dkdv":
         consts.update(IN_FLIGHT=in_flight, STAGED=staged)
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
-                         attrs=_divisibility(sig, _pointers_and(sig, tuple(lengths))))
+                         attrs=_divisibility(sig, _pointers_and(sig, ("H", "Sq", "Sk"))))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=maxnreg))

@@ -38,13 +38,7 @@ import triton.language as tl
 from fp4attn.kernels.common import (
     P_EMIN,
     P_OFFSET_LOG2,
-    T_075,
-    T_125,
-    T_175,
-    T_5,
-    T_25,
-    T_35,
-    T_QUARTER,
+    e2m1_classify,
     log2_scores,
     round_e4m3,
     round_e4m3_cvt,
@@ -108,13 +102,7 @@ def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.co
     # threshold, so its codes come out 0 without a per-element select
     e_b = tl.where(keep, e_b, 0.0)
     y = xb - e_b[:, :, None]
-    v = tl.where(y >= T_QUARTER, 0.5, 0.0)
-    v = tl.where(y >= T_075, 1.0, v)
-    v = tl.where(y >= T_125, 1.5, v)
-    v = tl.where(y >= T_175, 2.0, v)
-    v = tl.where(y >= T_25, 3.0, v)
-    v = tl.where(y >= T_35, 4.0, v)
-    v = tl.where(y >= T_5, 6.0, v)
+    v = e2m1_classify(y)
     e_i = e_b.to(tl.int32)
     pow2 = tl.where(keep, ((e_i + 127) << 23).to(tl.float32, bitcast=True), 0.0)
     # block sums of E2M1 values are exact (multiples of 0.5 up to 192); times 2**e_b exact
