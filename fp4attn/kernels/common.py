@@ -38,6 +38,38 @@ T_5 = tl.constexpr(directp.DIRECTP_THRESHOLDS[6])  # y >= log2(5): code 7 (6.0)
 
 
 @triton.jit
+def key_tile_bounds(start_m, Sk, causal_offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """(full, hi) of a forward program's query block `start_m`: keys below `full` are
+    visible to every row of the block, in whole tiles of BLOCK_N (no mask needed); keys
+    from `full` to `hi` are visible to some rows (masked tiles); causal: query i sees
+    keys j <= i + causal_offset."""
+    hi = Sk
+    full = Sk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        last = (start_m + 1) * BLOCK_M + causal_offset  # one past the last row's last key
+        first = start_m * BLOCK_M + causal_offset + 1  # one past the first row's last key
+        hi = tl.where(last < Sk, last, Sk)
+        full = tl.where(first < full, first, full)
+        full = tl.where(full > 0, full // BLOCK_N * BLOCK_N, 0)
+    return full, hi
+
+
+@triton.jit
+def _key_blocks(n_keys: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None):
+    """Each key's 32-key block number in a tile of `n_keys` keys along KEY_AXIS,
+    broadcastable to the tile: `key_block` itself where the caller passes one (Gluon
+    callers, in their layout), else made with tl.arange."""
+    blk = key_block
+    if blk is None:
+        if KEY_AXIS == 1:
+            blk = tl.arange(0, n_keys)[None, :] // 32
+        else:
+            blk = tl.arange(0, n_keys)[:, None] // 32
+    return blk
+
+
+@triton.jit
 def _block_max_32(x, KEY_AXIS: tl.constexpr, key_block=None):
     """Max over each block of 32 keys of a tile whose keys run along KEY_AXIS (1 in the
     forward's S tile, 0 in the backward's S^T tile), broadcast back to every element of
@@ -50,12 +82,7 @@ def _block_max_32(x, KEY_AXIS: tl.constexpr, key_block=None):
     eight values a thread holds in it (same SASS size as the reshape, checked).
     """
     n_keys: tl.constexpr = x.shape[KEY_AXIS]
-    blk = key_block
-    if blk is None:
-        if KEY_AXIS == 1:
-            blk = tl.arange(0, n_keys)[None, :] // 32
-        else:
-            blk = tl.arange(0, n_keys)[:, None] // 32
+    blk = _key_blocks(n_keys, KEY_AXIS, key_block)
     out = x  # every element is overwritten: each key is in one block
     for b in tl.static_range(n_keys // 32):
         mb = tl.max(tl.where(blk == b, x, -float("inf")), axis=KEY_AXIS)
@@ -175,12 +202,7 @@ def _block_max_and_top_p(x, KEY_AXIS: tl.constexpr, key_block=None):
     both broadcast to the block's keys: the exp2 once per block and row (an exp2 per
     element, selected for the top keys only, took one MUFU op per score element)."""
     n_keys: tl.constexpr = x.shape[KEY_AXIS]
-    blk = key_block
-    if blk is None:
-        if KEY_AXIS == 1:
-            blk = tl.arange(0, n_keys)[None, :] // 32
-        else:
-            blk = tl.arange(0, n_keys)[:, None] // 32
+    blk = _key_blocks(n_keys, KEY_AXIS, key_block)
     out = x
     top_p = x
     for b in tl.static_range(n_keys // 32):

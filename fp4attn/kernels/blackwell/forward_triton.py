@@ -39,6 +39,7 @@ from fp4attn.kernels.common import (
     P_EMIN,
     P_OFFSET_LOG2,
     e2m1_classify,
+    key_tile_bounds,
     log2_scores,
     round_e4m3,
     round_e4m3_cvt,
@@ -274,15 +275,7 @@ def attn_fwd_sm100_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # keys visible to every row of this block, in whole tiles: no mask needed
-    hi = Sk
-    full = Sk // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        last = (start_m + 1) * BLOCK_M + causal_offset  # one past the last row's last key
-        first = start_m * BLOCK_M + causal_offset + 1  # one past the first row's last key
-        hi = tl.where(last < Sk, last, Sk)
-        full = tl.where(first < full, first, full)
-        full = tl.where(full > 0, full // BLOCK_N * BLOCK_N, 0)
+    full, hi = key_tile_bounds(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
                               kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd,
