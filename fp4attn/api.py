@@ -99,12 +99,13 @@ def _log_once(message: str) -> None:
 def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, needs_grad: bool,
            attn_mask) -> tuple[routing.Route, torch.Tensor | None]:
     """The call's route (`fp4attn.routing`) and the attn_mask as a key mask for the
-    kernels, or None. The mask's content is looked at only when kernels could run."""
+    kernels, or None. The mask's content is looked at once, and not at all when the
+    reference was asked for."""
     requested = routing.requested_backend(backend)
-    kind, key_mask = ("none", None)
-    if attn_mask is not None:
-        kind = "other" if requested == "reference" else _mask_kind(attn_mask)[0]
-        key_mask = _mask_kind(attn_mask)[1] if kind == "key" else None
+    if attn_mask is not None and requested == "reference":
+        kind, key_mask = "other", None
+    else:
+        kind, key_mask = _mask_kind(attn_mask)
     r = routing.route(recipe, device=q.device, head_dim=q.shape[-1], causal=causal is not None,
                       needs_grad=needs_grad, mask=kind, backend=requested)
     if r.backend != "reference":
@@ -119,6 +120,16 @@ def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, ne
         # logging is a side effect a compiled graph cannot hold
         _log_once(f"recipe {recipe.name!r} runs on the reference backend: {r.reason}")
     return r, key_mask
+
+
+def _checked(q, k, v, attn_mask, causal, recipe, enable_gqa) -> tuple[Recipe, str | None, bool]:
+    """The arguments `attention` and `explain` share, validated: (the recipe, the causal
+    mode, whether any of q, k, v or a float attn_mask requires grad)."""
+    rec = get_recipe(recipe)
+    mode = normalize_causal(causal)
+    _validate(q, k, v, enable_gqa)
+    _validate_mask(attn_mask, q, k.shape[-2])
+    return rec, mode, any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
 
 
 def _launcher(spec: str):
@@ -147,12 +158,8 @@ def explain(
     `needs_grad` defaults to whether any of q, k, v requires grad. Arguments are
     validated as `attention` validates them.
     """
-    rec = get_recipe(recipe)
-    mode = normalize_causal(causal)
-    _validate(q, k, v, enable_gqa)
-    _validate_mask(attn_mask, q, k.shape[-2])
-    grad = any(t is not None and t.requires_grad for t in (q, k, v, attn_mask)) if needs_grad is None \
-        else bool(needs_grad)
+    rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa)
+    grad = requires_grad if needs_grad is None else bool(needs_grad)
     r, _ = _route(backend, q, rec, mode, grad, attn_mask)
     return {**r.as_dict(), "recipe": rec.name, "needs_grad": grad}
 
@@ -253,13 +260,9 @@ def attention(
     (on the reference); other recipes raise on backward, and so does a second
     derivative (create_graph=True).
     """
-    rec = get_recipe(recipe)
-    mode = normalize_causal(causal)
-    _validate(q, k, v, enable_gqa)
-    _validate_mask(attn_mask, q, k.shape[-2])
+    rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa)
     s = _resolve_scale(scale, q.shape[-1])
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                 for t in (q, k, v, attn_mask))
+    needs_grad = torch.is_grad_enabled() and requires_grad
     r, key_mask = _route(backend, q, rec, mode, needs_grad, attn_mask)
     if r.backend == "triton":
         out, lse = _kernel_attention(r, q, k, v, rec, mode, s, key_mask, needs_grad)
