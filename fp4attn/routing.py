@@ -338,10 +338,10 @@ def _hopper_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str)
 
 @dataclass(frozen=True)
 class KernelFamily:
-    """Kernels of one target and direction. `unsupported(recipe, head_dim, mask)` says
-    why they cannot run a call (mask: "none", "key" for a key-padding mask, "other"),
-    or None; `kernel(recipe, head_dim, causal, mask)` names what runs; `launcher` is
-    the "module:function" the api calls."""
+    """Kernels of one target and direction. `masks` are the mask kinds they take ("none",
+    "key" for a key-padding mask; never "other"); `unsupported(recipe, head_dim, mask)`
+    says why they cannot run a call with one of those, or None; `kernel(recipe, head_dim,
+    causal, mask)` names what runs; `launcher` is the "module:function" the api calls."""
 
     name: str
     targets: tuple[str, ...]
@@ -352,14 +352,13 @@ class KernelFamily:
     masks: tuple[str, ...] = field(default=("none", "key"))
 
 
-def _masks(family_masks: tuple[str, ...], check: Callable[[Recipe, int], str | None]):
-    def unsupported(recipe: Recipe, head_dim: int, mask: str) -> str | None:
-        if mask not in family_masks:
-            return ("an attn_mask that is not a key mask (the kernels take key masks, broadcastable as (B, 1, 1, Sk), "
-                    "for now)" if mask == "other" else "an attn_mask with a backward (the backward kernels take "
-                    "causal masks only, for now)")
-        return check(recipe, head_dim)
-    return unsupported
+def _mask_unsupported(family: KernelFamily, mask: str) -> str | None:
+    """Why `family` cannot take a mask of this kind, or None."""
+    if mask in family.masks:
+        return None
+    if mask == "other":
+        return "an attn_mask that is not a key mask (the kernels take key masks, broadcastable as (B, 1, 1, Sk), for now)"
+    return "an attn_mask with a backward (the backward kernels take causal masks only, for now)"
 
 
 # datacenter Blackwell: B200/GB200 (compute capability 10.0) and B300/GB300 (10.3); the
@@ -426,24 +425,16 @@ def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask:
     return f"blackwell.forward_triton ({qk}, {pv})"
 
 
-def _blackwell_masks(family_masks: tuple[str, ...], check: Callable[[Recipe, int, str], str | None]):
-    """`_masks` for a check that also depends on the mask kind."""
-    def unsupported(recipe: Recipe, head_dim: int, mask: str) -> str | None:
-        return _masks(family_masks, lambda r, d: None)(recipe, head_dim, mask) or check(recipe, head_dim, mask)
-    return unsupported
-
-
 # In order: the first family whose target matches and that accepts the call runs it.
 KERNEL_FAMILIES: list[KernelFamily] = [
-    KernelFamily("hopper-train", ("sm_90",), True, _masks(("none",), hopper_train_unsupported),
+    KernelFamily("hopper-train", ("sm_90",), True, lambda r, d, m: hopper_train_unsupported(r, d),
                  _hopper_train_kernel, "fp4attn.kernels.hopper.train_op:hopper_train_attention", ("none",)),
-    KernelFamily("hopper-forward", ("sm_90",), False, _masks(("none", "key"), hopper_forward_unsupported),
+    KernelFamily("hopper-forward", ("sm_90",), False, lambda r, d, m: hopper_forward_unsupported(r, d),
                  _hopper_forward_kernel, "fp4attn.kernels.hopper.forward_op:hopper_attention"),
-    KernelFamily("blackwell-train", BLACKWELL_TARGETS, True, _blackwell_masks(("none",), blackwell_train_unsupported),
+    KernelFamily("blackwell-train", BLACKWELL_TARGETS, True, blackwell_train_unsupported,
                  _blackwell_train_kernel, "fp4attn.kernels.blackwell.train_op:blackwell_train_attention", ("none",)),
-    KernelFamily("blackwell-forward", BLACKWELL_TARGETS, False,
-                 _blackwell_masks(("none", "key"), blackwell_forward_unsupported), _blackwell_forward_kernel,
-                 "fp4attn.kernels.blackwell.forward_op:blackwell_attention"),
+    KernelFamily("blackwell-forward", BLACKWELL_TARGETS, False, blackwell_forward_unsupported,
+                 _blackwell_forward_kernel, "fp4attn.kernels.blackwell.forward_op:blackwell_attention"),
 ]
 
 
@@ -496,7 +487,7 @@ def route(recipe: Recipe, *, device, head_dim: int, causal: bool, needs_grad: bo
             what = "training kernels" if needs_grad else "kernels"
             reasons.append(f"no {what} are built for target {target}")
         for fam in families:
-            why = fam.unsupported(recipe, head_dim, mask)
+            why = _mask_unsupported(fam, mask) or fam.unsupported(recipe, head_dim, mask)
             if why is None:
                 return Route("triton", fam.kernel(recipe, head_dim, causal, mask), target,
                              f"{fam.name} kernels run recipe {recipe.name!r} at head_dim {head_dim} on {target}",
