@@ -44,8 +44,8 @@ def check(args) -> int:
     import torch
     import triton
 
-    from fp4attn.kernels.hopper.forward_cuda import (MEASURED, launch_forward_cuda, nvrtc_version,
-                                                     p_dump_buffer)
+    from fp4attn.kernels.hopper.forward_cuda import (EXACT_VARIANTS, MEASURED, launch_forward_cuda,
+                                                     nvrtc_version, p_dump_buffer)
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -93,11 +93,11 @@ def check(args) -> int:
                 v_same = (v_out == out).float().mean().item()
                 v_dlse = (v_lse[seen] - lse[seen]).abs().max().item() if seen.any() else 0.0
                 text = f"  {name}: identical to cuda={v_same:.6f} max|dlse|={v_dlse:.3g}"
-                exact = name in ("cvt", "isum")  # the same arithmetic: bit-identical or wrong
+                exact = name in EXACT_VARIANTS  # the same arithmetic: bit-identical or wrong
                 if exact:
                     v_ok = v_same == 1.0 and v_dlse == 0.0
-                else:
-                    v_ok = v_same >= 0.99 and v_dlse < 1e-3
+                else:  # other roundings (and l from the tensor cores' sums): outputs within a bf16 ulp
+                    v_ok = v_same >= 0.9 and v_dlse < 1e-3 and (v_out.float() - out.float()).abs().max().item() < 3e-2
                 if base_p is not None:
                     v_p = p_dump_buffer(ops)
                     launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=v_p, **kw)
@@ -111,7 +111,7 @@ def check(args) -> int:
                              f"{frac_nz:.6f}; zero in cuda {zeros:.3f})")
                     v_ok = v_ok and (frac == 1.0 if exact else frac >= 0.999)  # the issue's bar
                 print(text + (" OK" if v_ok else " FAIL"), flush=True)
-                bad += exact and not v_ok
+                bad += not v_ok
             except Exception as e:
                 bad += 1
                 print(f"  {name}: {type(e).__name__}: {e}", flush=True)

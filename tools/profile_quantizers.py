@@ -33,7 +33,8 @@ n_bytes = 3 * q.numel() * 2  # bf16 Q, K, V read once
 copy_ms = bench(lambda: q.clone())
 print(f"(B,H,S,D) = {(B, H, S, D)}; copy of one bf16 operand {copy_ms:.3f} ms, "
       f"{2 * q.numel() * 2 / copy_ms * 1e-6:.0f} GB/s (read + write)\n")
-calls = {f"quantize for {r}": (lambda r=r: prepare_operands_fused(q, k, v, PRESETS[r])) for r in args.recipes.split(",")}
+calls = {f"quantize for {r}": (lambda r=r: prepare_operands_fused(q, k, v, PRESETS[r], scale=D**-0.5))
+         for r in args.recipes.split(",")}
 _, saved = quantize_for_training(q, k, v, "fp8")
 calls["train forward's quantization"] = lambda: quantize_for_training(q, k, v, "fp8")
 calls["backward operand views (train)"] = lambda: backward_operands(dout, out, *saved)

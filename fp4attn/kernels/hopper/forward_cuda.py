@@ -49,19 +49,23 @@ class Variant:
     stages: int = 2
     ablate_softmax: bool = False  # timing only: no softmax, wrong outputs (the kernel's ceiling)
     rowsum_int: bool = False  # the row sums' e4m3 -> f16 on the integer units (bit-identical)
+    # one FMA per score into exp2 and the row sums from the PV product (the kernel's header):
+    # P codes equal to the others' but for rounding, l with the tensor core's FP8 sums
+    fused_softmax: bool = False
     dump_p: bool = False  # checking only: every tile's P codes written to a buffer
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}",
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
-                f"-DDUMP_P={int(self.dump_p)}"]
+                f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DDUMP_P={int(self.dump_p)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
-        mbarriers, and 1024 bytes to align the tiles for the 128-byte swizzle."""
+        mbarriers, and 1024 bytes to align the tiles for the 128-byte swizzle (with
+        fused_softmax, 8 rows of ones after each V^T stage)."""
         d = self.head_dim
-        tiles = BLOCK_M * d + self.stages * 2 * BLOCK_N * d
+        tiles = BLOCK_M * d + self.stages * (2 * BLOCK_N * d + (8 * BLOCK_N if self.fused_softmax else 0))
         return 1024 + tiles + 2 * self.stages * BLOCK_N * 4 + (1 + 5 * self.stages) * 8
 
 
@@ -91,7 +95,9 @@ def measured_variants() -> list[Variant]:
 MEASURED = {
     "cvt": {"rowsum_int": False},
     "isum": {"rowsum_int": True},
+    "fused": {"fused_softmax": True},
 }
+EXACT_VARIANTS = ("cvt", "isum")  # the table launch's arithmetic: bit-identical results or wrong
 
 
 def all_variants() -> list[Variant]:
@@ -324,12 +330,13 @@ def p_dump_buffer(ops: KernelOperands) -> torch.Tensor:
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, stages: int | None = None,
                         ablate_softmax: bool = False, rowsum_int: bool | None = None,
-                        p_dump: torch.Tensor | None = None):
+                        fused_softmax: bool | None = None, p_dump: torch.Tensor | None = None):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
     To measure: stages, the ring depth (None: the table's); ablate_softmax, a timing-only
-    build without the softmax (its outputs are wrong); rowsum_int (None: the table's); p_dump, a
+    build without the softmax (its outputs are wrong); rowsum_int and fused_softmax (None: the
+    table's); p_dump, a
     `p_dump_buffer` that receives every tile's P codes."""
     reason = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
     if reason:
@@ -340,7 +347,8 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     variant = variant_for(D, causal_offset is not None, key_bias is not None)
     variant = dataclasses.replace(
         variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax,
-        rowsum_int=variant.rowsum_int if rowsum_int is None else rowsum_int, dump_p=p_dump is not None)
+        rowsum_int=variant.rowsum_int if rowsum_int is None else rowsum_int,
+        fused_softmax=variant.fused_softmax if fused_softmax is None else fused_softmax, dump_p=p_dump is not None)
     if p_dump is not None:
         need = (B * H, -(-Sq // BLOCK_M), -(-Sk // BLOCK_N), 256, 64)
         if p_dump.dtype != torch.uint8 or tuple(p_dump.shape) != need or not p_dump.is_contiguous():

@@ -29,8 +29,16 @@
 // scales, masks and causal limits use the permuted key index.
 //
 // Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES,
-// ROWSUM_INT (the row sums' e4m3 -> f16 on the integer units, same results), DUMP_P (a
-// checking build that writes P's codes) and ABLATE_SOFTMAX (a timing-only build). Variants
+// ROWSUM_INT (the row sums' e4m3 -> f16 on the integer units, same results), FUSED_SOFTMAX
+// (below), DUMP_P (a checking build that writes P's codes) and ABLATE_SOFTMAX (a
+// timing-only build).
+//
+// FUSED_SOFTMAX: FlashAttention-3's per-score work at the same P codes up to rounding:
+//   w = s * b_key (one rounded product), m = max(m, a_row * rowmax w),
+//   P = e4m3(exp2(fma(w, a_row, 8 - m))), and the row sums of P from the tensor cores:
+// V^T's shared tile carries 8 more rows of e4m3 ones, so the PV product (n = D + 8)
+// returns each row's sum of the represented P beside P V (consistent normalization, the
+// tensor core's FP8 accumulation as for P V itself: the fast_accum recipes' sums). Variants
 // measured and removed (an OVERLAP that ran the softmax over the warpgroup's own PV,
 // EXP_FOLD; exp2 in f16x2 and by a polynomial) are in docs/notes/hopper-cuda-forward.md.
 
@@ -51,6 +59,9 @@
 #endif
 #ifndef ROWSUM_INT
 #define ROWSUM_INT 0  // 1: the row sums' e4m3 -> f16 on the integer units (bit-identical results)
+#endif
+#ifndef FUSED_SOFTMAX
+#define FUSED_SOFTMAX 0  // 1: one FMA per score into exp2, row sums by the PV product (header)
 #endif
 #ifndef DUMP_P
 #define DUMP_P 0  // 1: a checking build that also writes every tile's P codes to p.p_dump
@@ -73,6 +84,11 @@ typedef unsigned short uint16_t;
 #define K_BYTES (BLOCK_N * HEAD_DIM)
 #define V_BYTES (HEAD_DIM * BLOCK_N)
 #define K_HALF_BYTES (K_BYTES / 2)
+// FUSED_SOFTMAX: each V^T stage is followed by 8 rows of e4m3 ones (written once), the
+// PV product's extra 8 columns; every one of them is the row sum of P
+#define ONES_BYTES (FUSED_SOFTMAX ? 8 * BLOCK_N : 0)
+#define V_STAGE_BYTES (V_BYTES + ONES_BYTES)
+#define PV_N (HEAD_DIM + (FUSED_SOFTMAX ? 8 : 0))
 
 struct __align__(64) TensorMap {
     uint64_t opaque[16];
@@ -197,6 +213,14 @@ __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// a float2 from shared memory by its shared-window address (a generic pointer took two
+// registers and a generic load, which waited on the long scoreboard)
+__device__ __forceinline__ float2 lds_f2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
 }
 
 __device__ __forceinline__ float lg2(float x) {
@@ -324,8 +348,50 @@ __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-#if HEAD_DIM == 128
+__device__ __forceinline__ void wgmma_rs_n136(float (&d)[68], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+        "%64, %65, %66, %67"
+        "}, {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_rs_n72(float (&d)[36], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35"
+        "}, {%36, %37, %38, %39}, %40, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+#if HEAD_DIM == 128 && FUSED_SOFTMAX
+#define wgmma_pv wgmma_rs_n136
+#elif HEAD_DIM == 128
 #define wgmma_pv wgmma_rs_n128
+#elif FUSED_SOFTMAX
+#define wgmma_pv wgmma_rs_n72
 #else
 #define wgmma_pv wgmma_rs_n64
 #endif
@@ -344,7 +410,7 @@ __device__ __forceinline__ Smem carve(unsigned char* raw) {
     s.q = smem_addr(base);
     s.k = s.q + Q_BYTES;
     s.v = s.k + STAGES * K_BYTES;
-    unsigned char* rest = base + Q_BYTES + STAGES * (K_BYTES + V_BYTES);
+    unsigned char* rest = base + Q_BYTES + STAGES * (K_BYTES + V_STAGE_BYTES);
     s.ks = (float*)rest;
     s.bias = s.ks + STAGES * BLOCK_N;
     uint32_t bars = smem_addr(s.bias + STAGES * BLOCK_N);
@@ -363,8 +429,10 @@ __device__ __forceinline__ Smem carve(unsigned char* raw) {
 // key 16 (n % 8) + 4q + 2 (n / 8) + b of the tile (the permuted K rows).
 template <bool MASKED>
 __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4], float (&m)[2], float (&l)[2],
-                                             float (&alpha)[2], const float (&a)[2], const float* ks_tile, int key0,
-                                             const int (&limit)[2], int q) {
+                                             float (&alpha)[2], const float (&a)[2], uint32_t ks_tile, int key0,
+                                             int lim0, int sk_last, int q) {
+    // the last key rows g and g + 8 see (limit[0] = lim0); kept as one register across the loop
+    const int limit[2] = {lim0, CAUSAL ? min(lim0 + 8, sk_last) : lim0};
 #if ABLATE_SOFTMAX
     // timing only (wrong values): P = 1 everywhere, no softmax work, so the kernel runs at
     // the ceiling of its loads, products and turn-taking
@@ -377,17 +445,86 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
     m[0] = m[1] = 0.0f;
     return;
 #endif
+#if FUSED_SOFTMAX
+    // w = s * b_key (with a key bias: t = fma(w, a, bias), and the row factor f = 1);
+    // the max over w scaled once per row; one FMA per score into exp2; no row sums here
+    // (the PV product returns them)
+    float f[2];
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
         const int kk = 16 * (n & 7) + 4 * q + 2 * (n >> 3);
-        const float2 kb = *(const float2*)(ks_tile + kk);
+        const float2 kb = lds_f2(ks_tile + 4 * kk);
+#if KEY_BIAS
+        const float2 bb = lds_f2(ks_tile + 4 * (STAGES * BLOCK_N + kk));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            s[4 * n + 2 * i] = fmaf(fmul_rn(s[4 * n + 2 * i], kb.x), a[i], bb.x);
+            s[4 * n + 2 * i + 1] = fmaf(fmul_rn(s[4 * n + 2 * i + 1], kb.y), a[i], bb.y);
+        }
+#else
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            s[4 * n + 2 * i] = fmul_rn(s[4 * n + 2 * i], kb.x);
+            s[4 * n + 2 * i + 1] = fmul_rn(s[4 * n + 2 * i + 1], kb.y);
+        }
+#endif
+        if (MASKED) {
+            const int key = key0 + kk;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                if (key > limit[i]) s[4 * n + 2 * i] = -__int_as_float(0x7f800000);
+                if (key + 1 > limit[i]) s[4 * n + 2 * i + 1] = -__int_as_float(0x7f800000);
+            }
+        }
+    }
+    float c[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        f[i] = KEY_BIAS ? 1.0f : a[i];
+        float mx[8];
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+            mx[n] = fmaxf(fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]),
+                          fmaxf(s[4 * (n + 8) + 2 * i], s[4 * (n + 8) + 2 * i + 1]));
+#pragma unroll
+        for (int w = 4; w > 0; w /= 2)
+#pragma unroll
+            for (int n = 0; n < w; ++n) mx[n] = fmaxf(mx[n], mx[n + w]);
+        float wmax = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], 1));
+        wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
+        const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
+        const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
+        alpha[i] = ex2(m[i] - m_use);
+        m[i] = row_max;
+        c[i] = fadd_rn(P_OFFSET, -m_use);
+    }
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // keys 32cc + 16 half + 4q + (0..3)
+            const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const uint32_t lo = e4m3x2(ex2(fmaf(s[4 * n_lo + 2 * i], f[i], c[i])),
+                                           ex2(fmaf(s[4 * n_lo + 2 * i + 1], f[i], c[i])));
+                const uint32_t hi = e4m3x2(ex2(fmaf(s[4 * n_hi + 2 * i], f[i], c[i])),
+                                           ex2(fmaf(s[4 * n_hi + 2 * i + 1], f[i], c[i])));
+                pa[cc][2 * half + i] = lo | (hi << 16);
+            }
+        }
+    }
+#else
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const int kk = 16 * (n & 7) + 4 * q + 2 * (n >> 3);
+        const float2 kb = lds_f2(ks_tile + 4 * kk);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             s[4 * n + 2 * i] = fmul_rn(fmul_rn(s[4 * n + 2 * i], a[i]), kb.x);
             s[4 * n + 2 * i + 1] = fmul_rn(fmul_rn(s[4 * n + 2 * i + 1], a[i]), kb.y);
         }
 #if KEY_BIAS
-        const float2 bb = *(const float2*)(ks_tile + STAGES * BLOCK_N + kk);  // the bias (after the scales): added before
+        const float2 bb = lds_f2(ks_tile + 4 * (STAGES * BLOCK_N + kk));  // the bias (after the scales): added before
         // hiding keys, as the reference does
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -484,6 +621,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         tile += __shfl_xor_sync(0xffffffffu, tile, 2);
         l[i] = l[i] * alpha[i] + tile;
     }
+#endif
 }
 
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint32_t k_tile) {
@@ -492,16 +630,21 @@ __device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint32
     for (int c = 0; c < HEAD_DIM / 32; ++c) wgmma_ss_n128(s, q_desc + 2 * c, k_desc + 2 * c, c > 0);
 }
 
-__device__ __forceinline__ void issue_pv(float (&pv)[HEAD_DIM / 2], const uint32_t (&pa)[4][4], uint32_t v_tile) {
+__device__ __forceinline__ void issue_pv(float (&pv)[PV_N / 2], const uint32_t (&pa)[4][4], uint32_t v_tile) {
     const uint64_t v_desc = smem_desc(v_tile, 1, BLOCK_N);
 #pragma unroll
     for (int c = 0; c < 4; ++c) wgmma_pv(pv, pa[c], v_desc + 2 * c, c > 0);
 }
 
-__device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&pv)[HEAD_DIM / 2],
-                                       const float (&alpha)[2]) {
+__device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&pv)[PV_N / 2],
+                                       const float (&alpha)[2], float (&l)[2]) {
 #pragma unroll
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = o[r] * alpha[(r >> 1) & 1] + pv[r];
+#if FUSED_SOFTMAX
+    // columns D .. D + 7 of the product are V^T's rows of ones: each the row sum of P
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + pv[HEAD_DIM / 2 + 2 * i];
+#endif
 }
 
 #if DUMP_P
@@ -519,21 +662,35 @@ __device__ __forceinline__ void dump_p(const Params& p, const uint32_t (&pa)[4][
 #define DUMP_TILE(j)
 #endif
 
+// The first of a consumer thread's two query rows, from %tid.x and %ctaid.x read again
+// (asm volatile: not merged with the loop's copy, so no register holds it across the
+// loop; held, it was spilled in the fused-softmax builds)
+__device__ __forceinline__ int thread_row0() {
+    int tid, cta, ncta;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
+    asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(ncta));
+    const int start_m = CAUSAL ? ncta - 1 - cta : cta;  // as block_plan
+    const int t = tid - 128, lane = t % 32;
+    return start_m * BLOCK_M + (t / 128) * 64 + 16 * ((t % 128) / 32) + lane / 4;
+}
+
 // One consumer warpgroup (1 or 2): rows 64 (wg - 1) .. of the block, every key tile of it.
 __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int tid, int wg, int start_m, int bh,
                                          int bhk, int full, int n_tiles) {
     const int Sq = p.Sq, Sk = p.Sk;
     const int cw = wg - 1;
     const int t = tid - 128 * wg, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
-    const int row[2] = {start_m * BLOCK_M + cw * 64 + 16 * warp + g, start_m * BLOCK_M + cw * 64 + 16 * warp + g + 8};
-    int limit[2];  // the last key each row sees
-#pragma unroll
-    for (int i = 0; i < 2; ++i) limit[i] = CAUSAL ? min(Sk - 1, row[i] + p.causal_offset) : Sk - 1;
+    const int row0 = start_m * BLOCK_M + cw * 64 + 16 * warp + g;
+    const int lim0 = CAUSAL ? min(Sk - 1, row0 + p.causal_offset) : Sk - 1;  // the last key row0 sees
     float a[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) a[i] = row[i] < Sq ? p.qs[(long long)bh * Sq + row[i]] * p.qk_scale : 0.0f;
+    // rows past Sq (never stored) take the smallest normal scale: every score of theirs is
+    // then 2**-126-small and a masked one still -inf (0 would make -inf * 0 a NaN P code)
+    for (int i = 0; i < 2; ++i)
+        a[i] = row0 + 8 * i < Sq ? p.qs[(long long)bh * Sq + row0 + 8 * i] * p.qk_scale : 1.17549435e-38f;
 
-    float s[64], pv[HEAD_DIM / 2], o[HEAD_DIM / 2];
+    float s[64], pv[PV_N / 2], o[HEAD_DIM / 2];
     uint32_t pa[4][4];  // P of the last softmax, PV's A operand
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.0f, 0.0f}, alpha[2];
 #pragma unroll
@@ -559,9 +716,9 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     if (lane == 0) mbar_arrive(sm.k_empty);
     mbar_wait(sm.ks_full, 0);
     if (0 >= full)
-        softmax_tile<true>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
+        softmax_tile<true>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q);
     else
-        softmax_tile<false>(s, pa, m, l, alpha, a, sm.ks, 0, limit, q);
+        softmax_tile<false>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q);
     DUMP_TILE(0);
 
     // tile j >= 1: QK^T_j and PV_{j-1} in one turn, both waited for, O updated, then the
@@ -575,7 +732,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         fence_regs(s);
         fence_regs(pv);
         wgmma_fence();
-        issue_pv(pv, pa, sm.v + prev * V_BYTES);
+        issue_pv(pv, pa, sm.v + prev * V_STAGE_BYTES);
         issue_qk(s, q_desc, sm.k + st * K_BYTES);
         wgmma_commit();
         other_turn_give();
@@ -586,13 +743,13 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
             mbar_arrive(sm.k_empty + 8 * st);
             mbar_arrive(sm.v_empty + 8 * prev);
         }
-        add_pv(o, pv, alpha);
+        add_pv(o, pv, alpha, l);
         mbar_wait(sm.ks_full + 8 * st, parity);
-        const float* ks_tile = sm.ks + st * BLOCK_N;
+        const uint32_t ks_tile = smem_addr(sm.ks + st * BLOCK_N);
         if (j * BLOCK_N >= full)
-            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
+            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q);
         else
-            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, limit, q);
+            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q);
         DUMP_TILE(j);
     }
 
@@ -603,17 +760,18 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         my_turn_wait();
         fence_regs(pv);
         wgmma_fence();
-        issue_pv(pv, pa, sm.v + st * V_BYTES);
+        issue_pv(pv, pa, sm.v + st * V_STAGE_BYTES);
         wgmma_commit();
         if (cw == 0) other_turn_give();  // consumer 1's turn is the last one
         wgmma_wait<0>();
         fence_regs(pv);
         if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
-        add_pv(o, pv, alpha);
+        add_pv(o, pv, alpha, l);
     }
 
     // -------------------------------------------------------------------- epilogue
     const float* vs = p.vs + (long long)bhk * HEAD_DIM;
+    const int row0e = thread_row0(), row[2] = {row0e, row0e + 8};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const float li = l[i];  // the whole row's (reduced over the quad every tile)
@@ -679,6 +837,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+#if FUSED_SOFTMAX
+    {  // the rows of ones after each V^T stage (e4m3 1.0 = 0x38; swizzling moves nothing in
+       // a row of equal bytes), made visible to the tensor cores' async proxy
+        const Smem sm = carve(smem_raw);
+        for (int w = tid; w < STAGES * ONES_BYTES / 4; w += THREADS) {
+            const uint32_t addr = sm.v + (w / (ONES_BYTES / 4)) * V_STAGE_BYTES + V_BYTES + 4 * (w % (ONES_BYTES / 4));
+            asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(0x38383838u) : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+#endif
     __syncthreads();
 
     if (wg == 0) {
@@ -704,7 +873,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
                             sm.k_full + 8 * st);
                 mbar_wait(sm.v_empty + 8 * st, free_parity);
                 mbar_expect_tx(sm.v_full + 8 * st, V_BYTES);
-                tma_load_2d(sm.v + st * V_BYTES, &p.v_map, j * BLOCK_N, bhk * HEAD_DIM, sm.v_full + 8 * st);
+                tma_load_2d(sm.v + st * V_STAGE_BYTES, &p.v_map, j * BLOCK_N, bhk * HEAD_DIM, sm.v_full + 8 * st);
             }
         } else if (warp == 1) {
             // key scales (and bias) of tile j into the stage whose V^T has been read: the

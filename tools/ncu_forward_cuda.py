@@ -1,0 +1,26 @@
+"""Launches of the CUDA forward (forward_cuda) for Nsight Compute: warm-up launches,
+then the profiled one (`--launch-skip 2 --launch-count 1`), on the bench operands.
+
+    ncu --set full --import-source no --clock-control none -k regex:attn_fwd_fp8 \\
+        --launch-skip 2 --launch-count 1 -o prof \\
+        python3 tools/ncu_forward_cuda.py [2,16,16384,128] [causal] [fused]
+    ncu -i prof.ncu-rep --page source --print-source sass --csv > sass.csv
+    python3 tools/ncu_sass_hotspots.py sass.csv
+"""
+
+import sys
+
+import torch
+
+from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+from fp4attn.recipes import PRESETS
+
+B, H, S, D = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "2,16,16384,128").split(","))
+causal = "causal" in sys.argv[2:]
+fused = "fused" in sys.argv[2:]
+q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+ops = prepare_operands_fused(q, k, v, PRESETS["fp8-fastacc"])
+for _ in range(3):
+    launch_forward_cuda(ops, scale=D**-0.5, causal_offset=0 if causal else None, fused_softmax=fused)
+torch.cuda.synchronize()
