@@ -52,13 +52,14 @@ class Variant:
     # one FMA per score into exp2 and the row sums from the PV product (the kernel's header):
     # P codes equal to the others' but for rounding, l with the tensor core's FP8 sums
     fused_softmax: bool = False
+    exp_poly: int = 0  # fused_softmax only: column groups (of 16) whose exp2 is a polynomial on the FMA units
     dump_p: bool = False  # checking only: every tile's P codes written to a buffer
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}",
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
-                f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DDUMP_P={int(self.dump_p)}"]
+                f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}", f"-DDUMP_P={int(self.dump_p)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
@@ -96,6 +97,7 @@ MEASURED = {
     "cvt": {"rowsum_int": False},
     "isum": {"rowsum_int": True},
     "fused": {"fused_softmax": True},
+    "fpoly4": {"fused_softmax": True, "exp_poly": 4},  # a quarter of the exp2s on the FMA units
 }
 EXACT_VARIANTS = ("cvt", "isum")  # the table launch's arithmetic: bit-identical results or wrong
 
@@ -330,7 +332,7 @@ def p_dump_buffer(ops: KernelOperands) -> torch.Tensor:
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, stages: int | None = None,
                         ablate_softmax: bool = False, rowsum_int: bool | None = None,
-                        fused_softmax: bool | None = None, p_dump: torch.Tensor | None = None):
+                        fused_softmax: bool | None = None, exp_poly: int = 0, p_dump: torch.Tensor | None = None):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
@@ -348,7 +350,8 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     variant = dataclasses.replace(
         variant, stages=stages or variant.stages, ablate_softmax=ablate_softmax,
         rowsum_int=variant.rowsum_int if rowsum_int is None else rowsum_int,
-        fused_softmax=variant.fused_softmax if fused_softmax is None else fused_softmax, dump_p=p_dump is not None)
+        fused_softmax=variant.fused_softmax if fused_softmax is None else fused_softmax, exp_poly=exp_poly,
+        dump_p=p_dump is not None)
     if p_dump is not None:
         need = (B * H, -(-Sq // BLOCK_M), -(-Sk // BLOCK_N), 256, 64)
         if p_dump.dtype != torch.uint8 or tuple(p_dump.shape) != need or not p_dump.is_contiguous():
