@@ -96,8 +96,10 @@ def check(args) -> int:
                 exact = name in EXACT_VARIANTS  # the same arithmetic: bit-identical or wrong
                 if exact:
                     v_ok = v_same == 1.0 and v_dlse == 0.0
-                else:  # other roundings (and l from the tensor cores' sums): outputs within a bf16 ulp
-                    v_ok = v_same >= 0.9 and v_dlse < 1e-3 and (v_out.float() - out.float()).abs().max().item() < 3e-2
+                else:  # other roundings (and l from the tensor cores' sums): outputs within a bf16 ulp;
+                    # the polynomial exp2 moves single P codes of rows with few keys: LSE to 1e-2
+                    lse_bar = 1e-2 if MEASURED[name].get("exp_poly") else 1e-3
+                    v_ok = v_same >= 0.9 and v_dlse < lse_bar and (v_out.float() - out.float()).abs().max().item() < 3e-2
                 if base_p is not None:
                     v_p = p_dump_buffer(ops)
                     launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=v_p, **kw)
