@@ -6,13 +6,15 @@ quantizers, through the Hopper kernels.
 - NaN/Inf: the NaN rows of the kernels' output are the reference's (a NaN in q, k, a
   float key mask, an Inf, an overflowing score), never in another (batch, head);
 - the fused robust quantizers give `reference.forward.robust_qk`'s values and scales
-  bit for bit (the script of test_robust_interpreter.py, on CUDA tensors).
+  bit for bit, and the key-mean pass `robust.key_mean`'s (the scripts of
+  test_robust_interpreter.py, on CUDA tensors).
 """
 
 import pytest
 import torch
 
 from fp4attn.api import attention
+from tests.test_robust_interpreter import KEY_MEAN as KEY_MEAN_SCRIPT
 from tests.test_robust_interpreter import SCRIPT as ROBUST_SCRIPT
 
 pytestmark = pytest.mark.gpu
@@ -101,3 +103,19 @@ def test_training_nan_reaches_its_heads_gradients_only(where):
 
 def test_robust_quantizers_are_the_reference_on_the_gpu():
     exec(compile(ROBUST_SCRIPT, "robust_script", "exec"), {"DEVICE": "cuda"})
+
+
+def test_key_mean_kernel_is_the_reference_on_the_gpu():
+    """`key_mean` bit for bit against `robust.key_mean` (the interpreter test's cases, and
+    a bench-sized K: 8 programs a head adding float64 sums in whatever order they run)."""
+    from fp4attn.kernels.hopper.quantize import key_mean
+    from fp4attn.reference import robust
+
+    exec(compile(KEY_MEAN_SCRIPT, "key_mean_script", "exec"), {"DEVICE": "cuda"})
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(2, 8, 4096, 128, device="cuda", generator=g)
+    k += 4 * torch.randn(2, 8, 1, 128, device="cuda", generator=g)
+    k[..., 17] *= 100.0
+    k = k.bfloat16()
+    for _ in range(3):  # the atomics' order differs from run to run; the bits may not
+        assert torch.equal(key_mean(k).view(torch.int32), robust.key_mean(k).view(torch.int32))

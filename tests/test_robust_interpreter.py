@@ -104,3 +104,105 @@ def test_hopper_kernels_refuse_robust_fields_they_do_not_apply():
     assert "exp2" in hopper_robust_unsupported(PRESETS["directp"].with_(p_build="exp2", p_sink=True))
     assert robust_unsupported_reason(PRESETS["train-robust"], TRAIN_ROBUST_FIELDS) is None
     assert "qk_fallback" in robust_unsupported_reason(PRESETS["train"].with_(qk_fallback="fp8"), TRAIN_ROBUST_FIELDS)
+
+
+KEY_MEAN = textwrap.dedent('''
+    import torch
+    from fp4attn.kernels.hopper.quantize import key_mean, robust_qk_operands
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference import robust
+    from fp4attn.reference.forward import robust_qk
+
+    DEVICE = globals().get("DEVICE", "cpu")
+
+    def bits(a, b, name):
+        """Equal bit for bit, NaN where NaN (its payload aside)."""
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        nan = torch.isnan(a)
+        assert torch.equal(nan, torch.isnan(b)), (name, "NaN positions")
+        assert torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)), (name, int((a != b).sum()))
+
+    g = torch.Generator().manual_seed(3)
+    # several programs a head from S = 513 (KEY_MEAN_BLOCKS = 32 blocks of 16 keys a
+    # program): the float64 atomics and the last program's division; GQA-shaped K (B,
+    # Hkv, S, D)
+    for S in (1, 70, 600, 1100):
+        for D in (64, 128):
+            k = torch.randn(2, 3, S, D, generator=g) * 2 + torch.randn(2, 3, 1, D, generator=g) * 3
+            k[0, 1, :, 5] += 300.0  # an outlier channel
+            k[1, 2, :, 0] = -0.0  # a channel of -0 (the mean is +0, as the reference's)
+            k[1, 0, :, 9] *= 2.0**-30  # a channel far below the others
+            if S > 1:
+                k[0, 0, S // 2, 3] = float("nan")
+                k[1, 1, S - 1, 4] = float("inf")
+                k[1, 1, 0, 6], k[1, 1, S - 1, 6] = float("inf"), -float("inf")  # NaN mean
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                x = k.to(dtype).to(DEVICE)
+                got, want = key_mean(x), robust.key_mean(x)
+                bits(got, want.to(got.device), f"key_mean S={S} D={D} {dtype}")
+                if S > 1:
+                    assert bool(torch.isnan(got[0, 0, 0, 3])) and got[1, 1, 0, 4] == float("inf")
+                    assert bool(torch.isnan(got[1, 1, 0, 6]))
+                    assert not bool(torch.isnan(got[1, 1, 0, :3]).any())
+
+    # the fallback choice of `robust_qk_operands` (the last program of each K head) is the
+    # reference's: groups of 3 query heads (padded to 4 in the kernel), a NaN in one
+    # query head of a group whose other heads are over the threshold (torch's amax
+    # propagates NaN: not a fallback), scales on either side of the threshold
+    q = torch.randn(2, 6, 50, 64, generator=g)
+    k = torch.randn(2, 2, 50, 64, generator=g)
+    q[0, 3:] *= 4.0
+    q[1, :3] *= 4.0
+    q[1, 1, 7, 7] = float("nan")
+    q, k = q.bfloat16().to(DEVICE), k.bfloat16().to(DEVICE)
+    r = PRESETS["nvfp4-fp8-robust"]
+    seen = set()
+    for scale in (0.05, 0.125, 0.3, 1.0):
+        fb = robust_qk_operands(q, k, r, scale)[4]
+        want = robust_qk(q, k, r, scale)[3]
+        assert torch.equal(fb.cpu(), want.cpu()), (scale, fb, want)
+        seen.add(tuple(fb.flatten().tolist()))
+    assert len(seen) > 1 and not any(f[2] for f in seen), seen
+    print("ok")
+''')
+
+
+def test_key_mean_kernel_is_the_reference_under_the_interpreter():
+    """`key_mean` (one pass over K: float64 sums per head and channel, atomics across the
+    key programs, the last program's division and roundings) gives `robust.key_mean`
+    bit for bit: awkward key counts, GQA-shaped K, an outlier channel, a channel of -0,
+    bf16/fp16/fp32 inputs, and NaN and Inf propagating to their channel's mean only; and
+    the fallback choice that `robust_qk_operands` makes in the K pass is the
+    reference's."""
+    run_under_interpreter(KERNEL_PATCHES + KEY_MEAN)
+
+
+@pytest.mark.parametrize("kernel", ["_key_mean_kernel", "_abs_max_kernel"])
+def test_robust_passes_build_for_sm90(kernel):
+    """The key-mean pass and the K pass that makes the fallback choice compile for sm_90
+    on the CPU as their launchers build them (bf16, D=128): no spill, at most 128
+    registers, the float64 sums added by relaxed reductions (`RED`, no fence beside
+    each), one acq_rel count a program, and the choice's float64 arithmetic IEEE-rounded
+    as torch's (div.rn, sqrt.rn; no approximate or contracted operation)."""
+    from fp4attn.kernels.hopper import quantize as qz
+    from fp4attn.tools.machine_code import _compile_sm90, _pointers_and, inspect
+
+    if kernel == "_key_mean_kernel":
+        sig = dict(X="*bf16", SUM="*fp64", COUNT="*i32", MEAN="*fp32", S="i32")
+        consts = dict(D=128, BLOCK_S=16, BLOCKS=qz.KEY_MEAN_BLOCKS, HW_CVT=True)
+    else:
+        sig = dict(X="*bf16", AMAX="*i32", MEAN="*fp32", SUMSQ="*fp64", S="i32", COUNT="*i32", SQ_Q="*fp64",
+                   FB_Q="*i8", FB_K="*i8", S_Q="i32", GROUP="i32", SCALE="fp64", LIMIT="fp64")
+        consts = dict(D=128, BLOCK_S=32, BLOCKS=qz.CHANNEL_BLOCKS, PER_CHANNEL=False, HAS_MEAN=True,
+                      SUM_SQ=True, CHOICE=True, GROUP_P2=4)
+    build = _compile_sm90(getattr(qz, kernel), sig, consts, _pointers_and(sig, ("S",)), 4, 1)
+    r = inspect(build)
+    assert r.stack == 0 and r.registers <= 128, (kernel, r.stack, r.registers)
+    assert r.count(r"\bREDG\.E\.ADD\.F64") > 0, kernel
+    assert r.count(r"\bATOMG\.E\.ADD") == 1 and r.count(r"MEMBAR") <= 2, kernel  # the count's acq_rel only
+    ptx = build.asm["ptx"]
+    assert "div.rn.f64" in ptx and "approx" not in ptx, kernel
+    if kernel == "_abs_max_kernel":
+        assert "sqrt.rn.f64" in ptx
+    else:  # torch's roundings of the mean: float64 -> float32 -> bf16
+        assert "cvt.rn.f32.f64" in ptx and "cvt.rn.bf16.f32" in ptx

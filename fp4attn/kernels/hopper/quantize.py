@@ -42,6 +42,9 @@ E8M0_EMIN = tl.constexpr(constants.E8M0_EMIN)
 E8M0_EMAX = tl.constexpr(constants.E8M0_EMAX)
 V_TOP = tl.constexpr(encoding.V_TOP)
 V_WINDOW = tl.constexpr(encoding.V_WINDOW)
+# 1 / 6 rounded to float32 (0x3E2AAAAB), the constant of the NVFP4 multiplier: a literal,
+# where a division at run time took a reciprocal's dozen instructions in every program
+ONE_SIXTH = tl.constexpr(0.1666666716337204)
 
 
 @triton.jit
@@ -96,33 +99,125 @@ def _block_rows(g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def _last_program_of_head(COUNT, g):
+    """Whether this program is the last of head g's programs (axis 0 of the grid) to get
+    here, by an acq_rel count at COUNT + g (int32, starting at 0), after a barrier so that
+    the count follows every thread's earlier atomics. The last one's acquire then makes
+    all the head's atomics visible to it: it reads their results from L2 (`.cg`)."""
+    tl.debug_barrier()
+    return tl.atomic_add(COUNT + g, 1, sem="acq_rel") == tl.num_programs(0) - 1
+
+
+@triton.jit
+def _fallback_choice(SUMSQ, g, SQ_Q, FB_Q, FB_K, S, S_Q, D: tl.constexpr, GROUP, GROUP_P2: tl.constexpr,
+                     SCALE, LIMIT):
+    """The Q/K fallback choice of K head g (`reference.forward.robust_qk`): whether the
+    largest `robust.logit_std_of_sums` of its GROUP query heads (g * GROUP + j, their
+    sums of squares in SQ_Q) is above LIMIT, NaN counting as not above (torch's amax
+    propagates it), with every float64 operation of the reference in its order (IEEE
+    div, sqrt and products: the same float64 numbers). Stored as int8 into FB_K (G,) and
+    FB_Q (G * GROUP,)."""
+    sq_k = tl.load(SUMSQ + g, cache_modifier=".cg")
+    j = tl.arange(0, GROUP_P2)
+    ok = j < GROUP
+    sq_q = tl.load(SQ_Q + g * GROUP + j, mask=ok, other=0.0)
+    spread = SCALE * tl.sqrt(sq_q / S_Q * (sq_k / S) / D)
+    nan = tl.max(tl.where(ok & (spread != spread), 1, 0), axis=0)
+    over = tl.max(tl.where(ok & (spread > LIMIT), 1, 0), axis=0)
+    fb = (over > nan).to(tl.int8)
+    tl.store(FB_K + g, fb)
+    tl.store(FB_Q + g * GROUP + j, tl.full([GROUP_P2], 0, tl.int8) + fb, mask=ok)
+
+
+@triton.jit
 def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
-                    PER_CHANNEL: tl.constexpr, HAS_MEAN: tl.constexpr = False, SUM_SQ: tl.constexpr = False):
+                    PER_CHANNEL: tl.constexpr, HAS_MEAN: tl.constexpr = False, SUM_SQ: tl.constexpr = False,
+                    CHOICE: tl.constexpr = False, COUNT=None, SQ_Q=None, FB_Q=None, FB_K=None, S_Q=1, GROUP=1,
+                    GROUP_P2: tl.constexpr = 1, SCALE: tl.float64 = 1.0, LIMIT: tl.float64 = 1.0):
     """max |x| of X (G, S, D) as float32 bits, BLOCKS blocks of BLOCK_S rows a program:
     per head and channel into AMAX (G, D), or per head into AMAX (G,); AMAX starts at 0
     (+0.0). HAS_MEAN: of x - MEAN (G, D) (float32, one rounding: `robust.smooth`).
     SUM_SQ: also each head's sum of x**2 into SUMSQ (G,) float64 (squares of the float32
-    values and their sums in float64: exact for bf16 inputs in practice, so the order
-    of the atomic adds does not matter; `robust.logit_std`)."""
+    values and their sums in float64, `robust.logit_std`: exact for bf16 inputs in
+    practice, so the order of the adds does not matter; not so for x - MEAN, whose
+    float32 values carry up to 24 bits: at S = 4096 the order of the adds, the atomics'
+    order too, can show in the sums' last bits, which moves the fallback choice only for
+    a spread within about 1e-15 of its threshold).
+    CHOICE (K, with SUM_SQ, after the pass over Q that summed SQ_Q): the last program of
+    each head (COUNT (G,) int32 zeros) makes the head's fallback choice
+    (`_fallback_choice`: FB_K, FB_Q) from the finished sums: no launch of its own."""
     g = tl.program_id(1).to(tl.int64)
-    run = tl.zeros([BLOCK_S, D], tl.int32)
-    sq = tl.zeros([BLOCK_S], tl.float64)  # per row: a (rows, D) float64 tile took 64 more registers
+    # the running max of |x| as floats, NaN propagating (one FMNMX.NAN an element, |x| a
+    # free operand modifier; the bits' mask, select and integer max took three); rows
+    # past S are 0
+    run = tl.zeros([BLOCK_S, D], tl.float32)
+    # the squares summed in float64 within each thread (8 contiguous channels a load)
+    # and across threads once at the end: a sum per row and block had 8 shuffles per row
+    sq = tl.zeros([BLOCK_S, D // 8], tl.float64)
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
         ok = (s < S)[:, None]
         x = tl.load(X + rows[:, None] * D + tl.arange(0, D)[None, :], mask=ok, other=0.0).to(tl.float32)
         if HAS_MEAN:
             x = tl.where(ok, x - tl.load(MEAN + g * D + tl.arange(0, D))[None, :], 0.0)
-        run = _abs_bits_max(run, x, ok)
+        run = tl.maximum(run, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
         if SUM_SQ:
             x64 = x.to(tl.float64)
-            sq += tl.sum(x64 * x64, axis=1)
+            sq += tl.sum(tl.reshape(x64 * x64, [BLOCK_S, D // 8, 8]), axis=2)
     if SUM_SQ:
-        tl.atomic_add(SUMSQ + g, tl.sum(sq, axis=0), sem="relaxed")
+        tl.atomic_add(SUMSQ + g, tl.sum(tl.sum(sq, axis=1), axis=0), sem="relaxed")
+    run = _abs_bits(run)
     if PER_CHANNEL:
         _channel_amax_flush(AMAX + g * D, run, D)
     else:
         tl.atomic_max(AMAX + g, tl.max(tl.max(run, axis=1), axis=0), sem="relaxed")
+    if CHOICE:
+        if _last_program_of_head(COUNT, g):
+            _fallback_choice(SUMSQ, g, SQ_Q, FB_Q, FB_K, S, S_Q, D, GROUP, GROUP_P2, SCALE, LIMIT)
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 x rounded to bf16 (nearest even, overflowing to Inf; NaN as torch's CPU
+    conversion gives it, 0x7FC0), as float32, on the bits: the interpreter's bf16 cast
+    truncates."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return tl.where(x != x, 0x7FC00000, b).to(tl.float32, bitcast=True)  # NaN: torch's 0x7FC0
+
+
+@triton.jit
+def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
+                     HW_CVT: tl.constexpr = True):
+    """`robust.key_mean` of X (G, S, D) into MEAN (G, D) float32, reading X once: each
+    program's float64 sums per channel (BLOCKS blocks of BLOCK_S rows) added into SUM (G,
+    D) float64 zeros; the head's last program (COUNT (G,) int32 zeros) divides the
+    finished sums by S and rounds as torch does: float64 -> float32 -> bf16 (nearest
+    even, both), then float32. On the GPU by the conversions torch's CUDA tensors use
+    (cvt.rn: a NaN mean is bf16 0x7FFF there), under the interpreter (HW_CVT False) on
+    the bits as torch's CPU conversion (`_round_bf16`).
+
+    The same bits as the reference's `sum(dtype=torch.float64)` whatever the order of
+    the adds, as long as every partial sum is exact: the sum of S values that are all
+    multiples of the smallest one's ulp u and below 2**(e + 1) needs log2(S) + e + 1 -
+    log2(u) <= 53 bits. bf16 has 8 significant bits, so that is a channel whose values
+    span less than 2**(45 - log2(S)) (2**33 at S = 4096); fp16 (11 bits, 2**-24 ..
+    65504) is always exact up to S = 8192. A wider channel (fp32 inputs, or bf16 values
+    from 1e-6 to 1e4) may round differently in the last float64 bit, which the float32
+    and bf16 roundings almost always absorb. NaN and Inf give NaN or Inf as the
+    reference's (Inf + -Inf is NaN in any order)."""
+    g = tl.program_id(1).to(tl.int64)
+    acc = tl.zeros([BLOCK_S, D], tl.float64)
+    for i in range(BLOCKS):
+        s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
+        x = tl.load(X + rows[:, None] * D + tl.arange(0, D)[None, :], mask=(s < S)[:, None], other=0.0)
+        acc += x.to(tl.float32).to(tl.float64)
+    dd = g * D + tl.arange(0, D)
+    tl.atomic_add(SUM + dd, tl.sum(acc, axis=0), sem="relaxed")
+    if _last_program_of_head(COUNT, g):
+        total = tl.load(SUM + dd, cache_modifier=".cg")
+        m = (total / S).to(tl.float32)
+        tl.store(MEAN + dd, m.to(tl.bfloat16).to(tl.float32) if HW_CVT else _round_bf16(m))
 
 
 @triton.jit
@@ -142,16 +237,17 @@ def _fp8_channel_scales(AMAX, SCALE, D: tl.constexpr, HAS_SCALE: tl.constexpr):
 @triton.jit
 def _e2m1_value(a):
     """E2M1 value (0 .. 6) nearest to non-negative a, ties to the even code, saturating
-    at 6: at and above 1 the float32 rounded to one mantissa bit on its bits (nearest
-    even: 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4, as E2M1's even codes), below
-    1 the nearest even multiple of 0.5 by the 2**23 shift (0.25 -> 0, 0.75 -> 1). About
-    a third of the instructions of counting the seven rounding boundaries and mapping
-    the count back to a value (sm_90 SASS)."""
+    at 6: a + c rounds a to the grid's spacing at a when c is 2**23 times that spacing
+    (0.5 below 2, 1 in [2, 4), 2 in [4, 6]: c = max(2**22, a's power of two times
+    2**22), from a's exponent bits), and subtracting c again is exact. The add's ties
+    go to the even multiple of the spacing, which is E2M1's even code (0.25 -> 0, 0.75
+    -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Five instructions (sm_90
+    SASS: FMNMX, LOP3, VIADDMNMX, two FADD); rounding the bits to one mantissa bit at
+    and above 1 and the 2**23 shift below it took nine."""
     a = tl.minimum(a, 6.0)
-    b = a.to(tl.int32, bitcast=True)
-    b = (b + ((1 << 21) - 1) + ((b >> 22) & 1)) & ~((1 << 22) - 1)
-    sub = ((a * 2.0 + 8388608.0) - 8388608.0) * 0.5
-    return tl.where(a >= 1.0, b.to(tl.float32, bitcast=True), sub)
+    c = tl.maximum((a.to(tl.int32, bitcast=True) & 0x7F800000) + (22 << 23), 0x4A800000)
+    c = c.to(tl.float32, bitcast=True)
+    return (a + c) - c
 
 
 @triton.jit
@@ -225,7 +321,7 @@ def _nvfp4_tensor_scales(AMAX):
     s_enc = tl.minimum(tl.div_rn(one * 2688.0, amax), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
     s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
     s_dec = tl.div_rn(one, s_enc)
-    return s_enc * tl.div_rn(one, one * 6.0), s_dec, tl.where(amax == float("inf"), float("nan"), s_dec), s_enc
+    return s_enc * ONE_SIXTH, s_dec, tl.where(amax == float("inf"), float("nan"), s_dec), s_enc
 
 
 @triton.jit
@@ -242,25 +338,27 @@ def _row_offsets(rows, N: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_block(x, amax_b, mult, s_dec):
-    """(block decode scales d (rows, blocks), E2M1 magnitudes, the scaled values y) of
-    blocks x (rows, blocks, 16) with max |x| amax_b scaled by `mult` (S_enc / top)."""
+def _nvfp4_block_scale(amax_b, mult, s_dec):
+    """(decode scale d, encode multiplier) of blocks (rows, blocks) with max |x| amax_b
+    scaled by `mult` (S_enc / top): d = e4m3(min(amax_b * mult, 448)), the multiplier
+    min(1 / (d * s_dec), FP32_MAX) (`formats.nvfp4`)."""
     # a NaN anywhere in the head makes its tensor scale NaN, and with it every block scale
     # (torch's clamp propagates NaN; tl.minimum must be told to)
     nan_ok: tl.constexpr = tl.PropagateNan.ALL
     d = tl.minimum(amax_b * mult, FP32_MAX, propagate_nan=nan_ok)
     d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
     enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), FP32_MAX, propagate_nan=nan_ok)
-    y = x * enc[:, :, None]
-    return d, _e2m1_value(tl.abs(y)), y
+    return d, enc
 
 
 @triton.jit
-def _nvfp4_block_error(x, d, mag, y, s_enc):
-    """max over each block of |e2m1 * d - x * S_enc| (`formats.nvfp4._block_error`):
-    rounded products (mul_rn: never contracted with the difference into an FMA)."""
-    v = libdevice.mul_rn(_with_sign_of(mag, y), d[:, :, None])
-    return tl.max(tl.abs(v - libdevice.mul_rn(x, s_enc)), axis=2)
+def _signed(mag, x):
+    """Non-negative (or NaN) mag with x's sign, as `_with_sign_of(mag, x)` gives it: -mag
+    for a negative x (sign bit set, -0 included), except +0 for mag = 0 (Triton's -mag
+    is 0 - mag). The sign bit by one bitwise op, and + 0 (-0 + 0 = +0, any other value
+    unchanged): two instructions instead of a compare, a subtraction and a select."""
+    b = mag.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)
+    return b.to(tl.float32, bitcast=True) + 0.0
 
 
 @triton.jit
@@ -285,9 +383,11 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
     g = tl.program_id(1).to(tl.int64)
     mult, s_dec, s_dec_out, s_enc = _nvfp4_tensor_scales(AMAX + g)
     run = tl.zeros([BLOCK_R, D], tl.int32)
-    mu = tl.zeros([1, D // 16, 16], tl.float32)
+    mu = tl.zeros([BLOCK_R, D // 16, 16], tl.float32)
     if HAS_MEAN:
-        mu = tl.reshape(tl.load(MEAN + g * D + tl.arange(0, D)), [1, D // 16, 16])
+        # loaded for every row of the tile, in its layout (L1 hits), not (1, D) then moved
+        # across threads through shared memory
+        mu = tl.load(MEAN + g * D + _nvfp4_block_offsets(tl.zeros([BLOCK_R], tl.int64), D)).to(tl.float32)
     fp8_head = False
     if FALLBACK:
         fp8_head = tl.load(FB + g) != 0
@@ -304,22 +404,37 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
             tl.store(Y + _row_offsets(rows, D), y8.to(tl.bfloat16), mask=(s < S)[:, None])
         else:
             tl.store(SDEC + rows, tl.full([BLOCK_R], 0.0, tl.float32) + s_dec_out, mask=s < S)
-            amax_b = tl.max(tl.abs(x), axis=2)
-            d, mag, y = _nvfp4_block(x, amax_b, mult, s_dec)
+            # on magnitudes: |x * enc| is |x| * enc exactly (rounding is symmetric), and
+            # the sign goes back on at the end
+            ax = tl.abs(x)
+            amax_b = tl.max(ax, axis=2)
+            d, enc = _nvfp4_block_scale(amax_b, mult, s_dec)
+            mag = _e2m1_value(ax * enc[:, :, None])
             if FOUR_OVER_SIX:
-                d4, mag4, y4 = _nvfp4_block(x, amax_b, s_enc * 0.25, s_dec)
-                better = _nvfp4_block_error(x, d4, mag4, y4, s_enc) < _nvfp4_block_error(x, d, mag, y, s_enc)
+                # the 4-scaled candidate, and the larger error of each (`formats.nvfp4.
+                # _block_error`: max |e2m1 * d - x * S_enc| over the block) on magnitudes:
+                # |mag * d - |x| * S_enc| is |(+-mag) * d - x * S_enc| (x * S_enc rounded
+                # alone). E2M1 (at most 2 significant bits) times e4m3 (4 bits, at least
+                # 2**-9) is exact in float32, so an FMA contraction of the difference
+                # rounds as the reference's two operations
+                d4, enc4 = _nvfp4_block_scale(amax_b, s_enc * 0.25, s_dec)
+                mag4 = _e2m1_value(ax * enc4[:, :, None])
+                t = libdevice.mul_rn(ax, s_enc)
+                err4 = tl.max(tl.abs(mag4 * d4[:, :, None] - t), axis=2)
+                better = err4 < tl.max(tl.abs(mag * d[:, :, None] - t), axis=2)
                 d = tl.where(better, d4, d)
                 mag = tl.where(better[:, :, None], mag4, mag)
-                y = tl.where(better[:, :, None], y4, y)
-            val = _with_sign_of(mag, y) * d[:, :, None]
+            # the signed E2M1 value times d, as from y = x * enc: y has x's sign (enc > 0),
+            # or is NaN only where d is (a NaN head)
+            val = _signed(mag, x) * d[:, :, None]
             tl.store(Y + offs, val.to(tl.bfloat16), mask=ok)
             if CHANNEL_AMAX:
                 run = _abs_bits_max(run, tl.reshape(val, [BLOCK_R, D]), (s < S)[:, None])
             if PACKED:
-                # a NaN element gets code 0 (E2M1 has no NaN; the block scale carries it)
-                nan = y != y
-                code = tl.where(nan, 0, _e2m1_code(mag) | tl.where(y.to(tl.int32, bitcast=True) < 0, 8, 0))
+                # a NaN element (the elements of a NaN head: d is NaN) gets code 0 (E2M1
+                # has no NaN; the block scale carries it)
+                code = _e2m1_code(mag) | tl.where(x.to(tl.int32, bitcast=True) < 0, 8, 0)
+                code = tl.where((d != d)[:, :, None], 0, code)
                 lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
                 rok = (s < S)[:, None]
                 tl.store(CODES + _row_offsets(rows, D // 2), (lo | (hi << 4)).to(tl.uint8), mask=rok)
@@ -539,7 +654,7 @@ def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool 
 
     The outlier-robust forms (`reference.forward.robust_qk`): `mean` (..., 1, D) float32
     is subtracted first (K smoothing); `four_over_six` picks 4 or 6 per block; `fallback`
-    (bool, one per head) quantizes those heads per token to FP8 instead (inference only:
+    (bool or int8 0/1, one per head) quantizes those heads per token to FP8 instead (inference only:
     not with `packed` or `channel_amax`). `amax`: the heads' max |x - mean| bits from
     `abs_max_bits`, if already computed."""
     if fallback is not None and (packed or channel_amax):
@@ -678,40 +793,86 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
 FUSED_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six", "qk_fallback")  # what the fused quantizers apply
 
 
-def key_mean(k: torch.Tensor) -> torch.Tensor:
-    """`robust.key_mean` on the GPU: float64 sums over the keys (no float64 copy of K)."""
-    s = k.sum(dim=-2, keepdim=True, dtype=torch.float64) / k.shape[-2]
-    return s.to(torch.bfloat16).float()
+# rows a program of the key-mean pass: 16-row blocks (a float64 running sum of 16
+# elements a thread), 32 of them; one float64 atomic add per channel and program. On the
+# H200 at (8, 16, 4096, 128): 47 us with 16 blocks, 41 us with 32 (a bf16 copy of K, read
+# and write, takes 68 us)
+KEY_MEAN_BLOCKS = 32
+
+
+def _zero_views(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[torch.Tensor]:
+    """Zero-filled 1-D tensors of (numel, dtype) each, views of one buffer (one fill for
+    all of them), each starting 16-byte aligned (as the JIT specializes pointers)."""
+    starts, n = [], 0
+    for numel, dtype in parts:
+        starts.append(n)
+        n += -(-numel * dtype.itemsize // 16) * 16
+    buf = torch.zeros(max(n // 8, 2), device=device, dtype=torch.int64).view(torch.uint8)
+    return [buf[o:o + numel * dtype.itemsize].view(dtype) for o, (numel, dtype) in zip(starts, parts)]
+
+
+def key_mean(k: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`robust.key_mean` of k (..., S, D) on the GPU, bit for bit, as float32 (..., 1, D):
+    one pass over k (bf16, fp16 or fp32) with float64 sums per head and channel
+    (`_key_mean_kernel`; no float64 copy of k). `work`: the pass's zero-filled float64
+    sums (G * D) and int32 counts (G), G the product of the leading dims, if the caller
+    has them (`_zero_views`)."""
+    x3 = _heads(k)
+    G, S, D = x3.shape
+    if work is None:
+        work = _zero_views(k.device, (G * D, torch.float64), (G, torch.int32))
+    sums, count = work
+    mean = torch.empty((G, D), device=k.device, dtype=torch.float32)
+    grid, block = _row_grid(S, G, KEY_MEAN_BLOCKS)
+    _key_mean_kernel[grid](x3, sums, count, mean, S, D=D, BLOCK_S=block, BLOCKS=KEY_MEAN_BLOCKS,
+                           HW_CVT=_hw_cvt(), num_warps=4)
+    return mean.view(*k.shape[:-2], 1, D)
 
 
 def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: float | None):
     """NVFP4 Q and K of a recipe with fused robust fields (FUSED_ROBUST_FIELDS), as
     `reference.forward.robust_qk` computes them: (qv, qs, kv, ks), the kernel's layouts,
-    and the (B, Hkv) heads that took the FP8 fallback (None without it)."""
-    from fp4attn.reference import robust
+    and the (B, Hkv) heads that took the FP8 fallback (None without it).
 
+    Six launches at most: one fill of every sum, maximum and count; K's mean
+    (`key_mean`); the maxima of Q and of K - mean, with the sums of squares of each
+    under `qk_fallback`, whose choice the last program of each K head makes
+    (`_fallback_choice`); the quantizing passes over Q and K."""
     if recipe.qk != "nvfp4":
         raise ValueError(f"robust_qk_operands: the fused robust quantizers are NVFP4's, got qk={recipe.qk!r}")
+    choice = recipe.qk_fallback is not None
+    if choice and scale is None:
+        raise ValueError("robust_qk_operands: qk_fallback needs the softmax scale")
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    mean = key_mean(k) if recipe.smooth_k else None
-    mean3 = mean.reshape(-1).contiguous() if mean is not None else None
-    fb_q = fb_k = amax_q = amax_k = None
-    if recipe.qk_fallback is not None:
-        if scale is None:
-            raise ValueError("robust_qk_operands: qk_fallback needs the softmax scale")
-        f64 = torch.float64
-        sq_q, sq_k = torch.zeros(B * H, device=q.device, dtype=f64), torch.zeros(B * Hkv, device=q.device, dtype=f64)
-        amax_q = abs_max_bits(q, per_channel=False, sum_sq=sq_q)
-        amax_k = abs_max_bits(k, per_channel=False, mean=mean3, sum_sq=sq_k)
-        sq_k_q = sq_k.view(B, Hkv).repeat_interleave(H // Hkv, dim=1)
-        spread = robust.logit_std_of_sums(sq_q.view(B, H), sq_k_q, Sq, Sk, D, scale)
-        fb_k = spread.view(B, Hkv, H // Hkv).amax(-1) > recipe.qk_fallback_logit_std
-        fb_q = fb_k.repeat_interleave(H // Hkv, dim=1)
+    Gq, Gk = B * H, B * Hkv
+    f64, i32 = torch.float64, torch.int32
+    smooth = recipe.smooth_k
+    sums, count_mean, sq_q, sq_k, amax_q, amax_k, count = _zero_views(
+        q.device, (Gk * D if smooth else 0, f64), (Gk if smooth else 0, i32), (Gq if choice else 0, f64),
+        (Gk if choice else 0, f64), (Gq, i32), (Gk, i32), (Gk if choice else 0, i32))
+    mean = key_mean(k, (sums, count_mean)) if smooth else None
+    mean3 = mean.view(Gk * D) if mean is not None else None
+    fb_q = fb_k = None
+    if choice:
+        fb = torch.empty(Gq + Gk, device=q.device, dtype=torch.int8)
+        fb_q, fb_k = fb[:Gq], fb[Gq:]
+        abs_max_bits(q, per_channel=False, out=amax_q, sum_sq=sq_q)
+        k3 = _heads(k)
+        grid, block = _row_grid(Sk, Gk, CHANNEL_BLOCKS, most=32)
+        group = H // Hkv
+        _abs_max_kernel[grid](k3, amax_k, mean3 if smooth else amax_k, sq_k, Sk, D=D, BLOCK_S=block,
+                              BLOCKS=CHANNEL_BLOCKS, PER_CHANNEL=False, HAS_MEAN=smooth, SUM_SQ=True,
+                              CHOICE=True, COUNT=count, SQ_Q=sq_q, FB_Q=fb_q, FB_K=fb_k, S_Q=Sq, GROUP=group,
+                              GROUP_P2=triton.next_power_of_2(group), SCALE=float(scale),
+                              LIMIT=float(recipe.qk_fallback_logit_std), num_warps=4)
+    else:
+        abs_max_bits(q, per_channel=False, out=amax_q)
+        abs_max_bits(k, per_channel=False, out=amax_k, mean=mean3)
     f46 = recipe.qk_four_over_six
     qv, qs = quantize_qk_nvfp4(q, four_over_six=f46, fallback=fb_q, amax=amax_q)
     kv, ks = quantize_qk_nvfp4(k, mean=mean, four_over_six=f46, fallback=fb_k, amax=amax_k)
-    return qv, qs, kv, ks, fb_k
+    return qv, qs, kv, ks, (fb_k.view(torch.bool).view(B, Hkv) if choice else None)
 
 
 def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe,
