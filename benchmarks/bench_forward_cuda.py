@@ -4,12 +4,15 @@ on a Hopper GPU, in one process run:
 1. correctness of every variant once (head dim 64/128, causal or not) against the routed
    Triton/Gluon kernel on the same prepared operands: max |out - ref|, the fraction of
    bit-identical bf16 outputs, max |lse - ref|; each softmax variant of --variants
-   (forward_cuda.MEASURED) against the CUDA kernel's table launch: bit-identical outputs
-   and LSE, and the fraction of P codes identical to its (from builds that write them);
+   (forward_cuda.MEASURED) and the launcher's build against the build of the recipe's
+   arithmetic (`MEASURED["recipe"]`, itself checked against the Triton/Gluon kernel):
+   outputs and LSE, and the fraction of P codes identical to its (from builds that write
+   them);
 2. timings (median of triton.testing.do_bench, TFLOP/s = 4 B H Sq Sk D / t, half for
    causal): SDPA's cuDNN bf16, `fp4attn.attention(..., recipe="fp8-fastacc")` as routed
    today (quantization included), the Triton/Gluon kernel alone, the CUDA kernel alone
-   (its table's launch, and --variants), and the CUDA kernel with the fused quantizers.
+   (its table's launch, the recipe's arithmetic, and --variants), and the CUDA kernel
+   with the fused quantizers.
 
 Each phase runs in a child process with a time limit, so a kernel that hangs (an
 mbarrier never completed) costs its phase, not the run. The log goes to --out; the
@@ -64,7 +67,7 @@ def check(args) -> int:
         label = f"B={B} H={H} Sq={Sq} Sk={Sk} D={D} causal={causal}"
         try:
             t0 = time.time()
-            out, lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset)
+            out, lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, **MEASURED["recipe"])
             torch.cuda.synchronize()
             t1 = time.time()
         except Exception as e:
@@ -81,24 +84,25 @@ def check(args) -> int:
         bad += not ok
         print(f"check {label}: max|dout|={d_out:.3g} identical={same:.5f} max|dlse|={d_lse:.3g} "
               f"first call {t1 - t0:.2f}s {'OK' if ok else 'FAIL'}", flush=True)
-        variants = [v for v in args.variants.split(",") if v in MEASURED]
+        # the launcher's build ("table") and --variants against the recipe's arithmetic
+        variants = ["table"] + [v for v in args.variants.split(",") if v in MEASURED and v != "recipe"]
         base_p = None
-        if variants and Sq >= 1024:  # P codes of the table's launch, to compare the variants' with
+        if Sq >= 1024:  # P codes of the recipe's arithmetic, to compare the variants' with
             base_p = p_dump_buffer(ops)
-            launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=base_p)
+            launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=base_p, **MEASURED["recipe"])
         for name in variants:
             try:
-                kw = MEASURED[name]
+                kw = MEASURED.get(name, {})
                 v_out, v_lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, **kw)
                 v_same = (v_out == out).float().mean().item()
                 v_dlse = (v_lse[seen] - lse[seen]).abs().max().item() if seen.any() else 0.0
-                text = f"  {name}: identical to cuda={v_same:.6f} max|dlse|={v_dlse:.3g}"
+                text = f"  {name}: identical to the recipe build={v_same:.6f} max|dlse|={v_dlse:.3g}"
                 exact = name in EXACT_VARIANTS  # the same arithmetic: bit-identical or wrong
                 if exact:
                     v_ok = v_same == 1.0 and v_dlse == 0.0
                 else:  # other roundings (and l from the tensor cores' sums): outputs within a bf16 ulp;
                     # the polynomial exp2 moves single P codes of rows with few keys: LSE to 1e-2
-                    lse_bar = 1e-2 if MEASURED[name].get("exp_poly") else 1e-3
+                    lse_bar = 1e-3 if kw.get("exp_poly", 1) == 0 else 1e-2
                     v_ok = v_same >= 0.9 and v_dlse < lse_bar and (v_out.float() - out.float()).abs().max().item() < 3e-2
                 if base_p is not None:
                     v_p = p_dump_buffer(ops)
@@ -152,7 +156,7 @@ def timings(args) -> int:
     from triton.testing import do_bench
 
     import fp4attn
-    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.forward_cuda import MEASURED, launch_forward_cuda
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -177,6 +181,8 @@ def timings(args) -> int:
             "routed_fp8fa": lambda: fp4attn.attention(q, k, v, recipe="fp8-fastacc", causal=causal),
             "triton_kernel": lambda: launch_forward(ops, scale=D ** -0.5, causal_offset=offset, p_mode=0),
             "cuda": lambda: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset),
+            "cuda_recipe": lambda: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset,
+                                                       **MEASURED["recipe"]),
             **{f"cuda_{name}": (lambda kw=_variant_args(name): launch_forward_cuda(
                 ops, scale=D ** -0.5, causal_offset=offset, **kw)) for name in extras},
         }

@@ -97,7 +97,7 @@ def _log_once(message: str) -> None:
 
 
 def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, needs_grad: bool,
-           attn_mask) -> tuple[routing.Route, torch.Tensor | None]:
+           attn_mask, keys: int) -> tuple[routing.Route, torch.Tensor | None]:
     """The call's route (`fp4attn.routing`) and the attn_mask as a key mask for the
     kernels, or None. The mask's content is looked at once, and not at all when the
     reference was asked for."""
@@ -107,7 +107,7 @@ def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, ne
     else:
         kind, key_mask = _mask_kind(attn_mask)
     r = routing.route(recipe, device=q.device, head_dim=q.shape[-1], causal=causal is not None,
-                      needs_grad=needs_grad, mask=kind, backend=requested)
+                      needs_grad=needs_grad, mask=kind, backend=requested, keys=keys)
     if r.backend != "reference":
         try:
             _launcher(r.family.launcher)
@@ -160,7 +160,7 @@ def explain(
     """
     rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa)
     grad = requires_grad if needs_grad is None else bool(needs_grad)
-    r, _ = _route(backend, q, rec, mode, grad, attn_mask)
+    r, _ = _route(backend, q, rec, mode, grad, attn_mask, k.shape[-2])
     return {**r.as_dict(), "recipe": rec.name, "needs_grad": grad}
 
 
@@ -263,7 +263,7 @@ def attention(
     rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa)
     s = _resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and requires_grad
-    r, key_mask = _route(backend, q, rec, mode, needs_grad, attn_mask)
+    r, key_mask = _route(backend, q, rec, mode, needs_grad, attn_mask, k.shape[-2])
     if r.backend == "triton":
         out, lse = _kernel_attention(r, q, k, v, rec, mode, s, key_mask, needs_grad)
     else:

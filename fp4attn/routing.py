@@ -15,14 +15,20 @@ decision a call goes through:
                 `BACKWARD_LAUNCH`), each entry traced to a committed measurement
 
 A launch changes speed only, never a value (query rows are independent; the key tile
-is part of the recipe). `override_launch` replaces a launch for the current thread, to
-measure one against another.
+is part of the recipe), with one exception named where it is set: `cuda_from_keys` runs
+the `fast_accum` FP8-P recipes on the CUDA C++ kernel for long sequences, whose softmax
+rounds differently (P codes equal to the Gluon kernel's on 99.986% of entries, as the
+`fast_accum` recipes' own tensor-core sums already differ from the reference's).
+`override_launch` replaces a launch for the current thread, to measure one against
+another.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -82,6 +88,9 @@ class ForwardLaunch:
     (a producer warp and one consumer warpgroup per 64 rows, bit-identical to the
     Triton kernel's pv_add path); ws_overlap: where it issues the next tile's QK^T
     (1: beside PV; 4: before the softmax).
+    cuda_from_keys: the `fast_accum` FP8-P recipes (P mode 0, e4m3 QK^T) on the CUDA C++
+    kernel (`forward_cuda`: FlashAttention-3's schedule, fused softmax) from this many
+    keys on, on CUDA tensors where cuda-bindings' NVRTC is installed (0: never).
     """
 
     block_m: int = 128
@@ -92,6 +101,7 @@ class ForwardLaunch:
     pv_add: bool = False
     warp_specialized: bool = False
     ws_overlap: int = 1
+    cuda_from_keys: int = 0
 
 
 # Keyed by (head dim, QK^T on the FP8 tensor cores, causal). The measurements behind each
@@ -101,11 +111,14 @@ class ForwardLaunch:
 # on the Gluon kernel, D=64 on the Triton one, TMA causal only), h200-forward-ws-2.txt
 # (the Gluon kernel for FP8 P at D=128), h200-forward-tma.txt and h200-forward-pv-add.txt
 # (bf16 QK^T: TMA and pv_add at D=128; D=64 keeps Triton's promotion).
+# cuda_from_keys (h200-forward-cuda-fused-poly.txt): the CUDA kernel ran 3-9% faster than the
+# Gluon kernel at 16k and 32k keys (D=128, causal or not) and 7-9% faster than the Triton
+# kernel at 8k (D=64), 1-4% slower at 4k (D=128) and 2k (D=64).
 FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
-    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True),
-    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4),
-    (64, True, False): ForwardLaunch(64, 4, 3, True),
-    (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True),
+    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_from_keys=16384),
+    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4, cuda_from_keys=16384),
+    (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_from_keys=8192),
+    (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True, cuda_from_keys=8192),
     **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True,
                                            ws_overlap=4) for causal in (True, False)},
     **{(64, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for causal in (True, False)},
@@ -186,6 +199,22 @@ def override_launch(*, forward: ForwardLaunch | None = None, backward: BackwardL
 def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
     """The Hopper forward's launch for this kernel head dim, QK^T format and masking."""
     return _FORWARD_OVERRIDE.get() or FORWARD_LAUNCH[head_dim, qk_fp8, causal]
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_forward_available() -> bool:
+    """Whether NVRTC's Python bindings (cuda-bindings) are installed: the CUDA C++ forward
+    is compiled by them at first use."""
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def use_cuda_forward(launch: ForwardLaunch, p_mode: int, qk_fp8: bool, keys: int, on_cuda: bool) -> bool:
+    """Whether the forward runs on the CUDA C++ kernel (`ForwardLaunch.cuda_from_keys`)."""
+    return (launch.cuda_from_keys > 0 and keys >= launch.cuda_from_keys and p_mode == 0 and qk_fp8
+            and on_cuda and cuda_forward_available())
 
 
 def backward_launch(head_dim: int) -> BackwardLaunch:
@@ -318,18 +347,24 @@ def hopper_train_unsupported(recipe: Recipe, head_dim: int) -> str | None:
     return hopper_forward_unsupported(recipe, head_dim)
 
 
-def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:
-    """The Hopper forward kernel that runs the call: the Gluon warp-specialized kernel
-    for FP8 P where the launch asks for it and no key mask is given (its operands by TMA,
-    which the fused quantizers' layouts allow), else the Triton kernel."""
+def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
+                           on_cuda: bool = True) -> str:
+    """The Hopper forward kernel that runs the call: the CUDA C++ kernel for the
+    `fast_accum` FP8-P recipes from `cuda_from_keys` keys on; the Gluon warp-specialized
+    kernel for FP8 P where the launch asks for it and no key mask is given (its operands
+    by TMA, which the fused quantizers' layouts allow); else the Triton kernel."""
     dk = kernel_head_dim(head_dim)
     launch = forward_launch(dk, recipe.fast_accum, causal)
-    gluon = launch.warp_specialized and P_MODES[recipe.p, recipe.p_build] == 0 and mask == "none"
+    p_mode = P_MODES[recipe.p, recipe.p_build]
+    if use_cuda_forward(launch, p_mode, recipe.fast_accum, keys, on_cuda):
+        return "hopper.forward_cuda"
+    gluon = launch.warp_specialized and p_mode == 0 and mask == "none"
     return "hopper.forward_gluon_ws" if gluon else "hopper.forward_triton"
 
 
-def _hopper_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:
-    fwd = _hopper_forward_kernel(recipe, head_dim, causal, mask)
+def _hopper_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
+                         on_cuda: bool = True) -> str:
+    fwd = _hopper_forward_kernel(recipe, head_dim, causal, mask, keys, on_cuda)
     cfg = backward_launch(kernel_head_dim(head_dim))
     dkdv = "backward_gluon.dkdv" if cfg.dkdv_gluon and recipe.p == "fp8" else "backward_triton.dkdv"
     dq = "backward_gluon.dq" if cfg.dq_gluon else "backward_triton.dq"
@@ -341,13 +376,14 @@ class KernelFamily:
     """Kernels of one target and direction. `masks` are the mask kinds they take ("none",
     "key" for a key-padding mask; never "other"); `unsupported(recipe, head_dim, mask)`
     says why they cannot run a call with one of those, or None; `kernel(recipe, head_dim,
-    causal, mask)` names what runs; `launcher` is the "module:function" the api calls."""
+    causal, mask, keys, on_cuda)` names what runs; `launcher` is the "module:function" the
+    api calls."""
 
     name: str
     targets: tuple[str, ...]
     train: bool
     unsupported: Callable[[Recipe, int, str], str | None]
-    kernel: Callable[[Recipe, int, bool, str], str]
+    kernel: Callable[[Recipe, int, bool, str, int, bool], str]
     launcher: str
     masks: tuple[str, ...] = field(default=("none", "key"))
 
@@ -414,12 +450,14 @@ def blackwell_train_unsupported(recipe: Recipe, head_dim: int, mask: str = "none
     return blackwell_forward_unsupported(recipe.with_(smooth_k=False, qk_four_over_six=False), head_dim, mask)
 
 
-def _blackwell_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:
+def _blackwell_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
+                            on_cuda: bool = True) -> str:
     return (f"{_blackwell_forward_kernel(recipe, head_dim, causal, mask)} + hopper.backward_triton.dkdv + "
             "hopper.backward_triton.dq (built for sm_100a)")
 
 
-def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str) -> str:
+def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
+                              on_cuda: bool = True) -> str:
     qk = "NVFP4 QK^T (kind::mxf4nvf4)" if recipe.qk == "nvfp4" else "FP8 QK^T (kind::f8f6f4)"
     pv = "Direct-P MXFP4 PV (kind::mxf4)" if recipe.p == "mxfp4" else "FP8 PV (kind::f8f6f4)"
     return f"blackwell.forward_triton ({qk}, {pv})"
@@ -468,11 +506,11 @@ def requested_backend(backend: str) -> str:
 
 
 def route(recipe: Recipe, *, device, head_dim: int, causal: bool, needs_grad: bool, mask: str,
-          backend: str = "auto") -> Route:
+          backend: str = "auto", keys: int = 0) -> Route:
     """The route of a call: kernels where a family of the call's target accepts it,
     else the reference, with the reason. `mask` is "none", "key" or "other" (see
     `KernelFamily`); `backend` as `fp4attn.attention`'s ("triton" raises where no
-    kernel runs the call)."""
+    kernel runs the call); `keys`, the call's key count (some launches depend on it)."""
     backend = requested_backend(backend)
     target = target_of(device)
     if backend == "reference":
@@ -489,7 +527,7 @@ def route(recipe: Recipe, *, device, head_dim: int, causal: bool, needs_grad: bo
         for fam in families:
             why = _mask_unsupported(fam, mask) or fam.unsupported(recipe, head_dim, mask)
             if why is None:
-                return Route("triton", fam.kernel(recipe, head_dim, causal, mask), target,
+                return Route("triton", fam.kernel(recipe, head_dim, causal, mask, keys, device_type == "cuda"), target,
                              f"{fam.name} kernels run recipe {recipe.name!r} at head_dim {head_dim} on {target}",
                              fam)
             reasons.append(f"a backward is needed and {why}" if needs_grad else why)

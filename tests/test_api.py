@@ -464,3 +464,68 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
         assert route(d, sk=100) == [("dkdv", "triton"), ("dq", "triton")]
         monkeypatch.setitem(routing.BACKWARD_LAUNCH, d, dataclasses.replace(cfg, hw_cvt=False))
         assert route(d) == [("dkdv", "triton"), ("dq", "triton")]  # e4m3 by bit arithmetic: Triton only
+
+
+def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):
+    """From `cuda_from_keys` keys the `fast_accum` FP8-P recipes run on the CUDA C++
+    kernel (where NVRTC's bindings are installed, on CUDA tensors), shorter ones and
+    every other recipe stay on the Gluon/Triton kernels; `explain` names the same kernel
+    that `launch_forward` runs. Launches are recorded, not run: no GPU needed."""
+    pytest.importorskip("triton")
+    from fp4attn.kernels.hopper import forward_cuda
+    from fp4attn.kernels.hopper import forward_gluon_ws
+    from fp4attn.kernels.hopper import forward_op as hops
+    from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append("triton")
+
+    def record(name):
+        def launch(ops, **kw):
+            calls.append(name)
+            B, H, Sq, D = ops.q.shape
+            return torch.empty(B, H, Sq, D, dtype=torch.bfloat16), torch.empty(B, H, Sq)
+        return launch
+
+    monkeypatch.setattr(hops, "attn_fwd_kernel", Recorder())
+    monkeypatch.setattr(forward_gluon_ws, "launch_forward_ws", record("gluon"))
+    monkeypatch.setattr(forward_cuda, "launch_forward_cuda", record("cuda"))
+    monkeypatch.setattr(forward_cuda, "cuda_unsupported_reason", lambda ops, **kw: None)
+    monkeypatch.setattr(hops, "tma_descriptors", lambda ops: None)
+    monkeypatch.setattr(routing, "cuda_forward_available", lambda: True)
+    # CPU tensors stand for CUDA ones here
+    monkeypatch.setattr(hops, "use_cuda_forward", lambda cfg, p_mode, fp8, keys, on_cuda:
+                        routing.use_cuda_forward(cfg, p_mode, fp8, keys, True))
+
+    def launched(d, sk, qk=torch.float8_e4m3fn, p_mode=0, **kw):
+        q, k = torch.zeros(1, 2, 3, d, dtype=qk), torch.zeros(1, 2, sk, d, dtype=qk)
+        rows = -(-sk // BLOCK_N) * BLOCK_N
+        vt = torch.zeros(1, 2, d, rows, dtype=torch.float8_e4m3fn)[..., :sk]
+        ops = KernelOperands(q, k, torch.ones(1, 2, 3), torch.ones(1, 2, sk), vt, torch.ones(1, 2, d),
+                             vt_keys_padded=True)
+        calls.clear()
+        hops.launch_forward(ops, scale=0.1, causal_offset=kw.pop("causal_offset", None), p_mode=p_mode, **kw)
+        return calls[0]
+
+    for d, causal in ((64, None), (64, 0), (128, None), (128, 0)):
+        n = routing.FORWARD_LAUNCH[d, True, causal is not None].cuda_from_keys
+        assert n > 0
+        assert launched(d, n, causal_offset=causal) == "cuda"
+        assert launched(d, n - 1, causal_offset=causal) != "cuda"
+        assert launched(d, n, causal_offset=causal, p_mode=1) == "triton"  # Direct-P
+        assert launched(d, n, causal_offset=causal, qk=torch.bfloat16) != "cuda"  # exact QK^T sums
+        assert launched(d, n, causal_offset=causal, write_p=1) == "triton"  # debug tiles
+    assert launched(64, 8192, key_bias=torch.zeros(1, 8192)) == "cuda"  # the CUDA kernel takes a key bias
+
+    monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
+    rec = fp4attn.get_recipe("fp8-fastacc")
+    kw = dict(device=torch.device("cuda"), head_dim=64, causal=False, needs_grad=False, mask="none")
+    assert routing.route(rec, keys=8192, **kw).kernel == "hopper.forward_cuda"
+    assert routing.route(rec, keys=8191, **kw).kernel == "hopper.forward_triton"
+    assert routing.route(fp4attn.get_recipe("fp8"), keys=8192, **kw).kernel == "hopper.forward_triton"
+    assert routing.route(rec, keys=8192, **{**kw, "device": torch.device("cpu")}).backend == "reference"
+    monkeypatch.setattr(routing, "cuda_forward_available", lambda: False)
+    assert routing.route(rec, keys=8192, **kw).kernel == "hopper.forward_triton"

@@ -19,7 +19,7 @@ from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, padded_vt_rows, tma_loadable
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe, robust_unsupported_reason
-from fp4attn.routing import HOPPER_ROBUST_FIELDS, forward_launch, hopper_robust_unsupported
+from fp4attn.routing import HOPPER_ROBUST_FIELDS, forward_launch, hopper_robust_unsupported, use_cuda_forward
 from fp4attn.routing import p_mode as _p_mode
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
 
@@ -52,6 +52,14 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
                          f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
+    if use_cuda_forward(cfg, p_mode, qk_fp8, Sk, q.is_cuda) and not write_p:
+        # the CUDA C++ kernel (FlashAttention-3's schedule) for long sequences; where its
+        # launch limits are not met (more than 65535 batch x heads), the kernels below
+        from fp4attn.kernels.hopper.forward_cuda import cuda_unsupported_reason, launch_forward_cuda
+
+        if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
+            out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias)
+            return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     if (cfg.warp_specialized and p_mode == 0 and not write_p and key_bias is None and tma_loadable(ops)
             and q.is_contiguous()):
         # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
