@@ -21,9 +21,9 @@ Each transform changes what is quantized, never the attention it computes:
   sum taken from the same represented P that multiplies V) sum_j p_j (v_j - mu_v) /
   sum_j p_j + mu_v = sum_j p_j v_j / sum_j p_j. Rows that see no key stay 0.
 
-The means are float64 sums of the inputs (exact for bf16 inputs in practice: any order
-gives the same sum), divided by the key count and rounded to bf16, then subtracted in
-float32 (one rounding).
+The means are float64 sums of the inputs (exact, so that any order gives the same sum,
+for bf16 inputs whose channel spans less than 2**(45 - log2 S) in magnitude), divided by
+the key count and rounded to bf16, then subtracted in float32 (one rounding).
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def logit_std(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
 
 def logit_std_of_sums(sq_q: torch.Tensor, sq_k: torch.Tensor, sq: int, sk: int, d: int, scale: float) -> torch.Tensor:
     """`logit_std` from each head's float64 sums of squares of q and k (B, H): the
-    squares of float32 values summed in float64, exact for bf16 inputs in practice, so
-    the kernels' atomic sums give the same numbers."""
+    squares of float32 values summed in float64. Not always exact (squares of smoothed K
+    carry more bits): the kernels' atomic sums may differ in the last bits, which moves
+    the fallback choice only for a spread within about 1e-15 of the threshold."""
     return scale * torch.sqrt((sq_q / sq) * (sq_k / sk) / d)

@@ -321,9 +321,13 @@ def compile_quantizer(name: str, **constexprs):
     specialized as multiples of 16."""
     from fp4attn.kernels.hopper import quantize
 
+    fn = getattr(quantize, name)
     sig = _QUANTIZER_SIGS[name]
-    return _compile_sm90(getattr(quantize, name), sig, {"D": 128, **constexprs}, _pointers_and(sig, ("S", "S_ROW")),
-                         4, 1)
+    # every defaulted constexpr spelled out: Triton's ASTSource cache key leaves out the
+    # constexprs' names, so builds differing only in which defaulted flag is set shared
+    # one cached cubin (HAS_MEAN=True and FOUR_OVER_SIX=True hashed alike)
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    return _compile_sm90(fn, sig, {**defaults, "D": 128, **constexprs}, _pointers_and(sig, ("S", "S_ROW")), 4, 1)
 
 
 def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
