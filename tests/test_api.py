@@ -150,7 +150,7 @@ def _route_to(monkeypatch, kernel, accepts_mask):
 
     family = next(f for f in routing.KERNEL_FAMILIES if f.name == "hopper-forward")
 
-    def fake_route(backend, q, recipe, causal, needs_grad, attn_mask):
+    def fake_route(backend, q, recipe, causal, needs_grad, attn_mask, keys):
         if attn_mask is not None and not accepts_mask(attn_mask):
             return routing.Route("reference", "reference", "sm_90", "mask"), None
         key_mask = None if attn_mask is None else api.key_mask_view(attn_mask)
