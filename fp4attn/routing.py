@@ -90,7 +90,7 @@ class ForwardLaunch:
     (1: beside PV; 4: before the softmax).
     cuda_from_keys: the `fast_accum` FP8-P recipes (P mode 0, e4m3 QK^T) on the CUDA C++
     kernel (`forward_cuda`: FlashAttention-3's schedule, fused softmax) from this many
-    keys on, on CUDA tensors where cuda-bindings' NVRTC is installed (0: never).
+    keys on, on CUDA tensors where it can be built (`cuda_forward_available`; 0: never).
     """
 
     block_m: int = 128
@@ -203,12 +203,17 @@ def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
 
 @functools.lru_cache(maxsize=1)
 def cuda_forward_available() -> bool:
-    """Whether NVRTC's Python bindings (cuda-bindings) are installed: the CUDA C++ forward
-    is compiled by them at first use."""
+    """Whether the CUDA C++ forward can be built and loaded here: NVRTC's Python bindings
+    (cuda-bindings, the `cuda` extra) are installed, and torch is a CUDA 13 build (NVRTC
+    13's cubins need a CUDA 13 driver, which such a torch already requires)."""
+    import torch
+
     try:
-        return importlib.util.find_spec("cuda.bindings") is not None
+        found = importlib.util.find_spec("cuda.bindings") is not None
     except (ImportError, ValueError):
         return False
+    cuda = torch.version.cuda
+    return found and cuda is not None and int(cuda.split(".")[0]) >= 13
 
 
 def use_cuda_forward(launch: ForwardLaunch, p_mode: int, qk_fp8: bool, keys: int, on_cuda: bool) -> bool:
