@@ -183,6 +183,9 @@ PRESETS: dict[str, Recipe] = {
         # fallback would need FP8 Q/K views in the backward kernels)
         Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", grad="e4m3", smooth_k=True, qk_four_over_six=True,
                name="train-robust"),
+        # FP8 training for Hopper: per-token e4m3 Q/K (FP8 tensor cores for QK^T), FP8 P/V,
+        # e4m3 gradient products; defined and trained by the reference, no kernel yet
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="exp2", grad="e4m3", name="train-fp8"),
     )
 }
 
