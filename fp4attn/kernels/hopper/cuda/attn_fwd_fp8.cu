@@ -442,6 +442,31 @@ __device__ __forceinline__ Smem carve(unsigned char* raw) {
     return s;
 }
 
+// Keys past limit[i] (past Sk, and past row + causal_offset under a causal mask) hidden:
+// registers s[4n + 2i + b] hold key `key` + b of rows i = 0, 1.
+__device__ __forceinline__ void mask_keys(float (&s)[64], int n, int key, const int (&limit)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (key > limit[i]) s[4 * n + 2 * i] = -__int_as_float(0x7f800000);
+        if (key + 1 > limit[i]) s[4 * n + 2 * i + 1] = -__int_as_float(0x7f800000);
+    }
+}
+
+// The largest of the 32 scores this thread holds of row i: a tree, not a chain of 32
+// dependent maxima (the quad's other threads hold the row's other keys).
+__device__ __forceinline__ float thread_row_max(const float (&s)[64], int i) {
+    float mx[8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+        mx[n] = fmaxf(fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]),
+                      fmaxf(s[4 * (n + 8) + 2 * i], s[4 * (n + 8) + 2 * i + 1]));
+#pragma unroll
+    for (int w = 4; w > 0; w /= 2)
+#pragma unroll
+        for (int n = 0; n < w; ++n) mx[n] = fmaxf(mx[n], mx[n + w]);
+    return mx[0];
+}
+
 // The online-softmax step of one tile on the QK^T accumulator s (64 rows x 128 keys, the
 // thread's rows g and g + 8 as i = 0, 1): scores, mask, running max, P packed as the PV
 // product's A fragments, the thread's part of the row sums. Register s[4n + 2i + b] is
@@ -487,29 +512,14 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
             s[4 * n + 2 * i + 1] = fmul_rn(s[4 * n + 2 * i + 1], kb.y);
         }
 #endif
-        if (MASKED) {
-            const int key = key0 + kk;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                if (key > limit[i]) s[4 * n + 2 * i] = -__int_as_float(0x7f800000);
-                if (key + 1 > limit[i]) s[4 * n + 2 * i + 1] = -__int_as_float(0x7f800000);
-            }
-        }
+        if (MASKED) mask_keys(s, n, key0 + kk, limit);
     }
     float c[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         f[i] = KEY_BIAS ? 1.0f : a[i];
-        float mx[8];
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-            mx[n] = fmaxf(fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]),
-                          fmaxf(s[4 * (n + 8) + 2 * i], s[4 * (n + 8) + 2 * i + 1]));
-#pragma unroll
-        for (int w = 4; w > 0; w /= 2)
-#pragma unroll
-            for (int n = 0; n < w; ++n) mx[n] = fmaxf(mx[n], mx[n + w]);
-        float wmax = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], 1));
+        const float tmax = thread_row_max(s, i);
+        float wmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
         wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
         const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
         const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
@@ -552,28 +562,12 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
             s[4 * n + 2 * i + 1] = fadd_rn(s[4 * n + 2 * i + 1], bb.y);
         }
 #endif
-        if (MASKED) {  // keys past Sk, and past row + causal_offset under a causal mask: limit[i]
-            const int key = key0 + kk;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                if (key > limit[i]) s[4 * n + 2 * i] = -__int_as_float(0x7f800000);
-                if (key + 1 > limit[i]) s[4 * n + 2 * i + 1] = -__int_as_float(0x7f800000);
-            }
-        }
+        if (MASKED) mask_keys(s, n, key0 + kk, limit);
     }
     float m_use[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        float mx[8];  // a tree, not a chain of 32 dependent maxima
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-            mx[n] = fmaxf(fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]),
-                          fmaxf(s[4 * (n + 8) + 2 * i], s[4 * (n + 8) + 2 * i + 1]));
-#pragma unroll
-        for (int w = 4; w > 0; w /= 2)
-#pragma unroll
-            for (int n = 0; n < w; ++n) mx[n] = fmaxf(mx[n], mx[n + w]);
-        float row_max = fmaxf(m[i], mx[0]);
+        float row_max = fmaxf(m[i], thread_row_max(s, i));
         row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
         row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
         m_use[i] = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;  // a row that saw no key yet
