@@ -254,7 +254,8 @@ def log2_scores(s, a, b):
 
 
 @triton.jit
-def _max_propagating_nan(a, b):
+def max_propagating_nan(a, b):
+    """max(a, b) with a NaN in either giving NaN (`tl.reduce` combiner; tl.max drops NaN)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
@@ -273,7 +274,7 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
     # NaN in q, k or a float mask, makes its row NaN (reference/forward.py); a score
     # that overflows to +inf leaves the row's softmax undefined, NaN as in SDPA
     nan_ok: tl.constexpr = tl.PropagateNan.ALL
-    m_new = tl.maximum(m_i, tl.reduce(t, 1, _max_propagating_nan), propagate_nan=nan_ok)
+    m_new = tl.maximum(m_i, tl.reduce(t, 1, max_propagating_nan), propagate_nan=nan_ok)
     if ROWS_MAY_BE_EMPTY:
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
     else:

@@ -41,6 +41,7 @@ from fp4attn.kernels.common import (
     e2m1_classify,
     key_tile_bounds,
     log2_scores,
+    max_propagating_nan,
     round_e4m3,
     round_e4m3_cvt,
 )
@@ -115,11 +116,6 @@ def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.co
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr, start_n,
           offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_pm,
           QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, HW_CVT: tl.constexpr, MASK: tl.constexpr,
@@ -174,7 +170,7 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
     # -- online softmax: exact running max, rescale every tile. NaN propagates through
     # the max (tl.max would drop it): a NaN score makes its row NaN, and a score that
     # overflows to +inf leaves the row undefined, NaN (reference/forward.py)
-    m_new = tl.maximum(m_i, tl.reduce(t, 1, _max_nan), propagate_nan=tl.PropagateNan.ALL)
+    m_new = tl.maximum(m_i, tl.reduce(t, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
     if MASK or KEY_BIAS:  # a row may have seen no key yet
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
     else:
