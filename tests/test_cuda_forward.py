@@ -213,3 +213,15 @@ def test_routed_through_attention(D, causal, Hkv, masked):
         other = v.clone()
         other[0] *= 100.0
         assert torch.equal(fp4attn.attention(q, k, other, **kw)[1], out[1])
+
+
+@pytest.mark.skipif(not NVRTC, reason="cuda-bindings (NVRTC) not installed")
+def test_unknown_variant_fields_are_named():
+    """A misspelt variant field is refused with the accepted ones, before any launch."""
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.operands import KernelOperands
+
+    z = torch.zeros(1, 1, 16, 64)
+    ops = KernelOperands(z, z, z[..., 0], z[..., 0], z.transpose(-1, -2), z[0, :, 0])
+    with pytest.raises(ValueError, match=r"unknown variant fields \['exp_polly'\]; accepted: .*'exp_poly'"):
+        launch_forward_cuda(ops, scale=1.0, causal_offset=None, exp_polly=4)
