@@ -138,8 +138,9 @@ def check(args) -> int:
 def long_rows(args) -> int:
     """Long rows (32768 keys), where O's sums span 256 key tiles: each build's relative L2
     error against exact float64 attention of the bf16 inputs on 256 query rows, beside the
-    recipe build's (fp32 sums across tiles). A variant that sums O on the tensor cores
-    (o_in_mma) fails if its error exceeds the recipe build's by more than 10%."""
+    recipe build's (fp32 sums across tiles). A build whose error exceeds the recipe build's by
+    more than 10% fails (O summed across tiles on the tensor cores measured 0.63 against 0.053:
+    docs/notes/hopper-cuda-forward.md)."""
     import torch
 
     from fp4attn.kernels.hopper.forward_cuda import MEASURED, launch_forward_cuda
@@ -161,7 +162,7 @@ def long_rows(args) -> int:
             d = out[:, :, rows].double() - exact
             errs[name] = (d.norm() / exact.norm()).item()
         line = " ".join(f"{n}={e:.5f}" for n, e in errs.items())
-        over = [n for n in errs if MEASURED.get(n, {}).get("o_in_mma") and errs[n] > 1.1 * errs["recipe"]]
+        over = [n for n in errs if errs[n] > 1.1 * errs["recipe"]]
         bad += bool(over)
         print(f"long rows (1,4,32768,{D}) rel-L2 vs exact: {line} {'FAIL ' + str(over) if over else 'OK'}",
               flush=True)

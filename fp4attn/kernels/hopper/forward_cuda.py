@@ -56,18 +56,13 @@ class Variant:
     # P codes equal to the others' but for rounding, l with the tensor core's FP8 sums
     fused_softmax: bool = False
     exp_poly: int = 0  # fused_softmax only: column groups (of 16) whose exp2 is a polynomial on the FMA units
-    # fused_softmax only: O accumulated by the PV products across tiles, the softmax of tile j
-    # overlapped with PV_{j-1} (the kernel's header): the tensor core's sums across tiles too
-    o_in_mma: bool = False
-    pingpong: bool = True  # the consumers take turns issuing their products
     dump_p: bool = False  # checking only: every tile's P codes written to a buffer
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}",
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
-                f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
-                f"-DO_IN_MMA={int(self.o_in_mma)}", f"-DPINGPONG={int(self.pingpong)}", f"-DDUMP_P={int(self.dump_p)}"]
+                f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}", f"-DDUMP_P={int(self.dump_p)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
@@ -116,9 +111,6 @@ MEASURED = {
     "cvt": {"fused_softmax": False, "exp_poly": 0, "rowsum_int": False},  # row sums by cvt: bit-identical
     "fused": {"exp_poly": 0},  # the fused softmax, every exp2 by MUFU
     "fpoly8": {"exp_poly": 8},  # half of the exp2s by polynomial
-    "omma": {"o_in_mma": True},  # O on the tensor cores, softmax overlapped with the own PV
-    "omma8": {"o_in_mma": True, "exp_poly": 8},
-    "omma-solo": {"o_in_mma": True, "pingpong": False},  # without the turn-taking
 }
 EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Gluon kernel, or wrong
 

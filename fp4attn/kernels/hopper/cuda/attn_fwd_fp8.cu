@@ -41,16 +41,6 @@
 // tensor core's FP8 accumulation as for P V itself: the fast_accum recipes' sums). Variants
 // measured and removed (an OVERLAP that ran the softmax over the warpgroup's own PV,
 // EXP_FOLD; exp2 in f16x2 and by a polynomial) are in docs/notes/hopper-cuda-forward.md.
-//
-// O_IN_MMA (with FUSED_SOFTMAX): FlashAttention-3's intra-warpgroup overlap. O (and the
-// row sums in its 8 extra columns) is the PV products' own accumulator across key tiles,
-// scaled by alpha in registers between them, instead of a fresh accumulator per tile
-// added in fp32: the tensor core's accumulation then sums the tiles too (FlashAttention-3's
-// and cuDNN's FP8 numerics, a recipe of its own). That frees the per-tile accumulator's
-// registers, so PV_{j-1} stays in flight while the softmax of tile j runs: per tile,
-// QK^T_j and PV_{j-1} are issued, QK^T_j alone is waited for, the softmax of tile j
-// builds the next P in a second register buffer, then PV_{j-1} is waited for and O
-// rescaled.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -75,12 +65,6 @@
 #endif
 #ifndef EXP_POLY
 #define EXP_POLY 0  // FUSED_SOFTMAX only: of the 16 column groups (4 scores each), how many take exp2 from ex2_poly
-#endif
-#ifndef O_IN_MMA
-#define O_IN_MMA 0  // FUSED_SOFTMAX only: O accumulated by the PV products across tiles (below)
-#endif
-#ifndef PINGPONG
-#define PINGPONG 1  // 0: the consumers issue their products without taking turns
 #endif
 #ifndef DUMP_P
 #define DUMP_P 0  // 1: a checking build that also writes every tile's P codes to p.p_dump
@@ -193,12 +177,10 @@ __device__ __forceinline__ void named_arrive(uint32_t threads) {
 // in a register, ptxas spilled it; a template per consumer instead doubled the code,
 // which ran 1.5x slower causal, by instruction-cache misses as far as measured).
 __device__ __forceinline__ void my_turn_wait() {
-    if (!PINGPONG) return;
     asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 t, t, 7; bar.sync t, %0; }" ::"n"(256) : "memory");
 }
 
 __device__ __forceinline__ void other_turn_give() {
-    if (!PINGPONG) return;
     asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 t, t, 7; sub.u32 t, 3, t; bar.arrive t, %0; }" ::"n"(256)
                  : "memory");
 }
@@ -226,15 +208,6 @@ template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-// the same for the P registers a PV product reads asynchronously: kept (not reused by the
-// next softmax) until the product has been waited for
-__device__ __forceinline__ void fence_p(uint32_t (&pa)[4][4]) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(pa[c][r])::"memory");
 }
 
 // ftz: the non-ftz form adds a range test and two fix-up multiplies per element; it
@@ -432,9 +405,6 @@ __device__ __forceinline__ void wgmma_rs_n72(float (&d)[36], const uint32_t (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-#if O_IN_MMA && !FUSED_SOFTMAX
-#error "O_IN_MMA takes the row sums from the PV product: it needs FUSED_SOFTMAX"
-#endif
 #if HEAD_DIM == 128 && FUSED_SOFTMAX
 #define wgmma_pv wgmma_rs_n136
 #elif HEAD_DIM == 128
@@ -674,12 +644,10 @@ __device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint32
     for (int c = 0; c < HEAD_DIM / 32; ++c) wgmma_ss_n128(s, q_desc + 2 * c, k_desc + 2 * c, c > 0);
 }
 
-// accumulate: added to what pv holds (O_IN_MMA's O); otherwise a fresh product
-__device__ __forceinline__ void issue_pv(float (&pv)[PV_N / 2], const uint32_t (&pa)[4][4], uint32_t v_tile,
-                                         bool accumulate = false) {
+__device__ __forceinline__ void issue_pv(float (&pv)[PV_N / 2], const uint32_t (&pa)[4][4], uint32_t v_tile) {
     const uint64_t v_desc = smem_desc(v_tile, 1, BLOCK_N);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) wgmma_pv(pv, pa[c], v_desc + 2 * c, accumulate || c > 0);
+    for (int c = 0; c < 4; ++c) wgmma_pv(pv, pa[c], v_desc + 2 * c, c > 0);
 }
 
 __device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&pv)[PV_N / 2],
@@ -703,9 +671,9 @@ __device__ __forceinline__ void dump_p(const Params& p, const uint32_t (&pa)[4][
 #pragma unroll
     for (int c = 0; c < 4; ++c) dst[c] = make_uint4(pa[c][0], pa[c][1], pa[c][2], pa[c][3]);
 }
-#define DUMP_TILE(codes, j) dump_p(p, codes, j, tid)
+#define DUMP_TILE(j) dump_p(p, pa, j, tid)
 #else
-#define DUMP_TILE(codes, j)
+#define DUMP_TILE(j)
 #endif
 
 // The first of a consumer thread's two query rows, from %tid.x and %ctaid.x read again
@@ -736,16 +704,11 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     for (int i = 0; i < 2; ++i)
         a[i] = row0 + 8 * i < Sq ? p.qs[(long long)bh * Sq + row0 + 8 * i] * p.qk_scale : 1.17549435e-38f;
 
-#if O_IN_MMA
-    float s[64], o[PV_N / 2];  // O and, in its last 8 columns, the row sums l
-    uint32_t pa[4][4], pn[4][4];  // P of tile j - 1 (read by PV_{j-1} in flight) and of tile j
-#else
     float s[64], pv[PV_N / 2], o[HEAD_DIM / 2];
     uint32_t pa[4][4];  // P of the last softmax, PV's A operand
-#endif
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.0f, 0.0f}, alpha[2];
 #pragma unroll
-    for (int r = 0; r < (int)(sizeof(o) / sizeof(float)); ++r) o[r] = 0.0f;
+    for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = 0.0f;
 
     // turn-taking on the tensor cores: consumer cw issues its products after bar.sync on
     // barrier 1 + cw and hands the turn over by bar.arrive on the other's; consumer 0 goes first
@@ -770,68 +733,8 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         softmax_tile<true>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q);
     else
         softmax_tile<false>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q);
-    DUMP_TILE(pa, 0);
+    DUMP_TILE(0);
 
-#if O_IN_MMA
-    // tile j >= 1: QK^T_j and PV_{j-1} (into O) in one turn; QK^T_j waited for alone, the
-    // softmax of tile j into pn while PV_{j-1} runs; then PV_{j-1} waited for, O rescaled
-    for (int j = 1; j < n_tiles; ++j) {
-        const int st = j % STAGES, prev = (j - 1) % STAGES;
-        const uint32_t parity = (j / STAGES) & 1, prev_parity = ((j - 1) / STAGES) & 1;
-        mbar_wait(sm.k_full + 8 * st, parity);
-        mbar_wait(sm.v_full + 8 * prev, prev_parity);
-        my_turn_wait();
-        fence_regs(s);
-        fence_regs(o);
-        wgmma_fence();
-        issue_qk(s, q_desc, sm.k + st * K_BYTES);
-        wgmma_commit();
-        issue_pv(o, pa, sm.v + prev * V_STAGE_BYTES, true);
-        wgmma_commit();
-        other_turn_give();
-        wgmma_wait<1>();  // groups complete in order: QK^T_j is done, PV_{j-1} may not be
-        fence_regs(s);
-        if (lane == 0) mbar_arrive(sm.k_empty + 8 * st);
-        mbar_wait(sm.ks_full + 8 * st, parity);
-        const uint32_t ks_tile = smem_addr(sm.ks + st * BLOCK_N);
-        if (j * BLOCK_N >= full)
-            softmax_tile<true>(s, pn, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q);
-        else
-            softmax_tile<false>(s, pn, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q);
-        DUMP_TILE(pn, j);
-        wgmma_wait<0>();
-        fence_regs(o);
-        fence_p(pa);
-        if (lane == 0) mbar_arrive(sm.v_empty + 8 * prev);
-#pragma unroll
-        for (int r = 0; r < PV_N / 2; ++r) o[r] *= alpha[(r >> 1) & 1];
-        // the next P into PV's operand registers by explicit moves after the wait: as a plain
-        // copy the compiler wrote the softmax's results straight into those registers while
-        // PV_{j-1} still read them, and ptxas serialized every wgmma (C7513)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) asm volatile("mov.b32 %0, %1;" : "=r"(pa[c][r]) : "r"(pn[c][r]));
-    }
-
-    // the last tile's PV
-    {
-        const int j = n_tiles - 1, st = j % STAGES;
-        mbar_wait(sm.v_full + 8 * st, (j / STAGES) & 1);
-        my_turn_wait();
-        fence_regs(o);
-        wgmma_fence();
-        issue_pv(o, pa, sm.v + st * V_STAGE_BYTES, true);
-        wgmma_commit();
-        if (cw == 0) other_turn_give();  // consumer 1's turn is the last one
-        wgmma_wait<0>();
-        fence_regs(o);
-        fence_p(pa);
-        if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) l[i] = o[HEAD_DIM / 2 + 2 * i];
-    }
-#else
     // tile j >= 1: QK^T_j and PV_{j-1} in one turn, both waited for, O updated, then the
     // softmax of tile j (the other consumer's products run meanwhile)
     for (int j = 1; j < n_tiles; ++j) {
@@ -861,7 +764,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
             softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q);
         else
             softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q);
-        DUMP_TILE(pa, j);
+        DUMP_TILE(j);
     }
 
     // the last tile's PV
@@ -879,7 +782,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
         add_pv(o, pv, alpha, l);
     }
-#endif
 
     // -------------------------------------------------------------------- epilogue
     const float* vs = p.vs + (long long)bhk * HEAD_DIM;
