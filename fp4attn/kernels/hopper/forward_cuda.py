@@ -35,8 +35,6 @@ from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 SOURCE = Path(__file__).with_name("cuda") / "attn_fwd_fp8.cu"
 KERNEL_NAME = "attn_fwd_fp8"
 ARCH = "sm_90a"
-BLOCK_M = 128  # query rows per CTA (two consumer warpgroups of 64)
-THREADS = 384  # producer warpgroup + two consumer warpgroups
 HEAD_DIMS = (64, 128)
 CACHE_ENV = "FP4ATTN_CACHE_DIR"
 LOG2E = 1.4426950408889634
@@ -56,20 +54,38 @@ class Variant:
     # P codes equal to the others' but for rounding, l with the tensor core's FP8 sums
     fused_softmax: bool = False
     exp_poly: int = 0  # fused_softmax only: column groups (of 16) whose exp2 is a polynomial on the FMA units
+    # consumer warpgroups of 64 query rows per CTA: 3 gives each scheduler a third softmax warp
+    # to interleave, in 160 registers per thread (head dim 64 only: 128 would spill)
+    consumers: int = 2
     dump_p: bool = False  # checking only: every tile's P codes written to a buffer
+
+    def __post_init__(self):
+        if self.consumers not in (2, 3) or (self.consumers == 3 and self.head_dim != 64):
+            raise ValueError(f"Variant: consumers must be 2, or 3 at head dim 64; got {self.consumers} "
+                             f"at head dim {self.head_dim}")
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per CTA."""
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}",
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
-                f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}", f"-DDUMP_P={int(self.dump_p)}"]
+                f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
+                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
         mbarriers, and 1024 bytes to align the tiles for the 128-byte swizzle (with
         fused_softmax, 8 rows of ones after each V^T stage)."""
         d = self.head_dim
-        tiles = BLOCK_M * d + self.stages * (2 * BLOCK_N * d + (8 * BLOCK_N if self.fused_softmax else 0))
+        tiles = self.block_m * d + self.stages * (2 * BLOCK_N * d + (8 * BLOCK_N if self.fused_softmax else 0))
         return 1024 + tiles + 2 * self.stages * BLOCK_N * 4 + (1 + 5 * self.stages) * 8
 
 
@@ -98,7 +114,7 @@ def variant_for(head_dim: int, causal: bool, key_bias: bool = False) -> Variant:
 def measured_variants() -> list[Variant]:
     """The softmax variants built for measurement beside the launcher's (compile-checked too)."""
     return [dataclasses.replace(variant_for(d, c), **kw) for d in HEAD_DIMS for c in (False, True)
-            for kw in MEASURED.values()]
+            for kw in MEASURED.values() if kw.get("consumers", 2) == 2 or d == 64]
 
 
 # the softmax variants measured beside the launcher's (benchmarks/bench_forward_cuda.py
@@ -111,6 +127,7 @@ MEASURED = {
     "cvt": {"fused_softmax": False, "exp_poly": 0, "rowsum_int": False},  # row sums by cvt: bit-identical
     "fused": {"exp_poly": 0},  # the fused softmax, every exp2 by MUFU
     "fpoly8": {"exp_poly": 8},  # half of the exp2s by polynomial
+    "c3": {"consumers": 3},  # three consumer warpgroups, 192 query rows per CTA (head dim 64)
 }
 EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Gluon kernel, or wrong
 
@@ -333,13 +350,24 @@ def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
     return padded, row
 
 
-def p_dump_buffer(ops: KernelOperands) -> torch.Tensor:
-    """A buffer for `launch_forward_cuda(p_dump=...)`: (B*H, query blocks, key tiles, 256
-    threads, 64) uint8 filled with 0xFF (never a P code: tiles a block skips keep it)."""
+def p_dump_buffer(ops: KernelOperands, consumers: int = 2) -> torch.Tensor:
+    """A buffer for `launch_forward_cuda(p_dump=...)` of a build with `consumers` consumer
+    warpgroups: (B*H, query blocks, key tiles, consumer threads, 64) uint8 filled with 0xFF
+    (never a P code: tiles a block skips keep it)."""
     B, H, Sq, _ = ops.q.shape
     Sk = ops.k.shape[2]
-    return torch.full((B * H, -(-Sq // BLOCK_M), -(-Sk // BLOCK_N), 256, 64), 0xFF, dtype=torch.uint8,
-                      device=ops.q.device)
+    return torch.full((B * H, -(-Sq // (64 * consumers)), -(-Sk // BLOCK_N), 128 * consumers, 64), 0xFF,
+                      dtype=torch.uint8, device=ops.q.device)
+
+
+def p_codes_by_slab(p_dump: torch.Tensor, rows: int) -> torch.Tensor:
+    """A `p_dump_buffer` of any build as (B*H, 64-row slabs, key tiles, 128 threads, 64): the
+    same layout whatever the consumers per CTA, so that two builds' P codes compare entry for
+    entry; `rows` (Sq) bounds the slabs."""
+    bh, blocks, tiles, threads, _ = p_dump.shape
+    consumers = threads // 128
+    slabs = p_dump.view(bh, blocks, tiles, consumers, 128, 64).permute(0, 1, 3, 2, 4, 5)
+    return slabs.reshape(bh, blocks * consumers, tiles, 128, 64)[:, :-(-rows // 64)]
 
 
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
@@ -363,7 +391,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     variant = dataclasses.replace(variant_for(D, causal_offset is not None, key_bias is not None), **variant,
                                   dump_p=p_dump is not None)
     if p_dump is not None:
-        need = (B * H, -(-Sq // BLOCK_M), -(-Sk // BLOCK_N), 256, 64)
+        need = (B * H, -(-Sq // variant.block_m), -(-Sk // BLOCK_N), 128 * variant.consumers, 64)
         if p_dump.dtype != torch.uint8 or tuple(p_dump.shape) != need or not p_dump.is_contiguous():
             raise ValueError(f"launch_forward_cuda: p_dump must be contiguous uint8 {need} (p_dump_buffer)")
     k = _k_rows(ops.k)
@@ -377,7 +405,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     k_rows = k.shape[0] * k.shape[1] * k.shape[2]
     p = _Params()
     maps = (
-        _tensor_map(q.data_ptr(), [D, B * H * Sq], [D], [D, BLOCK_M], swz),
+        _tensor_map(q.data_ptr(), [D, B * H * Sq], [D], [D, variant.block_m], swz),
         # K's rows permuted per 16 keys (see the kernel's header): keys 16n + 4q + 2h + b
         # land in row 64h + 8n + 2q + b of the tile, one box per h
         _tensor_map(k.data_ptr(), [D, 2, 4, k_rows // 16], [D, 4 * D, 16 * D], [D, 2, 4, 8], swz),
@@ -399,6 +427,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     drv = _driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
     stream = drv.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    _check((drv.cuLaunchKernel(fn, -(-Sq // BLOCK_M), B * H, 1, THREADS, 1, 1, variant.shared_bytes(), stream,
+    _check((drv.cuLaunchKernel(fn, -(-Sq // variant.block_m), B * H, 1, variant.threads, 1, 1,
+                               variant.shared_bytes(), stream,
                                ctypes.addressof(args), 0)[0], None), "cuLaunchKernel")
     return out, lse

@@ -15,7 +15,7 @@
 //   warpgroup 0, producer (setmaxnreg down to 24): warp 0 issues the TMA copies of Q once
 //     and of K_j and V^T_j into STAGES-deep rings (full/empty mbarriers); warp 1 copies
 //     the tile's key scales (and key bias) into shared memory beside them;
-//   warpgroups 1 and 2, consumers (setmaxnreg up to 240), 64 query rows each: per tile
+//   warpgroups 1 .. CONSUMERS, consumers (setmaxnreg up to 240, 160 for three), 64 query rows each: per tile
 //     QK^T_j and PV_{j-1} issued together, then the softmax of tile j. The two consumers
 //     take turns on the tensor cores through two named barriers, so that one's softmax
 //     runs while the other's products do (FlashAttention-3's ping-pong).
@@ -28,7 +28,8 @@
 // so that the accumulator's columns come out as the keys the A fragment wants; the key
 // scales, masks and causal limits use the permuted key index.
 //
-// Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES,
+// Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES, CONSUMERS
+// (consumer warpgroups, 2 or 3: 128 or 192 query rows per CTA),
 // ROWSUM_INT (the row sums' e4m3 -> f16 on the integer units, same results), FUSED_SOFTMAX
 // (below), DUMP_P (a checking build that writes P's codes) and ABLATE_SOFTMAX (a
 // timing-only build).
@@ -66,6 +67,9 @@
 #ifndef EXP_POLY
 #define EXP_POLY 0  // FUSED_SOFTMAX only: of the 16 column groups (4 scores each), how many take exp2 from ex2_poly
 #endif
+#ifndef CONSUMERS
+#define CONSUMERS 2  // consumer warpgroups of 64 query rows; 3 fits the registers at HEAD_DIM 64 only
+#endif
 #ifndef DUMP_P
 #define DUMP_P 0  // 1: a checking build that also writes every tile's P codes to p.p_dump
 #endif
@@ -74,9 +78,11 @@ typedef unsigned int uint32_t;
 typedef unsigned long long uint64_t;
 typedef unsigned short uint16_t;
 
-#define BLOCK_M 128  // query rows per CTA: two consumer warpgroups of wgmma's 64 rows
+#define BLOCK_M (64 * CONSUMERS)  // query rows per CTA: one consumer warpgroup per 64 rows (wgmma's M)
 #define BLOCK_N 128  // keys per tile: part of the recipes' numerics (the online softmax's steps)
-#define THREADS 384
+#define THREADS (128 * (CONSUMERS + 1))
+// registers per consumer thread after setmaxnreg: what the producer's 24 leave of 64K
+#define CONSUMER_REGS (CONSUMERS == 2 ? 240 : 160)
 #define P_OFFSET 8.0f  // P is stored times 2**8 (reference/encoding.P_OFFSET_LOG2)
 
 // Shared memory: rows of HEAD_DIM bytes (Q, K) swizzled by 128 or 64 bytes; V^T rows of
@@ -111,7 +117,7 @@ struct Params {
     float* lse;             // (B, H, Sq)
     int H, group, Sq, Sk, causal_offset, k_rows_per_head;  // k_rows_per_head: Sk rounded up to 16
     float qk_scale;         // softmax scale * log2 e
-    unsigned char* p_dump;  // DUMP_P: (B*H, blocks, key tiles, 256 threads, 64) P codes as the PV A operand
+    unsigned char* p_dump;  // DUMP_P: (B*H, blocks, key tiles, consumer threads, 64) P codes as the PV A operand
 };
 // forward_cuda._Params fills these bytes from Python (it asserts the same size)
 static_assert(sizeof(Params) == 640, "Params changed: update forward_cuda._Params to the same layout");
@@ -171,8 +177,8 @@ __device__ __forceinline__ void named_arrive(uint32_t threads) {
     asm volatile("bar.arrive %0, %1;" ::"n"(ID), "r"(threads) : "memory");
 }
 
-// The consumers' turn-taking barriers, 1 for consumer 0 (threads 128-255) and 2 for
-// consumer 1 (threads 256-383): tid / 128 is one's own, 3 - tid / 128 the other's. The id
+// The consumers' turn-taking barriers, round robin: barrier 1 + c for consumer c (threads
+// 128 (c + 1) ..): tid / 128 is one's own, tid / 128 % CONSUMERS + 1 the next one's. The id
 // is derived from %tid.x inside the asm, so no register holds it across the loop (held
 // in a register, ptxas spilled it; a template per consumer instead doubled the code,
 // which ran 1.5x slower causal, by instruction-cache misses as far as measured).
@@ -181,8 +187,8 @@ __device__ __forceinline__ void my_turn_wait() {
 }
 
 __device__ __forceinline__ void other_turn_give() {
-    asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 t, t, 7; sub.u32 t, 3, t; bar.arrive t, %0; }" ::"n"(256)
-                 : "memory");
+    asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 t, t, 7; rem.u32 t, t, %1; add.u32 t, t, 1; bar.arrive t, %0; }"
+                 ::"n"(256), "n"(CONSUMERS) : "memory");
 }
 
 // wgmma shared-memory descriptor of a K-major tile whose rows are one swizzle span long
@@ -663,10 +669,10 @@ __device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&p
 
 #if DUMP_P
 // the P codes of key tile j as this thread holds them (the PV product's A fragments), at
-// ((bh * blocks + block) * key tiles + j) * 256 + consumer thread, 64 bytes each
+// ((bh * blocks + block) * key tiles + j) * (consumer threads) + consumer thread, 64 bytes each
 __device__ __forceinline__ void dump_p(const Params& p, const uint32_t (&pa)[4][4], int j, int tid) {
     const int tiles = (p.Sk + BLOCK_N - 1) / BLOCK_N;
-    const long long slot = ((long long)(blockIdx.y * gridDim.x + blockIdx.x) * tiles + j) * 256 + (tid - 128);
+    const long long slot = ((long long)(blockIdx.y * gridDim.x + blockIdx.x) * tiles + j) * (128 * CONSUMERS) + (tid - 128);
     uint4* dst = (uint4*)(p.p_dump + slot * 64);
 #pragma unroll
     for (int c = 0; c < 4; ++c) dst[c] = make_uint4(pa[c][0], pa[c][1], pa[c][2], pa[c][3]);
@@ -712,7 +718,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
 
     // turn-taking on the tensor cores: consumer cw issues its products after bar.sync on
     // barrier 1 + cw and hands the turn over by bar.arrive on the other's; consumer 0 goes first
-    if (cw == 1) named_arrive<1>(256);
+    if (cw == CONSUMERS - 1) named_arrive<1>(256);
 
     const uint64_t q_desc = smem_desc(sm.q + cw * 64 * QK_ROW_BYTES, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
     mbar_wait(sm.q_full, 0);
@@ -776,7 +782,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         wgmma_fence();
         issue_pv(pv, pa, sm.v + st * V_STAGE_BYTES);
         wgmma_commit();
-        if (cw == 0) other_turn_give();  // consumer 1's turn is the last one
+        if (cw != CONSUMERS - 1) other_turn_give();  // the last consumer's turn is the last one
         wgmma_wait<0>();
         fence_regs(pv);
         if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
@@ -845,8 +851,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
         for (int st = 0; st < STAGES; ++st) {
             mbar_init(sm.k_full + 8 * st, 1);
             mbar_init(sm.v_full + 8 * st, 1);
-            mbar_init(sm.k_empty + 8 * st, 8);  // one arrival per consumer warp
-            mbar_init(sm.v_empty + 8 * st, 8);
+            mbar_init(sm.k_empty + 8 * st, 4 * CONSUMERS);  // one arrival per consumer warp
+            mbar_init(sm.v_empty + 8 * st, 4 * CONSUMERS);
             mbar_init(sm.ks_full + 8 * st, 32);  // each lane of the scales warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -913,7 +919,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
     } else {
         // consumers: each role one branch of this if/else with its setmaxnreg (ptxas applies
         // the new register budget only so)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
         const Block blk = block_plan(p);
         consumer(p, carve(smem_raw), tid, wg, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
     }
