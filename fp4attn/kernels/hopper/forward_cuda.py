@@ -128,6 +128,7 @@ MEASURED = {
     "fused": {"exp_poly": 0},  # the fused softmax, every exp2 by MUFU
     "fpoly8": {"exp_poly": 8},  # half of the exp2s by polynomial
     "c3": {"consumers": 3},  # three consumer warpgroups, 192 query rows per CTA (head dim 64)
+    "c3p8": {"consumers": 3, "exp_poly": 8},  # and half of the exp2s by polynomial
 }
 EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Gluon kernel, or wrong
 
