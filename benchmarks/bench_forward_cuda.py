@@ -47,7 +47,7 @@ def check(args) -> int:
     import torch
     import triton
 
-    from fp4attn.kernels.hopper.forward_cuda import (EXACT_VARIANTS, MEASURED, launch_forward_cuda,
+    from fp4attn.kernels.hopper.forward_cuda import (CONSUMERS, EXACT_VARIANTS, MEASURED, launch_forward_cuda,
                                                      nvrtc_version, p_codes_by_slab, p_dump_buffer)
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
@@ -87,9 +87,10 @@ def check(args) -> int:
         # the launcher's build ("table") and --variants against the recipe's arithmetic
         variants = ["table"] + [v for v in args.variants.split(",") if v in MEASURED and v != "recipe"
                                 and (MEASURED[v].get("consumers", 2) == 2 or D == 64)]
+        consumers = {v: MEASURED.get(v, {}).get("consumers", CONSUMERS[D, causal]) for v in ["recipe", *variants]}
         base_p = None
         if Sq >= 1024:  # P codes of the recipe's arithmetic, to compare the variants' with
-            base_p = p_dump_buffer(ops)
+            base_p = p_dump_buffer(ops, consumers["recipe"])
             launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=base_p, **MEASURED["recipe"])
         for name in variants:
             try:
@@ -106,9 +107,9 @@ def check(args) -> int:
                     lse_bar = 1e-3 if kw.get("exp_poly", 1) == 0 else 1e-2
                     v_ok = v_same >= 0.9 and v_dlse < lse_bar and (v_out.float() - out.float()).abs().max().item() < 3e-2
                 if base_p is not None:
-                    v_p = p_dump_buffer(ops, kw.get("consumers", 2))
+                    v_p = p_dump_buffer(ops, consumers[name])
                     launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=v_p, **kw)
-                    b_p, v_p = p_codes_by_slab(base_p, Sq), p_codes_by_slab(v_p, Sq)
+                    b_p, v_p = p_codes_by_slab(base_p, Sq, causal), p_codes_by_slab(v_p, Sq, causal)
                     valid = b_p != 0xFF
                     eq = (v_p == b_p) & valid
                     nonzero = valid & ((b_p != 0) | (v_p != 0))
@@ -160,7 +161,7 @@ def long_rows(args) -> int:
         errs = {}
         for name in names:
             kw = MEASURED.get(name, {})
-            if kw.get("consumers", 2) == 3 and D != 64:
+            if kw.get("consumers", 2) == 3 and D != 64:  # three consumers do not fit D=128's registers
                 continue
             out, _ = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=None, **kw)
             d = out[:, :, rows].double() - exact

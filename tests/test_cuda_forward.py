@@ -26,7 +26,10 @@ def test_every_variant_compiles_without_spills(tmp_path, monkeypatch):
     for variant in forward_cuda.all_variants():
         build = forward_cuda.compile_variant(variant, announce=False)
         assert build.cubin[:4] == b"\x7fELF", variant
-        assert build.spill_bytes() == 0, f"{variant}: ptxas spilled to local memory:\n{build.log}"
+        # three consumers live in 160 registers: ptxas keeps a few loop values in local memory
+        # (about 20 accesses per key tile, none in the softmax; measured in the timings)
+        assert build.spill_bytes() <= (256 if variant.consumers == 3 else 0), \
+            f"{variant}: ptxas spilled to local memory:\n{build.log}"
         assert not build.serialized_wgmma(), f"{variant}: ptxas serialized the wgmmas:\n{build.log}"
     # the second build of a variant comes from the cache
     assert list(tmp_path.rglob("*.cubin"))
@@ -41,9 +44,7 @@ def test_measured_softmax_variants_compile(tmp_path, monkeypatch):
         if (variant.head_dim, variant.causal) not in ((128, False), (64, True)):
             continue
         build = forward_cuda.compile_variant(variant, announce=False)
-        # three consumers live in 160 registers: ptxas keeps a few loop values in local memory
-        # (about 20 accesses per key tile, none in the softmax); the routed builds spill nothing
-        assert build.spill_bytes() <= (512 if variant.consumers == 3 else 0), \
+        assert build.spill_bytes() <= (256 if variant.consumers == 3 else 0), \
             f"{variant}: ptxas spilled to local memory:\n{build.log}"
         assert not build.serialized_wgmma(), f"{variant}: ptxas serialized the wgmmas:\n{build.log}"
 
@@ -149,21 +150,22 @@ FUSED_SHAPES = [  # B, H, Hkv, Sq, Sk, D, causal, key bias
     (1, 2, 2, 1023, 1023, 64, "bottom_right", True),
     (1, 3, 1, 200, 450, 64, "top_left", False),
 ]
-# the fused softmax with every exp2 by MUFU, the launcher's build ({}), and three consumer
-# warpgroups per CTA (head dim 64 only)
-FUSED_VARIANTS = {"fused": {"exp_poly": 0}, "launcher": {}, "consumers3": {"consumers": 3}}
+# the fused softmax with every exp2 by MUFU, the launcher's build ({}: three consumer
+# warpgroups per CTA at head dim 64), and two consumers at head dim 64
+FUSED_VARIANTS = {"fused": {"exp_poly": 0, "consumers": 2}, "launcher": {}, "consumers2": {"consumers": 2}}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,B,H,Hkv,Sq,Sk,D,causal,bias", [
     (name, *shape) for name, kw in FUSED_VARIANTS.items() for shape in FUSED_SHAPES
-    if kw.get("consumers", 2) == 2 or shape[5] == 64])
+    if name != "consumers2" or shape[5] == 64])
 def test_fused_softmax(name, B, H, Hkv, Sq, Sk, D, causal, bias):
     """The fused softmax (one FMA per score, row sums from the PV product), alone, with
-    the launcher's polynomial exp2s, and with three consumer warpgroups: P codes equal to
+    the launcher's polynomial exp2s, and with two or three consumer warpgroups: P codes equal to
     the recipe's arithmetic on >= 99.9% of entries, outputs within bf16 rounding, the same
     rows empty."""
-    from fp4attn.kernels.hopper.forward_cuda import MEASURED, launch_forward_cuda, p_codes_by_slab, p_dump_buffer
+    from fp4attn.kernels.hopper.forward_cuda import (CONSUMERS, MEASURED, launch_forward_cuda, p_codes_by_slab,
+                                                     p_dump_buffer)
 
     ops = _operands(B, H, Hkv, Sq, Sk, D, seed=5)
     offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
@@ -174,7 +176,8 @@ def test_fused_softmax(name, B, H, Hkv, Sq, Sk, D, causal, bias):
         key_bias = torch.where(keep, 0.0, -float("inf")).float()
     kw = dict(scale=D ** -0.5, causal_offset=offset, key_bias=key_bias)
     variant = FUSED_VARIANTS[name]
-    base_p, fused_p = p_dump_buffer(ops), p_dump_buffer(ops, variant.get("consumers", 2))
+    base_p = p_dump_buffer(ops, MEASURED["recipe"]["consumers"])
+    fused_p = p_dump_buffer(ops, variant.get("consumers", CONSUMERS[D, causal is not None]))
     out, lse = launch_forward_cuda(ops, p_dump=base_p, **MEASURED["recipe"], **kw)
     f_out, f_lse = launch_forward_cuda(ops, p_dump=fused_p, **variant, **kw)
     torch.cuda.synchronize()
@@ -184,7 +187,7 @@ def test_fused_softmax(name, B, H, Hkv, Sq, Sk, D, causal, bias):
     # the polynomial moves single P codes of rows with few keys (LSE measured within 8.4e-3)
     torch.testing.assert_close(f_lse[seen], lse[seen], atol=1e-3 if variant.get("exp_poly") == 0 else 1e-2, rtol=0)
     torch.testing.assert_close(f_out.float(), out.float(), atol=2e-2, rtol=1e-2)
-    base_p, fused_p = p_codes_by_slab(base_p, Sq), p_codes_by_slab(fused_p, Sq)
+    base_p, fused_p = p_codes_by_slab(base_p, Sq, causal is not None), p_codes_by_slab(fused_p, Sq, causal is not None)
     valid = base_p != 0xFF
     same_p = ((fused_p == base_p) & valid).sum().item() / valid.sum().item()
     assert same_p >= 0.999, f"P codes identical on {same_p:.5f} of the entries"
@@ -250,9 +253,11 @@ def test_three_consumers_only_at_head_dim_64():
         Variant(128, False, consumers=3)
 
 
-def test_p_codes_by_slab_aligns_builds():
+@pytest.mark.parametrize("causal", [False, True])
+def test_p_codes_by_slab_aligns_builds(causal):
     """P dumps of builds with 2 and 3 consumers per CTA land in one layout: each entry of a
-    64-row slab's thread carries its slab number, computed from either build's grid."""
+    64-row slab's thread carries its slab number, computed from either build's grid (causal
+    grids run the query blocks last to first)."""
     from fp4attn.kernels.hopper.forward_cuda import p_codes_by_slab
 
     Sq, tiles = 500, 3
@@ -260,10 +265,11 @@ def test_p_codes_by_slab_aligns_builds():
     for consumers in (2, 3):
         blocks = -(-Sq // (64 * consumers))
         buf = torch.empty((2, blocks, tiles, 128 * consumers, 64), dtype=torch.uint8)
-        for blk in range(blocks):
+        for cta in range(blocks):
+            block = blocks - 1 - cta if causal else cta  # the query block this CTA runs
             for c in range(consumers):
-                buf[:, blk, :, 128 * c:128 * (c + 1)] = blk * consumers + c  # the slab of rows 64 (..)
-        layouts.append(p_codes_by_slab(buf, Sq))
+                buf[:, cta, :, 128 * c:128 * (c + 1)] = block * consumers + c  # the slab of its rows
+        layouts.append(p_codes_by_slab(buf, Sq, causal))
     assert layouts[0].shape == layouts[1].shape == (2, 8, tiles, 128, 64)
     assert torch.equal(layouts[0], layouts[1])
     assert torch.equal(layouts[0][0, :, 0, 0, 0], torch.arange(8, dtype=torch.uint8))

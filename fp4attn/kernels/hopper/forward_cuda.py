@@ -106,15 +106,21 @@ ROWSUM_INT = {(128, False): True, (128, True): True, (64, False): False, (64, Tr
 SOFTMAX = {"fused_softmax": True, "exp_poly": 4}
 
 
+# consumer warpgroups per CTA: three at head dim 64 (192 query rows; a third softmax warp per
+# scheduler), +11-12% non-causal and +2-3% causal over two in the same run, outputs and P
+# codes the same (benchmarks/results/h200-forward-cuda-consumers.txt); at 128 three do not fit
+CONSUMERS = {(128, False): 2, (128, True): 2, (64, False): 3, (64, True): 3}
+
+
 def variant_for(head_dim: int, causal: bool, key_bias: bool = False) -> Variant:
     return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal],
-                   rowsum_int=ROWSUM_INT[head_dim, causal], **SOFTMAX)
+                   rowsum_int=ROWSUM_INT[head_dim, causal], consumers=CONSUMERS[head_dim, causal], **SOFTMAX)
 
 
 def measured_variants() -> list[Variant]:
     """The softmax variants built for measurement beside the launcher's (compile-checked too)."""
     return [dataclasses.replace(variant_for(d, c), **kw) for d in HEAD_DIMS for c in (False, True)
-            for kw in MEASURED.values() if kw.get("consumers", 2) == 2 or d == 64]
+            for kw in MEASURED.values()]
 
 
 # the softmax variants measured beside the launcher's (benchmarks/bench_forward_cuda.py
@@ -123,12 +129,11 @@ def measured_variants() -> list[Variant]:
 MEASURED = {
     # the recipe's arithmetic operation for operation: bit-identical to the Gluon kernel
     # (the checking script's base), row sums converted on the integer units at D=128
-    "recipe": {"fused_softmax": False, "exp_poly": 0},
-    "cvt": {"fused_softmax": False, "exp_poly": 0, "rowsum_int": False},  # row sums by cvt: bit-identical
-    "fused": {"exp_poly": 0},  # the fused softmax, every exp2 by MUFU
+    "recipe": {"fused_softmax": False, "exp_poly": 0, "consumers": 2},
+    "cvt": {"fused_softmax": False, "exp_poly": 0, "rowsum_int": False, "consumers": 2},  # row sums by cvt: bit-identical
+    "fused": {"exp_poly": 0, "consumers": 2},  # the fused softmax, every exp2 by MUFU
     "fpoly8": {"exp_poly": 8},  # half of the exp2s by polynomial
-    "c3": {"consumers": 3},  # three consumer warpgroups, 192 query rows per CTA (head dim 64)
-    "c3p8": {"consumers": 3, "exp_poly": 8},  # and half of the exp2s by polynomial
+    "c2": {"consumers": 2},  # two consumer warpgroups at head dim 64 too (the launcher's take three)
 }
 EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Gluon kernel, or wrong
 
@@ -351,7 +356,7 @@ def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
     return padded, row
 
 
-def p_dump_buffer(ops: KernelOperands, consumers: int = 2) -> torch.Tensor:
+def p_dump_buffer(ops: KernelOperands, consumers: int) -> torch.Tensor:
     """A buffer for `launch_forward_cuda(p_dump=...)` of a build with `consumers` consumer
     warpgroups: (B*H, query blocks, key tiles, consumer threads, 64) uint8 filled with 0xFF
     (never a P code: tiles a block skips keep it)."""
@@ -361,12 +366,15 @@ def p_dump_buffer(ops: KernelOperands, consumers: int = 2) -> torch.Tensor:
                       dtype=torch.uint8, device=ops.q.device)
 
 
-def p_codes_by_slab(p_dump: torch.Tensor, rows: int) -> torch.Tensor:
+def p_codes_by_slab(p_dump: torch.Tensor, rows: int, causal: bool) -> torch.Tensor:
     """A `p_dump_buffer` of any build as (B*H, 64-row slabs, key tiles, 128 threads, 64): the
     same layout whatever the consumers per CTA, so that two builds' P codes compare entry for
-    entry; `rows` (Sq) bounds the slabs."""
+    entry; `rows` (Sq) bounds the slabs. The dump is by CTA, and causal grids run the query
+    blocks last to first."""
     bh, blocks, tiles, threads, _ = p_dump.shape
     consumers = threads // 128
+    if causal:
+        p_dump = p_dump.flip(1)
     slabs = p_dump.view(bh, blocks, tiles, consumers, 128, 64).permute(0, 1, 3, 2, 4, 5)
     return slabs.reshape(bh, blocks * consumers, tiles, 128, 64)[:, :-(-rows // 64)]
 

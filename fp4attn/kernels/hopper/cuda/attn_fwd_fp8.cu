@@ -11,14 +11,17 @@
 //   out = O / l * vs,  lse = (m + log2 l - 8) * ln 2
 // Only the order of the tile's row sums differs (exact in any order: see softmax_tile).
 //
-// Schedule (one CTA = 128 query rows, three warpgroups):
+// Schedule (one CTA = 64 * CONSUMERS query rows, a producer and CONSUMERS consumer warpgroups):
 //   warpgroup 0, producer (setmaxnreg down to 24): warp 0 issues the TMA copies of Q once
 //     and of K_j and V^T_j into STAGES-deep rings (full/empty mbarriers); warp 1 copies
 //     the tile's key scales (and key bias) into shared memory beside them;
-//   warpgroups 1 .. CONSUMERS, consumers (setmaxnreg up to 240, 160 for three), 64 query rows each: per tile
-//     QK^T_j and PV_{j-1} issued together, then the softmax of tile j. The two consumers
-//     take turns on the tensor cores through two named barriers, so that one's softmax
-//     runs while the other's products do (FlashAttention-3's ping-pong).
+//   warpgroups 1 .. CONSUMERS, consumers (setmaxnreg up to 240 for two, 160 for three), 64
+//     query rows each: per tile QK^T_j and PV_{j-1} issued together, then the softmax of
+//     tile j. The consumers take turns on the tensor cores, round robin through named
+//     barriers, so that one's softmax runs while another's products do (FlashAttention-3's
+//     ping-pong). The softmax is the longer path and its dependent chains are what bound it:
+//     a third consumer (head dim 64, where it fits) gives each scheduler a third warp of
+//     it to interleave.
 //
 // P goes from the QK^T accumulator into the A operand of the PV product in registers. The
 // two layouts differ for 8-bit A: a thread's accumulator holds key pairs {2q, 2q+1} and
@@ -41,7 +44,8 @@
 // returns each row's sum of the represented P beside P V (consistent normalization, the
 // tensor core's FP8 accumulation as for P V itself: the fast_accum recipes' sums). Variants
 // measured and removed (an OVERLAP that ran the softmax over the warpgroup's own PV,
-// EXP_FOLD; exp2 in f16x2 and by a polynomial) are in docs/notes/hopper-cuda-forward.md.
+// EXP_FOLD; exp2 in f16x2; O summed across key tiles by the PV products, which the FP8
+// tensor cores' accumulation loses) are in docs/notes/hopper-cuda-forward.md.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
