@@ -81,3 +81,122 @@ SCRIPT = textwrap.dedent('''
 
 def test_directp_builder_under_the_interpreter():
     run_under_interpreter(SCRIPT, timeout=600)
+
+
+SINK_SCRIPT = textwrap.dedent('''
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+
+    from fp4attn.kernels.common import build_p_tile
+    from fp4attn.reference.directp import DIRECTP_THRESHOLDS, build_p
+    from fp4attn.reference.encoding import P_EMIN, P_OFFSET_LOG2
+
+    @triton.jit
+    def p_kernel(X, P, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_AXIS: tl.constexpr):
+        # KEY_AXIS 1: a (rows, keys) tile, as the forward's S; 0: the same numbers
+        # loaded as a (keys, rows) tile, as the backward's S^T
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if KEY_AXIS == 1:
+            offs = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        else:
+            offs = rows[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        tl.store(P + offs, build_p_tile(tl.load(X + offs), 3, KEY_AXIS))
+
+    f32 = np.float32
+    NEG = -np.inf
+
+    def ulps(v, k):  # v moved by k float32 ulps (k < 0: down)
+        v = f32(v)
+        for _ in range(abs(k)):
+            v = np.nextafter(v, f32(np.inf if k > 0 else -np.inf))
+        return v
+
+    g = np.random.default_rng(0)
+    blocks = []
+
+    def block(top, n_top, rest, at=None):
+        b = np.full(32, NEG, f32)
+        rest = list(rest)[:32 - n_top]
+        b[:len(rest)] = rest
+        g.shuffle(b)
+        pos = g.choice(32, n_top, replace=False) if at is None else at
+        b[pos] = f32(top)
+        blocks.append(b)
+
+    # the rest's Direct-P codes on every threshold (as the P_MODE 1 test), under a top
+    # key up to 2.25 above the rest's maximum (at most e_b + 2.33), one key or ties of
+    # two and three; x <= 0, as the kernels' normalized tiles
+    for e_b in (-3, -4, -5, -17, P_EMIN, P_EMIN - 1):
+        ys = [ulps(f32(e_b) + f32(t), k) for t in DIRECTP_THRESHOLDS for k in range(-3, 4)]
+        ys += [f32(e_b + d) for d in (-30.0, -2.0, 0.0, 1.0)]
+        for i in range(0, len(ys), 29):
+            top = min(0.0, e_b + 2.4 + (i // 29) % 4 * 0.75)
+            block(top, 1 + (i // 29) % 3, [f32(e_b + 2)] + ys[i:i + 29])
+    # ties: the whole block, half of it, the rest's maximum tied and one ulp below the top
+    for top in (0.0, -0.3, -7.25, -20.0):
+        block(top, 32, [])
+        block(top, 16, g.uniform(top - 6, top, 16).astype(f32))
+        block(top, 1, [ulps(top, -1)] * 3 + list(g.uniform(top - 6, top, 20).astype(f32)))
+        block(top, 2, [ulps(top, -1)] + list(g.uniform(top - 40, top, 29).astype(f32)))
+    # the rest's maximum on an integer (its floor) and one ulp either side
+    for m in (-1.0, -3.0, -8.0, -15.0):
+        for k in (-1, 0, 1):
+            block(0.0 if m > -8 else m + 0.5, 1, [ulps(m, k)] + list(g.uniform(m - 5, m, 20).astype(f32)))
+    # only the top left (the others masked), fully masked, the rest dropped below P_EMIN
+    # while the top is kept, and the top below e4m3's normals (2**(x + 8) < 2**-6)
+    block(-0.5, 1, [])
+    block(-9.0, 3, [])
+    blocks.append(np.full(32, NEG, f32))
+    block(-2.0, 1, g.uniform(-40, -20, 25).astype(f32))
+    for top in (-14.5, -15.0, -16.9, -17.0, -17.5, -20.0):
+        block(top, 1, g.uniform(top - 4, top, 25).astype(f32))
+    # tops whose 2**(x + 8) sits near a midpoint of the e4m3 grid
+    grid = np.array([(1 + m / 8) * 2.0**e for e in range(-6, 9) for m in range(8)] +
+                    [m / 8 * 2.0**-6 for m in range(1, 8)])
+    grid = np.sort(grid[grid <= 256])
+    mids = (grid[1:] + grid[:-1]) / 2
+    for mid in mids[::3]:
+        x = f32(np.log2(mid) - 8)
+        for k in (-1, 0, 1):
+            block(min(ulps(x, k), f32(0.0)), 1, g.uniform(x - 3, x, 10).astype(f32))
+    # random blocks, some keys masked
+    for _ in range(24):
+        b = (-g.random(32) * g.choice([0.5, 3.0, 12.0, 40.0])).astype(f32)
+        b[g.random(32) < 0.2] = NEG
+        blocks.append(b)
+
+    blocks += [np.full(32, NEG, f32)] * (-len(blocks) % 4)
+    x = torch.from_numpy(np.stack(blocks).reshape(-1, 128))
+    nan_rows = torch.arange(x.shape[0], x.shape[0] + 2)
+    x = torch.cat([x, torch.full((2, 128), float("nan"))])  # a NaN score: the whole row is NaN
+    x = torch.cat([x, torch.full((-x.shape[0] % 16, 128), -float("inf"))])
+    want = build_p(x, "mxfp4", "directp", sink=True) * 2.0**P_OFFSET_LOG2
+    for key_axis in (1, 0):
+        p = torch.empty_like(x)
+        p_kernel[(x.shape[0] // 16,)](x, p, BLOCK_M=16, BLOCK_N=128, KEY_AXIS=key_axis)
+        # a NaN row's P is 0 (its NaN reaches the output through the running max, the
+        # rescale and the row sum, online_softmax_p); the reference writes NaN into P
+        assert torch.equal(p[nan_rows], torch.zeros(2, 128)), key_axis
+        keep = torch.ones(x.shape[0], dtype=torch.bool)
+        keep[nan_rows] = False
+        got, ref = p[keep].view(torch.int32), want[keep].view(torch.int32)
+        bad = (got != ref).nonzero()
+        assert bad.numel() == 0, (key_axis, len(bad), [(x[keep][i, j].item(), p[keep][i, j].item(),
+                                                        want[keep][i, j].item()) for i, j in bad[:5].tolist()])
+    tops = int(((x == x.reshape(-1, 4, 32).amax(-1).repeat_interleave(32, -1)) & (x > -float("inf"))).sum())
+    print(tuple(x.shape), "identical bit for bit on both key axes;", tops, "finite top keys")
+    print("ok")
+''')
+
+
+def test_directp_sink_builder_under_the_interpreter():
+    """P_MODE 3 (`Recipe.p_sink`): the kernels' P tile is the reference's
+    `build_p(..., sink=True)` bit for bit on tiles built against it: ties at the block
+    maximum (two, three, sixteen, all 32 keys), the rest's maximum one ulp below the top
+    and on an integer, every Direct-P threshold under a top key, a top alone in its block,
+    fully masked blocks, the rest dropped below P_EMIN under a kept top, tops near the
+    e4m3 midpoints and below its normals, and NaN rows (P 0, as the forward propagates
+    NaN through the running max instead)."""
+    run_under_interpreter(SINK_SCRIPT, timeout=600)

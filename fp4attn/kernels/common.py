@@ -197,38 +197,63 @@ def p_mxfp4_exp2(x, KEY_AXIS: tl.constexpr, key_block=None):
 
 
 @triton.jit
-def _block_max_and_top_p(x, KEY_AXIS: tl.constexpr, key_block=None):
-    """`_block_max_32` and the FP8 P value e4m3(2**(max + 8)) of each block's maximum,
-    both broadcast to the block's keys: the exp2 once per block and row (an exp2 per
-    element, selected for the top keys only, took one MUFU op per score element)."""
-    n_keys: tl.constexpr = x.shape[KEY_AXIS]
-    blk = _key_blocks(n_keys, KEY_AXIS, key_block)
-    out = x
-    top_p = x
-    for b in tl.static_range(n_keys // 32):
-        mb = tl.max(tl.where(blk == b, x, -float("inf")), axis=KEY_AXIS)
-        pb = round_e4m3(tl.math.exp2(mb + P_OFFSET_LOG2))
-        mb = mb[:, None] if KEY_AXIS == 1 else mb[None, :]
-        pb = pb[:, None] if KEY_AXIS == 1 else pb[None, :]
-        out = tl.where(blk == b, mb, out)
-        top_p = tl.where(blk == b, pb, top_p)
-    return out, top_p
+def _bcast_keys(v, KEY_AXIS: tl.constexpr):
+    """A per-row (per-query) vector of a reduction along KEY_AXIS, as a tile axis again."""
+    return v[:, None] if KEY_AXIS == 1 else v[None, :]
 
 
 @triton.jit
-def p_mxfp4_directp_sink(x, KEY_AXIS: tl.constexpr, key_block=None):
+def p_mxfp4_directp_sink(x, KEY_AXIS: tl.constexpr, key_block=None, HW_CVT: tl.constexpr = False):
     """Direct-P MXFP4 P with each 32-key block's top keys outside its shared scale
     (`Recipe.p_sink`, reference/directp.py): the keys that tie the block's maximum get
     the FP8 P value e4m3(2**(x + 8)), the others Direct-P codes under the exponent of
-    the block's next largest key. On Hopper both are e4m3 values of the one P tile."""
-    top_x, top_p = _block_max_and_top_p(x, KEY_AXIS, key_block)
-    top = (x == top_x) & (top_x > -float("inf"))
-    p = p_mxfp4_directp(tl.where(top, -float("inf"), x), KEY_AXIS, key_block)
-    return tl.where(top, top_p, p)
+    the block's next largest key. On Hopper both are e4m3 values of the one P tile.
+    HW_CVT: the top keys' e4m3 rounding by the packed hardware conversion (GPU only, the
+    same RNE as `round_e4m3`, which the interpreter runs).
+
+    Per score: the top's max, the rest's compare, select and max, the codes, the top's
+    compare and select (docs/notes/robust-numerics.md, "p_sink's instructions"); the
+    rest's exponent and scale and the top's exp2 and rounding on the reduced per-row
+    values, once per block and row."""
+    n_keys: tl.constexpr = x.shape[KEY_AXIS]
+    blk = _key_blocks(n_keys, KEY_AXIS, key_block)
+    top_x = x  # every element is overwritten: each key is in one block
+    top_p = x
+    e_b = x
+    scale = x
+    for b in tl.static_range(n_keys // 32):
+        in_b = blk == b
+        mb = tl.max(tl.where(in_b, x, -float("inf")), axis=KEY_AXIS)
+        # the rest's max over x < mb: the keys that tie the top drop out, and so do a
+        # fully masked block's -inf keys and a NaN row's keys (the compare is false)
+        below = tl.where(in_b & (x < _bcast_keys(mb, KEY_AXIS)), x, -float("inf"))
+        eb = tl.floor(tl.max(below, axis=KEY_AXIS)) - 2.0  # -inf when only the top is left
+        keep = eb >= P_EMIN
+        eb = tl.where(keep, eb, 0.0)
+        sb = tl.where(keep, ((eb.to(tl.int32) + (P_OFFSET_LOG2 + 127)) << 23).to(tl.float32, bitcast=True), 0.0)
+        # the top key's FP8 value once per block and row, not an exp2 per element; the
+        # offset as an exact product after the exp2, as the reference: exp2(x + 8) rounds
+        # x + 8 first, which moved 2**(x + 8) across e4m3 midpoints (38, 50, 108, 232)
+        pb = tl.math.exp2(mb) * (2.0 ** P_OFFSET_LOG2)
+        if HW_CVT:
+            pb = round_e4m3_cvt(pb)
+        else:
+            pb = round_e4m3(pb)
+        top_x = tl.where(in_b, _bcast_keys(mb, KEY_AXIS), top_x)
+        top_p = tl.where(in_b, _bcast_keys(pb, KEY_AXIS), top_p)
+        e_b = tl.where(in_b, _bcast_keys(eb, KEY_AXIS), e_b)
+        scale = tl.where(in_b, _bcast_keys(sb, KEY_AXIS), scale)
+    # the codes from x, not from the rest's tile (a top key's code is replaced), so that
+    # tile dies in the reduction. The top test is a compare of its own, not the rest's
+    # predicate: 64 predicates per thread kept alive across the reduction were stored
+    # to and reloaded from registers (P2R, ISETP: two instructions where a compare is
+    # one). A fully masked block needs no test: its keys tie top_x = -inf, whose top_p
+    # is e4m3(2**-inf) = 0, the value Direct-P gives them
+    return tl.where(x == top_x, top_p, e2m1_classify(x - e_b) * scale)
 
 
 @triton.jit
-def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None):
+def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None, HW_CVT: tl.constexpr = False):
     """P by the recipe's builder: 0 FP8 from exp2, 1 MXFP4 by Direct-P, 2 MXFP4 from
     exp2, 3 MXFP4 by Direct-P with the blocks' top keys apart (`Recipe.p_sink`) (the
     P_MODE of the kernels); key_block as in `_block_max_32`."""
@@ -237,7 +262,7 @@ def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None
     elif P_MODE == 1:
         p = p_mxfp4_directp(x, KEY_AXIS, key_block)
     elif P_MODE == 3:
-        p = p_mxfp4_directp_sink(x, KEY_AXIS, key_block)
+        p = p_mxfp4_directp_sink(x, KEY_AXIS, key_block, HW_CVT)
     else:
         p = p_mxfp4_exp2(x, KEY_AXIS, key_block)
     return p
@@ -285,6 +310,6 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
     if P_MODE == 0 and P_HW_CVT:
         p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
     else:
-        p = build_p_tile(x, P_MODE, 1, key_block)
+        p = build_p_tile(x, P_MODE, 1, key_block, P_HW_CVT)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return p, alpha, m_new, l_i
