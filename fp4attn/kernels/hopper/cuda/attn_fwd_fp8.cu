@@ -87,6 +87,9 @@ typedef unsigned short uint16_t;
 #define THREADS (128 * (CONSUMERS + 1))
 // registers per consumer thread after setmaxnreg: what the producer's 24 leave of 64K
 #define CONSUMER_REGS (CONSUMERS == 2 ? 240 : 160)
+#if CONSUMERS == 3 && HEAD_DIM == 128
+#error "three consumers do not fit 160 registers at head dim 128"
+#endif
 #define P_OFFSET 8.0f  // P is stored times 2**8 (reference/encoding.P_OFFSET_LOG2)
 
 // Shared memory: rows of HEAD_DIM bytes (Q, K) swizzled by 128 or 64 bytes; V^T rows of
@@ -323,97 +326,54 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 
 // -------------------------------------------------------------------- wgmma
-__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+// The accumulator operands, spelled out once: "+f" (read and written: the product is added)
+// or "=f" (written only: a fresh product, so that no value of the accumulator's last use is
+// kept alive, nor a register shared with what died before it)
+#define WGMMA_RW(x) "+f"(x)
+#define WGMMA_WO(x) "=f"(x)
+#define WGMMA_D8(F, i) F(d[i]), F(d[i + 1]), F(d[i + 2]), F(d[i + 3]), F(d[i + 4]), F(d[i + 5]), F(d[i + 6]), F(d[i + 7])
+#define WGMMA_D32(F) WGMMA_D8(F, 0), WGMMA_D8(F, 8), WGMMA_D8(F, 16), WGMMA_D8(F, 24)
+#define WGMMA_D64(F) WGMMA_D32(F), WGMMA_D8(F, 32), WGMMA_D8(F, 40), WGMMA_D8(F, 48), WGMMA_D8(F, 56)
+#define WGMMA_D36(F) WGMMA_D32(F), F(d[32]), F(d[33]), F(d[34]), F(d[35])
+#define WGMMA_D68(F) WGMMA_D64(F), F(d[64]), F(d[65]), F(d[66]), F(d[67])
+#define WGMMA_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
+                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WGMMA_R64 WGMMA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
+                  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+// QK^T: m64n128k32 from shared memory (A = Q, B = K); FRESH: d = A B, else d += A B
+template <bool FRESH>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+#define WGMMA_SS_N128 "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" WGMMA_R64 "}, %64, %65, p, 1, 1;\n}\n"
+    if constexpr (FRESH)
+        asm volatile(WGMMA_SS_N128 : WGMMA_D64(WGMMA_WO) : "l"(desc_a), "l"(desc_b), "r"(0));
+    else
+        asm volatile(WGMMA_SS_N128 : WGMMA_D64(WGMMA_RW) : "l"(desc_a), "l"(desc_b), "r"(1));
+#undef WGMMA_SS_N128
 }
 
-__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void wgmma_rs_n136(float (&d)[68], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %73, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-        "%64, %65, %66, %67"
-        "}, {%68, %69, %70, %71}, %72, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void wgmma_rs_n72(float (&d)[36], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35"
-        "}, {%36, %37, %38, %39}, %40, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
+// PV: m64nNk32 with A (P) from registers and B (V^T) from shared memory, FRESH as above; the
+// operand numbers after the N / 2 accumulator registers: A's four, B's descriptor, scale-d
+#define WGMMA_RS(NAME, N, REGS, DLIST, A, B, SCALE_D)                                                   \
+    template <bool FRESH>                                                                               \
+    __device__ __forceinline__ void NAME(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {  \
+        if constexpr (FRESH)                                                                            \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                            \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" REGS "}, {" A "}, " B \
+                         ", p, 1, 1;\n}\n"                                                              \
+                         : DLIST(WGMMA_WO) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0)); \
+        else                                                                                            \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                            \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" REGS "}, {" A "}, " B \
+                         ", p, 1, 1;\n}\n"                                                              \
+                         : DLIST(WGMMA_RW) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
+    }
+WGMMA_RS(wgmma_rs_n128, 128, WGMMA_R64, WGMMA_D64, "%64, %65, %66, %67", "%68", "%69")
+WGMMA_RS(wgmma_rs_n136, 136, WGMMA_R64 ", %64, %65, %66, %67", WGMMA_D68, "%68, %69, %70, %71", "%72", "%73")
+WGMMA_RS(wgmma_rs_n64, 64, WGMMA_R32, WGMMA_D32, "%32, %33, %34, %35", "%36", "%37")
+WGMMA_RS(wgmma_rs_n72, 72, WGMMA_R32 ", %32, %33, %34, %35", WGMMA_D36, "%36, %37, %38, %39", "%40", "%41")
+#undef WGMMA_RS
 
 #if HEAD_DIM == 128 && FUSED_SOFTMAX
 #define wgmma_pv wgmma_rs_n136
@@ -650,14 +610,16 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint32_t k_tile) {
     const uint64_t k_desc = smem_desc(k_tile, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
+    wgmma_ss_n128<true>(s, q_desc, k_desc);  // a fresh S: its last tile's values are dead
 #pragma unroll
-    for (int c = 0; c < HEAD_DIM / 32; ++c) wgmma_ss_n128(s, q_desc + 2 * c, k_desc + 2 * c, c > 0);
+    for (int c = 1; c < HEAD_DIM / 32; ++c) wgmma_ss_n128<false>(s, q_desc + 2 * c, k_desc + 2 * c);
 }
 
 __device__ __forceinline__ void issue_pv(float (&pv)[PV_N / 2], const uint32_t (&pa)[4][4], uint32_t v_tile) {
     const uint64_t v_desc = smem_desc(v_tile, 1, BLOCK_N);
+    wgmma_pv<true>(pv, pa[0], v_desc);  // a fresh product per tile (added to O in fp32)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) wgmma_pv(pv, pa[c], v_desc + 2 * c, c > 0);
+    for (int c = 1; c < 4; ++c) wgmma_pv<false>(pv, pa[c], v_desc + 2 * c);
 }
 
 __device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&pv)[PV_N / 2],
@@ -730,7 +692,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     // tile 0: QK^T alone
     mbar_wait(sm.k_full, 0);
     my_turn_wait();
-    fence_regs(s);
     wgmma_fence();
     issue_qk(s, q_desc, sm.k);
     wgmma_commit();
@@ -753,9 +714,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         mbar_wait(sm.k_full + 8 * st, parity);
         mbar_wait(sm.v_full + 8 * prev, prev_parity);
         my_turn_wait();
-        fence_regs(s);
-        fence_regs(pv);
-        wgmma_fence();
+        wgmma_fence();  // (S and the PV accumulator are written fresh: no fence keeps their old values)
         issue_pv(pv, pa, sm.v + prev * V_STAGE_BYTES);
         issue_qk(s, q_desc, sm.k + st * K_BYTES);
         wgmma_commit();
@@ -782,7 +741,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         const int j = n_tiles - 1, st = j % STAGES;
         mbar_wait(sm.v_full + 8 * st, (j / STAGES) & 1);
         my_turn_wait();
-        fence_regs(pv);
         wgmma_fence();
         issue_pv(pv, pa, sm.v + st * V_STAGE_BYTES);
         wgmma_commit();
