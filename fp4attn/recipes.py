@@ -64,6 +64,13 @@ class Recipe:
             attention sink (one key holding most of a row's probability) then no
             longer rounds the other keys of its block to zero. On Hopper P is an e4m3
             tile already, so this is a different classification, not another product.
+        p_sink_keys: with p_sink, only the 32-key blocks of keys [0, p_sink_keys)
+            (absolute key index, the same for every query row, causal or not) keep
+            their top keys apart; the other blocks are plain Direct-P (or exp2) MXFP4.
+            0: every block. Attention sinks are the first tokens (the BOS token,
+            [CLS]), so the first key tile carries the remedy: the kernels then pay it on
+            one tile instead of every tile. A multiple of block_n (the kernels switch
+            the P builder per key tile).
         qk_fallback: "fp8" quantizes Q and K of a (batch, KV head) in FP8 (per token)
             instead of NVFP4 where their logits are too sharp for NVFP4:
             `robust.logit_std` above `qk_fallback_logit_std` (qk="nvfp4" only).
@@ -86,6 +93,7 @@ class Recipe:
     rotate_qk: str | None = None
     smooth_v: bool = False
     p_sink: bool = False
+    p_sink_keys: int = 0
     qk_fallback: str | None = None
     qk_fallback_logit_std: float = 1.25
     qk_four_over_six: bool = False
@@ -127,6 +135,12 @@ class Recipe:
                 raise ValueError(f"Recipe.qk_fallback_logit_std must be positive, got {self.qk_fallback_logit_std}")
         if self.block_n <= 0 or self.block_n % 32:
             raise ValueError(f"Recipe.block_n must be a positive multiple of 32, got {self.block_n}")
+        if self.p_sink_keys < 0 or self.p_sink_keys % self.block_n:
+            raise ValueError(f"Recipe.p_sink_keys must be a non-negative multiple of block_n={self.block_n} "
+                             f"(the kernels switch the P builder per key tile), got {self.p_sink_keys}")
+        if self.p_sink_keys and not self.p_sink:
+            raise ValueError(f"Recipe.p_sink_keys={self.p_sink_keys} limits p_sink to the first keys; it needs "
+                             "p_sink=True (or p_sink_keys=0)")
 
     @property
     def robust(self) -> bool:
@@ -177,8 +191,10 @@ PRESETS: dict[str, Recipe] = {
         # value vector)
         Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", smooth_k=True, qk_fallback="fp8",
                qk_four_over_six=True, name="nvfp4-fp8-robust"),
-        Recipe(qk="nvfp4", p="mxfp4", v="fp8", p_build="directp", smooth_k=True, p_sink=True, qk_fallback="fp8",
-               qk_four_over_six=True, name="directp-robust"),
+        # (p_sink on the first key tile only: sinks are the first tokens, and the remedy's
+        # instructions are then paid on one tile, not on every tile)
+        Recipe(qk="nvfp4", p="mxfp4", v="fp8", p_build="directp", smooth_k=True, p_sink=True, p_sink_keys=128,
+               qk_fallback="fp8", qk_four_over_six=True, name="directp-robust"),
         # training: the two fields the training kernels' NVFP4 payload can carry (the FP8
         # fallback would need FP8 Q/K views in the backward kernels)
         Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", grad="e4m3", smooth_k=True, qk_four_over_six=True,

@@ -303,6 +303,18 @@ def p_mode(recipe: Recipe) -> int:
     return P_MODES[(recipe.p, recipe.p_build)]
 
 
+def p_sink_tiles(recipe: Recipe) -> int:
+    """The forward kernels' SINK_TILES for `recipe`: with P_MODE 3, the number of first
+    key tiles that keep the blocks' top keys apart (`Recipe.p_sink_keys`; 0, every tile).
+    The kernels tile KEY_TILE keys, which `_shape_unsupported` requires of block_n."""
+    if not recipe.p_sink or not recipe.p_sink_keys:
+        return 0
+    if recipe.p_sink_keys % KEY_TILE:
+        raise ValueError(f"p_sink_keys={recipe.p_sink_keys} is not a whole number of the kernels' {KEY_TILE}-key "
+                         "tiles")
+    return recipe.p_sink_keys // KEY_TILE
+
+
 def _shape_unsupported(recipe: Recipe, head_dim: int) -> str | None:
     """What every kernel family shares: consistent normalization, the key tile, the head
     dims (`kernel_head_dim`)."""

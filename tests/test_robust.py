@@ -69,6 +69,36 @@ def test_sink_p_keeps_the_other_keys_of_the_sink_block():
     assert bool(torch.isnan(build_p(x, "mxfp4", "directp", sink=True)[0, 3]))
 
 
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_sink_keys_limit_the_sink_remedy_to_the_first_tiles(causal):
+    """p_sink_keys=128 (directp-robust): the first key tile's P is the full remedy's
+    (p_sink_keys=0), every later tile's plain Direct-P's, bit for bit (the running max,
+    and so each tile's x, does not depend on P); a sink key in a later tile is then
+    rounded as Direct-P rounds it, so the three recipes differ there."""
+    g = torch.Generator().manual_seed(4)
+    sq, sk = 300, 400
+    q = torch.randn(1, 2, sq, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 1, sk, 64, generator=g).bfloat16() for _ in range(2))
+    k[0, 0, 3] = (q[0].float().mean((0, 1)) * 6.0).bfloat16()  # sinks in tile 0 and tile 1
+    k[0, 0, 200] = (q[0].float().mean((0, 1)) * 4.0).bfloat16()
+    r = PRESETS["directp-robust"]
+    assert r.p_sink and r.p_sink_keys == r.block_n == 128
+    runs = {n: reference_forward(q, k, v, rr, scale=0.125, causal=causal, return_p=True)
+            for n, rr in (("first", r), ("every", r.with_(p_sink_keys=0)), ("none", r.with_(p_sink=False, p_sink_keys=0)))}
+    p = runs["first"].p
+    assert torch.equal(p[..., :128], runs["every"].p[..., :128])
+    assert torch.equal(p[..., 128:], runs["none"].p[..., 128:])
+    assert not torch.equal(p[..., 128:], runs["every"].p[..., 128:])
+    assert not torch.equal(p[..., :128], runs["none"].p[..., :128])
+    # build_p over a whole row (the backward's form) splits at sink_keys the same way
+    x = torch.randn(3, 256, generator=g) * 4 - 6
+    x[:, 40] = x[:, 200] = 0.0
+    both = build_p(x, "mxfp4", "directp", sink=True, sink_keys=128)
+    assert torch.equal(both[:, :128], build_p(x, "mxfp4", "directp", sink=True)[:, :128])
+    assert torch.equal(both[:, 128:], build_p(x, "mxfp4", "directp")[:, 128:])
+    assert torch.equal(build_p(x, "mxfp4", "directp", sink=True, sink_keys=256), build_p(x, "mxfp4", "directp", sink=True))
+
+
 def test_fallback_picks_fp8_for_sharp_heads_only():
     q, k, v = (t.bfloat16() for t in make_inputs("gaussian", (2, 2, 128, 64), 5, "cpu"))
     k[1, 0] *= 3.0
@@ -84,6 +114,13 @@ def test_recipe_fields_are_checked():
         Recipe(p="fp8", p_build="exp2", v="fp8", p_sink=True)
     with pytest.raises(ValueError, match="qk_fallback"):
         Recipe(qk="fp8", qk_fallback="fp8")
+    with pytest.raises(ValueError, match="needs p_sink=True"):
+        Recipe(p_sink_keys=128)
+    for keys in (-128, 64, 200):
+        with pytest.raises(ValueError, match="p_sink_keys must be a non-negative multiple of block_n=128"):
+            Recipe(p_sink=True, p_sink_keys=keys)
+    assert Recipe(p_sink=True, p_sink_keys=64, block_n=64).p_sink_keys == 64
+    assert Recipe(p_sink=True).p_sink_keys == 0  # every block, as before the field
     with pytest.raises(ValueError, match="smooth_v"):
         Recipe(p="fp8", p_build="exp2", v="fp8", smooth_v=True, consistent_norm=False)
 

@@ -90,6 +90,70 @@ def test_robust_presets_run_the_hopper_forward_as_the_reference():
     run_under_interpreter(KERNEL_PATCHES + FORWARD)
 
 
+SINK_TILES = textwrap.dedent('''
+    import dataclasses
+    import torch
+    from fp4attn.kernels.hopper.forward_op import launch_forward
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference import reference_forward
+    from fp4attn.reference.masks import causal_offset
+    from fp4attn.routing import ForwardLaunch, override_launch, p_mode, p_sink_tiles
+
+    # directp-robust's P (p_sink on the first key tile, peeled, then plain Direct-P) is
+    # the reference's bit for bit, on every tile of rows spanning several key tiles
+    # with a sink in tile 0 and one in tile 1; causal both alignments and not, a query
+    # block that sees no key (bottom-right, Sq - Sk >= 64), two sink tiles
+    base = PRESETS["directp-robust"].with_(qk_fallback=None)
+    g = torch.Generator().manual_seed(0)
+    for keys, sq, sk, causal in ((128, 200, 400, None), (128, 200, 400, "top_left"), (128, 200, 400, "bottom_right"),
+                                 (128, 200, 100, "bottom_right"), (256, 64, 400, None)):
+        r = base.with_(p_sink_keys=keys)
+        q = torch.randn(1, 2, sq, 64, generator=g).bfloat16()
+        k, v = (torch.randn(1, 1, sk, 64, generator=g).bfloat16() for _ in range(2))
+        k[0, 0, 3] = (q[0].float().mean((0, 1)) * 6.0).bfloat16()
+        if sk > 200:
+            k[0, 0, 200] = (q[0].float().mean((0, 1)) * 4.0).bfloat16()
+        ops = prepare_operands_fused(q, k, v, r, scale=0.125)
+        ops = dataclasses.replace(ops, q=ops.q.float(), k=ops.k.float())  # the interpreter's bf16 dot is wrong
+        assert p_mode(r) == 3 and p_sink_tiles(r) == keys // 128
+        with override_launch(forward=ForwardLaunch(64, 4, 2)):
+            out, lse, dbg = launch_forward(ops, scale=0.125, causal_offset=causal_offset(causal, sq, sk),
+                                           p_mode=p_mode(r), sink_tiles=p_sink_tiles(r), write_p=1)
+        case = (keys, sq, sk, causal)
+        ref = reference_forward(q, k, v, r, scale=0.125, causal=causal, return_p=True)
+        p = dbg[:, :, :sq] / 256  # the debug tile holds P times 2**8
+        assert torch.equal(p, ref.p), (case, int((p != ref.p).sum()))
+        seen = torch.isfinite(ref.lse)
+        assert torch.equal(seen, torch.isfinite(lse)), case
+        assert float((lse[seen] - ref.lse[seen]).abs().max()) < 1e-5, case
+        assert float((out.float() - ref.out).norm() / ref.out.norm()) < 1e-2, case
+        if sk > 128:  # the sink remedy on every tile or none is another P
+            for other in (r.with_(p_sink_keys=0), r.with_(p_sink=False, p_sink_keys=0)):
+                assert not torch.equal(p, reference_forward(q, k, v, other, scale=0.125, causal=causal,
+                                                            return_p=True).p), case
+    print("ok")
+''')
+
+
+def test_sink_tiles_run_the_hopper_forward_as_the_reference():
+    """`Recipe.p_sink_keys` in the Triton forward (SINK_TILES): the peeled sink tiles
+    and the plain Direct-P loops give the reference's P codes on every tile."""
+    run_under_interpreter(KERNEL_PATCHES + SINK_TILES)
+
+
+def test_sink_tiles_are_for_p_mode_3_only():
+    from fp4attn.kernels.hopper.forward_op import launch_forward
+    from fp4attn.recipes import PRESETS
+    from fp4attn.routing import p_sink_tiles
+
+    assert p_sink_tiles(PRESETS["directp-robust"]) == 1
+    assert p_sink_tiles(PRESETS["directp"].with_(p_sink=True)) == 0
+    assert p_sink_tiles(PRESETS["directp"]) == 0
+    with pytest.raises(ValueError, match="sink_tiles"):
+        launch_forward(None, scale=0.1, causal_offset=None, p_mode=1, sink_tiles=1)
+
+
 def test_hopper_kernels_refuse_robust_fields_they_do_not_apply():
     """A robust field the kernels lack is a reason (for the routing) and an error at the
     launcher, never another recipe's numbers."""

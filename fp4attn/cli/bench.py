@@ -50,7 +50,7 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
     """Time every implementation on every (shape, causal); `partial` gets the records
     written after each shape, so a cut-short run keeps what it measured."""
     from fp4attn.kernels.hopper.forward_op import hopper_attention, launch_forward
-    from fp4attn.routing import p_mode
+    from fp4attn.routing import p_mode, p_sink_tiles
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
 
@@ -74,9 +74,10 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
             cos = check_recipe(recipe, q, k, v, causal)
             scale = D**-0.5
             ops = prepare_operands_fused(q, k, v, recipe, scale)  # the operands `hopper_attention` runs on
-            mode = p_mode(recipe)
+            mode, sink_tiles = p_mode(recipe), p_sink_tiles(recipe)
             offset = 0 if causal else None
-            timed[(name, False)] = time_ms(lambda: launch_forward(ops, scale=scale, causal_offset=offset, p_mode=mode))
+            timed[(name, False)] = time_ms(lambda: launch_forward(ops, scale=scale, causal_offset=offset, p_mode=mode,
+                                                                  sink_tiles=sink_tiles))
             timed[(name, True)] = time_ms(lambda: hopper_attention(q, k, v, recipe, scale=scale,
                                                                  causal_offset=0 if causal else None))
             row[f"cos_{name}"] = cos

@@ -121,7 +121,8 @@ def reference_backward(
         t = masked_log2_scores(q_rows, fwd.k, scale, offset, bias, 0, sk, i0)
         x = torch.where(lse2[..., rows, :] == -math.inf, torch.full_like(t, -math.inf), t - lse2[..., rows, :])
         p = torch.exp2(x)
-        p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build, recipe.p_sink)[..., :sk]
+        p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build, recipe.p_sink,
+                      recipe.p_sink_keys)[..., :sk]
         dv += p_r.transpose(-1, -2) @ do_c[..., rows, :]
         dp = do_t[..., rows, :] @ v_a.transpose(-1, -2)
         ds = p * (dp - delta[..., rows, :])

@@ -35,6 +35,8 @@ With `sink=True` (`Recipe.p_sink`) the keys that tie a block's maximum x are tak
 of the block: they get the FP8 P value e4m3(2**x * 2**8) / 2**8 (exactly 1 for the row
 maximum) and the block exponent comes from the largest of the other keys, whose codes
 are then built as above. A block whose other keys are all masked holds only its top.
+`sink_keys` (`Recipe.p_sink_keys`) limits that to the blocks of x's first sink_keys
+keys; the later blocks are built as without `sink`.
 
 A NaN in x (a NaN score) gives NaN in P, whatever the builder: it must reach the output.
 """
@@ -122,9 +124,16 @@ def _mxfp4_sink_values(x: torch.Tensor, classify) -> torch.Tensor:
     return torch.where(top.reshape(x.shape), fp8_p_values(x), rest)
 
 
-def build_p(x: torch.Tensor, p_format: str, p_build: str, sink: bool = False) -> torch.Tensor:
+def build_p(x: torch.Tensor, p_format: str, p_build: str, sink: bool = False, sink_keys: int = 0) -> torch.Tensor:
     """Represented P values of a log2-score tile x (..., N): what PV consumes. `sink`
-    (MXFP4 only): each block's top keys kept outside its scale (module docstring)."""
+    (MXFP4 only): each block's top keys kept outside its scale (module docstring), in
+    the blocks of the first `sink_keys` keys of x only where that is nonzero (a multiple
+    of 32: the blocks are independent, so the tile splits between them exactly)."""
+    if sink and 0 < sink_keys < x.shape[-1]:
+        if sink_keys % MX_BLOCK:
+            raise ValueError(f"build_p: sink_keys={sink_keys} must be whole {MX_BLOCK}-key blocks")
+        return torch.cat((build_p(x[..., :sink_keys], p_format, p_build, True),
+                          build_p(x[..., sink_keys:], p_format, p_build, False)), dim=-1)
     nan = torch.isnan(x)
     if p_format == "mxfp4":
         classify = directp_classify if p_build == "directp" else exp2_mxfp4_classify

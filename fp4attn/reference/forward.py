@@ -4,7 +4,8 @@ For each tile of `recipe.block_n` keys, with t the scores in log2 units
 (t = s * scale * log2(e)) and m the running row maximum:
 
     m_new = max(m, rowmax(t));  alpha = 2**(m - m_new);  x = t - m_new
-    P     = build_p(x)                               (directp.py)
+    P     = build_p(x)                               (directp.py; with p_sink_keys the
+                                                      sink remedy on the first tiles only)
     l     = alpha * l + rowsum(P if consistent_norm else 2**x)
     acc   = alpha * acc + P @ V
     out   = acc / l,  lse = (m + log2(l)) * ln(2)
@@ -138,7 +139,9 @@ def reference_forward(
         m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
         alpha = torch.exp2(m - m_use)
         x = t - m_use.unsqueeze(-1)
-        p = build_p(x, recipe.p, recipe.p_build, recipe.p_sink)
+        # p_sink_keys: the sink remedy on the tiles of the first keys only (whole tiles)
+        sink = recipe.p_sink and (recipe.p_sink_keys == 0 or j0 < recipe.p_sink_keys)
+        p = build_p(x, recipe.p, recipe.p_build, sink)
         if return_p:
             p_all[..., j0 : j0 + bn] = p[..., : min(bn, Sk - j0)]
         l = alpha * l + (p if recipe.consistent_norm else torch.exp2(x)).sum(dim=-1)

@@ -78,8 +78,17 @@ class KernelReport:
         # the stores: not a tile loop
         ops = [op for _, op, _ in self.instructions()]
         half = len(re.findall(r"\b[QH]GMMA\.", self.sass)) // 2
-        return next((i, j) for i, j in self.loop_spans()
-                    if sum("GMMA." in op for op in ops[i:j + 1]) >= half and "EXIT" not in ops[i:j + 1])
+        gmmas = {(i, j): sum("GMMA." in op for op in ops[i:j + 1]) for i, j in self.loop_spans()
+                 if "EXIT" not in ops[i:j + 1]}
+        found = next(((i, j) for (i, j), n in gmmas.items() if n >= half), None)
+        if found is None and gmmas:
+            # tiles peeled before the loops (the forward's SINK_TILES) hold tensor-core
+            # instructions of their own: the shortest loop holding the most of any loop
+            most = max(gmmas.values())
+            found = next(((i, j) for (i, j), n in gmmas.items() if n == most and n > 0), None)
+        if found is None:
+            raise ValueError("no tile loop found in the machine code")
+        return found
 
     def tile_loop(self) -> list[str]:
         """The unmasked tile loop: the shortest loop holding one iteration's tensor-core
@@ -157,12 +166,13 @@ def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: in
 
 def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, num_warps=None, num_stages=None,
                     block_m=None, block_n=128, key_bias=False, p_hw_cvt=None, lengths_div16=True, vt_padded=True,
-                    tma_kv=None, pv_add=None):
+                    tma_kv=None, pv_add=None, sink_tiles=0):
     """The compiled forward for one flag combination; launch shape as `ops` launches it
     at this head dim unless given; sequence lengths specialized as multiples of 16 (as
     the JIT compiles it for such lengths) unless `lengths_div16` is False; V^T with rows
     padded to whole key tiles, as the fused quantizers give it, unless `vt_padded` is
-    False (the training forward's). Strides are multiples of 16 either way."""
+    False (the training forward's). Strides are multiples of 16 either way. sink_tiles:
+    P_MODE 3's SINK_TILES (`Recipe.p_sink_keys`), 0 every tile."""
     from fp4attn.routing import forward_launch
 
     launch = forward_launch(head_dim, qk_fp8, causal)
@@ -181,7 +191,8 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     consts = dict(K_DESC=None, VT_DESC=None) if not tma_kv else {}
     consts.update(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
                   CAUSAL=causal, WRITE_P=0, KEY_BIAS=key_bias,
-                  P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt, VT_PADDED=vt_padded, TMA_KV=tma_kv, PV_ADD=launch.pv_add if pv_add is None else pv_add)
+                  P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt, VT_PADDED=vt_padded, TMA_KV=tma_kv, PV_ADD=launch.pv_add if pv_add is None else pv_add,
+                  SINK_TILES=sink_tiles)
     aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or (lengths_div16 and n in _LENGTHS)]
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 

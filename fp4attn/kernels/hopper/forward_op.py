@@ -21,6 +21,7 @@ from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe, robust_unsupported_reason
 from fp4attn.routing import HOPPER_ROBUST_FIELDS, forward_launch, hopper_robust_unsupported, use_cuda_forward
 from fp4attn.routing import p_mode as _p_mode
+from fp4attn.routing import p_sink_tiles
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
 
 def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescriptor] | None:
@@ -37,13 +38,17 @@ def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescri
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
-                   write_p: int = 0, key_bias: torch.Tensor | None = None):
+                   write_p: int = 0, key_bias: torch.Tensor | None = None, sink_tiles: int = 0):
     """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
 
     write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
     values; tests, on the Triton kernel). key_bias: (B, Sk) float32 added to the log2
-    scores (`key_bias_of_mask`).
+    scores (`key_bias_of_mask`). sink_tiles: with p_mode 3, the first key tiles that
+    keep the blocks' top keys apart, the others plain Direct-P (`routing.p_sink_tiles`);
+    0, every tile.
     """
+    if sink_tiles and p_mode != 3:
+        raise ValueError(f"launch_forward: sink_tiles={sink_tiles} is for p_mode 3 (p_sink), got p_mode={p_mode}")
     q, k = ops.q, ops.k
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -60,6 +65,8 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
             out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias)
             return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
+    # the CUDA kernel above and the Gluon kernel below take FP8 P (p_mode 0) only: P_MODE 3
+    # and its sink_tiles always run on the Triton kernel
     if (cfg.warp_specialized and p_mode == 0 and not write_p and key_bias is None and tma_loadable(ops)
             and q.is_contiguous()):
         # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
@@ -89,7 +96,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
-        VT_PADDED=ops.vt_keys_padded, TMA_KV=descs is not None, PV_ADD=cfg.pv_add,
+        VT_PADDED=ops.vt_keys_padded, TMA_KV=descs is not None, PV_ADD=cfg.pv_add, SINK_TILES=sink_tiles,
         # the debug tile goes through shared memory: one stage less keeps it in 227 KB
         num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
     )
@@ -101,20 +108,21 @@ def _hopper_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str, fast_accum: bool,
     causal_offset: int, causal: bool, scale: float, write_p: int, key_bias: Optional[torch.Tensor],
     smooth_k: bool = False, four_over_six: bool = False, fallback_logit_std: float = 0.0, p_sink: bool = False,
+    p_sink_keys: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The robust fields the kernels apply (`HOPPER_ROBUST_FIELDS`): fallback_logit_std
     0 is no Q/K fallback."""
     recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum, smooth_k=smooth_k,
-                    qk_four_over_six=four_over_six, p_sink=p_sink,
+                    qk_four_over_six=four_over_six, p_sink=p_sink, p_sink_keys=p_sink_keys,
                     **(dict(qk_fallback="fp8", qk_fallback_logit_std=fallback_logit_std) if fallback_logit_std else {}))
     ops = prepare_operands_fused(q, k, v, recipe, scale=scale)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
-                          p_mode=_p_mode(recipe), write_p=write_p, key_bias=key_bias)
+                          p_mode=_p_mode(recipe), write_p=write_p, key_bias=key_bias, sink_tiles=p_sink_tiles(recipe))
 
 
 @_hopper_attention_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, write_p, key_bias, smooth_k=False,
-      four_over_six=False, fallback_logit_std=0.0, p_sink=False):
+      four_over_six=False, fallback_logit_std=0.0, p_sink=False, p_sink_keys=0):
     B, H, Sq, D = q.shape
     block_m = forward_launch(D, fast_accum, causal).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
@@ -135,4 +143,5 @@ def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: in
     return _hopper_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, recipe.fast_accum,
                                 causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias,
                                 recipe.smooth_k, recipe.qk_four_over_six,
-                                recipe.qk_fallback_logit_std if recipe.qk_fallback else 0.0, recipe.p_sink)
+                                recipe.qk_fallback_logit_std if recipe.qk_fallback else 0.0, recipe.p_sink,
+                                recipe.p_sink_keys)

@@ -5,7 +5,11 @@ Recipes map to constexpr flags:
 
     QK_FP8   Q/K are e4m3 with per-token scales (fp8 recipes), else bf16 grid values
              of NVFP4 (exact in bf16) with the tensor scales in the same per-token slots
-    P_MODE   0: FP8 P from exp2;  1: MXFP4 P by Direct-P;  2: MXFP4 P from exp2 + OCP
+    P_MODE   0: FP8 P from exp2;  1: MXFP4 P by Direct-P;  2: MXFP4 P from exp2 + OCP;
+             3: MXFP4 P by Direct-P with each 32-key block's top keys apart (`Recipe.p_sink`)
+    SINK_TILES with P_MODE 3: only the first SINK_TILES key tiles build P so
+             (`Recipe.p_sink_keys`), peeled before the loops, which run plain Direct-P
+             (P_MODE 1) on the others; 0: every tile
     CAUSAL   query i sees keys j <= i + causal_offset
     KEY_BIAS a per-(batch, key) log2-unit bias is added to the scores (an SDPA key mask:
              0 / -inf for a boolean one), as `reference.forward.log2_bias` makes it
@@ -111,7 +115,7 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP8: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WRITE_P: tl.constexpr,
     KEY_BIAS: tl.constexpr = False, P_HW_CVT: tl.constexpr = False, VT_PADDED: tl.constexpr = False,
-    TMA_KV: tl.constexpr = False, PV_ADD: tl.constexpr = False,
+    TMA_KV: tl.constexpr = False, PV_ADD: tl.constexpr = False, SINK_TILES: tl.constexpr = 0,
 ):
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
     tl.static_assert(VT_PADDED or not TMA_KV)
@@ -142,16 +146,39 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     full, hi = key_tile_bounds(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
-    for start_n in range(0, full, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
-                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, KEY_BIAS,
-                              P_HW_CVT, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm, TMA_KV,
-                              K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
-    for start_n in range(full, hi, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n, Sk,
-                              causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, KEY_BIAS,
-                              P_HW_CVT, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm, TMA_KV,
-                              K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
+    if P_MODE == 3 and SINK_TILES > 0:
+        # p_sink on the first key tiles only (attention sinks are the first tokens): they
+        # run here, peeled, so that the loops below carry plain Direct-P's instructions.
+        # Every program visits its tiles from key 0 upward, causal or not, so these come
+        # first; the masked form serves a tile that some rows see only in part
+        for i in tl.static_range(SINK_TILES):
+            if i * BLOCK_N < hi:
+                acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, i * BLOCK_N, offs_m,
+                                      offs_n, Sk, causal_offset, stride_kn, stride_vd, QK_FP8, 3, True, CAUSAL,
+                                      KEY_BIAS, P_HW_CVT, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr,
+                                      stride_pm, TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
+        lo: tl.constexpr = SINK_TILES * BLOCK_N
+        for start_n in range(lo, full, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n,
+                                  Sk, causal_offset, stride_kn, stride_vd, QK_FP8, 1, False, CAUSAL, KEY_BIAS,
+                                  P_HW_CVT, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm,
+                                  TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
+        for start_n in range(tl.maximum(full, lo), hi, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n,
+                                  Sk, causal_offset, stride_kn, stride_vd, QK_FP8, 1, True, CAUSAL, KEY_BIAS,
+                                  P_HW_CVT, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm,
+                                  TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
+    else:
+        for start_n in range(0, full, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n,
+                                  Sk, causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, False, CAUSAL, KEY_BIAS,
+                                  P_HW_CVT, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm,
+                                  TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
+        for start_n in range(full, hi, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, a_i, k_ptr, ks_ptr, vt_ptr, kb_ptr, start_n, offs_m, offs_n,
+                                  Sk, causal_offset, stride_kn, stride_vd, QK_FP8, P_MODE, True, CAUSAL, KEY_BIAS,
+                                  P_HW_CVT, VT_PADDED, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_P, p_ptr, stride_pm,
+                                  TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset cancels in acc / l and is subtracted from the LSE)
