@@ -111,12 +111,14 @@ class ForwardLaunch:
 # on the Gluon kernel, D=64 on the Triton one, TMA causal only), h200-forward-ws-2.txt
 # (the Gluon kernel for FP8 P at D=128), h200-forward-tma.txt and h200-forward-pv-add.txt
 # (bf16 QK^T: TMA and pv_add at D=128; D=64 keeps Triton's promotion).
-# cuda_from_keys (h200-forward-cuda-fused-poly.txt): the CUDA kernel ran 3-9% faster than the
-# Gluon kernel at 16k and 32k keys (D=128, causal or not) and 7-9% faster than the Triton
-# kernel at 8k (D=64), 1-4% slower at 4k (D=128) and 2k (D=64).
+# cuda_from_keys: at D=128 the CUDA kernel ran 2-7% faster than the Gluon kernel at 4k keys
+# and level with it (-2 to +1%) at 16k-32k, causal or not (h200-forward-cuda-serial.txt, the
+# fresh accumulators; 3-9% faster at 16k-32k in h200-forward-cuda-fused-poly.txt); at D=64,
+# three consumers, 0-12% faster than the Triton kernel at 8k and -8 to +3% at 2k
+# (h200-forward-cuda-consumers.txt, -serial.txt).
 FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
-    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_from_keys=16384),
-    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4, cuda_from_keys=16384),
+    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_from_keys=4096),
+    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4, cuda_from_keys=4096),
     (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_from_keys=8192),
     (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True, cuda_from_keys=8192),
     **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True,
