@@ -3,8 +3,7 @@ layouts, and the training backward's e4m3 views, one pass over each operand afte
 reductions its scales need: max |x| of each head (NVFP4 Q/K: one tensor scale per
 (batch, head), so no item's values move another's codes) or of each head's channels
 (FP8 V, dO) by `_abs_max_kernel`, or fused into a pass that reads the operand
-anyway (`channel_amax=True`; smoothed K's from its channels' extremes in the pass that
-makes its mean, `_key_mean_kernel`), from which the kernels compute the scales themselves;
+anyway (`channel_amax=True`), from which the kernels compute the scales themselves;
 MXFP4 V's block exponents and head maximum (`_mx_block_stats_kernel`). Every kernel
 works on (heads, S, D) tiles of one head, so per-channel maxima are one atomic max per
 channel and program, and nothing here waits for the GPU.
@@ -110,14 +109,15 @@ def _last_program_of_head(COUNT, g):
 
 
 @triton.jit
-def _fallback_choice(sq_k, g, SQ_Q, FB_Q, FB_K, S, S_Q, D: tl.constexpr, GROUP, GROUP_P2: tl.constexpr,
+def _fallback_choice(SUMSQ, g, SQ_Q, FB_Q, FB_K, S, S_Q, D: tl.constexpr, GROUP, GROUP_P2: tl.constexpr,
                      SCALE, LIMIT):
-    """The Q/K fallback choice of K head g (`reference.forward.robust_qk`) from its
-    finished float64 sum of squares sq_k: whether the largest `robust.logit_std_of_sums`
-    of its GROUP query heads (g * GROUP + j, their sums of squares in SQ_Q) is above
-    LIMIT, NaN counting as not above (torch's amax propagates it), with every float64
-    operation of the reference in its order (IEEE div, sqrt and products: the same
-    float64 numbers). Stored as int8 into FB_K (G,) and FB_Q (G * GROUP,)."""
+    """The Q/K fallback choice of K head g (`reference.forward.robust_qk`): whether the
+    largest `robust.logit_std_of_sums` of its GROUP query heads (g * GROUP + j, their
+    sums of squares in SQ_Q) is above LIMIT, NaN counting as not above (torch's amax
+    propagates it), with every float64 operation of the reference in its order (IEEE
+    div, sqrt and products: the same float64 numbers). Stored as int8 into FB_K (G,) and
+    FB_Q (G * GROUP,)."""
+    sq_k = tl.load(SUMSQ + g, cache_modifier=".cg")
     j = tl.arange(0, GROUP_P2)
     ok = j < GROUP
     sq_q = tl.load(SQ_Q + g * GROUP + j, mask=ok, other=0.0)
@@ -173,8 +173,7 @@ def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.conste
         tl.atomic_max(AMAX + g, tl.max(tl.max(run, axis=1), axis=0), sem="relaxed")
     if CHOICE:
         if _last_program_of_head(COUNT, g):
-            _fallback_choice(tl.load(SUMSQ + g, cache_modifier=".cg"), g, SQ_Q, FB_Q, FB_K, S, S_Q, D, GROUP,
-                             GROUP_P2, SCALE, LIMIT)
+            _fallback_choice(SUMSQ, g, SQ_Q, FB_Q, FB_K, S, S_Q, D, GROUP, GROUP_P2, SCALE, LIMIT)
 
 
 @triton.jit
@@ -188,37 +187,8 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _ordered_bits(x):
-    """float32 x as int32 bits whose unsigned order is x's order (-0 just below +0): the
-    sign bit set for a positive x, every bit inverted for a negative one. 0 is the
-    lowest key (a negative NaN's), so a zero-filled buffer starts an unsigned max."""
-    b = x.to(tl.int32, bitcast=True)
-    return tl.where(b < 0, ~b, b | -2147483648)
-
-
-@triton.jit
-def _from_ordered_bits(u):
-    """The float32 of `_ordered_bits` u (int32)."""
-    return tl.where(u < 0, u & 0x7FFFFFFF, ~u).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pairwise_sum(x, N: tl.constexpr):
-    """`robust.pairwise_sum` of x (N,), N a power of two: entries i and i + n / 2 added
-    for i < n / 2, level by level, each a reduction of two entries (one add, in either
-    order the same bits; a reduction's own order over more is unspecified). The halves,
-    not neighbours: pairing neighbours made Triton hold the whole vector in every thread
-    (243 registers at D = 64)."""
-    for _ in tl.static_range(N.bit_length() - 1):
-        x = tl.sum(tl.reshape(x, [2, x.shape[0] // 2]), axis=0)
-    return tl.sum(x, axis=0)  # one entry
-
-
-@triton.jit
 def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
-                     HW_CVT: tl.constexpr = True, FOLD: tl.constexpr = 1, STATS: tl.constexpr = False, EXT=None,
-                     AMAX=None, CHOICE: tl.constexpr = False, SUMSQ=None, SQ_Q=None, FB_Q=None, FB_K=None, S_Q=1,
-                     GROUP=1, GROUP_P2: tl.constexpr = 1, SCALE: tl.float64 = 1.0, LIMIT: tl.float64 = 1.0):
+                     HW_CVT: tl.constexpr = True):
     """`robust.key_mean` of X (G, S, D) into MEAN (G, D) float32, reading X once: each
     program's float64 sums per channel (BLOCKS blocks of BLOCK_S rows) added into SUM (G,
     D) float64 zeros; the head's last program (COUNT (G,) int32 zeros) divides the
@@ -235,73 +205,19 @@ def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.conste
     65504) is always exact up to S = 8192. A wider channel (fp32 inputs, or bf16 values
     from 1e-6 to 1e4) may round differently in the last float64 bit, which the float32
     and bf16 roundings almost always absorb. NaN and Inf give NaN or Inf as the
-    reference's (Inf + -Inf is NaN in any order).
-
-    STATS: in the same pass each channel's largest and smallest x (EXT (G, 2, D) int32
-    zeros, `_ordered_bits` under an unsigned atomic max: the max's key, the min's key
-    inverted), from which the last program stores the head's max |x - mean| (the NVFP4
-    tensor amax of smoothed K, `robust.smooth`) into AMAX (G,) as float32 bits, as
-    `abs_max_bits(x, mean=...)` gives it without a second pass over X: x - mean is one
-    float32 rounding, which is monotonic in x, so over the keys max fl(x - m) = fl(max x
-    - m) and min fl(x - m) = fl(min x - m), and max |x - m| is the larger magnitude of
-    the two (-0 and +0 give the same |.|). A NaN in a channel makes its sum, so its mean
-    and both differences NaN, whatever its max and min hold; an Inf makes the mean
-    +-Inf or NaN and the differences NaN or Inf as the reference's are (Inf - Inf is
-    NaN, finite - Inf is -Inf); the max over channels is an integer max of |.|'s bits
-    (NaN above Inf), so NaN propagates.
-    CHOICE (with STATS, after the pass over Q that summed SQ_Q): also each channel's
-    float64 sum of x**2 (SUMSQ (G, D) zeros), from which the last program makes
-    `robust.smoothed_sum_sq` (every operation rounded once: IEEE `_rn` forms, which are
-    never contracted into an FMA) and the head's fallback choice (`_fallback_choice`)."""
+    reference's (Inf + -Inf is NaN in any order)."""
     g = tl.program_id(1).to(tl.int64)
-    # the running tiles of (BLOCK_S / FOLD, D): a block's FOLD parts of rows are one
-    # thread's registers in the load's layout (`_key_pass_block`), so they are added (or
-    # maxed) within the thread before the running tiles, which then take 1 / FOLD of the
-    # registers (unfolded, the full pass took 124 at D = 128: four programs an SM)
-    H: tl.constexpr = BLOCK_S // FOLD
-    acc = tl.zeros([H, D], tl.float64)
-    sq = tl.zeros([H, D], tl.float64)
-    hi = tl.full([H, D], float("-inf"), tl.float32)
-    lo = tl.full([H, D], float("inf"), tl.float32)
+    acc = tl.zeros([BLOCK_S, D], tl.float64)
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
-        ok = (s < S)[:, None]
-        x = tl.load(X + rows[:, None] * D + tl.arange(0, D)[None, :], mask=ok, other=0.0).to(tl.float32)
-        x64 = x.to(tl.float64)
-        acc += tl.sum(tl.reshape(x64, [FOLD, H, D]), axis=0)
-        if STATS:
-            # rows past S: -Inf and +Inf, which no row of the head can be outranked by;
-            # a NaN's place in these is irrelevant (its channel's mean is NaN)
-            hi = tl.maximum(hi, tl.max(tl.reshape(tl.where(ok, x, float("-inf")), [FOLD, H, D]), axis=0))
-            lo = tl.minimum(lo, tl.min(tl.reshape(tl.where(ok, x, float("inf")), [FOLD, H, D]), axis=0))
-        if CHOICE:
-            # exact squares: a float32 has 24 significant bits
-            sq += tl.sum(tl.reshape(x64 * x64, [FOLD, H, D]), axis=0)
+        x = tl.load(X + rows[:, None] * D + tl.arange(0, D)[None, :], mask=(s < S)[:, None], other=0.0)
+        acc += x.to(tl.float32).to(tl.float64)
     dd = g * D + tl.arange(0, D)
     tl.atomic_add(SUM + dd, tl.sum(acc, axis=0), sem="relaxed")
-    if STATS:
-        ext = EXT.to(tl.pointer_type(tl.uint32)) + g * 2 * D + tl.arange(0, D)
-        tl.atomic_max(ext, _ordered_bits(tl.max(hi, axis=0)).to(tl.uint32, bitcast=True), sem="relaxed")
-        tl.atomic_max(ext + D, (~_ordered_bits(tl.min(lo, axis=0))).to(tl.uint32, bitcast=True), sem="relaxed")
-    if CHOICE:
-        tl.atomic_add(SUMSQ + dd, tl.sum(sq, axis=0), sem="relaxed")
     if _last_program_of_head(COUNT, g):
         total = tl.load(SUM + dd, cache_modifier=".cg")
         m = (total / S).to(tl.float32)
-        m = m.to(tl.bfloat16).to(tl.float32) if HW_CVT else _round_bf16(m)
-        tl.store(MEAN + dd, m)
-        if STATS:
-            e = EXT + g * 2 * D + tl.arange(0, D)
-            top = _from_ordered_bits(tl.load(e, cache_modifier=".cg"))
-            bottom = _from_ordered_bits(~tl.load(e + D, cache_modifier=".cg"))
-            amax = tl.maximum(_abs_bits(top - m), _abs_bits(bottom - m))
-            tl.store(AMAX + g, tl.max(amax, axis=0))
-            if CHOICE:
-                m64 = m.to(tl.float64)
-                t = libdevice.sub_rn(tl.load(SUMSQ + dd, cache_modifier=".cg"), libdevice.mul_rn(m64 * 2.0, total))
-                t = libdevice.add_rn(t, libdevice.mul_rn(m64 * S, m64))
-                t = tl.maximum(t, 0.0, propagate_nan=tl.PropagateNan.ALL)
-                _fallback_choice(_pairwise_sum(t, D), g, SQ_Q, FB_Q, FB_K, S, S_Q, D, GROUP, GROUP_P2, SCALE, LIMIT)
+        tl.store(MEAN + dd, m.to(tl.bfloat16).to(tl.float32) if HW_CVT else _round_bf16(m))
 
 
 @triton.jit
@@ -877,22 +793,11 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
 FUSED_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six", "qk_fallback")  # what the fused quantizers apply
 
 
-# rows a program of the key pass: 512, one float64 atomic add per channel and program.
-# On the H200 at (8, 16, 4096, 128) the mean alone took 47 us with 256 rows a program, 41
-# us with 512 (16-row blocks; a bf16 copy of K, read and write, takes 68 us)
-KEY_PASS_ROWS = 512
-
-
-def _key_pass_block(S: int, D: int, itemsize: int) -> tuple[int, int, int]:
-    """(BLOCK_S, BLOCKS, FOLD) of `_key_mean_kernel` for K (G, S, D) of `itemsize`
-    bytes: blocks of twice the rows that one layout tile of its 4 warps covers (16-byte
-    loads of D / vec threads, the other threads of a warp and the warps over rows: 8
-    rows at D = 128 in bf16, 16 at D = 64), so that a block is two rows a thread, folded
-    (FOLD 2) into running tiles of one; fewer rows and no fold for a short head."""
-    vec = max(1, min(16 // itemsize, D))
-    tile_rows = max(1, 32 // max(1, min(32, D // vec))) * 4
-    block = min(2 * tile_rows, triton.next_power_of_2(S))
-    return block, max(1, KEY_PASS_ROWS // block), 2 if block == 2 * tile_rows else 1
+# rows a program of the key-mean pass: 16-row blocks (a float64 running sum of 16
+# elements a thread), 32 of them; one float64 atomic add per channel and program. On the
+# H200 at (8, 16, 4096, 128): 47 us with 16 blocks, 41 us with 32 (a bf16 copy of K, read
+# and write, takes 68 us)
+KEY_MEAN_BLOCKS = 32
 
 
 def _zero_views(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[torch.Tensor]:
@@ -906,47 +811,22 @@ def _zero_views(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[t
     return [buf[o:o + numel * dtype.itemsize].view(dtype) for o, (numel, dtype) in zip(starts, parts)]
 
 
-def key_mean(k: torch.Tensor, amax: bool = False):
+def key_mean(k: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`robust.key_mean` of k (..., S, D) on the GPU, bit for bit, as float32 (..., 1, D):
     one pass over k (bf16, fp16 or fp32) with float64 sums per head and channel
-    (`_key_mean_kernel`; no float64 copy of k). With `amax` also, from the same pass,
-    each head's max |k - mean| (`robust.smooth`) as float32 bits (...,), what
-    `quantize_qk_nvfp4(k, mean=..., amax=...)` takes: (mean, amax)."""
+    (`_key_mean_kernel`; no float64 copy of k). `work`: the pass's zero-filled float64
+    sums (G * D) and int32 counts (G), G the product of the leading dims, if the caller
+    has them (`_zero_views`)."""
     x3 = _heads(k)
     G, S, D = x3.shape
-    mean, amax_bits = _key_pass(x3, amax)
-    mean = mean.view(*k.shape[:-2], 1, D)
-    return (mean, amax_bits.view(k.shape[:-2])) if amax else mean
-
-
-def _key_pass_work(G: int, D: int, stats: bool, choice: bool) -> list[tuple[int, torch.dtype]]:
-    """The zero-filled buffers of `_key_pass` for G heads of D channels, as `_zero_views`
-    parts: float64 sums and sums of squares, the channels' extremes, the counts."""
-    return [(G * D, torch.float64), (G * D if choice else 0, torch.float64), (2 * G * D if stats else 0, torch.int32),
-            (G, torch.int32)]
-
-
-def _key_pass(x3: torch.Tensor, stats: bool, choice: dict | None = None,
-              work: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one pass over K (G, S, D) of `_key_mean_kernel`: its mean (G, D) and, with
-    `stats`, its heads' max |k - mean| bits (G,) (else an empty tensor); `choice`: the
-    kernel's fallback arguments (SQ_Q, FB_Q, FB_K, S_Q, GROUP, GROUP_P2, SCALE, LIMIT),
-    for the last program of each head to make the Q/K fallback choice. `work`: the
-    zero-filled buffers (`_key_pass_work`) if the caller has them."""
-    G, S, D = x3.shape
     if work is None:
-        work = _zero_views(x3.device, *_key_pass_work(G, D, stats, choice is not None))
-    sums, sums_sq, ext, count = work
-    i32 = torch.int32
-    mean = torch.empty((G, D), device=x3.device, dtype=torch.float32)
-    amax = torch.empty(G if stats else 0, device=x3.device, dtype=i32)
-    block, blocks, fold = _key_pass_block(S, D, x3.element_size())
-    grid = (triton.cdiv(S, block * blocks), G)
-    _key_mean_kernel[grid](x3, sums, count, mean, S, D=D, BLOCK_S=block, BLOCKS=blocks, HW_CVT=_hw_cvt(),
-                           FOLD=fold, STATS=stats, EXT=ext if stats else sums, AMAX=amax if stats else sums,
-                           CHOICE=choice is not None, SUMSQ=sums_sq if choice else sums,
-                           **(choice or {}), num_warps=4)
-    return mean, amax
+        work = _zero_views(k.device, (G * D, torch.float64), (G, torch.int32))
+    sums, count = work
+    mean = torch.empty((G, D), device=k.device, dtype=torch.float32)
+    grid, block = _row_grid(S, G, KEY_MEAN_BLOCKS)
+    _key_mean_kernel[grid](x3, sums, count, mean, S, D=D, BLOCK_S=block, BLOCKS=KEY_MEAN_BLOCKS,
+                           HW_CVT=_hw_cvt(), num_warps=4)
+    return mean.view(*k.shape[:-2], 1, D)
 
 
 def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: float | None):
@@ -954,13 +834,10 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
     `reference.forward.robust_qk` computes them: (qv, qs, kv, ks), the kernel's layouts,
     and the (B, Hkv) heads that took the FP8 fallback (None without it).
 
-    With `smooth_k`, two reads of K: one pass (`_key_pass`) makes its mean, the maximum
-    of K - mean (from each channel's largest and smallest key) and, under
-    `qk_fallback`, its sums of squares (`robust.smoothed_sum_sq`), and the last program
-    of each K head makes the fallback choice from them and Q's sums of squares (the pass
-    over Q that makes Q's maximum runs first); then the quantizing pass. Without
-    `smooth_k` the maxima (and sums of squares) of Q and K are passes of
-    `_abs_max_kernel`, the K one making the choice."""
+    Six launches at most: one fill of every sum, maximum and count; K's mean
+    (`key_mean`); the maxima of Q and of K - mean, with the sums of squares of each
+    under `qk_fallback`, whose choice the last program of each K head makes
+    (`_fallback_choice`); the quantizing passes over Q and K."""
     if recipe.qk != "nvfp4":
         raise ValueError(f"robust_qk_operands: the fused robust quantizers are NVFP4's, got qk={recipe.qk!r}")
     choice = recipe.qk_fallback is not None
@@ -971,30 +848,27 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
     Gq, Gk = B * H, B * Hkv
     f64, i32 = torch.float64, torch.int32
     smooth = recipe.smooth_k
-    # every sum, maximum and count of the call in one fill
-    key_work = _key_pass_work(Gk, D, True, choice) if smooth else []
-    zeros = _zero_views(q.device, (Gq if choice else 0, f64), (Gq, i32), (Gk if choice and not smooth else 0, f64),
-                        (0 if smooth else Gk, i32), (Gk if choice and not smooth else 0, i32), *key_work)
-    sq_q, amax_q, sq_k, amax_k, count = zeros[:5]
-    abs_max_bits(q, per_channel=False, out=amax_q, sum_sq=sq_q if choice else None)
-    fb_q = fb_k = mean = None
+    sums, count_mean, sq_q, sq_k, amax_q, amax_k, count = _zero_views(
+        q.device, (Gk * D if smooth else 0, f64), (Gk if smooth else 0, i32), (Gq if choice else 0, f64),
+        (Gk if choice else 0, f64), (Gq, i32), (Gk, i32), (Gk if choice else 0, i32))
+    mean = key_mean(k, (sums, count_mean)) if smooth else None
+    mean3 = mean.view(Gk * D) if mean is not None else None
+    fb_q = fb_k = None
     if choice:
         fb = torch.empty(Gq + Gk, device=q.device, dtype=torch.int8)
         fb_q, fb_k = fb[:Gq], fb[Gq:]
-        group = H // Hkv
-        args = dict(SQ_Q=sq_q, FB_Q=fb_q, FB_K=fb_k, S_Q=Sq, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
-                    SCALE=float(scale), LIMIT=float(recipe.qk_fallback_logit_std))
-    k3 = _heads(k)
-    if smooth:
-        mean, amax_k = _key_pass(k3, True, args if choice else None, zeros[5:])
-        mean = mean.view(B, Hkv, 1, D)
-    elif choice:
+        abs_max_bits(q, per_channel=False, out=amax_q, sum_sq=sq_q)
+        k3 = _heads(k)
         grid, block = _row_grid(Sk, Gk, CHANNEL_BLOCKS, most=32)
-        _abs_max_kernel[grid](k3, amax_k, amax_k, sq_k, Sk, D=D, BLOCK_S=block, BLOCKS=CHANNEL_BLOCKS,
-                              PER_CHANNEL=False, HAS_MEAN=False, SUM_SQ=True, CHOICE=True, COUNT=count,
-                              **args, num_warps=4)
+        group = H // Hkv
+        _abs_max_kernel[grid](k3, amax_k, mean3 if smooth else amax_k, sq_k, Sk, D=D, BLOCK_S=block,
+                              BLOCKS=CHANNEL_BLOCKS, PER_CHANNEL=False, HAS_MEAN=smooth, SUM_SQ=True,
+                              CHOICE=True, COUNT=count, SQ_Q=sq_q, FB_Q=fb_q, FB_K=fb_k, S_Q=Sq, GROUP=group,
+                              GROUP_P2=triton.next_power_of_2(group), SCALE=float(scale),
+                              LIMIT=float(recipe.qk_fallback_logit_std), num_warps=4)
     else:
-        abs_max_bits(k3, per_channel=False, out=amax_k)
+        abs_max_bits(q, per_channel=False, out=amax_q)
+        abs_max_bits(k, per_channel=False, out=amax_k, mean=mean3)
     f46 = recipe.qk_four_over_six
     qv, qs = quantize_qk_nvfp4(q, four_over_six=f46, fallback=fb_q, amax=amax_q)
     kv, ks = quantize_qk_nvfp4(k, mean=mean, four_over_six=f46, fallback=fb_k, amax=amax_k)
