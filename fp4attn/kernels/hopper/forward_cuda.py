@@ -134,8 +134,6 @@ MEASURED = {
     "fused": {"exp_poly": 0, "consumers": 2},  # the fused softmax, every exp2 by MUFU
     "fpoly8": {"exp_poly": 8},  # half of the exp2s by polynomial
     "c2": {"consumers": 2},  # two consumer warpgroups at head dim 64 too (the launcher's take three)
-    "fpoly2": {"exp_poly": 2},  # an eighth of the exp2s by polynomial
-    "fpoly6": {"exp_poly": 6},  # three eighths
 }
 EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Gluon kernel, or wrong
 
