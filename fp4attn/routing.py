@@ -16,7 +16,7 @@ decision a call goes through:
 
 A launch changes speed only, never a value (query rows are independent; the key tile
 is part of the recipe), with one exception named where it is set: `cuda_from_keys` runs
-the `fast_accum` FP8-P recipes on the CUDA C++ kernel for long sequences, whose softmax
+the `fast_accum` FP8-P recipes on the CUDA C++ kernel from a key count on, whose softmax
 rounds differently (P codes equal to the Gluon kernel's on 99.986% of entries, as the
 `fast_accum` recipes' own tensor-core sums already differ from the reference's).
 `override_launch` replaces a launch for the current thread, to measure one against
