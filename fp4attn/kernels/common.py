@@ -158,6 +158,17 @@ def e2m1_classify(y):
 
 
 @triton.jit
+def _directp_block_exponent(mx):
+    """Direct-P's block exponent and scale from a block's max x (any shape): e_b =
+    floor(max x) - 2, 0 with scale 0 for a dropped block (below P_EMIN, or -inf when fully
+    masked), and scale = 2**(e_b + 8), the exact factor of the block's E2M1 codes."""
+    e_b = tl.floor(mx) - 2.0
+    keep = e_b >= P_EMIN
+    e_b = tl.where(keep, e_b, 0.0)
+    return e_b, tl.where(keep, ((e_b.to(tl.int32) + (P_OFFSET_LOG2 + 127)) << 23).to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
 def p_mxfp4_directp(x, KEY_AXIS: tl.constexpr, key_block=None):
     """MXFP4 P by Direct-P, as exact e4m3 values E2M1 * 2**(e_b + 8).
 
@@ -169,12 +180,8 @@ def p_mxfp4_directp(x, KEY_AXIS: tl.constexpr, key_block=None):
     integer exponent, saturation, the sub-normal selects) took about twice the
     instructions per element (docs/notes/hopper-forward.md).
     """
-    e_b = tl.floor(_block_max_32(x, KEY_AXIS, key_block)) - 2.0  # -inf for a fully masked block
-    keep = e_b >= P_EMIN
-    e_b = tl.where(keep, e_b, 0.0)
-    scale = tl.where(keep, ((e_b.to(tl.int32) + (P_OFFSET_LOG2 + 127)) << 23).to(tl.float32, bitcast=True), 0.0)
-    y = x - e_b
-    return e2m1_classify(y) * scale
+    e_b, scale = _directp_block_exponent(_block_max_32(x, KEY_AXIS, key_block))
+    return e2m1_classify(x - e_b) * scale
 
 
 @triton.jit
@@ -227,10 +234,7 @@ def p_mxfp4_directp_sink(x, KEY_AXIS: tl.constexpr, key_block=None, HW_CVT: tl.c
         # the rest's max over x < mb: the keys that tie the top drop out, and so do a
         # fully masked block's -inf keys and a NaN row's keys (the compare is false)
         below = tl.where(in_b & (x < _bcast_keys(mb, KEY_AXIS)), x, -float("inf"))
-        eb = tl.floor(tl.max(below, axis=KEY_AXIS)) - 2.0  # -inf when only the top is left
-        keep = eb >= P_EMIN
-        eb = tl.where(keep, eb, 0.0)
-        sb = tl.where(keep, ((eb.to(tl.int32) + (P_OFFSET_LOG2 + 127)) << 23).to(tl.float32, bitcast=True), 0.0)
+        eb, sb = _directp_block_exponent(tl.max(below, axis=KEY_AXIS))  # dropped when only the top is left
         # the top key's FP8 value once per block and row, not an exp2 per element; the
         # offset as an exact product after the exp2, as the reference: exp2(x + 8) rounds
         # x + 8 first, which moved 2**(x + 8) across e4m3 midpoints (38, 50, 108, 232)
