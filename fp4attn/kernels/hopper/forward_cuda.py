@@ -356,14 +356,18 @@ def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
     return padded, row
 
 
+def _p_dump_shape(ops: KernelOperands, consumers: int) -> tuple[int, ...]:
+    """(B*H, query blocks, key tiles, consumer threads, 64): a P dump of a build with
+    `consumers` consumer warpgroups (64 query rows and 128 threads each)."""
+    B, H, Sq, _ = ops.q.shape
+    return (B * H, -(-Sq // (64 * consumers)), -(-ops.k.shape[2] // BLOCK_N), 128 * consumers, 64)
+
+
 def p_dump_buffer(ops: KernelOperands, consumers: int) -> torch.Tensor:
     """A buffer for `launch_forward_cuda(p_dump=...)` of a build with `consumers` consumer
     warpgroups: (B*H, query blocks, key tiles, consumer threads, 64) uint8 filled with 0xFF
     (never a P code: tiles a block skips keep it)."""
-    B, H, Sq, _ = ops.q.shape
-    Sk = ops.k.shape[2]
-    return torch.full((B * H, -(-Sq // (64 * consumers)), -(-Sk // BLOCK_N), 128 * consumers, 64), 0xFF,
-                      dtype=torch.uint8, device=ops.q.device)
+    return torch.full(_p_dump_shape(ops, consumers), 0xFF, dtype=torch.uint8, device=ops.q.device)
 
 
 def p_codes_by_slab(p_dump: torch.Tensor, rows: int, causal: bool) -> torch.Tensor:
@@ -400,7 +404,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     variant = dataclasses.replace(variant_for(D, causal_offset is not None, key_bias is not None), **variant,
                                   dump_p=p_dump is not None)
     if p_dump is not None:
-        need = (B * H, -(-Sq // variant.block_m), -(-Sk // BLOCK_N), 128 * variant.consumers, 64)
+        need = _p_dump_shape(ops, variant.consumers)
         if p_dump.dtype != torch.uint8 or tuple(p_dump.shape) != need or not p_dump.is_contiguous():
             raise ValueError(f"launch_forward_cuda: p_dump must be contiguous uint8 {need} (p_dump_buffer)")
     k = _k_rows(ops.k)
