@@ -221,10 +221,12 @@ def compile_forward_ws(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p
                           options=dict(num_warps=fp.WS_WARPS, maxnreg=fp.WS_MAXNREG))
 
 
-def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config=None, lengths_div16=True):
+def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config=None, lengths_div16=True,
+                     row_scales=False):
     """The compiled backward kernel `part` ("dkdv" or "dq") with `config` (a
     `routing.BackwardLaunch`; default: the one `routing` gives at this head dim),
-    sequence lengths specialized as multiples of 16 unless `lengths_div16` is False."""
+    sequence lengths specialized as multiples of 16 unless `lengths_div16` is False;
+    `row_scales`: per-token Q/K scales (FP8 Q/K, ROW_SCALES), as `train-fp8` runs it."""
     from fp4attn.routing import BACKWARD_LAUNCH
     from fp4attn.reference.backward import DS_BLOCK
 
@@ -251,6 +253,8 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
             block = f"{head_dim}, {DS_BLOCK}" if channel_major else f"{DS_BLOCK}, {head_dim}"
             sig[n] = f"tensordesc<{sig[n][1:]}[{block}]>"
         consts["TMA"] = True
+    if row_scales:
+        consts["ROW_SCALES"] = True
     sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")})
     sig.update(qk_scale="fp32", sm_scale="fp32")
     aligned = [n for n in ptrs if sig[n].startswith("*")] + (list(_LENGTHS) if lengths_div16 else [])
@@ -323,16 +327,20 @@ _QUANTIZER_SIGS = {
                                  SCALE="*fp32", CAMAX="*i32", S="i32"),
     "_v_kernel": dict(V="*bf16", VT="*fp8e4nv", VS="*fp32", SCALE="*fp32", AMAX="*i32", E="*i32", FINITE="*i8",
                       EMAX="*i32", Y="*fp8e4nv", YS="*fp32", S="i32", S_ROW="i32"),
+    # quantize_train_fp8.py: per-token FP8 Q/K in training
+    "_fp8_saved_rows_kernel": dict(X="*bf16", Y="*bf16", Y8="*fp8e4nv", S_OUT="*fp32", CAMAX="*i32", S="i32"),
+    "_fp8_views_kernel": dict(Y8="*fp8e4nv", S_ROW="*fp32", CAMAX="*i32", V="*bf16", CT="*fp8e4nv", CS="*fp32",
+                              S="i32"),
 }
 
 
 def compile_quantizer(name: str, **constexprs):
-    """Quantizer kernel `name` of `quantize.py` compiled for sm_90 with these constexprs
-    (D = 128 unless given), 4 warps as its launcher runs it; pointers and lengths
-    specialized as multiples of 16."""
-    from fp4attn.kernels.hopper import quantize
+    """Quantizer kernel `name` of `quantize.py` or `quantize_train_fp8.py` compiled for
+    sm_90 with these constexprs (D = 128 unless given), 4 warps as its launcher runs it;
+    pointers and lengths specialized as multiples of 16."""
+    from fp4attn.kernels.hopper import quantize, quantize_train_fp8
 
-    fn = getattr(quantize, name)
+    fn = getattr(quantize, name, None) or getattr(quantize_train_fp8, name)
     sig = _QUANTIZER_SIGS[name]
     # every defaulted constexpr spelled out: Triton's ASTSource cache key leaves out the
     # constexprs' names, so builds differing only in which defaulted flag is set shared

@@ -1,15 +1,17 @@
 """Attention backward for Hopper (sm_90) of the training recipes.
 
-P is rebuilt from the forward's saved NVFP4 Q/K (their packed payload, decoded to the
-bf16 grid values before these kernels: exact, so S is a bf16 product as in the
-forward) and its LSE; no score tile from the forward is kept.
+P is rebuilt from the forward's saved Q/K and its LSE; no score tile from the forward
+is kept. Q and K arrive as bf16 values, exact for both training formats (NVFP4's grid
+values, decoded from the saved packed payload, with one tensor scale per head; per-token
+FP8's e4m3 values, widened from the saved bytes, with a scale per query and per key:
+ROW_SCALES), so S is a bf16 product scaled as the forward scales it.
 The gradient products run on the FP8 tensor cores with e4m3 views, each view scaled
 per row of its product's contraction dim (`fp4attn.reference.backward` defines every
 value):
 
     dkdv program (BLOCK_N keys of one K/V head, over every query tile of the heads
     that share it):
-        S^T  = K Q^T                         bf16, scores as the forward's
+        S^T  = K Q^T                         bf16, scores as the forward's (x scales)
         P^T  = 2**(t - lse)                  fp32; P_r^T its FP8 / MXFP4 form
         dV  += P_r^T  dO_c                   dO_c: e4m3 per channel, stored (D, Sq)
         dP^T = V_t dO_t^T                    e4m3 per token (both K-major)
@@ -88,6 +90,17 @@ def _channel_tile(T, first_row, start, cols, ok, length, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
+def token_scales(S, first_row, offs, ok, factor, AXIS: tl.constexpr):
+    """Per-token scales of FP8 Q or K (ROW_SCALES): those of tokens `offs` of the head
+    whose first row is `first_row` in S (B, heads, length), times `factor` (rounded, as
+    the reference's scale products), as a vector along AXIS of a score tile (0: one per
+    row of the tile, 1: one per column); tokens past the length (not `ok`) get 0, whose
+    scores the tile's mask or the LSE hides."""
+    s = tl.load(S + first_row + offs, mask=ok, other=0.0) * factor
+    return s[:, None] if AXIS == 0 else s[None, :]
+
+
+@triton.jit
 def p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
     """P in the recipe's P format times 2**8, as e4m3 (keys along axis 0)."""
     if P_MODE == 0:
@@ -103,14 +116,16 @@ def p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset,
-               q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+               q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
                HEAD_DIM: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-               HW_CVT: tl.constexpr, TMA: tl.constexpr):
+               HW_CVT: tl.constexpr, TMA: tl.constexpr, ROW_SCALES: tl.constexpr):
     offs_m = start_m + offs_mb
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
     q = _token_tile(Q, row_off, start_m, offs_m, row_ok, HEAD_DIM, TMA)
     lse2 = _lse2(LSE + row_off + offs_m, row_ok)
+    if ROW_SCALES:  # q_scale is scale * log2 e: times this tile's queries' own scales
+        q_scale = token_scales(QS, row_off, offs_m, row_ok, q_scale, 1)
     tt = log2_scores(tl.dot(k, tl.trans(q)), q_scale, k_scale)
     if MASK:
         visible = (offs_n < Sk)[:, None]
@@ -172,9 +187,12 @@ def attn_bwd_dkdv_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False,
+    ROW_SCALES: tl.constexpr = False,
 ):
     """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16 (NVFP4 grid
-    values); QS (B, H) / KS (B, Hkv) fp32, the tensor decode scales of Q and K per head; LSE (the forward's,
+    values, or FP8 Q/K's e4m3 values); QS (B, H) / KS (B, Hkv) fp32, the tensor decode
+    scales of NVFP4 Q and K per head, or with ROW_SCALES QS (B, H, Sq) / KS (B, Hkv, Sk),
+    FP8 Q/K's per-token scales; LSE (the forward's,
     -inf for rows that see no key) and DELTA (B, H, Sq) fp32; DO_T (B, H, Sq, D) e4m3
     with DO_TS (B, H, Sq); DO_C (B, H, D, Sq) e4m3 with DO_CS (B, H, D); V_T (B, Hkv, Sk,
     D) e4m3 with V_TS (B, Hkv, Sk); Q_C (B, H, D, Sq) e4m3 with Q_CS (B, H, D). DK, DV
@@ -195,7 +213,10 @@ def attn_bwd_dkdv_kernel(
     kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
     # the program's own keys, loaded once (pointer loads: a tail block is masked)
     k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
-    k_scale = tl.load(KS + off_bh)  # the head's tensor scale
+    if ROW_SCALES:  # the program's keys' own scales
+        k_scale = token_scales(KS, kv_off, offs_n, key_ok, 1.0, 0)
+    else:
+        k_scale = tl.load(KS + off_bh)  # the head's tensor scale
     v = _token_tile(V_T, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
     v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
 
@@ -208,17 +229,20 @@ def attn_bwd_dkdv_kernel(
     mid = tl.where(start_n + BLOCK_N > Sk, Sq, mid)
     for g in range(GROUP):
         h = hk * GROUP + g
-        q_scale = tl.load(QS + b * H + h) * qk_scale  # this query head's tensor scale, times scale * log2 e
+        if ROW_SCALES:
+            q_scale = qk_scale  # each tile multiplies in its queries' scales
+        else:
+            q_scale = tl.load(QS + b * H + h) * qk_scale  # this query head's tensor scale, times scale * log2 e
         row_off = (b.to(tl.int64) * H + h) * Sq
         hd_off = (b.to(tl.int64) * H + h) * HEAD_DIM
         for start_m in range(lo, mid, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
-                                causal_offset, q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, HEAD_DIM,
-                                P_MODE, CAUSAL, True, HW_CVT, TMA)
+                                causal_offset, q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+                                HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, TMA, ROW_SCALES)
         for start_m in range(mid, Sq, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
-                                causal_offset, q_scale, Q, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS, HEAD_DIM,
-                                P_MODE, CAUSAL, False, HW_CVT, TMA)
+                                causal_offset, q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+                                HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, TMA, ROW_SCALES)
     out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
     tl.store(DV + out, (dv * (1.0 / P_OFFSET)).to(DV.dtype.element_ty), mask=key_ok[:, None])
@@ -226,11 +250,13 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
-             causal_offset, K, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-             HW_CVT: tl.constexpr, TMA: tl.constexpr):
+             causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+             HW_CVT: tl.constexpr, TMA: tl.constexpr, ROW_SCALES: tl.constexpr):
     offs_n = start_n + offs_nb
     key_ok = offs_n < Sk
     k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, TMA)
+    if ROW_SCALES:  # this tile's keys' own scales
+        k_scale = token_scales(KS, kv_off, offs_n, key_ok, 1.0, 1)
     t = log2_scores(tl.dot(q, tl.trans(k)), q_scale, k_scale)
     if MASK:
         visible = key_ok[None, :]
@@ -253,9 +279,10 @@ def attn_bwd_dq_kernel(
     Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, V_T, V_TS, K_C, K_CS, DQ,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False,
+    HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False, ROW_SCALES: tl.constexpr = False,
 ):
-    """Layouts as `attn_bwd_dkdv_kernel`; K_C (B, Hkv, D, Sk) e4m3 with K_CS (B, Hkv, D).
+    """Layouts as `attn_bwd_dkdv_kernel` (ROW_SCALES likewise); K_C (B, Hkv, D, Sk) e4m3
+    with K_CS (B, Hkv, D).
     DQ (B, H, Sq, D) in the gradient's dtype. TMA: K, V_T and K_C are descriptors and Sk
     is a multiple of BLOCK_N."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -274,8 +301,12 @@ def attn_bwd_dq_kernel(
 
     # the program's own queries, loaded once (pointer loads: a tail block is masked)
     q = _token_tile(Q, row_off, start_m, offs_m, row_ok, HEAD_DIM, False)
-    q_scale = tl.load(QS + off_bh) * qk_scale  # the heads' tensor scales
-    k_scale = tl.load(KS + b * Hkv + hk)
+    if ROW_SCALES:  # the program's queries' own scales; each key tile loads its keys'
+        q_scale = token_scales(QS, row_off, offs_m, row_ok, qk_scale, 0)
+        k_scale = 1.0
+    else:
+        q_scale = tl.load(QS + off_bh) * qk_scale  # the heads' tensor scales
+        k_scale = tl.load(KS + b * Hkv + hk)
     lse2 = _lse2(LSE + row_off + offs_m, row_ok)
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
     do_t = _token_tile(DO_T, row_off, start_m, offs_m, row_ok, HEAD_DIM, False)
@@ -290,10 +321,10 @@ def attn_bwd_dq_kernel(
         full = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, full)
     for start_n in range(0, full, BLOCK_N):
         dq = _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
-                      causal_offset, K, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT, TMA)
+                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT, TMA, ROW_SCALES)
     for start_n in range(full, hi, BLOCK_N):
         dq = _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
-                      causal_offset, K, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT, TMA)
+                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT, TMA, ROW_SCALES)
     k_cs = tl.load(K_CS + kvd_off + offs_d)
     dq = dq * k_cs[None, :] * sm_scale
     tl.store(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq.to(DQ.dtype.element_ty),
