@@ -247,7 +247,8 @@ def attention(
         backend: "auto" (the Triton kernels where they run the recipe: CUDA sm_90,
             head_dim a multiple of 16 up to 128 (below 64 or 128 zero-padded, which
             is exact), key masks only; with gradients, the training recipes
-            "train" and "train-mxfp4pv"; else the reference, logged once), "triton"
+            "train", "train-robust", "train-mxfp4pv" and "train-fp8"; else the
+            reference, logged once), "triton"
             (an error if the kernels cannot run the call) or "reference" (the
             pure-PyTorch definition). The FP4ATTN_BACKEND environment variable
             overrides "auto".
@@ -256,9 +257,9 @@ def attention(
         The output (B, Hq, Sq, D) in q's dtype, and the LSE if `return_lse`.
 
     Gradients flow for recipes with a backward (`recipe.grad` not None: "train",
-    "train-mxfp4pv", "bf16"), to q, k, v and to a float attn_mask that requires grad
-    (on the reference); other recipes raise on backward, and so does a second
-    derivative (create_graph=True).
+    "train-robust", "train-mxfp4pv", "train-fp8", "bf16"), to q, k, v and to a float
+    attn_mask that requires grad (on the reference); other recipes raise on backward,
+    and so does a second derivative (create_graph=True).
     """
     rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa)
     s = _resolve_scale(scale, q.shape[-1])

@@ -199,8 +199,9 @@ PRESETS: dict[str, Recipe] = {
         # fallback would need FP8 Q/K views in the backward kernels)
         Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", grad="e4m3", smooth_k=True, qk_four_over_six=True,
                name="train-robust"),
-        # FP8 training for Hopper: per-token e4m3 Q/K (FP8 tensor cores for QK^T), FP8 P/V,
-        # e4m3 gradient products; defined and trained by the reference, no kernel yet
+        # FP8 training for Hopper: per-token e4m3 Q/K (QK^T summed exactly: the kernels multiply
+        # the e4m3 values on the bf16 tensor cores), FP8 P/V, e4m3 gradient products; trained
+        # on the Hopper training kernels (the backward on the Triton ones) and the reference
         Recipe(qk="fp8", p="fp8", v="fp8", p_build="exp2", grad="e4m3", name="train-fp8"),
     )
 }

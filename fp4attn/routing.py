@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from fp4attn.recipes import Recipe, robust_unsupported_reason
+from fp4attn.recipes import Recipe, robust_fields, robust_unsupported_reason
 
 TARGET_ENV = "FP4ATTN_TARGET"  # "sm_90", "sm_100", "sm_120", "cpu": route as if on that target
 BACKEND_ENV = "FP4ATTN_BACKEND"  # overrides backend="auto"
@@ -229,6 +229,24 @@ def backward_launch(head_dim: int) -> BackwardLaunch:
     return _BACKWARD_OVERRIDE.get() or BACKWARD_LAUNCH[head_dim]
 
 
+# The Q/K formats whose backward the Gluon kernels run: they read one scale per head for Q
+# and for K (NVFP4's tensor scales). Per-token FP8 Q/K (`train-fp8`, a scale per query and
+# per key) runs on the Triton kernels' ROW_SCALES form at every length, where the launch
+# would otherwise pick the Gluon kernels (docs/notes/hopper-train.md, "`train-fp8` on the
+# training kernels").
+GLUON_BACKWARD_QK = ("nvfp4",)
+
+
+def backward_gluon_kernels(launch: BackwardLaunch, qk: str, p_mode: int, tma: bool) -> tuple[bool, bool]:
+    """(dK/dV, dQ): whether each runs on its Gluon kernel (`backward_gluon.py`): where the
+    launch asks for it (`dkdv_gluon`, `dq_gluon`), the loops' tiles arrive by TMA (`tma`:
+    the launch's, with both lengths whole 64-token tiles), e4m3 is rounded by the
+    hardware's conversion (`hw_cvt`), the Q/K format is one of GLUON_BACKWARD_QK and, for
+    dK/dV, P is FP8 (P mode 0)."""
+    ok = tma and launch.hw_cvt and qk in GLUON_BACKWARD_QK
+    return launch.dkdv_gluon and ok and p_mode == 0, launch.dq_gluon and ok
+
+
 # ---------------------------------------------------------------------------- Blackwell (sm_100)
 @dataclass(frozen=True)
 class BlackwellLaunch:
@@ -293,6 +311,10 @@ def kernel_head_dim(head_dim: int) -> int | None:
 # NVFP4 payload (the FP8 fallback would need FP8 Q/K views in the backward kernels)
 HOPPER_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six", "qk_fallback", "p_sink")
 HOPPER_TRAIN_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six")
+# the Q/K formats the Hopper training kernels train, each with the robust fields its saved
+# operands carry: the NVFP4 payload those above; per-token FP8 (`train-fp8`) none (its
+# quantizers subtract no mean)
+HOPPER_TRAIN_QK = {"nvfp4": HOPPER_TRAIN_ROBUST_FIELDS, "fp8": ()}
 P_MODE_DIRECTP_SINK = 3
 
 
@@ -358,9 +380,18 @@ def hopper_train_unsupported(recipe: Recipe, head_dim: int) -> str | None:
         return f"recipe {recipe.name!r} is inference-only (grad=None)"
     if recipe.grad not in TRAIN_GRAD_FORMATS:
         return f"gradient format {recipe.grad!r} (kernels run {TRAIN_GRAD_FORMATS})"
-    if recipe.qk != "nvfp4":
-        return f"Q/K format {recipe.qk!r} for training (kernels train 'nvfp4' Q/K)"
-    robust = hopper_robust_unsupported(recipe, HOPPER_TRAIN_ROBUST_FIELDS)
+    if recipe.qk not in HOPPER_TRAIN_QK:
+        return f"Q/K format {recipe.qk!r} for training (kernels train {' and '.join(map(repr, HOPPER_TRAIN_QK))} Q/K)"
+    if recipe.fast_accum:
+        return "fast_accum=True for training (the training kernels sum QK^T exactly: fast_accum=False)"
+    fields = HOPPER_TRAIN_QK[recipe.qk]
+    robust = hopper_robust_unsupported(recipe, fields)
+    if robust is not None and not fields:
+        names = robust_fields(recipe)
+        kept = "; ".join(f"{', '.join(f)} with {qk!r} Q/K" for qk, f in HOPPER_TRAIN_QK.items() if f)
+        return (f"outlier-robust field{'s' if len(names) > 1 else ''} {', '.join(names)} of recipe "
+                f"{recipe.name!r} with {recipe.qk!r} Q/K for training (the training kernels apply none with "
+                f"{recipe.qk!r} Q/K; {kept})")
     if robust is not None:
         return robust
     return hopper_forward_unsupported(recipe, head_dim)
@@ -385,9 +416,10 @@ def _hopper_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str,
                          on_cuda: bool = True) -> str:
     fwd = _hopper_forward_kernel(recipe, head_dim, causal, mask, keys, on_cuda)
     cfg = backward_launch(kernel_head_dim(head_dim))
-    dkdv = "backward_gluon.dkdv" if cfg.dkdv_gluon and recipe.p == "fp8" else "backward_triton.dkdv"
-    dq = "backward_gluon.dq" if cfg.dq_gluon else "backward_triton.dq"
-    return f"{fwd} + hopper.{dkdv} + hopper.{dq} (Gluon where the lengths are whole 64-token tiles)"
+    gluon = backward_gluon_kernels(cfg, recipe.qk, P_MODES[recipe.p, recipe.p_build], cfg.tma)
+    dkdv, dq = (f"backward_{'gluon' if g else 'triton'}.{part}" for g, part in zip(gluon, ("dkdv", "dq")))
+    where = " (Gluon where the lengths are whole 64-token tiles)" if any(gluon) else ""
+    return f"{fwd} + hopper.{dkdv} + hopper.{dq}{where}"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Public API: SDPA layout and dtypes, presets and custom recipes, clear errors."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -403,7 +404,8 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
 def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
     """`train_op.launch_backward` runs the Gluon dK/dV and dQ kernels with the launch
     table's flags where the lengths are whole 64-row tiles (FP8 P for dK/dV: the
-    `train-mxfp4pv` P keeps the Triton dK/dV kernel), and the Triton kernels elsewhere;
+    `train-mxfp4pv` P keeps the Triton dK/dV kernel) and Q/K have a scale per head (per-
+    token FP8 Q/K keep the Triton kernels), and the Triton kernels elsewhere;
     every launch is recorded instead of run, so this needs no GPU. The TMA descriptors
     are host time at every call: the Triton kernels' are built only where one of them
     runs, the Gluon kernels' once for both, each the tile its kernel reads."""
@@ -436,15 +438,18 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
     monkeypatch.setattr(backward_gluon, "launch_dkdv_gluon", gluon("dkdv", 3))  # in_flight, maxnreg, staged
     monkeypatch.setattr(backward_gluon, "launch_dq_gluon", gluon("dq", 1))  # maxnreg
 
-    def route(d, sq=256, sk=128, p=("fp8", "exp2")):
+    def route(d, sq=256, sk=128, p=("fp8", "exp2"), row_scales=False):
         calls.clear()
         gluon_tiles.clear()
         triton_descs.clear()
         B, H, Hkv = 1, 4, 2  # the operands' shapes, not their values
         e4m3 = lambda *s: torch.zeros(*s, dtype=torch.float8_e4m3fn)  # noqa: E731
+        # per-head (NVFP4) or per-token (FP8 Q/K) scales
+        qs, ks = (torch.ones(B, H, sq), torch.ones(B, Hkv, sk)) if row_scales else (torch.ones(B, H),
+                                                                                    torch.ones(B, Hkv))
         ops = train_op.BackwardOperands(
             q=torch.zeros(B, H, sq, d, dtype=torch.bfloat16), k=torch.zeros(B, Hkv, sk, d, dtype=torch.bfloat16),
-            qs=torch.ones(1), ks=torch.ones(1), do_t=e4m3(B, H, sq, d), do_ts=torch.ones(B, H, sq),
+            qs=qs, ks=ks, do_t=e4m3(B, H, sq, d), do_ts=torch.ones(B, H, sq),
             do_c=e4m3(B, H, d, sq), do_cs=torch.ones(B, H, d), v_t=e4m3(B, Hkv, sk, d), v_ts=torch.ones(B, Hkv, sk),
             q_c=e4m3(B, H, d, sq), q_cs=torch.ones(B, H, d), k_c=e4m3(B, Hkv, d, sk), k_cs=torch.ones(B, Hkv, d),
             delta=torch.zeros(B, H, sq))
@@ -462,8 +467,53 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
         assert gluon_tiles == dict(q=token, k=token, do_t=token, v_t=token, k_c=channel) and triton_descs == [1]
         assert route(d, sq=200) == [("dkdv", "triton"), ("dq", "triton")]  # not whole tiles
         assert route(d, sk=100) == [("dkdv", "triton"), ("dq", "triton")]
+        # per-token FP8 Q/K scales: the Triton kernels' ROW_SCALES form at every length
+        # (routing.GLUON_BACKWARD_QK), the TMA tiles still where they are whole
+        assert route(d, row_scales=True) == [("dkdv", "triton"), ("dq", "triton")] and triton_descs == [1]
+        assert route(d, sq=200, row_scales=True) == [("dkdv", "triton"), ("dq", "triton")] and triton_descs == []
         monkeypatch.setitem(routing.BACKWARD_LAUNCH, d, dataclasses.replace(cfg, hw_cvt=False))
         assert route(d) == [("dkdv", "triton"), ("dq", "triton")]  # e4m3 by bit arithmetic: Triton only
+
+
+def test_training_routes_fp8_qk_to_the_hopper_kernels(monkeypatch):
+    """`train-fp8` (per-token FP8 Q/K) trains on the Hopper training kernels: the
+    Gluon or Triton forward and the Triton backward (per-token scales,
+    `routing.GLUON_BACKWARD_QK`), through `hopper_train_attention`; `train` keeps the
+    Gluon backward. What stays on the reference says what was wrong and what the kernels
+    accept, and backend="triton" raises with it."""
+    monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
+    kw = dict(device="cuda", needs_grad=True, mask="none")
+    for d in (64, 128, 96):
+        for causal in (False, True):
+            r = routing.route(fp4attn.get_recipe("train-fp8"), head_dim=d, causal=causal, **kw)
+            assert r.backend == "triton" and r.family.name == "hopper-train", r
+            assert r.family.launcher == "fp4attn.kernels.hopper.train_op:hopper_train_attention"
+            assert r.kernel.endswith("hopper.backward_triton.dkdv + hopper.backward_triton.dq"), r.kernel
+    train = routing.route(fp4attn.get_recipe("train"), head_dim=128, causal=True, **kw)
+    assert "hopper.backward_gluon.dkdv + hopper.backward_gluon.dq" in train.kernel
+    fp8 = fp4attn.get_recipe("train-fp8")
+    for recipe, why in ((fp8.with_(smooth_k=True), "outlier-robust field smooth_k of recipe 'custom' with 'fp8' Q/K "
+                                                   r"for training \(the training kernels apply none with 'fp8' Q/K; "
+                                                   "smooth_k, qk_four_over_six with 'nvfp4' Q/K"),
+                        (fp8.with_(fast_accum=True), r"fast_accum=True for training \(the training kernels sum QK\^T "
+                                                     "exactly: fast_accum=False"),
+                        (fp8.with_(qk="bf16"), r"Q/K format 'bf16' for training \(kernels train 'nvfp4' and "
+                                               "'fp8' Q/K"),
+                        (fp8.with_(grad="e5m2"), r"gradient format 'e5m2' \(kernels run \('e4m3',\)")):
+        r = routing.route(recipe, head_dim=128, causal=True, **kw)
+        assert r.backend == "reference" and re.search(why, r.reason), r.reason
+        with pytest.raises(ValueError, match="backend='triton' cannot run recipe .*" + why):
+            routing.route(recipe, head_dim=128, causal=True, backend="triton", **kw)
+    # the launcher refuses them too, before any kernel runs, never training another recipe
+    pytest.importorskip("triton")
+    from fp4attn.kernels.hopper.train_op import hopper_train_attention
+
+    x = torch.zeros(1, 1, 16, 64)
+    for recipe, why in ((fp8.with_(smooth_k=True), "outlier-robust field smooth_k .* with 'fp8' Q/K; the reference"),
+                        (fp8.with_(fast_accum=True), "fast_accum=True"),
+                        (fp8.with_(qk="bf16"), "Q/K format 'bf16' .*'nvfp4' and 'fp8'")):
+        with pytest.raises(ValueError, match="hopper_train_attention: " + why):
+            hopper_train_attention(x, x, x, recipe, scale=0.125, causal_offset=None)
 
 
 def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):

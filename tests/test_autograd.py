@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import fp4attn
 from fp4attn.metrics import error_metrics
 
-TRAIN = ["bf16", "train", "train-mxfp4pv"]
+TRAIN = ["bf16", "train", "train-mxfp4pv", "train-fp8"]
 
 
 def _qkv(b=1, hq=2, hkv=2, sq=40, sk=72, d=32, seed=0, dtype=torch.float32):
@@ -130,13 +130,14 @@ def test_mask_gradient_in_the_masks_dtype_and_zero_where_hidden():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["train", "train-fp8"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_double_backward_raises_on_the_hopper_training_kernels(causal):
+def test_double_backward_raises_on_the_hopper_training_kernels(causal, recipe):
     q, k, v = (t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in _qkv(sq=128, sk=128, d=64))
-    assert fp4attn.explain(q, k, v, recipe="train", causal=causal)["backend"] == "triton"
-    out = fp4attn.attention(q, k, v, recipe="train", causal=causal)
+    assert fp4attn.explain(q, k, v, recipe=recipe, causal=causal)["backend"] == "triton"
+    out = fp4attn.attention(q, k, v, recipe=recipe, causal=causal)
     with pytest.raises(RuntimeError, match="has no double backward"):
         torch.autograd.grad(out.float().square().sum(), (q, k, v), create_graph=True)
     # and first order still runs on the kernels
-    out = fp4attn.attention(q, k, v, recipe="train", causal=causal)
+    out = fp4attn.attention(q, k, v, recipe=recipe, causal=causal)
     assert all(g is not None for g in torch.autograd.grad(out.float().square().sum(), (q, k, v)))

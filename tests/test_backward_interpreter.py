@@ -4,7 +4,8 @@ so the gradients of a (B=2, 4 query heads, 2 K/V heads) call equal, bit for bit,
 of the same operands cut into one call per batch and K/V head; a kernel that reads
 another batch's or head's rows (as a scale once shadowing the batch index did) breaks
 that. Run for pointer loads and TMA descriptors, causal and not, lengths that are and
-are not whole tiles, both head dims, dQ by atomics, and FP8 and MXFP4 (Direct-P) P.
+are not whole tiles, both head dims, FP8 and MXFP4 (Direct-P) P, and NVFP4 (a scale
+per head) and per-token FP8 Q/K (a scale per query and per key).
 The interpreter's values are not the GPU's (its bf16 dot and fp8 casts differ), so the
 numbers are checked by the GPU tests (test_hopper_backward.py); this one runs in CI."""
 
@@ -13,6 +14,7 @@ import textwrap
 import pytest
 
 from tests.interpreter import CALL_SHAPE, KERNEL_PATCHES, run_under_interpreter
+from tests.interpreter_blackwell import BLACKWELL_PATCHES
 
 pytest.importorskip("triton")
 
@@ -24,10 +26,12 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
 
     kv_names = ("k", "ks", "v_t", "v_ts", "k_c", "k_cs")  # the operands of the K/V heads
     fp8, mxfp4 = ("fp8", "exp2", "fp8"), ("mxfp4", "directp", "mxfp4")  # train, train-mxfp4pv
-    for D, sq, sk, causal, cfg, (p, p_build, v_fmt) in (
-            (64, 128, 128, True, {}, fp8), (64, 128, 192, False, {}, fp8), (64, 100, 76, True, {}, fp8),
-            (128, 128, 128, True, {}, fp8),
-            (128, 128, 128, True, {}, mxfp4)):
+    for qk, D, sq, sk, causal, cfg, (p, p_build, v_fmt) in (
+            ("nvfp4", 64, 128, 128, True, {}, fp8), ("nvfp4", 64, 128, 192, False, {}, fp8),
+            ("nvfp4", 64, 100, 76, True, {}, fp8), ("nvfp4", 128, 128, 128, True, {}, fp8),
+            ("nvfp4", 128, 128, 128, True, {}, mxfp4),
+            # train-fp8: a scale per query and per key (ROW_SCALES)
+            ("fp8", 64, 100, 76, True, {}, fp8), ("fp8", 128, 128, 192, False, {}, fp8)):
         for tma in (False, True):
             # the Triton kernels (the Gluon ones do not run under the interpreter; a GPU
             # test holds them to the Triton ones bit for bit)
@@ -35,10 +39,15 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
                                                              dkdv_gluon=False, dq_gluon=False, **cfg)
             q, dout, out = (torch.randn(B, HQ, sq, D, generator=g).bfloat16() for _ in range(3))
             k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
-            _, saved = train_op.quantize_for_training(q, k, v, v_fmt)
-            # grid values in float32: the interpreter's bf16 dot is wrong, float32 holds them
-            ops = train_op.backward_operands(dout, out, *saved, values_dtype=torch.float32)
-            qd, kd = ops.q * ops.qs[..., None, None], ops.k * ops.ks[..., None, None]  # a tensor scale per head
+            # values in float32: the interpreter's bf16 dot is wrong, float32 holds them
+            if qk == "fp8":
+                _, saved = train_op.quantize_for_training_fp8(q, k, v, v_fmt)
+                ops = train_op.backward_operands_fp8(dout, out, *saved, values_dtype=torch.float32)
+                qd, kd = ops.q * ops.qs[..., None], ops.k * ops.ks[..., None]  # a scale per token
+            else:
+                _, saved = train_op.quantize_for_training(q, k, v, v_fmt)
+                ops = train_op.backward_operands(dout, out, *saved, values_dtype=torch.float32)
+                qd, kd = ops.q * ops.qs[..., None, None], ops.k * ops.ks[..., None, None]  # a tensor scale per head
             s = qd @ kd.repeat_interleave(HQ // HKV, 1).transpose(-1, -2) * D**-0.5
             if causal:
                 s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
@@ -59,7 +68,7 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
                     hq = slice(h * HQ // HKV, (h + 1) * HQ // HKV)
                     for name, w, got in zip(("dq", "dk", "dv"), whole, part):
                         sub = w[b:b + 1, hq] if name == "dq" else w[b:b + 1, h:h + 1]
-                        assert equal(sub, got), (D, sq, sk, causal, cfg, p, tma, name, b, h)
+                        assert equal(sub, got), (qk, D, sq, sk, causal, cfg, p, tma, name, b, h)
     print("ok")
 ''')
 
@@ -79,30 +88,42 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
     from fp4attn.reference.backward import reference_backward
     from fp4attn.reference.masks import causal_offset
 
+    # per-token FP8 Q/K with Direct-P MXFP4 P/V: not a preset, trained on the same kernels
+    fp8_mxfp4 = PRESETS["train-fp8"].with_(p="mxfp4", v="mxfp4", p_build="directp")
     g = torch.Generator().manual_seed(0)
     for name, D, sq, sk, causal, tma in (("train", 64, 128, 128, "top_left", True),
                                          ("train-mxfp4pv", 64, 100, 192, None, False),
                                          ("train", 128, 128, 64, "bottom_right", True),
-                                         ("train", 128, 113, 239, "top_left", False)):
-        r = PRESETS[name]
+                                         ("train", 128, 113, 239, "top_left", False),
+                                         ("train-fp8", 64, 128, 192, "bottom_right", True),
+                                         ("train-fp8", 128, 113, 239, "top_left", False),
+                                         ("train-fp8", 64, 239, 113, "bottom_right", False),
+                                         ("train-fp8", 128, 239, 113, None, False),
+                                         (fp8_mxfp4, 64, 113, 100, "top_left", False)):
+        r = PRESETS.get(name, name)
         q, dout = (torch.randn(1, 2, sq, D, generator=g).bfloat16() for _ in range(2))
         k, v = (torch.randn(1, 1, sk, D, generator=g).bfloat16() for _ in range(2))
         fwd = reference_forward(q, k, v, r, scale=D**-0.5, causal=causal)
         out = fwd.out.bfloat16()
         want = reference_backward(fwd, out, dout, r, scale=D**-0.5, causal=causal)
-        _, saved = train_op.quantize_for_training(q, k, v, r.v)
         # e4m3 by bit arithmetic: every value on its grid before the cast, which the
         # interpreter then does exactly (its own rounding of off-grid values is wrong)
         routing.BACKWARD_LAUNCH[D] = dataclasses.replace(routing.BACKWARD_LAUNCH[D], hw_cvt=False, tma=tma,
                                                          dkdv_gluon=False, dq_gluon=False)
-        ops = train_op.backward_operands(dout, out, *saved, values_dtype=torch.float32)
+        if r.qk == "fp8":  # a scale per query and per key (the kernels' ROW_SCALES)
+            _, saved = train_op.quantize_for_training_fp8(q, k, v, r.v)
+            ops = train_op.backward_operands_fp8(dout, out, *saved, values_dtype=torch.float32)
+            assert ops.row_scales and ops.qs.shape == (1, 2, sq) and ops.ks.shape == (1, 1, sk)
+        else:
+            _, saved = train_op.quantize_for_training(q, k, v, r.v)
+            ops = train_op.backward_operands(dout, out, *saved, values_dtype=torch.float32)
         got = train_op.launch_backward(ops, fwd.lse, r.p, r.p_build, causal_offset(causal, sq, sk) or 0,
                                        causal is not None, D**-0.5, (torch.float32,) * 3)
         for grad, a, b in zip(("dq", "dk", "dv"), got, want):
             err = error_metrics(a, b)["rel_l2"]
             # measured 2e-7 to 4e-7; an FP8 code of P or dS that float32 summation order
             # moves across a rounding threshold changes one element by up to 1/8
-            assert err < 2e-2, (name, D, sq, sk, causal, grad, err)
+            assert err < 2e-2, (r.name, D, sq, sk, causal, grad, err)
     print("ok")
 ''')
 
@@ -114,3 +135,85 @@ def test_backward_matches_reference_under_the_interpreter():
     and the gradients differ from the reference's by float32 summation order (2e-7 to
     4e-7 relative). A wrong scale, mask or tile bound shows at once."""
     run_under_interpreter(NUMERICS)
+
+
+TRAIN_FP8 = BLACKWELL_PATCHES + textwrap.dedent('''
+    import dataclasses
+    import os
+
+    os.environ["FP4ATTN_TARGET"] = "sm_90"
+
+    import fp4attn
+    from fp4attn.kernels.hopper import train_op
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference import reference_backward, reference_forward
+    from fp4attn.reference.forward import ForwardResult
+    from fp4attn.routing import BACKWARD_LAUNCH, ForwardLaunch, override_launch
+
+    r = PRESETS["train-fp8"]
+    g = torch.Generator().manual_seed(1)
+
+    def launches(D):
+        # what the interpreter runs: the Triton forward and backward with e4m3 rounded on
+        # the float32 bits (no Gluon, no inline PTX)
+        return override_launch(forward=ForwardLaunch(64, 4, 2),
+                               backward=dataclasses.replace(BACKWARD_LAUNCH[D], hw_cvt=False))
+
+    for B, HQ, HKV, sq, sk, D, causal in ((1, 2, 1, 113, 239, 64, "bottom_right"), (2, 2, 2, 64, 128, 128, "top_left"),
+                                          (1, 4, 2, 70, 50, 64, None)):
+        q = torch.randn(B, HQ, sq, D, generator=g).bfloat16().requires_grad_()
+        k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16().requires_grad_() for _ in range(2))
+        info = fp4attn.explain(q, k, v, causal=causal, recipe="train-fp8", enable_gqa=True)
+        # FP8 Q/K's backward on the Triton kernels at every length (routing.GLUON_BACKWARD_QK)
+        assert info["backend"] == "triton" and info["launcher"].endswith("hopper_train_attention"), info
+        assert "hopper.backward_triton.dkdv + hopper.backward_triton.dq" in info["kernel"], info
+        with launches(D):
+            out, lse = fp4attn.attention(q, k, v, causal=causal, recipe="train-fp8", enable_gqa=True,
+                                         backend="triton", return_lse=True)
+            dout = torch.randn(out.shape, generator=g).bfloat16()
+            out.backward(dout)
+        lse = lse.detach()  # (it carries no gradient)
+        kx, vx = (t.detach().repeat_interleave(HQ // HKV, 1) for t in (k, v))
+        ref = reference_forward(q.detach(), kx, vx, r, scale=D**-0.5, causal=causal)
+        seen = torch.isfinite(ref.lse)
+        assert torch.equal(seen, torch.isfinite(lse)) and float((lse[seen] - ref.lse[seen]).abs().max()) < 1e-5
+        fwd = ForwardResult(out.detach().float(), lse, ref.q, ref.k, ref.v)
+        want = reference_backward(fwd, out.detach(), dout, r, scale=D**-0.5, causal=causal)
+        G = HQ // HKV
+        want = (want[0], want[1].reshape(B, HKV, G, sk, D).sum(2), want[2].reshape(B, HKV, G, sk, D).sum(2))
+        for n, t, w in zip("qkv", (q, k, v), want):
+            err = float((t.grad.float() - w).norm() / w.norm())
+            # measured 3.3e-3 to 3.4e-3: the bf16 rounding of the gradients
+            assert t.grad.dtype == torch.bfloat16 and err < 1e-2, (sq, sk, D, causal, n, err)
+
+    # the ops' fake implementations (torch.compile traces them) give the real ops' shapes
+    # and dtypes; what the forward keeps is Q/K's e4m3 bytes, not their bf16 values
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k = torch.randn(2, 4, 70, 64, generator=g).bfloat16(), torch.randn(2, 2, 90, 64, generator=g).bfloat16()
+    args = ("fp8", "fp8", "exp2", "fp8", 20, True, 0.125)
+    with launches(64):
+        real = torch.ops.fp4attn.hopper_train_forward_fp8(q, k, k, *args)
+        grads = torch.ops.fp4attn.hopper_train_backward_fp8(real[0], *real, "fp8", "exp2", 20, True, 0.125,
+                                                            torch.bfloat16, torch.float16, torch.float32)
+    assert [t.dtype for t in real[2:6]] == [torch.float8_e4m3fn, torch.float32, torch.float8_e4m3fn, torch.float32]
+    with FakeTensorMode() as mode:
+        fq, fk = mode.from_tensor(q), mode.from_tensor(k)
+        fake = torch.ops.fp4attn.hopper_train_forward_fp8(fq, fk, fk, *args)
+        fake_grads = torch.ops.fp4attn.hopper_train_backward_fp8(fake[0], *fake, "fp8", "exp2", 20, True, 0.125,
+                                                                 torch.bfloat16, torch.float16, torch.float32)
+    for a, b in zip((*real, *grads), (*fake, *fake_grads)):
+        assert (tuple(a.shape), a.dtype) == (tuple(b.shape), b.dtype), (a.shape, a.dtype, b.shape, b.dtype)
+    print("ok")
+''')
+
+
+def test_train_fp8_trains_through_autograd_under_the_interpreter():
+    """`train-fp8` through `fp4attn.attention` and autograd on the Hopper training route
+    (FP4ATTN_TARGET=sm_90 on the interpreter, with a bf16 dot defined as the hardware's:
+    `interpreter_blackwell.BLACKWELL_PATCHES`): routed to the training kernels with the
+    Triton backward, the LSE within 1e-5 of the reference forward's, and dQ, dK, dV (GQA
+    sums included) within 1% relative L2 of the reference backward's from the same output
+    and LSE (the bf16 rounding of the gradients); the ops' fake implementations give the
+    real ops' shapes and dtypes."""
+    run_under_interpreter(TRAIN_FP8)

@@ -1,5 +1,6 @@
 """Hopper training kernels (forward that keeps the quantized operands, backward) against
-the reference backward of the same recipe (run on an H200).
+the reference backward of the same recipe (run on an H200): `train` and `train-mxfp4pv`
+(NVFP4 Q/K) and `train-fp8` (per-token FP8 Q/K).
 
 Invariant: with the kernel's own forward output and LSE fed to the reference backward,
 the kernel's dQ, dK, dV differ from the reference's by much less than the reference
@@ -20,7 +21,8 @@ from fp4attn.reference.masks import causal_offset, key_mask
 
 pytestmark = pytest.mark.gpu
 
-RECIPES = ["train", "train-mxfp4pv"]
+# train-fp8: per-token FP8 Q/K, its backward on the Triton kernels (routing.GLUON_BACKWARD_QK)
+RECIPES = ["train", "train-mxfp4pv", "train-fp8"]
 
 
 def _inputs(b, hq, hkv, sq, sk, d, dtype=torch.bfloat16):
@@ -160,14 +162,15 @@ def test_backward_padded_head_dims(recipe, d):
     _check(recipe, 2, 4, 2, 300, 300, d, causal="top_left")
 
 
-def test_backward_is_deterministic_and_float_dtypes():
+@pytest.mark.parametrize("recipe", ["train", "train-fp8"])
+def test_backward_is_deterministic_and_float_dtypes(recipe):
     for dtype in (torch.float16, torch.float32):
         q, k, v = _inputs(1, 4, 2, 300, 300, 64, dtype)
         grads = []
         for _ in range(2):
             for t in (q, k, v):
                 t.grad = None
-            fp4attn.attention(q, k, v, recipe="train", causal=True, enable_gqa=True, backend="triton").sum().backward()
+            fp4attn.attention(q, k, v, recipe=recipe, causal=True, enable_gqa=True, backend="triton").sum().backward()
             grads.append([t.grad.clone() for t in (q, k, v)])
         assert all(g.dtype == dtype and bool(torch.isfinite(g).all()) for g in grads[0])
         assert all(torch.equal(a, b) for a, b in zip(*grads))
@@ -186,32 +189,35 @@ def test_backward_peaked_attention_stays_finite():
         assert all(bool(torch.isfinite(g).all()) for g in grads), recipe
 
 
-def test_backward_nan_propagates():
+@pytest.mark.parametrize("recipe", ["train", "train-fp8"])
+def test_backward_nan_propagates(recipe):
     q, k, v = _inputs(1, 1, 1, 64, 256, 64)
     with torch.no_grad():
         v[0, 0, 7, 3] = float("nan")
-    fp4attn.attention(q, k, v, recipe="train", backend="triton").sum().backward()
+    fp4attn.attention(q, k, v, recipe=recipe, backend="triton").sum().backward()
     assert bool(torch.isnan(q.grad).any())
 
 
-def test_auto_backend_trains_on_the_kernels(monkeypatch):
+@pytest.mark.parametrize("recipe", ["train", "train-fp8"])
+def test_auto_backend_trains_on_the_kernels(recipe, monkeypatch):
     from fp4attn.kernels.hopper import train_op
 
     calls = []
     launch = train_op.launch_backward
-    monkeypatch.setattr(train_op, "launch_backward", lambda *a: calls.append(1) or launch(*a))
+    monkeypatch.setattr(train_op, "launch_backward", lambda *a: calls.append(a[0].row_scales) or launch(*a))
     q, k, v = _inputs(1, 2, 2, 128, 128, 128)
-    fp4attn.attention(q, k, v, recipe="train", causal=True).sum().backward()
-    assert calls == [1]
+    fp4attn.attention(q, k, v, recipe=recipe, causal=True).sum().backward()
+    assert calls == [recipe == "train-fp8"]  # per-token Q/K scales for FP8 Q/K
     with pytest.raises(ValueError, match="inference-only"):
         fp4attn.attention(q, k, v, recipe="fp8", backend="triton")
 
 
-def test_torch_compile_and_checkpoint_through_the_kernels():
+@pytest.mark.parametrize("recipe", ["train", "train-fp8"])
+def test_torch_compile_and_checkpoint_through_the_kernels(recipe):
     q, k, v = _inputs(1, 2, 2, 256, 256, 128)
 
     def f(a, b, c):
-        return fp4attn.attention(a, b, c, recipe="train", causal=True, backend="triton")
+        return fp4attn.attention(a, b, c, recipe=recipe, causal=True, backend="triton")
 
     eager = torch.autograd.grad(f(q, k, v).square().sum(), (q, k, v))
     compiled = torch.compile(f)

@@ -72,15 +72,29 @@ def test_packed_nvfp4_payload_is_the_reference_bytes(s, d, special):
     assert torch.equal(decode_nvfp4_rows(codes, bscale).view(torch.int16), values.view(torch.int16))
 
 
+def _training_quantization(qk: str, v_fmt: str):
+    """(the training recipe with `qk` Q/K and `v_fmt` V, its forward's quantization, the
+    backward's operands from what that saves)."""
+    from fp4attn.kernels.hopper import train_op
+
+    if qk == "fp8":
+        r = PRESETS["train-fp8"] if v_fmt == "fp8" else PRESETS["train-fp8"].with_(p="mxfp4", v="mxfp4",
+                                                                                  p_build="directp")
+        return r, train_op.quantize_for_training_fp8, train_op.backward_operands_fp8
+    return (PRESETS["train" if v_fmt == "fp8" else "train-mxfp4pv"], train_op.quantize_for_training,
+            train_op.backward_operands)
+
+
+@pytest.mark.parametrize("qk", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("s,d,v_fmt", [(1, 64, "fp8"), (113, 128, "fp8"), (1000, 64, "fp8"), (239, 128, "mxfp4")])
-def test_backward_operand_views_match_reference(s, d, v_fmt):
+def test_backward_operand_views_match_reference(s, d, v_fmt, qk):
     """The training forward's quantization (kernels/hopper/train_op.py) gives the forward
     kernel the inference quantizers' operands, and from what it saves the backward's
     operands are the reference backward's `low_precision_view`s of dO, V's represented
-    values and the dequantized NVFP4 Q/K, scale for scale, with Q/K's grid values."""
+    values and the dequantized Q/K (NVFP4, or per-token FP8 for `train-fp8`), scale for
+    scale, with Q/K's grid values (and, for FP8 Q/K, the per-token scales as saved)."""
     from fp4attn.formats import quantize_fp8
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-    from fp4attn.kernels.hopper.train_op import backward_operands, quantize_for_training
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
     q, k, v, dout = (torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(4))
@@ -88,8 +102,9 @@ def test_backward_operand_views_match_reference(s, d, v_fmt):
     dout[1, 0, :, 3] *= 2.0**-120  # a channel below FP8_MIN_AMAX
     k[1, 2, :, 5] = 0.0  # an all-zero channel of K
     out = torch.randn_like(dout)
-    fwd, saved = quantize_for_training(q, k, v, v_fmt)
-    want_fwd = prepare_operands_fused(q, k, v, PRESETS["train" if v_fmt == "fp8" else "train-mxfp4pv"])
+    recipe, quantize, backward_operands = _training_quantization(qk, v_fmt)
+    fwd, saved = quantize(q, k, v, v_fmt)
+    want_fwd = prepare_operands_fused(q, k, v, recipe)
     for name in ("q", "k", "qs", "ks", "vt", "vs"):
         a, b = getattr(want_fwd, name), getattr(fwd, name)
         assert _same(a, b)[0], f"forward {name}"
@@ -101,9 +116,12 @@ def test_backward_operand_views_match_reference(s, d, v_fmt):
         return f.data.squeeze(-2), f.scale.squeeze(-1)
 
     want = [*view(dout.float(), -1), *view(dout.float(), -2), *view(quantize_v(v, v_fmt), -1),
-            *view(quantize_qk(q, "nvfp4").dequantize(), -2), *view(quantize_qk(k, "nvfp4").dequantize(), -2),
+            *view(quantize_qk(q, qk).dequantize(), -2), *view(quantize_qk(k, qk).dequantize(), -2),
             want_fwd.q, want_fwd.k]
     names = ("do_t", "do_ts", "do_c", "do_cs", "v_t", "v_ts", "q_c", "q_cs", "k_c", "k_cs", "q", "k")
+    if qk == "fp8":
+        want += [want_fwd.qs, want_fwd.ks]
+        names += ("qs", "ks")
     for name, a in zip(names, want):
         b = getattr(got, name)
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
@@ -111,35 +129,78 @@ def test_backward_operand_views_match_reference(s, d, v_fmt):
         assert values, f"{name}: values differ"
 
 
+@pytest.mark.parametrize("s,d", [(1, 64), (113, 128), (1000, 64), (4096, 128)])
+@pytest.mark.parametrize("special", ["none", "nan", "inf"])
+def test_fp8_training_quantizers_are_the_reference_bytes(s, d, special):
+    """`train-fp8`'s quantizers (kernels/hopper/quantize_train_fp8.py), byte for byte
+    (uint8 views; -0 included; NaN where the reference has NaN): the forward's pass
+    keeps Q/K as `formats.quantize_fp8(x, dim=-1)`'s e4m3 bytes and row scales, gives
+    the forward kernel the same values as bf16, and records each channel's max
+    |represented value|; the backward's pass gives back the values and the per-channel
+    view of the represented values, `quantize_fp8(values x scales, dim=-2)`'s bytes
+    and scales."""
+    from fp4attn.formats import quantize_fp8
+    from fp4attn.kernels.hopper.quantize_train_fp8 import fp8_qk_views, quantize_qk_fp8_saved
+    from fp4attn.reference.operands import quantize_qk
+
+    def same_bytes(a, b, name):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        nan = torch.isnan(a.float())
+        assert torch.equal(nan, torch.isnan(b.float())), f"{name}: NaN positions differ"
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+        assert torch.equal(a.view(bits)[~nan], b.view(bits)[~nan]), f"{name}: bytes differ"
+
+    x = torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4
+    x[0, 0, 0, :7] = 0.0
+    x[0, 1, -1, 3] = -0.0
+    x[1, 2, 0] *= 2.0**-118  # a row below FP8_MIN_AMAX: scale 1, (signed) zeros
+    x[1, 1, -1, : d // 2] *= 2.0**-14  # elements that round to (signed) zero beside large ones
+    if special != "none":
+        x[1, 0, -1, 5] = float(special)
+    values, y8, scales, amax = quantize_qk_fp8_saved(x)
+    ref = quantize_qk(x, "fp8")
+    same_bytes(ref.payload.data.squeeze(-2), y8, "e4m3 bytes")
+    same_bytes(ref.values.to(torch.bfloat16), values, "bf16 values")
+    same_bytes(ref.scale.squeeze(-1), scales, "row scales")
+    represented = ref.dequantize()
+    same_bytes(represented.abs().amax(-2), amax.view(torch.float32), "channel maxima")
+    v, ct, cs = fp8_qk_views(y8, scales, amax)
+    want = quantize_fp8(represented, dim=-2, block=None, fmt="e4m3")
+    same_bytes(values, v, "values from the bytes")
+    same_bytes(want.data.squeeze(-2), ct, "per-channel view")
+    same_bytes(want.scale.squeeze(-1), cs, "per-channel scales")
+
+
+@pytest.mark.parametrize("qk", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("special", ["nan", "inf"])
-def test_backward_operand_views_carry_non_finite_values(special):
+def test_backward_operand_views_carry_non_finite_values(special, qk):
     """A NaN or Inf in dO, Q or V reaches the views as it reaches the reference's: the
     channel maxima recorded by atomics (float32 bits, NaN above Inf) give that channel
     a NaN scale, and the token's per-token scale is NaN (an Inf in Q through its head's
-    NaN NVFP4 tensor scale)."""
+    NaN NVFP4 tensor scale, or its own NaN FP8 scale)."""
     from fp4attn.formats import quantize_fp8
-    from fp4attn.kernels.hopper.train_op import backward_operands, quantize_for_training
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
     q, k, v, dout = (torch.randn(1, 2, 130, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     dout[0, 1, 7, 9] = float(special)
     v[0, 0, 100, 3] = float(special)
     q[0, 1, 64, 2] = float(special)
-    _, saved = quantize_for_training(q, k, v, "fp8")
+    _, quantize, backward_operands = _training_quantization(qk, "fp8")
+    _, saved = quantize(q, k, v, "fp8")
     got = backward_operands(dout, torch.randn_like(dout), *saved)
     for name, x, dim in (("do_t", dout.float(), -1), ("do_c", dout.float(), -2), ("v_t", quantize_v(v, "fp8"), -1),
-                         ("q_c", quantize_qk(q, "nvfp4").dequantize(), -2)):
+                         ("q_c", quantize_qk(q, qk).dequantize(), -2)):
         f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
         scale, want = getattr(got, name + "s"), f.scale.squeeze(-1)
         assert torch.equal(torch.isnan(want), torch.isnan(scale)), name
-        # an Inf in Q makes its (batch, head)'s NVFP4 tensor scale NaN: the views carry it
+        # an Inf in Q makes its (batch, head)'s NVFP4 tensor scale, or its token's FP8 scale, NaN: the views carry it
         assert bool(torch.isnan(scale).any()), name
         keep = ~torch.isnan(want)
         assert torch.equal(want[keep], scale[keep]), name
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8-directp", "nvfp4-fp8", "directp", "train", "nvfp4-fp8-robust",
-                                    "directp-robust", "train-robust"])
+                                    "directp-robust", "train-robust", "train-fp8"])
 def test_kernel_paths_never_synchronize(recipe):
     """Quantizers, forward and (for `train`) backward queue their work without waiting
     for the GPU: a host-to-device copy of a Python constant synchronized the stream

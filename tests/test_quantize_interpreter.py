@@ -17,7 +17,8 @@ SCRIPT = textwrap.dedent('''
     from fp4attn.formats import quantize_fp8
     from fp4attn.kernels.hopper.operands import prepare_operands
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-    from fp4attn.kernels.hopper.train_op import backward_operands, quantize_for_training
+    from fp4attn.kernels.hopper.train_op import (backward_operands, backward_operands_fp8, quantize_for_training,
+                                                  quantize_for_training_fp8)
     from fp4attn.recipes import PRESETS
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
@@ -26,6 +27,14 @@ SCRIPT = textwrap.dedent('''
         nan = torch.isnan(x)
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
         assert torch.equal(nan, torch.isnan(y)) and torch.equal(x[~nan], y[~nan]), name
+
+    def same_bytes(a, b, name):
+        # bit for bit, but for the sign of zero, which the interpreter's casts drop (the
+        # GPU test, test_hopper_quantize.py, holds it too)
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+        unsigned_zeros = [t.view(bits).masked_fill(t.float() == 0, 0) for t in (a, b)]
+        assert torch.equal(*unsigned_zeros), name
 
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(2, 3, 70, 64, generator=g).bfloat16() * 4 for _ in range(4))
@@ -55,25 +64,40 @@ SCRIPT = textwrap.dedent('''
     same(want.vt.float()[keep], got.vt.float()[keep], "non-finite V vt")
     # the training forward's quantization (the forward kernel's operands are the
     # inference quantizers', and what it saves), and the backward's operands from it
-    for v_fmt in ("fp8", "mxfp4"):
-        fwd_ops, saved = quantize_for_training(q, k, v, v_fmt)
-        want = prepare_operands(q, k, v, PRESETS["train" if v_fmt == "fp8" else "train-mxfp4pv"])
+    for recipe in ("train", "train-mxfp4pv", "train-fp8"):
+        r = PRESETS[recipe]
+        if r.qk == "fp8":  # per-token FP8 Q/K: the saved e4m3 bytes, a scale per token
+            fwd_ops, saved = quantize_for_training_fp8(q, k, v, r.v)
+            q8, qs, k8, ks, q_amax, k_amax = saved[:6]
+            for x, x8, xs, amax, name in ((q, q8, qs, q_amax, "q"), (k, k8, ks, k_amax, "k")):
+                ref = quantize_qk(x, "fp8")
+                same_bytes(ref.payload.data.squeeze(-2), x8, f"{recipe} saved {name} bytes")
+                assert torch.equal(ref.scale.squeeze(-1), xs), f"{recipe} saved {name} scales"
+                # the channels' max |e4m3 value x row scale|, as float32 bits
+                assert torch.equal(ref.dequantize().abs().amax(-2), amax.view(torch.float32)), f"{recipe} {name} amax"
+        else:
+            fwd_ops, saved = quantize_for_training(q, k, v, r.v)
+        want = prepare_operands(q, k, v, r)
         for name in ("q", "k", "qs", "ks", "vt", "vs"):
-            same(getattr(want, name), getattr(fwd_ops, name), f"train {v_fmt} forward {name}")
+            same(getattr(want, name), getattr(fwd_ops, name), f"{recipe} forward {name}")
         out = torch.randn(dout.shape, generator=g).bfloat16()
-        got = backward_operands(dout, out, *saved)
+        got = (backward_operands_fp8 if r.qk == "fp8" else backward_operands)(dout, out, *saved)
 
         def view(x, dim):
             f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
             return f.data.squeeze(-2), f.scale.squeeze(-1)
 
         want = dict(zip(("do_t", "do_ts", "do_c", "do_cs", "v_t", "v_ts", "q_c", "q_cs", "k_c", "k_cs"),
-                        [*view(dout.float(), -1), *view(dout.float(), -2), *view(quantize_v(v, v_fmt), -1),
-                         *view(quantize_qk(q, "nvfp4").dequantize(), -2),
-                         *view(quantize_qk(k, "nvfp4").dequantize(), -2)]))
+                        [*view(dout.float(), -1), *view(dout.float(), -2), *view(quantize_v(v, r.v), -1),
+                         *view(quantize_qk(q, r.qk).dequantize(), -2),
+                         *view(quantize_qk(k, r.qk).dequantize(), -2)]))
         want.update(q=fwd_ops.q, k=fwd_ops.k)
         for name, a in want.items():
-            same(a.contiguous(), getattr(got, name), f"train {v_fmt} backward {name}")
+            same(a.contiguous(), getattr(got, name), f"{recipe} backward {name}")
+        if r.qk == "fp8":  # the per-channel views of Q and K bit for bit, and the scales the kernels read
+            for name in ("q_c", "k_c"):
+                same_bytes(want[name].contiguous(), getattr(got, name), f"{recipe} backward {name} bytes")
+            assert got.row_scales and torch.equal(got.qs, fwd_ops.qs) and torch.equal(got.ks, fwd_ops.ks), recipe
         torch.testing.assert_close(got.delta, (dout.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-4)
 
     # the training forward's packed NVFP4 Q/K: codes as `quantize_nvfp4` packs them, the

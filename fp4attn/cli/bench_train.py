@@ -19,7 +19,7 @@ from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.tools.benchmark import parse_shapes, sdpa, time_ms, visible_pairs
 
 TRAIN_SHAPES = [(4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 16384, 128), (8, 16, 4096, 64)]
-TRAIN_RECIPES = ["train", "train-robust"]
+TRAIN_RECIPES = ["train", "train-robust", "train-fp8"]
 
 
 def _fwd_bwd(impl: str):

@@ -11,6 +11,13 @@ that dP = dO V^T reads, the output and the LSE: about 4.2 bytes per element of
 Q/K/V/O, where bf16 grid values of Q/K took 7 and bf16 attention keeps 8. No score
 tile is kept: the backward decodes Q/K to their bf16 grid values and rebuilds P from
 these.
+
+Per-token FP8 Q/K (`train-fp8`) have ops of their own (`hopper_train_forward_fp8`,
+`hopper_train_backward_fp8`) with the same layers: the forward keeps Q and K as their
+e4m3 bytes (1 byte an element), their per-token scales and each channel's largest
+represented value (`quantize_train_fp8.py`), the rest as above: about 5.1 bytes per
+element; the backward widens the bytes to bf16 values with the per-channel views in
+one pass, and its kernels take a scale per query and per key (ROW_SCALES).
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ from fp4attn.kernels.hopper.quantize import (
     quantize_qk_nvfp4,
     quantize_v_t,
 )
+from fp4attn.kernels.hopper.quantize_train_fp8 import fp8_qk_views, quantize_qk_fp8_saved
 from fp4attn.recipes import Recipe, robust_unsupported_reason
 from fp4attn.reference.backward import DS_BLOCK, refuse_double_backward
 from fp4attn.reference.forward import LOG2E
-# the outlier-robust fields the training kernels apply (`routing.HOPPER_TRAIN_ROBUST_FIELDS`)
+# the outlier-robust fields the NVFP4 training kernels apply (`routing.HOPPER_TRAIN_ROBUST_FIELDS`; the
+# Blackwell training, which keeps the same payload, takes them from here)
 from fp4attn.routing import HOPPER_TRAIN_ROBUST_FIELDS as TRAIN_ROBUST_FIELDS
-from fp4attn.routing import P_MODES, backward_launch
+from fp4attn.routing import HOPPER_TRAIN_QK, P_MODES, backward_gluon_kernels, backward_launch
 
 
 def quantize_for_training(q, k, v, v_fmt: str, smooth_k: bool = False,
@@ -58,6 +67,20 @@ def quantize_for_training(q, k, v, v_fmt: str, smooth_k: bool = False,
     return ops, (q_codes, q_bscale, k_codes, k_bscale, qs[..., 0], ks[..., 0], q_amax, k_amax, v_t, v_ts)
 
 
+def quantize_for_training_fp8(q, k, v, v_fmt: str) -> tuple[KernelOperands, tuple[torch.Tensor, ...]]:
+    """The forward kernel's operands of a training recipe with per-token FP8 Q/K (the
+    `fp8` inference recipe's: e4m3 values as bf16, per-token scales; V in `v_fmt`), and
+    what the backward reads, in the order `backward_operands_fp8` takes it: Q's e4m3
+    bytes (B, H, Sq, D) and per-token scales (B, H, Sq), K's likewise at Hkv heads, the
+    channels' max |represented value| of Q and K ((B, heads, D) float32 bits), and the
+    per-token e4m3 view of V's represented values with its scales."""
+    qv, q8, qs, q_amax = quantize_qk_fp8_saved(q)
+    kv, k8, ks, k_amax = quantize_qk_fp8_saved(k)
+    vt, vs, v_t, v_ts = quantize_v_t(v, v_fmt, pad_keys_to=BLOCK_N, tokens=True)
+    ops = KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
+    return ops, (q8, qs, k8, ks, q_amax, k_amax, v_t, v_ts)
+
+
 @torch.library.custom_op("fp4attn::hopper_train_forward", mutates_args=())
 def _train_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
@@ -68,7 +91,8 @@ def _train_forward_op(
     tensors). The bf16 grid values and V^T the forward kernel multiplies are made in
     the same passes as these and dropped after it."""
     if qk != "nvfp4":
-        raise ValueError(f"hopper_train_forward: Q/K format {qk!r} (the training kernels run 'nvfp4')")
+        raise ValueError(f"hopper_train_forward: Q/K format {qk!r} (this op trains 'nvfp4' Q/K; per-token 'fp8' Q/K "
+                         "train through fp4attn::hopper_train_forward_fp8)")
     ops, saved = quantize_for_training(q, k, v, v_fmt, smooth_k, four_over_six)
     out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
                                  p_mode=P_MODES[(p, p_build)])
@@ -93,6 +117,37 @@ def train_forward_fake(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, sc
             q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32))
 
 
+@torch.library.custom_op("fp4attn::hopper_train_forward_fp8", mutates_args=())
+def _train_forward_fp8_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
+    causal_offset: int, causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, then what the backward reads: `quantize_for_training_fp8`'s saved
+    tensors) of a training recipe with per-token FP8 Q/K. The bf16 values and V^T the
+    forward kernel multiplies are made in the same passes as these and dropped after it.
+    No robust fields (`routing.HOPPER_TRAIN_QK`)."""
+    if qk != "fp8":
+        raise ValueError(f"hopper_train_forward_fp8: Q/K format {qk!r} (this op trains per-token 'fp8' Q/K; "
+                         "'nvfp4' Q/K train through fp4attn::hopper_train_forward)")
+    ops, saved = quantize_for_training_fp8(q, k, v, v_fmt)
+    out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
+                                 p_mode=P_MODES[(p, p_build)])
+    return (out, lse, *saved)
+
+
+@_train_forward_fp8_op.register_fake
+def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    f32, i32, e4m3 = torch.float32, torch.int32, torch.float8_e4m3fn
+    return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
+            q.new_empty((B, H, Sq, D), dtype=e4m3), q.new_empty((B, H, Sq), dtype=f32),
+            q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32),
+            q.new_empty((B, H, D), dtype=i32), q.new_empty((B, Hkv, D), dtype=i32),
+            q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32))
+
+
 @torch.library.custom_op("fp4attn::hopper_train_backward", mutates_args=())
 def _train_backward_op(
     dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_codes: torch.Tensor, q_bscale: torch.Tensor,
@@ -105,12 +160,33 @@ def _train_backward_op(
     return launch_backward(ops, lse, p, p_build, causal_offset, causal, scale, (dq_dtype, dk_dtype, dv_dtype))
 
 
+@torch.library.custom_op("fp4attn::hopper_train_backward_fp8", mutates_args=())
+def _train_backward_fp8_op(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q8: torch.Tensor, qs: torch.Tensor, k8: torch.Tensor,
+    ks: torch.Tensor, q_amax: torch.Tensor, k_amax: torch.Tensor, v_t: torch.Tensor, v_ts: torch.Tensor, p: str,
+    p_build: str, causal_offset: int, causal: bool, scale: float, dq_dtype: torch.dtype, dk_dtype: torch.dtype,
+    dv_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the given dtypes from `hopper_train_forward_fp8`'s saved operands."""
+    ops = backward_operands_fp8(dout, out, q8, qs, k8, ks, q_amax, k_amax, v_t, v_ts)
+    return launch_backward(ops, lse, p, p_build, causal_offset, causal, scale, (dq_dtype, dk_dtype, dv_dtype))
+
+
+@_train_backward_fp8_op.register_fake
+def _(dout, out, lse, q8, qs, k8, ks, q_amax, k_amax, v_t, v_ts, p, p_build, causal_offset, causal, scale, dq_dtype,
+      dk_dtype, dv_dtype):
+    return (dout.new_empty(dout.shape, dtype=dq_dtype), dout.new_empty(k8.shape, dtype=dk_dtype),
+            dout.new_empty(k8.shape, dtype=dv_dtype))
+
+
 class BackwardOperands(NamedTuple):
     """What the backward kernels read besides the LSE (reference/backward.py's views):
-    Q and K as their NVFP4 grid values (B, heads, S, D) and tensor decode scales qs, ks
-    (B, heads), one a head; e4m3 views with float32 scales, per token (B, heads, S, D) for dO and V in
-    dP = dO V^T, per channel and stored transposed (B, heads, D, S; contraction dim
-    contiguous) for dO, Q and K in dV, dK and dQ; delta = rowsum(dO * O)."""
+    Q and K as exact values (B, heads, S, D) with their scales qs, ks: NVFP4 grid values
+    with the tensor decode scales, one a head ((B, heads)), or per-token FP8's e4m3
+    values with their scales ((B, heads, S): `row_scales`); e4m3 views with float32
+    scales, per token (B, heads, S, D) for dO and V in dP = dO V^T, per channel and
+    stored transposed (B, heads, D, S; contraction dim contiguous) for dO, Q and K in dV,
+    dK and dQ; delta = rowsum(dO * O)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -128,6 +204,20 @@ class BackwardOperands(NamedTuple):
     k_cs: torch.Tensor
     delta: torch.Tensor
 
+    @property
+    def row_scales(self) -> bool:
+        """Whether Q and K carry a scale per token (FP8 Q/K), not one per head (NVFP4)."""
+        return self.qs.dim() == self.q.dim() - 1
+
+
+def _dout_views(dout, out) -> tuple[torch.Tensor, ...]:
+    """dO's per-token e4m3 view with its scales, its per-channel view (transposed) with
+    its scales, and delta = rowsum(dO * O), in two passes over dO: the first makes the
+    per-token view and delta and records the channel maxima the second needs."""
+    do_t, do_ts, delta, do_amax = quantize_qk_fp8(dout, dot_with=out, channel_amax=True)
+    do_c, do_cs = quantize_v_t(dout, "fp8", channel_amax=do_amax)
+    return do_t, do_ts, do_c, do_cs, delta
+
 
 def backward_operands(dout, out, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts,
                       values_dtype: torch.dtype = torch.bfloat16) -> BackwardOperands:
@@ -138,8 +228,21 @@ def backward_operands(dout, out, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q
     its per-channel view."""
     qv, q_c, q_cs = decode_nvfp4_rows(q_codes, q_bscale, values_dtype, channels_scale=qs, channel_amax=q_amax)
     kv, k_c, k_cs = decode_nvfp4_rows(k_codes, k_bscale, values_dtype, channels_scale=ks, channel_amax=k_amax)
-    do_t, do_ts, delta, do_amax = quantize_qk_fp8(dout, dot_with=out, channel_amax=True)
-    do_c, do_cs = quantize_v_t(dout, "fp8", channel_amax=do_amax)
+    do_t, do_ts, do_c, do_cs, delta = _dout_views(dout, out)
+    return BackwardOperands(qv, kv, qs.contiguous(), ks.contiguous(), do_t, do_ts, do_c, do_cs, v_t.contiguous(),
+                            v_ts.contiguous(), q_c, q_cs, k_c, k_cs, delta)
+
+
+def backward_operands_fp8(dout, out, q8, qs, k8, ks, q_amax, k_amax, v_t, v_ts,
+                          values_dtype: torch.dtype = torch.bfloat16) -> BackwardOperands:
+    """The backward's operands from what the FP8 Q/K training forward saved
+    (`quantize_for_training_fp8`), in four passes as `backward_operands`: Q's and K's
+    e4m3 bytes each widened to `values_dtype` together with the per-channel views of
+    their represented values (`quantize_train_fp8.fp8_qk_views`), and dO's two. The
+    per-token scales are the kernels' `qs`, `ks` as saved."""
+    qv, q_c, q_cs = fp8_qk_views(q8, qs, q_amax, values_dtype)
+    kv, k_c, k_cs = fp8_qk_views(k8, ks, k_amax, values_dtype)
+    do_t, do_ts, do_c, do_cs, delta = _dout_views(dout, out)
     return BackwardOperands(qv, kv, qs.contiguous(), ks.contiguous(), do_t, do_ts, do_c, do_cs, v_t.contiguous(),
                             v_ts.contiguous(), q_c, q_cs, k_c, k_cs, delta)
 
@@ -173,7 +276,8 @@ def backward_descriptors(q, do_t, do_c, q_c, k, v_t, k_c) -> dict[str, TensorDes
 def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causal, scale,
                     dtypes=(torch.float32,) * 3):
     """Run the dkdv and dq kernels on the backward's operands: (dq, dk, dv), float32
-    sums stored in `dtypes`."""
+    sums stored in `dtypes`. Per-token Q/K scales (`BackwardOperands.row_scales`) run
+    the Triton kernels' ROW_SCALES form (`routing.GLUON_BACKWARD_QK`)."""
     qv, kv, qs, ks, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta = ops
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
@@ -184,9 +288,9 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     dv = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[2])
     off = causal_offset if causal else 0
     p_mode = P_MODES[(p, p_build)]
+    row_scales = ops.row_scales
     tma = cfg.tma and tiles_tma_loadable(qv, do_t, do_c, q_c, kv, v_t, k_c)
-    dkdv_gluon = cfg.dkdv_gluon and tma and p_mode == 0 and cfg.hw_cvt
-    dq_gluon = cfg.dq_gluon and tma and cfg.hw_cvt
+    dkdv_gluon, dq_gluon = backward_gluon_kernels(cfg, "fp8" if row_scales else "nvfp4", p_mode, tma)
     # the Triton kernels' TMA descriptors only where one of them runs; the Gluon
     # kernels' once for both (each costs host time at every call)
     descs = backward_descriptors(qv, do_t, do_c, q_c, kv, v_t, k_c) if tma and not (dkdv_gluon and dq_gluon) else None
@@ -209,7 +313,7 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
             tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
             q_cs, dk, dv, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
             HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
-            HW_CVT=cfg.hw_cvt, TMA=descs is not None, num_warps=cfg.warps_dkdv,
+            HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, num_warps=cfg.warps_dkdv,
             num_stages=cfg.stages_dkdv)
     if dq_gluon:
         backward_gluon.launch_dq_gluon(gluon_descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, off, causal,
@@ -219,7 +323,8 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
         qv, tiles["K"], qs, ks, lse, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
-        HW_CVT=cfg.hw_cvt, TMA=descs is not None, num_warps=cfg.warps_dq, num_stages=cfg.stages_dq)
+        HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, num_warps=cfg.warps_dq,
+        num_stages=cfg.stages_dq)
     return dq, dk, dv
 
 
@@ -238,7 +343,9 @@ _train_backward_op.register_fake(train_backward_fake)
 
 
 def setup_train_context(ctx, inputs, output):
-    """The training forward op's autograd context, for every target's op."""
+    """The training forward op's autograd context, for every target's op (each takes q,
+    k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale first, then its own
+    flags)."""
     q, k, v, _qk, p, p_build, _v_fmt, causal_offset, causal, scale = inputs[:10]  # then the robust flags
     ctx.save_for_backward(*output)  # out, lse and the quantized operands
     # the LSE and the saved operands get no gradient: left None, not filled with zeros
@@ -246,6 +353,7 @@ def setup_train_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.args = (p, p_build, causal_offset, causal, scale)
     ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+    ctx.n_inputs = len(inputs)  # one gradient (or None) each
 
 
 def train_backward_formula(backward_op, kernels: str):
@@ -255,9 +363,9 @@ def train_backward_formula(backward_op, kernels: str):
     def backward(ctx, dout, *_unused):
         refuse_double_backward(f"fp4attn.attention (the {kernels} training kernels)")
         if dout is None:  # the output was not used: no gradient flows to q, k, v
-            return (None,) * 12
+            return (None,) * ctx.n_inputs
         grads = backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.args, *ctx.dtypes)
-        return tuple(grads) + (None,) * 9
+        return tuple(grads) + (None,) * (ctx.n_inputs - 3)
     return backward
 
 
@@ -266,16 +374,29 @@ def train_backward_formula(backward_op, kernels: str):
 # (AOTAutograd, torch 2.11; scripts/diagnose_compile.py), the op-level formula does not
 _train_forward_op.register_autograd(train_backward_formula(_train_backward_op, "Hopper"),
                                    setup_context=setup_train_context)
+_train_forward_fp8_op.register_autograd(train_backward_formula(_train_backward_fp8_op, "Hopper"),
+                                       setup_context=setup_train_context)
 
 
 def hopper_train_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None):
     """Forward of a training recipe on the Hopper kernels, differentiable in q, k, v:
-    (out bf16, lse fp32). GQA: dK and dV are summed over each group's query heads. A
-    recipe with robust fields other than TRAIN_ROBUST_FIELDS is refused, never trained
-    as another recipe."""
-    reason = robust_unsupported_reason(recipe, TRAIN_ROBUST_FIELDS)
+    (out bf16, lse fp32). GQA: dK and dV are summed over each group's query heads.
+    NVFP4 Q/K train through `hopper_train_forward`, per-token FP8 Q/K through
+    `hopper_train_forward_fp8`. A recipe with robust fields other than its Q/K format's
+    (`routing.HOPPER_TRAIN_QK`: TRAIN_ROBUST_FIELDS for NVFP4, none for FP8), or with
+    `fast_accum`, is refused, never trained as another recipe."""
+    if recipe.qk not in HOPPER_TRAIN_QK:
+        raise ValueError(f"hopper_train_attention: Q/K format {recipe.qk!r} (the training kernels train "
+                         f"{' and '.join(map(repr, HOPPER_TRAIN_QK))}); the reference trains it")
+    if recipe.fast_accum:
+        raise ValueError("hopper_train_attention: fast_accum=True (the training kernels sum QK^T exactly: "
+                         "fast_accum=False)")
+    reason = robust_unsupported_reason(recipe, HOPPER_TRAIN_QK[recipe.qk])
     if reason is not None:
-        raise ValueError(f"hopper_train_attention: {reason}; the reference trains it")
-    out, lse, *_ = _train_forward_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0,
-                                     causal_offset is not None, scale, recipe.smooth_k, recipe.qk_four_over_six)
+        raise ValueError(f"hopper_train_attention: {reason} with {recipe.qk!r} Q/K; the reference trains it")
+    args = (recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0, causal_offset is not None, scale)
+    if recipe.qk == "fp8":
+        out, lse, *_ = _train_forward_fp8_op(q, k, v, *args)
+    else:
+        out, lse, *_ = _train_forward_op(q, k, v, *args, recipe.smooth_k, recipe.qk_four_over_six)
     return out, lse
