@@ -10,8 +10,9 @@ import textwrap
 # What the kernels need from Triton 3.6's interpreter and it lacks, put in place before
 # they are imported: it holds scalars as 1-element arrays and converts them with int(),
 # which NumPy >= 2.3 refuses for arrays of one dimension (loop bounds); it has no
-# libdevice.mul_rn (a plain product rounds the same for these checks). Its bf16 dot is
-# also wrong: scripts hand the kernels float32 copies of bf16 values.
+# libdevice.mul_rn, add_rn, sub_rn (NumPy's plain operations round the same, once each:
+# nothing is contracted there). Its bf16 dot is also wrong: scripts hand the kernels
+# float32 copies of bf16 values.
 KERNEL_PATCHES = textwrap.dedent('''
     import triton
     import triton.language as tl
@@ -30,7 +31,17 @@ KERNEL_PATCHES = textwrap.dedent('''
     def _mul(a, b):
         return a * b
 
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _sub(a, b):
+        return a - b
+
     libdevice.mul_rn = _mul
+    libdevice.add_rn = _add
+    libdevice.sub_rn = _sub
 ''')
 
 # For the indexing checks: a call on (B, HQ query heads, HKV K/V heads) against one call

@@ -49,6 +49,14 @@ mean = key_mean(k)
 _, _, codes, bscale, _ = quantize_qk_nvfp4(k, packed=True, channel_amax=True, mean=mean, four_over_six=True)
 want = quantize_nvfp4(robust.smooth(k, robust.key_mean(k)), scale_dims=2, four_over_six=True)
 assert torch.equal(codes, want.data) and torch.equal(bscale.view(torch.uint8), want.scale.view(torch.uint8))
+# the training's quantization (`quantize_for_training`: K's mean and the amax of K - mean
+# from one pass) gives the same payload and the inference quantizers' operands
+from fp4attn.kernels.hopper.train_op import quantize_for_training
+ops, saved = quantize_for_training(q, k, v, "fp8", smooth_k=True, four_over_six=True)
+assert torch.equal(saved[2], want.data) and torch.equal(saved[3].view(torch.uint8), want.scale.view(torch.uint8))
+fused = prepare_operands_fused(q, k, v, PRESETS["train-robust"], scale=0.125)
+same(fused.k, ops.k, "train-robust k")
+same(fused.ks, ops.ks, "train-robust ks")
 print("ok")
 ''')
 
@@ -171,43 +179,68 @@ def test_hopper_kernels_refuse_robust_fields_they_do_not_apply():
 
 
 KEY_MEAN = textwrap.dedent('''
+    import math
     import torch
-    from fp4attn.kernels.hopper.quantize import key_mean, robust_qk_operands
+    from fp4attn.cli.accuracy import make_inputs
+    from fp4attn.kernels.hopper import quantize
+    from fp4attn.kernels.hopper.quantize import abs_max_bits, key_mean, robust_qk_operands
     from fp4attn.recipes import PRESETS
     from fp4attn.reference import robust
-    from fp4attn.reference.forward import robust_qk
+    from fp4attn.reference.forward import expand_heads, robust_qk
 
     DEVICE = globals().get("DEVICE", "cpu")
 
     def bits(a, b, name):
-        """Equal bit for bit, NaN where NaN (its payload aside)."""
+        \"\"\"Equal bit for bit, NaN where NaN (its payload aside).\"\"\"
         assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
         nan = torch.isnan(a)
         assert torch.equal(nan, torch.isnan(b)), (name, "NaN positions")
         assert torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)), (name, int((a != b).sum()))
 
     g = torch.Generator().manual_seed(3)
-    # several programs a head from S = 513 (KEY_MEAN_BLOCKS = 32 blocks of 16 keys a
-    # program): the float64 atomics and the last program's division; GQA-shaped K (B,
-    # Hkv, S, D)
-    for S in (1, 70, 600, 1100):
+    # several programs a head at S = 1100 (1024 keys a program): the float64 atomics and
+    # the last program's division; GQA-shaped K (B, Hkv, S, D); S not a multiple of the
+    # block (the masked blocks after the whole ones). With amax=True the same pass gives each head's max |k - mean|, the NVFP4
+    # tensor amax of smoothed K, bit for bit as the reference's and as the second pass
+    # (`abs_max_bits(mean=...)`) it replaces
+    for S in (1, 70, 1100):
         for D in (64, 128):
-            k = torch.randn(2, 3, S, D, generator=g) * 2 + torch.randn(2, 3, 1, D, generator=g) * 3
+            k = torch.randn(2, 4, S, D, generator=g) * 2 + torch.randn(2, 4, 1, D, generator=g) * 3
             k[0, 1, :, 5] += 300.0  # an outlier channel
             k[1, 2, :, 0] = -0.0  # a channel of -0 (the mean is +0, as the reference's)
             k[1, 0, :, 9] *= 2.0**-30  # a channel far below the others
+            k[0, 3] = k[0, 3, :1]  # every key the same: max |k - mean| is 0 in bf16
+            k[1, 3, :, 1] = 3.4e38  # a finite channel whose mean rounds to bf16 Inf (fp32)
+            k[1, 3, :, 2] = 2.0  # a channel of one value
             if S > 1:
                 k[0, 0, S // 2, 3] = float("nan")
                 k[1, 1, S - 1, 4] = float("inf")
                 k[1, 1, 0, 6], k[1, 1, S - 1, 6] = float("inf"), -float("inf")  # NaN mean
+                k[0, 2, S // 3, 7] = -float("inf")
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 x = k.to(dtype).to(DEVICE)
-                got, want = key_mean(x), robust.key_mean(x)
-                bits(got, want.to(got.device), f"key_mean S={S} D={D} {dtype}")
+                case = f"S={S} D={D} {dtype}"
+                want = robust.key_mean(x.cpu())
+                got, amax = key_mean(x, amax=True)
+                bits(got.cpu(), want, f"key_mean {case}")
                 if S > 1:
                     assert bool(torch.isnan(got[0, 0, 0, 3])) and got[1, 1, 0, 4] == float("inf")
                     assert bool(torch.isnan(got[1, 1, 0, 6]))
                     assert not bool(torch.isnan(got[1, 1, 0, :3]).any())
+                ref = robust.smooth(x.cpu(), want).abs().amax(dim=(-2, -1))
+                bits(amax.view(torch.float32).cpu(), ref, f"amax {case}")
+                if dtype == torch.bfloat16:  # the mean alone, and the second pass replaced
+                    bits(key_mean(x), got, f"key_mean(amax=False) {case}")
+                    second = abs_max_bits(x, per_channel=False, mean=got.reshape(-1).contiguous())
+                    assert torch.equal(amax, second), case
+                if S > 1:  # NaN and Inf as the reference's: NaN heads, the others finite
+                    nan = torch.isnan(ref)
+                    assert nan[0, 0] and nan[1, 1] and nan[0, 2], case
+                    assert dtype == torch.float16 or not nan[0, 1], case
+                if dtype == torch.bfloat16:
+                    assert float(ref[0, 3]) == 0.0, case
+                if dtype == torch.float32:
+                    assert float(ref[1, 3]) == float("inf"), case  # 3.4e38 - Inf
 
     # the fallback choice of `robust_qk_operands` (the last program of each K head) is the
     # reference's: groups of 3 query heads (padded to 4 in the kernel), a NaN in one
@@ -227,6 +260,90 @@ KEY_MEAN = textwrap.dedent('''
         assert torch.equal(fb.cpu(), want.cpu()), (scale, fb, want)
         seen.add(tuple(fb.flatten().tolist()))
     assert len(seen) > 1 and not any(f[2] for f in seen), seen
+
+    # smoothed K's statistic (`robust.smoothed_sum_sq`, from the per-channel sums of the
+    # pass that makes the mean) bit for bit: with the threshold at a head's reference
+    # spread exactly, that head does not fall back, and one float64 ulp below it, it
+    # does. Inputs of the issue's families (key offsets, outlier channels, sharp logits),
+    # GQA groups of 2 and 4 and MHA, bf16 values of at least 2**-6 in magnitude (smaller
+    # ones flushed to 0), whose float64 sums and sums of squares are exact in any order,
+    # so the atomics' order cannot show; and NaN and Inf in K: never a fallback
+    if DEVICE == "cpu":
+        # the interpreter hands a kernel a Python float as float32 whatever its
+        # annotation; the GPU build takes SCALE and LIMIT as float64 (`tl.float64`), as
+        # here (the kernels of this script have no float32 scalar)
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+        _cvt = interpreter._implicit_cvt
+
+        def _cvt64(arg):
+            if isinstance(arg, float):
+                return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float64), tl.float64), tl.float64)
+            return _cvt(arg)
+
+        interpreter._implicit_cvt = _cvt64
+
+    def flushed(t):
+        t = t.bfloat16()
+        return torch.where(t.abs() < 2.0**-6, torch.zeros_like(t), t)
+
+    def spreads(q, k, scale):
+        sq_q = q.double().square().sum(dim=(-2, -1))
+        sq_k = robust.smoothed_sum_sq(*robust.key_sums(k), robust.key_mean(k), k.shape[-2])
+        return robust.logit_std_of_sums(sq_q, expand_heads(sq_k, q.shape[1]), q.shape[-2], k.shape[-2],
+                                        q.shape[-1], scale)
+
+    for name, hq, hkv, sq, sk in (("offset", 4, 2, 70, 90), ("channels", 4, 1, 33, 130), ("sharp", 2, 2, 64, 64),
+                                  ("mixture", 8, 2, 40, 600)):
+        q = flushed(make_inputs(name, (2, hq, sq, 64), 11, "cpu")[0])
+        k = flushed(make_inputs(name, (2, hkv, sk, 64), 12, "cpu")[1])
+        scale = 0.125
+        s = spreads(q, k, scale).reshape(2, hkv, hq // hkv).amax(-1)
+        for b, h in ((0, 0), (1, hkv - 1)):
+            lim = float(s[b, h])
+            for limit, over in ((lim, False), (math.nextafter(lim, 0.0), True)):
+                rr = r.with_(qk_fallback_logit_std=limit)
+                fb = robust_qk_operands(q.to(DEVICE), k.to(DEVICE), rr, scale)[4].cpu()
+                want = robust_qk(q, k, rr, scale)[3]
+                assert torch.equal(fb, want), (name, b, h, limit, fb, want)
+                assert bool(fb[b, h]) == over, (name, b, h, limit)
+    q = flushed(make_inputs("sharp", (1, 4, 64, 64), 13, "cpu")[0])
+    k = flushed(make_inputs("sharp", (1, 2, 64, 64), 14, "cpu")[1])
+    k[0, 0, 3, 5] = float("nan")
+    k[0, 1, 9, 2] = float("inf")
+    rr = r.with_(qk_fallback_logit_std=1e-6)  # every finite head over it
+    fb = robust_qk_operands(q.to(DEVICE), k.to(DEVICE), rr, 0.125)[4].cpu()
+    assert torch.equal(fb, robust_qk(q, k, rr, 0.125)[3]) and not bool(fb.any()), fb
+    k[0, 1, 9, 2] = 1.0
+    fb = robust_qk_operands(q.to(DEVICE), k.to(DEVICE), rr, 0.125)[4].cpu()
+    assert fb.tolist() == [[False, True]], fb
+
+    # one pass over K before its quantizing pass: the smoothed recipes launch the maxima
+    # pass (`_abs_max_kernel`) over Q only
+    launches = []
+    kernel = quantize._abs_max_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            def run(x, *args, **kwargs):
+                launches.append(tuple(x.shape))
+                return kernel[grid](x, *args, **kwargs)
+            return run
+
+    quantize._abs_max_kernel = Counted()
+    try:
+        q = torch.randn(1, 4, 40, 64, generator=g).bfloat16().to(DEVICE)
+        k = torch.randn(1, 2, 50, 64, generator=g).bfloat16().to(DEVICE)
+        for name in ("nvfp4-fp8-robust", "directp-robust"):
+            launches.clear()
+            robust_qk_operands(q, k, PRESETS[name], 0.125)
+            assert launches == [(4, 40, 64)], (name, launches)
+        launches.clear()
+        robust_qk_operands(q, k, PRESETS["nvfp4-fp8-robust"].with_(smooth_k=False), 0.125)
+        assert launches == [(4, 40, 64), (2, 50, 64)], launches
+    finally:
+        quantize._abs_max_kernel = kernel
     print("ok")
 ''')
 
@@ -241,32 +358,51 @@ def test_key_mean_kernel_is_the_reference_under_the_interpreter():
     run_under_interpreter(KERNEL_PATCHES + KEY_MEAN)
 
 
-@pytest.mark.parametrize("kernel", ["_key_mean_kernel", "_abs_max_kernel"])
-def test_robust_passes_build_for_sm90(kernel):
-    """The key-mean pass and the K pass that makes the fallback choice compile for sm_90
-    on the CPU as their launchers build them (bf16, D=128): no spill, at most 128
-    registers, the float64 sums added by relaxed reductions (`RED`, no fence beside
-    each), one acq_rel count a program, and the choice's float64 arithmetic IEEE-rounded
-    as torch's (div.rn, sqrt.rn; no approximate or contracted operation)."""
+@pytest.mark.parametrize("kernel,D,choice", [("_key_mean_kernel", 128, False), ("_key_mean_kernel", 128, True),
+                                             ("_key_mean_kernel", 64, True), ("_abs_max_kernel", 128, True)])
+def test_robust_passes_build_for_sm90(kernel, D, choice):
+    """The pass over K (its mean, with the maximum of K - mean and under `qk_fallback`
+    the sums of squares and the choice) and the maxima pass that makes the choice
+    without smoothing compile for sm_90 on the CPU as their launchers build them (bf16):
+    no spill, at most 96 registers for the pass over K (its two row halves folded within
+    each thread, no shared memory in its loop; unfolded it took 124 at D = 128, 243
+    with a reduction tree Triton held whole in every thread) and 128 otherwise, the
+    float64 sums added and the extremes maxed by relaxed reductions (`RED`, no fence
+    beside each), one acq_rel count a program, and the choice's float64 arithmetic
+    IEEE-rounded as torch's (div.rn, sqrt.rn, the `_rn` forms; no approximate or
+    contracted operation)."""
     from fp4attn.kernels.hopper import quantize as qz
     from fp4attn.tools.machine_code import _compile_sm90, _pointers_and, inspect
 
+    choice_sig = dict(COUNT="*i32", SQ_Q="*fp64", FB_Q="*i8", FB_K="*i8", S_Q="i32", GROUP="i32", SCALE="fp64",
+                      LIMIT="fp64")
     if kernel == "_key_mean_kernel":
-        sig = dict(X="*bf16", SUM="*fp64", COUNT="*i32", MEAN="*fp32", S="i32")
-        consts = dict(D=128, BLOCK_S=16, BLOCKS=qz.KEY_MEAN_BLOCKS, HW_CVT=True)
+        sig = dict(X="*bf16", SUM="*fp64", MEAN="*fp32", S="i32", EXT="*i32", AMAX="*i32", SUMSQ="*fp64",
+                   **choice_sig)
+        block, blocks, fold = qz._key_pass_block(4096, D, 2)
+        assert fold == 2 and block * blocks == qz.KEY_PASS_ROWS
+        consts = dict(D=D, BLOCK_S=block, BLOCKS=blocks, FOLD=fold, HW_CVT=True, STATS=True, CHOICE=choice,
+                      GROUP_P2=4)
     else:
-        sig = dict(X="*bf16", AMAX="*i32", MEAN="*fp32", SUMSQ="*fp64", S="i32", COUNT="*i32", SQ_Q="*fp64",
-                   FB_Q="*i8", FB_K="*i8", S_Q="i32", GROUP="i32", SCALE="fp64", LIMIT="fp64")
-        consts = dict(D=128, BLOCK_S=32, BLOCKS=qz.CHANNEL_BLOCKS, PER_CHANNEL=False, HAS_MEAN=True,
+        sig = dict(X="*bf16", AMAX="*i32", MEAN="*fp32", SUMSQ="*fp64", S="i32", **choice_sig)
+        consts = dict(D=D, BLOCK_S=32, BLOCKS=qz.CHANNEL_BLOCKS, PER_CHANNEL=False, HAS_MEAN=False,
                       SUM_SQ=True, CHOICE=True, GROUP_P2=4)
     build = _compile_sm90(getattr(qz, kernel), sig, consts, _pointers_and(sig, ("S",)), 4, 1)
     r = inspect(build)
-    assert r.stack == 0 and r.registers <= 128, (kernel, r.stack, r.registers)
-    assert r.count(r"\bREDG\.E\.ADD\.F64") > 0, kernel
+    assert r.stack == 0 and r.registers <= (96 if kernel == "_key_mean_kernel" else 128), (kernel, r.registers)
+    assert r.count(r"\bREDG\.E\.ADD\.F64") == (1 + choice if kernel == "_key_mean_kernel" else 1), kernel
     assert r.count(r"\bATOMG\.E\.ADD") == 1 and r.count(r"MEMBAR") <= 2, kernel  # the count's acq_rel only
     ptx = build.asm["ptx"]
     assert "div.rn.f64" in ptx and "approx" not in ptx, kernel
-    if kernel == "_abs_max_kernel":
+    if choice:
         assert "sqrt.rn.f64" in ptx
-    else:  # torch's roundings of the mean: float64 -> float32 -> bf16
+    if kernel == "_key_mean_kernel":
+        # torch's roundings of the mean: float64 -> float32 -> bf16; the extremes by
+        # unsigned maxima
         assert "cvt.rn.f32.f64" in ptx and "cvt.rn.bf16.f32" in ptx
+        assert "atom.global.gpu.relaxed.max.u32" in ptx and r.count(r"\bREDG\.E\.MAX") > 0, kernel
+        loop = r.loops()[0]
+        assert any(op.startswith("LDG") for op in loop) and not any(op.startswith(("STS", "LDS", "SHFL", "BAR"))
+                                                                    for op in loop), kernel
+        if choice:  # smoothed_sum_sq's operations, each rounded once
+            assert "sub.rn.f64" in ptx and "add.rn.f64" in ptx and "mul.rn.f64" in ptx

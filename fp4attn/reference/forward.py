@@ -166,9 +166,10 @@ def robust_qk(q: torch.Tensor, k: torch.Tensor, recipe: Recipe,
     """Q and K as the score product sees them under `recipe` (smoothed, rotated,
     quantized), the softmax scale that goes with them, and the (B, Hkv) heads that took
     the Q/K fallback format (None without `Recipe.qk_fallback`)."""
-    qf, kf = q, k
+    qf, kf, mean = q, k, None
     if recipe.smooth_k:
-        kf = robust.smooth(kf, robust.key_mean(kf))
+        mean = robust.key_mean(kf)
+        kf = robust.smooth(kf, mean)
     if recipe.rotate_qk is not None:
         qf, kf = robust.rotate(qf), robust.rotate(kf)
         scale = scale * robust.rotation_scale(q.shape[-1])
@@ -176,7 +177,15 @@ def robust_qk(q: torch.Tensor, k: torch.Tensor, recipe: Recipe,
     if recipe.qk_fallback is None:
         return quantize_qk(qf, recipe.qk, f46), quantize_qk(kf, recipe.qk, f46), scale, None
     hq, hkv = q.shape[1], k.shape[1]
-    spread = robust.logit_std(qf, expand_heads(kf, hq), scale)  # (B, Hq)
+    if mean is not None and recipe.rotate_qk is None:
+        # smoothed K's sums of squares from K's float64 sums per channel (the pass over
+        # K that makes its mean makes them too, `robust.smoothed_sum_sq`)
+        sq_q = qf.double().square().sum(dim=(-2, -1))
+        sq_k = robust.smoothed_sum_sq(*robust.key_sums(k), mean, k.shape[-2])
+        spread = robust.logit_std_of_sums(sq_q, expand_heads(sq_k, hq), q.shape[-2], k.shape[-2], q.shape[-1],
+                                          scale)  # (B, Hq)
+    else:
+        spread = robust.logit_std(qf, expand_heads(kf, hq), scale)  # (B, Hq)
     fallback = spread.reshape(q.shape[0], hkv, hq // hkv).amax(-1) > recipe.qk_fallback_logit_std
     return (quantize_qk_fallback(qf, expand_heads(fallback[..., None], hq)[..., 0], f46),
             quantize_qk_fallback(kf, fallback, f46), scale, fallback)

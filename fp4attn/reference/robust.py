@@ -24,6 +24,13 @@ Each transform changes what is quantized, never the attention it computes:
 The means are float64 sums of the inputs (exact, so that any order gives the same sum,
 for bf16 inputs whose channel spans less than 2**(45 - log2 S) in magnitude), divided by
 the key count and rounded to bf16, then subtracted in float32 (one rounding).
+
+The Q/K fallback's statistic of smoothed K (`smoothed_sum_sq`) is made from the same
+pass's float64 per-channel sums of k and k**2, sum_t (k - m)**2 = sum k**2 - 2 m sum k +
+S m**2, not from the squares of the float32 values k - m: the kernels then read K once for
+its mean, its smoothed maximum and this statistic. It is a decision heuristic; the two
+forms differ by the float32 rounding of k - m (about 1e-8 relative) and the float64
+cancellation (about 1e-16 times sum k**2 / sum (k - m)**2).
 """
 
 from __future__ import annotations
@@ -96,6 +103,46 @@ def key_mean(x: torch.Tensor) -> torch.Tensor:
     return s.to(torch.bfloat16).float()
 
 
+def key_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 sums over the keys (dim -2) of x (B, H, S, D) and of its squares, per
+    (batch, head, channel): (B, H, D) each. The sums are exact (so the kernels' atomic
+    sums in any order give the same bits) for bf16 channels whose nonzero values span
+    less than 2**(45 - log2 S) in magnitude, the sums of squares (16 significant bits a
+    square) for a span below 2**((37 - log2 S) / 2) (2**12.5 at S = 4096); beyond that
+    the last bits of a sum of squares can depend on the order of the adds."""
+    x = x.float().double()
+    return x.sum(dim=-2), x.square().sum(dim=-2)
+
+
+def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim as a fixed binary tree: the entries padded with zeros to a
+    power of two n, then entry i + entry i + n / 2 for i < n / 2, level by level. Each
+    node is one add of two numbers, whose order does not matter, so a kernel repeats
+    this sum bit for bit (a reduction's own order is unspecified)."""
+    n = x.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        x = torch.nn.functional.pad(x, (0, p - n))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def smoothed_sum_sq(sums: torch.Tensor, sums_sq: torch.Tensor, mean: torch.Tensor, s: int) -> torch.Tensor:
+    """Each head's sum over keys and channels of (k - mean)**2, float64 (B, H), from
+    K's per-channel float64 sums and sums of squares (`key_sums`, (B, H, D)) and its
+    bf16 mean ((B, H, D) or (B, H, 1, D)) over its s keys: per channel (sum k**2 - (2 m)
+    sum k) + (s m) m, each operation rounded once (2 m and s m are exact, and so is (s
+    m) m for a bf16 m and s < 2**31), clamped at 0 (NaN kept: the cancellation can leave
+    a channel whose keys all equal its mean a few ulps below), then `pairwise_sum` over
+    the channels. The statistic the Q/K fallback takes for smoothed K (`logit_std_of_sums`):
+    one pass over K gives its inputs with the mean's sums; a NaN or Inf in K gives NaN."""
+    m = mean.reshape(sums.shape).double()
+    t = (sums_sq - (2.0 * m) * sums) + (s * m) * m
+    return pairwise_sum(t.clamp_min(0.0))
+
+
 def smooth(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """x - mean in float32 (one rounding)."""
     return x.float() - mean
@@ -114,7 +161,9 @@ def logit_std(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
 
 def logit_std_of_sums(sq_q: torch.Tensor, sq_k: torch.Tensor, sq: int, sk: int, d: int, scale: float) -> torch.Tensor:
     """`logit_std` from each head's float64 sums of squares of q and k (B, H): the
-    squares of float32 values summed in float64. Not always exact (squares of smoothed K
-    carry more bits): the kernels' atomic sums may differ in the last bits, which moves
-    the fallback choice only for a spread within about 1e-15 of the threshold."""
+    squares of float32 values summed in float64 (exact for bf16 inputs in practice, so
+    the kernels' atomic sums in any order give the same bits), or for smoothed K
+    `smoothed_sum_sq`. Where a sum is not exact (fp32 inputs, channels of a very wide
+    span) the kernels' may differ in the last bits, which moves the fallback choice only
+    for a spread within about 1e-15 of the threshold."""
     return scale * torch.sqrt((sq_q / sq) * (sq_k / sk) / d)

@@ -3,7 +3,8 @@ layouts, and the training backward's e4m3 views, one pass over each operand afte
 reductions its scales need: max |x| of each head (NVFP4 Q/K: one tensor scale per
 (batch, head), so no item's values move another's codes) or of each head's channels
 (FP8 V, dO) by `_abs_max_kernel`, or fused into a pass that reads the operand
-anyway (`channel_amax=True`), from which the kernels compute the scales themselves;
+anyway (`channel_amax=True`; smoothed K's from its channels' extremes in the pass that
+makes its mean, `_key_mean_kernel`), from which the kernels compute the scales themselves;
 MXFP4 V's block exponents and head maximum (`_mx_block_stats_kernel`). Every kernel
 works on (heads, S, D) tiles of one head, so per-channel maxima are one atomic max per
 channel and program, and nothing here waits for the GPU.
@@ -99,6 +100,22 @@ def _block_rows(g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def _row_block(X, g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr, D: tl.constexpr, LOAD: tl.constexpr):
+    """Block i of this program's BLOCKS blocks of BLOCK_R rows of X (G, S, D) in head g,
+    as stored, rows past S (and a block i past the last) zero: a program that loads
+    block i + 1 before it works on block i keeps twice the bytes in flight (the passes
+    here are bound by memory parallelism, not by bandwidth or issue). A zero tile
+    without LOAD."""
+    s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
+    offs = rows[:, None] * D + tl.arange(0, D)[None, :]
+    if LOAD:
+        x = tl.load(X + offs, mask=((s < S) & (i < BLOCKS))[:, None], other=0.0)
+    else:
+        x = tl.zeros([BLOCK_R, D], X.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _last_program_of_head(COUNT, g):
     """Whether this program is the last of head g's programs (axis 0 of the grid) to get
     here, by an acq_rel count at COUNT + g (int32, starting at 0), after a barrier so that
@@ -109,15 +126,14 @@ def _last_program_of_head(COUNT, g):
 
 
 @triton.jit
-def _fallback_choice(SUMSQ, g, SQ_Q, FB_Q, FB_K, S, S_Q, D: tl.constexpr, GROUP, GROUP_P2: tl.constexpr,
+def _fallback_choice(sq_k, g, SQ_Q, FB_Q, FB_K, S, S_Q, D: tl.constexpr, GROUP, GROUP_P2: tl.constexpr,
                      SCALE, LIMIT):
-    """The Q/K fallback choice of K head g (`reference.forward.robust_qk`): whether the
-    largest `robust.logit_std_of_sums` of its GROUP query heads (g * GROUP + j, their
-    sums of squares in SQ_Q) is above LIMIT, NaN counting as not above (torch's amax
-    propagates it), with every float64 operation of the reference in its order (IEEE
-    div, sqrt and products: the same float64 numbers). Stored as int8 into FB_K (G,) and
-    FB_Q (G * GROUP,)."""
-    sq_k = tl.load(SUMSQ + g, cache_modifier=".cg")
+    """The Q/K fallback choice of K head g (`reference.forward.robust_qk`) from its
+    finished float64 sum of squares sq_k: whether the largest `robust.logit_std_of_sums`
+    of its GROUP query heads (g * GROUP + j, their sums of squares in SQ_Q) is above
+    LIMIT, NaN counting as not above (torch's amax propagates it), with every float64
+    operation of the reference in its order (IEEE div, sqrt and products: the same
+    float64 numbers). Stored as int8 into FB_K (G,) and FB_Q (G * GROUP,)."""
     j = tl.arange(0, GROUP_P2)
     ok = j < GROUP
     sq_q = tl.load(SQ_Q + g * GROUP + j, mask=ok, other=0.0)
@@ -154,10 +170,18 @@ def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.conste
     # the squares summed in float64 within each thread (8 contiguous channels a load)
     # and across threads once at the end: a sum per row and block had 8 shuffles per row
     sq = tl.zeros([BLOCK_S, D // 8], tl.float64)
+    # with the squares, the next block's load issued before this block's work (H200,
+    # (8, 16, 4096, 128): 0.054 -> 0.048 ms; the max alone is faster without, 0.044 ms)
+    PREFETCH: tl.constexpr = SUM_SQ
+    nxt = _row_block(X, g, S, 0, BLOCK_S, BLOCKS, D, PREFETCH)
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
         ok = (s < S)[:, None]
-        x = tl.load(X + rows[:, None] * D + tl.arange(0, D)[None, :], mask=ok, other=0.0).to(tl.float32)
+        if PREFETCH:
+            x = nxt.to(tl.float32)
+            nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D, True)
+        else:
+            x = _row_block(X, g, S, i, BLOCK_S, BLOCKS, D, True).to(tl.float32)
         if HAS_MEAN:
             x = tl.where(ok, x - tl.load(MEAN + g * D + tl.arange(0, D))[None, :], 0.0)
         run = tl.maximum(run, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
@@ -173,7 +197,8 @@ def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.conste
         tl.atomic_max(AMAX + g, tl.max(tl.max(run, axis=1), axis=0), sem="relaxed")
     if CHOICE:
         if _last_program_of_head(COUNT, g):
-            _fallback_choice(SUMSQ, g, SQ_Q, FB_Q, FB_K, S, S_Q, D, GROUP, GROUP_P2, SCALE, LIMIT)
+            _fallback_choice(tl.load(SUMSQ + g, cache_modifier=".cg"), g, SQ_Q, FB_Q, FB_K, S, S_Q, D, GROUP,
+                             GROUP_P2, SCALE, LIMIT)
 
 
 @triton.jit
@@ -187,8 +212,54 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _ordered_bits(x):
+    """float32 x as int32 bits whose unsigned order is x's order (-0 just below +0): the
+    sign bit set for a positive x, every bit inverted for a negative one. 0 is the
+    lowest key (a negative NaN's), so a zero-filled buffer starts an unsigned max."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, ~b, b | -2147483648)
+
+
+@triton.jit
+def _from_ordered_bits(u):
+    """The float32 of `_ordered_bits` u (int32)."""
+    return tl.where(u < 0, u & 0x7FFFFFFF, ~u).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pairwise_sum(x, N: tl.constexpr):
+    """`robust.pairwise_sum` of x (N,), N a power of two: entries i and i + n / 2 added
+    for i < n / 2, level by level, each a reduction of two entries (one add, in either
+    order the same bits; a reduction's own order over more is unspecified). The halves,
+    not neighbours: pairing neighbours made Triton hold the whole vector in every thread
+    (243 registers at D = 64)."""
+    for _ in tl.static_range(N.bit_length() - 1):
+        x = tl.sum(tl.reshape(x, [2, x.shape[0] // 2]), axis=0)
+    return tl.sum(x, axis=0)  # one entry
+
+
+@triton.jit
+def _key_block_stats(x, x_hi, x_lo, acc, sq, hi, lo, FOLD: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                     STATS: tl.constexpr, CHOICE: tl.constexpr):
+    """One block (FOLD * H, D) of the key pass added into its running tiles (H, D): x's
+    float64 sums (and, with CHOICE, of its squares, exact: a float32 has 24 significant
+    bits), with STATS the maxima of x_hi and minima of x_lo (x, or x with the rows past
+    the head's end at -Inf and +Inf)."""
+    x64 = x.to(tl.float64)
+    acc += tl.sum(tl.reshape(x64, [FOLD, H, D]), axis=0)
+    if STATS:
+        hi = tl.maximum(hi, tl.max(tl.reshape(x_hi, [FOLD, H, D]), axis=0))
+        lo = tl.minimum(lo, tl.min(tl.reshape(x_lo, [FOLD, H, D]), axis=0))
+    if CHOICE:
+        sq += tl.sum(tl.reshape(x64 * x64, [FOLD, H, D]), axis=0)
+    return acc, sq, hi, lo
+
+
+@triton.jit
 def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
-                     HW_CVT: tl.constexpr = True):
+                     HW_CVT: tl.constexpr = True, FOLD: tl.constexpr = 1, STATS: tl.constexpr = False, EXT=None,
+                     AMAX=None, CHOICE: tl.constexpr = False, SUMSQ=None, SQ_Q=None, FB_Q=None, FB_K=None, S_Q=1,
+                     GROUP=1, GROUP_P2: tl.constexpr = 1, SCALE: tl.float64 = 1.0, LIMIT: tl.float64 = 1.0):
     """`robust.key_mean` of X (G, S, D) into MEAN (G, D) float32, reading X once: each
     program's float64 sums per channel (BLOCKS blocks of BLOCK_S rows) added into SUM (G,
     D) float64 zeros; the head's last program (COUNT (G,) int32 zeros) divides the
@@ -205,19 +276,76 @@ def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.conste
     65504) is always exact up to S = 8192. A wider channel (fp32 inputs, or bf16 values
     from 1e-6 to 1e4) may round differently in the last float64 bit, which the float32
     and bf16 roundings almost always absorb. NaN and Inf give NaN or Inf as the
-    reference's (Inf + -Inf is NaN in any order)."""
+    reference's (Inf + -Inf is NaN in any order).
+
+    STATS: in the same pass each channel's largest and smallest x (EXT (G, 2, D) int32
+    zeros, `_ordered_bits` under an unsigned atomic max: the max's key, the min's key
+    inverted), from which the last program stores the head's max |x - mean| (the NVFP4
+    tensor amax of smoothed K, `robust.smooth`) into AMAX (G,) as float32 bits, as
+    `abs_max_bits(x, mean=...)` gives it without a second pass over X: x - mean is one
+    float32 rounding, which is monotonic in x, so over the keys max fl(x - m) = fl(max x
+    - m) and min fl(x - m) = fl(min x - m), and max |x - m| is the larger magnitude of
+    the two (-0 and +0 give the same |.|). A NaN in a channel makes its sum, so its mean
+    and both differences NaN, whatever its max and min hold; an Inf makes the mean
+    +-Inf or NaN and the differences NaN or Inf as the reference's are (Inf - Inf is
+    NaN, finite - Inf is -Inf); the max over channels is an integer max of |.|'s bits
+    (NaN above Inf), so NaN propagates.
+    CHOICE (with STATS, after the pass over Q that summed SQ_Q): also each channel's
+    float64 sum of x**2 (SUMSQ (G, D) zeros), from which the last program makes
+    `robust.smoothed_sum_sq` (every operation rounded once: IEEE `_rn` forms, which are
+    never contracted into an FMA) and the head's fallback choice (`_fallback_choice`)."""
     g = tl.program_id(1).to(tl.int64)
-    acc = tl.zeros([BLOCK_S, D], tl.float64)
-    for i in range(BLOCKS):
+    # the running tiles of (BLOCK_S / FOLD, D): a block's FOLD parts of rows are one
+    # thread's registers in the load's layout (`_key_pass_block`), so they are added (or
+    # maxed) within the thread before the running tiles, which then take 1 / FOLD of the
+    # registers (unfolded, the full pass took 124 at D = 128: four programs an SM)
+    H: tl.constexpr = BLOCK_S // FOLD
+    acc = tl.zeros([H, D], tl.float64)
+    sq = tl.zeros([H, D], tl.float64)
+    hi = tl.full([H, D], float("-inf"), tl.float32)
+    lo = tl.full([H, D], float("inf"), tl.float32)
+    # the blocks wholly inside the head first, without the row test that the maxima
+    # and minima need at its end (two selects an element of the pass's eleven)
+    whole = tl.minimum(tl.maximum(S - tl.program_id(0) * BLOCKS * BLOCK_S, 0) // BLOCK_S, BLOCKS)
+    nxt = _row_block(X, g, S, 0, BLOCK_S, BLOCKS, D, True)
+    for i in range(whole):
+        x = nxt.to(tl.float32)
+        nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D, True)
+        acc, sq, hi, lo = _key_block_stats(x, x, x, acc, sq, hi, lo, FOLD, H, D, STATS, CHOICE)
+    for i in range(whole, BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
-        x = tl.load(X + rows[:, None] * D + tl.arange(0, D)[None, :], mask=(s < S)[:, None], other=0.0)
-        acc += x.to(tl.float32).to(tl.float64)
+        ok = (s < S)[:, None]
+        x = nxt.to(tl.float32)
+        nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D, True)
+        # rows past S: -Inf and +Inf, which no row of the head can be outranked by; a
+        # NaN's place in these is irrelevant (its channel's mean is NaN)
+        acc, sq, hi, lo = _key_block_stats(x, tl.where(ok, x, float("-inf")), tl.where(ok, x, float("inf")), acc, sq,
+                                           hi, lo, FOLD, H, D, STATS, CHOICE)
     dd = g * D + tl.arange(0, D)
     tl.atomic_add(SUM + dd, tl.sum(acc, axis=0), sem="relaxed")
+    if STATS:
+        ext = EXT.to(tl.pointer_type(tl.uint32)) + g * 2 * D + tl.arange(0, D)
+        tl.atomic_max(ext, _ordered_bits(tl.max(hi, axis=0)).to(tl.uint32, bitcast=True), sem="relaxed")
+        tl.atomic_max(ext + D, (~_ordered_bits(tl.min(lo, axis=0))).to(tl.uint32, bitcast=True), sem="relaxed")
+    if CHOICE:
+        tl.atomic_add(SUMSQ + dd, tl.sum(sq, axis=0), sem="relaxed")
     if _last_program_of_head(COUNT, g):
         total = tl.load(SUM + dd, cache_modifier=".cg")
         m = (total / S).to(tl.float32)
-        tl.store(MEAN + dd, m.to(tl.bfloat16).to(tl.float32) if HW_CVT else _round_bf16(m))
+        m = m.to(tl.bfloat16).to(tl.float32) if HW_CVT else _round_bf16(m)
+        tl.store(MEAN + dd, m)
+        if STATS:
+            e = EXT + g * 2 * D + tl.arange(0, D)
+            top = _from_ordered_bits(tl.load(e, cache_modifier=".cg"))
+            bottom = _from_ordered_bits(~tl.load(e + D, cache_modifier=".cg"))
+            amax = tl.maximum(_abs_bits(top - m), _abs_bits(bottom - m))
+            tl.store(AMAX + g, tl.max(amax, axis=0))
+            if CHOICE:
+                m64 = m.to(tl.float64)
+                t = libdevice.sub_rn(tl.load(SUMSQ + dd, cache_modifier=".cg"), libdevice.mul_rn(m64 * 2.0, total))
+                t = libdevice.add_rn(t, libdevice.mul_rn(m64 * S, m64))
+                t = tl.maximum(t, 0.0, propagate_nan=tl.PropagateNan.ALL)
+                _fallback_choice(_pairwise_sum(t, D), g, SQ_Q, FB_Q, FB_K, S, S_Q, D, GROUP, GROUP_P2, SCALE, LIMIT)
 
 
 @triton.jit
@@ -338,15 +466,21 @@ def _row_offsets(rows, N: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_block_scale(amax_b, mult, s_dec):
+def _nvfp4_block_scale(amax_b, mult, s_dec, HW_CVT: tl.constexpr):
     """(decode scale d, encode multiplier) of blocks (rows, blocks) with max |x| amax_b
     scaled by `mult` (S_enc / top): d = e4m3(min(amax_b * mult, 448)), the multiplier
-    min(1 / (d * s_dec), FP32_MAX) (`formats.nvfp4`)."""
+    min(1 / (d * s_dec), FP32_MAX) (`formats.nvfp4`). The e4m3 rounding by the
+    hardware's saturating conversion where HW_CVT (`_e4m3_signed`: 448 and NaN as the
+    clamp gives them; the bit arithmetic was 2.5 instructions an element of the 4-or-6
+    pass, whose two threads a block both round its two candidates)."""
     # a NaN anywhere in the head makes its tensor scale NaN, and with it every block scale
     # (torch's clamp propagates NaN; tl.minimum must be told to)
     nan_ok: tl.constexpr = tl.PropagateNan.ALL
     d = tl.minimum(amax_b * mult, FP32_MAX, propagate_nan=nan_ok)
-    d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
+    if HW_CVT:
+        d = _e4m3_signed(d, True)
+    else:
+        d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
     enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), FP32_MAX, propagate_nan=nan_ok)
     return d, enc
 
@@ -391,11 +525,23 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
     fp8_head = False
     if FALLBACK:
         fp8_head = tl.load(FB + g) != 0
+    # several blocks a program: the next block's load issued before this block's work
+    # (`_row_block`)
+    PREFETCH: tl.constexpr = BLOCKS > 1
+    if PREFETCH:
+        s, rows = _block_rows(g, S, 0, BLOCK_R, BLOCKS)
+        nxt = tl.load(X + _nvfp4_block_offsets(rows, D), mask=(s < S)[:, None, None], other=0.0)
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
         offs = _nvfp4_block_offsets(rows, D)
         ok = (s < S)[:, None, None]
-        x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+        if PREFETCH:
+            x = nxt.to(tl.float32)
+            s2, rows2 = _block_rows(g, S, i + 1, BLOCK_R, BLOCKS)
+            nxt = tl.load(X + _nvfp4_block_offsets(rows2, D), mask=((s2 < S) & (i + 1 < BLOCKS))[:, None, None],
+                          other=0.0)
+        else:
+            x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
         if HAS_MEAN:
             x = x - mu
         if fp8_head:
@@ -408,7 +554,7 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
             # the sign goes back on at the end
             ax = tl.abs(x)
             amax_b = tl.max(ax, axis=2)
-            d, enc = _nvfp4_block_scale(amax_b, mult, s_dec)
+            d, enc = _nvfp4_block_scale(amax_b, mult, s_dec, HW_CVT)
             mag = _e2m1_value(ax * enc[:, :, None])
             if FOUR_OVER_SIX:
                 # the 4-scaled candidate, and the larger error of each (`formats.nvfp4.
@@ -417,7 +563,7 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
                 # alone). E2M1 (at most 2 significant bits) times e4m3 (4 bits, at least
                 # 2**-9) is exact in float32, so an FMA contraction of the difference
                 # rounds as the reference's two operations
-                d4, enc4 = _nvfp4_block_scale(amax_b, s_enc * 0.25, s_dec)
+                d4, enc4 = _nvfp4_block_scale(amax_b, s_enc * 0.25, s_dec, HW_CVT)
                 mag4 = _e2m1_value(ax * enc4[:, :, None])
                 t = libdevice.mul_rn(ax, s_enc)
                 err4 = tl.max(tl.abs(mag4 * d4[:, :, None] - t), axis=2)
@@ -674,7 +820,10 @@ def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool 
     s_dec = torch.empty((G, S), device=x.device, dtype=torch.float32)
     codes = torch.empty((G, S, D // 2) if packed else 0, device=x.device, dtype=torch.uint8)
     bscale = torch.empty((G, S, D // 16) if packed else 0, device=x.device, dtype=torch.float8_e4m3fn)
-    blocks = CHANNEL_BLOCKS if channel_amax else 1
+    # the 4-or-6 pass is bound by its arithmetic's latency: several blocks a program,
+    # each block's work beside the next one's load (H200, (8, 16, 4096, 128): 0.107 ->
+    # 0.101 ms a tensor); the plain pass is faster with one block a program
+    blocks = CHANNEL_BLOCKS if channel_amax or four_over_six else 1
     grid, block = _row_grid(S, G, blocks)
     fb = fallback.reshape(G).to(torch.int8).contiguous() if fallback is not None else amax
     _nvfp4_rows_kernel[grid](x3, y, amax, s_dec, codes, bscale, camax, mean3 if mean3 is not None else amax, fb, S,
@@ -793,11 +942,24 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
 FUSED_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six", "qk_fallback")  # what the fused quantizers apply
 
 
-# rows a program of the key-mean pass: 16-row blocks (a float64 running sum of 16
-# elements a thread), 32 of them; one float64 atomic add per channel and program. On the
-# H200 at (8, 16, 4096, 128): 47 us with 16 blocks, 41 us with 32 (a bf16 copy of K, read
-# and write, takes 68 us)
-KEY_MEAN_BLOCKS = 32
+# rows a program of the key pass: 1024, one float64 atomic add per channel and program.
+# On the H200 at (8, 16, 4096, 128) the full pass (mean, extremes, sums of squares,
+# choice) took 0.086 ms with 512 rows a program, 0.072 with 1024 and 0.105 with 2048
+# (too few programs); the mean alone 47 us with 256 rows, 41 us with 512 (a bf16 copy of
+# K, read and write, takes 68 us)
+KEY_PASS_ROWS = 1024
+
+
+def _key_pass_block(S: int, D: int, itemsize: int) -> tuple[int, int, int]:
+    """(BLOCK_S, BLOCKS, FOLD) of `_key_mean_kernel` for K (G, S, D) of `itemsize`
+    bytes: blocks of twice the rows that one layout tile of its 4 warps covers (16-byte
+    loads of D / vec threads, the other threads of a warp and the warps over rows: 8
+    rows at D = 128 in bf16, 16 at D = 64), so that a block is two rows a thread, folded
+    (FOLD 2) into running tiles of one; fewer rows and no fold for a short head."""
+    vec = max(1, min(16 // itemsize, D))
+    tile_rows = max(1, 32 // max(1, min(32, D // vec))) * 4
+    block = min(2 * tile_rows, triton.next_power_of_2(S))
+    return block, max(1, KEY_PASS_ROWS // block), 2 if block == 2 * tile_rows else 1
 
 
 def _zero_views(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[torch.Tensor]:
@@ -811,22 +973,47 @@ def _zero_views(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[t
     return [buf[o:o + numel * dtype.itemsize].view(dtype) for o, (numel, dtype) in zip(starts, parts)]
 
 
-def key_mean(k: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def key_mean(k: torch.Tensor, amax: bool = False):
     """`robust.key_mean` of k (..., S, D) on the GPU, bit for bit, as float32 (..., 1, D):
     one pass over k (bf16, fp16 or fp32) with float64 sums per head and channel
-    (`_key_mean_kernel`; no float64 copy of k). `work`: the pass's zero-filled float64
-    sums (G * D) and int32 counts (G), G the product of the leading dims, if the caller
-    has them (`_zero_views`)."""
+    (`_key_mean_kernel`; no float64 copy of k). With `amax` also, from the same pass,
+    each head's max |k - mean| (`robust.smooth`) as float32 bits (...,), what
+    `quantize_qk_nvfp4(k, mean=..., amax=...)` takes: (mean, amax)."""
     x3 = _heads(k)
     G, S, D = x3.shape
+    mean, amax_bits = _key_pass(x3, amax)
+    mean = mean.view(*k.shape[:-2], 1, D)
+    return (mean, amax_bits.view(k.shape[:-2])) if amax else mean
+
+
+def _key_pass_work(G: int, D: int, stats: bool, choice: bool) -> list[tuple[int, torch.dtype]]:
+    """The zero-filled buffers of `_key_pass` for G heads of D channels, as `_zero_views`
+    parts: float64 sums and sums of squares, the channels' extremes, the counts."""
+    return [(G * D, torch.float64), (G * D if choice else 0, torch.float64), (2 * G * D if stats else 0, torch.int32),
+            (G, torch.int32)]
+
+
+def _key_pass(x3: torch.Tensor, stats: bool, choice: dict | None = None,
+              work: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one pass over K (G, S, D) of `_key_mean_kernel`: its mean (G, D) and, with
+    `stats`, its heads' max |k - mean| bits (G,) (else an empty tensor); `choice`: the
+    kernel's fallback arguments (SQ_Q, FB_Q, FB_K, S_Q, GROUP, GROUP_P2, SCALE, LIMIT),
+    for the last program of each head to make the Q/K fallback choice. `work`: the
+    zero-filled buffers (`_key_pass_work`) if the caller has them."""
+    G, S, D = x3.shape
     if work is None:
-        work = _zero_views(k.device, (G * D, torch.float64), (G, torch.int32))
-    sums, count = work
-    mean = torch.empty((G, D), device=k.device, dtype=torch.float32)
-    grid, block = _row_grid(S, G, KEY_MEAN_BLOCKS)
-    _key_mean_kernel[grid](x3, sums, count, mean, S, D=D, BLOCK_S=block, BLOCKS=KEY_MEAN_BLOCKS,
-                           HW_CVT=_hw_cvt(), num_warps=4)
-    return mean.view(*k.shape[:-2], 1, D)
+        work = _zero_views(x3.device, *_key_pass_work(G, D, stats, choice is not None))
+    sums, sums_sq, ext, count = work
+    i32 = torch.int32
+    mean = torch.empty((G, D), device=x3.device, dtype=torch.float32)
+    amax = torch.empty(G if stats else 0, device=x3.device, dtype=i32)
+    block, blocks, fold = _key_pass_block(S, D, x3.element_size())
+    grid = (triton.cdiv(S, block * blocks), G)
+    _key_mean_kernel[grid](x3, sums, count, mean, S, D=D, BLOCK_S=block, BLOCKS=blocks, HW_CVT=_hw_cvt(),
+                           FOLD=fold, STATS=stats, EXT=ext if stats else sums, AMAX=amax if stats else sums,
+                           CHOICE=choice is not None, SUMSQ=sums_sq if choice else sums,
+                           **(choice or {}), num_warps=4)
+    return mean, amax
 
 
 def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: float | None):
@@ -834,10 +1021,13 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
     `reference.forward.robust_qk` computes them: (qv, qs, kv, ks), the kernel's layouts,
     and the (B, Hkv) heads that took the FP8 fallback (None without it).
 
-    Six launches at most: one fill of every sum, maximum and count; K's mean
-    (`key_mean`); the maxima of Q and of K - mean, with the sums of squares of each
-    under `qk_fallback`, whose choice the last program of each K head makes
-    (`_fallback_choice`); the quantizing passes over Q and K."""
+    With `smooth_k`, two reads of K: one pass (`_key_pass`) makes its mean, the maximum
+    of K - mean (from each channel's largest and smallest key) and, under
+    `qk_fallback`, its sums of squares (`robust.smoothed_sum_sq`), and the last program
+    of each K head makes the fallback choice from them and Q's sums of squares (the pass
+    over Q that makes Q's maximum runs first); then the quantizing pass. Without
+    `smooth_k` the maxima (and sums of squares) of Q and K are passes of
+    `_abs_max_kernel`, the K one making the choice."""
     if recipe.qk != "nvfp4":
         raise ValueError(f"robust_qk_operands: the fused robust quantizers are NVFP4's, got qk={recipe.qk!r}")
     choice = recipe.qk_fallback is not None
@@ -848,27 +1038,30 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
     Gq, Gk = B * H, B * Hkv
     f64, i32 = torch.float64, torch.int32
     smooth = recipe.smooth_k
-    sums, count_mean, sq_q, sq_k, amax_q, amax_k, count = _zero_views(
-        q.device, (Gk * D if smooth else 0, f64), (Gk if smooth else 0, i32), (Gq if choice else 0, f64),
-        (Gk if choice else 0, f64), (Gq, i32), (Gk, i32), (Gk if choice else 0, i32))
-    mean = key_mean(k, (sums, count_mean)) if smooth else None
-    mean3 = mean.view(Gk * D) if mean is not None else None
-    fb_q = fb_k = None
+    # every sum, maximum and count of the call in one fill
+    key_work = _key_pass_work(Gk, D, True, choice) if smooth else []
+    zeros = _zero_views(q.device, (Gq if choice else 0, f64), (Gq, i32), (Gk if choice and not smooth else 0, f64),
+                        (0 if smooth else Gk, i32), (Gk if choice and not smooth else 0, i32), *key_work)
+    sq_q, amax_q, sq_k, amax_k, count = zeros[:5]
+    abs_max_bits(q, per_channel=False, out=amax_q, sum_sq=sq_q if choice else None)
+    fb_q = fb_k = mean = None
     if choice:
         fb = torch.empty(Gq + Gk, device=q.device, dtype=torch.int8)
         fb_q, fb_k = fb[:Gq], fb[Gq:]
-        abs_max_bits(q, per_channel=False, out=amax_q, sum_sq=sq_q)
-        k3 = _heads(k)
-        grid, block = _row_grid(Sk, Gk, CHANNEL_BLOCKS, most=32)
         group = H // Hkv
-        _abs_max_kernel[grid](k3, amax_k, mean3 if smooth else amax_k, sq_k, Sk, D=D, BLOCK_S=block,
-                              BLOCKS=CHANNEL_BLOCKS, PER_CHANNEL=False, HAS_MEAN=smooth, SUM_SQ=True,
-                              CHOICE=True, COUNT=count, SQ_Q=sq_q, FB_Q=fb_q, FB_K=fb_k, S_Q=Sq, GROUP=group,
-                              GROUP_P2=triton.next_power_of_2(group), SCALE=float(scale),
-                              LIMIT=float(recipe.qk_fallback_logit_std), num_warps=4)
+        args = dict(SQ_Q=sq_q, FB_Q=fb_q, FB_K=fb_k, S_Q=Sq, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
+                    SCALE=float(scale), LIMIT=float(recipe.qk_fallback_logit_std))
+    k3 = _heads(k)
+    if smooth:
+        mean, amax_k = _key_pass(k3, True, args if choice else None, zeros[5:])
+        mean = mean.view(B, Hkv, 1, D)
+    elif choice:
+        grid, block = _row_grid(Sk, Gk, CHANNEL_BLOCKS, most=32)
+        _abs_max_kernel[grid](k3, amax_k, amax_k, sq_k, Sk, D=D, BLOCK_S=block, BLOCKS=CHANNEL_BLOCKS,
+                              PER_CHANNEL=False, HAS_MEAN=False, SUM_SQ=True, CHOICE=True, COUNT=count,
+                              **args, num_warps=4)
     else:
-        abs_max_bits(q, per_channel=False, out=amax_q)
-        abs_max_bits(k, per_channel=False, out=amax_k, mean=mean3)
+        abs_max_bits(k3, per_channel=False, out=amax_k)
     f46 = recipe.qk_four_over_six
     qv, qs = quantize_qk_nvfp4(q, four_over_six=f46, fallback=fb_q, amax=amax_q)
     kv, ks = quantize_qk_nvfp4(k, mean=mean, four_over_six=f46, fallback=fb_k, amax=amax_k)
