@@ -8,6 +8,9 @@
 #   PART=trainstep the `train` attention's host and device time at the GPT step's shape,
 #                  and the step eager (backward tiles by TMA or not) and under CUDA graphs
 #   PART=profile   device time of every quantizer kernel against the host-seen time
+#   PART=robust    the robust presets' cost against the paper presets, quantization
+#                  included (`fp4attn bench`, RUNS times, default 3), and each pass of
+#                  the robust quantizers alone (tools/probe_key_pass.py)
 #   PART=minilm    MiniLM through the kernels, padded and unpadded (MINILM_PATH: a saved
 #                  fp16 copy of the model)
 #   PART=study     the training study (STUDY_STEPS, resumable from $OUT/study; the
@@ -38,6 +41,13 @@ if run trainstep; then
 fi
 if run profile; then
   python3 tools/profile_quantizers.py ${TRAIN_SHAPE:+--train-shape $TRAIN_SHAPE} 2>&1 | grep -E "^\||^\(B" | tee "$OUT/quantizers-profile.txt"
+fi
+if run robust; then
+  for i in $(seq "${RUNS:-3}"); do
+    python3 -m fp4attn.cli.main bench --recipes nvfp4-fp8,nvfp4-fp8-robust,directp,directp-robust \
+      --shapes "8,16,4096,128" --causal both --json "$OUT/h200-forward-robust-$i.json" 2>&1 | grep -E "^\||geomean"
+  done
+  python3 tools/probe_key_pass.py 2>&1 | grep -E "^\||^\(B" | tee "$OUT/h200-quantizers-probe.txt"
 fi
 if run minilm; then
   for batching in "" --unpadded; do
