@@ -386,7 +386,7 @@ def test_backward_descriptors_read_whole_tiles_of_one_head():
     ("_nvfp4_rows_kernel", dict(BLOCK_R=16, BLOCKS=8, PACKED=True, CHANNEL_AMAX=True)),
     ("_nvfp4_decode_kernel", dict(BLOCK_S=16, CHANNELS=True, HW_CVT=True)),
     ("_v_kernel", dict(BLOCK_S=32, MXFP4=False, HAS_SCALE=False, TOKENS=True, HW_CVT=True)),
-    ("_fp8_saved_rows_kernel", dict(BLOCK_R=16, BLOCKS=8, HW_CVT=True)),
+    ("_fp8_rows_kernel", dict(BLOCK_R=16, BLOCKS=8, WITH_DOT=False, CHANNEL_AMAX=True, HW_CVT=True, SAVED=True)),
     ("_fp8_views_kernel", dict(BLOCK_S=16, HW_CVT=True)),
 ])
 def test_quantizer_builds_keep_their_measured_form(name, consts):
@@ -403,7 +403,7 @@ def test_quantizer_builds_keep_their_measured_form(name, consts):
     assert r.stack == 0, (name, r.stack)
     assert r.registers <= 128, (name, r.registers)
     assert r.count(r"MEMBAR") == 0 and r.count(r"\bATOMG\b") == 0, name
-    if consts.get("CHANNEL_AMAX") or name in ("_abs_max_kernel", "_fp8_saved_rows_kernel"):
+    if consts.get("CHANNEL_AMAX") or name == "_abs_max_kernel":
         assert r.count(r"\bREDG\.E\.MAX") > 0, name
     if consts.get("HW_CVT"):
         assert r.count(r"F2FP\.SATFINITE\.E4M3") > 0, name

@@ -328,7 +328,6 @@ _QUANTIZER_SIGS = {
     "_v_kernel": dict(V="*bf16", VT="*fp8e4nv", VS="*fp32", SCALE="*fp32", AMAX="*i32", E="*i32", FINITE="*i8",
                       EMAX="*i32", Y="*fp8e4nv", YS="*fp32", S="i32", S_ROW="i32"),
     # quantize_train_fp8.py: per-token FP8 Q/K in training
-    "_fp8_saved_rows_kernel": dict(X="*bf16", Y="*bf16", Y8="*fp8e4nv", S_OUT="*fp32", CAMAX="*i32", S="i32"),
     "_fp8_views_kernel": dict(Y8="*fp8e4nv", S_ROW="*fp32", CAMAX="*i32", V="*bf16", CT="*fp8e4nv", CS="*fp32",
                               S="i32"),
 }
@@ -342,6 +341,9 @@ def compile_quantizer(name: str, **constexprs):
 
     fn = getattr(quantize, name, None) or getattr(quantize_train_fp8, name)
     sig = _QUANTIZER_SIGS[name]
+    if name == "_fp8_rows_kernel" and constexprs.get("SAVED"):
+        # the training forward's form: bf16 values for the forward kernel, e4m3 bytes kept
+        sig = {**sig, "Y": "*bf16", "Y8": "*fp8e4nv"}
     # every defaulted constexpr spelled out: Triton's ASTSource cache key leaves out the
     # constexprs' names, so builds differing only in which defaulted flag is set shared
     # one cached cubin (HAS_MEAN=True and FOUR_OVER_SIX=True hashed alike)

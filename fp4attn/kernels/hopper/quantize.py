@@ -409,13 +409,18 @@ def _fp8_per_row(x, AXIS: tl.constexpr, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _fp8_rows_kernel(X, Y, S_OUT, O, DOT, CAMAX, S, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr,
-                     WITH_DOT: tl.constexpr, CHANNEL_AMAX: tl.constexpr, HW_CVT: tl.constexpr):
+                     WITH_DOT: tl.constexpr, CHANNEL_AMAX: tl.constexpr, HW_CVT: tl.constexpr, Y8=None,
+                     SAVED: tl.constexpr = False):
     """Per-row FP8 of X (G, S, D), BLOCKS blocks of BLOCK_R rows a program, stored as Y's
     dtype (e4m3, or bf16, which holds every e4m3 value), scales into S_OUT (G, S); with
     WITH_DOT also the row dot products DOT = sum(X * O) (the backward's delta =
     rowsum(dO * O), fused into the pass that reads dO); with CHANNEL_AMAX also each
     head's per-channel max |x| into CAMAX (G, D) (float32 bits, starting at 0), for the
-    per-channel view of the same X."""
+    per-channel view of the same X.
+    SAVED (the training forward's Q and K, `quantize_train_fp8`): the values also as e4m3
+    bytes into Y8, and CHANNEL_AMAX's maxima of the represented values (value x row
+    scale, float32) instead of x, from which the backward's per-channel view of them is
+    made (NaN above Inf, so a NaN row's channels are NaN)."""
     g = tl.program_id(1).to(tl.int64)
     run = tl.zeros([BLOCK_R, D], tl.int32)
     for i in range(BLOCKS):
@@ -426,11 +431,13 @@ def _fp8_rows_kernel(X, Y, S_OUT, O, DOT, CAMAX, S, D: tl.constexpr, BLOCK_R: tl
         y, scale = _fp8_per_row(x, 1, HW_CVT)
         tl.store(S_OUT + rows, scale, mask=s < S)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
+        if SAVED:
+            tl.store(Y8 + offs, y.to(tl.float8e4nv), mask=ok)
         if WITH_DOT:
             o = tl.load(O + offs, mask=ok, other=0.0).to(tl.float32)
             tl.store(DOT + rows, tl.sum(x * o, axis=1), mask=s < S)
         if CHANNEL_AMAX:
-            run = _abs_bits_max(run, x, ok)
+            run = _abs_bits_max(run, y * scale[:, None] if SAVED else x, ok)
     if CHANNEL_AMAX:
         _channel_amax_flush(CAMAX + g * D, run, D)
 

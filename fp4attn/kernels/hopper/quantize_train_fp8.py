@@ -29,38 +29,14 @@ import triton.language as tl
 
 from fp4attn.kernels.hopper.quantize import (
     CHANNEL_BLOCKS,
-    _abs_bits_max,
     _block_rows,
-    _channel_amax_flush,
     _e4m3_signed,
     _fp8_channel_scales,
-    _fp8_per_row,
+    _fp8_rows_kernel,
     _heads,
     _hw_cvt,
     _row_grid,
 )
-
-
-@triton.jit
-def _fp8_saved_rows_kernel(X, Y, Y8, S_OUT, CAMAX, S, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCKS: tl.constexpr, HW_CVT: tl.constexpr):
-    """Per-row FP8 of X (G, S, D), BLOCKS blocks of BLOCK_R rows a program: the e4m3
-    values into Y (bf16, for the forward kernel) and Y8 (e4m3, kept), the row scales into
-    S_OUT (G, S), and each head's per-channel max |value x row scale| into CAMAX (G, D)
-    (float32 bits, starting at 0; NaN above Inf, so a NaN row's channels are NaN)."""
-    g = tl.program_id(1).to(tl.int64)
-    run = tl.zeros([BLOCK_R, D], tl.int32)
-    for i in range(BLOCKS):
-        s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
-        offs = rows[:, None] * D + tl.arange(0, D)[None, :]
-        ok = (s < S)[:, None]
-        x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-        y, scale = _fp8_per_row(x, 1, HW_CVT)
-        tl.store(S_OUT + rows, scale, mask=s < S)
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
-        tl.store(Y8 + offs, y.to(tl.float8e4nv), mask=ok)
-        run = _abs_bits_max(run, y * scale[:, None], ok)
-    _channel_amax_flush(CAMAX + g * D, run, D)
 
 
 @triton.jit
@@ -69,8 +45,8 @@ def _fp8_views_kernel(Y8, S_ROW, CAMAX, V, CT, CS, S, D: tl.constexpr, BLOCK_S: 
     """From per-token e4m3 rows Y8 (G, S, D) with their scales S_ROW (G, S): the values
     into V (G, S, D) as V's dtype, and the per-channel FP8 of the represented values
     (value x row scale) stored transposed, CT (G, D, S) e4m3 and CS (G, D), from the
-    channels' max |represented value| CAMAX (G, D) that `_fp8_saved_rows_kernel`
-    recorded."""
+    channels' max |represented value| CAMAX (G, D) that the forward's pass
+    (`_fp8_rows_kernel`, SAVED) recorded."""
     g = tl.program_id(1).to(tl.int64)
     s, rows = _block_rows(g, S, 0, BLOCK_S, 1)
     dd = tl.arange(0, D)
@@ -101,8 +77,10 @@ def quantize_qk_fp8_saved(x: torch.Tensor):
     s = torch.empty((G, S), device=x.device, dtype=torch.float32)
     camax = torch.zeros((G, D), device=x.device, dtype=torch.int32)
     grid, block = _row_grid(S, G, CHANNEL_BLOCKS)
-    _fp8_saved_rows_kernel[grid](x3, y, y8, s, camax, S, D=D, BLOCK_R=block, BLOCKS=CHANNEL_BLOCKS,
-                                 HW_CVT=_hw_cvt(), num_warps=4)
+    # the quantizing pass of the inference recipes, keeping the bytes and the represented
+    # values' channel maxima as well (SAVED)
+    _fp8_rows_kernel[grid](x3, y, s, x3, s, camax, S, D=D, BLOCK_R=block, BLOCKS=CHANNEL_BLOCKS, WITH_DOT=False,
+                           CHANNEL_AMAX=True, HW_CVT=_hw_cvt(), Y8=y8, SAVED=True, num_warps=4)
     return y.view(x.shape), y8.view(x.shape), s.view(x.shape[:-1]), camax.view(*x.shape[:-2], D)
 
 
