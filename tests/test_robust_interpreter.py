@@ -200,47 +200,50 @@ KEY_MEAN = textwrap.dedent('''
     g = torch.Generator().manual_seed(3)
     # several programs a head at S = 1100 (1024 keys a program): the float64 atomics and
     # the last program's division; GQA-shaped K (B, Hkv, S, D); S not a multiple of the
-    # block (the masked blocks after the whole ones). With amax=True the same pass gives each head's max |k - mean|, the NVFP4
-    # tensor amax of smoothed K, bit for bit as the reference's and as the second pass
-    # (`abs_max_bits(mean=...)`) it replaces
-    for S in (1, 70, 1100):
-        for D in (64, 128):
-            k = torch.randn(2, 4, S, D, generator=g) * 2 + torch.randn(2, 4, 1, D, generator=g) * 3
-            k[0, 1, :, 5] += 300.0  # an outlier channel
-            k[1, 2, :, 0] = -0.0  # a channel of -0 (the mean is +0, as the reference's)
-            k[1, 0, :, 9] *= 2.0**-30  # a channel far below the others
-            k[0, 3] = k[0, 3, :1]  # every key the same: max |k - mean| is 0 in bf16
-            k[1, 3, :, 1] = 3.4e38  # a finite channel whose mean rounds to bf16 Inf (fp32)
-            k[1, 3, :, 2] = 2.0  # a channel of one value
+    # block (the masked blocks after the whole ones). With amax=True the same pass gives
+    # each head's max |k - mean|, the NVFP4 tensor amax of smoothed K, bit for bit as the
+    # reference's and as the second pass (`abs_max_bits(mean=...)`) it replaces. Every
+    # input dtype at the short lengths (the load's conversion), bf16 at each length and
+    # head dim
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    for S, D, dtypes in ((1, 64, (bf16, f16, f32)), (1, 128, (bf16,)), (70, 128, (bf16, f16, f32)),
+                         (70, 64, (bf16,)), (1100, 128, (bf16,)), (1100, 64, (bf16,))):
+        k = torch.randn(2, 4, S, D, generator=g) * 2 + torch.randn(2, 4, 1, D, generator=g) * 3
+        k[0, 1, :, 5] += 300.0  # an outlier channel
+        k[1, 2, :, 0] = -0.0  # a channel of -0 (the mean is +0, as the reference's)
+        k[1, 0, :, 9] *= 2.0**-30  # a channel far below the others
+        k[0, 3] = k[0, 3, :1]  # every key the same: max |k - mean| is 0 in bf16
+        k[1, 3, :, 1] = 3.4e38  # a finite channel whose mean rounds to bf16 Inf (fp32)
+        k[1, 3, :, 2] = 2.0  # a channel of one value
+        if S > 1:
+            k[0, 0, S // 2, 3] = float("nan")
+            k[1, 1, S - 1, 4] = float("inf")
+            k[1, 1, 0, 6], k[1, 1, S - 1, 6] = float("inf"), -float("inf")  # NaN mean
+            k[0, 2, S // 3, 7] = -float("inf")
+        for dtype in dtypes:
+            x = k.to(dtype).to(DEVICE)
+            case = f"S={S} D={D} {dtype}"
+            want = robust.key_mean(x.cpu())
+            got, amax = key_mean(x, amax=True)
+            bits(got.cpu(), want, f"key_mean {case}")
             if S > 1:
-                k[0, 0, S // 2, 3] = float("nan")
-                k[1, 1, S - 1, 4] = float("inf")
-                k[1, 1, 0, 6], k[1, 1, S - 1, 6] = float("inf"), -float("inf")  # NaN mean
-                k[0, 2, S // 3, 7] = -float("inf")
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                x = k.to(dtype).to(DEVICE)
-                case = f"S={S} D={D} {dtype}"
-                want = robust.key_mean(x.cpu())
-                got, amax = key_mean(x, amax=True)
-                bits(got.cpu(), want, f"key_mean {case}")
-                if S > 1:
-                    assert bool(torch.isnan(got[0, 0, 0, 3])) and got[1, 1, 0, 4] == float("inf")
-                    assert bool(torch.isnan(got[1, 1, 0, 6]))
-                    assert not bool(torch.isnan(got[1, 1, 0, :3]).any())
-                ref = robust.smooth(x.cpu(), want).abs().amax(dim=(-2, -1))
-                bits(amax.view(torch.float32).cpu(), ref, f"amax {case}")
-                if dtype == torch.bfloat16:  # the mean alone, and the second pass replaced
-                    bits(key_mean(x), got, f"key_mean(amax=False) {case}")
-                    second = abs_max_bits(x, per_channel=False, mean=got.reshape(-1).contiguous())
-                    assert torch.equal(amax, second), case
-                if S > 1:  # NaN and Inf as the reference's: NaN heads, the others finite
-                    nan = torch.isnan(ref)
-                    assert nan[0, 0] and nan[1, 1] and nan[0, 2], case
-                    assert dtype == torch.float16 or not nan[0, 1], case
-                if dtype == torch.bfloat16:
-                    assert float(ref[0, 3]) == 0.0, case
-                if dtype == torch.float32:
-                    assert float(ref[1, 3]) == float("inf"), case  # 3.4e38 - Inf
+                assert bool(torch.isnan(got[0, 0, 0, 3])) and got[1, 1, 0, 4] == float("inf")
+                assert bool(torch.isnan(got[1, 1, 0, 6]))
+                assert not bool(torch.isnan(got[1, 1, 0, :3]).any())
+            ref = robust.smooth(x.cpu(), want).abs().amax(dim=(-2, -1))
+            bits(amax.view(torch.float32).cpu(), ref, f"amax {case}")
+            if dtype == torch.bfloat16:  # the mean alone, and the second pass replaced
+                bits(key_mean(x), got, f"key_mean(amax=False) {case}")
+                second = abs_max_bits(x, per_channel=False, mean=got.reshape(-1).contiguous())
+                assert torch.equal(amax, second), case
+            if S > 1:  # NaN and Inf as the reference's: NaN heads, the others finite
+                nan = torch.isnan(ref)
+                assert nan[0, 0] and nan[1, 1] and nan[0, 2], case
+                assert dtype == torch.float16 or not nan[0, 1], case
+            if dtype == torch.bfloat16:
+                assert float(ref[0, 3]) == 0.0, case
+            if dtype == torch.float32:
+                assert float(ref[1, 3]) == float("inf"), case  # 3.4e38 - Inf
 
     # the fallback choice of `robust_qk_operands` (the last program of each K head) is the
     # reference's: groups of 3 query heads (padded to 4 in the kernel), a NaN in one
@@ -295,7 +298,7 @@ KEY_MEAN = textwrap.dedent('''
                                         q.shape[-1], scale)
 
     for name, hq, hkv, sq, sk in (("offset", 4, 2, 70, 90), ("channels", 4, 1, 33, 130), ("sharp", 2, 2, 64, 64),
-                                  ("mixture", 8, 2, 40, 600)):
+                                  ("mixture", 8, 2, 40, 120)):
         q = flushed(make_inputs(name, (2, hq, sq, 64), 11, "cpu")[0])
         k = flushed(make_inputs(name, (2, hkv, sk, 64), 12, "cpu")[1])
         scale = 0.125

@@ -956,11 +956,15 @@ def _key_pass_block(S: int, D: int, itemsize: int) -> tuple[int, int, int]:
     bytes: blocks of twice the rows that one layout tile of its 4 warps covers (16-byte
     loads of D / vec threads, the other threads of a warp and the warps over rows: 8
     rows at D = 128 in bf16, 16 at D = 64), so that a block is two rows a thread, folded
-    (FOLD 2) into running tiles of one; fewer rows and no fold for a short head."""
+    (FOLD 2) into running tiles of one; fewer rows and no fold for a short head, and no
+    more blocks a program than the head has (a power of two: few builds), where a short
+    head's program went through KEY_PASS_ROWS / BLOCK_S blocks, all but the first masked
+    (1024 at S = 1)."""
     vec = max(1, min(16 // itemsize, D))
     tile_rows = max(1, 32 // max(1, min(32, D // vec))) * 4
     block = min(2 * tile_rows, triton.next_power_of_2(S))
-    return block, max(1, KEY_PASS_ROWS // block), 2 if block == 2 * tile_rows else 1
+    blocks = min(max(1, KEY_PASS_ROWS // block), triton.next_power_of_2(triton.cdiv(S, block)))
+    return block, blocks, 2 if block == 2 * tile_rows else 1
 
 
 def _zero_views(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[torch.Tensor]:
