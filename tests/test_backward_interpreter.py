@@ -26,50 +26,51 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
 
     kv_names = ("k", "ks", "v_t", "v_ts", "k_c", "k_cs")  # the operands of the K/V heads
     fp8, mxfp4 = ("fp8", "exp2", "fp8"), ("mxfp4", "directp", "mxfp4")  # train, train-mxfp4pv
-    for qk, D, sq, sk, causal, cfg, (p, p_build, v_fmt) in (
+    for i, (qk, D, sq, sk, causal, cfg, (p, p_build, v_fmt)) in enumerate((
             ("nvfp4", 64, 128, 128, True, {}, fp8), ("nvfp4", 64, 128, 192, False, {}, fp8),
             ("nvfp4", 64, 100, 76, True, {}, fp8), ("nvfp4", 128, 128, 128, True, {}, fp8),
             ("nvfp4", 128, 128, 128, True, {}, mxfp4),
             # train-fp8: a scale per query and per key (ROW_SCALES; its numerics at both head
             # dims in test_backward_matches_reference_under_the_interpreter)
-            ("fp8", 64, 100, 76, True, {}, fp8)):
-        for tma in (False, True):
-            # the Triton kernels (the Gluon ones do not run under the interpreter; a GPU
-            # test holds them to the Triton ones bit for bit)
-            routing.BACKWARD_LAUNCH[D] = dataclasses.replace(routing.BACKWARD_LAUNCH[D], tma=tma,
-                                                             dkdv_gluon=False, dq_gluon=False, **cfg)
-            q, dout, out = (torch.randn(B, HQ, sq, D, generator=g).bfloat16() for _ in range(3))
-            k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
-            # values in float32: the interpreter's bf16 dot is wrong, float32 holds them
-            if qk == "fp8":
-                _, saved = train_op.quantize_for_training_fp8(q, k, v, v_fmt)
-                ops = train_op.backward_operands_fp8(dout, out, *saved, values_dtype=torch.float32)
-                qd, kd = ops.q * ops.qs[..., None], ops.k * ops.ks[..., None]  # a scale per token
-            else:
-                _, saved = train_op.quantize_for_training(q, k, v, v_fmt)
-                ops = train_op.backward_operands(dout, out, *saved, values_dtype=torch.float32)
-                qd, kd = ops.q * ops.qs[..., None, None], ops.k * ops.ks[..., None, None]  # a tensor scale per head
-            s = qd @ kd.repeat_interleave(HQ // HKV, 1).transpose(-1, -2) * D**-0.5
-            if causal:
-                s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
-            lse = torch.logsumexp(s, -1)  # the LSE a forward would have saved
+            ("fp8", 64, 128, 192, True, {}, fp8))):
+        # loads by pointer and by TMA (whole 64-token tiles only), taking turns over the cases
+        tma = i % 2 == 1
+        # the Triton kernels (the Gluon ones do not run under the interpreter; a GPU
+        # test holds them to the Triton ones bit for bit)
+        routing.BACKWARD_LAUNCH[D] = dataclasses.replace(routing.BACKWARD_LAUNCH[D], tma=tma,
+                                                         dkdv_gluon=False, dq_gluon=False, **cfg)
+        q, dout, out = (torch.randn(B, HQ, sq, D, generator=g).bfloat16() for _ in range(3))
+        k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
+        # values in float32: the interpreter's bf16 dot is wrong, float32 holds them
+        if qk == "fp8":
+            _, saved = train_op.quantize_for_training_fp8(q, k, v, v_fmt)
+            ops = train_op.backward_operands_fp8(dout, out, *saved, values_dtype=torch.float32)
+            qd, kd = ops.q * ops.qs[..., None], ops.k * ops.ks[..., None]  # a scale per token
+        else:
+            _, saved = train_op.quantize_for_training(q, k, v, v_fmt)
+            ops = train_op.backward_operands(dout, out, *saved, values_dtype=torch.float32)
+            qd, kd = ops.q * ops.qs[..., None, None], ops.k * ops.ks[..., None, None]  # a tensor scale per head
+        s = qd @ kd.repeat_interleave(HQ // HKV, 1).transpose(-1, -2) * D**-0.5
+        if causal:
+            s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
+        lse = torch.logsumexp(s, -1)  # the LSE a forward would have saved
 
-            def grads(bs, gs):
-                # the operands of batch entries bs and K/V heads gs (their query heads hq)
-                hq = slice(gs.start * HQ // HKV, gs.stop * HQ // HKV)
-                heads = {name: t[bs, gs if name in kv_names else hq].contiguous() for name, t in ops._asdict().items()}
-                return train_op.launch_backward(train_op.BackwardOperands(**heads), lse[bs, hq].contiguous(), p,
-                                                p_build, sk - sq, causal, D**-0.5, (torch.float32,) * 3)
+        def grads(bs, gs):
+            # the operands of batch entries bs and K/V heads gs (their query heads hq)
+            hq = slice(gs.start * HQ // HKV, gs.stop * HQ // HKV)
+            heads = {name: t[bs, gs if name in kv_names else hq].contiguous() for name, t in ops._asdict().items()}
+            return train_op.launch_backward(train_op.BackwardOperands(**heads), lse[bs, hq].contiguous(), p,
+                                            p_build, sk - sq, causal, D**-0.5, (torch.float32,) * 3)
 
-            whole = grads(slice(0, B), slice(0, HKV))
-            assert all(bool(torch.isfinite(t).all()) and bool(t.abs().sum() > 0) for t in whole), (D, sq, sk)
-            for b in range(B):
-                for h in range(HKV):
-                    part = grads(slice(b, b + 1), slice(h, h + 1))
-                    hq = slice(h * HQ // HKV, (h + 1) * HQ // HKV)
-                    for name, w, got in zip(("dq", "dk", "dv"), whole, part):
-                        sub = w[b:b + 1, hq] if name == "dq" else w[b:b + 1, h:h + 1]
-                        assert equal(sub, got), (qk, D, sq, sk, causal, cfg, p, tma, name, b, h)
+        whole = grads(slice(0, B), slice(0, HKV))
+        assert all(bool(torch.isfinite(t).all()) and bool(t.abs().sum() > 0) for t in whole), (D, sq, sk)
+        for b in range(B):
+            for h in range(HKV):
+                part = grads(slice(b, b + 1), slice(h, h + 1))
+                hq = slice(h * HQ // HKV, (h + 1) * HQ // HKV)
+                for name, w, got in zip(("dq", "dk", "dv"), whole, part):
+                    sub = w[b:b + 1, hq] if name == "dq" else w[b:b + 1, h:h + 1]
+                    assert equal(sub, got), (qk, D, sq, sk, causal, cfg, p, tma, name, b, h)
     print("ok")
 ''')
 
