@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test
-# the slowest tests listed last: CI runs this on 2 cores and must stay under 15 minutes
-.venv/bin/python -m pytest -q --durations=15 "$@"
+# two workers (CI has 2 cores; the interpreter tests each hold one), the slowest tests
+# listed last: CI must stay under 15 minutes
+.venv/bin/python -m pytest -q -n 2 --durations=15 "$@"
