@@ -100,19 +100,14 @@ def _block_rows(g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):
 
 
 @triton.jit
-def _row_block(X, g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr, D: tl.constexpr, LOAD: tl.constexpr):
+def _row_block(X, g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr, D: tl.constexpr):
     """Block i of this program's BLOCKS blocks of BLOCK_R rows of X (G, S, D) in head g,
     as stored, rows past S (and a block i past the last) zero: a program that loads
     block i + 1 before it works on block i keeps twice the bytes in flight (the passes
-    here are bound by memory parallelism, not by bandwidth or issue). A zero tile
-    without LOAD."""
+    here are bound by memory parallelism, not by bandwidth or issue)."""
     s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
     offs = rows[:, None] * D + tl.arange(0, D)[None, :]
-    if LOAD:
-        x = tl.load(X + offs, mask=((s < S) & (i < BLOCKS))[:, None], other=0.0)
-    else:
-        x = tl.zeros([BLOCK_R, D], X.dtype.element_ty)
-    return x
+    return tl.load(X + offs, mask=((s < S) & (i < BLOCKS))[:, None], other=0.0)
 
 
 @triton.jit
@@ -173,15 +168,16 @@ def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.conste
     # with the squares, the next block's load issued before this block's work (H200,
     # (8, 16, 4096, 128): 0.054 -> 0.048 ms; the max alone is faster without, 0.044 ms)
     PREFETCH: tl.constexpr = SUM_SQ
-    nxt = _row_block(X, g, S, 0, BLOCK_S, BLOCKS, D, PREFETCH)
+    if PREFETCH:
+        nxt = _row_block(X, g, S, 0, BLOCK_S, BLOCKS, D)
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
         ok = (s < S)[:, None]
         if PREFETCH:
             x = nxt.to(tl.float32)
-            nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D, True)
+            nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D)
         else:
-            x = _row_block(X, g, S, i, BLOCK_S, BLOCKS, D, True).to(tl.float32)
+            x = _row_block(X, g, S, i, BLOCK_S, BLOCKS, D).to(tl.float32)
         if HAS_MEAN:
             x = tl.where(ok, x - tl.load(MEAN + g * D + tl.arange(0, D))[None, :], 0.0)
         run = tl.maximum(run, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
@@ -307,16 +303,16 @@ def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.conste
     # the blocks wholly inside the head first, without the row test that the maxima
     # and minima need at its end (two selects an element of the pass's eleven)
     whole = tl.minimum(tl.maximum(S - tl.program_id(0) * BLOCKS * BLOCK_S, 0) // BLOCK_S, BLOCKS)
-    nxt = _row_block(X, g, S, 0, BLOCK_S, BLOCKS, D, True)
+    nxt = _row_block(X, g, S, 0, BLOCK_S, BLOCKS, D)
     for i in range(whole):
         x = nxt.to(tl.float32)
-        nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D, True)
+        nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D)
         acc, sq, hi, lo = _key_block_stats(x, x, x, acc, sq, hi, lo, FOLD, H, D, STATS, CHOICE)
     for i in range(whole, BLOCKS):
-        s, rows = _block_rows(g, S, i, BLOCK_S, BLOCKS)
+        s, _ = _block_rows(g, S, i, BLOCK_S, BLOCKS)
         ok = (s < S)[:, None]
         x = nxt.to(tl.float32)
-        nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D, True)
+        nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D)
         # rows past S: -Inf and +Inf, which no row of the head can be outranked by; a
         # NaN's place in these is irrelevant (its channel's mean is NaN)
         acc, sq, hi, lo = _key_block_stats(x, tl.where(ok, x, float("-inf")), tl.where(ok, x, float("inf")), acc, sq,
@@ -466,6 +462,13 @@ def _nvfp4_block_offsets(rows, D: tl.constexpr):
 
 
 @triton.jit
+def _nvfp4_row_block(X, g, S, i, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr, D: tl.constexpr):
+    """`_row_block` seen as (BLOCK_R, D / 16 blocks, 16)."""
+    s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
+    return tl.load(X + _nvfp4_block_offsets(rows, D), mask=((s < S) & (i < BLOCKS))[:, None, None], other=0.0)
+
+
+@triton.jit
 def _row_offsets(rows, N: tl.constexpr):
     """Offsets of rows of N contiguous entries, (rows, N): the payload's code bytes
     (N = D / 2) and block scales (N = D / 16)."""
@@ -530,19 +533,16 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
     # (`_row_block`)
     PREFETCH: tl.constexpr = BLOCKS > 1
     if PREFETCH:
-        s, rows = _block_rows(g, S, 0, BLOCK_R, BLOCKS)
-        nxt = tl.load(X + _nvfp4_block_offsets(rows, D), mask=(s < S)[:, None, None], other=0.0)
+        nxt = _nvfp4_row_block(X, g, S, 0, BLOCK_R, BLOCKS, D)
     for i in range(BLOCKS):
         s, rows = _block_rows(g, S, i, BLOCK_R, BLOCKS)
         offs = _nvfp4_block_offsets(rows, D)
         ok = (s < S)[:, None, None]
         if PREFETCH:
             x = nxt.to(tl.float32)
-            s2, rows2 = _block_rows(g, S, i + 1, BLOCK_R, BLOCKS)
-            nxt = tl.load(X + _nvfp4_block_offsets(rows2, D), mask=((s2 < S) & (i + 1 < BLOCKS))[:, None, None],
-                          other=0.0)
+            nxt = _nvfp4_row_block(X, g, S, i + 1, BLOCK_R, BLOCKS, D)
         else:
-            x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+            x = _nvfp4_row_block(X, g, S, i, BLOCK_R, BLOCKS, D).to(tl.float32)
         if HAS_MEAN:
             x = x - mu
         if fp8_head:

@@ -39,13 +39,13 @@ from fp4attn.kernels.hopper.quantize import (
     quantize_v_t,
 )
 from fp4attn.kernels.hopper.quantize_train_fp8 import fp8_qk_views, quantize_qk_fp8_saved
-from fp4attn.recipes import Recipe, robust_unsupported_reason
+from fp4attn.recipes import Recipe
 from fp4attn.reference.backward import DS_BLOCK, refuse_double_backward
 from fp4attn.reference.forward import LOG2E
 # the outlier-robust fields the NVFP4 training kernels apply (`routing.HOPPER_TRAIN_ROBUST_FIELDS`; the
 # Blackwell training, which keeps the same payload, takes them from here)
 from fp4attn.routing import HOPPER_TRAIN_ROBUST_FIELDS as TRAIN_ROBUST_FIELDS
-from fp4attn.routing import HOPPER_TRAIN_QK, P_MODES, backward_gluon_kernels, backward_launch
+from fp4attn.routing import P_MODES, backward_gluon_kernels, backward_launch, hopper_train_unsupported
 
 
 def quantize_for_training(q, k, v, v_fmt: str, smooth_k: bool = False,
@@ -385,15 +385,11 @@ def hopper_train_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offs
     `hopper_train_forward_fp8`. A recipe with robust fields other than its Q/K format's
     (`routing.HOPPER_TRAIN_QK`: TRAIN_ROBUST_FIELDS for NVFP4, none for FP8), or with
     `fast_accum`, is refused, never trained as another recipe."""
-    if recipe.qk not in HOPPER_TRAIN_QK:
-        raise ValueError(f"hopper_train_attention: Q/K format {recipe.qk!r} (the training kernels train "
-                         f"{' and '.join(map(repr, HOPPER_TRAIN_QK))}); the reference trains it")
-    if recipe.fast_accum:
-        raise ValueError("hopper_train_attention: fast_accum=True (the training kernels sum QK^T exactly: "
-                         "fast_accum=False)")
-    reason = robust_unsupported_reason(recipe, HOPPER_TRAIN_QK[recipe.qk])
+    # the routing's own rule (the Q/K format, fast_accum, the robust fields each format's
+    # saved operands carry, the forward's formats and head dim), for a direct call
+    reason = hopper_train_unsupported(recipe, q.shape[-1])
     if reason is not None:
-        raise ValueError(f"hopper_train_attention: {reason} with {recipe.qk!r} Q/K; the reference trains it")
+        raise ValueError(f"hopper_train_attention: {reason}, with {recipe.qk!r} Q/K; the reference trains it")
     args = (recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0, causal_offset is not None, scale)
     if recipe.qk == "fp8":
         out, lse, *_ = _train_forward_fp8_op(q, k, v, *args)
