@@ -476,15 +476,21 @@ def _row_offsets(rows, N: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_block_scale(amax_b, mult, s_dec):
+def _nvfp4_block_scale(amax_b, mult, s_dec, HW_CVT: tl.constexpr):
     """(decode scale d, encode multiplier) of blocks (rows, blocks) with max |x| amax_b
     scaled by `mult` (S_enc / top): d = e4m3(min(amax_b * mult, 448)), the multiplier
-    min(1 / (d * s_dec), FP32_MAX) (`formats.nvfp4`)."""
+    min(1 / (d * s_dec), FP32_MAX) (`formats.nvfp4`). The e4m3 rounding by the
+    hardware's saturating conversion where HW_CVT (`_e4m3_signed`: 448 and NaN as the
+    clamp gives them; the bit arithmetic was 2.5 instructions an element of the 4-or-6
+    pass, whose two threads a block both round its two candidates)."""
     # a NaN anywhere in the head makes its tensor scale NaN, and with it every block scale
     # (torch's clamp propagates NaN; tl.minimum must be told to)
     nan_ok: tl.constexpr = tl.PropagateNan.ALL
     d = tl.minimum(amax_b * mult, FP32_MAX, propagate_nan=nan_ok)
-    d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
+    if HW_CVT:
+        d = _e4m3_signed(d, True)
+    else:
+        d = round_e4m3(tl.minimum(d, 448.0, propagate_nan=nan_ok))
     enc = tl.minimum(tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d * s_dec), FP32_MAX, propagate_nan=nan_ok)
     return d, enc
 
@@ -555,7 +561,7 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
             # the sign goes back on at the end
             ax = tl.abs(x)
             amax_b = tl.max(ax, axis=2)
-            d, enc = _nvfp4_block_scale(amax_b, mult, s_dec)
+            d, enc = _nvfp4_block_scale(amax_b, mult, s_dec, HW_CVT)
             mag = _e2m1_value(ax * enc[:, :, None])
             if FOUR_OVER_SIX:
                 # the 4-scaled candidate, and the larger error of each (`formats.nvfp4.
@@ -564,7 +570,7 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
                 # alone). E2M1 (at most 2 significant bits) times e4m3 (4 bits, at least
                 # 2**-9) is exact in float32, so an FMA contraction of the difference
                 # rounds as the reference's two operations
-                d4, enc4 = _nvfp4_block_scale(amax_b, s_enc * 0.25, s_dec)
+                d4, enc4 = _nvfp4_block_scale(amax_b, s_enc * 0.25, s_dec, HW_CVT)
                 mag4 = _e2m1_value(ax * enc4[:, :, None])
                 t = libdevice.mul_rn(ax, s_enc)
                 err4 = tl.max(tl.abs(mag4 * d4[:, :, None] - t), axis=2)
