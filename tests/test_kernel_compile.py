@@ -149,22 +149,29 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, causal):
-    """The routed Gluon backward kernels. dK/dV: each tile's S^T and dP^T are computed
+@pytest.mark.parametrize("row_scales", [False, True])
+def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, causal, row_scales):
+    """The routed Gluon backward kernels, for NVFP4 Q/K (a scale per head) and per-token
+    FP8 Q/K (ROW_SCALES, `train-fp8`). dK/dV: each tile's S^T and dP^T are computed
     once (the Triton kernel's two warpgroups each computed them whole at D=128, 16 HGMMA
     and 8 QGMMA per tile each). Both: wgmmas chained (no C7511/C7514), little spill
     (the first dK/dV version had 208 bytes of stack at D=128, before dK and dV were
     halved), and as many programs per SM as registers and shared memory were meant to
     allow: two at up to 255 registers, three at D=64 (168); dQ's causal tiles off the
-    diagonal without the mask's instructions."""
+    diagonal without the mask's instructions. ROW_SCALES: the query scales are an eighth
+    number of a dK/dV tile (copied with the others), the key scales of a dQ tile reach
+    their layout with V's (no barrier more), and the full tile's path no more than 3%
+    longer than the NVFP4 build's (measured: dK/dV 1.6-6.4% shorter, its query-head select
+    gone; dQ 2.1-2.4% longer); stack 0-40 bytes against NVFP4's 0-64
+    (docs/notes/hopper-train.md, "`train-fp8` on the Gluon backward")."""
     from fp4attn.tools.machine_code import compile_backward_gluon, inspect, ptxas_messages
     from fp4attn.routing import BACKWARD_LAUNCH
 
     cfg = BACKWARD_LAUNCH[head_dim]
     assert cfg.dkdv_gluon and cfg.dq_gluon and cfg.tma
-    def build(part, maxnreg, causal):
+    def build(part, maxnreg, causal, row_scales=row_scales):
         return compile_backward_gluon(causal, head_dim, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg,
-                                          staged=cfg.dkdv_staged)
+                                          staged=cfg.dkdv_staged, row_scales=row_scales)
 
     for part, maxnreg in (("dkdv", cfg.dkdv_maxnreg), ("dq", cfg.dq_maxnreg)):
         kernel = build(part, maxnreg, causal)
@@ -172,6 +179,9 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
         assert "C7511" not in report and "C7514" not in report, (part, report)
         r = inspect(kernel)
         loop = r.tile_loop()
+        if row_scales:
+            nvfp4 = inspect(build(part, maxnreg, causal, False))
+            assert len(r.tile_path()) <= len(nvfp4.tile_path()) * 1.03, (part, len(r.tile_path()))
         # S: D/16 bf16 k-steps; dP: D/32 e4m3 k-steps; dV and dK: 2 halves x 2 k-steps
         # each (dkdv); dQ: 2 k-steps (dq)
         assert sum(op.startswith("HGMMA") for op in loop) == head_dim // 16, part
@@ -191,11 +201,11 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
         bars = sum(op.startswith("BAR") for op in loop)
         assert bars <= 6, (part, bars)
         if part == "dkdv" and cfg.dkdv_staged == 2:
-            # the seven numbers of the next tile by asynchronous copies, no register
-            # holding them: loaded into registers ptxas spilled them right after their
-            # loads (docs/notes/hopper-train.md), and nothing else in the loop is a load
-            # from global memory
-            assert sum(op.startswith("LDGSTS") for op in loop) == 7, part
+            # the seven numbers of the next tile (eight with the query scales) by
+            # asynchronous copies, no register holding them: loaded into registers ptxas
+            # spilled them right after their loads (docs/notes/hopper-train.md), and
+            # nothing else in the loop is a load from global memory
+            assert sum(op.startswith("LDGSTS") for op in loop) == 7 + row_scales, part
             assert not any(op.startswith("LDG.") for op in loop), part
         programs = 65536 // (128 * r.registers)
         assert programs == (3 if maxnreg == 168 else 2), (part, r.registers)
@@ -457,7 +467,7 @@ def test_gluon_tma_descriptors_share_cached_layouts():
         tma_descriptor(torch.zeros(64, 64, dtype=torch.float16), [64, 64])
 
 
-@pytest.mark.parametrize("kernel", ["forward_ws", "dkdv", "dq"])
+@pytest.mark.parametrize("kernel", ["forward_ws", "dkdv", "dq", "dkdv_row_scales", "dq_row_scales"])
 def test_gluon_kernels_publish_their_mbarriers_before_using_them(kernel):
     """One thread initializes a Gluon kernel's mbarriers, and other threads (and the TMA
     unit) use them: between the last `mbarrier.init` and the first wait, arrival or copy
@@ -474,7 +484,9 @@ def test_gluon_kernels_publish_their_mbarriers_before_using_them(kernel):
         ptx = compile_forward_ws(False, 0, True, 128, overlap=forward_launch(128, False, True).ws_overlap).asm["ptx"]
     else:
         cfg = BACKWARD_LAUNCH[128]
-        ptx = compile_backward_gluon(True, 128, cfg.dkdv_in_flight, part=kernel, staged=cfg.dkdv_staged).asm["ptx"]
+        part, _, row_scales = kernel.partition("_")  # (per-token FP8 Q/K scales: ROW_SCALES)
+        ptx = compile_backward_gluon(True, 128, cfg.dkdv_in_flight, part=part, staged=cfg.dkdv_staged,
+                                     row_scales=bool(row_scales)).asm["ptx"]
     lines = ptx.splitlines()
     inits = [i for i, s in enumerate(lines) if "mbarrier.init" in s]
     uses = [i for i, s in enumerate(lines) if re.search(r"mbarrier\.(try_wait|arrive)|cp\.async\.bulk", s)]

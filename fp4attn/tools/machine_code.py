@@ -352,9 +352,10 @@ def compile_quantizer(name: str, **constexprs):
 
 
 def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",
-                               maxnreg: int | None = None, staged: int = 1):
+                               maxnreg: int | None = None, staged: int = 1, row_scales: bool = False):
     """The compiled Gluon backward kernel `part` ("dkdv" or "dq", `backward_gluon.py`)
-    as its launcher runs it: bf16 gradients."""
+    as its launcher runs it: bf16 gradients; `row_scales`: per-token Q/K scales (FP8
+    Q/K, ROW_SCALES), as `train-fp8` runs it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fp4attn.kernels.hopper import backward_gluon as bp
@@ -377,6 +378,8 @@ def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bp.BLOCK, BLOCK_N=bp.BLOCK, CAUSAL=causal)
     if part == "dkdv":
         consts.update(IN_FLIGHT=in_flight, STAGED=staged)
+    if row_scales:  # (left out otherwise: the NVFP4 builds' cache keys and sources as before)
+        consts["ROW_SCALES"] = True
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
                          attrs=_divisibility(sig, _pointers_and(sig, ("H", "Sq", "Sk"))))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=maxnreg))

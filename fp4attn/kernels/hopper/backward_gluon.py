@@ -35,9 +35,16 @@ those that straddle it are masked (a runtime branch).
 (the Triton dq kernel's recomputation of S, P, dP and dS), the next key tile's products
 issued beside this tile's dQ product.
 
+Q/K scales, as the Triton kernels take them: one tensor scale per head of NVFP4 Q and K
+(`train`), or with ROW_SCALES a float32 scale per query and per key of per-token FP8
+Q/K (`train-fp8`), multiplied into the scores in the Triton kernels' order,
+(S x (q_s x scale x log2 e)) x k_s. dK/dV: the program's key scales load once, a query
+tile's scales travel with its other per-query numbers (an eighth number, a tile ahead);
+dQ: the program's query scales load once, a key tile's scales a tile ahead as V's do.
+
 Launched by `train_op.launch_backward` where Sq and Sk are whole 64-row tiles (the TMA
-path), with the hardware's e4m3 conversion, dK/dV for FP8 P (`train`); the Triton
-kernels run otherwise. Measurements: docs/notes/hopper-train.md.
+path), with the hardware's e4m3 conversion, dK/dV for FP8 P (`train`, `train-fp8`); the
+Triton kernels run otherwise. Measurements: docs/notes/hopper-train.md.
 """
 
 import triton
@@ -117,49 +124,62 @@ def _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM: gl.constexpr, BLOCK_M
 
 
 @gluon.jit
-def _query_number_ptrs(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS,
-                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Where tile i's LSE, dO's token scales and delta (per query), and dO_c's and Q_c's
-    channel scales (per half of D) are, `_flat_ptrs`."""
+def _query_number_ptrs(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, QS,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROW_SCALES: gl.constexpr):
+    """Where tile i's LSE, dO's token scales and delta (per query), dO_c's and Q_c's
+    channel scales (per half of D), and with ROW_SCALES its queries' own scales (an
+    eighth number) are, `_flat_ptrs`."""
     start_m, row, hd_row = _query_tile(i, n_m, lo, b, hk, H, GROUP, Sq, HEAD_DIM, BLOCK_M)
     half: gl.constexpr = HEAD_DIM // 2
-    return (_flat_ptrs(LSE + row + start_m, BLOCK_M), _flat_ptrs(DO_TS + row + start_m, BLOCK_M),
+    ptrs = (_flat_ptrs(LSE + row + start_m, BLOCK_M), _flat_ptrs(DO_TS + row + start_m, BLOCK_M),
             _flat_ptrs(DELTA + row + start_m, BLOCK_M), _flat_ptrs(DO_CS + hd_row, half),
             _flat_ptrs(DO_CS + hd_row + half, half), _flat_ptrs(Q_CS + hd_row, half),
             _flat_ptrs(Q_CS + hd_row + half, half))
+    if ROW_SCALES:  # QS (B, H, Sq), as the LSE: the tile's head's scales of its queries
+        ptrs = ptrs + (_flat_ptrs(QS + row + start_m, BLOCK_M),)
+    return ptrs
 
 
 @gluon.jit
-def _query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, QS,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROW_SCALES: gl.constexpr):
     """Tile i's numbers (`_query_number_ptrs`) loaded into registers."""
-    ptrs = _query_number_ptrs(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
-    return (gl.load(ptrs[0]), gl.load(ptrs[1]), gl.load(ptrs[2]), gl.load(ptrs[3]), gl.load(ptrs[4]),
+    ptrs = _query_number_ptrs(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, QS, HEAD_DIM, BLOCK_M,
+                              ROW_SCALES)
+    nums = (gl.load(ptrs[0]), gl.load(ptrs[1]), gl.load(ptrs[2]), gl.load(ptrs[3]), gl.load(ptrs[4]),
             gl.load(ptrs[5]), gl.load(ptrs[6]))
+    if ROW_SCALES:
+        nums = nums + (gl.load(ptrs[7]),)
+    return nums
 
 
 @gluon.jit
-def _copy_query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, bufs, stage,
-                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+def _copy_query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, QS, bufs, stage,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ROW_SCALES: gl.constexpr):
     """Tile i's numbers (`_query_number_ptrs`) copied asynchronously into stage `stage`
-    of their seven buffers, one commit group: no register holds them."""
-    ptrs = _query_number_ptrs(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
-    for n in gl.static_range(7):
+    of their seven (ROW_SCALES: eight) buffers, one commit group: no register holds them."""
+    ptrs = _query_number_ptrs(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS, Q_CS, QS, HEAD_DIM, BLOCK_M,
+                              ROW_SCALES)
+    for n in gl.static_range(len(ptrs)):
         async_copy.async_copy_global_to_shared(bufs[n].index(stage), ptrs[n])
     async_copy.commit_group()
 
 
 @gluon.jit
-def _number_buffers(STAGED: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+def _number_buffers(STAGED: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr, ROW_SCALES: gl.constexpr):
     """The seven number buffers (per query: LSE, dO token scales, delta; per channel:
-    dO_c's and Q_c's scales by half of D): one each (STAGED 1), or a two-stage ring
-    each that asynchronous copies fill a tile ahead (2)."""
+    dO_c's and Q_c's scales by half of D), and with ROW_SCALES an eighth (the queries'
+    own scales): one each (STAGED 1), or a two-stage ring each that asynchronous copies
+    fill a tile ahead (2)."""
     layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (of each stage)
     stages: gl.constexpr = STAGES if STAGED == 2 else 1
-    return (_float_buffer(stages, BLOCK_M, layout), _float_buffer(stages, BLOCK_M, layout),
+    bufs = (_float_buffer(stages, BLOCK_M, layout), _float_buffer(stages, BLOCK_M, layout),
             _float_buffer(stages, BLOCK_M, layout), _float_buffer(stages, HALF, layout),
             _float_buffer(stages, HALF, layout), _float_buffer(stages, HALF, layout),
             _float_buffer(stages, HALF, layout))
+    if ROW_SCALES:
+        bufs = bufs + (_float_buffer(stages, BLOCK_M, layout),)
+    return bufs
 
 
 @gluon.jit
@@ -206,7 +226,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = 1,
+    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = 1, ROW_SCALES: gl.constexpr = False,
 ):
     """Operands as `backward.attn_bwd_dkdv_kernel` reads them, the tiles by TMA:
     q_desc (B*H*Sq, D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles,
@@ -226,7 +246,14 @@ def attn_bwd_dkdv_pipelined_kernel(
     (cp.async) into two-stage buffers a tile ahead instead: with the registers at their
     limit, ptxas spilled the loaded numbers right after their loads, and each spill store
     waited out the global load (docs/notes/hopper-train.md, "A tile's numbers staged
-    together" and the ncu profile after it)."""
+    together" and the ncu profile after it).
+
+    QS (B, H) / KS (B, Hkv): the tensor scales of NVFP4 Q and K per head; with
+    ROW_SCALES QS (B, H, Sq) / KS (B, Hkv, Sk), per-token FP8 Q/K's scales (the Triton
+    kernel's ROW_SCALES): the program's key scales are loaded once, in the layout of
+    S^T's rows, and a tile's query scales are an eighth per-query number, a tile ahead
+    (STAGED 1 stores them times scale * log2 e with the others, STAGED 2 copies them and
+    multiplies after the read: the same rounded product)."""
     gl.static_assert(BLOCK_N == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_M == 64)  # dS's scale block along the queries (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
@@ -264,8 +291,10 @@ def attn_bwd_dkdv_pipelined_kernel(
     do_t_smem = _ring(do_t_desc, STAGES)
     do_c_smem = _ring(do_c_desc, STAGES)
     q_c_smem = _ring(q_c_desc, STAGES)
-    bufs = _number_buffers(STAGED, BLOCK_M, HALF)
-    lse_s, do_s_s, delta_s, do_cs0_s, do_cs1_s, q_cs0_s, q_cs1_s = bufs
+    bufs = _number_buffers(STAGED, BLOCK_M, HALF, ROW_SCALES)
+    lse_s, do_s_s, delta_s, do_cs0_s, do_cs1_s, q_cs0_s, q_cs1_s = bufs[0:7]
+    if ROW_SCALES:
+        qs_s = bufs[7]
     kv_bar = barriers(1, 1)
     ready = barriers(STAGES, 1)
     barriers_ready()
@@ -278,17 +307,26 @@ def attn_bwd_dkdv_pipelined_kernel(
     # tile 0's numbers (a program without tiles reads the last query tile's, unused)
     if STAGED == 2:
         _copy_query_numbers(0, gl.maximum(n_m, 1), gl.minimum(lo, Sq - BLOCK_M), b, hk, H, GROUP, Sq, LSE, DO_TS,
-                            DELTA, DO_CS, Q_CS, bufs, 0, HEAD_DIM, BLOCK_M)
+                            DELTA, DO_CS, Q_CS, QS, bufs, 0, HEAD_DIM, BLOCK_M, ROW_SCALES)
     else:
-        lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = _query_numbers(
-            0, gl.maximum(n_m, 1), gl.minimum(lo, Sq - BLOCK_M), b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_CS,
-            Q_CS, HEAD_DIM, BLOCK_M)
+        nums = _query_numbers(0, gl.maximum(n_m, 1), gl.minimum(lo, Sq - BLOCK_M), b, hk, H, GROUP, Sq, LSE, DO_TS,
+                              DELTA, DO_CS, Q_CS, QS, HEAD_DIM, BLOCK_M, ROW_SCALES)
+        lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nums[0:7]
+        if ROW_SCALES:
+            qsc = nums[7]
 
-    k_scale = gl.load(KS + off_bh)  # the K head's tensor scale
-    # the tensor scales of the group's query heads (GROUP <= BLOCK_M), held in registers:
-    # each tile picks its head's by a select and a warp reduction, no load in the loop
-    group_t = gl.arange(0, BLOCK_M, layout=queries_t)
-    q_scales = gl.load(QS + b * H + hk * GROUP + group_t, mask=group_t < GROUP, other=0.0)
+    if ROW_SCALES:
+        # the program's keys' own scales (the Triton kernel's, times 1.0: exact), loaded
+        # once into shared memory and read in S^T's row layout where used (held in
+        # registers across the loop, ptxas spilled more: docs/notes/hopper-train.md)
+        ks_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        ks_s.store(_flat(KS + kv_row, BLOCK_N))
+    else:
+        k_scale = gl.load(KS + off_bh)  # the K head's tensor scale
+        # the tensor scales of the group's query heads (GROUP <= BLOCK_M), held in registers:
+        # each tile picks its head's by a select and a warp reduction, no load in the loop
+        group_t = gl.arange(0, BLOCK_M, layout=queries_t)
+        q_scales = gl.load(QS + b * H + hk * GROUP + group_t, mask=group_t < GROUP, other=0.0)
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=keys_t)
     offs_mb = gl.arange(0, BLOCK_M, layout=queries_t)
     v_s = _spread(_flat(V_TS + kv_row, BLOCK_N), keys_t, 1)
@@ -314,14 +352,15 @@ def attn_bwd_dkdv_pipelined_kernel(
         if STAGED == 2:
             # tile i+1's numbers into the other stage; tile i's, copied a tile ago, are in
             _copy_query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
-                                DO_CS, Q_CS, bufs, (i + 1) % STAGES, HEAD_DIM, BLOCK_M)
+                                DO_CS, Q_CS, QS, bufs, (i + 1) % STAGES, HEAD_DIM, BLOCK_M, ROW_SCALES)
             async_copy.wait_group(1)
             lse_b, do_s_b, delta_b = lse_s.index(stage), do_s_s.index(stage), delta_s.index(stage)
             do_cs0_b, do_cs1_b = do_cs0_s.index(stage), do_cs1_s.index(stage)
             q_cs0_b, q_cs1_b = q_cs0_s.index(stage), q_cs1_s.index(stage)
-            lse2 = gl.expand_dims(lse_log2(lse_b.load(queries_t)), 0)
+            if not ROW_SCALES:  # (ROW_SCALES: read after the scores are scaled)
+                lse2 = gl.expand_dims(lse_log2(lse_b.load(queries_t)), 0)
         else:
-            lse_b, do_s_b, delta_b, do_cs0_b, do_cs1_b, q_cs0_b, q_cs1_b = bufs
+            lse_b, do_s_b, delta_b, do_cs0_b, do_cs1_b, q_cs0_b, q_cs1_b = bufs[0:7]
             # this tile's numbers, for the layouts below
             lse_s.store(lse_log2(lse))
             do_s_s.store(do_s)
@@ -330,17 +369,34 @@ def attn_bwd_dkdv_pipelined_kernel(
             do_cs1_s.store(do_cs1)
             q_cs0_s.store(q_cs0)
             q_cs1_s.store(q_cs1)
+            if ROW_SCALES:
+                qs_s.store(qsc * qk_scale)
             nxt = _query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
-                                 DO_CS, Q_CS, HEAD_DIM, BLOCK_M)
+                                 DO_CS, Q_CS, QS, HEAD_DIM, BLOCK_M, ROW_SCALES)
             # 2. P^T and its FP8 form
-            lse2 = _number(lse_s, queries_t, 0)
+            if not ROW_SCALES:
+                lse2 = _number(lse_s, queries_t, 0)
         st = warpgroup_mma_wait(1, deps=[st_tok])
-        q_scale = gl.sum(gl.where(group_t == i // n_m, q_scales, 0.0), axis=0) * qk_scale  # tile i's head's
+        if ROW_SCALES:
+            # tile i's queries' own scales times scale * log2 e (the Triton kernel's
+            # token_scales(QS, .., q_scale, 1)), one per column of S^T; the keys' per row
+            if STAGED == 2:
+                q_scale = _number(qs_s.index(stage), queries_t, 0) * qk_scale
+            else:
+                q_scale = _number(qs_s, queries_t, 0)
+            k_scale = _number(ks_s, keys_t, 1)
+        else:
+            q_scale = gl.sum(gl.where(group_t == i // n_m, q_scales, 0.0), axis=0) * qk_scale  # tile i's head's
         tt = log2_scores(st, q_scale, k_scale)
         if start_m < mid:  # a tile on the causal diagonal
             offs_m = start_m + offs_mb
             visible = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_offset
             tt = gl.where(visible, tt, -float("inf"))
+        if ROW_SCALES:  # the log2 LSE read here: with it read before the scores, ptxas spilled more
+            if STAGED == 2:
+                lse2 = gl.expand_dims(lse_log2(lse_b.load(queries_t)), 0)
+            else:
+                lse2 = _number(lse_s, queries_t, 0)
         xt = tt - lse2
         pt = gl.exp2(xt)
         pr = gl.convert_layout(p_r(xt, pt, 0, True), a_layout)
@@ -373,7 +429,9 @@ def attn_bwd_dkdv_pipelined_kernel(
             tok = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
             dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1_b, dims_g, 0)
         if STAGED != 2:
-            lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt
+            lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt[0:7]
+            if ROW_SCALES:
+                qsc = nxt[7]
 
     if STAGED == 2:
         async_copy.wait_group(0)  # the last copy (a repeat of the last tile's numbers)
@@ -417,6 +475,7 @@ def attn_bwd_dq_pipelined_kernel(
     QS, KS, LSE, DELTA, DO_TS, V_TS, K_CS, DQ,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    ROW_SCALES: gl.constexpr = False,
 ):
     """dQ of BLOCK_M queries of one head over its visible key tiles, the Triton dq
     kernel's arithmetic (`backward._dq_tile`) operation for operation: q_desc (B*H*Sq,
@@ -429,7 +488,10 @@ def attn_bwd_dq_pipelined_kernel(
         issue S_{j+1} and dP_{j+1}, then dQ_j = dS K_c on a fresh accumulator
         wait for all three; dQ += dQ_j x dS's query scale; K_c_j's stage takes tile j+2
 
-    so the products of the next tile run while this one's dQ product does."""
+    so the products of the next tile run while this one's dQ product does. ROW_SCALES
+    (per-token FP8 Q/K, QS (B, H, Sq) and KS (B, Hkv, Sk)): the program's query scales,
+    times scale * log2 e, are loaded once, and each key tile's scales a tile ahead, as
+    V's, where NVFP4 has the heads' two tensor scales (the Triton kernel's ROW_SCALES)."""
     gl.static_assert(BLOCK_M == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_N == 64)  # dS's scale block along the keys (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
@@ -476,9 +538,19 @@ def attn_bwd_dq_pipelined_kernel(
         _load_key_tile(j, kv_row, kd_row, k_desc, v_desc, k_c_desc, k_smem, v_smem, k_c_smem, ready,
                        (j < n_tiles) | (j == 0), BLOCK_N)
 
-    q_scale = gl.load(QS + off_bh) * qk_scale  # the heads' tensor scales, Q's times scale * log2 e
-    k_scale = gl.load(KS + bhk)
+    if not ROW_SCALES:
+        q_scale = gl.load(QS + off_bh) * qk_scale  # the heads' tensor scales, Q's times scale * log2 e
+        k_scale = gl.load(KS + bhk)
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=rows_s)
+    if ROW_SCALES:
+        # the program's queries' own scales times scale * log2 e, once; each key tile's
+        # keys' scales a tile ahead, as V's (key tile 0's here)
+        q_scale = gl.expand_dims(gl.load(QS + off_bh * Sq + offs_m) * qk_scale, 1)
+        k_s = _flat(KS + kv_row, BLOCK_N)
+        # a key tile's K and V scales reach the S layout together (one barrier pair per
+        # tile, as V's alone by a layout change)
+        ks_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        vs_s = gl.allocate_shared_memory(gl.float32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     offs_nb = gl.arange(0, BLOCK_N, layout=keys_s)
     lse2 = gl.expand_dims(lse_log2(gl.load(LSE + off_bh * Sq + offs_m)), 1)
     delta = gl.expand_dims(gl.load(DELTA + off_bh * Sq + offs_m), 1)
@@ -493,9 +565,16 @@ def attn_bwd_dq_pipelined_kernel(
     s_tok, dp_tok = _issue_scores(0, q_smem, do_t_smem, k_smem, v_smem, ready, s_zero, dp_zero)
     for j in range(n_tiles):
         stage = j % STAGES
+        if ROW_SCALES:
+            ks_s.store(k_s)
+            vs_s.store(v_s)
         v_s_next = _flat(V_TS + kv_row + gl.minimum(j + 1, n_tiles - 1) * BLOCK_N, BLOCK_N)
+        if ROW_SCALES:
+            k_s_next = _flat(KS + kv_row + gl.minimum(j + 1, n_tiles - 1) * BLOCK_N, BLOCK_N)
         # P and dS of tile j
         scores = warpgroup_mma_wait(1, deps=[s_tok])
+        if ROW_SCALES:  # tile j's keys' own scales (the Triton kernel's, times 1.0: exact)
+            k_scale = _number(ks_s, keys_s, 0)
         t = log2_scores(scores, q_scale, k_scale)
         if j * BLOCK_N >= full:  # a tile on the causal diagonal
             cols = j * BLOCK_N + offs_nb
@@ -503,7 +582,10 @@ def attn_bwd_dq_pipelined_kernel(
             t = gl.where(visible, t, -float("inf"))
         p = gl.exp2(t - lse2)
         dp = gl.convert_layout(warpgroup_mma_wait(0, deps=[dp_tok]), s_layout)
-        dp = dp * do_s * _spread(v_s, keys_s, 0)
+        if ROW_SCALES:
+            dp = dp * do_s * _number(vs_s, keys_s, 0)
+        else:
+            dp = dp * do_s * _spread(v_s, keys_s, 0)
         ds = p * (dp - delta)
         ds_g, ds_s = e4m3_rows(ds, 1, True)
         ds_g = gl.convert_layout(ds_g, a_layout)
@@ -516,6 +598,8 @@ def attn_bwd_dq_pipelined_kernel(
         _load_key_tile(j + STAGES, kv_row, kd_row, k_desc, v_desc, k_c_desc, k_smem, v_smem, k_c_smem, ready,
                        j + STAGES < n_tiles, BLOCK_N)
         v_s = v_s_next
+        if ROW_SCALES:
+            k_s = k_s_next
 
     warpgroup_mma_wait(0, deps=[s_tok, dp_tok])  # (only a block without keys has them pending)
     invalidate(q_bar, 1)
@@ -541,10 +625,11 @@ def descriptors(**operands) -> dict:
 
 def launch_dkdv_gluon(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,
                           causal: bool, scale: float, in_flight: int = 1, maxnreg: int | None = None,
-                          staged: int = 1):
+                          staged: int = 1, row_scales: bool = False):
     """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D) from `train_op.backward_operands`'s
     views, their tiles by `descs` (`descriptors` of q, k, do_t, do_c, v_t, q_c); Sq and Sk
-    multiples of BLOCK."""
+    multiples of BLOCK. `row_scales`: qs (B, H, Sq) and ks (B, Hkv, Sk) are per-token FP8
+    Q/K's scales (ROW_SCALES), else the heads' tensor scales (B, H), (B, Hkv)."""
     from fp4attn.reference.forward import LOG2E
 
     if in_flight not in (1, 2):
@@ -557,13 +642,13 @@ def launch_dkdv_gluon(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, d
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
         *(descs[n] for n in ("q", "k", "do_t", "do_c", "v_t", "q_c")), qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs,
         dk, dv, H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
-        CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=staged, num_warps=4, maxnreg=maxnreg)
+        CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=staged, ROW_SCALES=row_scales, num_warps=4, maxnreg=maxnreg)
 
 
 def launch_dq_gluon(descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, causal_offset: int, causal: bool,
-                        scale: float, maxnreg: int | None = None):
+                        scale: float, maxnreg: int | None = None, row_scales: bool = False):
     """Run the dQ kernel into dq (B, H, Sq, D), its tiles by `descs` (`descriptors` of q,
-    k, do_t, v_t, k_c), as `launch_dkdv_gluon`."""
+    k, do_t, v_t, k_c), as `launch_dkdv_gluon` (`row_scales` likewise)."""
     from fp4attn.reference.forward import LOG2E
 
     B, H, Sq, D = dq.shape
@@ -571,4 +656,4 @@ def launch_dq_gluon(descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, causal_off
     attn_bwd_dq_pipelined_kernel[(triton.cdiv(Sq, BLOCK), B * H)](
         *(descs[n] for n in ("q", "k", "do_t", "v_t", "k_c")), qs, ks, lse, delta, do_ts, v_ts, k_cs, dq,
         H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
-        CAUSAL=causal, num_warps=4, maxnreg=maxnreg)
+        CAUSAL=causal, ROW_SCALES=row_scales, num_warps=4, maxnreg=maxnreg)
