@@ -229,12 +229,11 @@ def backward_launch(head_dim: int) -> BackwardLaunch:
     return _BACKWARD_OVERRIDE.get() or BACKWARD_LAUNCH[head_dim]
 
 
-# The Q/K formats whose backward the Gluon kernels run: they read one scale per head for Q
-# and for K (NVFP4's tensor scales). Per-token FP8 Q/K (`train-fp8`, a scale per query and
-# per key) runs on the Triton kernels' ROW_SCALES form at every length, where the launch
-# would otherwise pick the Gluon kernels (docs/notes/hopper-train.md, "`train-fp8` on the
-# training kernels").
-GLUON_BACKWARD_QK = ("nvfp4",)
+# The Q/K formats whose backward the Gluon kernels run: NVFP4 (one tensor scale per head
+# for Q and for K) and per-token FP8 (`train-fp8`, a scale per query and per key: the
+# kernels' ROW_SCALES form, as the Triton kernels'; docs/notes/hopper-train.md, "`train-fp8`
+# on the Gluon backward"). Lengths that are not whole tiles run the Triton kernels.
+GLUON_BACKWARD_QK = ("nvfp4", "fp8")
 
 
 def backward_gluon_kernels(launch: BackwardLaunch, qk: str, p_mode: int, tma: bool) -> tuple[bool, bool]:

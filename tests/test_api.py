@@ -404,8 +404,8 @@ def test_forward_routes_fp8_p_at_d128_to_the_warp_specialized_kernel(monkeypatch
 def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
     """`train_op.launch_backward` runs the Gluon dK/dV and dQ kernels with the launch
     table's flags where the lengths are whole 64-row tiles (FP8 P for dK/dV: the
-    `train-mxfp4pv` P keeps the Triton dK/dV kernel) and Q/K have a scale per head (per-
-    token FP8 Q/K keep the Triton kernels), and the Triton kernels elsewhere;
+    `train-mxfp4pv` P keeps the Triton dK/dV kernel), with Q/K's scales per head (NVFP4)
+    or per token (FP8 Q/K: ROW_SCALES), and the Triton kernels elsewhere;
     every launch is recorded instead of run, so this needs no GPU. The TMA descriptors
     are host time at every call: the Triton kernels' are built only where one of them
     runs, the Gluon kernels' once for both, each the tile its kernel reads."""
@@ -421,9 +421,9 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
     monkeypatch.setattr(train_op, "backward_descriptors", lambda *a: triton_descs.append(1) or build_triton(*a))
 
     def gluon(name, *recorded):
-        def launch(descs, *a):
+        def launch(descs, *a, row_scales=False):
             gluon_tiles.update({n: list(t.block_shape) for n, t in descs.items()})
-            calls.append((name, "gluon", *a[len(a) - recorded[0]:]))
+            calls.append((name, "gluon", *a[len(a) - recorded[0]:], row_scales))
         return launch
 
     class Recorder:
@@ -435,8 +435,9 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
 
     monkeypatch.setattr(train_op, "attn_bwd_dkdv_kernel", Recorder("dkdv"))
     monkeypatch.setattr(train_op, "attn_bwd_dq_kernel", Recorder("dq"))
-    monkeypatch.setattr(backward_gluon, "launch_dkdv_gluon", gluon("dkdv", 3))  # in_flight, maxnreg, staged
-    monkeypatch.setattr(backward_gluon, "launch_dq_gluon", gluon("dq", 1))  # maxnreg
+    # in_flight, maxnreg, staged; then row_scales
+    monkeypatch.setattr(backward_gluon, "launch_dkdv_gluon", gluon("dkdv", 3))
+    monkeypatch.setattr(backward_gluon, "launch_dq_gluon", gluon("dq", 1))  # maxnreg; then row_scales
 
     def route(d, sq=256, sk=128, p=("fp8", "exp2"), row_scales=False):
         calls.clear()
@@ -458,18 +459,21 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
 
     for d in (64, 128):
         cfg = routing.BACKWARD_LAUNCH[d]
-        assert route(d) == [("dkdv", "gluon", cfg.dkdv_in_flight, cfg.dkdv_maxnreg, cfg.dkdv_staged),
-                            ("dq", "gluon", cfg.dq_maxnreg)]
+        assert route(d) == [("dkdv", "gluon", cfg.dkdv_in_flight, cfg.dkdv_maxnreg, cfg.dkdv_staged, False),
+                            ("dq", "gluon", cfg.dq_maxnreg, False)]
         token, channel = [64, d], [d, 64]
         assert gluon_tiles == dict(q=token, k=token, do_t=token, v_t=token, do_c=channel, q_c=channel, k_c=channel)
         assert triton_descs == []
-        assert route(d, p=("mxfp4", "directp")) == [("dkdv", "triton"), ("dq", "gluon", cfg.dq_maxnreg)]
+        assert route(d, p=("mxfp4", "directp")) == [("dkdv", "triton"), ("dq", "gluon", cfg.dq_maxnreg, False)]
         assert gluon_tiles == dict(q=token, k=token, do_t=token, v_t=token, k_c=channel) and triton_descs == [1]
         assert route(d, sq=200) == [("dkdv", "triton"), ("dq", "triton")]  # not whole tiles
         assert route(d, sk=100) == [("dkdv", "triton"), ("dq", "triton")]
-        # per-token FP8 Q/K scales: the Triton kernels' ROW_SCALES form at every length
-        # (routing.GLUON_BACKWARD_QK), the TMA tiles still where they are whole
-        assert route(d, row_scales=True) == [("dkdv", "triton"), ("dq", "triton")] and triton_descs == [1]
+        # per-token FP8 Q/K scales: the Gluon kernels' ROW_SCALES form where the lengths
+        # are whole tiles (routing.GLUON_BACKWARD_QK), the Triton kernels' elsewhere
+        assert route(d, row_scales=True) == [("dkdv", "gluon", cfg.dkdv_in_flight, cfg.dkdv_maxnreg,
+                                              cfg.dkdv_staged, True), ("dq", "gluon", cfg.dq_maxnreg, True)]
+        assert gluon_tiles == dict(q=token, k=token, do_t=token, v_t=token, do_c=channel, q_c=channel, k_c=channel)
+        assert triton_descs == []
         assert route(d, sq=200, row_scales=True) == [("dkdv", "triton"), ("dq", "triton")] and triton_descs == []
         monkeypatch.setitem(routing.BACKWARD_LAUNCH, d, dataclasses.replace(cfg, hw_cvt=False))
         assert route(d) == [("dkdv", "triton"), ("dq", "triton")]  # e4m3 by bit arithmetic: Triton only
@@ -477,9 +481,9 @@ def test_backward_routes_whole_tiles_to_the_gluon_kernels(monkeypatch):
 
 def test_training_routes_fp8_qk_to_the_hopper_kernels(monkeypatch):
     """`train-fp8` (per-token FP8 Q/K) trains on the Hopper training kernels: the
-    Gluon or Triton forward and the Triton backward (per-token scales,
-    `routing.GLUON_BACKWARD_QK`), through `hopper_train_attention`; `train` keeps the
-    Gluon backward. What stays on the reference says what was wrong and what the kernels
+    Gluon or Triton forward and, as `train`, the Gluon backward where the lengths are
+    whole tiles (per-token scales: ROW_SCALES, `routing.GLUON_BACKWARD_QK`), through
+    `hopper_train_attention`. What stays on the reference says what was wrong and what the kernels
     accept, and backend="triton" raises with it."""
     monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
     kw = dict(device="cuda", needs_grad=True, mask="none")
@@ -488,7 +492,8 @@ def test_training_routes_fp8_qk_to_the_hopper_kernels(monkeypatch):
             r = routing.route(fp4attn.get_recipe("train-fp8"), head_dim=d, causal=causal, **kw)
             assert r.backend == "triton" and r.family.name == "hopper-train", r
             assert r.family.launcher == "fp4attn.kernels.hopper.train_op:hopper_train_attention"
-            assert r.kernel.endswith("hopper.backward_triton.dkdv + hopper.backward_triton.dq"), r.kernel
+            assert r.kernel.endswith("hopper.backward_gluon.dkdv + hopper.backward_gluon.dq (Gluon where the "
+                                     "lengths are whole 64-token tiles)"), r.kernel
     train = routing.route(fp4attn.get_recipe("train"), head_dim=128, causal=True, **kw)
     assert "hopper.backward_gluon.dkdv + hopper.backward_gluon.dq" in train.kernel
     fp8 = fp4attn.get_recipe("train-fp8")

@@ -21,7 +21,8 @@ from fp4attn.reference.masks import causal_offset, key_mask
 
 pytestmark = pytest.mark.gpu
 
-# train-fp8: per-token FP8 Q/K, its backward on the Triton kernels (routing.GLUON_BACKWARD_QK)
+# train-fp8: per-token FP8 Q/K, its backward on the kernels' ROW_SCALES form (the Gluon
+# kernels where the lengths are whole tiles, as train's: routing.GLUON_BACKWARD_QK)
 RECIPES = ["train", "train-mxfp4pv", "train-fp8"]
 
 
@@ -106,33 +107,47 @@ def test_backward_tile_loads(recipe, d, tma, monkeypatch):
         assert bool(torch.isfinite(g[0, [0, 2]]).all())
 
 
-def _train_grads(q, k, v, dout, causal_offset):
-    """dq, dk, dv of `train` through the two custom ops (causal_offset None: non-causal)."""
+def _train_grads(q, k, v, dout, causal_offset, recipe="train"):
+    """dq, dk, dv of `recipe` (`train`: NVFP4 Q/K; `train-fp8`: per-token FP8 Q/K, its
+    own ops) through the two custom ops (causal_offset None: non-causal)."""
     import fp4attn.kernels.hopper.train_op  # noqa: F401  (registers the ops)
 
-    r = PRESETS["train"]
+    r = PRESETS[recipe]
+    ops = torch.ops.fp4attn
+    forward, backward = ((ops.hopper_train_forward_fp8, ops.hopper_train_backward_fp8) if r.qk == "fp8" else
+                         (ops.hopper_train_forward, ops.hopper_train_backward))
     off, causal, scale = causal_offset or 0, causal_offset is not None, q.shape[-1] ** -0.5
-    saved = torch.ops.fp4attn.hopper_train_forward(q, k, v, r.qk, r.p, r.p_build, r.v, off, causal, scale)
-    return torch.ops.fp4attn.hopper_train_backward(dout, *saved, r.p, r.p_build, off, causal, scale,
-                                                   *[torch.bfloat16] * 3)
+    saved = forward(q, k, v, r.qk, r.p, r.p_build, r.v, off, causal, scale)
+    return backward(dout, *saved, r.p, r.p_build, off, causal, scale, *[torch.bfloat16] * 3)
 
 
+# NVFP4 Q/K (a scale per head) and per-token FP8 Q/K (ROW_SCALES: a scale per query and per key)
+@pytest.mark.parametrize("recipe", ["train", "train-fp8"])
 @pytest.mark.parametrize("d", [64, 128])
 # the routed D=128 and D=64 forms, and the numbers by asynchronous copies (STAGED 2)
 @pytest.mark.parametrize("in_flight,staged", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_pipelined_backward_equals_triton_kernels(d, in_flight, staged, monkeypatch):
+def test_pipelined_backward_equals_triton_kernels(recipe, d, in_flight, staged, monkeypatch):
     """The Gluon dK/dV and dQ kernels do the Triton kernels' arithmetic operation for
     operation, on the same tensor-core sums: dQ, dK and dV equal bit for bit,
     non-causal and causal from either corner (query blocks that see no key included),
     GQA, Sq != Sk; they match the reference as the Triton kernels do; a NaN in one
-    head's dO stays in that head."""
+    head's dO stays in that head. For NVFP4 Q/K and, through both kernels' ROW_SCALES
+    form, per-token FP8 Q/K (`train-fp8`: each tile's query scales from its own query
+    head under GQA)."""
     import dataclasses
 
     from fp4attn import routing
+    from fp4attn.kernels.hopper import backward_gluon
 
     triton_cfg = dataclasses.replace(routing.BACKWARD_LAUNCH[d], dkdv_gluon=False, dq_gluon=False, tma=True)
     gluon_cfg = dataclasses.replace(triton_cfg, dkdv_gluon=True, dq_gluon=True, dkdv_in_flight=in_flight,
                                     dkdv_staged=staged)
+    # which Gluon kernels ran, in which scale form (so that neither side is the Triton kernels twice)
+    launched = []
+    for part in ("dkdv", "dq"):
+        launch = getattr(backward_gluon, f"launch_{part}_gluon")
+        monkeypatch.setattr(backward_gluon, f"launch_{part}_gluon", lambda *a, _part=part, _launch=launch, **kw:
+                            launched.append((_part, kw.get("row_scales", False))) or _launch(*a, **kw))
     for b, hq, hkv, sq, sk, off in ((1, 2, 2, 128, 128, None), (2, 4, 2, 256, 192, 192 - 256), (1, 6, 2, 512, 512, 0),
                                     (1, 3, 3, 64, 320, None), (1, 2, 1, 1024, 1024, 0), (1, 2, 2, 192, 512, 320)):
         q, k, v = _inputs(b, hq, hkv, sq, sk, d)
@@ -140,18 +155,22 @@ def test_pipelined_backward_equals_triton_kernels(d, in_flight, staged, monkeypa
         grads = []
         for cfg in (triton_cfg, gluon_cfg):
             monkeypatch.setitem(routing.BACKWARD_LAUNCH, d, cfg)
-            grads.append(_train_grads(q, k, v, dout, off))
+            launched.clear()
+            grads.append(_train_grads(q, k, v, dout, off, recipe))
+        row_scales = recipe == "train-fp8"
+        assert launched == [("dkdv", row_scales), ("dq", row_scales)], (recipe, launched)  # (the second run's)
         for name, t, g in zip("qkv", *grads):
-            assert bool(torch.isfinite(g).all()), (name, b, hq, hkv, sq, sk, off)
+            assert bool(torch.isfinite(g).all()), (recipe, name, b, hq, hkv, sq, sk, off)
             diff = float((t.float() - g.float()).abs().max().detach())
-            assert torch.equal(t.view(torch.int16), g.view(torch.int16)), (f"d{name}", b, hq, hkv, sq, sk, off, diff)
+            assert torch.equal(t.view(torch.int16), g.view(torch.int16)), (recipe, f"d{name}", b, hq, hkv, sq, sk,
+                                                                           off, diff)
     for b, hq, hkv, sq, sk, causal in ((2, 2, 2, 256, 1024, None), (1, 6, 2, 1024, 1024, "top_left"),
                                        (1, 4, 2, 512, 320, "bottom_right")):
-        _check("train", b, hq, hkv, sq, sk, d, causal=causal)
+        _check(recipe, b, hq, hkv, sq, sk, d, causal=causal)
     q, k, v = _inputs(1, 3, 3, 256, 256, d)
     dout = torch.randn(1, 3, 256, d, device="cuda", dtype=torch.bfloat16)
     dout[0, 1, 70, 5] = float("nan")
-    for g in _train_grads(q, k, v, dout, 0):
+    for g in _train_grads(q, k, v, dout, 0, recipe):
         assert bool(torch.isnan(g[0, 1]).any())
         assert bool(torch.isfinite(g[0, [0, 2]]).all())
 

@@ -17,7 +17,8 @@ Per-token FP8 Q/K (`train-fp8`) have ops of their own (`hopper_train_forward_fp8
 e4m3 bytes (1 byte an element), their per-token scales and each channel's largest
 represented value (`quantize_train_fp8.py`), the rest as above: about 5.1 bytes per
 element; the backward widens the bytes to bf16 values with the per-channel views in
-one pass, and its kernels take a scale per query and per key (ROW_SCALES).
+one pass, and its kernels (the Gluon ones where the lengths are whole tiles, as for NVFP4;
+else the Triton ones) take a scale per query and per key (ROW_SCALES).
 """
 
 from __future__ import annotations
@@ -277,7 +278,8 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
                     dtypes=(torch.float32,) * 3):
     """Run the dkdv and dq kernels on the backward's operands: (dq, dk, dv), float32
     sums stored in `dtypes`. Per-token Q/K scales (`BackwardOperands.row_scales`) run
-    the Triton kernels' ROW_SCALES form (`routing.GLUON_BACKWARD_QK`)."""
+    the kernels' ROW_SCALES form: the Gluon kernels' where the launch and the lengths
+    allow them, as for NVFP4 (`routing.backward_gluon_kernels`), else the Triton ones'."""
     qv, kv, qs, ks, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta = ops
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
@@ -307,7 +309,7 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     if dkdv_gluon:
         backward_gluon.launch_dkdv_gluon(gluon_descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv,
                                                  off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg,
-                                                 cfg.dkdv_staged)
+                                                 cfg.dkdv_staged, row_scales=row_scales)
     else:
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
             tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
@@ -317,7 +319,7 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
             num_stages=cfg.stages_dkdv)
     if dq_gluon:
         backward_gluon.launch_dq_gluon(gluon_descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, off, causal,
-                                               scale, cfg.dq_maxnreg)
+                                               scale, cfg.dq_maxnreg, row_scales=row_scales)
         return dq, dk, dv
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
         qv, tiles["K"], qs, ks, lse, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
