@@ -8,8 +8,8 @@ as multiples of 16, as the JIT compiles them at the bench shapes. A second table
 the same for the warp-specialized Gluon kernel in its routed layout (its registers are
 the consumer's and the producer's `setmaxnreg`; its tile loop is the consumer's).
 
-`--backward` prints the backward's dK/dV and dQ kernels instead, Triton and Gluon, each
-at its routed launch (docs/notes/hopper-train.md): registers, stack, shared memory,
+`--backward` prints the backward's dK/dV and dQ kernels instead, Triton and Gluon (the
+Gluon kernels with one scale per head and with a scale per token), each at its routed launch (docs/notes/hopper-train.md): registers, stack, shared memory,
 programs per SM, the CTA barriers and instructions of the tile loop (per thread, and per
 element of the 64 x 64 score tile for one warpgroup, 32 per thread).
 
@@ -46,8 +46,10 @@ def backward_table():
                 builds = [(f"{part} Triton", compile_backward(part, 0, causal, d, config=triton_cfg), warps)]
                 if cfg.dkdv_gluon if part == "dkdv" else cfg.dq_gluon:
                     maxnreg = cfg.dkdv_maxnreg if part == "dkdv" else cfg.dq_maxnreg
-                    builds.append((f"{part} Gluon", compile_backward_gluon(
-                        causal, d, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg, staged=cfg.dkdv_staged), 4))
+                    for row_scales in (False, True):  # NVFP4 Q/K (`train`), per-token FP8 (`train-fp8`)
+                        builds.append((f"{part} Gluon{' row scales' if row_scales else ''}", compile_backward_gluon(
+                            causal, d, cfg.dkdv_in_flight, part=part, maxnreg=maxnreg, staged=cfg.dkdv_staged,
+                            row_scales=row_scales), 4))
                 for name, kernel, w in builds:
                     r = inspect(kernel)
                     loop = r.tile_loop()
