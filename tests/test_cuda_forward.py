@@ -279,29 +279,3 @@ def test_p_codes_by_slab_aligns_builds(causal):
     assert layouts[0].shape == layouts[1].shape == (2, 8, tiles, 128, 64)
     assert torch.equal(layouts[0], layouts[1])
     assert torch.equal(layouts[0][0, :, 0, 0, 0], torch.arange(8, dtype=torch.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,H,Hkv,Sq,Sk,D,causal,bias", FUSED_SHAPES + [(3, 4, 2, 2000, 2000, 128, "bottom_right", False)])
-def test_persistent_grid(B, H, Hkv, Sq, Sk, D, causal, bias):
-    """The launcher's build on a persistent grid (one CTA per SM walking the (query block,
-    head) items, the rings running on across items) computes what the launcher's grid
-    does: outputs, LSE and every P code bit for bit, causal from either corner, GQA, key
-    masks, more items than SMs."""
-    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, launch_forward_cuda, p_dump_buffer
-
-    ops = _operands(B, H, Hkv, Sq, Sk, D, seed=7)
-    offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
-    key_bias = None
-    if bias:
-        g = torch.Generator(device="cuda").manual_seed(8)
-        keep = torch.rand((B, Sk), device="cuda", generator=g) > 0.3
-        key_bias = torch.where(keep, 0.0, -float("inf")).float()
-    kw = dict(scale=D ** -0.5, causal_offset=offset, key_bias=key_bias)
-    dumps = [p_dump_buffer(ops, CONSUMERS[D, causal is not None]) for _ in range(2)]
-    out, lse = launch_forward_cuda(ops, p_dump=dumps[0], **kw)
-    p_out, p_lse = launch_forward_cuda(ops, p_dump=dumps[1], persistent=True, **kw)
-    torch.cuda.synchronize()
-    assert torch.equal(out.view(torch.int16), p_out.view(torch.int16))
-    assert torch.equal(lse.view(torch.int32), p_lse.view(torch.int32))
-    assert torch.equal(dumps[0], dumps[1])

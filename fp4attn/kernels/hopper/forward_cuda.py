@@ -58,9 +58,6 @@ class Variant:
     # to interleave, in 160 registers per thread (head dim 64 only: 128 would spill)
     consumers: int = 2
     dump_p: bool = False  # checking only: every tile's P codes written to a buffer
-    # one CTA per SM walking the (query block, head) items, the next item's loads under the
-    # last one's epilogue (the kernel's header)
-    persistent: bool = False
 
     def __post_init__(self):
         if self.consumers not in (2, 3) or (self.consumers == 3 and self.head_dim != 64):
@@ -81,8 +78,7 @@ class Variant:
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
                 f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
-                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}",
-                *([f"-DPERSISTENT=1"] if self.persistent else [])]
+                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
@@ -90,7 +86,7 @@ class Variant:
         fused_softmax, 8 rows of ones after each V^T stage)."""
         d = self.head_dim
         tiles = self.block_m * d + self.stages * (2 * BLOCK_N * d + (8 * BLOCK_N if self.fused_softmax else 0))
-        return 1024 + tiles + 2 * self.stages * BLOCK_N * 4 + (1 + 5 * self.stages + self.persistent) * 8
+        return 1024 + tiles + 2 * self.stages * BLOCK_N * 4 + (1 + 5 * self.stages) * 8
 
 
 # K/V^T ring depth per (head dim, causal): depths 2, 3 and 4 ran within 2% of each other
@@ -138,7 +134,6 @@ MEASURED = {
     "fused": {"exp_poly": 0, "consumers": 2},  # the fused softmax, every exp2 by MUFU
     "fpoly8": {"exp_poly": 8},  # half of the exp2s by polynomial
     "c2": {"consumers": 2},  # two consumer warpgroups at head dim 64 too (the launcher's take three)
-    "persistent": {"persistent": True},  # the launcher's build on a persistent grid: bit-identical
 }
 EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Gluon kernel, or wrong
 
@@ -302,7 +297,7 @@ class _Params(ctypes.Structure):
                 ("Sk", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
                 ("k_rows_per_head", ctypes.c_int32), ("qk_scale", ctypes.c_float),
                 ("p_dump", ctypes.c_uint64),  # at 592 (8-byte aligned, as in C++)
-                ("bh_count", ctypes.c_int32), ("_pad", ctypes.c_uint8 * 36)]
+                ("_pad", ctypes.c_uint8 * 40)]
 
 
 assert ctypes.sizeof(_Params) == 640 and _Params.p_dump.offset == 592
@@ -440,16 +435,12 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     p.k_rows_per_head = k.shape[2]
     p.qk_scale = scale * LOG2E
     p.p_dump = p_dump.data_ptr() if p_dump is not None else 0
-    p.bh_count = B * H
 
     fn = _function(variant, q.device)
     drv = _driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
     stream = drv.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    grid = (-(-Sq // variant.block_m), B * H)
-    if variant.persistent:  # one CTA per SM (at most one fits), each walking its items
-        grid = (min(grid[0] * grid[1], torch.cuda.get_device_properties(q.device).multi_processor_count), 1)
-    _check((drv.cuLaunchKernel(fn, *grid, 1, variant.threads, 1, 1,
+    _check((drv.cuLaunchKernel(fn, -(-Sq // variant.block_m), B * H, 1, variant.threads, 1, 1,
                                variant.shared_bytes(), stream,
                                ctypes.addressof(args), 0)[0], None), "cuLaunchKernel")
     return out, lse

@@ -31,14 +31,6 @@
 // so that the accumulator's columns come out as the keys the A fragment wants; the key
 // scales, masks and causal limits use the permuted key index.
 //
-// PERSISTENT: the grid is one CTA per SM, each taking the work items (query block, head)
-// w = blockIdx.x, + gridDim.x, ... in the order of the non-persistent grid (a head's query
-// blocks together, the longest first under a causal mask). The K/V^T rings and their
-// barriers run on across items (a running tile count gives each tile its stage and
-// parity), and Q has an "empty" barrier the consumers arrive at after their last QK^T: the
-// producer loads the next item's Q and first K/V tiles while the consumers finish the last
-// PV and write the outputs (the epilogue overlapped with the next item's loads).
-//
 // Compile-time parameters (NVRTC -D): HEAD_DIM 64 or 128, CAUSAL, KEY_BIAS, STAGES, CONSUMERS
 // (consumer warpgroups, 2 or 3: 128 or 192 query rows per CTA),
 // ROWSUM_INT (the row sums' e4m3 -> f16 on the integer units, same results), FUSED_SOFTMAX
@@ -84,9 +76,6 @@
 #endif
 #ifndef DUMP_P
 #define DUMP_P 0  // 1: a checking build that also writes every tile's P codes to p.p_dump
-#endif
-#ifndef PERSISTENT
-#define PERSISTENT 0  // 1: one CTA per SM walks work items (query block, head) with a stride (below)
 #endif
 
 typedef unsigned int uint32_t;
@@ -136,7 +125,6 @@ struct Params {
     int H, group, Sq, Sk, causal_offset, k_rows_per_head;  // k_rows_per_head: Sk rounded up to 16
     float qk_scale;         // softmax scale * log2 e
     unsigned char* p_dump;  // DUMP_P: (B*H, blocks, key tiles, consumer threads, 64) P codes as the PV A operand
-    int bh_count;           // B * H (PERSISTENT: the work items are bh_count x query blocks)
 };
 // forward_cuda._Params fills these bytes from Python (it asserts the same size)
 static_assert(sizeof(Params) == 640, "Params changed: update forward_cuda._Params to the same layout");
@@ -403,7 +391,6 @@ struct Smem {
     float* ks;         // STAGES x BLOCK_N key scales
     float* bias;       // STAGES x BLOCK_N key bias (KEY_BIAS)
     uint32_t q_full, k_full, k_empty, v_full, v_empty, ks_full;  // barrier arrays (8 bytes apart)
-    uint32_t q_empty;  // PERSISTENT: the consumers are done with Q
 };
 
 __device__ __forceinline__ Smem carve(unsigned char* raw) {
@@ -422,7 +409,6 @@ __device__ __forceinline__ Smem carve(unsigned char* raw) {
     s.v_full = s.k_empty + 8 * STAGES;
     s.v_empty = s.v_full + 8 * STAGES;
     s.ks_full = s.v_empty + 8 * STAGES;
-    s.q_empty = s.ks_full + 8 * STAGES;
     return s;
 }
 
@@ -650,18 +636,14 @@ __device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&p
 #if DUMP_P
 // the P codes of key tile j as this thread holds them (the PV product's A fragments), at
 // ((bh * blocks + block) * key tiles + j) * (consumer threads) + consumer thread, 64 bytes each
-__device__ __forceinline__ void dump_p(const Params& p, const uint32_t (&pa)[4][4], int j, int tid, int start_m,
-                                       int bh) {
+__device__ __forceinline__ void dump_p(const Params& p, const uint32_t (&pa)[4][4], int j, int tid) {
     const int tiles = (p.Sk + BLOCK_N - 1) / BLOCK_N;
-    // the non-persistent grid's CTA index of this block: (bh, causal ? last - start_m : start_m)
-    const int blocks = (p.Sq + BLOCK_M - 1) / BLOCK_M;
-    const int cta = bh * blocks + (CAUSAL ? blocks - 1 - start_m : start_m);
-    const long long slot = ((long long)cta * tiles + j) * (128 * CONSUMERS) + (tid - 128);
+    const long long slot = ((long long)(blockIdx.y * gridDim.x + blockIdx.x) * tiles + j) * (128 * CONSUMERS) + (tid - 128);
     uint4* dst = (uint4*)(p.p_dump + slot * 64);
 #pragma unroll
     for (int c = 0; c < 4; ++c) dst[c] = make_uint4(pa[c][0], pa[c][1], pa[c][2], pa[c][3]);
 }
-#define DUMP_TILE(j) dump_p(p, pa, j, tid, start_m, bh)
+#define DUMP_TILE(j) dump_p(p, pa, j, tid)
 #else
 #define DUMP_TILE(j)
 #endif
@@ -669,26 +651,19 @@ __device__ __forceinline__ void dump_p(const Params& p, const uint32_t (&pa)[4][
 // The first of a consumer thread's two query rows, from %tid.x and %ctaid.x read again
 // (asm volatile: not merged with the loop's copy, so no register holds it across the
 // loop; held, it was spilled in the fused-softmax builds)
-__device__ __forceinline__ int thread_row0(int item_start_m) {
-    int tid;
+__device__ __forceinline__ int thread_row0() {
+    int tid, cta, ncta;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-#if PERSISTENT
-    const int start_m = item_start_m;  // (the item's, held across the loop as the item is)
-#else
-    int cta, ncta;
     asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
     asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(ncta));
     const int start_m = CAUSAL ? ncta - 1 - cta : cta;  // as block_plan
-#endif
     const int t = tid - 128, lane = t % 32;
     return start_m * BLOCK_M + (t / 128) * 64 + 16 * ((t % 128) / 32) + lane / 4;
 }
 
 // One consumer warpgroup (1 or 2): rows 64 (wg - 1) .. of the block, every key tile of it.
-// `base`: the tiles of the CTA's earlier work items (PERSISTENT; 0 otherwise), which
-// continue the rings' stages and parities; `item`: how many items came before (Q's parity).
 __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int tid, int wg, int start_m, int bh,
-                                         int bhk, int full, int n_tiles, int base, int item) {
+                                         int bhk, int full, int n_tiles) {
     const int Sq = p.Sq, Sk = p.Sk;
     const int cw = wg - 1;
     const int t = tid - 128 * wg, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
@@ -712,39 +687,30 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     if (cw == CONSUMERS - 1) named_arrive<1>(256);
 
     const uint64_t q_desc = smem_desc(sm.q + cw * 64 * QK_ROW_BYTES, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
-    mbar_wait(sm.q_full, item & 1);
+    mbar_wait(sm.q_full, 0);
 
     // tile 0: QK^T alone
-    const int st0 = base % STAGES;
-    const uint32_t parity0 = (base / STAGES) & 1;
-    mbar_wait(sm.k_full + 8 * st0, parity0);
+    mbar_wait(sm.k_full, 0);
     my_turn_wait();
     wgmma_fence();
-    issue_qk(s, q_desc, sm.k + st0 * K_BYTES);
+    issue_qk(s, q_desc, sm.k);
     wgmma_commit();
     other_turn_give();
     wgmma_wait<0>();
     fence_regs(s);
-    if (lane == 0) {
-        mbar_arrive(sm.k_empty + 8 * st0);
-#if PERSISTENT
-        if (n_tiles == 1) mbar_arrive(sm.q_empty);  // the item's last QK^T
-#endif
-    }
-    mbar_wait(sm.ks_full + 8 * st0, parity0);
-    const uint32_t ks_tile0 = smem_addr(sm.ks + st0 * BLOCK_N);
+    if (lane == 0) mbar_arrive(sm.k_empty);
+    mbar_wait(sm.ks_full, 0);
     if (0 >= full)
-        softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile0, 0, lim0, p.Sk - 1, q);
+        softmax_tile<true>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q);
     else
-        softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile0, 0, lim0, p.Sk - 1, q);
+        softmax_tile<false>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q);
     DUMP_TILE(0);
 
     // tile j >= 1: QK^T_j and PV_{j-1} in one turn, both waited for, O updated, then the
     // softmax of tile j (the other consumer's products run meanwhile)
     for (int j = 1; j < n_tiles; ++j) {
-        const int it = base + j;  // the tile's place in the rings
-        const int st = it % STAGES, prev = (it - 1) % STAGES;
-        const uint32_t parity = (it / STAGES) & 1, prev_parity = ((it - 1) / STAGES) & 1;
+        const int st = j % STAGES, prev = (j - 1) % STAGES;
+        const uint32_t parity = (j / STAGES) & 1, prev_parity = ((j - 1) / STAGES) & 1;
         mbar_wait(sm.k_full + 8 * st, parity);
         mbar_wait(sm.v_full + 8 * prev, prev_parity);
         my_turn_wait();
@@ -759,9 +725,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         if (lane == 0) {
             mbar_arrive(sm.k_empty + 8 * st);
             mbar_arrive(sm.v_empty + 8 * prev);
-#if PERSISTENT
-            if (j == n_tiles - 1) mbar_arrive(sm.q_empty);  // the item's last QK^T
-#endif
         }
         add_pv(o, pv, alpha, l);
         mbar_wait(sm.ks_full + 8 * st, parity);
@@ -775,8 +738,8 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
 
     // the last tile's PV
     {
-        const int it = base + n_tiles - 1, st = it % STAGES;
-        mbar_wait(sm.v_full + 8 * st, (it / STAGES) & 1);
+        const int j = n_tiles - 1, st = j % STAGES;
+        mbar_wait(sm.v_full + 8 * st, (j / STAGES) & 1);
         my_turn_wait();
         wgmma_fence();
         issue_pv(pv, pa, sm.v + st * V_STAGE_BYTES);
@@ -790,7 +753,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
 
     // -------------------------------------------------------------------- epilogue
     const float* vs = p.vs + (long long)bhk * HEAD_DIM;
-    const int row0e = thread_row0(start_m), row[2] = {row0e, row0e + 8};
+    const int row0e = thread_row0(), row[2] = {row0e, row0e + 8};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const float li = l[i];  // the whole row's (reduced over the quad every tile)
@@ -822,18 +785,11 @@ struct Block {
     int start_m, bh, bhk, full, n_tiles;
 };
 
-__device__ __forceinline__ Block block_plan(const Params& p, int w) {
+__device__ __forceinline__ Block block_plan(const Params& p) {
     Block b;
     // longest query blocks first under a causal mask (they see the most keys)
-#if PERSISTENT
-    // work item w: the non-persistent grid's CTA w (blockIdx.x fastest)
-    const int blocks = (p.Sq + BLOCK_M - 1) / BLOCK_M, x = w % blocks;
-    b.start_m = CAUSAL ? blocks - 1 - x : x;
-    b.bh = w / blocks;
-#else
     b.start_m = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
     b.bh = blockIdx.y;
-#endif
     b.bhk = (b.bh / p.H) * (p.H / p.group) + (b.bh % p.H) / p.group;
     int hi = p.Sk;
     b.full = p.Sk / BLOCK_N * BLOCK_N;
@@ -847,15 +803,6 @@ __device__ __forceinline__ Block block_plan(const Params& p, int w) {
     return b;
 }
 
-// The CTA's work items: (query block, head) w = blockIdx.x, + gridDim.x, ... (PERSISTENT),
-// else the one the grid gives it (w unused)
-#if PERSISTENT
-#define FOR_EACH_ITEM(w, item) \
-    for (int w = blockIdx.x, item = 0; w < p.bh_count * ((p.Sq + BLOCK_M - 1) / BLOCK_M); w += gridDim.x, ++item)
-#else
-#define FOR_EACH_ITEM(w, item) for (int w = 0, item = 0; item < 1; ++item)
-#endif
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __grid_constant__ Params p) {
     extern __shared__ unsigned char smem_raw[];
     const int tid = threadIdx.x;
@@ -863,9 +810,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
     if (tid == 0) {
         const Smem sm = carve(smem_raw);
         mbar_init(sm.q_full, 1);
-#if PERSISTENT
-        mbar_init(sm.q_empty, 4 * CONSUMERS);  // one arrival per consumer warp
-#endif
         for (int st = 0; st < STAGES; ++st) {
             mbar_init(sm.k_full + 8 * st, 1);
             mbar_init(sm.v_full + 8 * st, 1);
@@ -892,68 +836,53 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
         // ---------------------------------------------------------------- producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
         const Smem sm = carve(smem_raw);
+        const Block blk = block_plan(p);
+        const int start_m = blk.start_m, bh = blk.bh, bhk = blk.bhk, n_tiles = blk.n_tiles;
         const int Sq = p.Sq, Sk = p.Sk;
         const int warp = tid / 32, lane = tid % 32;
         if (warp == 0 && lane == 0) {
-            int it = 0;  // tiles of the earlier items: the rings' place
-            FOR_EACH_ITEM(w, item) {
-                const Block blk = block_plan(p, w);
-                const int bhk = blk.bhk, n_tiles = blk.n_tiles;
-#if PERSISTENT
-                if (item > 0) mbar_wait(sm.q_empty, (item - 1) & 1);  // the last item's Q read
-#endif
-                mbar_expect_tx(sm.q_full, Q_BYTES);
-                tma_load_2d(sm.q, &p.q_map, 0, blk.bh * Sq + blk.start_m * BLOCK_M, sm.q_full);
-                const int group0 = bhk * (p.k_rows_per_head / 16);
-                for (int j = 0; j < n_tiles; ++j, ++it) {
-                    const int st = it % STAGES;
-                    const uint32_t free_parity = ((it / STAGES) & 1) ^ 1;  // a fresh barrier passes at once
-                    mbar_wait(sm.k_empty + 8 * st, free_parity);
-                    mbar_expect_tx(sm.k_full + 8 * st, K_BYTES);
-                    const uint32_t k_tile = sm.k + st * K_BYTES;
-                    tma_load_4d(k_tile, &p.k_map0, 0, 0, 0, group0 + j * (BLOCK_N / 16), sm.k_full + 8 * st);
-                    tma_load_4d(k_tile + K_HALF_BYTES, &p.k_map1, 0, 0, 0, group0 + j * (BLOCK_N / 16),
-                                sm.k_full + 8 * st);
-                    mbar_wait(sm.v_empty + 8 * st, free_parity);
-                    mbar_expect_tx(sm.v_full + 8 * st, V_BYTES);
-                    tma_load_2d(sm.v + st * V_STAGE_BYTES, &p.v_map, j * BLOCK_N, bhk * HEAD_DIM,
-                                sm.v_full + 8 * st);
-                }
+            mbar_expect_tx(sm.q_full, Q_BYTES);
+            tma_load_2d(sm.q, &p.q_map, 0, bh * Sq + start_m * BLOCK_M, sm.q_full);
+            const int group0 = bhk * (p.k_rows_per_head / 16);
+            for (int j = 0; j < n_tiles; ++j) {
+                const int st = j % STAGES;
+                const uint32_t free_parity = ((j / STAGES) & 1) ^ 1;  // a fresh barrier passes at once
+                mbar_wait(sm.k_empty + 8 * st, free_parity);
+                mbar_expect_tx(sm.k_full + 8 * st, K_BYTES);
+                const uint32_t k_tile = sm.k + st * K_BYTES;
+                tma_load_4d(k_tile, &p.k_map0, 0, 0, 0, group0 + j * (BLOCK_N / 16), sm.k_full + 8 * st);
+                tma_load_4d(k_tile + K_HALF_BYTES, &p.k_map1, 0, 0, 0, group0 + j * (BLOCK_N / 16),
+                            sm.k_full + 8 * st);
+                mbar_wait(sm.v_empty + 8 * st, free_parity);
+                mbar_expect_tx(sm.v_full + 8 * st, V_BYTES);
+                tma_load_2d(sm.v + st * V_STAGE_BYTES, &p.v_map, j * BLOCK_N, bhk * HEAD_DIM, sm.v_full + 8 * st);
             }
         } else if (warp == 1) {
             // key scales (and bias) of tile j into the stage whose V^T has been read: the
             // consumers read them in the softmax, before that tile's PV
-            int it = 0;
-            FOR_EACH_ITEM(w, item) {
-                const Block blk = block_plan(p, w);
-                const float* ks = p.ks + (long long)blk.bhk * Sk;
+            const float* ks = p.ks + (long long)bhk * Sk;
 #if KEY_BIAS
-                const float* kb = p.key_bias + (long long)(blk.bh / p.H) * Sk;
+            const float* kb = p.key_bias + (long long)(bh / p.H) * Sk;
 #endif
-                for (int j = 0; j < blk.n_tiles; ++j, ++it) {
-                    const int st = it % STAGES;
-                    mbar_wait(sm.v_empty + 8 * st, ((it / STAGES) & 1) ^ 1);
+            for (int j = 0; j < n_tiles; ++j) {
+                const int st = j % STAGES;
+                mbar_wait(sm.v_empty + 8 * st, ((j / STAGES) & 1) ^ 1);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int kk = lane * 4 + e, key = j * BLOCK_N + kk;
-                        sm.ks[st * BLOCK_N + kk] = key < Sk ? ks[key] : 0.0f;
+                for (int e = 0; e < 4; ++e) {
+                    const int kk = lane * 4 + e, key = j * BLOCK_N + kk;
+                    sm.ks[st * BLOCK_N + kk] = key < Sk ? ks[key] : 0.0f;
 #if KEY_BIAS
-                        sm.bias[st * BLOCK_N + kk] = key < Sk ? kb[key] : 0.0f;
+                    sm.bias[st * BLOCK_N + kk] = key < Sk ? kb[key] : 0.0f;
 #endif
-                    }
-                    mbar_arrive(sm.ks_full + 8 * st);
                 }
+                mbar_arrive(sm.ks_full + 8 * st);
             }
         }
     } else {
         // consumers: each role one branch of this if/else with its setmaxnreg (ptxas applies
         // the new register budget only so)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
-        int base = 0;
-        FOR_EACH_ITEM(w, item) {
-            const Block blk = block_plan(p, w);
-            consumer(p, carve(smem_raw), tid, wg, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles, base, item);
-            base += blk.n_tiles;
-        }
+        const Block blk = block_plan(p);
+        consumer(p, carve(smem_raw), tid, wg, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
     }
 }
