@@ -24,9 +24,10 @@ import fp4attn
 # (the Gluon backward at both head dims), GQA, and a head dim below the kernel's
 SHAPES = ((1, 2, 2, 113, 113, 128), (1, 2, 1, 256, 256, 128), (1, 2, 2, 256, 256, 64), (1, 4, 2, 128, 200, 48))
 # one recipe of each kernel family: FP8 P with exact (bf16) and FP8-tensor-core QK^T,
-# NVFP4 Q/K, MXFP4 P by Direct-P and by exp2; training with FP8 and MXFP4 P
+# NVFP4 Q/K, MXFP4 P by Direct-P and by exp2; training with FP8 and MXFP4 P, and with
+# per-token FP8 Q/K (the kernels' ROW_SCALES forms)
 INFERENCE = ("fp8", "fp8-fastacc", "nvfp4-fp8", "directp", "fp8-directp")
-TRAINING = ("train", "train-mxfp4pv")
+TRAINING = ("train", "train-mxfp4pv", "train-fp8")
 # `--quick` (the pytest run, within a GPU test's time limit): every kernel once, causal
 QUICK_SHAPES = ((1, 2, 1, 256, 256, 128), (1, 2, 2, 128, 128, 64), (1, 2, 2, 113, 113, 64))
 QUICK_RECIPES = ("fp8-fastacc", "nvfp4-fp8", "directp")
