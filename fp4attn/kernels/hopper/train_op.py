@@ -58,11 +58,12 @@ def quantize_for_training(q, k, v, v_fmt: str, smooth_k: bool = False,
     e4m3 view of V's represented values with its scales. `smooth_k`, `four_over_six`:
     the robust fields (`Recipe.smooth_k`, `Recipe.qk_four_over_six`); the backward then
     reads the smoothed K, whose gradient is K's (the softmax ignores the shift)."""
-    mean = key_mean(k) if smooth_k else None
+    # K's mean and the heads' max |k - mean| (the tensor scales') from one pass over K
+    mean, k_tensor_amax = key_mean(k, amax=True) if smooth_k else (None, None)
     qv, qs, q_codes, q_bscale, q_amax = quantize_qk_nvfp4(q, packed=True, channel_amax=True,
                                                           four_over_six=four_over_six)
     kv, ks, k_codes, k_bscale, k_amax = quantize_qk_nvfp4(k, packed=True, channel_amax=True, mean=mean,
-                                                          four_over_six=four_over_six)
+                                                          four_over_six=four_over_six, amax=k_tensor_amax)
     vt, vs, v_t, v_ts = quantize_v_t(v, v_fmt, pad_keys_to=BLOCK_N, tokens=True)
     ops = KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
     return ops, (q_codes, q_bscale, k_codes, k_bscale, qs[..., 0], ks[..., 0], q_amax, k_amax, v_t, v_ts)
