@@ -3,7 +3,7 @@ that the robust presets add (K's mean with the maximum of K - mean and the fallb
 statistic in one pass, `_key_mean_kernel`; Q's maximum with its sum of squares) and the
 NVFP4 quantizing pass with and without 4-or-6 scales, at several row blocks a program,
 each with and without the next block's load issued before the current block's work
-(the kernels' PREFETCH); then the whole operand quantization of `nvfp4-fp8` and `nvfp4-fp8-robust`,
+(the kernels' PREFETCH), and the training's packed passes at two block shapes; then the whole operand quantization of `nvfp4-fp8` and `nvfp4-fp8-robust`,
 device time (sum of its kernels) and host-seen time. Device time of single launches by
 `triton.testing.do_bench` (median). Prints Markdown tables.
 
@@ -74,6 +74,22 @@ for f46, robust_k, blocks in ((False, False, 1), (False, False, 8), (True, True,
                                           FOUR_OVER_SIX=f46, FALLBACK=robust_k, HW_CVT=True, num_warps=4)
     rows.append((f"nvfp4 rows{' 4-or-6' if f46 else ''}{' + mean + fallback' if robust_k else ''}, "
                  f"{blk} rows x {blocks} blocks{' (prefetch)' if blocks > 1 else ''}", bench(f)))
+
+# the training's passes (`train_op.quantize_for_training`): the packed payload and the
+# channel maxima besides, plain (`train`) and 4-or-6 with K's mean (`train-robust`), at
+# 16-row blocks (the launcher's; 168 registers for the 4-or-6 build at D=128) and 8-row
+# blocks (96), the same rows a program
+codes = torch.empty(G, S, D // 2, device="cuda", dtype=torch.uint8)
+bscale = torch.empty(G, S, D // 16, device="cuda", dtype=torch.float8_e4m3fn)
+camax = torch.zeros(G * D, device="cuda", dtype=torch.int32)
+for f46, rows_a_block in ((False, 16), (True, 16), (True, 8)):
+    blocks = qz.CHANNEL_BLOCKS * 16 // rows_a_block
+    gr, blk = qz._row_grid(S, G, blocks, most=rows_a_block)
+    f = lambda: qz._nvfp4_rows_kernel[gr](k3, y, amax_k, sdec, codes, bscale, camax, mean, fbk, S, D=D, BLOCK_R=blk,
+                                          BLOCKS=blocks, PACKED=True, CHANNEL_AMAX=True, HAS_MEAN=f46,
+                                          FOUR_OVER_SIX=f46, FALLBACK=False, HW_CVT=True, num_warps=4)
+    rows.append((f"training nvfp4 rows{' 4-or-6 + mean' if f46 else ''} (packed, channel maxima), "
+                 f"{blk} rows x {blocks} blocks", bench(f)))
 
 print(f"(B,H,S,D) = {(B, H, S, D)}, bf16; one operand {k.numel() * 2 / 1e6:.0f} MB\n")
 print("| kernel | ms | GB/s of one bf16 read |")
