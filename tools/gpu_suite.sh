@@ -11,6 +11,9 @@
 #   PART=robust    the robust presets' cost against the paper presets, quantization
 #                  included (`fp4attn bench`, RUNS times, default 3), and each pass of
 #                  the robust quantizers alone (tools/probe_key_pass.py)
+#   PART=trainkernels  each kernel's device time of `train` and `train-robust` (causal
+#                  forward+backward, side by side, tools/profile_train_recipes.py), and the
+#                  quantizer passes alone (tools/probe_key_pass.py, the training's too)
 #   PART=minilm    MiniLM through the kernels, padded and unpadded (MINILM_PATH: a saved
 #                  fp16 copy of the model)
 #   PART=study     the training study (STUDY_STEPS, resumable from $OUT/study; the
@@ -48,6 +51,12 @@ if run robust; then
       --shapes "8,16,4096,128" --causal both --json "$OUT/h200-forward-robust-$i.json" 2>&1 | grep -E "^\||geomean"
   done
   python3 tools/probe_key_pass.py 2>&1 | grep -E "^\||^\(B" | tee "$OUT/h200-quantizers-probe.txt"
+fi
+if run trainkernels; then
+  python3 tools/profile_train_recipes.py --shape "${TRAIN_SHAPE:-4,16,4096,128}" 2>&1 | grep -E "^\||^\(B" \
+    | tee "$OUT/train-recipes-profile.txt"
+  python3 tools/probe_key_pass.py --shape "${TRAIN_SHAPE:-4,16,4096,128}" 2>&1 | grep -E "^\||^\(B" \
+    | tee "$OUT/train-quantizers-probe.txt"
 fi
 if run minilm; then
   for batching in "" --unpadded; do
