@@ -201,7 +201,7 @@ PRESETS: dict[str, Recipe] = {
                name="train-robust"),
         # FP8 training for Hopper: per-token e4m3 Q/K (QK^T summed exactly: the kernels multiply
         # the e4m3 values on the bf16 tensor cores), FP8 P/V, e4m3 gradient products; trained
-        # on the Hopper training kernels (the backward on the Triton ones) and the reference
+        # on the Hopper training kernels (their per-token-scale forms) and the reference
         Recipe(qk="fp8", p="fp8", v="fp8", p_build="exp2", grad="e4m3", name="train-fp8"),
     )
 }
