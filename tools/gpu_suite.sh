@@ -53,7 +53,7 @@ if run robust; then
   python3 tools/probe_key_pass.py 2>&1 | grep -E "^\||^\(B" | tee "$OUT/h200-quantizers-probe.txt"
 fi
 if run trainkernels; then
-  python3 tools/profile_train_recipes.py --shape "${TRAIN_SHAPE:-4,16,4096,128}" 2>&1 | grep -E "^\||^\(B" \
+  python3 tools/profile_train_recipes.py --shape "${TRAIN_SHAPE:-4,16,4096,128}" 2>&1 | grep -E "^\||^\(B|^[a-z0-9-]+: the" \
     | tee "$OUT/train-recipes-profile.txt"
   python3 tools/probe_key_pass.py --shape "${TRAIN_SHAPE:-4,16,4096,128}" 2>&1 | grep -E "^\||^\(B" \
     | tee "$OUT/train-quantizers-probe.txt"

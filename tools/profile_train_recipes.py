@@ -3,12 +3,18 @@ one causal forward+backward through `fp4attn.attention` (the torch profiler's ow
 of every kernel, summed per kernel name), per recipe, at one shape, in one process, with
 the call's host-seen time (`triton.testing.do_bench`) beside the kernels' sum. For a
 recipe that costs more than another while running the same attention kernels (the
-operand quantizers differ, or a launch does): the rows that differ say which.
+operand quantizers differ, or a launch does): the rows that differ say which. Then the
+host's side: the time to issue one call without waiting for the GPU (when it exceeds the
+kernels' own time the GPU idles between launches), and the Python functions that take
+the host's time per call (cProfile, own time, the `--top` largest of each recipe).
 
-    python tools/profile_train_recipes.py [--shape 4,16,4096,128] [--recipes train,train-robust]
+    python tools/profile_train_recipes.py [--shape 4,16,4096,128] [--recipes train,train-robust] [--top 25]
 """
 
 import argparse
+import cProfile
+import pstats
+import time
 
 import torch
 import triton
@@ -19,6 +25,7 @@ from fp4attn.tools.benchmark import device_kernels
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="4,16,4096,128")
 ap.add_argument("--recipes", default="train,train-robust")
+ap.add_argument("--top", type=int, default=25)
 args = ap.parse_args()
 B, H, S, D = (int(s) for s in args.shape.split(","))
 recipes = args.recipes.split(",")
@@ -57,3 +64,41 @@ for name in names:
     print(f"| {name[:70]} | " + " | ".join(cells) + " |")
 print("| **sum of kernels (device ms)** | " + " | ".join(f" | {totals[r][0]:.3f}" for r in recipes) + " |")
 print("| **host-seen ms (do_bench)** | " + " | ".join(f" | {totals[r][1]:.3f}" for r in recipes) + " |")
+
+
+def issue_ms(f, calls=30):
+    """Host ms to issue one call, the GPU's queue kept from filling (a sync between calls)."""
+    spent = 0.0
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        f()
+        spent += time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return spent / calls * 1e3
+
+
+print("\n| host ms to issue one call | " + " | ".join(recipes) + " |")
+print("|---|" + "---|" * len(recipes))
+fwd = {r: (lambda r=r: fp4attn.attention(q, k, v, causal=True, recipe=r, backend="triton")) for r in recipes}
+print("| forward | " + " | ".join(f"{issue_ms(fwd[r]):.3f}" for r in recipes) + " |")
+print("| forward+backward | " + " | ".join(f"{issue_ms(step(r)):.3f}" for r in recipes) + " |")
+
+for r in recipes:
+    f = step(r)
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(20):
+        f()
+        torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).sort_stats("tottime")
+    print(f"\n{r}: the functions with the most own host time, ms per call (20 calls)\n")
+    print("| function | calls a call | own ms | cumulative ms |")
+    print("|---|---|---|---|")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])
+    for (file, line, name), (cc, nc, tt, ct, _) in rows[:args.top]:
+        if name == "synchronize" or "synchronize" in name:
+            continue
+        print(f"| {file.split('/')[-1]}:{line} {name} | {nc / 20:g} | {tt / 20 * 1e3:.3f} | {ct / 20 * 1e3:.3f} |")
