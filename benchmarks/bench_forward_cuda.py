@@ -47,9 +47,8 @@ def check(args) -> int:
     import torch
     import triton
 
-    from fp4attn.kernels.hopper.forward_cuda import (CONSUMERS, EXACT_VARIANTS, MEASURED, OTHER_BLOCK_N,
-                                                     launch_forward_cuda, nvrtc_version, p_codes_by_slab,
-                                                     p_dump_buffer)
+    from fp4attn.kernels.hopper.forward_cuda import (CONSUMERS, EXACT_VARIANTS, MEASURED, launch_forward_cuda,
+                                                     nvrtc_version, p_codes_by_slab, p_dump_buffer)
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -93,9 +92,6 @@ def check(args) -> int:
             base_p = p_dump_buffer(ops, consumers["recipe"])
             launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=base_p, **MEASURED["recipe"])
         for name in variants:
-            if name in OTHER_BLOCK_N:
-                bad += other_block_n(name, q, k, v, ops, out, offset, D)
-                continue
             try:
                 kw = MEASURED.get(name, {})
                 v_out, v_lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, **kw)
@@ -141,38 +137,6 @@ def check(args) -> int:
     return 1 if bad else 0
 
 
-def other_block_n(name, q, k, v, ops, table_out, offset, D) -> int:
-    """A build whose online softmax steps over another number of keys (forward_cuda.OTHER_BLOCK_N)
-    runs the recipe with that block_n: its outputs against the reference of that recipe,
-    beside the launcher's build against the reference at block_n 128 (relative L2 on the
-    first batch item, both within bf16 rounding of their own recipe). Returns 1 on failure."""
-    import dataclasses
-
-    import torch
-
-    from fp4attn.kernels.hopper.forward_cuda import MEASURED, Variant, launch_forward_cuda
-    from fp4attn.recipes import get_recipe
-    from fp4attn.reference.forward import reference_forward
-
-    kw = MEASURED[name]
-    recipe = get_recipe("fp8-fastacc")
-    bn = Variant(D, False, **{f: val for f, val in kw.items() if f in ("pair",)}, fused_softmax=True).block_n
-    causal = None if offset is None else "bottom_right"  # the check's offset is Sk - Sq
-    try:
-        v_out, v_lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, **kw)
-        errs = []
-        for out, b in ((table_out, 128), (v_out, bn)):
-            ref = reference_forward(q[:1], k[:1], v[:1], dataclasses.replace(recipe, block_n=b), scale=D ** -0.5, causal=causal).out
-            errs.append(((out[:1].float() - ref).norm() / ref.norm()).item())
-        ok = errs[1] <= 1.5 * errs[0] + 1e-3 and bool(torch.isfinite(v_out).all())
-        print(f"  {name} (block_n {bn}): rel-L2 to its recipe's reference {errs[1]:.5f}, the launcher's build to "
-              f"block_n 128's {errs[0]:.5f} {'OK' if ok else 'FAIL'}", flush=True)
-        return 0 if ok else 1
-    except Exception as e:
-        print(f"  {name}: {type(e).__name__}: {e}", flush=True)
-        return 1
-
-
 def long_rows(args) -> int:
     """Long rows (32768 keys), where O's sums span 256 key tiles: each build's relative L2
     error against exact float64 attention of the bf16 inputs on 256 query rows, beside the
@@ -209,12 +173,10 @@ def long_rows(args) -> int:
 
 def _variant_args(name: str) -> dict:
     """launch_forward_cuda's keyword arguments for a --variants name: s<N> (ring depth N),
-    ablate (no softmax: the ceiling, wrong outputs), a softmax variant of
-    forward_cuda.MEASURED, or several joined by '+' (e.g. pair+ablate)."""
+    ablate (no softmax: the ceiling, wrong outputs), or a softmax variant of
+    forward_cuda.MEASURED."""
     from fp4attn.kernels.hopper.forward_cuda import MEASURED
 
-    if "+" in name:
-        return {k: v for part in name.split("+") for k, v in _variant_args(part).items()}
     if name in MEASURED:
         return dict(MEASURED[name])
     if name == "ablate":

@@ -58,22 +58,11 @@ class Variant:
     # to interleave, in 160 registers per thread (head dim 64 only: 128 would spill)
     consumers: int = 2
     dump_p: bool = False  # checking only: every tile's P codes written to a buffer
-    # the online softmax steps over two key tiles at once: 256 keys, a recipe's block_n 256
-    # (fused_softmax, two consumers and an even ring depth only)
-    pair: bool = False
 
     def __post_init__(self):
         if self.consumers not in (2, 3) or (self.consumers == 3 and self.head_dim != 64):
             raise ValueError(f"Variant: consumers must be 2, or 3 at head dim 64; got {self.consumers} "
                              f"at head dim {self.head_dim}")
-        if self.pair and (not self.fused_softmax or self.consumers != 2 or self.stages % 2):
-            raise ValueError(f"Variant: pair needs fused_softmax, two consumers and an even ring depth; got "
-                             f"fused_softmax={self.fused_softmax}, consumers={self.consumers}, stages={self.stages}")
-
-    @property
-    def block_n(self) -> int:
-        """Keys per online-softmax step (the recipe's block_n this build runs)."""
-        return 2 * BLOCK_N if self.pair else BLOCK_N
 
     @property
     def block_m(self) -> int:
@@ -89,7 +78,7 @@ class Variant:
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
                 f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
-                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}", f"-DPAIR={int(self.pair)}"]
+                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
@@ -145,12 +134,7 @@ MEASURED = {
     "fused": {"exp_poly": 0, "consumers": 2},  # the fused softmax, every exp2 by MUFU
     "fpoly8": {"exp_poly": 8},  # half of the exp2s by polynomial
     "c2": {"consumers": 2},  # two consumer warpgroups at head dim 64 too (the launcher's take three)
-    # 256 keys per softmax step (block_n 256: a recipe of its own), a ring of four 128-key stages
-    "pair": {"pair": True, "stages": 4, "consumers": 2},
 }
-# variants whose online softmax steps differ from the launcher's (block_n): their P codes
-# are another recipe's, so they are held to the error against exact attention instead
-OTHER_BLOCK_N = ("pair",)
 EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Gluon kernel, or wrong
 
 

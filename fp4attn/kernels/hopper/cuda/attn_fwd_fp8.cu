@@ -77,12 +77,6 @@
 #ifndef DUMP_P
 #define DUMP_P 0  // 1: a checking build that also writes every tile's P codes to p.p_dump
 #endif
-#ifndef PAIR
-#define PAIR 0  // 1: the online softmax steps over two key tiles at once (256 keys: Recipe.block_n 256)
-#endif
-#if PAIR && (!FUSED_SOFTMAX || STAGES % 2 || CONSUMERS != 2)
-#error "PAIR needs FUSED_SOFTMAX, an even STAGES and two consumers"
-#endif
 
 typedef unsigned int uint32_t;
 typedef unsigned long long uint64_t;
@@ -443,75 +437,6 @@ __device__ __forceinline__ float thread_row_max(const float (&s)[64], int i) {
     return mx[0];
 }
 
-#if FUSED_SOFTMAX
-// The fused softmax's steps (FUSED_SOFTMAX), shared by one tile (softmax_tile) and two
-// (softmax_pair). Scores: w = s * b_key (with a key bias: t = fma(w, a, bias), and the row
-// factor f = 1); keys past the limits hidden.
-template <bool MASKED>
-__device__ __forceinline__ void fused_scores(float (&s)[64], const float (&a)[2], uint32_t ks_tile, int key0,
-                                             const int (&limit)[2], int q) {
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-        const int kk = 16 * (n & 7) + 4 * q + 2 * (n >> 3);
-        const float2 kb = lds_f2(ks_tile + 4 * kk);
-#if KEY_BIAS
-        const float2 bb = lds_f2(ks_tile + 4 * (STAGES * BLOCK_N + kk));
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            s[4 * n + 2 * i] = fmaf(fmul_rn(s[4 * n + 2 * i], kb.x), a[i], bb.x);
-            s[4 * n + 2 * i + 1] = fmaf(fmul_rn(s[4 * n + 2 * i + 1], kb.y), a[i], bb.y);
-        }
-#else
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            s[4 * n + 2 * i] = fmul_rn(s[4 * n + 2 * i], kb.x);
-            s[4 * n + 2 * i + 1] = fmul_rn(s[4 * n + 2 * i + 1], kb.y);
-        }
-#endif
-        if (MASKED) mask_keys(s, n, key0 + kk, limit);
-    }
-}
-
-// The running max of rows i from the thread's maxima of w (the quad reduced here), scaled
-// by the row factor once per row; alpha, and c = 8 - m for the FMA into exp2.
-__device__ __forceinline__ void fused_row_step(const float (&tmax)[2], const float (&a)[2], float (&m)[2],
-                                               float (&alpha)[2], float (&f)[2], float (&c)[2]) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        f[i] = KEY_BIAS ? 1.0f : a[i];
-        float wmax = fmaxf(tmax[i], __shfl_xor_sync(0xffffffffu, tmax[i], 1));
-        wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
-        const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
-        const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
-        alpha[i] = ex2(m[i] - m_use);
-        m[i] = row_max;
-        c[i] = fadd_rn(P_OFFSET, -m_use);
-    }
-}
-
-// P = e4m3(exp2(fma(w, f, c))) packed as the PV product's A fragments; no row sums here
-// (the PV product returns them)
-__device__ __forceinline__ void fused_p(const float (&s)[64], uint32_t (&pa)[4][4], const float (&f)[2],
-                                        const float (&c)[2]) {
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // keys 32cc + 16 half + 4q + (0..3)
-            const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const float x0 = fmaf(s[4 * n_lo + 2 * i], f[i], c[i]), x1 = fmaf(s[4 * n_lo + 2 * i + 1], f[i], c[i]);
-                const float x2 = fmaf(s[4 * n_hi + 2 * i], f[i], c[i]), x3 = fmaf(s[4 * n_hi + 2 * i + 1], f[i], c[i]);
-                const bool poly_lo = n_lo < EXP_POLY, poly_hi = n_hi < EXP_POLY;  // unrolled: constants
-                const uint32_t lo = e4m3x2(poly_lo ? ex2_poly(x0) : ex2(x0), poly_lo ? ex2_poly(x1) : ex2(x1));
-                const uint32_t hi = e4m3x2(poly_hi ? ex2_poly(x2) : ex2(x2), poly_hi ? ex2_poly(x3) : ex2(x3));
-                pa[cc][2 * half + i] = lo | (hi << 16);
-            }
-        }
-    }
-}
-#endif
-
 // The online-softmax step of one tile on the QK^T accumulator s (64 rows x 128 keys, the
 // thread's rows g and g + 8 as i = 0, 1): scores, mask, running max, P packed as the PV
 // product's A fragments, the thread's part of the row sums. Register s[4n + 2i + b] is
@@ -535,11 +460,59 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
     return;
 #endif
 #if FUSED_SOFTMAX
-    fused_scores<MASKED>(s, a, ks_tile, key0, limit, q);
-    const float tmax[2] = {thread_row_max(s, 0), thread_row_max(s, 1)};
-    float f[2], c[2];
-    fused_row_step(tmax, a, m, alpha, f, c);
-    fused_p(s, pa, f, c);
+    // w = s * b_key (with a key bias: t = fma(w, a, bias), and the row factor f = 1);
+    // the max over w scaled once per row; one FMA per score into exp2; no row sums here
+    // (the PV product returns them)
+    float f[2];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+        const int kk = 16 * (n & 7) + 4 * q + 2 * (n >> 3);
+        const float2 kb = lds_f2(ks_tile + 4 * kk);
+#if KEY_BIAS
+        const float2 bb = lds_f2(ks_tile + 4 * (STAGES * BLOCK_N + kk));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            s[4 * n + 2 * i] = fmaf(fmul_rn(s[4 * n + 2 * i], kb.x), a[i], bb.x);
+            s[4 * n + 2 * i + 1] = fmaf(fmul_rn(s[4 * n + 2 * i + 1], kb.y), a[i], bb.y);
+        }
+#else
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            s[4 * n + 2 * i] = fmul_rn(s[4 * n + 2 * i], kb.x);
+            s[4 * n + 2 * i + 1] = fmul_rn(s[4 * n + 2 * i + 1], kb.y);
+        }
+#endif
+        if (MASKED) mask_keys(s, n, key0 + kk, limit);
+    }
+    float c[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        f[i] = KEY_BIAS ? 1.0f : a[i];
+        const float tmax = thread_row_max(s, i);
+        float wmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+        wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
+        const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
+        const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
+        alpha[i] = ex2(m[i] - m_use);
+        m[i] = row_max;
+        c[i] = fadd_rn(P_OFFSET, -m_use);
+    }
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // keys 32cc + 16 half + 4q + (0..3)
+            const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const float x0 = fmaf(s[4 * n_lo + 2 * i], f[i], c[i]), x1 = fmaf(s[4 * n_lo + 2 * i + 1], f[i], c[i]);
+                const float x2 = fmaf(s[4 * n_hi + 2 * i], f[i], c[i]), x3 = fmaf(s[4 * n_hi + 2 * i + 1], f[i], c[i]);
+                const bool poly_lo = n_lo < EXP_POLY, poly_hi = n_hi < EXP_POLY;  // unrolled: constants
+                const uint32_t lo = e4m3x2(poly_lo ? ex2_poly(x0) : ex2(x0), poly_lo ? ex2_poly(x1) : ex2(x1));
+                const uint32_t hi = e4m3x2(poly_hi ? ex2_poly(x2) : ex2(x2), poly_hi ? ex2_poly(x3) : ex2(x3));
+                pa[cc][2 * half + i] = lo | (hi << 16);
+            }
+        }
+    }
 #else
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
@@ -635,36 +608,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #endif
 }
 
-#if PAIR
-// The online-softmax step over two key tiles at once (keys key0 .. key0 + 255, as a
-// recipe with block_n 256): one running max for both, then each tile's P. MASKED masks
-// both (a no-op on a tile below `full`).
-template <bool MASKED>
-__device__ __forceinline__ void softmax_pair(float (&s0)[64], float (&s1)[64], uint32_t (&pa0)[4][4],
-                                             uint32_t (&pa1)[4][4], float (&m)[2], float (&alpha)[2],
-                                             const float (&a)[2], uint32_t ks0, uint32_t ks1, int key0, int lim0,
-                                             int sk_last, int q) {
-    const int limit[2] = {lim0, CAUSAL ? min(lim0 + 8, sk_last) : lim0};
-#if ABLATE_SOFTMAX
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pa0[c][r] = pa1[c][r] = 0x38383838u;
-    alpha[0] = alpha[1] = 1.0f;
-    m[0] = m[1] = 0.0f;
-    return;
-#endif
-    fused_scores<MASKED>(s0, a, ks0, key0, limit, q);
-    fused_scores<MASKED>(s1, a, ks1, key0 + BLOCK_N, limit, q);
-    const float tmax[2] = {fmaxf(thread_row_max(s0, 0), thread_row_max(s1, 0)),
-                           fmaxf(thread_row_max(s0, 1), thread_row_max(s1, 1))};
-    float f[2], c[2];
-    fused_row_step(tmax, a, m, alpha, f, c);
-    fused_p(s0, pa0, f, c);
-    fused_p(s1, pa1, f, c);
-}
-#endif
-
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint32_t k_tile) {
     const uint64_t k_desc = smem_desc(k_tile, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
     wgmma_ss_n128<true>(s, q_desc, k_desc);  // a fresh S: its last tile's values are dead
@@ -672,11 +615,9 @@ __device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint32
     for (int c = 1; c < HEAD_DIM / 32; ++c) wgmma_ss_n128<false>(s, q_desc + 2 * c, k_desc + 2 * c);
 }
 
-// FRESH: a fresh product per tile (added to O in fp32); else added to pv (PAIR's second tile)
-template <bool FRESH = true>
 __device__ __forceinline__ void issue_pv(float (&pv)[PV_N / 2], const uint32_t (&pa)[4][4], uint32_t v_tile) {
     const uint64_t v_desc = smem_desc(v_tile, 1, BLOCK_N);
-    wgmma_pv<FRESH>(pv, pa[0], v_desc);
+    wgmma_pv<true>(pv, pa[0], v_desc);  // a fresh product per tile (added to O in fp32)
 #pragma unroll
     for (int c = 1; c < 4; ++c) wgmma_pv<false>(pv, pa[c], v_desc + 2 * c);
 }
@@ -735,14 +676,8 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     for (int i = 0; i < 2; ++i)
         a[i] = row0 + 8 * i < Sq ? p.qs[(long long)bh * Sq + row0 + 8 * i] * p.qk_scale : 1.17549435e-38f;
 
-    float pv[PV_N / 2], o[HEAD_DIM / 2];
-#if PAIR
-    float s0[64], s1[64];
-    uint32_t pa0[4][4], pa1[4][4];  // P of the last softmax's two tiles, PV's A operands
-#else
-    float s[64];
+    float s[64], pv[PV_N / 2], o[HEAD_DIM / 2];
     uint32_t pa[4][4];  // P of the last softmax, PV's A operand
-#endif
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.0f, 0.0f}, alpha[2];
 #pragma unroll
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = 0.0f;
@@ -754,91 +689,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     const uint64_t q_desc = smem_desc(sm.q + cw * 64 * QK_ROW_BYTES, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
     mbar_wait(sm.q_full, 0);
 
-#if PAIR
-    // pairs of key tiles (2t, 2t + 1), one online-softmax step each; a last pair may have
-    // one tile only (its second's scores then -inf: keys past every limit). The PV of a
-    // pair and the QK^T of the next one are not in flight together: their accumulators
-    // (68 + 128 registers) and O would not fit, so in its turn a consumer issues PV_{t-1},
-    // waits for it and adds it to O, then issues QK^T_t and hands the turn over.
-    const int pairs = (n_tiles + 1) / 2;
-    for (int t = 0; t < pairs; ++t) {
-        const int j0 = 2 * t, j1 = j0 + 1, st0 = j0 % STAGES, st1 = j1 % STAGES;
-        const uint32_t par = (j0 / STAGES) & 1;  // j0 and j1 share a ring round (STAGES even)
-        const bool two = j1 < n_tiles;
-        mbar_wait(sm.k_full + 8 * st0, par);
-        if (two) mbar_wait(sm.k_full + 8 * st1, par);
-        if (t > 0) {
-            const int p0 = (j0 - 2) % STAGES, p1 = (j0 - 1) % STAGES;
-            const uint32_t ppar = ((j0 - 2) / STAGES) & 1;
-            mbar_wait(sm.v_full + 8 * p0, ppar);
-            mbar_wait(sm.v_full + 8 * p1, ppar);
-            my_turn_wait();
-            wgmma_fence();
-            issue_pv<true>(pv, pa0, sm.v + p0 * V_STAGE_BYTES);
-            issue_pv<false>(pv, pa1, sm.v + p1 * V_STAGE_BYTES);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(pv);
-            if (lane == 0) {
-                mbar_arrive(sm.v_empty + 8 * p0);
-                mbar_arrive(sm.v_empty + 8 * p1);
-            }
-            add_pv(o, pv, alpha, l);
-        } else {
-            my_turn_wait();
-        }
-        wgmma_fence();
-        issue_qk(s0, q_desc, sm.k + st0 * K_BYTES);
-        if (two) issue_qk(s1, q_desc, sm.k + st1 * K_BYTES);
-        wgmma_commit();
-        other_turn_give();
-        wgmma_wait<0>();
-        fence_regs(s0);
-        fence_regs(s1);
-        if (lane == 0) {
-            mbar_arrive(sm.k_empty + 8 * st0);
-            if (two) mbar_arrive(sm.k_empty + 8 * st1);
-        }
-        mbar_wait(sm.ks_full + 8 * st0, par);
-        if (two) {
-            mbar_wait(sm.ks_full + 8 * st1, par);
-        } else {
-#pragma unroll
-            for (int r = 0; r < 64; ++r) s1[r] = -__int_as_float(0x7f800000);
-        }
-        const uint32_t ks0 = smem_addr(sm.ks + st0 * BLOCK_N), ks1 = smem_addr(sm.ks + st1 * BLOCK_N);
-        if (j1 * BLOCK_N >= full)
-            softmax_pair<true>(s0, s1, pa0, pa1, m, alpha, a, ks0, ks1, j0 * BLOCK_N, lim0, p.Sk - 1, q);
-        else
-            softmax_pair<false>(s0, s1, pa0, pa1, m, alpha, a, ks0, ks1, j0 * BLOCK_N, lim0, p.Sk - 1, q);
-#if DUMP_P
-        dump_p(p, pa0, j0, tid);
-        if (two) dump_p(p, pa1, j1, tid);
-#endif
-    }
-
-    // the last pair's PV (its second tile only if it has one)
-    {
-        const int j0 = 2 * (pairs - 1), p0 = j0 % STAGES, p1 = (j0 + 1) % STAGES;
-        const uint32_t ppar = (j0 / STAGES) & 1;
-        const bool two = j0 + 1 < n_tiles;
-        mbar_wait(sm.v_full + 8 * p0, ppar);
-        if (two) mbar_wait(sm.v_full + 8 * p1, ppar);
-        my_turn_wait();
-        wgmma_fence();
-        issue_pv<true>(pv, pa0, sm.v + p0 * V_STAGE_BYTES);
-        if (two) issue_pv<false>(pv, pa1, sm.v + p1 * V_STAGE_BYTES);
-        wgmma_commit();
-        if (cw != CONSUMERS - 1) other_turn_give();  // the last consumer's turn is the last one
-        wgmma_wait<0>();
-        fence_regs(pv);
-        if (lane == 0) {
-            mbar_arrive(sm.v_empty + 8 * p0);
-            if (two) mbar_arrive(sm.v_empty + 8 * p1);
-        }
-        add_pv(o, pv, alpha, l);
-    }
-#else
     // tile 0: QK^T alone
     mbar_wait(sm.k_full, 0);
     my_turn_wait();
@@ -900,8 +750,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
         add_pv(o, pv, alpha, l);
     }
-
-#endif
 
     // -------------------------------------------------------------------- epilogue
     const float* vs = p.vs + (long long)bhk * HEAD_DIM;
