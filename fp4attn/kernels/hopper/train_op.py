@@ -104,19 +104,29 @@ def _train_forward_op(
             *saved[6:])
 
 
+def _train_forward_fake_ends(q, k):
+    """What every training forward op returns first and last, as empty tensors: (out, lse),
+    and (the channels' maxima of Q and K, V's per-token e4m3 view and its scales)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    f32, i32 = torch.float32, torch.int32
+    return ((q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32)),
+            (q.new_empty((B, H, D), dtype=i32), q.new_empty((B, Hkv, D), dtype=i32),
+             q.new_empty((B, Hkv, Sk, D), dtype=torch.float8_e4m3fn), q.new_empty((B, Hkv, Sk), dtype=f32)))
+
+
 def train_forward_fake(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, smooth_k=False,
                        four_over_six=False):
     """The training forward op's fake implementation (shapes and dtypes of the output and
     the saved payload); shared by every target's training op."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    f32, u8, i32, e4m3 = torch.float32, torch.uint8, torch.int32, torch.float8_e4m3fn
-    return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
+    f32, u8, e4m3 = torch.float32, torch.uint8, torch.float8_e4m3fn
+    first, last = _train_forward_fake_ends(q, k)
+    return (*first,
             q.new_empty((B, H, Sq, D // 2), dtype=u8), q.new_empty((B, H, Sq, D // 16), dtype=e4m3),
             q.new_empty((B, Hkv, Sk, D // 2), dtype=u8), q.new_empty((B, Hkv, Sk, D // 16), dtype=e4m3),
-            q.new_empty((B, H), dtype=f32), q.new_empty((B, Hkv), dtype=f32),
-            q.new_empty((B, H, D), dtype=i32), q.new_empty((B, Hkv, D), dtype=i32),
-            q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32))
+            q.new_empty((B, H), dtype=f32), q.new_empty((B, Hkv), dtype=f32), *last)
 
 
 @torch.library.custom_op("fp4attn::hopper_train_forward_fp8", mutates_args=())
@@ -142,12 +152,10 @@ def _train_forward_fp8_op(
 def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    f32, i32, e4m3 = torch.float32, torch.int32, torch.float8_e4m3fn
-    return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=f32),
-            q.new_empty((B, H, Sq, D), dtype=e4m3), q.new_empty((B, H, Sq), dtype=f32),
-            q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32),
-            q.new_empty((B, H, D), dtype=i32), q.new_empty((B, Hkv, D), dtype=i32),
-            q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32))
+    f32, e4m3 = torch.float32, torch.float8_e4m3fn
+    first, last = _train_forward_fake_ends(q, k)
+    return (*first, q.new_empty((B, H, Sq, D), dtype=e4m3), q.new_empty((B, H, Sq), dtype=f32),
+            q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32), *last)
 
 
 @torch.library.custom_op("fp4attn::hopper_train_backward", mutates_args=())
