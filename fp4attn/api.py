@@ -191,7 +191,9 @@ class _ReferenceAttention(torch.autograd.Function):
 def _kernel_attention(route: routing.Route, q, k, v, rec: Recipe, mode: str | None, scale: float, key_mask,
                       needs_grad: bool):
     """The route's kernels on a call: head dims below the kernel's zero-padded (exact,
-    `routing.kernel_head_dim`), a key mask as the kernel's key bias."""
+    `routing.kernel_head_dim`; the inference launchers are told the caller's head dim,
+    which the Q/K fallback's statistic and the rotation depend on), a key mask as the
+    kernel's key bias."""
     launch = _launcher(route.family.launcher)
     offset = causal_offset(mode, q.shape[-2], k.shape[-2])
     d, dk = q.shape[-1], routing.kernel_head_dim(q.shape[-1])
@@ -200,7 +202,7 @@ def _kernel_attention(route: routing.Route, q, k, v, rec: Recipe, mode: str | No
         out, lse = launch(qp, kp, vp, rec, scale=scale, causal_offset=offset)
     else:
         key_bias = None if key_mask is None else key_bias_of_mask(key_mask, q.shape[0], k.shape[-2])
-        out, lse, _ = launch(qp, kp, vp, rec, scale=scale, causal_offset=offset, key_bias=key_bias)
+        out, lse, _ = launch(qp, kp, vp, rec, scale=scale, causal_offset=offset, key_bias=key_bias, head_dim=d)
     out = out.to(q.dtype)
     return (out if dk == d else out[..., :d].contiguous()), lse
 

@@ -297,8 +297,10 @@ def kernel_head_dim(head_dim: int) -> int | None:
     """The Hopper kernel head dim that runs `head_dim`: itself (64, 128), or for a
     smaller multiple of 16 the next one up, the inputs zero-padded. Padding is exact in
     every recipe: zero channels add nothing to a score, leave NVFP4's tensor amax, FP8's
-    per-token amax and MXFP4 V's window unchanged, and come out as zero columns. None
-    above 128."""
+    per-token amax and MXFP4 V's window unchanged, and come out as zero columns. Two
+    robust fields depend on the head dim itself, so the inference launchers take the
+    caller's: the Q/K fallback's statistic divides by it, and the rotation's Hadamard
+    blocks are its. None above 128."""
     if head_dim % 16:
         return None
     return next((d for d in HOPPER_HEAD_DIMS if head_dim <= d), None)

@@ -171,9 +171,9 @@ def test_padded_head_dims_reproduce_the_unpadded_recipe(monkeypatch):
 
     seen = []
 
-    def fake_kernel(q, k, v, recipe, *, scale, causal_offset, write_p=0, key_bias=None):
+    def fake_kernel(q, k, v, recipe, *, scale, causal_offset, write_p=0, key_bias=None, head_dim=None):
         assert key_bias is None
-        seen.append(q.shape[-1])
+        seen.append((q.shape[-1], head_dim))
         res = reference_forward(q, k, v, recipe, scale=scale, causal=None if causal_offset is None else "top_left")
         return res.out.to(torch.bfloat16), res.lse, None
 
@@ -189,7 +189,7 @@ def test_padded_head_dims_reproduce_the_unpadded_recipe(monkeypatch):
                 assert got.shape == q.shape and got.is_contiguous()
                 assert error_metrics(got.float(), want.out)["rel_l2"] < 5e-3, (d, recipe, causal)
                 torch.testing.assert_close(lse, want.lse, rtol=1e-5, atol=1e-5)
-        assert seen[-1] == (64 if d <= 64 else 128)
+        assert seen[-1] == (64 if d <= 64 else 128, d)  # the caller's head dim goes with the padded inputs
 
 
 def test_zero_padding_leaves_every_operand_unchanged():
@@ -251,7 +251,7 @@ def test_key_masks_reach_the_kernel_as_a_key_bias(monkeypatch):
     import fp4attn.api as api
     from fp4attn.reference import reference_forward
 
-    def fake_kernel(q, k, v, recipe, *, scale, causal_offset, write_p=0, key_bias=None):
+    def fake_kernel(q, k, v, recipe, *, scale, causal_offset, write_p=0, key_bias=None, head_dim=None):
         assert key_bias.shape == (q.shape[0], k.shape[-2]) and key_bias.dtype == torch.float32
         res = reference_forward(q, k, v, recipe, scale=scale, attn_mask=(key_bias == 0)[:, None, None, :])
         return res.out.to(torch.bfloat16), res.lse, None

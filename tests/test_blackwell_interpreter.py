@@ -272,3 +272,37 @@ def test_nonfinite_inputs_propagate_as_the_reference_defines():
     "Non-finite values"), and the other batch item's output and LSE are bit-identical
     to a run without it."""
     run_under_interpreter(NONFINITE)
+
+
+def test_padded_head_dims_rotate_at_the_callers_head_dim():
+    """The kernels zero-pad head dims below 64 / 128, and the rotation's Hadamard blocks
+    are the head dim's own (32: one block of 32; 48: blocks of 16), so the Blackwell
+    quantizers rotate the caller's channels (`head_dim`) and pad the codes after: the
+    operands are the unpadded inputs' plus zero channels, with the same softmax scale.
+    Rotated at the padded width they would be another recipe's."""
+    import torch
+    import torch.nn.functional as F
+
+    from fp4attn.kernels.blackwell.operands import prepare_operands
+    from fp4attn.recipes import PRESETS
+
+    def raw(t):
+        return t.view(torch.uint8)
+
+    g = torch.Generator().manual_seed(5)
+    for d, fmt in ((32, "nvfp4"), (48, "fp8"), (32, "fp8")):
+        r = PRESETS["nvfp4-fp8"].with_(qk=fmt, rotate_qk="hadamard", smooth_k=True)
+        q, k, v = (torch.randn(1, 2, 40, d, generator=g).bfloat16() * 2 for _ in range(3))
+        padded = [F.pad(t, (0, 64 - d)) for t in (q, k, v)]
+        want, want_scale = prepare_operands(q, k, v, r, d**-0.5)
+        got, got_scale = prepare_operands(*padded, r, d**-0.5, head_dim=d)
+        assert got_scale == want_scale, (d, fmt)
+        n = d // 2 if fmt == "nvfp4" else d
+        pairs = [(got.q, want.q, n), (got.k, want.k, n)]
+        if fmt == "nvfp4":
+            pairs += [(got.q_sc, want.q_sc, d // 16), (got.k_sc, want.k_sc, d // 16)]
+        for a, b, m in pairs:
+            assert torch.equal(raw(a[..., :m]), raw(b)) and not bool(raw(a[..., m:]).any()), (d, fmt)
+        assert torch.equal(got.qs, want.qs) and torch.equal(got.ks, want.ks), (d, fmt)
+        other, other_scale = prepare_operands(*padded, r, d**-0.5)
+        assert other_scale != want_scale or not torch.equal(raw(other.q[..., :n]), raw(want.q)), (d, fmt)

@@ -322,6 +322,22 @@ KEY_MEAN = textwrap.dedent('''
     fb = robust_qk_operands(q.to(DEVICE), k.to(DEVICE), rr, 0.125)[4].cpu()
     assert fb.tolist() == [[False, True]], fb
 
+    # a head dim the kernels zero-pad (32 runs as 64): the statistic divides by the
+    # caller's head dim, which `robust_qk_operands` takes (`head_dim`), so the choice is
+    # the reference's of the unpadded inputs; by the padded width it would be another
+    import torch.nn.functional as F
+    q = flushed(make_inputs("sharp", (2, 4, 40, 32), 15, "cpu")[0])
+    k = flushed(make_inputs("sharp", (2, 2, 50, 32), 16, "cpu")[1])
+    qp, kp = (F.pad(t, (0, 32)).to(DEVICE) for t in (q, k))
+    scale = 32**-0.5
+    lim = float(spreads(q, k, scale).reshape(2, 2, 2).amax(-1)[0, 0])
+    for limit, over in ((lim, False), (math.nextafter(lim, 0.0), True)):
+        rr = r.with_(qk_fallback_logit_std=limit)
+        fb = robust_qk_operands(qp, kp, rr, scale, head_dim=32)[4].cpu()
+        assert torch.equal(fb, robust_qk(q, k, rr, scale)[3]) and bool(fb[0, 0]) == over, (limit, fb)
+    fb = robust_qk_operands(qp, kp, r.with_(qk_fallback_logit_std=math.nextafter(lim, 0.0)), scale)[4].cpu()
+    assert not bool(fb[0, 0]), fb  # the padded width's statistic, sqrt(2) smaller
+
     # one pass over K before its quantizing pass: the smoothed recipes launch the maxima
     # pass (`_abs_max_kernel`) over Q only
     launches = []
@@ -357,7 +373,7 @@ def test_key_mean_kernel_is_the_reference_under_the_interpreter():
     bit for bit: awkward key counts, GQA-shaped K, an outlier channel, a channel of -0,
     bf16/fp16/fp32 inputs, and NaN and Inf propagating to their channel's mean only; and
     the fallback choice that `robust_qk_operands` makes in the K pass is the
-    reference's."""
+    reference's, for zero-padded head dims too (the caller's head dim in its statistic)."""
     run_under_interpreter(KERNEL_PATCHES + KEY_MEAN)
 
 
@@ -377,8 +393,8 @@ def test_robust_passes_build_for_sm90(kernel, D, choice):
     from fp4attn.kernels.hopper import quantize as qz
     from fp4attn.tools.machine_code import _compile_sm90, _pointers_and, inspect
 
-    choice_sig = dict(COUNT="*i32", SQ_Q="*fp64", FB_Q="*i8", FB_K="*i8", S_Q="i32", GROUP="i32", SCALE="fp64",
-                      LIMIT="fp64")
+    choice_sig = dict(COUNT="*i32", SQ_Q="*fp64", FB_Q="*i8", FB_K="*i8", S_Q="i32", D_STAT="i32", GROUP="i32",
+                      SCALE="fp64", LIMIT="fp64")
     if kernel == "_key_mean_kernel":
         sig = dict(X="*bf16", SUM="*fp64", MEAN="*fp32", S="i32", EXT="*i32", AMAX="*i32", SUMSQ="*fp64",
                    **choice_sig)

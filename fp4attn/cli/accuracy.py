@@ -109,17 +109,36 @@ def ablation_recipes() -> list:
     return out
 
 
+def minilm_operands(n_sentences: int = 64, layers=tuple(range(6)), device="cpu", dtype=torch.bfloat16,
+                    operands: Path | None = None, save: Path | None = None) -> dict[int, tuple]:
+    """{layer: (q, k, v, mask, scale)}: all-MiniLM-L6-v2's attention operands of the first
+    `n_sentences` shipped sentences (one padded batch, its boolean key mask), q, k, v cast
+    to `dtype` (what the records measure), on `device`. From the model (the eval extra),
+    or from a file that `save` wrote before (`operands`), so that a machine without the
+    model measures the same operands."""
+    if operands is not None:
+        captured = torch.load(operands, map_location=device)
+    else:
+        from fp4attn.cli.eval import minilm_attention_inputs
+
+        captured = minilm_attention_inputs(tuple(layers), n_sentences=n_sentences, device=device)
+        captured = {layer: (*(t.to(dtype) for t in c[:3]), *c[3:]) for layer, c in captured.items()}
+    if save is not None:
+        torch.save({layer: tuple(t.cpu() if torch.is_tensor(t) else t for t in c) for layer, c in captured.items()},
+                   save)
+    return captured
+
+
 def minilm_records(recipes, *, n_sentences: int = 64, layers=tuple(range(6)), device="cpu",
-                   backend="auto", dtype=torch.bfloat16) -> list[dict]:
-    """One record per (layer, recipe) on all-MiniLM-L6-v2's attention operands of the
-    first `n_sentences` shipped sentences (one padded batch, its boolean key mask),
-    against float64 attention of the same (cast) operands; metrics over the real
-    tokens' rows only."""
-    from fp4attn.cli.eval import minilm_attention_inputs
+                   backend="auto", dtype=torch.bfloat16, operands: Path | None = None,
+                   save: Path | None = None) -> list[dict]:
+    """One record per (layer, recipe) on all-MiniLM-L6-v2's attention operands
+    (`minilm_operands`), against float64 attention of the same (cast) operands; metrics
+    over the real tokens' rows only."""
     from fp4attn.reference.masks import key_mask_view
 
     records = []
-    captured = minilm_attention_inputs(tuple(layers), n_sentences=n_sentences, device=device)
+    captured = minilm_operands(n_sentences, layers, device, dtype, operands, save)
     for layer, (q, k, v, mask, scale) in tqdm(captured.items(), desc="minilm", unit="layer", leave=False):
         q, k, v = (t.to(dtype) for t in (q, k, v))
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
@@ -235,6 +254,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the attention operands of every layer of all-MiniLM-L6-v2 on the first 64 shipped "
                         "sentences, real tokens' rows only (needs the eval extra). With --backward: 'gaussian' "
                         "(default) or 'minilm' (layers 0, 2, 5)")
+    p.add_argument("--operands", type=Path,
+                   help="with --inputs minilm: read the captured operands from this file (--save-operands "
+                        "wrote it) instead of running the model")
+    p.add_argument("--save-operands", type=Path,
+                   help="with --inputs minilm: also write the captured operands (bf16) to this file")
     p.add_argument("--grad-formats", default="",
                    help="with --backward: also run each FP8-gradient recipe with these gradient formats "
                         "(e.g. e5m2) to compare them with its own")
@@ -273,8 +297,11 @@ def main(args: argparse.Namespace) -> list[dict]:
         write_json(args.json, records)
         return records
     forward = ablation_recipes() if args.ablation else args.recipes.split(",")
+    if (args.operands or args.save_operands) and args.inputs != "minilm":
+        raise ValueError(f"--operands and --save-operands go with --inputs minilm, got --inputs {args.inputs!r}")
     if args.inputs == "minilm":
-        records = minilm_records(forward, device=args.device, backend=args.backend)
+        records = minilm_records(forward, device=args.device, backend=args.backend, operands=args.operands,
+                                 save=args.save_operands)
         print(f"accuracy vs float64 attention, all-MiniLM-L6-v2 attention operands (64 sentences, bf16), "
               f"device={args.device}")
         print(format_table(records))

@@ -68,18 +68,19 @@ def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int |
 def _blackwell_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
     causal_offset: int, causal: bool, scale: float, write_p: bool, key_bias: Optional[torch.Tensor],
-    smooth_k: bool = False, rotate_qk: str = "", four_over_six: bool = False,
+    smooth_k: bool = False, rotate_qk: str = "", four_over_six: bool = False, head_dim: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """head_dim: the caller's, where q and k are zero-padded (0: theirs; `prepare_operands`)."""
     recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, smooth_k=smooth_k, rotate_qk=rotate_qk or None,
                     qk_four_over_six=four_over_six)
-    ops, scale = prepare_operands(q, k, v, recipe, scale)
+    ops, scale = prepare_operands(q, k, v, recipe, scale, head_dim or None)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None, key_bias=key_bias,
                           write_p=write_p)
 
 
 @_blackwell_attention_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key_bias, smooth_k=False, rotate_qk="",
-      four_over_six=False):
+      four_over_six=False, head_dim=0):
     B, H, Sq, D = q.shape
     block_m = blackwell_forward_launch(D, causal).block_m
     sq_pad = -(-Sq // block_m) * block_m
@@ -89,14 +90,15 @@ def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key
 
 
 def blackwell_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None,
-                        key_bias: torch.Tensor | None = None, write_p: bool = False):
+                        key_bias: torch.Tensor | None = None, write_p: bool = False, head_dim: int | None = None):
     """Quantize bf16/fp16/fp32 (B, H, S, D) inputs (D 64 or 128) and run the Blackwell
     forward: (out bf16, lse fp32, P tile or empty; see `launch_forward`). Of the robust
     fields it applies those of `routing.BLACKWELL_FORWARD_ROBUST_FIELDS` (in the
-    quantizers) and refuses the others, never running another recipe."""
+    quantizers) and refuses the others, never running another recipe. `head_dim`: the
+    caller's, where the inputs are zero-padded to D (the rotation is that head dim's)."""
     reason = robust_unsupported_reason(recipe, BLACKWELL_FORWARD_ROBUST_FIELDS)
     if reason is not None:
         raise ValueError(f"blackwell_attention: {reason}; the reference runs it")
     return _blackwell_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, causal_offset or 0,
                                    causal_offset is not None, scale, bool(write_p), key_bias, recipe.smooth_k,
-                                   recipe.rotate_qk or "", recipe.qk_four_over_six)
+                                   recipe.rotate_qk or "", recipe.qk_four_over_six, head_dim or 0)

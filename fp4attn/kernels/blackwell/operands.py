@@ -90,18 +90,37 @@ def quantize_v_fp8_t(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return vt.contiguous(), q.scale.squeeze(-1).float().contiguous()
 
 
+def _pad_channels(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """t's last dim padded with zero bytes to n (codes, e4m3 values or block scales: a zero
+    byte is a zero in each)."""
+    if t is None or t.shape[-1] == n:
+        return t
+    return F.pad(t.view(torch.uint8), (0, n - t.shape[-1])).view(t.dtype).contiguous()
+
+
 def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe,
-                     scale: float) -> tuple[BlackwellOperands, float]:
+                     scale: float, head_dim: int | None = None) -> tuple[BlackwellOperands, float]:
     """The operands of `recipe` for the Blackwell forward, quantized by the reference
     (with its K smoothing, Hadamard rotation and 4/6 block scales where the recipe asks
     for them, `reference.forward.robust_qk`), and the softmax scale that goes with them
-    (the rotation folds a power of two into it)."""
+    (the rotation folds a power of two into it). `head_dim`: the caller's, where q and k
+    are zero-padded to D channels: the rotation is the one of that head dim (its
+    Hadamard blocks depend on it), applied before the padding; every other field gives
+    the same codes either way (zero channels quantize to zero codes and scales)."""
     if recipe.qk_fallback is not None or recipe.p_sink or recipe.smooth_v:
         raise ValueError(f"the Blackwell forward does not apply qk_fallback, p_sink or smooth_v (recipe "
                          f"{recipe.name!r})")
-    q_op, k_op, scale, _ = robust_qk(q, k, recipe, scale)
-    qv, q_sc, qs = _qk(q_op, recipe.qk)
-    kv, k_sc, ks = _qk(k_op, recipe.qk)
+    D = q.shape[-1]
+    if head_dim is not None and not 0 < head_dim <= D:
+        raise ValueError(f"prepare_operands: head_dim={head_dim} for inputs padded to {D} channels; accepted: "
+                         f"1 to {D}")
+    d = head_dim if recipe.rotate_qk is not None and head_dim is not None else D
+    q_op, k_op, scale, _ = robust_qk(q[..., :d], k[..., :d], recipe, scale)
+    (qv, q_sc, qs), (kv, k_sc, ks) = _qk(q_op, recipe.qk), _qk(k_op, recipe.qk)
+    if d < D:
+        per_byte = 2 if recipe.qk == "nvfp4" else 1  # packed E2M1 codes: two channels a byte
+        qv, kv = _pad_channels(qv, D // per_byte), _pad_channels(kv, D // per_byte)
+        q_sc, k_sc = _pad_channels(q_sc, D // 16), _pad_channels(k_sc, D // 16)
     if recipe.v == "mxfp4":
         vv, v_sc = quantize_v_mxfp4_packed(v)
         vs = None

@@ -108,21 +108,22 @@ def _hopper_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str, fast_accum: bool,
     causal_offset: int, causal: bool, scale: float, write_p: int, key_bias: Optional[torch.Tensor],
     smooth_k: bool = False, four_over_six: bool = False, fallback_logit_std: float = 0.0, p_sink: bool = False,
-    p_sink_keys: int = 0,
+    p_sink_keys: int = 0, head_dim: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The robust fields the kernels apply (`HOPPER_ROBUST_FIELDS`): fallback_logit_std
-    0 is no Q/K fallback."""
+    0 is no Q/K fallback; head_dim the caller's head dim where q and k are zero-padded
+    (0: theirs), which the fallback's statistic divides by."""
     recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum, smooth_k=smooth_k,
                     qk_four_over_six=four_over_six, p_sink=p_sink, p_sink_keys=p_sink_keys,
                     **(dict(qk_fallback="fp8", qk_fallback_logit_std=fallback_logit_std) if fallback_logit_std else {}))
-    ops = prepare_operands_fused(q, k, v, recipe, scale=scale)
+    ops = prepare_operands_fused(q, k, v, recipe, scale=scale, head_dim=head_dim or None)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
                           p_mode=_p_mode(recipe), write_p=write_p, key_bias=key_bias, sink_tiles=p_sink_tiles(recipe))
 
 
 @_hopper_attention_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, write_p, key_bias, smooth_k=False,
-      four_over_six=False, fallback_logit_std=0.0, p_sink=False, p_sink_keys=0):
+      four_over_six=False, fallback_logit_std=0.0, p_sink=False, p_sink_keys=0, head_dim=0):
     B, H, Sq, D = q.shape
     block_m = forward_launch(D, fast_accum, causal).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
@@ -132,11 +133,12 @@ def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, 
 
 
 def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: int = 0,
-                     key_bias: torch.Tensor | None = None):
+                     key_bias: torch.Tensor | None = None, head_dim: int | None = None):
     """Quantize bf16/fp16/fp32 (B, H, S, D) inputs into the kernel layouts and run the
     forward: (out bf16, lse fp32, debug tile or empty; see `launch_forward`). A recipe
     with robust fields the kernels do not apply is refused (`hopper_robust_unsupported`),
-    never run as another recipe."""
+    never run as another recipe. `head_dim`: the caller's, where the inputs are
+    zero-padded to D (the Q/K fallback's statistic is the unpadded inputs')."""
     reason = hopper_robust_unsupported(recipe)
     if reason is not None:
         raise ValueError(f"hopper_attention: {reason}; the reference runs it")
@@ -144,4 +146,4 @@ def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: in
                                 causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias,
                                 recipe.smooth_k, recipe.qk_four_over_six,
                                 recipe.qk_fallback_logit_std if recipe.qk_fallback else 0.0, recipe.p_sink,
-                                recipe.p_sink_keys)
+                                recipe.p_sink_keys, head_dim or 0)

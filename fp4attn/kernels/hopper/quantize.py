@@ -121,18 +121,19 @@ def _last_program_of_head(COUNT, g):
 
 
 @triton.jit
-def _fallback_choice(sq_k, g, SQ_Q, FB_Q, FB_K, S, S_Q, D: tl.constexpr, GROUP, GROUP_P2: tl.constexpr,
-                     SCALE, LIMIT):
+def _fallback_choice(sq_k, g, SQ_Q, FB_Q, FB_K, S, S_Q, D_STAT, GROUP, GROUP_P2: tl.constexpr, SCALE, LIMIT):
     """The Q/K fallback choice of K head g (`reference.forward.robust_qk`) from its
     finished float64 sum of squares sq_k: whether the largest `robust.logit_std_of_sums`
     of its GROUP query heads (g * GROUP + j, their sums of squares in SQ_Q) is above
     LIMIT, NaN counting as not above (torch's amax propagates it), with every float64
     operation of the reference in its order (IEEE div, sqrt and products: the same
-    float64 numbers). Stored as int8 into FB_K (G,) and FB_Q (G * GROUP,)."""
+    float64 numbers). D_STAT is the head dim the statistic divides by: the caller's, not
+    the kernel's where zero channels pad it (they add nothing to the sums). Stored as
+    int8 into FB_K (G,) and FB_Q (G * GROUP,)."""
     j = tl.arange(0, GROUP_P2)
     ok = j < GROUP
     sq_q = tl.load(SQ_Q + g * GROUP + j, mask=ok, other=0.0)
-    spread = SCALE * tl.sqrt(sq_q / S_Q * (sq_k / S) / D)
+    spread = SCALE * tl.sqrt(sq_q / S_Q * (sq_k / S) / D_STAT)
     nan = tl.max(tl.where(ok & (spread != spread), 1, 0), axis=0)
     over = tl.max(tl.where(ok & (spread > LIMIT), 1, 0), axis=0)
     fb = (over > nan).to(tl.int8)
@@ -143,8 +144,8 @@ def _fallback_choice(sq_k, g, SQ_Q, FB_Q, FB_K, S, S_Q, D: tl.constexpr, GROUP, 
 @triton.jit
 def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
                     PER_CHANNEL: tl.constexpr, HAS_MEAN: tl.constexpr = False, SUM_SQ: tl.constexpr = False,
-                    CHOICE: tl.constexpr = False, COUNT=None, SQ_Q=None, FB_Q=None, FB_K=None, S_Q=1, GROUP=1,
-                    GROUP_P2: tl.constexpr = 1, SCALE: tl.float64 = 1.0, LIMIT: tl.float64 = 1.0):
+                    CHOICE: tl.constexpr = False, COUNT=None, SQ_Q=None, FB_Q=None, FB_K=None, S_Q=1, D_STAT=1,
+                    GROUP=1, GROUP_P2: tl.constexpr = 1, SCALE: tl.float64 = 1.0, LIMIT: tl.float64 = 1.0):
     """max |x| of X (G, S, D) as float32 bits, BLOCKS blocks of BLOCK_S rows a program:
     per head and channel into AMAX (G, D), or per head into AMAX (G,); AMAX starts at 0
     (+0.0). HAS_MEAN: of x - MEAN (G, D) (float32, one rounding: `robust.smooth`).
@@ -193,7 +194,7 @@ def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.conste
         tl.atomic_max(AMAX + g, tl.max(tl.max(run, axis=1), axis=0), sem="relaxed")
     if CHOICE:
         if _last_program_of_head(COUNT, g):
-            _fallback_choice(tl.load(SUMSQ + g, cache_modifier=".cg"), g, SQ_Q, FB_Q, FB_K, S, S_Q, D, GROUP,
+            _fallback_choice(tl.load(SUMSQ + g, cache_modifier=".cg"), g, SQ_Q, FB_Q, FB_K, S, S_Q, D_STAT, GROUP,
                              GROUP_P2, SCALE, LIMIT)
 
 
@@ -255,7 +256,8 @@ def _key_block_stats(x, x_hi, x_lo, acc, sq, hi, lo, FOLD: tl.constexpr, H: tl.c
 def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
                      HW_CVT: tl.constexpr = True, FOLD: tl.constexpr = 1, STATS: tl.constexpr = False, EXT=None,
                      AMAX=None, CHOICE: tl.constexpr = False, SUMSQ=None, SQ_Q=None, FB_Q=None, FB_K=None, S_Q=1,
-                     GROUP=1, GROUP_P2: tl.constexpr = 1, SCALE: tl.float64 = 1.0, LIMIT: tl.float64 = 1.0):
+                     D_STAT=1, GROUP=1, GROUP_P2: tl.constexpr = 1, SCALE: tl.float64 = 1.0,
+                     LIMIT: tl.float64 = 1.0):
     """`robust.key_mean` of X (G, S, D) into MEAN (G, D) float32, reading X once: each
     program's float64 sums per channel (BLOCKS blocks of BLOCK_S rows) added into SUM (G,
     D) float64 zeros; the head's last program (COUNT (G,) int32 zeros) divides the
@@ -341,7 +343,8 @@ def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.conste
                 t = libdevice.sub_rn(tl.load(SUMSQ + dd, cache_modifier=".cg"), libdevice.mul_rn(m64 * 2.0, total))
                 t = libdevice.add_rn(t, libdevice.mul_rn(m64 * S, m64))
                 t = tl.maximum(t, 0.0, propagate_nan=tl.PropagateNan.ALL)
-                _fallback_choice(_pairwise_sum(t, D), g, SQ_Q, FB_Q, FB_K, S, S_Q, D, GROUP, GROUP_P2, SCALE, LIMIT)
+                _fallback_choice(_pairwise_sum(t, D), g, SQ_Q, FB_Q, FB_K, S, S_Q, D_STAT, GROUP, GROUP_P2, SCALE,
+                                 LIMIT)
 
 
 @triton.jit
@@ -1027,10 +1030,13 @@ def _key_pass(x3: torch.Tensor, stats: bool, choice: dict | None = None,
     return mean, amax
 
 
-def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: float | None):
+def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: float | None,
+                       head_dim: int | None = None):
     """NVFP4 Q and K of a recipe with fused robust fields (FUSED_ROBUST_FIELDS), as
     `reference.forward.robust_qk` computes them: (qv, qs, kv, ks), the kernel's layouts,
-    and the (B, Hkv) heads that took the FP8 fallback (None without it).
+    and the (B, Hkv) heads that took the FP8 fallback (None without it). `head_dim`: the
+    caller's head dim where q and k are zero-padded to the kernel's (`routing.kernel_head_dim`):
+    the fallback's statistic divides by it, as the reference of the unpadded inputs does.
 
     With `smooth_k`, two reads of K: one pass (`_key_pass`) makes its mean, the maximum
     of K - mean (from each channel's largest and smallest key) and, under
@@ -1046,6 +1052,9 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
         raise ValueError("robust_qk_operands: qk_fallback needs the softmax scale")
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    if head_dim is not None and not 0 < head_dim <= D:
+        raise ValueError(f"robust_qk_operands: head_dim={head_dim} for inputs padded to {D} channels; accepted: "
+                         f"1 to {D}")
     Gq, Gk = B * H, B * Hkv
     f64, i32 = torch.float64, torch.int32
     smooth = recipe.smooth_k
@@ -1060,8 +1069,9 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
         fb = torch.empty(Gq + Gk, device=q.device, dtype=torch.int8)
         fb_q, fb_k = fb[:Gq], fb[Gq:]
         group = H // Hkv
-        args = dict(SQ_Q=sq_q, FB_Q=fb_q, FB_K=fb_k, S_Q=Sq, GROUP=group, GROUP_P2=triton.next_power_of_2(group),
-                    SCALE=float(scale), LIMIT=float(recipe.qk_fallback_logit_std))
+        args = dict(SQ_Q=sq_q, FB_Q=fb_q, FB_K=fb_k, S_Q=Sq, D_STAT=head_dim or D, GROUP=group,
+                    GROUP_P2=triton.next_power_of_2(group), SCALE=float(scale),
+                    LIMIT=float(recipe.qk_fallback_logit_std))
     k3 = _heads(k)
     if smooth:
         mean, amax_k = _key_pass(k3, True, args if choice else None, zeros[5:])
@@ -1080,16 +1090,17 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
 
 
 def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe,
-                           scale: float | None = None) -> KernelOperands:
+                           scale: float | None = None, head_dim: int | None = None) -> KernelOperands:
     """The same tensors as `operands.prepare_operands`, from fused kernels; for a recipe
     with outlier-robust fields (only FUSED_ROBUST_FIELDS; `qk_fallback` needs the softmax
-    `scale`) those of `reference.forward.robust_qk`. `Recipe.p_sink` is the forward's
-    (P_MODE 3); the other robust fields are refused, never dropped."""
+    `scale`, and for zero-padded inputs the caller's `head_dim`: `robust_qk_operands`)
+    those of `reference.forward.robust_qk`. `Recipe.p_sink` is the forward's (P_MODE 3);
+    the other robust fields are refused, never dropped."""
     other = [f for f in ("rotate_qk", "smooth_v") if getattr(recipe, f)]
     if other:
         raise ValueError(f"prepare_operands_fused: {', '.join(other)} are not applied by the fused quantizers")
     if any(getattr(recipe, f) not in (False, None) for f in FUSED_ROBUST_FIELDS):
-        qv, qs, kv, ks, _ = robust_qk_operands(q, k, recipe, scale)
+        qv, qs, kv, ks, _ = robust_qk_operands(q, k, recipe, scale, head_dim)
         vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=BLOCK_N)
         return KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
     if recipe.qk == "fp8":
