@@ -4,9 +4,11 @@ of every kernel, summed per kernel name), per recipe, at one shape, in one proce
 the call's host-seen time (`triton.testing.do_bench`) beside the kernels' sum. For a
 recipe that costs more than another while running the same attention kernels (the
 operand quantizers differ, or a launch does): the rows that differ say which. Then the
-host's side: the time to issue one call without waiting for the GPU (when it exceeds the
-kernels' own time the GPU idles between launches), and the Python functions that take
-the host's time per call (cProfile, own time, the `--top` largest of each recipe).
+host's side: whether the call makes the host wait for the GPU (the operations that
+`torch.cuda.set_sync_debug_mode` warns at), the time to issue one call after a
+synchronization and per call back to back (when the host's time exceeds the kernels'
+the GPU idles between launches), and the Python functions that take the host's time per
+call (cProfile, own time, the `--top` largest of each recipe).
 
     python tools/profile_train_recipes.py [--shape 4,16,4096,128] [--recipes train,train-robust] [--top 25]
 """
@@ -15,6 +17,7 @@ import argparse
 import cProfile
 import pstats
 import time
+import warnings
 
 import torch
 import triton
@@ -78,11 +81,44 @@ def issue_ms(f, calls=30):
     return spent / calls * 1e3
 
 
-print("\n| host ms to issue one call | " + " | ".join(recipes) + " |")
+def synchronizing_ops(f) -> list[str]:
+    """The operations of one call of f at which the host waits for the GPU."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            f()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    # (the mode's own notice, "a prototype feature", is not an operation)
+    return [f"{w.message} at {w.filename}:{w.lineno}" for w in caught
+            if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)]
+
+
+def back_to_back_ms(f, calls=30):
+    """ms per call with nothing between calls: the larger of the host's and the GPU's time."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+syncs = {r: synchronizing_ops(step(r)) for r in recipes}
+print("\n| host's side of one call | " + " | ".join(recipes) + " |")
 print("|---|" + "---|" * len(recipes))
+print("| operations that wait for the GPU | " + " | ".join(str(len(syncs[r])) for r in recipes) + " |")
 fwd = {r: (lambda r=r: fp4attn.attention(q, k, v, causal=True, recipe=r, backend="triton")) for r in recipes}
-print("| forward | " + " | ".join(f"{issue_ms(fwd[r]):.3f}" for r in recipes) + " |")
-print("| forward+backward | " + " | ".join(f"{issue_ms(step(r)):.3f}" for r in recipes) + " |")
+print("| ms to issue the forward | " + " | ".join(f"{issue_ms(fwd[r]):.3f}" for r in recipes) + " |")
+print("| ms to issue forward+backward | " + " | ".join(f"{issue_ms(step(r)):.3f}" for r in recipes) + " |")
+print("| ms a forward+backward, back to back | " + " | ".join(f"{back_to_back_ms(step(r)):.3f}" for r in recipes)
+      + " |")
+for r in recipes:
+    for op in syncs[r][:10]:
+        print(f"{r}: the host waits at {op[:160]}")
 
 for r in recipes:
     f = step(r)
