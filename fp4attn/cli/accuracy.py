@@ -122,7 +122,7 @@ def minilm_operands(n_sentences: int = 64, layers=tuple(range(6)), device="cpu",
         from fp4attn.cli.eval import minilm_attention_inputs
 
         captured = minilm_attention_inputs(tuple(layers), n_sentences=n_sentences, device=device)
-        captured = {layer: (*(t.to(dtype) for t in c[:3]), *c[3:]) for layer, c in captured.items()}
+    captured = {layer: (*(t.to(dtype) for t in c[:3]), *c[3:]) for layer, c in captured.items()}
     if save is not None:
         torch.save({layer: tuple(t.cpu() if torch.is_tensor(t) else t for t in c) for layer, c in captured.items()},
                    save)
@@ -140,7 +140,6 @@ def minilm_records(recipes, *, n_sentences: int = 64, layers=tuple(range(6)), de
     records = []
     captured = minilm_operands(n_sentences, layers, device, dtype, operands, save)
     for layer, (q, k, v, mask, scale) in tqdm(captured.items(), desc="minilm", unit="layer", leave=False):
-        q, k, v = (t.to(dtype) for t in (q, k, v))
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                                                attn_mask=mask, scale=scale)
         keys = key_mask_view(mask) if mask is not None else None

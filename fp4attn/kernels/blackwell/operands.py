@@ -95,7 +95,7 @@ def _pad_channels(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     byte is a zero in each)."""
     if t is None or t.shape[-1] == n:
         return t
-    return F.pad(t.view(torch.uint8), (0, n - t.shape[-1])).view(t.dtype).contiguous()
+    return F.pad(t.view(torch.uint8), (0, n - t.shape[-1])).view(t.dtype)
 
 
 def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe,
@@ -104,9 +104,9 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     (with its K smoothing, Hadamard rotation and 4/6 block scales where the recipe asks
     for them, `reference.forward.robust_qk`), and the softmax scale that goes with them
     (the rotation folds a power of two into it). `head_dim`: the caller's, where q and k
-    are zero-padded to D channels: the rotation is the one of that head dim (its
-    Hadamard blocks depend on it), applied before the padding; every other field gives
-    the same codes either way (zero channels quantize to zero codes and scales)."""
+    are zero-padded to D channels: Q and K are quantized at that head dim, as the
+    reference quantizes the unpadded inputs (the rotation's Hadamard blocks depend on
+    it), and their codes and block scales padded with zeros after."""
     if recipe.qk_fallback is not None or recipe.p_sink or recipe.smooth_v:
         raise ValueError(f"the Blackwell forward does not apply qk_fallback, p_sink or smooth_v (recipe "
                          f"{recipe.name!r})")
@@ -114,7 +114,7 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     if head_dim is not None and not 0 < head_dim <= D:
         raise ValueError(f"prepare_operands: head_dim={head_dim} for inputs padded to {D} channels; accepted: "
                          f"1 to {D}")
-    d = head_dim if recipe.rotate_qk is not None and head_dim is not None else D
+    d = head_dim or D
     q_op, k_op, scale, _ = robust_qk(q[..., :d], k[..., :d], recipe, scale)
     (qv, q_sc, qs), (kv, k_sc, ks) = _qk(q_op, recipe.qk), _qk(k_op, recipe.qk)
     if d < D:
