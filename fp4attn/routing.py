@@ -106,16 +106,16 @@ class ForwardLaunch:
 
 # Keyed by (head dim, QK^T on the FP8 tensor cores, causal). The measurements behind each
 # choice (TFLOP/s per variant and shape, H200) are in docs/notes/hopper-forward.md; the
-# result files: benchmarks/results/h200-forward-ws-overlap4.txt (ws_overlap per case),
-# h200-forward-fastacc.txt and h200-forward-d64-fastacc.txt (FP8 tensor-core QK^T, D=128
-# on the Gluon kernel, D=64 on the Triton one, TMA causal only), h200-forward-ws-2.txt
+# result files, in benchmarks/results/log/: h200-forward-ws-overlap4.txt (ws_overlap per
+# case), h200-forward-fastacc.txt and h200-forward-d64-fastacc.txt (FP8 tensor-core QK^T,
+# D=128 on the Gluon kernel, D=64 on the Triton one, TMA causal only), h200-forward-ws-2.txt
 # (the Gluon kernel for FP8 P at D=128), h200-forward-tma.txt and h200-forward-pv-add.txt
 # (bf16 QK^T: TMA and pv_add at D=128; D=64 keeps Triton's promotion).
 # cuda_from_keys: at D=128 the CUDA kernel ran 2-7% faster than the Gluon kernel at 4k keys
-# and level with it (-2 to +1%) at 16k-32k, causal or not (h200-forward-cuda-serial.txt, the
-# fresh accumulators; 3-9% faster at 16k-32k in h200-forward-cuda-fused-poly.txt); at D=64,
-# three consumers, 0-12% faster than the Triton kernel at 8k and -8 to +3% at 2k
-# (h200-forward-cuda-consumers.txt, -serial.txt).
+# and level with it (-2 to +1%) at 16k-32k, causal or not (log/h200-forward-cuda-serial.txt,
+# the fresh accumulators; 3-9% faster at 16k-32k in benchmarks/results/
+# h200-forward-cuda-fused-poly.txt); at D=64, three consumers, 0-12% faster than the Triton
+# kernel at 8k and -8 to +3% at 2k (log/h200-forward-cuda-consumers.txt, -serial.txt).
 FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
     (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_from_keys=4096),
     (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4, cuda_from_keys=4096),
@@ -160,10 +160,11 @@ class BackwardLaunch:
 
 
 # Keyed by head dim; the fastest variants of causal (4,16,4096,128) and (8,16,4096,64),
-# backward ms on the H200, docs/notes/hopper-train.md: the Gluon dK/dV kernel
-# (h200-backward-dkdv-gluon-2.txt), its numbers staged (h200-backward-dkdv-staged.txt) or
-# copied asynchronously at D=128 (h200-backward-dkdv-async-numbers.txt), the Gluon dQ
-# (h200-backward-dq-gluon.txt), register caps at D=64 (h200-backward-gluon-maxnreg.txt).
+# backward ms on the H200, docs/notes/hopper-train.md; files in benchmarks/results/log/: the
+# Gluon dK/dV kernel (h200-backward-dkdv-gluon-2.txt), its numbers staged
+# (h200-backward-dkdv-staged.txt) or copied asynchronously at D=128
+# (h200-backward-dkdv-async-numbers.txt), the Gluon dQ (h200-backward-dq-gluon.txt),
+# register caps at D=64 (h200-backward-gluon-maxnreg.txt).
 BACKWARD_LAUNCH: dict[int, BackwardLaunch] = {
     64: BackwardLaunch(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
                        dkdv_in_flight=2, dkdv_staged=1, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),

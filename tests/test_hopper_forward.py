@@ -48,7 +48,7 @@ def _check(q, k, v, recipe, causal=None, attn_mask=None):
     # and FP8 P has a rounding midpoint every 1/8 octave: measured 99.55-99.76% identical
     # for `fp8-fastacc` on sharp scores (99.86-99.89% when promoted every 32 products),
     # 99.96-99.98% for `fp8-directp-fastacc`, >= 99.9% for every other recipe
-    # (h200-forward-fastacc.txt). A tile of a dozen codes cannot show a fraction: there
+    # (benchmarks/results/log/h200-forward-fastacc.txt). A tile of a dozen codes cannot show a fraction: there
     # one flipped code is allowed (fp8-fastacc at Sq=1, Sk=3 flipped 1 of 12 in one run)
     min_identical = 0.99 if recipe.fast_accum and recipe.p == "fp8" else 0.999
     flipped = int((got != want).sum())

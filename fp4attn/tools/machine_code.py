@@ -150,7 +150,7 @@ def _divisibility(sig: dict, aligned: list[str]) -> dict:
     """The compile attributes that specialize the arguments `aligned` of `sig` as
     multiples of 16, as the JIT does: without them the build is another kernel (the
     backward's CPU build had no spills, the GPU's spilled its prefetched numbers:
-    benchmarks/results/h200-backward-ncu.txt)."""
+    benchmarks/results/log/h200-backward-ncu.txt)."""
     names = list(sig)
     return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
 

@@ -13,7 +13,7 @@ FlashAttention-3's per-score work, with the row sums of P from the PV product an
 quarter of the exp2s by a polynomial: P codes equal to the recipe's on 99.986% of entries
 (the issue's bar is 99.9%), outputs within bf16 rounding. `MEASURED["recipe"]` builds the
 Gluon kernel's arithmetic (forward_gluon_ws.attn_fwd_ws_kernel) operation for operation,
-measured bit-identical to it (benchmarks/results/h200-forward-cuda.txt).
+measured bit-identical to it (benchmarks/results/log/h200-forward-cuda.txt).
 """
 
 from __future__ import annotations
@@ -90,11 +90,11 @@ class Variant:
 
 
 # K/V^T ring depth per (head dim, causal): depths 2, 3 and 4 ran within 2% of each other
-# (benchmarks/results/h200-forward-cuda-variants.txt, run A; docs/notes/hopper-cuda-forward.md)
+# (benchmarks/results/log/h200-forward-cuda-variants.txt, run A; docs/notes/hopper-cuda-forward.md)
 STAGES = {(128, False): 2, (128, True): 2, (64, False): 2, (64, True): 2}
 # the row sums' e4m3 -> f16 on the integer units per (head dim, causal): bit-identical results;
 # at D=128 7-9% faster non-causal, 0.4-1.8% causal, at D=64 0 to -1% (noise)
-# (benchmarks/results/h200-forward-cuda-softmax.txt, cuda against cuda_isum)
+# (benchmarks/results/log/h200-forward-cuda-softmax.txt, cuda against cuda_isum)
 ROWSUM_INT = {(128, False): True, (128, True): True, (64, False): False, (64, True): False}
 
 
@@ -108,7 +108,7 @@ SOFTMAX = {"fused_softmax": True, "exp_poly": 4}
 
 # consumer warpgroups per CTA: three at head dim 64 (192 query rows; a third softmax warp per
 # scheduler), +11-12% non-causal and +2-3% causal over two in the same run, outputs and P
-# codes the same (benchmarks/results/h200-forward-cuda-consumers.txt); at 128 three do not fit
+# codes the same (benchmarks/results/log/h200-forward-cuda-consumers.txt); at 128 three do not fit
 CONSUMERS = {(128, False): 2, (128, True): 2, (64, False): 3, (64, True): 3}
 
 
@@ -125,7 +125,7 @@ def measured_variants() -> list[Variant]:
 
 # the softmax variants measured beside the launcher's (benchmarks/bench_forward_cuda.py
 # --variants; Variant fields over the table's); exp2 in f16x2 was measured and removed
-# (h200-forward-cuda-softmax.txt, commit 0702b95)
+# (benchmarks/results/log/h200-forward-cuda-softmax.txt, commit 0702b95)
 MEASURED = {
     # the recipe's arithmetic operation for operation: bit-identical to the Gluon kernel
     # (the checking script's base), row sums converted on the integer units at D=128
