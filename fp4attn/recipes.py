@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 QK_FORMATS = ("nvfp4", "fp8", "bf16")
 P_FORMATS = ("mxfp4", "fp8", "bf16")
 V_FORMATS = ("mxfp4", "fp8", "bf16")
-P_BUILDS = ("directp", "exp2")
+P_BUILDS = ("directp", "exp2", "affine")
 GRAD_FORMATS = ("e4m3", "e5m2", "bf16")
 ROTATIONS = ("hadamard",)
 QK_FALLBACKS = ("fp8",)
@@ -29,8 +29,11 @@ class Recipe:
             "fp8": e4m3 (P scaled by 2**8). "bf16".
         v: V format. "mxfp4": E2M1 x E8M0 scale per 32 keys. "fp8": e4m3 with one fp32
             scale per channel. "bf16".
-        p_build: "directp" classifies the log-score straight into E2M1 codes (only with
-            p="mxfp4"); "exp2" computes 2**x and rounds it.
+        p_build: "directp" classifies the log-score straight into the E2M1 codes of
+            round-to-nearest of its exponential (only with p="mxfp4"); "exp2" computes
+            2**x and rounds it; "affine" reads the code off one rounded affine map of the
+            log-score, no exponential (p="mxfp4": the paper's fast Direct-P, E2M1 code
+            RNE(2y + 2); p="fp8": the e4m3 byte RNE(8x + 119.5); `reference.affine`).
         consistent_norm: the softmax denominator sums the represented P values (those
             the PV product consumes) rather than the unrounded exponentials.
         grad: format of the gradient products' operands in the backward; None for an
@@ -109,6 +112,13 @@ class Recipe:
                 raise ValueError(f"Recipe.{field}={value!r} is not supported; accepted: {accepted}")
         if self.p_build == "directp" and self.p != "mxfp4":
             raise ValueError(f"p_build='directp' builds MXFP4 P only; got p={self.p!r} (use p_build='exp2')")
+        if self.p_build == "affine" and self.p not in ("fp8", "mxfp4"):
+            raise ValueError(f"p_build='affine' builds FP8 or MXFP4 P; got p={self.p!r}")
+        if self.p_build == "affine" and self.grad is not None:
+            raise ValueError("p_build='affine' is an inference P builder (the backward rebuilds P by 'exp2' or "
+                             f"'directp'); got grad={self.grad!r} (use grad=None)")
+        if self.p_build == "affine" and self.p_sink:
+            raise ValueError("Recipe.p_sink=True is defined for p_build='directp' or 'exp2'; got p_build='affine'")
         if self.grad is not None and self.grad not in GRAD_FORMATS:
             raise ValueError(f"Recipe.grad={self.grad!r} is not supported; accepted: {GRAD_FORMATS} or None")
         if self.fast_accum and self.qk != "fp8":
@@ -199,6 +209,14 @@ PRESETS: dict[str, Recipe] = {
         # fallback would need FP8 Q/K views in the backward kernels)
         Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="exp2", grad="e4m3", smooth_k=True, qk_four_over_six=True,
                name="train-robust"),
+        # P from one affine map of the log-score, no exponential (reference/affine.py): the
+        # paper's fast Direct-P (E2M1 codes), with NVFP4 or FP8 Q/K, and its FP8 form (the
+        # e4m3 byte read off 8x + 119.5); docs/notes/affine-p.md measures them
+        Recipe(qk="nvfp4", p="mxfp4", v="mxfp4", p_build="affine", name="directp-fast"),
+        Recipe(qk="fp8", p="mxfp4", v="mxfp4", p_build="affine", name="fp8-directp-fast"),
+        Recipe(qk="fp8", p="mxfp4", v="mxfp4", p_build="affine", fast_accum=True, name="fp8-directp-fast-fastacc"),
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", name="fp8-affine"),
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", fast_accum=True, name="fp8-affine-fastacc"),
         # FP8 training for Hopper: per-token e4m3 Q/K (QK^T summed exactly: the kernels multiply
         # the e4m3 values on the bf16 tensor cores), FP8 P/V, e4m3 gradient products; trained
         # on the Hopper training kernels (their per-token-scale forms) and the reference

@@ -46,7 +46,11 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 KEY_TILE = 128
 HOPPER_HEAD_DIMS = (64, 128)
 # the forward kernels' P builders, by (Recipe.p, Recipe.p_build): the P_MODE constexpr
-P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2}
+P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2, ("fp8", "affine"): 4,
+           ("mxfp4", "affine"): 5}
+# the P modes whose P is an FP8 tile the Gluon warp-specialized kernel runs: FP8 P from exp2
+# and from the affine map (reference/affine.py)
+GLUON_P_MODES = (0, 4)
 TRAIN_GRAD_FORMATS = ("e4m3",)
 
 
@@ -410,7 +414,7 @@ def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: st
     p_mode = P_MODES[recipe.p, recipe.p_build]
     if use_cuda_forward(launch, p_mode, recipe.fast_accum, keys, on_cuda):
         return "hopper.forward_cuda"
-    gluon = launch.warp_specialized and p_mode == 0 and mask == "none"
+    gluon = launch.warp_specialized and p_mode in GLUON_P_MODES and mask == "none"
     return "hopper.forward_gluon_ws" if gluon else "hopper.forward_triton"
 
 

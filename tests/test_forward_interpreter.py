@@ -89,7 +89,10 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
         for name, D, sq, sk, causal in (("fp8", 64, 128, 256, "top_left"), ("nvfp4-fp8", 128, 100, 200, None),
                                         ("fp8-directp", 64, 64, 256, None),
                                         ("directp", 128, 128, 128, "bottom_right"),
-                                        ("fp8-fastacc", 64, 128, 130, "top_left")):
+                                        ("fp8-fastacc", 64, 128, 130, "top_left"),
+                                        # the affine builders (P modes 4 and 5)
+                                        ("fp8-affine", 128, 100, 200, "bottom_right"),
+                                        ("directp-fast", 64, 128, 256, None)):
             r = PRESETS[name]
             q = torch.randn(1, 2, sq, D, generator=g).bfloat16()
             k, v = (torch.randn(1, 1, sk, D, generator=g).bfloat16() for _ in range(2))

@@ -200,3 +200,64 @@ def test_directp_sink_builder_under_the_interpreter():
     e4m3 midpoints and below its normals, and NaN rows (P 0, as the forward propagates
     NaN through the running max instead)."""
     run_under_interpreter(SINK_SCRIPT, timeout=600)
+
+
+AFFINE_SCRIPT = textwrap.dedent('''
+    import math
+
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+
+    from fp4attn.kernels.common import online_softmax_p
+    from fp4attn.reference.affine import K_FP8_F32, build_p_affine, snap_max
+
+    @triton.jit
+    def p_kernel(T, M, P, MO, L, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P_MODE: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        p, alpha, m_new, l = online_softmax_p(tl.load(T + offs), tl.load(M + rows),
+                                              tl.zeros([BLOCK_M], tl.float32), P_MODE, False, True)
+        tl.store(P + offs, p)
+        tl.store(MO + rows, m_new)
+        tl.store(L + rows, l)
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(64, 128, generator=g) * torch.rand(64, 1, generator=g) * 12 + torch.randn(64, 1, generator=g) * 200
+    t[3] = -math.inf  # a row that has seen no key
+    t[5, 7] = float("nan")  # a NaN row
+    t[6, 40:] = -math.inf
+    t[9, 32:64] = t[9].amax() - 40.0  # a block below P_EMIN
+    # rows whose scores sit on the FP8 map's rounding midpoints (ties to even) and an ulp
+    # either side, relative to a reference point taken from the row's own maximum 0
+    mid = np.float32((np.arange(0, 42, dtype=np.float64) + 0.5 - K_FP8_F32) / 8.0 + snap_max(torch.zeros(1), "fp8").item())
+    tie_row = np.concatenate([[0.0], mid, np.nextafter(mid, np.float32(1)), np.nextafter(mid, np.float32(-1)),
+                              np.full(128 - 1 - 3 * len(mid), -np.inf)]).astype(np.float32)
+    t[10] = torch.from_numpy(tie_row)
+    t = t.float().contiguous()
+    m0 = torch.full((64,), -math.inf)
+    for mode, fmt in ((4, "fp8"), (5, "mxfp4")):
+        p, mo, l = torch.empty_like(t), torch.empty(64), torch.empty(64)
+        p_kernel[(4,)](t, m0, p, mo, l, BLOCK_M=16, BLOCK_N=128, P_MODE=mode)
+        m_new = torch.where(torch.isnan(t).any(-1), float("nan"), t.amax(-1))
+        m_ref = snap_max(torch.where(m_new == -math.inf, 0.0, m_new), fmt)
+        want = build_p_affine(t, m_ref, fmt) * 256.0
+        same = (p == want) | (torch.isnan(p) & torch.isnan(want))
+        assert bool(same.all()), (fmt, [(t[i, j].item(), p[i, j].item(), want[i, j].item())
+                                        for i, j in (~same).nonzero()[:5].tolist()])
+        assert torch.equal(torch.isnan(l), torch.isnan(want).any(-1))
+        ok = ~torch.isnan(l)
+        assert torch.equal(l[ok], want.sum(-1)[ok]) or bool(((l[ok] - want.sum(-1)[ok]).abs() <= 1e-6 * l[ok]).all())
+        carried = torch.where(m_new == -math.inf, m_new, m_ref)
+        assert torch.equal(mo.nan_to_num(), carried.nan_to_num()), fmt
+    print("ok")
+''')
+
+
+def test_affine_builders_under_the_interpreter():
+    """The kernels' affine builders (P modes 4 and 5 of `online_softmax_p`) equal the
+    reference's `build_p_affine` value for value, on random rows with large offsets (the
+    rounding of C), masked keys, an empty row, a NaN row, a dropped block and scores on
+    every FP8 rounding midpoint; the row sums and the carried reference point too."""
+    run_under_interpreter(AFFINE_SCRIPT)

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fp4attn.formats import constants
-from fp4attn.reference import directp, encoding
+from fp4attn.reference import affine, directp, encoding
 
 FP8_MIN_AMAX = tl.constexpr(constants.FP8_MIN_AMAX)
 P_EMIN = tl.constexpr(encoding.P_EMIN)
@@ -35,6 +35,12 @@ T_175 = tl.constexpr(directp.DIRECTP_THRESHOLDS[3])  # y >= log2(1.75): code 4 (
 T_25 = tl.constexpr(directp.DIRECTP_THRESHOLDS[4])  # y >= log2(2.5): code 5 (3.0)
 T_35 = tl.constexpr(directp.DIRECTP_THRESHOLDS[5])  # y >= log2(3.5): code 6 (4.0)
 T_5 = tl.constexpr(directp.DIRECTP_THRESHOLDS[6])  # y >= log2(5): code 7 (6.0)
+# the affine builders (reference/affine.py): the rounding constant 1.5 * 2**23 and the
+# FP8 map's offset; P modes 4 (FP8) and 5 (MXFP4) of `online_softmax_p`
+AFFINE_MAGIC = tl.constexpr(affine.MAGIC)
+AFFINE_K_FP8 = tl.constexpr(affine.K_FP8_F32)
+P_MODE_FP8_AFFINE = tl.constexpr(4)
+P_MODE_MXFP4_AFFINE = tl.constexpr(5)
 
 
 @triton.jit
@@ -273,6 +279,78 @@ def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None
 
 
 @triton.jit
+def affine_reference_point(m, P_MODE: tl.constexpr):
+    """The affine builders' reference point m~ of rows with (finite) running max m:
+    `reference.affine.snap_max`, operation for operation (float32, IEEE rounding)."""
+    if P_MODE == 4:
+        c = (AFFINE_K_FP8 - m * 8.0) + AFFINE_MAGIC
+        m_ref = (AFFINE_K_FP8 - (c - AFFINE_MAGIC)) * 0.125
+    else:
+        m_ref = tl.math.ceil(m * 2.0) * 0.5
+    return m_ref
+
+
+@triton.jit
+def _prmt_low_bytes(f):
+    """The low bytes of four float32s packed into one register (two PRMTs a pair, one
+    more for the four: 0.75 per score), as uint8 elements, GPU only."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 lo, hi;
+        prmt.b32 lo, $1, $2, 0x0040;
+        prmt.b32 hi, $3, $4, 0x0040;
+        prmt.b32 $0, lo, hi, 0x5410;
+        }""",
+        "=r,r,r,r,r", [f], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def p_fp8_affine(t, m_ref, HW_PACK: tl.constexpr):
+    """FP8 P by the affine map (reference/affine.py): f = 8 t + C (one rounding: 8 t is
+    exact, so an FMA and the separate product round alike), clamped at MAGIC by a
+    NaN-propagating max (a NaN row keeps NaN: the canonical NaN's low byte is 0xFF, e4m3
+    NaN), and the e4m3 byte is f's low byte. Returns (P, row sum of its values): P the
+    exact e4m3 values (times 2**8) as float32, or with HW_PACK the e4m3 tile itself,
+    its bytes packed by PRMT (GPU only). The values come from the byte without a
+    conversion: f's bits shifted left by 20 are the float32 of e4m3(byte) * 2**-120,
+    exactly, subnormal bytes and byte 0 included (the e4m3 fields land on float32's, and
+    e4m3's subnormals on float32 denormals); the row sum is scaled back once per row."""
+    c = (AFFINE_K_FP8 - m_ref * 8.0) + AFFINE_MAGIC
+    f = tl.maximum(t * 8.0 + tl.expand_dims(c, 1), AFFINE_MAGIC, propagate_nan=tl.PropagateNan.ALL)
+    v = (f.to(tl.int32, bitcast=True) << 20).to(tl.float32, bitcast=True)
+    if HW_PACK:
+        # the GPU's canonical NaN 0x7FFFFFFF has the low byte 0xFF (e4m3 NaN) and shifted
+        # is a NaN value: a NaN row stays NaN in P and in its sum without a select
+        p = _prmt_low_bytes(f).to(tl.float8e4nv, bitcast=True)
+    else:
+        # any NaN's bits (the interpreter's 0x7FC00000 shifts to 0): NaN by a select
+        v = tl.where(f == f, v, f)
+        p = v * (2.0 ** 120)
+    row_sum = tl.sum(v, axis=1) * (2.0 ** 120)
+    return p, row_sum
+
+
+@triton.jit
+def p_mxfp4_affine(t, m_ref, key_block=None):
+    """MXFP4 P by the paper's affine classifier (reference/affine.py): per 32-key block
+    e_b = floor(max t - m~) - 2 as Direct-P's, the E2M1 code clamp(RNE(2 t + C) - MAGIC,
+    0, 7) from one rounding, and its value from the code's bits: code << 22 is the
+    float32 of E2M1(code) * 2**-126, exactly (the subnormal code 1 a float32 denormal),
+    times 2**126 and the block's 2**(e_b + 8)."""
+    tb = _block_max_32(t, 1, key_block)
+    e_b = tl.floor(tb - tl.expand_dims(m_ref, 1)) - 2.0
+    keep = e_b >= P_EMIN
+    e_b = tl.where(keep, e_b, 0.0)
+    scale = tl.where(keep, ((e_b.to(tl.int32) + (P_OFFSET_LOG2 + 127)) << 23).to(tl.float32, bitcast=True), 0.0)
+    c = ((2.0 - tl.expand_dims(m_ref, 1) * 2.0) - e_b * 2.0) + AFFINE_MAGIC
+    f = tl.minimum(tl.maximum(t * 2.0 + c, AFFINE_MAGIC, propagate_nan=tl.PropagateNan.ALL), AFFINE_MAGIC + 7.0,
+                   propagate_nan=tl.PropagateNan.ALL)
+    v = (f.to(tl.int32, bitcast=True) << 22).to(tl.float32, bitcast=True) * (2.0 ** 126)
+    # a NaN score: f is NaN and its bits are not a code; P is NaN, as the reference's
+    return tl.where(f == f, v * scale, f)
+
+
+@triton.jit
 def log2_scores(s, a, b):
     """Scores in log2 units from the raw product s: (s * a) * b with a the query's
     scale (q_scale * softmax_scale * log2 e) and b the key's, both already broadcast
@@ -296,7 +374,9 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
     the new row sum of the represented P values). ROWS_MAY_BE_EMPTY: a row may have
     seen no key yet (max -inf), so it is normalized by 0 instead. P_HW_CVT rounds FP8 P
     by the packed hardware conversion (RNE, as `round_e4m3`); key_block as in
-    `_block_max_32` (Gluon callers pass it).
+    `_block_max_32` (Gluon callers pass it). P_MODE 4 and 5 are the affine builders
+    (`p_fp8_affine`, `p_mxfp4_affine`), which take t itself and return the snapped
+    reference point as the running max; with P_HW_CVT, P_MODE 4's P is the e4m3 tile.
     (Row sums on the tensor cores were measured no faster and removed:
     docs/notes/hopper-forward.md, "Row sums on the tensor cores".)"""
     # NaN propagates through the running max (tl.max would drop it): a NaN score, from a
@@ -309,11 +389,25 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
     else:
         m_use = m_new
     m_use = tl.where(m_new == float("inf"), float("nan"), m_use)
-    alpha = tl.math.exp2(m_i - m_use)
-    x = t - tl.expand_dims(m_use, 1)
-    if P_MODE == 0 and P_HW_CVT:
-        p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
+    if P_MODE >= 4:
+        # the affine builders (P from t, no exp): the reference point is m snapped to the
+        # map's grid, and that is what later tiles are measured from (the row keeps -inf
+        # until it sees a key)
+        m_use = affine_reference_point(m_use, P_MODE)
+        alpha = tl.math.exp2(m_i - m_use)
+        if P_MODE == 4:
+            p, row_sum = p_fp8_affine(t, m_use, P_HW_CVT)
+        else:
+            p = p_mxfp4_affine(t, m_use, key_block)
+            row_sum = tl.sum(p, axis=1)
+        l_i = l_i * alpha + row_sum
+        m_new = tl.where(m_new == -float("inf"), m_new, m_use)
     else:
-        p = build_p_tile(x, P_MODE, 1, key_block, P_HW_CVT)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+        alpha = tl.math.exp2(m_i - m_use)
+        x = t - tl.expand_dims(m_use, 1)
+        if P_MODE == 0 and P_HW_CVT:
+            p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
+        else:
+            p = build_p_tile(x, P_MODE, 1, key_block, P_HW_CVT)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     return p, alpha, m_new, l_i

@@ -5,7 +5,9 @@ For each tile of `recipe.block_n` keys, with t the scores in log2 units
 
     m_new = max(m, rowmax(t));  alpha = 2**(m - m_new);  x = t - m_new
     P     = build_p(x)                               (directp.py; with p_sink_keys the
-                                                      sink remedy on the first tiles only)
+                                                      sink remedy on the first tiles only;
+                                                      affine.py: m_new snapped to the
+                                                      affine map's grid, P from t)
     l     = alpha * l + rowsum(P if consistent_norm else 2**x)
     acc   = alpha * acc + P @ V
     out   = acc / l,  lse = (m + log2(l)) * ln(2)
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 
 from fp4attn.recipes import Recipe
 from fp4attn.reference import robust
+from fp4attn.reference.affine import build_p_affine, snap_max
 from fp4attn.reference.directp import build_p
 from fp4attn.reference.masks import causal_offset, key_mask, key_mask_view
 from fp4attn.reference.operands import QKOperand, quantize_qk, quantize_qk_fallback, quantize_v
@@ -137,17 +140,25 @@ def reference_forward(
         t = masked_log2_scores(q_op, k_op, scale, offset, bias, j0, bn)
         m_new = torch.maximum(m, t.amax(dim=-1))
         m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+        if recipe.p_build == "affine":
+            # the affine map's reference point: the maximum snapped to its grid (affine.py)
+            m_use = snap_max(m_use, recipe.p)
         alpha = torch.exp2(m - m_use)
         x = t - m_use.unsqueeze(-1)
-        # p_sink_keys: the sink remedy on the tiles of the first keys only (whole tiles)
-        sink = recipe.p_sink and (recipe.p_sink_keys == 0 or j0 < recipe.p_sink_keys)
-        p = build_p(x, recipe.p, recipe.p_build, sink)
+        if recipe.p_build == "affine":
+            p = build_p_affine(t, m_use, recipe.p)
+        else:
+            # p_sink_keys: the sink remedy on the tiles of the first keys only (whole tiles)
+            sink = recipe.p_sink and (recipe.p_sink_keys == 0 or j0 < recipe.p_sink_keys)
+            p = build_p(x, recipe.p, recipe.p_build, sink)
         if return_p:
             p_all[..., j0 : j0 + bn] = p[..., : min(bn, Sk - j0)]
         l = alpha * l + (p if recipe.consistent_norm else torch.exp2(x)).sum(dim=-1)
         v_tile = F.pad(expand_heads(v_rep[..., j0 : j0 + bn, :], H), (0, 0, 0, j0 + bn - min(Sk, j0 + bn)))
         acc = alpha.unsqueeze(-1) * acc + p @ v_tile
-        m = m_new
+        # the running point every later tile is measured from (m itself, or the affine
+        # builders' snapped m~, which stays -inf for a row that has seen no key)
+        m = torch.where(m_new == -math.inf, m_new, m_use)
 
     # a row that saw a key has l > 0 (its maximum's P is 1) or NaN; only unseen rows are 0
     seen = m != -math.inf

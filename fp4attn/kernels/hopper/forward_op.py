@@ -19,7 +19,8 @@ from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, padded_vt_rows, tma_loadable
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe, robust_unsupported_reason
-from fp4attn.routing import HOPPER_ROBUST_FIELDS, forward_launch, hopper_robust_unsupported, use_cuda_forward
+from fp4attn.routing import (GLUON_P_MODES, HOPPER_ROBUST_FIELDS, forward_launch, hopper_robust_unsupported,
+                             use_cuda_forward)
 from fp4attn.routing import p_mode as _p_mode
 from fp4attn.routing import p_sink_tiles
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
@@ -65,9 +66,9 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
             out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias)
             return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
-    # the CUDA kernel above and the Gluon kernel below take FP8 P (p_mode 0) only: P_MODE 3
-    # and its sink_tiles always run on the Triton kernel
-    if (cfg.warp_specialized and p_mode == 0 and not write_p and key_bias is None and tma_loadable(ops)
+    # the CUDA kernel above and the Gluon kernel below take FP8 P (p_mode 0, and 4 for the
+    # Gluon kernel) only: MXFP4 P (P_MODE 1, 2, 5; 3 and its sink_tiles) runs on the Triton kernel
+    if (cfg.warp_specialized and p_mode in GLUON_P_MODES and not write_p and key_bias is None and tma_loadable(ops)
             and q.is_contiguous()):
         # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
         # bias (imported here: only this path needs Triton's Gluon frontend)
