@@ -1,8 +1,8 @@
 """fp4attn: FP4 FlashAttention for PyTorch with bit-faithful NVFP4/MXFP4 numerics."""
 
-from fp4attn.api import attention, explain
+from fp4attn.api import ReferenceFallbackWarning, attention, explain
 from fp4attn.integrations.sdpa import patch_sdpa
 from fp4attn.recipes import PRESETS, Recipe, get_recipe
 
-__all__ = ["PRESETS", "Recipe", "attention", "explain", "get_recipe", "patch_sdpa"]
+__all__ = ["PRESETS", "Recipe", "ReferenceFallbackWarning", "attention", "explain", "get_recipe", "patch_sdpa"]
 __version__ = "0.1.0"

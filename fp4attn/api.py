@@ -6,11 +6,12 @@ import functools
 import importlib
 import logging
 import math
+import warnings
 
 import torch
 
 from fp4attn import routing
-from fp4attn.recipes import Recipe, get_recipe
+from fp4attn.recipes import PRESETS, Recipe, get_recipe
 from fp4attn.reference.backward import reference_backward, refuse_double_backward
 from fp4attn.reference.forward import ForwardResult, key_bias_of_mask, reference_forward
 from fp4attn.reference.masks import causal_offset, key_mask_view, normalize_causal
@@ -74,6 +75,25 @@ def _validate_mask(attn_mask, q: torch.Tensor, sk: int) -> None:
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, Hq, Sq, Sk) = {target}")
 
 
+def _causal_argument(causal, is_causal):
+    """`causal`, or SDPA's `is_causal` (a bool, top-left aligned) in its place; one of them."""
+    if is_causal is None:
+        return causal
+    if causal is not None:
+        raise ValueError(f"pass causal or is_causal, not both (got causal={causal!r}, is_causal={is_causal!r}); "
+                         "is_causal=True (SDPA's name) is causal=True, top-left aligned")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool as in SDPA (True: query i sees keys j <= i, top-left aligned), "
+                        f"got {is_causal!r}; for FlashAttention's bottom-right alignment pass causal='bottom_right'")
+    return is_causal
+
+
+def _check_dropout(dropout_p) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        raise ValueError(f"dropout_p={dropout_p!r} is not supported: fp4attn applies no attention dropout; "
+                         "accepted: 0.0 (a model passes its attention dropout in training mode: set it to 0)")
+
+
 def _resolve_scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -94,6 +114,60 @@ def _mask_kind(attn_mask) -> tuple[str, torch.Tensor | None]:
 @functools.lru_cache(maxsize=64)
 def _log_once(message: str) -> None:
     log.info(message)
+
+
+class ReferenceFallbackWarning(UserWarning):
+    """A GPU call that `backend="auto"` ran on the (slow) reference: the message says
+    why and what would run it on the kernels."""
+
+
+_WARNED: set[str] = set()  # the reasons already warned about
+
+
+def _kernel_hint(q: torch.Tensor, rec: Recipe, mode: str | None, needs_grad: bool, attn_mask, keys: int,
+                 r: routing.Route) -> str:
+    """What would put the call on a kernel: each single change of the call (no gradients,
+    the mask, the head dim, the recipe) that `routing.route` accepts."""
+    if r.reason.startswith("Triton is not importable"):
+        return "installing Triton would run it on the kernels"
+    targets = sorted({t for f in routing.KERNEL_FAMILIES for t in f.targets}, key=lambda t: int(t[3:]))
+    if not any(r.target in f.targets for f in routing.KERNEL_FAMILIES):
+        return f"the kernels are built for {', '.join(targets)}"
+    call = dict(device=q.device, head_dim=q.shape[-1], causal=mode is not None, needs_grad=needs_grad,
+                mask=_mask_kind(attn_mask)[0], keys=keys)
+
+    def runs(recipe: Recipe = rec, **change) -> bool:
+        return routing.route(recipe, **{**call, **change}).backend == "triton"
+
+    ways = []
+    if needs_grad and runs(needs_grad=False):
+        ways.append("no gradients (torch.no_grad(), or inputs that do not require grad: the forward kernels)")
+    if call["mask"] == "other" and runs(mask="key"):
+        ways.append("a key mask (broadcastable as (B, 1, 1, Sk), e.g. padding; causal=True for a causal mask)")
+    elif call["mask"] != "none" and runs(mask="none"):
+        ways.append("no attn_mask (causal=True for a causal mask)")
+    dims = [d for d in range(routing.HOPPER_HEAD_DIMS[-1], 0, -16) if runs(head_dim=d)]
+    if routing.kernel_head_dim(q.shape[-1]) is None and dims:
+        ways.append(f"a head_dim the kernels take (multiples of 16 up to {dims[0]})")
+    presets = [name for name, p in PRESETS.items() if p != rec and runs(p)]
+    if presets:
+        more = f" (and {len(presets) - 4} more presets)" if len(presets) > 4 else ""
+        ways.append(f"recipe {', '.join(map(repr, presets[:4]))}{more}")
+    if not ways:
+        return "no single change of the gradients, mask, head dim or recipe would run it on the kernels"
+    return "it would run on the kernels with " + "; or ".join(ways)
+
+
+def _warn_reference(q, rec: Recipe, mode, needs_grad: bool, attn_mask, keys: int, r: routing.Route) -> None:
+    """Warn, once per distinct reason, that `backend="auto"` runs a GPU call on the reference."""
+    if r.reason in _WARNED:
+        return
+    _WARNED.add(r.reason)
+    hint = _kernel_hint(q, rec, mode, needs_grad, attn_mask, keys, r)
+    warnings.warn(f"fp4attn.attention runs recipe {rec.name!r} on the reference backend (pure PyTorch, far "
+                  f"slower than the kernels): {r.reason}. {hint[0].upper()}{hint[1:]}. fp4attn.explain(...) "
+                  "says the route; backend='reference' asks for the reference without this warning.",
+                  ReferenceFallbackWarning, stacklevel=3)
 
 
 def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, needs_grad: bool,
@@ -122,11 +196,13 @@ def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, ne
     return r, key_mask
 
 
-def _checked(q, k, v, attn_mask, causal, recipe, enable_gqa) -> tuple[Recipe, str | None, bool]:
+def _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal=None,
+             dropout_p=0.0) -> tuple[Recipe, str | None, bool]:
     """The arguments `attention` and `explain` share, validated: (the recipe, the causal
     mode, whether any of q, k, v or a float attn_mask requires grad)."""
     rec = get_recipe(recipe)
-    mode = normalize_causal(causal)
+    mode = normalize_causal(_causal_argument(causal, is_causal))
+    _check_dropout(dropout_p)
     _validate(q, k, v, enable_gqa)
     _validate_mask(attn_mask, q, k.shape[-2])
     return rec, mode, any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
@@ -138,12 +214,15 @@ def _launcher(spec: str):
 
 
 def explain(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     *,
     attn_mask: torch.Tensor | None = None,
-    causal: bool | str = False,
+    dropout_p: float = 0.0,
+    is_causal: bool | None = None,
+    scale: float | None = None,
+    causal: bool | str | None = None,
     recipe: str | Recipe = "directp",
     enable_gqa: bool = False,
     backend: str = "auto",
@@ -156,9 +235,11 @@ def explain(
     FP4ATTN_TARGET environment variable overrides it), "reason", "launcher" (the
     function that would run), "recipe" (its name), "needs_grad". Works on any device;
     `needs_grad` defaults to whether any of q, k, v requires grad. Arguments are
-    validated as `attention` validates them.
+    `attention`'s (less `return_lse`), validated as `attention` validates them.
     """
-    rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa)
+    q, k, v = query, key, value
+    rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal, dropout_p)
+    _resolve_scale(scale, q.shape[-1])
     grad = requires_grad if needs_grad is None else bool(needs_grad)
     r, _ = _route(backend, q, rec, mode, grad, attn_mask, k.shape[-2])
     return {**r.as_dict(), "recipe": rec.name, "needs_grad": grad}
@@ -208,13 +289,15 @@ def _kernel_attention(route: routing.Route, q, k, v, rec: Recipe, mode: str | No
 
 
 def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     *,
     attn_mask: torch.Tensor | None = None,
-    causal: bool | str = False,
+    dropout_p: float = 0.0,
+    is_causal: bool | None = None,
     scale: float | None = None,
+    causal: bool | str | None = None,
     recipe: str | Recipe = "directp",
     enable_gqa: bool = False,
     return_lse: bool = False,
@@ -223,19 +306,27 @@ def attention(
     """Low-precision scaled dot-product attention in SDPA's layout.
 
     Computes softmax(q k^T * scale) v with the operands in the formats of `recipe`
-    (see `fp4attn.PRESETS` and docs/numerics.md).
+    (see `fp4attn.PRESETS` and docs/numerics.md). Takes SDPA's arguments by their names
+    (`query`, `key`, `value`, `attn_mask`, `dropout_p`, `is_causal`, `scale`,
+    `enable_gqa`), so it replaces `torch.nn.functional.scaled_dot_product_attention` in a
+    call as written.
 
     Args:
-        q: (B, Hq, Sq, D) queries, bfloat16, float16 or float32.
-        k: (B, Hkv, Sk, D) keys, same dtype and device as q.
-        v: (B, Hkv, Sk, D) values.
+        query: (B, Hq, Sq, D) queries q, bfloat16, float16 or float32.
+        key: (B, Hkv, Sk, D) keys k, same dtype and device as q.
+        value: (B, Hkv, Sk, D) values v.
         attn_mask: as SDPA's: boolean (True attends) or float (added to the scaled
             scores), broadcastable to (B, Hq, Sq, Sk). Rows that attend to nothing give
             output 0 (SDPA gives NaN). The kernels take key masks (broadcastable as
             (B, 1, 1, Sk), e.g. padding) in the forward; other masks, and any mask
             with a backward, run on the reference.
-        causal: False; True or "top_left" (SDPA's `is_causal`: query i sees keys
-            j <= i); "bottom_right" (FlashAttention's: query i sees j <= i + Sk - Sq).
+        dropout_p: 0.0 only (SDPA's default): fp4attn applies no attention dropout;
+            anything else raises.
+        is_causal: SDPA's flag: True is causal=True (top-left aligned). Pass it or
+            `causal`, not both.
+        causal: None or False (not causal); True or "top_left" (SDPA's `is_causal`:
+            query i sees keys j <= i); "bottom_right" (FlashAttention's: query i sees
+            j <= i + Sk - Sq).
         scale: softmax scale; None means 1 / sqrt(D).
         recipe: a preset name ("directp", "nvfp4-fp8", "fp8-directp", "fp8", "train",
             "train-mxfp4pv", "bf16", and "fp8-directp-fastacc", "fp8-fastacc": QK^T
@@ -250,7 +341,8 @@ def attention(
             head_dim a multiple of 16 up to 128 (below 64 or 128 zero-padded, which
             is exact), key masks only; with gradients, the training recipes
             "train", "train-robust", "train-mxfp4pv" and "train-fp8"; else the
-            reference, logged once), "triton"
+            reference, and a call on the GPU warns then, once per distinct reason, with
+            what would run it on the kernels: `ReferenceFallbackWarning`), "triton"
             (an error if the kernels cannot run the call) or "reference" (the
             pure-PyTorch definition). The FP4ATTN_BACKEND environment variable
             overrides "auto".
@@ -263,10 +355,14 @@ def attention(
     attn_mask that requires grad (on the reference); other recipes raise on backward,
     and so does a second derivative (create_graph=True).
     """
-    rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa)
+    q, k, v = query, key, value
+    rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal, dropout_p)
     s = _resolve_scale(scale, q.shape[-1])
     needs_grad = torch.is_grad_enabled() and requires_grad
     r, key_mask = _route(backend, q, rec, mode, needs_grad, attn_mask, k.shape[-2])
+    if (r.backend == "reference" and (q.is_cuda or routing.interpreting()) and not torch.compiler.is_compiling()
+            and routing.requested_backend(backend) == "auto"):
+        _warn_reference(q, rec, mode, needs_grad, attn_mask, k.shape[-2], r)
     if r.backend == "triton":
         out, lse = _kernel_attention(r, q, k, v, rec, mode, s, key_mask, needs_grad)
     else:
