@@ -145,10 +145,10 @@ SELFTEST = BLACKWELL_PATCHES + textwrap.dedent('''
 
     from fp4attn.cli import selftest
 
-    selftest.SHAPE = (1, 2, 1, 70, 90)  # the GPU's shape is too slow for the interpreter
-    recs = [selftest.check_forward("directp", 64, "bottom_right", False, "cpu"),
-            selftest.check_forward("nvfp4-fp8", 128, None, True, "cpu"),
-            selftest.check_forward("bf16", 64, None, False, "cpu")]
+    shape = (1, 2, 1, 70, 90)  # the GPU's shape is too slow for the interpreter
+    recs = [selftest.check_forward("directp", 64, "bottom_right", False, "cpu", shape),
+            selftest.check_forward("nvfp4-fp8", 128, None, True, "cpu", shape),
+            selftest.check_forward("bf16", 64, None, False, "cpu", shape)]
     assert [r["status"] for r in recs] == ["pass", "pass", "reference"], recs
     assert all("blackwell" in r["kernel"] for r in recs[:2]), recs
     print("ok")

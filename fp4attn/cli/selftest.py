@@ -11,6 +11,10 @@ whose QK^T sums no reference reproduces: the LSE within 2e-2 on >= 95% of the ro
 the output within 3%. On Blackwell the FP8 Q/K recipes multiply on the FP8 tensor cores
 (`kind::f8f6f4`): the exact ones pass only if those sum in float32, which this checks.
 
+Each case runs in a worker process under a watchdog (`cli/watchdog.py`, `--case-timeout`
+seconds a case): a kernel that hangs or crashes its process is a failed row saying so,
+and the next case runs in a fresh process.
+
 Exit status: 0 all passed; 1 a case failed; 2 no CUDA GPU (nothing was tested: on a
 CPU machine `fp4attn compile-report` and the test suite are the checks).
 """
@@ -29,6 +33,8 @@ from fp4attn.recipes import PRESETS
 
 SHAPE = (2, 4, 2, 200, 333)  # B, Hq, Hkv (GQA), Sq, Sk: lengths not a multiple of any tile
 TIMING_SHAPE = (4, 16, 4096, 128)  # B, H, S, D
+# a case's limit: the first one includes the worker's start and the first kernel compiles
+CASE_TIMEOUT_S = 300.0
 
 
 def _inputs(b, hq, hkv, sq, sk, d, device, requires_grad=False):
@@ -49,12 +55,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def check_forward(name: str, d: int, causal: str | None, masked: bool, device) -> dict:
+def check_forward(name: str, d: int, causal: str | None, masked: bool, device, shape=SHAPE) -> dict:
     """One forward call on the kernels against the reference."""
     import fp4attn
     from fp4attn.reference import reference_forward
 
-    b, hq, hkv, sq, sk = SHAPE
+    b, hq, hkv, sq, sk = shape
     q, k, v = _inputs(b, hq, hkv, sq, sk, d, device)
     mask = None
     if masked:  # key padding: batch item 0 sees its first 60% of keys
@@ -83,14 +89,14 @@ def check_forward(name: str, d: int, causal: str | None, masked: bool, device) -
             "out_rel_l2": out_err}
 
 
-def check_backward(name: str, d: int, causal: str, device) -> dict:
+def check_backward(name: str, d: int, causal: str, device, shape=SHAPE) -> dict:
     """One forward and backward through autograd on the training kernels against the
     reference backward."""
     import fp4attn
     from fp4attn.reference import reference_backward, reference_forward
     from fp4attn.reference.forward import ForwardResult
 
-    b, hq, hkv, sq, sk = SHAPE
+    b, hq, hkv, sq, sk = shape
     q, k, v = _inputs(b, hq, hkv, sq, sk, d, device, requires_grad=True)
     kw = dict(causal=causal, recipe=name, enable_gqa=True)
     info = fp4attn.explain(q, k, v, **kw)
@@ -135,21 +141,48 @@ def time_against_sdpa(device, recipe: str = "directp") -> dict:
             "sdpa_ms": ref_ms, "sdpa_tflops": flop / ref_ms / 1e9, "ratio": ref_ms / ms}
 
 
+def cases() -> list[tuple[str, tuple, dict]]:
+    """Every case the selftest runs: (function of this module, its arguments, the
+    record a failure of it is reported under)."""
+    out = []
+    for name, recipe in PRESETS.items():
+        for d in (64, 128):
+            # bottom-right causal with Sq < Sk also covers a diagonal that starts mid-tile
+            for causal, masked in ((None, False), ("bottom_right", False), (None, True)):
+                out.append(("check_forward", (name, d, causal, masked),
+                            dict(recipe=name, head_dim=d, causal=causal or "no", mask="key" if masked else "none",
+                                 direction="forward")))
+            if recipe.grad is not None:
+                out.append(("check_backward", (name, d, "bottom_right"),
+                            dict(recipe=name, head_dim=d, causal="bottom_right", mask="none", direction="backward")))
+    return out
+
+
+def run_case(dog, fn: str, args: tuple, record: dict, device: str) -> dict:
+    """One case through the watchdog `dog` (or in this process if None): its record,
+    or a failed row saying whether it hung, crashed or raised."""
+    if dog is None:
+        return globals()[fn](*args, device)
+    outcome, value = dog.run(f"{__name__}:{fn}", *args, device)
+    if outcome == "ok":
+        return value
+    return {**record, "kernel": "?", "status": "FAIL", "reason": f"{outcome}: {value}"}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the records as JSON")
     p.add_argument("--no-timing", action="store_true", help="skip the timing against SDPA")
+    p.add_argument("--case-timeout", type=float, default=CASE_TIMEOUT_S, metavar="S",
+                   help=f"seconds a case may take before it counts as hung (default {CASE_TIMEOUT_S:.0f})")
+    p.add_argument("--no-watchdog", action="store_true",
+                   help="run the cases in this process (a hang then hangs the command; for debugging)")
 
 
-def main(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
-        print("fp4attn selftest: no CUDA GPU found, nothing tested (on a CPU machine the checks are "
-              "`fp4attn compile-report` and the test suite)")
-        raise SystemExit(2)
+def environment(device) -> dict:
     from fp4attn import routing
 
-    device = torch.device("cuda")
-    target = routing.target_of(device)
-    env = {"gpu": torch.cuda.get_device_name(), "target": target, "torch": torch.__version__}
+    env = {"gpu": torch.cuda.get_device_name(device), "target": routing.target_of(device), "torch": torch.__version__,
+           "cuda": torch.version.cuda}
     try:
         import triton
 
@@ -157,30 +190,44 @@ def main(args: argparse.Namespace) -> None:
     except ImportError as e:
         print(f"fp4attn selftest: Triton is not importable ({e}); the kernels need it")
         raise SystemExit(1) from e
+    return env
+
+
+def main(args: argparse.Namespace) -> dict:
+    if not torch.cuda.is_available():
+        print("fp4attn selftest: no CUDA GPU found, nothing tested (on a CPU machine the checks are "
+              "`fp4attn compile-report` and the test suite)")
+        raise SystemExit(2)
+    from fp4attn.cli.watchdog import Watchdog
+
+    env = environment(torch.device("cuda"))
     print("fp4attn selftest on", ", ".join(f"{k} {v}" for k, v in env.items()))
     t0 = time.time()
-    recs = []
-    for name, recipe in PRESETS.items():
-        for d in (64, 128):
-            # bottom-right causal with Sq < Sk also covers a diagonal that starts mid-tile
-            for causal in (None, "bottom_right"):
-                recs.append(check_forward(name, d, causal, False, device))
-            recs.append(check_forward(name, d, None, True, device))
-            if recipe.grad is not None:
-                recs.append(check_backward(name, d, "bottom_right", device))
-    rows = [[r["recipe"], r["direction"], r["head_dim"], r["causal"], r["mask"], r["kernel"], r["status"],
-             r.get("reason") or ", ".join(f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float))]
-            for r in recs]
-    print(markdown_table(["recipe", "direction", "D", "causal", "mask", "kernel", "status", "figures"], rows))
-    timing = None
-    if not args.no_timing:
-        timing = time_against_sdpa(device)
-        print(f"\ntiming at B,H,S,D = {timing['shape']}: {timing['recipe']} {timing['tflops']:.0f} TFLOP/s, SDPA "
-              f"{timing['sdpa']} bf16 {timing['sdpa_tflops']:.0f} TFLOP/s ({timing['ratio']:.2f}x)")
+    dog = None if args.no_watchdog else Watchdog(args.case_timeout)
+    try:
+        recs = [run_case(dog, fn, a, record, "cuda") for fn, a, record in cases()]
+        rows = [[r["recipe"], r["direction"], r["head_dim"], r["causal"], r["mask"], r["kernel"], r["status"],
+                 r.get("reason") or ", ".join(f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float))]
+                for r in recs]
+        print(markdown_table(["recipe", "direction", "D", "causal", "mask", "kernel", "status", "figures"], rows))
+        timing = None
+        if not args.no_timing:
+            timing = run_case(dog, "time_against_sdpa", (), dict(recipe="directp", direction="timing"), "cuda")
+            if timing.get("status") == "FAIL":
+                print(f"\ntiming: {timing['reason']}")
+            else:
+                print(f"\ntiming at B,H,S,D = {tuple(timing['shape'])}: {timing['recipe']} {timing['tflops']:.0f} "
+                      f"TFLOP/s, SDPA {timing['sdpa']} bf16 {timing['sdpa_tflops']:.0f} TFLOP/s "
+                      f"({timing['ratio']:.2f}x)")
+    finally:
+        if dog is not None:
+            dog.close()
     failed = [r for r in recs if r["status"] == "FAIL"]
     ran = sum(r["status"] != "reference" for r in recs)
     print(f"\n{ran} kernel cases run, {len(failed)} failed, {len(recs) - ran} on the reference "
           f"({time.time() - t0:.0f} s)")
-    write_json(args.json, {"environment": env, "records": recs, "timing": timing})
+    result = {"environment": env, "records": recs, "timing": timing}
+    write_json(args.json, result)
     if failed:
         raise SystemExit(1)
+    return result
