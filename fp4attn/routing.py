@@ -51,6 +51,8 @@ P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2, ("
 # the P modes whose P is an FP8 tile the Gluon warp-specialized kernel runs: FP8 P from exp2
 # and from the affine map (reference/affine.py)
 GLUON_P_MODES = (0, 4)
+# and those the CUDA C++ kernel builds (`forward_cuda.Variant.affine_p` for 4)
+CUDA_P_MODES = (0, 4)
 TRAIN_GRAD_FORMATS = ("e4m3",)
 
 
@@ -225,7 +227,7 @@ def cuda_forward_available() -> bool:
 
 def use_cuda_forward(launch: ForwardLaunch, p_mode: int, qk_fp8: bool, keys: int, on_cuda: bool) -> bool:
     """Whether the forward runs on the CUDA C++ kernel (`ForwardLaunch.cuda_from_keys`)."""
-    return (launch.cuda_from_keys > 0 and keys >= launch.cuda_from_keys and p_mode == 0 and qk_fp8
+    return (launch.cuda_from_keys > 0 and keys >= launch.cuda_from_keys and p_mode in CUDA_P_MODES and qk_fp8
             and on_cuda and cuda_forward_available())
 
 

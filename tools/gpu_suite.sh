@@ -21,6 +21,9 @@
 #   PART=sanitize  compute-sanitizer memcheck, racecheck and synccheck over every routed
 #                  kernel (tools/sanitize_driver.py; one line of error counts per tool,
 #                  the logs in $OUT/sanitize-<tool>.log)
+#   PART=affine    the affine P builders: their GPU tests and the CUDA kernel's, then
+#                  `fp4attn bench` of the affine presets beside the exact builders'
+#                  (CAUSAL=no|yes|both, default both; SHAPES as `bench --shapes`)
 #   OUT=results PART=tests bash tools/gpu_suite.sh      (PART=all runs every part)
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -30,6 +33,17 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | 
 if run tests; then
   python3 -m pytest -q -n 8 -m gpu --tb=short tests/ > "$OUT/gpu-tests.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | cut -c1-200 | head -20; tail -1 "$OUT/gpu-tests.log"
+fi
+if run affine; then
+  if [ "${SKIP_TESTS:-0}" = 0 ]; then
+    timeout 300 python3 -m pytest -q -n 8 -m gpu --tb=short tests/test_affine_gpu.py tests/test_cuda_forward.py \
+      "tests/test_hopper_forward.py" -k "affine or fast or cuda" > "$OUT/gpu-tests-affine.log" 2>&1
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests-affine.log" | cut -c1-300 | head -20; tail -1 "$OUT/gpu-tests-affine.log"
+  fi
+  python3 -m fp4attn.cli.main bench --causal "${CAUSAL:-both}" \
+    --shapes "${SHAPES:-8,16,4096,128;2,16,16384,128;1,24,32768,128;4,32,4096,128;16,16,2048,64;4,16,8192,64}" \
+    --recipes fp8-affine-fastacc,fp8-affine,fp8-fastacc,fp8,directp-fast,fp8-directp-fast,fp8-directp-fast-fastacc,directp,fp8-directp \
+    --json "$OUT/h200-forward-affine-${CAUSAL:-both}.json" 2>&1 | grep -E "^\||geomean|cuDNN"
 fi
 if run forward; then
   python3 -m fp4attn.cli.main bench --causal both --json "$OUT/h200-forward.json" 2>&1 | grep -E "^\||geomean|cuDNN"

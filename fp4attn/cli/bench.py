@@ -25,7 +25,8 @@ from fp4attn.tools.benchmark import parse_shapes, sdpa, time_cudnn_fp8, time_ms,
 SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 32768, 128),
           (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
 RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8", "fp8-directp-fastacc", "fp8-fastacc", "nvfp4-fp8-robust",
-           "directp-robust"]
+           "directp-robust", "fp8-affine", "fp8-affine-fastacc", "directp-fast", "fp8-directp-fast",
+           "fp8-directp-fast-fastacc"]
 CAUSAL_MODES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
 # torch.compile's modes (--model-step-compile): a typo fails at parsing, not after the bench
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -172,6 +173,14 @@ def main(args: argparse.Namespace) -> list[dict]:
 
         args.json = args.json or Path("results/h200-train.json")
         return bench_train.main(args)
+    from fp4attn.cli import bench_blackwell
+    from fp4attn.routing import target_of
+
+    target = target_of(torch.device("cuda"))
+    if bench_blackwell.is_blackwell(target):  # the Blackwell kernels' own launchers
+
+        args.json = args.json or Path(f"results/{target.replace('_', '')}-forward.json")
+        return bench_blackwell.main(args)
     args.json = args.json or Path("results/h200-forward.json")
     shapes = SHAPES if args.shapes == "all" else parse_shapes(args.shapes, ";")
     causal = CAUSAL_MODES[args.causal]

@@ -54,12 +54,17 @@ class Variant:
     # P codes equal to the others' but for rounding, l with the tensor core's FP8 sums
     fused_softmax: bool = False
     exp_poly: int = 0  # fused_softmax only: column groups (of 16) whose exp2 is a polynomial on the FMA units
+    # fused_softmax only: FP8 P by the affine map (reference/affine.py; the affine FP8-P
+    # recipes): one FMA and one max per score, no exp2
+    affine_p: bool = False
     # consumer warpgroups of 64 query rows per CTA: 3 gives each scheduler a third softmax warp
     # to interleave, in 160 registers per thread (head dim 64 only: 128 would spill)
     consumers: int = 2
     dump_p: bool = False  # checking only: every tile's P codes written to a buffer
 
     def __post_init__(self):
+        if self.affine_p and not self.fused_softmax:
+            raise ValueError("Variant: affine_p builds P in the fused softmax; it needs fused_softmax=True")
         if self.consumers not in (2, 3) or (self.consumers == 3 and self.head_dim != 64):
             raise ValueError(f"Variant: consumers must be 2, or 3 at head dim 64; got {self.consumers} "
                              f"at head dim {self.head_dim}")
@@ -78,7 +83,7 @@ class Variant:
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
                 f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
-                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}"]
+                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}", f"-DAFFINE_P={int(self.affine_p)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
@@ -112,9 +117,11 @@ SOFTMAX = {"fused_softmax": True, "exp_poly": 4}
 CONSUMERS = {(128, False): 2, (128, True): 2, (64, False): 3, (64, True): 3}
 
 
-def variant_for(head_dim: int, causal: bool, key_bias: bool = False) -> Variant:
+def variant_for(head_dim: int, causal: bool, key_bias: bool = False, affine_p: bool = False) -> Variant:
+    """The launcher's build; affine_p: the affine FP8-P recipes' (no exp2: exp_poly unused)."""
+    softmax = dict(SOFTMAX, exp_poly=0, affine_p=True) if affine_p else SOFTMAX
     return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal],
-                   rowsum_int=ROWSUM_INT[head_dim, causal], consumers=CONSUMERS[head_dim, causal], **SOFTMAX)
+                   rowsum_int=ROWSUM_INT[head_dim, causal], consumers=CONSUMERS[head_dim, causal], **softmax)
 
 
 def measured_variants() -> list[Variant]:
@@ -140,7 +147,8 @@ EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Glu
 
 def all_variants() -> list[Variant]:
     """Every variant the launcher can pick (what the compile check builds)."""
-    return [variant_for(d, c, kb) for d in HEAD_DIMS for c in (False, True) for kb in (False, True)]
+    return [variant_for(d, c, kb, af) for d in HEAD_DIMS for c in (False, True) for kb in (False, True)
+            for af in (False, True)]
 
 
 # ---------------------------------------------------------------------------- build
@@ -384,14 +392,16 @@ def p_codes_by_slab(p_dump: torch.Tensor, rows: int, causal: bool) -> torch.Tens
 
 
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
-                        key_bias: torch.Tensor | None = None, p_dump: torch.Tensor | None = None, **variant):
+                        key_bias: torch.Tensor | None = None, p_dump: torch.Tensor | None = None,
+                        affine_p: bool = False, **variant):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
     To measure: `variant`, `Variant` fields in place of the table's (stages, ablate_softmax,
     rowsum_int, fused_softmax, exp_poly; `MEASURED`); p_dump, a `p_dump_buffer` that
-    receives every tile's P codes."""
-    fields = {f.name for f in dataclasses.fields(Variant)} - {"head_dim", "causal", "key_bias", "dump_p"}
+    receives every tile's P codes. affine_p: FP8 P by the affine map (P mode 4) instead of
+    exp2 (P mode 0)."""
+    fields = {f.name for f in dataclasses.fields(Variant)} - {"head_dim", "causal", "key_bias", "dump_p", "affine_p"}
     unknown = sorted(set(variant) - fields)
     if unknown:
         raise ValueError(f"launch_forward_cuda: unknown variant fields {unknown}; accepted: {sorted(fields)}")
@@ -401,7 +411,8 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     q = ops.q.contiguous()
     B, H, Sq, D = q.shape
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
-    variant = dataclasses.replace(variant_for(D, causal_offset is not None, key_bias is not None), **variant,
+    variant = dataclasses.replace(variant_for(D, causal_offset is not None, key_bias is not None, affine_p),
+                                  **variant,
                                   dump_p=p_dump is not None)
     if p_dump is not None:
         need = _p_dump_shape(ops, variant.consumers)

@@ -64,7 +64,8 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         from fp4attn.kernels.hopper.forward_cuda import cuda_unsupported_reason, launch_forward_cuda
 
         if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
-            out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias)
+            out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
+                                           affine_p=p_mode == 4)
             return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     # the CUDA kernel above and the Gluon kernel below take FP8 P (p_mode 0, and 4 for the
     # Gluon kernel) only: MXFP4 P (P_MODE 1, 2, 5; 3 and its sink_tiles) runs on the Triton kernel

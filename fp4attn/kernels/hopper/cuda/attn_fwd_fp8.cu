@@ -46,6 +46,12 @@
 // measured and removed (an OVERLAP that ran the softmax over the warpgroup's own PV,
 // EXP_FOLD; exp2 in f16x2; O summed across key tiles by the PV products, which the FP8
 // tensor cores' accumulation loses) are in docs/notes/hopper-cuda-forward.md.
+//
+// AFFINE_P (with FUSED_SOFTMAX): FP8 P by the affine map of reference/affine.py, no exp2:
+// the row's reference point m~ is the max snapped to the map's grid, C = (K - 8 m~) + MAGIC
+// an integer in float32 (MAGIC = 1.5 * 2**23, where the ulp is 1), and each score's e4m3
+// byte is the low byte of max.NaN(fma(w, 8 a_row, C), MAGIC): one FMA, one max, and
+// three PRMTs per four bytes. The row sums come from the PV product as above.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -70,6 +76,9 @@
 #endif
 #ifndef EXP_POLY
 #define EXP_POLY 0  // FUSED_SOFTMAX only: of the 16 column groups (4 scores each), how many take exp2 from ex2_poly
+#endif
+#ifndef AFFINE_P
+#define AFFINE_P 0  // FUSED_SOFTMAX only: 1, FP8 P by the affine map, no exp2 (header)
 #endif
 #ifndef CONSUMERS
 #define CONSUMERS 2  // consumer warpgroups of 64 query rows; 3 fits the registers at HEAD_DIM 64 only
@@ -319,6 +328,31 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
     return packed;
 }
 
+// The affine map's e4m3 bytes of two scores w (the low one first, in the low two bytes of
+// the word): fma(w, f, c) = fl(8 t + C), each clamped at MAGIC by a NaN-propagating max (byte 0 below the map's
+// range and for masked keys; a NaN score keeps the canonical NaN 0x7FFFFFFF, whose low
+// byte 0xFF is e4m3 NaN), then the low bytes gathered by PRMT; two such words make the
+// A fragment's four keys by one more PRMT (three per four scores).
+#define AFFINE_MAGIC 12582912.0f  // 1.5 * 2**23 (reference/affine.MAGIC)
+#define AFFINE_K 119.5f           // reference/affine.K_FP8
+__device__ __forceinline__ uint32_t affine_e4m3x2(float s0, float s1, float f, float c) {
+    uint32_t r;
+    asm("{ .reg .b32 a, b;\n"
+        "fma.rn.f32 a, %1, %3, %4;\n"
+        "fma.rn.f32 b, %2, %3, %4;\n"
+        "max.NaN.f32 a, a, 0f4B400000;\n"
+        "max.NaN.f32 b, b, 0f4B400000;\n"
+        "prmt.b32 %0, a, b, 0x0040; }"
+        : "=r"(r) : "f"(s0), "f"(s1), "f"(f), "f"(c));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t prmt_lo_halves(uint32_t lo, uint32_t hi) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(lo), "r"(hi));
+    return r;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     uint32_t r;
     asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
@@ -493,10 +527,35 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
         const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
         const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
+#if AFFINE_P
+        // C = (K - 8 m) + MAGIC, rounded twice (an integer plus MAGIC); m~ = (K - (C - MAGIC)) / 8
+        c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K), AFFINE_MAGIC);
+        const float m_ref = fmul_rn(fadd_rn(AFFINE_K, -fadd_rn(c[i], -AFFINE_MAGIC)), 0.125f);
+        alpha[i] = ex2(m[i] - m_ref);
+        // later tiles are measured from m~ (a row that saw no key stays at -inf)
+        m[i] = row_max == -__int_as_float(0x7f800000) ? row_max : m_ref;
+        f[i] = 8.0f * f[i];
+#else
         alpha[i] = ex2(m[i] - m_use);
         m[i] = row_max;
         c[i] = fadd_rn(P_OFFSET, -m_use);
+#endif
     }
+#if AFFINE_P
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // keys 32cc + 16 half + 4q + (0..3)
+            const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const uint32_t lo = affine_e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], f[i], c[i]);
+                const uint32_t hi = affine_e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], f[i], c[i]);
+                pa[cc][2 * half + i] = prmt_lo_halves(lo, hi);
+            }
+        }
+    }
+#else
 #pragma unroll
     for (int cc = 0; cc < 4; ++cc) {
 #pragma unroll
@@ -513,6 +572,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
             }
         }
     }
+#endif  // AFFINE_P
 #else
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
