@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from fp4attn.cli import accuracy, bench, codes, compile_report, eval, report, selftest, study
+from fp4attn.cli import accuracy, bench, blackwell_report, codes, compile_report, eval, report, selftest, study
 
 COMMANDS = {
     "report": (report, "the main job: accuracy of every recipe and the Direct-P study"),
@@ -24,6 +24,7 @@ COMMANDS = {
     "codes": (codes, "Direct-P codes vs exp2 rounding, and the accuracy of the P choices"),
     "compile-report": (compile_report, "compile the Blackwell kernels for sm_100a (no GPU) and report their machine code"),
     "selftest": (selftest, "every routed kernel on this GPU vs the reference, one timing vs SDPA"),
+    "blackwell-report": (blackwell_report, "on a Blackwell GPU: selftest, compile report and bench in one archive to send"),
 }
 
 
