@@ -48,9 +48,10 @@ HOPPER_HEAD_DIMS = (64, 128)
 # the forward kernels' P builders, by (Recipe.p, Recipe.p_build): the P_MODE constexpr
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2, ("fp8", "affine"): 4,
            ("mxfp4", "affine"): 5}
-# the P modes whose P is an FP8 tile the Gluon warp-specialized kernel runs: FP8 P from exp2
-# and from the affine map (reference/affine.py)
-GLUON_P_MODES = (0, 4)
+# the P modes the Gluon warp-specialized kernel runs: FP8 P from exp2 and from the affine
+# map, and MXFP4 P from the affine map (reference/affine.py; its e4m3 tile is PV's operand
+# as FP8 P's is)
+GLUON_P_MODES = (0, 4, 5)
 # and those the CUDA C++ kernel builds (`forward_cuda.Variant.affine_p` for 4)
 CUDA_P_MODES = (0, 4)
 TRAIN_GRAD_FORMATS = ("e4m3",)

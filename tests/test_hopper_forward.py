@@ -52,7 +52,9 @@ def _check(q, k, v, recipe, causal=None, attn_mask=None):
     # 99.96-99.98% for `fp8-directp-fastacc`, >= 99.9% for every other recipe
     # (benchmarks/results/log/h200-forward-fastacc.txt). A tile of a dozen codes cannot show a fraction: there
     # one flipped code is allowed (fp8-fastacc at Sq=1, Sk=3 flipped 1 of 12 in one run)
-    min_identical = 0.99 if recipe.fast_accum and recipe.p == "fp8" else 0.999
+    # The affine map's MXFP4 codes on fast-accumulation sums: 99.76-99.89% (a threshold every
+    # half unit of the log-score; benchmarks/results/log/h200-gpu-tests-affine.log)
+    min_identical = 0.99 if recipe.fast_accum and (recipe.p == "fp8" or recipe.p_build == "affine") else 0.999
     flipped = int((got != want).sum())
     assert identical >= min_identical or flipped <= 1, f"{recipe.name}: P bytes identical {identical:.6f}"
     bias = torch.zeros(q.shape[-2], k.shape[-2], device="cuda", dtype=torch.float64)

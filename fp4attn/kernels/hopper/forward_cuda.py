@@ -57,6 +57,9 @@ class Variant:
     # fused_softmax only: FP8 P by the affine map (reference/affine.py; the affine FP8-P
     # recipes): one FMA and one max per score, no exp2
     affine_p: bool = False
+    # affine_p timing builds (wrong outputs): 1 without the key-scale product, 2 also without
+    # the row maximum (docs/notes/affine-p.md places the softmax's cost with them)
+    affine_ablate: int = 0
     # consumer warpgroups of 64 query rows per CTA: 3 gives each scheduler a third softmax warp
     # to interleave, in 160 registers per thread (head dim 64 only: 128 would spill)
     consumers: int = 2
@@ -83,7 +86,8 @@ class Variant:
                 f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
                 f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
-                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}", f"-DAFFINE_P={int(self.affine_p)}"]
+                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}", f"-DAFFINE_P={int(self.affine_p)}",
+                f"-DAFFINE_ABLATE={self.affine_ablate}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the

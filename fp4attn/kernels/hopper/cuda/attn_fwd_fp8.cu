@@ -80,6 +80,11 @@
 #ifndef AFFINE_P
 #define AFFINE_P 0  // FUSED_SOFTMAX only: 1, FP8 P by the affine map, no exp2 (header)
 #endif
+#ifndef AFFINE_ABLATE
+// AFFINE_P timing builds only (wrong outputs), to place the softmax's cost: 1, no key-scale
+// product (w = s); 2, also no row maximum (the reference point stays where the row started)
+#define AFFINE_ABLATE 0
+#endif
 #ifndef CONSUMERS
 #define CONSUMERS 2  // consumer warpgroups of 64 query rows; 3 fits the registers at HEAD_DIM 64 only
 #endif
@@ -509,7 +514,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
             s[4 * n + 2 * i] = fmaf(fmul_rn(s[4 * n + 2 * i], kb.x), a[i], bb.x);
             s[4 * n + 2 * i + 1] = fmaf(fmul_rn(s[4 * n + 2 * i + 1], kb.y), a[i], bb.y);
         }
-#else
+#elif !(AFFINE_P && AFFINE_ABLATE >= 1)
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             s[4 * n + 2 * i] = fmul_rn(s[4 * n + 2 * i], kb.x);
@@ -522,10 +527,14 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         f[i] = KEY_BIAS ? 1.0f : a[i];
+#if AFFINE_P && AFFINE_ABLATE >= 2
+        const float row_max = fmaxf(m[i], 0.0f);
+#else
         const float tmax = thread_row_max(s, i);
         float wmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
         wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
         const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
+#endif
         const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
 #if AFFINE_P
         // C = (K - 8 m) + MAGIC, rounded twice (an integer plus MAGIC); m~ = (K - (C - MAGIC)) / 8

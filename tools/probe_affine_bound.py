@@ -1,0 +1,58 @@
+"""What bounds the affine FP8-P softmax on the CUDA C++ forward (docs/notes/affine-p.md):
+the kernel alone, on prepared operands, in one process beside SDPA cuDNN bf16: the routed
+exp2 build (fp8-fastacc), the affine build (fp8-affine-fastacc), the affine build without
+the key-scale product and without the row maximum (timing builds, wrong outputs), and the
+build without any softmax (the ceiling of loads, products and turn-taking). Median of
+triton.testing.do_bench; a short table last.
+
+    python tools/probe_affine_bound.py [--shapes "2,16,16384,128;8,16,4096,128"]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="8,16,4096,128;2,16,16384,128;1,24,32768,128;4,16,8192,64")
+    p.add_argument("--causal", action="store_true")
+    args = p.parse_args()
+    from triton.testing import do_bench
+
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.recipes import get_recipe
+    from fp4attn.tools.benchmark import sdpa
+
+    builds = {"exp2 (fp8-fastacc)": {}, "affine (fp8-affine-fastacc)": {"affine_p": True},
+              "affine, no key-scale product": {"affine_p": True, "affine_ablate": 1},
+              "affine, no key scale, no row max": {"affine_p": True, "affine_ablate": 2},
+              "no softmax": {"ablate_softmax": True}}
+    rows = []
+    for shape in args.shapes.split(";"):
+        B, H, S, D = map(int, shape.split(","))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g).bfloat16() for _ in range(3))
+        flops = 4 * B * H * S * S * D / (2 if args.causal else 1)
+        f = sdpa("sdpa-cudnn")
+        base = do_bench(lambda: f(q, k, v, args.causal), return_mode="median")
+        ops = prepare_operands_fused(q, k, v, get_recipe("fp8-fastacc"))
+        off = 0 if args.causal else None
+        row = [shape, f"{flops / base * 1e-9:.0f}"]
+        for kw in builds.values():
+            ms = do_bench(lambda: launch_forward_cuda(ops, scale=D**-0.5, causal_offset=off, **kw),
+                          return_mode="median")
+            row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    head = ["B,H,S,D", "cuDNN bf16 TFLOP/s", *builds]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
