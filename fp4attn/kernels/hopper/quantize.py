@@ -739,12 +739,25 @@ def _heads(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1, S, x.shape[-1])
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of non-negative ints, `triton.cdiv`'s value without its call wrapper:
+    Triton 3.6 wraps it (and `next_power_of_2`) as a constexpr function, about 3 us a
+    call on the host, and a robust quantization made 17 such calls."""
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), `triton.next_power_of_2`'s value
+    for n >= 1, without its call wrapper (`_cdiv`)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _row_grid(S: int, G: int, blocks: int, most: int = 16) -> tuple[tuple[int, int], int]:
     """Grid and rows per block of a (G, S, D) row kernel whose programs take `blocks`
     blocks of up to `most` rows (fewer for a short head): several where the programs
     end in one atomic per channel."""
-    block = min(most, triton.next_power_of_2(S))
-    return (triton.cdiv(S, block * blocks), G), block
+    block = min(most, _next_pow2(S))
+    return (_cdiv(S, block * blocks), G), block
 
 
 # row blocks per program of the passes that record maxima: one atomic per channel per 8
@@ -920,7 +933,7 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
         raise ValueError(f"quantize_v_t: pad_keys_to must be a positive int (1: no padding), got {pad_keys_to!r}")
     B, H, S, D = v.shape
     vc = v.contiguous()
-    s_row = triton.cdiv(S, pad_keys_to) * pad_keys_to
+    s_row = _cdiv(S, pad_keys_to) * pad_keys_to
     vt = torch.empty((B, H, D, s_row), device=v.device, dtype=torch.float8_e4m3fn)
     if s_row > S:
         vt[..., S:].zero_()
@@ -931,18 +944,18 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     # keys per program: 64 (80 registers on sm_90 at D = 128); 32 with the per-token
     # view, which at 64 took 167
     block_s = 32 if tokens else 64
-    grid = (triton.cdiv(S, block_s), B * H)
+    grid = (_cdiv(S, block_s), B * H)
     if fmt == "fp8":
         amax = channel_amax.contiguous() if channel_amax is not None else abs_max_bits(vc, per_channel=True)
         _v_kernel[grid](vc, vt, vs, scale if scale is not None else none, amax, none, none, none, y, ys, S, s_row,
                         D=D, BLOCK_S=block_s, MXFP4=False, HAS_SCALE=scale is not None, TOKENS=tokens,
                         HW_CVT=_hw_cvt(), num_warps=4)
     else:
-        n_blocks = triton.cdiv(S, MX_BLOCK)
+        n_blocks = _cdiv(S, MX_BLOCK)
         e = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int32)
         finite = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int8)
         e_max = torch.full((B * H,), constants.E8M0_EMIN, device=v.device, dtype=torch.int32)
-        _mx_block_stats_kernel[(triton.cdiv(S, 64), B * H)](vc, e, finite, e_max, S, D=D, BLOCK_S=64, num_warps=4)
+        _mx_block_stats_kernel[(_cdiv(S, 64), B * H)](vc, e, finite, e_max, S, D=D, BLOCK_S=64, num_warps=4)
         _v_kernel[grid](vc, vt, vs, none, none, e, finite, e_max, y, ys, S, s_row, D=D, BLOCK_S=block_s,
                         MXFP4=True, HAS_SCALE=False, TOKENS=tokens, HW_CVT=_hw_cvt(), num_warps=4)
     out = ((vt[..., :S] if s_row > S else vt), vs)
@@ -971,8 +984,8 @@ def _key_pass_block(S: int, D: int, itemsize: int) -> tuple[int, int, int]:
     (1024 at S = 1)."""
     vec = max(1, min(16 // itemsize, D))
     tile_rows = max(1, 32 // max(1, min(32, D // vec))) * 4
-    block = min(2 * tile_rows, triton.next_power_of_2(S))
-    blocks = min(max(1, KEY_PASS_ROWS // block), triton.next_power_of_2(triton.cdiv(S, block)))
+    block = min(2 * tile_rows, _next_pow2(S))
+    blocks = min(max(1, KEY_PASS_ROWS // block), _next_pow2(_cdiv(S, block)))
     return block, blocks, 2 if block == 2 * tile_rows else 1
 
 
@@ -1022,7 +1035,7 @@ def _key_pass(x3: torch.Tensor, stats: bool, choice: dict | None = None,
     mean = torch.empty((G, D), device=x3.device, dtype=torch.float32)
     amax = torch.empty(G if stats else 0, device=x3.device, dtype=i32)
     block, blocks, fold = _key_pass_block(S, D, x3.element_size())
-    grid = (triton.cdiv(S, block * blocks), G)
+    grid = (_cdiv(S, block * blocks), G)
     _key_mean_kernel[grid](x3, sums, count, mean, S, D=D, BLOCK_S=block, BLOCKS=blocks, HW_CVT=_hw_cvt(),
                            FOLD=fold, STATS=stats, EXT=ext if stats else sums, AMAX=amax if stats else sums,
                            CHOICE=choice is not None, SUMSQ=sums_sq if choice else sums,
@@ -1070,7 +1083,7 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
         fb_q, fb_k = fb[:Gq], fb[Gq:]
         group = H // Hkv
         args = dict(SQ_Q=sq_q, FB_Q=fb_q, FB_K=fb_k, S_Q=Sq, D_STAT=head_dim or D, GROUP=group,
-                    GROUP_P2=triton.next_power_of_2(group), SCALE=float(scale),
+                    GROUP_P2=_next_pow2(group), SCALE=float(scale),
                     LIMIT=float(recipe.qk_fallback_logit_std))
     k3 = _heads(k)
     if smooth:
