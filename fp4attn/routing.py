@@ -48,10 +48,11 @@ HOPPER_HEAD_DIMS = (64, 128)
 # the forward kernels' P builders, by (Recipe.p, Recipe.p_build): the P_MODE constexpr
 P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2, ("fp8", "affine"): 4,
            ("mxfp4", "affine"): 5}
-# the P modes the Gluon warp-specialized kernel runs: FP8 P from exp2 and from the affine
-# map, and MXFP4 P from the affine map (reference/affine.py; its e4m3 tile is PV's operand
-# as FP8 P's is)
-GLUON_P_MODES = (0, 4, 5)
+# the P modes the Gluon warp-specialized kernel runs: FP8 P from exp2 and from the affine map
+# (reference/affine.py). Affine MXFP4 P (5) ran there at the Triton kernel's speed (0.558x
+# against 0.559x of cuDNN bf16, D=128 geomean, benchmarks/results/log/h200-forward-affine-mx-gluon.json):
+# MXFP4 P stays on the Triton kernel
+GLUON_P_MODES = (0, 4)
 # and those the CUDA C++ kernel builds (`forward_cuda.Variant.affine_p` for 4)
 CUDA_P_MODES = (0, 4)
 TRAIN_GRAD_FORMATS = ("e4m3",)
@@ -258,27 +259,50 @@ def backward_gluon_kernels(launch: BackwardLaunch, qk: str, p_mode: int, tma: bo
 @dataclass(frozen=True)
 class BlackwellLaunch:
     """Launch shape of the Blackwell forward (`kernels.blackwell.forward_triton`); speed
-    only. block_m rows per program on 128-lane tensor memory, warps, pipeline stages."""
+    only. block_m rows per program on 128-lane tensor memory, warps (of the softmax
+    partition where pipelined), pipeline stages; pipelined: the warp-specialized
+    schedule (its PIPELINED constexpr: loads and MMA issue, softmax and the O correction
+    in partitions that run at once), else one program's warps do all of it in turn."""
 
     block_m: int = 128
-    warps: int = 8
-    stages: int = 2
+    warps: int = 4
+    stages: int = 3
+    pipelined: bool = True
 
 
 # Keyed by (head dim, causal, key mask). Not measured: no Blackwell GPU has run these
 # kernels. Chosen from the sm_100a builds (docs/notes/blackwell.md, `fp4attn
-# compile-report`): 8 warps hold a 128x128 S tile at 64 registers of it per thread; with
-# 4 warps the FP8 recipes spill (255 registers, 1784 bytes at D=128), with 8 none does.
-# With a key mask at D=128 one stage: two spilled (nvfp4-fp8 causal, 60 bytes).
+# compile-report`): the pipelined kernel at 4 warps a partition and 3 stages builds every
+# recipe family at D=64/128, causal or not, with or without a key mask, without spills
+# (2 stages: nvfp4-fp8 spills 8-32 bytes; S double-buffered in tensor memory: 8-16
+# bytes). The kernel it replaced (8 warps doing everything in turn, 2 stages, 1 with a
+# key mask at D=128) stays reachable as SERIAL_BLACKWELL_LAUNCH for comparison.
 BLACKWELL_FORWARD_LAUNCH: dict[tuple[int, bool, bool], BlackwellLaunch] = {
-    (d, causal, key_mask): BlackwellLaunch(stages=1 if d == 128 and key_mask else 2)
-    for d in (64, 128) for causal in (False, True) for key_mask in (False, True)
+    (d, causal, key_mask): BlackwellLaunch() for d in (64, 128) for causal in (False, True) for key_mask in (False, True)
 }
+SERIAL_BLACKWELL_LAUNCH = BlackwellLaunch(warps=8, stages=2, pipelined=False)
+
+_BLACKWELL_OVERRIDE: contextvars.ContextVar[BlackwellLaunch | None] = contextvars.ContextVar("blackwell_launch",
+                                                                                            default=None)
+
+
+@contextlib.contextmanager
+def override_blackwell_launch(launch: BlackwellLaunch) -> Iterator[None]:
+    """Run the Blackwell forward with `launch` instead of the table's, in this thread
+    (and context) only: `with override_blackwell_launch(SERIAL_BLACKWELL_LAUNCH): ...`
+    times or checks the serial kernel against the pipelined one."""
+    if not isinstance(launch, BlackwellLaunch):
+        raise TypeError(f"override_blackwell_launch takes a BlackwellLaunch, got {type(launch).__name__}")
+    token = _BLACKWELL_OVERRIDE.set(launch)
+    try:
+        yield
+    finally:
+        _BLACKWELL_OVERRIDE.reset(token)
 
 
 def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False) -> BlackwellLaunch:
     """The Blackwell forward's launch for this kernel head dim and masking."""
-    return BLACKWELL_FORWARD_LAUNCH[head_dim, causal, key_mask]
+    return _BLACKWELL_OVERRIDE.get() or BLACKWELL_FORWARD_LAUNCH[head_dim, causal, key_mask]
 
 
 # The Hopper backward's Triton kernels at their Blackwell launch (`kernels.blackwell.
@@ -473,10 +497,12 @@ BLACKWELL_PV = (("mxfp4", "directp", "mxfp4"), ("fp8", "exp2", "fp8"))
 def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "none") -> str | None:
     """Why the Blackwell forward cannot run `recipe` at `head_dim` with this mask kind
     ("none", "key"; see `KernelFamily`), or None."""
-    if mask == "key" and recipe.qk == "fp8" and kernel_head_dim(head_dim) == 128:
-        # the sm_100a builds spill (255 registers; 340 bytes with FP8 P, 276 with
-        # Direct-P): a thread holds its row's 64 keys of the key bias beside their
-        # per-token key scales, the S tile and the output accumulator
+    launch = blackwell_forward_launch(kernel_head_dim(head_dim) or 0, False, mask == "key") \
+        if kernel_head_dim(head_dim) else None
+    if mask == "key" and recipe.qk == "fp8" and kernel_head_dim(head_dim) == 128 and not launch.pipelined:
+        # the serial kernel's sm_100a builds spill (255 registers; 340 bytes with FP8 P,
+        # 276 with Direct-P): a thread holds its row's 64 keys of the key bias beside
+        # their per-token key scales, the S tile and the output accumulator
         return "a key mask with FP8 Q/K at head_dim 128 (the Blackwell build would spill registers)"
     robust = robust_unsupported_reason(recipe, BLACKWELL_FORWARD_ROBUST_FIELDS)
     if robust is not None:
@@ -520,7 +546,9 @@ def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask:
                               on_cuda: bool = True) -> str:
     qk = "NVFP4 QK^T (kind::mxf4nvf4)" if recipe.qk == "nvfp4" else "FP8 QK^T (kind::f8f6f4)"
     pv = "Direct-P MXFP4 PV (kind::mxf4)" if recipe.p == "mxfp4" else "FP8 PV (kind::f8f6f4)"
-    return f"blackwell.forward_triton ({qk}, {pv})"
+    dk = kernel_head_dim(head_dim)
+    serial = dk is not None and not blackwell_forward_launch(dk, causal, mask == "key").pipelined
+    return f"blackwell.forward_triton ({'serial' if serial else 'pipelined'}, {qk}, {pv})"
 
 
 # In order: the first family whose target matches and that accepts the call runs it.

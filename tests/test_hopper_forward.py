@@ -150,13 +150,20 @@ def test_kernel_error_does_not_grow_with_row_length(recipe):
     # steps are coarse, the most), against 7e-4 at 32768 keys for O summed across tiles
     # on the tensor cores, the failure this check exists for
     scale_tol = 4e-4 if PRESETS[recipe].fast_accum else 2e-4
-    errs = []
+    # the affine E2M1 map on fast-accumulation sums flips more codes (a threshold every half
+    # unit of the log-score): O's scale measured 4.9e-4 off at 1024 keys; there the check is
+    # that it does not grow with the row (the failure above grows)
+    affine_fast = PRESETS[recipe].fast_accum and PRESETS[recipe].p_build == "affine" and PRESETS[recipe].p == "mxfp4"
+    errs, scales = [], []
     for sk in (1024, 32768):
         q, k, v = _qkv(1, 2, 2, 256, sk, 128)
         out = fp4attn.attention(q, k, v, recipe=recipe, backend="triton").float()
         ref = fp4attn.attention(q, k, v, recipe=recipe, backend="reference").float()
         errs.append(error_metrics(out, ref)["rel_l2"])
-        assert abs((out * ref).sum().item() / (ref * ref).sum().item() - 1) < scale_tol, (recipe, sk)
+        scales.append(abs((out * ref).sum().item() / (ref * ref).sum().item() - 1))
+        assert scales[-1] < (1e-3 if affine_fast else scale_tol), (recipe, sk, scales[-1])
+    if affine_fast:
+        assert scales[1] <= scales[0] + 2e-4, (recipe, scales)
     # + 5e-4: directp and fp8-directp match their references all but exactly (measured
     # 2e-9 .. 2e-5 at 1024 keys, 3e-5 .. 1.3e-4 at 32768: Direct-P codes flipped by the
     # float32 summation order); the growth this test exists for was 1.8e-3 -> 5.2e-3

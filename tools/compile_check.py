@@ -75,7 +75,7 @@ def main():
           "| full tile instr/elem | largest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for qk_fp8 in (True, False):
-        for p_mode in (0, 1, 2):
+        for p_mode in (0, 1, 2, 4, 5):
             for causal in (False, True):
                 for d in (64, 128):
                     r = inspect_forward(qk_fp8, p_mode, causal, d)
@@ -96,7 +96,7 @@ def main():
     print("| qk | P mode | causal | D | OVERLAP | setmaxnreg consumer / producer | stack | QGMMA | HGMMA | MUFU.EX2 "
           "| SASS lines | loop instr/elem | full tile instr/elem | largest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for qk_fp8, p_mode in ((False, 0), (False, 1), (True, 0)):
+    for qk_fp8, p_mode in ((False, 0), (False, 1), (True, 0), (False, 4), (True, 4)):
         for causal in (False, True):
             for d in (64, 128):
                 overlap = forward_launch(128, qk_fp8, causal).ws_overlap

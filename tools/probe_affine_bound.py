@@ -1,6 +1,7 @@
 """What bounds the affine FP8-P softmax on the CUDA C++ forward (docs/notes/affine-p.md):
 the kernel alone, on prepared operands, in one process beside SDPA cuDNN bf16: the routed
-exp2 build (fp8-fastacc), the affine build (fp8-affine-fastacc), the affine build without
+exp2 build (fp8-fastacc), the affine form on the Triton/Gluon kernel the table runs below
+`cuda_from_keys`, the affine build (fp8-affine-fastacc), the affine build without
 the key-scale product and without the row maximum (timing builds, wrong outputs), and the
 build without any softmax (the ceiling of loads, products and turn-taking). Median of
 triton.testing.do_bench; a short table last.
@@ -11,6 +12,7 @@ triton.testing.do_bench; a short table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -23,8 +25,10 @@ def main() -> None:
     from triton.testing import do_bench
 
     from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
+    from fp4attn.routing import forward_launch, override_launch
     from fp4attn.tools.benchmark import sdpa
 
     builds = {"exp2 (fp8-fastacc)": {}, "affine (fp8-affine-fastacc)": {"affine_p": True},
@@ -42,13 +46,17 @@ def main() -> None:
         ops = prepare_operands_fused(q, k, v, get_recipe("fp8-fastacc"))
         off = 0 if args.causal else None
         row = [shape, f"{flops / base * 1e-9:.0f}"]
+        # the Triton/Gluon kernel the table runs below `cuda_from_keys` (P mode 4: affine FP8 P)
+        with override_launch(forward=dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=0)):
+            ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=4), return_mode="median")
+        row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
         for kw in builds.values():
             ms = do_bench(lambda: launch_forward_cuda(ops, scale=D**-0.5, causal_offset=off, **kw),
                           return_mode="median")
             row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
         rows.append(row)
         print(" | ".join(row), flush=True)
-    head = ["B,H,S,D", "cuDNN bf16 TFLOP/s", *builds]
+    head = ["B,H,S,D", "cuDNN bf16 TFLOP/s", "affine, Triton/Gluon kernel", *builds]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         print("| " + " | ".join(r) + " |")
