@@ -217,10 +217,10 @@ def explain(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    *,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool | None = None,
+    *,
     scale: float | None = None,
     causal: bool | str | None = None,
     recipe: str | Recipe = "directp",
@@ -292,10 +292,10 @@ def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    *,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool | None = None,
+    *,
     scale: float | None = None,
     causal: bool | str | None = None,
     recipe: str | Recipe = "directp",
@@ -306,10 +306,11 @@ def attention(
     """Low-precision scaled dot-product attention in SDPA's layout.
 
     Computes softmax(q k^T * scale) v with the operands in the formats of `recipe`
-    (see `fp4attn.PRESETS` and docs/numerics.md). Takes SDPA's arguments by their names
-    (`query`, `key`, `value`, `attn_mask`, `dropout_p`, `is_causal`, `scale`,
-    `enable_gqa`), so it replaces `torch.nn.functional.scaled_dot_product_attention` in a
-    call as written.
+    (see `fp4attn.PRESETS` and docs/numerics.md). Takes SDPA's arguments with SDPA's
+    names, order and meaning (`query`, `key`, `value`, `attn_mask`, `dropout_p`,
+    `is_causal`; keyword-only `scale`, `enable_gqa`), so a call of
+    `torch.nn.functional.scaled_dot_product_attention` runs as written with
+    `fp4attn.attention` in its place.
 
     Args:
         query: (B, Hq, Sq, D) queries q, bfloat16, float16 or float32.

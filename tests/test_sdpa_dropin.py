@@ -48,6 +48,9 @@ def test_sdpa_names_mean_what_they_mean_in_sdpa():
              dict(attn_mask=mask.float().log(), dropout_p=0, is_causal=False, enable_gqa=True)]
     for case in cases:
         _close(fp4attn.attention(query=q, key=k, value=v, **case, **kw), SDPA(q, k, v, **case))
+    # SDPA's positional order: attn_mask, dropout_p, is_causal
+    assert torch.equal(fp4attn.attention(q, k, v, mask, 0.0, False, enable_gqa=True, **kw),
+                       fp4attn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **kw))
     top_left = fp4attn.attention(q, k, v, causal="top_left", enable_gqa=True, **kw)
     assert torch.equal(fp4attn.attention(q, k, v, is_causal=True, enable_gqa=True, **kw), top_left)
     assert not torch.equal(fp4attn.attention(q, k, v, causal="bottom_right", enable_gqa=True, **kw), top_left)
