@@ -342,8 +342,9 @@ def attention(
             head_dim a multiple of 16 up to 128 (below 64 or 128 zero-padded, which
             is exact), key masks only; with gradients, the training recipes
             "train", "train-robust", "train-mxfp4pv" and "train-fp8"; else the
-            reference, and a call on the GPU warns then, once per distinct reason, with
-            what would run it on the kernels: `ReferenceFallbackWarning`), "triton"
+            reference, and a call on the GPU warns then (outside torch.compile's
+            tracing), once per distinct reason, with what would run it on the kernels:
+            `ReferenceFallbackWarning`), "triton"
             (an error if the kernels cannot run the call) or "reference" (the
             pure-PyTorch definition). The FP4ATTN_BACKEND environment variable
             overrides "auto".
