@@ -99,6 +99,8 @@ class ForwardLaunch:
     cuda_from_keys: the `fast_accum` FP8-P recipes (P mode 0, e4m3 QK^T) on the CUDA C++
     kernel (`forward_cuda`: FlashAttention-3's schedule, fused softmax) from this many
     keys on, on CUDA tensors where it can be built (`cuda_forward_available`; 0: never).
+    cuda_affine_from_keys: the same for the affine FP8-P recipe (P mode 4) where it differs
+    (None: cuda_from_keys).
     """
 
     block_m: int = 128
@@ -110,6 +112,11 @@ class ForwardLaunch:
     warp_specialized: bool = False
     ws_overlap: int = 1
     cuda_from_keys: int = 0
+    cuda_affine_from_keys: int | None = None
+
+    def cuda_keys(self, p_mode: int) -> int:
+        """The key count from which P mode `p_mode` runs on the CUDA C++ kernel (0: never)."""
+        return self.cuda_from_keys if p_mode != 4 or self.cuda_affine_from_keys is None else self.cuda_affine_from_keys
 
 
 # Keyed by (head dim, QK^T on the FP8 tensor cores, causal). The measurements behind each
@@ -124,10 +131,15 @@ class ForwardLaunch:
 # the fresh accumulators; 3-9% faster at 16k-32k in benchmarks/results/
 # h200-forward-cuda-fused-poly.txt); at D=64, three consumers, 0-12% faster than the Triton
 # kernel at 8k and -8 to +3% at 2k (log/h200-forward-cuda-consumers.txt, -serial.txt).
+# cuda_affine_from_keys: affine FP8 P (fp8-affine-fastacc) at D=64 non-causal ran 16-21% faster
+# on the CUDA kernel than on the Triton kernel at 2k-4k keys (0.96x / 1.04x of cuDNN bf16
+# against 0.83x / 0.86x); causal the Triton kernel stayed ahead there (0.90x / 0.92x against
+# 0.82x / 0.89x), and at D=128 the Gluon kernel at 2k (1.04x against 1.02x)
+# (log/h200-affine-bound-2.txt, -2-causal.txt; docs/notes/affine-p.md).
 FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
     (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_from_keys=4096),
     (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4, cuda_from_keys=4096),
-    (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_from_keys=8192),
+    (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_from_keys=8192, cuda_affine_from_keys=2048),
     (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True, cuda_from_keys=8192),
     **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True,
                                            ws_overlap=4) for causal in (True, False)},
@@ -229,7 +241,7 @@ def cuda_forward_available() -> bool:
 
 def use_cuda_forward(launch: ForwardLaunch, p_mode: int, qk_fp8: bool, keys: int, on_cuda: bool) -> bool:
     """Whether the forward runs on the CUDA C++ kernel (`ForwardLaunch.cuda_from_keys`)."""
-    return (launch.cuda_from_keys > 0 and keys >= launch.cuda_from_keys and p_mode in CUDA_P_MODES and qk_fp8
+    return (launch.cuda_keys(p_mode) > 0 and keys >= launch.cuda_keys(p_mode) and p_mode in CUDA_P_MODES and qk_fp8
             and on_cuda and cuda_forward_available())
 
 

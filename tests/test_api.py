@@ -575,6 +575,12 @@ def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):
         assert launched(d, n, causal_offset=causal, p_mode=1) == "triton"  # Direct-P
         assert launched(d, n, causal_offset=causal, qk=torch.bfloat16) != "cuda"  # exact QK^T sums
         assert launched(d, n, causal_offset=causal, write_p=1) == "triton"  # debug tiles
+        # the affine FP8-P recipe (P mode 4) from its own key count
+        na = routing.FORWARD_LAUNCH[d, True, causal is not None].cuda_keys(4)
+        assert launched(d, na, causal_offset=causal, p_mode=4) == "cuda"
+        assert launched(d, na - 1, causal_offset=causal, p_mode=4) != "cuda"
+        assert launched(d, n, causal_offset=causal, p_mode=5) == "triton"  # affine MXFP4 P
+    assert routing.FORWARD_LAUNCH[64, True, False].cuda_keys(4) < routing.FORWARD_LAUNCH[64, True, False].cuda_keys(0)
     assert launched(64, 8192, key_bias=torch.zeros(1, 8192)) == "cuda"  # the CUDA kernel takes a key bias
 
     monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
