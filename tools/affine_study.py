@@ -5,7 +5,7 @@ codes); the FP8 map's offset K; and the paper's other option, selective native e
 (the exact Direct-P codes for a block's largest entries, the affine map for the rest),
 which the library does not ship: it is measured here only.
 
-    python tools/affine_study.py --json benchmarks/results/log/affine-study-cpu.json
+    python tools/affine_study.py --minilm --json benchmarks/results/accuracy-affine-cpu.json
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="1,4,1024,128")
     p.add_argument("--json", type=Path)
+    p.add_argument("--minilm", action="store_true",
+                   help="also all-MiniLM-L6-v2's attention operands (every layer) for the affine presets, "
+                        "their exact builders and robust forms (about 10 minutes on two cores)")
     args = p.parse_args()
     shape = tuple(int(x) for x in args.shape.split(","))
     torch.set_num_threads(2)
@@ -49,6 +52,11 @@ def main() -> None:
             print(f"{label:12s} {r['recipe']:34s} {r['case']:9s} cos {r['cos']:.5f}  p1 {r['cos_p1']:.4f}",
                   flush=True)
 
+    robust = dict(smooth_k=True, qk_fallback="fp8", qk_four_over_six=True)
+    robust_fast = [PRESETS["directp-fast"].with_(name="directp-fast + robust Q/K", **robust),
+                   PRESETS["directp-fast"].with_(name="directp-fast + robust Q/K, v=fp8", v="fp8", **robust),
+                   PRESETS["nvfp4-fp8-robust"].with_(p_build="affine", name="nvfp4-fp8-robust + affine P")]
+    run(robust_fast, ("gaussian", "hard", "channels", "offset", "sharp", "sink"), "robust")
     pairs = ["fp8", "fp8-affine", "directp", "directp-fast", "fp8-directp", "fp8-directp-fast", "nvfp4-fp8"]
     run(pairs + [PRESETS["nvfp4-fp8"].with_(p_build="affine", name="nvfp4-fp8 + affine P")], CASES, "families")
     nocn = [PRESETS[n].with_(consistent_norm=False, name=f"{n}, consistent_norm off")
@@ -65,6 +73,15 @@ def main() -> None:
         with mock.patch.object(affine, "affine_mxfp4_codes", lambda t, m, top=top: sel(t, m, top)):
             run([PRESETS["directp-fast"].with_(name=f"directp-fast, exact codes >= {top}")],
                 ("gaussian", "hard", "sharp"), "selective")
+    if args.minilm:
+        from fp4attn.cli.accuracy import minilm_records
+
+        names = ["fp8", "fp8-affine", "directp", "directp-fast", "fp8-directp", "fp8-directp-fast", "nvfp4-fp8",
+                 "directp-robust", "nvfp4-fp8-robust"]
+        for r in minilm_records(names + robust_fast, device="cpu"):
+            r["study"] = "minilm"
+            records.append(r)
+            print(f"minilm {r['recipe']:34s} {r['case']} cos {r['cos']:.5f} p1 {r['cos_p1']:.4f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(records, indent=1))
 
