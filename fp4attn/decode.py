@@ -1,0 +1,116 @@
+"""`fp4attn.decode`: attention of new query rows over a quantized KV cache."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+
+from fp4attn import decode_routing
+from fp4attn.kvcache import INPUT_DTYPES, KVCache
+from fp4attn.reference.decode import reference_decode
+
+log = logging.getLogger("fp4attn")
+
+MAX_QUERY_ROWS = 16  # new tokens per sequence and step the decode path is built for (speculative decoding)
+
+
+@functools.lru_cache(maxsize=16)
+def _log_once(message: str) -> None:
+    log.info(message)
+
+
+def _check(q, cache, scale, key_start) -> float:
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"decode: cache must be a fp4attn.KVCache, got {type(cache).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"decode: q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dtype not in INPUT_DTYPES:
+        raise TypeError(f"decode: q has dtype {q.dtype}; accepted: {INPUT_DTYPES}")
+    if q.device != cache.device:
+        raise ValueError(f"decode: q is on {q.device}, the cache on {cache.device}")
+    if q.ndim != 4:
+        raise ValueError(f"decode: q must be 4-D (batch, heads, new tokens, head_dim); got shape {tuple(q.shape)}")
+    b, hq, sq, d = q.shape
+    if b != cache.batch or d != cache.head_dim or hq == 0 or hq % cache.kv_heads:
+        raise ValueError(f"decode: q has shape {tuple(q.shape)}; accepted: (batch={cache.batch}, a multiple of the "
+                         f"cache's kv_heads={cache.kv_heads}, new tokens, head_dim={cache.head_dim})")
+    if not 1 <= sq:
+        raise ValueError(f"decode: q holds {sq} query rows; accepted: at least 1")
+    if key_start is not None:
+        if not isinstance(key_start, torch.Tensor) or key_start.shape != (b,) or key_start.dtype not in (
+                torch.int32, torch.int64) or key_start.device != cache.device:
+            raise ValueError(f"decode: key_start must be an int32 or int64 tensor of shape ({b},) on {cache.device}")
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"decode: scale must be a positive finite number or None, got {scale!r}")
+    return float(scale)
+
+
+def decode(
+    q: torch.Tensor,
+    cache: KVCache,
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    counts=None,
+    causal: bool = True,
+    scale: float | None = None,
+    key_start: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q's new rows over a KV cache, after appending k and v to it.
+
+    The decode step of generation, as FlashAttention's `flash_attn_with_kvcache`: the
+    new tokens' keys and values (if given) are quantized into the cache, then every
+    query row attends to its sequence's cached tokens. The numerics are defined by
+    `fp4attn.reference.decode` (bf16 operands, float32 sums, bf16 P).
+
+    Args:
+        q: (B, Hq, Sq, D) queries, bfloat16, float16 or float32 (rounded to bf16), on
+            the cache's device; Hq a multiple of the cache's KV heads (GQA: all query
+            heads of a KV head read its cache once). Sq up to 16 is the decode path
+            (speculative decoding); more rows run too, each 16 (or 64 / group) rows
+            reading the cache again.
+        cache: the `fp4attn.KVCache` of this layer.
+        k, v: (B, Hkv, S_new, D) new keys and values to append first (`KVCache.append`),
+            or None.
+        counts: with k and v, the tokens each sequence takes (`KVCache.append`).
+        causal: query row r of sequence b sees keys j <= L_b - Sq + r (bottom-right:
+            the new rows are the last Sq tokens of the sequence), where L_b is its
+            length after the append. False: every row sees all L_b keys.
+        scale: softmax scale; None means 1 / sqrt(D).
+        key_start: optional int tensor (B,): sequence b attends only to keys j >=
+            key_start[b] (left padding).
+        return_lse: also return the log-sum-exp, float32 (B, Hq, Sq), natural log.
+        backend: "auto" (the Hopper kernels on sm_90 at head dims 64 and 128, else the
+            reference, logged once), "triton" (an error where the kernels cannot run),
+            or "reference". FP4ATTN_BACKEND overrides "auto".
+
+    Returns:
+        The output (B, Hq, Sq, D) in q's dtype (and the LSE if `return_lse`). A row that
+        sees no key is 0 (LSE -inf). A NaN or Inf in an appended token reaches only
+        the rows that read it (`reference.decode`).
+    """
+    s = _check(q, cache, scale, key_start)
+    if (k is None) != (v is None):
+        raise ValueError("decode: pass both k and v to append, or neither")
+    chosen, why = decode_routing.backend_for(q.device, cache.head_dim, backend)
+    if k is not None:
+        cache.append(k, v, counts)
+    if chosen == "triton":
+        from fp4attn.kernels.hopper.decode_op import hopper_decode
+
+        out, lse = hopper_decode(q, cache, scale=s, causal=causal, key_start=key_start)
+    else:
+        if backend == "auto" and not torch.compiler.is_compiling():
+            _log_once(f"decode runs on the reference backend: {why}")
+        kb, ks, vb, vs = cache.reference_operands()
+        lengths = torch.tensor(cache.host_lengths, device=q.device)
+        res = reference_decode(q, kb, ks, vb, vs, lengths, scale=s, causal=causal, key_start=key_start)
+        out, lse = res.out.to(q.dtype), res.lse
+    return (out, lse) if return_lse else out

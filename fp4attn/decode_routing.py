@@ -1,0 +1,103 @@
+"""Which code runs a KV cache append and a decode call, and with which launch: as data.
+
+Pure Python, no Triton import; the decode counterpart of `fp4attn.routing`, whose
+target and backend rules it shares (FP4ATTN_TARGET, FP4ATTN_BACKEND, TRITON_INTERPRET).
+
+    backend     "triton": the Hopper kernels (`kernels/hopper/decode_triton.py`,
+                `kvcache_triton.py`) on sm_90 at head dims 64 and 128; else the
+                reference (`reference/decode.py`, `reference/kvcache.py`), logged once
+    launch      `DecodeLaunch`: the key tile, warps and pipeline stages of the split
+                kernel per (K format, V format, head dim), and how many programs the
+                split-K grid aims at per SM (`DECODE_LAUNCH`, each entry traced to a
+                measurement in docs/notes/decode.md)
+
+A launch changes speed only, never a value: the decode numerics do not depend on the
+tile or the split a key falls in (`reference/decode.py`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+
+from fp4attn.routing import TARGET_ENV, interpreting, requested_backend, target_of
+
+DECODE_HEAD_DIMS = (64, 128)
+DECODE_TARGETS = ("sm_90",)
+# query rows of one sequence and KV head a program holds (GQA group x new tokens,
+# padded to a power of two, at least MIN_BLOCK_M); more than MAX_BLOCK_M take more
+# programs, each reading the cache again. Rows under 16 are fewer than an mma tile's,
+# but the softmax runs on the real rows only (docs/notes/decode.md: 4 rows instead of
+# 16 took 38 instead of 43 instructions a key and KV head in the NVFP4 loop)
+MIN_BLOCK_M = 4
+MAX_BLOCK_M = 64
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    block_n: int  # keys a tile
+    warps: int
+    stages: int  # the software pipeline's depth over key tiles
+    programs_per_sm: int  # split-K aims at this many programs per SM (or fewer splits of >= min_split_tiles)
+    min_split_tiles: int = 4  # a split holds at least this many tiles (the combine and setup amortized)
+
+
+# Chosen from the sm_90 machine code before the first H200 measurement
+# (docs/notes/decode.md): 128-key tiles, 4 warps, 2 stages issue the fewest
+# instructions a key in the 4-bit loops without spilling (about 210 registers: two
+# programs an SM, each with a K and a V tile in flight, about 20 KB for NVFP4).
+DEFAULT_LAUNCH = DecodeLaunch(block_n=128, warps=4, stages=2, programs_per_sm=4)
+DECODE_LAUNCH: dict[tuple[str, str, int], DecodeLaunch] = {}
+
+
+def decode_launch(k_format: str, v_format: str, head_dim: int) -> DecodeLaunch:
+    return DECODE_LAUNCH.get((k_format, v_format, head_dim), DEFAULT_LAUNCH)
+
+
+def split_plan(launch: DecodeLaunch, max_len: int, programs: int, sms: int) -> tuple[int, int]:
+    """(splits, tokens per split) for `programs` (sequences x KV heads x row blocks) over
+    keys up to `max_len`: enough splits to reach `programs_per_sm` programs per SM, each
+    at least `min_split_tiles` tiles (and at least one)."""
+    tiles = max(1, math.ceil(max_len / launch.block_n))
+    want = max(1, math.ceil(launch.programs_per_sm * sms / max(programs, 1)))
+    splits = max(1, min(want, tiles // launch.min_split_tiles))
+    per = math.ceil(tiles / splits)
+    return math.ceil(tiles / per), per * launch.block_n
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def unsupported_reason(device, head_dim: int) -> str | None:
+    """Why the Hopper kernels cannot run a cache of this head dim on `device` (None: they can)."""
+    device_type = device if isinstance(device, str) else device.type
+    if device_type != "cuda" and not interpreting():
+        return f"the cache is on {device_type} (the kernels need CUDA, or TRITON_INTERPRET=1 with {TARGET_ENV})"
+    target = target_of(device)
+    if target not in DECODE_TARGETS:
+        return f"no decode kernels are built for target {target}"
+    if head_dim not in DECODE_HEAD_DIMS:
+        return f"head_dim {head_dim} (the decode kernels take {DECODE_HEAD_DIMS})"
+    if not _triton_importable():
+        return "Triton is not importable"
+    return None
+
+
+def backend_for(device, head_dim: int, backend: str = "auto") -> tuple[str, str]:
+    """("triton" or "reference", why) for an append or decode call; backend="triton"
+    raises where the kernels cannot run it."""
+    backend = requested_backend(backend)
+    if backend == "reference":
+        return "reference", "backend='reference' was asked for"
+    why = unsupported_reason(device, head_dim)
+    if why is None:
+        return "triton", f"Hopper decode kernels at head_dim {head_dim}"
+    if backend == "triton":
+        raise ValueError(f"backend='triton' cannot run this KV cache: {why}")
+    return "reference", why
+
+
+def append_backend(device, head_dim: int) -> str:
+    return backend_for(device, head_dim)[0]

@@ -1,0 +1,146 @@
+"""The KV cache append and the decode attention on Hopper as registered custom ops (each
+with a fake implementation, so torch.compile traces through them), and their launchers.
+
+The ops take the cache's pool tensors, never the `KVCache` object: a custom op's
+arguments are tensors and plain values. Formats without block or token scales pass an
+empty tensor in their place (never read).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+
+from fp4attn import decode_routing
+from fp4attn.kernels.hopper.decode_triton import decode_combine_kernel, decode_split_kernel
+from fp4attn.kernels.hopper.kvcache_triton import kvcache_append_kernel
+from fp4attn.reference.forward import LOG2E
+
+FORMAT_CODES = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}  # decode_triton's BF16, FP8, NVFP4, MXFP4
+APPEND_BLOCK_T = 16  # tokens a program quantizes: one step's new tokens fit one program
+COMBINE_ROWS = 16
+
+
+def _on_gpu() -> bool:
+    """Whether the kernels run on the GPU (inline PTX, hardware conversions) rather than
+    under the Triton interpreter."""
+    return not decode_routing.interpreting()
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    # under the interpreter (CPU tensors) a nominal count: the split plan is then small
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t is not None else torch.empty(0, dtype=dtype, device=like.device)
+
+
+def pool_tensors(pool, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A `kvcache.PayloadPool`'s (data, block scales, token scales), empty tensors in
+    place of the ones its format has not."""
+    return (pool.data, _or_empty(pool.block_scale, like, torch.uint8),
+            _or_empty(pool.token_scale, like, torch.float32))
+
+
+# ----------------------------------------------------------------------------- append
+@torch.library.custom_op("fp4attn::kvcache_append", mutates_args=("ka", "ks", "kt", "va", "vs", "vt", "lengths"))
+def _append_op(k: torch.Tensor, v: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor,
+               va: torch.Tensor, vs: torch.Tensor, vt: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+               counts: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int) -> None:
+    B, H, S, D = k.shape
+    k, v = k.contiguous(), v.contiguous()
+    grid = (triton.cdiv(S, APPEND_BLOCK_T), B * H)
+    kvcache_append_kernel[grid](
+        k, v, ka, ks, kt, va, vs, vt, table, lengths, counts if counts is not None else lengths,
+        k.stride(0), k.stride(1), k.stride(2), S, H, page_size, table.stride(0),
+        D=D, K_FMT=FORMAT_CODES[k_fmt], V_FMT=FORMAT_CODES[v_fmt], BLOCK_T=APPEND_BLOCK_T,
+        HAS_COUNTS=counts is not None, HW=_on_gpu(), num_warps=4)
+    lengths.add_(counts if counts is not None else S)
+
+
+@_append_op.register_fake
+def _(k, v, ka, ks, kt, va, vs, vt, table, lengths, counts, k_fmt, v_fmt, page_size):
+    return None
+
+
+def hopper_append(cache, k: torch.Tensor, v: torch.Tensor, counts: list[int] | None) -> None:
+    """Quantize k, v (B, Hkv, S_new, D) into `cache` (a checked `KVCache.append`; its
+    pages already assigned); counts: tokens per sequence, or None for all."""
+    counts_t = None
+    if counts is not None:
+        src = torch.tensor(counts, dtype=torch.int32)
+        counts_t = src.pin_memory().to(k.device, non_blocking=True) if k.is_cuda else src
+    ka, ks, kt = pool_tensors(cache.k, k)
+    va, vs, vt = pool_tensors(cache.v, k)
+    _append_op(k, v, ka, ks, kt, va, vs, vt, cache.block_table, cache.lengths, counts_t, cache.k_format,
+               cache.v_format, cache.page_size)
+
+
+# ----------------------------------------------------------------------------- decode
+def _block_m(rows: int) -> int:
+    return min(decode_routing.MAX_BLOCK_M, max(decode_routing.MIN_BLOCK_M, triton.next_power_of_2(rows)))
+
+
+@torch.library.custom_op("fp4attn::decode", mutates_args=())
+def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, va: torch.Tensor,
+               vs: torch.Tensor, vt: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+               key_start: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int, kv_heads: int,
+               max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0,
+               stages: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_n, warps, stages: a launch other than the routing table's (0: the table's)."""
+    B, Hq, Sq, D = q.shape
+    qb = q.to(torch.bfloat16).contiguous()
+    group = Hq // kv_heads
+    rows = group * Sq
+    block_m = _block_m(rows)
+    row_blocks = triton.cdiv(rows, block_m)
+    launch = decode_routing.decode_launch(k_fmt, v_fmt, D)
+    launch = decode_routing.DecodeLaunch(block_n or launch.block_n, warps or launch.warps, stages or launch.stages,
+                                         launch.programs_per_sm, launch.min_split_tiles)
+    splits, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), B * kv_heads * row_blocks,
+                                                     _sms(q.device))
+    o_acc = torch.empty((splits, B, Hq, Sq, D), dtype=torch.float32, device=q.device)
+    o_ml = torch.empty((splits, B, Hq, Sq, 2), dtype=torch.float32, device=q.device)
+    hw = _on_gpu()
+    decode_split_kernel[(splits, B * kv_heads, row_blocks)](
+        qb, ka, ks, kt, va, vs, vt, table, lengths, key_start if key_start is not None else lengths, o_acc, o_ml,
+        qb.stride(0), qb.stride(1), qb.stride(2), kv_heads, page_size, table.stride(0), Sq, rows, split_tokens,
+        scale * LOG2E,
+        GROUP=group, D=D, K_FMT=FORMAT_CODES[k_fmt], V_FMT=FORMAT_CODES[v_fmt], BLOCK_M=block_m,
+        BLOCK_N=launch.block_n, CAUSAL=causal, HAS_START=key_start is not None, ASM=hw, HW=hw,
+        ALIGNED=page_size % launch.block_n == 0, num_warps=launch.warps, num_stages=launch.stages)
+    out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    n_rows = B * Hq * Sq
+    decode_combine_kernel[(triton.cdiv(n_rows, COMBINE_ROWS),)](
+        o_acc, o_ml, out, lse, n_rows, splits, D=D, SPLITS_P2=triton.next_power_of_2(splits),
+        BLOCK_R=COMBINE_ROWS, num_warps=4)
+    return out, lse
+
+
+@_decode_op.register_fake
+def _(q, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len, scale,
+      causal, block_n=0, warps=0, stages=0):
+    B, Hq, Sq, D = q.shape
+    return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+def hopper_decode(q: torch.Tensor, cache, *, scale: float, causal: bool, key_start: torch.Tensor | None = None,
+                  launch: decode_routing.DecodeLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of q (B, Hq, Sq, D) over `cache` (checked by `fp4attn.decode`):
+    (out in q's dtype, lse float32). `launch`: instead of the routing table's (to
+    measure one against another)."""
+    ka, ks, kt = pool_tensors(cache.k, q)
+    va, vs, vt = pool_tensors(cache.v, q)
+    extra = (launch.block_n, launch.warps, launch.stages) if launch is not None else (0, 0, 0)
+    return _decode_op(q, ka, ks, kt, va, vs, vt, cache.block_table, cache.lengths, key_start, cache.k_format,
+                      cache.v_format, cache.page_size, cache.kv_heads, cache.max_length(), scale, causal, *extra)
