@@ -5,16 +5,25 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import warnings
 
 import torch
 
 from fp4attn import decode_routing
+from fp4attn.api import ReferenceFallbackWarning
 from fp4attn.kvcache import INPUT_DTYPES, KVCache
 from fp4attn.reference.decode import reference_decode
 
 log = logging.getLogger("fp4attn")
 
 MAX_QUERY_ROWS = 16  # new tokens per sequence and step the decode path is built for (speculative decoding)
+
+
+@functools.lru_cache(maxsize=16)
+def _warn_once(message: str) -> None:
+    """A GPU call that backend="auto" runs on the reference: warned once per reason, as
+    `fp4attn.attention` warns (`ReferenceFallbackWarning`); on the CPU it is logged."""
+    warnings.warn(message, ReferenceFallbackWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=16)
@@ -88,8 +97,9 @@ def decode(
             key_start[b] (left padding).
         return_lse: also return the log-sum-exp, float32 (B, Hq, Sq), natural log.
         backend: "auto" (the Hopper kernels on sm_90 at head dims 64 and 128, else the
-            reference, logged once), "triton" (an error where the kernels cannot run),
-            or "reference". FP4ATTN_BACKEND overrides "auto".
+            reference: a GPU call then warns, `fp4attn.ReferenceFallbackWarning`, once
+            per reason; a CPU call logs it), "triton" (an error where the kernels cannot
+            run), or "reference". FP4ATTN_BACKEND overrides "auto".
 
     Returns:
         The output (B, Hq, Sq, D) in q's dtype (and the LSE if `return_lse`). A row that
@@ -108,7 +118,8 @@ def decode(
         out, lse = hopper_decode(q, cache, scale=s, causal=causal, key_start=key_start)
     else:
         if backend == "auto" and not torch.compiler.is_compiling():
-            _log_once(f"decode runs on the reference backend: {why}")
+            message = f"fp4attn.decode runs on the reference backend (pure PyTorch, far slower than the kernels): {why}"
+            (_warn_once if q.is_cuda else _log_once)(message)
         kb, ks, vb, vs = cache.reference_operands()
         lengths = torch.tensor(cache.host_lengths, device=q.device)
         res = reference_decode(q, kb, ks, vb, vs, lengths, scale=s, causal=causal, key_start=key_start)
