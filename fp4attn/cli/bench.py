@@ -7,7 +7,8 @@ slice of the same inputs) before it is timed. cuDNN's FP8 SDPA (`cudnn-fp8`, e4m
 and out) joins the baselines when the `nvidia-cudnn-frontend` package is installed
 (`fp4attn/cli/cudnn_fp8.py`); whether it ran, and why not, is printed. Times are medians of
 `triton.testing.do_bench`; TFLOP/s count 4 * B * H * D * (visible query-key pairs),
-so causal runs count exactly the unmasked half.
+so causal runs count exactly the unmasked half. `--decode` times decode attention
+over a quantized KV cache instead (`fp4attn/cli/bench_decode.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from fp4attn.cli import bench_decode
 from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.tools.benchmark import parse_shapes, sdpa, time_cudnn_fp8, time_ms, visible_pairs
 
@@ -153,6 +155,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", help=f"comma-separated; default {','.join(RECIPES)} (forward), train (--backward)")
     p.add_argument("--backward", action="store_true",
                    help="causal forward+backward of the training recipes on the training shapes")
+    p.add_argument("--decode", action="store_true",
+                   help="decode attention over a quantized KV cache vs SDPA bf16 decode (fp4attn/cli/bench_decode.py)")
     p.add_argument("--model-step", action="store_true", help="with --backward: also a ~1B-parameter GPT step")
     p.add_argument("--model-step-compile", metavar="MODE", choices=COMPILE_MODES,
                    help=f"run the model step's GPT under torch.compile(mode=MODE), one of {', '.join(COMPILE_MODES)} "
@@ -161,6 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", action="store_true", help="also time fp8-directp with exp2-built MXFP4 P")
     p.add_argument("--json", type=Path, help="default results/h200-forward.json (h200-train.json with --backward)")
     p.add_argument("--png", type=Path)
+    bench_decode.add_arguments(p)
 
 
 def main(args: argparse.Namespace) -> list[dict]:
@@ -168,6 +173,9 @@ def main(args: argparse.Namespace) -> list[dict]:
 
     if not torch.cuda.is_available():
         raise SystemExit("fp4attn bench needs a CUDA GPU")
+    if args.decode:
+        args.json = args.json or Path("results/h200-decode.json")
+        return bench_decode.main(args)
     if args.backward:
         from fp4attn.cli import bench_train
 
