@@ -16,6 +16,7 @@ P_BUILDS = ("directp", "exp2", "affine")
 GRAD_FORMATS = ("e4m3", "e5m2", "bf16")
 ROTATIONS = ("hadamard",)
 QK_FALLBACKS = ("fp8",)
+K_SCALES = ("token", "tile")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class Recipe:
             2**x and rounds it; "affine" reads the code off one rounded affine map of the
             log-score, no exponential (p="mxfp4": the paper's fast Direct-P, E2M1 code
             RNE(2y + 2); p="fp8": the e4m3 byte RNE(8x + 119.5); `reference.affine`).
+        k_scale: FP8 K's scale (qk="fp8" only). "token": one per key, as Q's. "tile": one
+            per block_n keys of a (batch, head): each score's key factor is then a constant
+            of its tile, which the CUDA forward folds into the row's one FMA instead of a
+            product per score (docs/notes/affine-p.md).
         consistent_norm: the softmax denominator sums the represented P values (those
             the PV product consumes) rather than the unrounded exponentials.
         grad: format of the gradient products' operands in the backward; None for an
@@ -100,6 +105,7 @@ class Recipe:
     qk_fallback: str | None = None
     qk_fallback_logit_std: float = 1.25
     qk_four_over_six: bool = False
+    k_scale: str = "token"
 
     def __post_init__(self) -> None:
         for field, value, accepted in (
@@ -112,6 +118,13 @@ class Recipe:
                 raise ValueError(f"Recipe.{field}={value!r} is not supported; accepted: {accepted}")
         if self.p_build == "directp" and self.p != "mxfp4":
             raise ValueError(f"p_build='directp' builds MXFP4 P only; got p={self.p!r} (use p_build='exp2')")
+        if self.k_scale not in K_SCALES:
+            raise ValueError(f"Recipe.k_scale={self.k_scale!r} is not supported; accepted: {K_SCALES}")
+        if self.k_scale == "tile" and self.qk != "fp8":
+            raise ValueError(f"Recipe.k_scale='tile' scales FP8 K per key tile; it needs qk='fp8', got qk={self.qk!r}")
+        if self.k_scale == "tile" and (self.grad is not None or self.smooth_k or self.rotate_qk is not None):
+            raise ValueError("Recipe.k_scale='tile' is an inference form without K transforms: it needs grad=None, "
+                             "smooth_k=False and rotate_qk=None")
         if self.p_build == "affine" and self.p not in ("fp8", "mxfp4"):
             raise ValueError(f"p_build='affine' builds FP8 or MXFP4 P; got p={self.p!r}")
         if self.p_build == "affine" and self.grad is not None:
@@ -215,8 +228,11 @@ PRESETS: dict[str, Recipe] = {
         Recipe(qk="nvfp4", p="mxfp4", v="mxfp4", p_build="affine", name="directp-fast"),
         Recipe(qk="fp8", p="mxfp4", v="mxfp4", p_build="affine", name="fp8-directp-fast"),
         Recipe(qk="fp8", p="mxfp4", v="mxfp4", p_build="affine", fast_accum=True, name="fp8-directp-fast-fastacc"),
-        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", name="fp8-affine"),
-        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", fast_accum=True, name="fp8-affine-fastacc"),
+        # (FP8 K with one scale per key tile: the CUDA forward then builds each FP8 P byte with
+        # one FMA and one max, no product by a key's own scale)
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", k_scale="tile", name="fp8-affine"),
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", k_scale="tile", fast_accum=True,
+               name="fp8-affine-fastacc"),
         # FP8 training for Hopper: per-token e4m3 Q/K (QK^T summed exactly: the kernels multiply
         # the e4m3 values on the bf16 tensor cores), FP8 P/V, e4m3 gradient products; trained
         # on the Hopper training kernels (their per-token-scale forms) and the reference

@@ -519,6 +519,8 @@ def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "no
     robust = robust_unsupported_reason(recipe, BLACKWELL_FORWARD_ROBUST_FIELDS)
     if robust is not None:
         return robust
+    if recipe.k_scale != "token":
+        return f"k_scale={recipe.k_scale!r} (the Blackwell quantizers scale FP8 K per token)"
     if recipe.qk not in ("fp8", "nvfp4"):
         return f"Q/K format {recipe.qk!r} (Blackwell kernels run 'fp8' and 'nvfp4')"
     if (recipe.p, recipe.p_build, recipe.v) not in BLACKWELL_PV:

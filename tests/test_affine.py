@@ -144,3 +144,29 @@ def test_attention_runs_the_presets_on_the_reference():
     for name in ("directp-fast", "fp8-affine"):
         out = fp4attn.attention(q, k, v, recipe=name, causal=True)
         assert out.shape == q.shape and bool(torch.isfinite(out).all())
+
+
+def test_k_tile_scales_are_one_fp8_block_per_tile():
+    """`Recipe.k_scale="tile"`: one e4m3 scale per 128 keys of a (batch, head), the tile's
+    values quantized as one `quantize_fp8` block (a short last tile too), NaN confined to
+    its tile; the per-token form is unchanged."""
+    from fp4attn.formats import quantize_fp8
+    from fp4attn.reference.operands import quantize_qk
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 2, 300, 64, generator=g) * torch.rand(2, 2, 300, 1, generator=g) * 5
+    x[1, 0, 140, 7] = float("nan")
+    op = quantize_qk(x, "fp8", tile=128)
+    for b, h, j0 in ((0, 0, 0), (0, 1, 128), (1, 1, 256)):
+        blk = x[b, h, j0:j0 + 128].reshape(1, -1)
+        q = quantize_fp8(blk, dim=-1, block=None, fmt="e4m3")
+        n = blk.shape[-1] // 64
+        assert torch.equal(op.values[b, h, j0:j0 + n], q.data.float().reshape(n, 64))
+        assert bool((op.scale[b, h, j0:j0 + n] == q.scale.reshape(())).all())
+    assert bool(torch.isnan(op.scale[1, 0, 128:256]).all()) and bool(torch.isfinite(op.scale[1, 0, :128]).all())
+    per_token = quantize_qk(x, "fp8").scale.nan_to_num(nan=-1.0)
+    assert torch.equal(per_token, quantize_fp8(x, dim=-1, block=None, fmt="e4m3").scale.nan_to_num(nan=-1.0))
+    with pytest.raises(ValueError, match="k_scale='tile'.*qk='fp8'"):
+        Recipe(qk="nvfp4", k_scale="tile")
+    with pytest.raises(ValueError, match="k_scale"):
+        Recipe(qk="fp8", k_scale="block")

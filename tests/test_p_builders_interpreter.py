@@ -261,3 +261,29 @@ def test_affine_builders_under_the_interpreter():
     rounding of C), masked keys, an empty row, a NaN row, a dropped block and scores on
     every FP8 rounding midpoint; the row sums and the carried reference point too."""
     run_under_interpreter(AFFINE_SCRIPT)
+
+
+TILE_SCRIPT = textwrap.dedent('''
+    import torch
+
+    from fp4attn.kernels.hopper.quantize import quantize_k_fp8_tiles
+    from fp4attn.reference.operands import quantize_qk
+
+    g = torch.Generator().manual_seed(0)
+    for S, D in ((300, 64), (128, 128), (5, 64)):
+        x = (torch.randn(2, 3, S, D, generator=g) * torch.rand(2, 3, S, 1, generator=g) * 10).bfloat16()
+        x[0, 1, 3, 5] = float("nan")
+        x[1, 2] = 0  # an all-zero head: scale 1, zero values
+        y, s = quantize_k_fp8_tiles(x, 128, torch.bfloat16)
+        ref = quantize_qk(x, "fp8", tile=128)
+        same = lambda a, b: torch.equal(a.nan_to_num(nan=7.0), b.nan_to_num(nan=7.0))
+        assert same(y.float(), ref.values) and same(s, ref.scale.squeeze(-1)), (S, D)
+    print("ok")
+''')
+
+
+def test_k_tile_quantizer_under_the_interpreter():
+    """The fused quantizer of FP8 K with one scale per key tile (`quantize_k_fp8_tiles`)
+    gives the reference's codes and scales bit for bit: a short last tile, a NaN (its tile's
+    scale NaN), an all-zero head."""
+    run_under_interpreter(TILE_SCRIPT)

@@ -186,7 +186,8 @@ def robust_qk(q: torch.Tensor, k: torch.Tensor, recipe: Recipe,
         scale = scale * robust.rotation_scale(q.shape[-1])
     f46 = recipe.qk_four_over_six
     if recipe.qk_fallback is None:
-        return quantize_qk(qf, recipe.qk, f46), quantize_qk(kf, recipe.qk, f46), scale, None
+        k_tile = recipe.block_n if recipe.k_scale == "tile" else 0
+        return quantize_qk(qf, recipe.qk, f46), quantize_qk(kf, recipe.qk, f46, k_tile), scale, None
     hq, hkv = q.shape[1], k.shape[1]
     if mean is not None and recipe.rotate_qk is None:
         # smoothed K's sums of squares from K's float64 sums per channel (the pass over

@@ -36,8 +36,22 @@ def _inf_to_nan(x: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(torch.isinf(x), float("nan"))
 
 
-def quantize_qk(x: torch.Tensor, fmt: str, four_over_six: bool = False) -> QKOperand:
-    """Q or K in `fmt` ("nvfp4", "fp8" or "bf16"); x is (B, H, S, D).
+def quantize_fp8_tiles(x: torch.Tensor, tile: int) -> QKOperand:
+    """FP8 e4m3 of x (B, H, S, D) with one scale per `tile` tokens of each (batch, head)
+    (`Recipe.k_scale="tile"`): `formats.quantize_fp8` of each tile's tile x D values as
+    one block (a tile past S holds only the tokens there), the scale repeated per token."""
+    B, H, S, D = x.shape
+    n = -(-S // tile)
+    xt = torch.nn.functional.pad(x, (0, 0, 0, n * tile - S)).reshape(B, H, n, tile * D)
+    q = quantize_fp8(xt, dim=-1, block=None, fmt="e4m3")  # data (B, H, n, 1, tile * D)
+    values = q.data.float().reshape(B, H, n * tile, D)[..., :S, :]
+    scale = q.scale.reshape(B, H, n, 1).repeat_interleave(tile, dim=2)[..., :S, :]
+    return QKOperand(values, scale)
+
+
+def quantize_qk(x: torch.Tensor, fmt: str, four_over_six: bool = False, tile: int = 0) -> QKOperand:
+    """Q or K in `fmt` ("nvfp4", "fp8" or "bf16"); x is (B, H, S, D). `tile`: FP8 with one
+    scale per `tile` tokens instead of per token (`quantize_fp8_tiles`).
 
     NVFP4 has one tensor scale per (batch, head) (`quantize_nvfp4(scale_dims=2)`): no
     item's values move another's codes. A head holding NaN or +-Inf gets the tensor
@@ -51,6 +65,8 @@ def quantize_qk(x: torch.Tensor, fmt: str, four_over_six: bool = False) -> QKOpe
         finite = torch.isfinite(x).flatten(2).all(-1).reshape(s_dec.shape)
         s_dec = torch.where(finite, s_dec, torch.full_like(s_dec, float("nan")))
         return QKOperand(from_blocks(q.block_values(), q.layout), s_dec, q)
+    if fmt == "fp8" and tile:
+        return quantize_fp8_tiles(x, tile)
     if fmt == "fp8":
         q = quantize_fp8(x, dim=-1, block=None, fmt="e4m3")  # one scale per token
         return QKOperand(q.data.float().squeeze(-2), q.scale, q)

@@ -35,6 +35,9 @@ class KernelOperands:
     # vt is a (B, H, D, S) view of rows padded with zero keys to a multiple of the
     # forward's key tile (`quantize_v_t(pad_keys_to=...)`): the kernel reads them unmasked
     vt_keys_padded: bool = False
+    # ks holds one value per key tile, repeated per key (`Recipe.k_scale="tile"`): the CUDA
+    # forward folds it into each row's factor once per tile
+    k_tile_scales: bool = False
 
 
 def qk_dtype(recipe: Recipe) -> torch.dtype:
@@ -44,15 +47,15 @@ def qk_dtype(recipe: Recipe) -> torch.dtype:
     return torch.float8_e4m3fn if recipe.fast_accum else torch.bfloat16
 
 
-def _qk(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    op = quantize_qk(x, recipe.qk)
+def _qk(x: torch.Tensor, recipe: Recipe, tile: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    op = quantize_qk(x, recipe.qk, tile=tile)
     values = op.values.to(qk_dtype(recipe))
     return values.contiguous(), op.scale.expand(*x.shape[:-1], 1).squeeze(-1).contiguous()
 
 
 def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe) -> KernelOperands:
     qv, qs = _qk(q, recipe)
-    kv, ks = _qk(k, recipe)
+    kv, ks = _qk(k, recipe, BLOCK_N if recipe.k_scale == "tile" else 0)
     if recipe.v == "fp8":
         vq = quantize_fp8(v, dim=-2, block=None, fmt="e4m3")  # data (B, H, D, 1, S)
         vt, vs = vq.data.squeeze(-2), vq.scale.squeeze(-1)
@@ -60,7 +63,8 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         values, c = quantize_v_mxfp4(v)
         vt = round_to_format(values * pow2(-c)[..., None, None], E4M3).to(torch.float8_e4m3fn).transpose(-1, -2)
         vs = pow2(c)[..., None].expand(*c.shape, v.shape[-1])
-    return KernelOperands(qv, kv, qs, ks, vt.contiguous(), vs.float().contiguous())
+    return KernelOperands(qv, kv, qs, ks, vt.contiguous(), vs.float().contiguous(),
+                          k_tile_scales=recipe.k_scale == "tile")
 
 
 def tma_loadable(ops: KernelOperands) -> bool:

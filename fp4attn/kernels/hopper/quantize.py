@@ -442,6 +442,22 @@ def _fp8_rows_kernel(X, Y, S_OUT, O, DOT, CAMAX, S, D: tl.constexpr, BLOCK_R: tl
 
 
 @triton.jit
+def _fp8_tiles_kernel(X, Y, S_OUT, S, D: tl.constexpr, TILE: tl.constexpr, HW_CVT: tl.constexpr):
+    """FP8 of X (G, S, D) with one scale per TILE rows (`reference.operands.quantize_fp8_tiles`):
+    a program per (tile, head), its TILE x D values one block of `_fp8_per_row`'s
+    arithmetic (amax over the whole tile; rows past S count as zeros), the scale stored
+    for each of its rows into S_OUT (G, S), the values as Y's dtype."""
+    g = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    ok = (rows < S)[:, None]
+    offs = (g * S + rows)[:, None] * D + tl.arange(0, D)[None, :]
+    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+    y, scale = _fp8_per_row(tl.reshape(x, [1, TILE * D]), 1, HW_CVT)
+    tl.store(Y + offs, tl.reshape(y, [TILE, D]).to(Y.dtype.element_ty), mask=ok)
+    tl.store(S_OUT + g * S + rows, tl.zeros([TILE], tl.float32) + scale, mask=rows < S)
+
+
+@triton.jit
 def _nvfp4_tensor_scales(AMAX):
     """(multiplier, decode scale, decode scale as the kernels read it) of an NVFP4
     tensor (one head) whose max |x| (float32 bits) is at AMAX, as `formats.nvfp4`
@@ -810,6 +826,19 @@ def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None, dtype
     return out
 
 
+def quantize_k_fp8_tiles(x: torch.Tensor, tile: int, dtype: torch.dtype = torch.float8_e4m3fn):
+    """FP8 of x (..., S, D) with one scale per `tile` tokens (`Recipe.k_scale="tile"`):
+    (e4m3 values as `dtype`, scales (..., S), each tile's repeated per token)."""
+    if dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        raise ValueError(f"quantize_k_fp8_tiles: dtype float8_e4m3fn or bfloat16, got {dtype}")
+    x3 = _heads(x)
+    G, S, D = x3.shape
+    y = torch.empty(x3.shape, device=x.device, dtype=dtype)
+    s = torch.empty((G, S), device=x.device, dtype=torch.float32)
+    _fp8_tiles_kernel[(_cdiv(S, tile), G)](x3, y, s, S, D=D, TILE=tile, HW_CVT=_hw_cvt(), num_warps=8)
+    return y.view(x.shape), s.view(x.shape[:-1])
+
+
 def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool = False, *,
                       mean: torch.Tensor | None = None, four_over_six: bool = False,
                       fallback: torch.Tensor | None = None, amax: torch.Tensor | None = None):
@@ -1121,6 +1150,7 @@ def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, re
     else:
         qk = quantize_qk_nvfp4
     qv, qs = qk(q)
-    kv, ks = qk(k)
+    tiles = recipe.k_scale == "tile"
+    kv, ks = quantize_k_fp8_tiles(k, BLOCK_N, qk_dtype(recipe)) if tiles else qk(k)
     vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=BLOCK_N)
-    return KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
+    return KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True, k_tile_scales=tiles)

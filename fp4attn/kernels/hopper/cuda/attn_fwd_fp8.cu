@@ -85,6 +85,11 @@
 // product (w = s); 2, also no row maximum (the reference point stays where the row started)
 #define AFFINE_ABLATE 0
 #endif
+#ifndef KEY_TILE_SCALE
+// FUSED_SOFTMAX only: 1, the key scales are one value per key tile (Recipe.k_scale="tile"):
+// folded into each row's factor once per tile, no product per score
+#define KEY_TILE_SCALE 0
+#endif
 #ifndef CONSUMERS
 #define CONSUMERS 2  // consumer warpgroups of 64 query rows; 3 fits the registers at HEAD_DIM 64 only
 #endif
@@ -503,11 +508,25 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
     // the max over w scaled once per row; one FMA per score into exp2; no row sums here
     // (the PV product returns them)
     float f[2];
+#if KEY_TILE_SCALE
+    // one K scale for the whole tile (key 0's: every key of a visited tile holds it), in the
+    // rows' factors: t = s * (a * b_tile), the key's product gone from every score
+    const float kb_tile = lds_f2(ks_tile).x;
+    const float ak[2] = {fmul_rn(a[0], kb_tile), fmul_rn(a[1], kb_tile)};
+#endif
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
         const int kk = 16 * (n & 7) + 4 * q + 2 * (n >> 3);
+#if KEY_TILE_SCALE && KEY_BIAS
+        const float2 bb = lds_f2(ks_tile + 4 * (STAGES * BLOCK_N + kk));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            s[4 * n + 2 * i] = fmaf(s[4 * n + 2 * i], ak[i], bb.x);
+            s[4 * n + 2 * i + 1] = fmaf(s[4 * n + 2 * i + 1], ak[i], bb.y);
+        }
+#elif KEY_TILE_SCALE
+#elif KEY_BIAS
         const float2 kb = lds_f2(ks_tile + 4 * kk);
-#if KEY_BIAS
         const float2 bb = lds_f2(ks_tile + 4 * (STAGES * BLOCK_N + kk));
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -515,6 +534,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
             s[4 * n + 2 * i + 1] = fmaf(fmul_rn(s[4 * n + 2 * i + 1], kb.y), a[i], bb.y);
         }
 #elif !(AFFINE_P && AFFINE_ABLATE >= 1)
+        const float2 kb = lds_f2(ks_tile + 4 * kk);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             s[4 * n + 2 * i] = fmul_rn(s[4 * n + 2 * i], kb.x);
@@ -526,7 +546,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
     float c[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+#if KEY_TILE_SCALE
+        f[i] = KEY_BIAS ? 1.0f : ak[i];
+#else
         f[i] = KEY_BIAS ? 1.0f : a[i];
+#endif
 #if AFFINE_P && AFFINE_ABLATE >= 2
         const float row_max = fmaxf(m[i], 0.0f);
 #else
