@@ -228,11 +228,12 @@ PRESETS: dict[str, Recipe] = {
         Recipe(qk="nvfp4", p="mxfp4", v="mxfp4", p_build="affine", name="directp-fast"),
         Recipe(qk="fp8", p="mxfp4", v="mxfp4", p_build="affine", name="fp8-directp-fast"),
         Recipe(qk="fp8", p="mxfp4", v="mxfp4", p_build="affine", fast_accum=True, name="fp8-directp-fast-fastacc"),
-        # (FP8 K with one scale per key tile: the CUDA forward then builds each FP8 P byte with
-        # one FMA and one max, no product by a key's own scale)
-        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", k_scale="tile", name="fp8-affine"),
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", name="fp8-affine"),
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", fast_accum=True, name="fp8-affine-fastacc"),
+        # and with FP8 K scaled per key tile: the CUDA forward then builds each FP8 P byte with
+        # one FMA and one max, no product by a key's own scale (docs/notes/affine-p.md)
         Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", k_scale="tile", fast_accum=True,
-               name="fp8-affine-fastacc"),
+               name="fp8-ktile-affine-fastacc"),
         # FP8 training for Hopper: per-token e4m3 Q/K (QK^T summed exactly: the kernels multiply
         # the e4m3 values on the bf16 tensor cores), FP8 P/V, e4m3 gradient products; trained
         # on the Hopper training kernels (their per-token-scale forms) and the reference

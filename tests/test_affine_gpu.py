@@ -17,7 +17,8 @@ from fp4attn.reference.masks import causal_offset
 
 pytestmark = pytest.mark.gpu
 
-AFFINE = ["fp8-affine", "fp8-affine-fastacc", "directp-fast", "fp8-directp-fast", "fp8-directp-fast-fastacc"]
+AFFINE = ["fp8-affine", "fp8-affine-fastacc", "directp-fast", "fp8-directp-fast", "fp8-directp-fast-fastacc",
+          "fp8-ktile-affine-fastacc"]
 
 
 @pytest.mark.parametrize("name", AFFINE)

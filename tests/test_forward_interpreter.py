@@ -92,6 +92,7 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
                                         ("fp8-fastacc", 64, 128, 130, "top_left"),
                                         # the affine builders (P modes 4 and 5)
                                         ("fp8-affine", 128, 100, 200, "bottom_right"),
+                                        ("fp8-ktile-affine-fastacc", 64, 128, 300, None),
                                         ("directp-fast", 64, 128, 256, None)):
             r = PRESETS[name]
             q = torch.randn(1, 2, sq, D, generator=g).bfloat16()

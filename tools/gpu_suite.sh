@@ -42,7 +42,7 @@ if run affine; then
   fi
   python3 -m fp4attn.cli.main bench --causal "${CAUSAL:-both}" \
     --shapes "${SHAPES:-8,16,4096,128;2,16,16384,128;1,24,32768,128;4,32,4096,128;16,16,2048,64;4,16,8192,64}" \
-    --recipes fp8-affine-fastacc,fp8-affine,fp8-fastacc,fp8,directp-fast,fp8-directp-fast,fp8-directp-fast-fastacc,directp,fp8-directp \
+    --recipes fp8-ktile-affine-fastacc,fp8-affine-fastacc,fp8-affine,fp8-fastacc,fp8,directp-fast,fp8-directp-fast,fp8-directp-fast-fastacc,directp,fp8-directp \
     --json "$OUT/h200-forward-affine-${CAUSAL:-both}.json" 2>&1 | grep -E "^\||geomean|cuDNN"
 fi
 if run forward; then
