@@ -452,8 +452,14 @@ def _fp8_tiles_kernel(X, Y, S_OUT, S, D: tl.constexpr, TILE: tl.constexpr, HW_CV
     ok = (rows < S)[:, None]
     offs = (g * S + rows)[:, None] * D + tl.arange(0, D)[None, :]
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-    y, scale = _fp8_per_row(tl.reshape(x, [1, TILE * D]), 1, HW_CVT)
-    tl.store(Y + offs, tl.reshape(y, [TILE, D]).to(Y.dtype.element_ty), mask=ok)
+    # `_fp8_per_row`'s arithmetic with the tile as the block: the maxima over both axes
+    bad = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    amax = tl.where(bad, float("nan"), amax)
+    scale, inv = fp8_scale_inv(amax)
+    scale = tl.where(bad | (amax == float("inf")), float("nan"), scale)
+    y = _e4m3_signed(x * inv, HW_CVT)
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
     tl.store(S_OUT + g * S + rows, tl.zeros([TILE], tl.float32) + scale, mask=rows < S)
 
 
