@@ -170,3 +170,27 @@ def test_k_tile_scales_are_one_fp8_block_per_tile():
         Recipe(qk="nvfp4", k_scale="tile")
     with pytest.raises(ValueError, match="k_scale"):
         Recipe(qk="fp8", k_scale="block")
+
+
+def test_hopper_op_keeps_every_numerics_field(monkeypatch):
+    """The Hopper forward's custom op rebuilds the recipe from its arguments: every field
+    that changes a number (here `k_scale`) must reach the quantizers, or the kernels would
+    run another recipe. The launch is stopped where the operands are made (no GPU)."""
+    pytest.importorskip("triton")
+    from fp4attn.kernels.hopper import forward_op
+
+    seen = []
+
+    def stop(q, k, v, recipe, **kw):
+        seen.append(recipe)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(forward_op, "prepare_operands_fused", stop)
+    x = torch.zeros(1, 1, 4, 64)
+    for name in ("fp8-ktile-affine-fastacc", "fp8-affine", "directp-fast"):
+        with pytest.raises(RuntimeError, match="stop"):
+            forward_op.hopper_attention(x, x, x, PRESETS[name], scale=0.125, causal_offset=None)
+        want = PRESETS[name]
+        got = seen[-1]
+        for field in ("qk", "p", "v", "p_build", "fast_accum", "k_scale", "block_n", "consistent_norm"):
+            assert getattr(got, field) == getattr(want, field), (name, field)

@@ -110,13 +110,13 @@ def _hopper_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str, fast_accum: bool,
     causal_offset: int, causal: bool, scale: float, write_p: int, key_bias: Optional[torch.Tensor],
     smooth_k: bool = False, four_over_six: bool = False, fallback_logit_std: float = 0.0, p_sink: bool = False,
-    p_sink_keys: int = 0, head_dim: int = 0,
+    p_sink_keys: int = 0, head_dim: int = 0, k_scale: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The robust fields the kernels apply (`HOPPER_ROBUST_FIELDS`): fallback_logit_std
     0 is no Q/K fallback; head_dim the caller's head dim where q and k are zero-padded
-    (0: theirs), which the fallback's statistic divides by."""
+    (0: theirs), which the fallback's statistic divides by; k_scale `Recipe.k_scale`."""
     recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum, smooth_k=smooth_k,
-                    qk_four_over_six=four_over_six, p_sink=p_sink, p_sink_keys=p_sink_keys,
+                    qk_four_over_six=four_over_six, p_sink=p_sink, p_sink_keys=p_sink_keys, k_scale=k_scale,
                     **(dict(qk_fallback="fp8", qk_fallback_logit_std=fallback_logit_std) if fallback_logit_std else {}))
     ops = prepare_operands_fused(q, k, v, recipe, scale=scale, head_dim=head_dim or None)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
@@ -125,7 +125,7 @@ def _hopper_attention_op(
 
 @_hopper_attention_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, write_p, key_bias, smooth_k=False,
-      four_over_six=False, fallback_logit_std=0.0, p_sink=False, p_sink_keys=0, head_dim=0):
+      four_over_six=False, fallback_logit_std=0.0, p_sink=False, p_sink_keys=0, head_dim=0, k_scale="token"):
     B, H, Sq, D = q.shape
     block_m = forward_launch(D, fast_accum, causal).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
@@ -148,4 +148,4 @@ def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: in
                                 causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias,
                                 recipe.smooth_k, recipe.qk_four_over_six,
                                 recipe.qk_fallback_logit_std if recipe.qk_fallback else 0.0, recipe.p_sink,
-                                recipe.p_sink_keys, head_dim or 0)
+                                recipe.p_sink_keys, head_dim or 0, recipe.k_scale)
