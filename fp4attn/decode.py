@@ -12,6 +12,7 @@ import torch
 from fp4attn import decode_routing
 from fp4attn.api import ReferenceFallbackWarning
 from fp4attn.kvcache import INPUT_DTYPES, KVCache
+from fp4attn.reference import robust
 from fp4attn.reference.decode import reference_decode
 
 log = logging.getLogger("fp4attn")
@@ -112,10 +113,15 @@ def decode(
     chosen, why = decode_routing.backend_for(q.device, cache.head_dim, backend)
     if k is not None:
         cache.append(k, v, counts)
+    out_dtype = q.dtype
+    if cache.rotate_k:  # q' . k' = block * (q . k): the scale divided by the block (exact)
+        q = robust.rotate(q)
+        s = s * robust.rotation_scale(cache.head_dim)
     if chosen == "triton":
         from fp4attn.kernels.hopper.decode_op import hopper_decode
 
         out, lse = hopper_decode(q, cache, scale=s, causal=causal, key_start=key_start)
+        out = out.to(out_dtype)
     else:
         if backend == "auto" and not torch.compiler.is_compiling():
             message = f"fp4attn.decode runs on the reference backend (pure PyTorch, far slower than the kernels): {why}"
@@ -123,5 +129,5 @@ def decode(
         kb, ks, vb, vs = cache.reference_operands()
         lengths = torch.tensor(cache.host_lengths, device=q.device)
         res = reference_decode(q, kb, ks, vb, vs, lengths, scale=s, causal=causal, key_start=key_start)
-        out, lse = res.out.to(q.dtype), res.lse
+        out, lse = res.out.to(out_dtype), res.lse
     return (out, lse) if return_lse else out

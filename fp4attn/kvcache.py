@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4attn import decode_routing
+from fp4attn.reference import robust
 from fp4attn.reference.kvcache import (
     CACHE_FORMATS,
     HEAD_DIM_MULTIPLE,
@@ -106,6 +107,12 @@ class KVCache:
             this many tokens.
         num_pages: the pool's pages in the paged layout (default: enough for every
             sequence at max_len).
+        rotate_k: store each key rotated along the head dim, H (s * k) (the Hadamard
+            rotation of `fp4attn.reference.robust`, stateless, so a growing cache can
+            apply it token by token); `fp4attn.decode` rotates the queries the same way
+            and divides the softmax scale by the rotation's block, so the scores are the
+            same in real arithmetic. It spreads a few large key channels over all of
+            them before the 4-bit blocks quantize them (docs/notes/decode.md).
 
     Lengths are kept on the device (`lengths`, int32 (batch,), what the kernels read)
     and on the host (`host_lengths`), so that appends are checked without waiting for
@@ -114,7 +121,7 @@ class KVCache:
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, max_len: int, *, k_format: str = "nvfp4",
                  v_format: str | None = None, device: torch.device | str = "cpu", page_size: int | None = None,
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, rotate_k: bool = False):
         _check_int("batch", batch, 1)
         _check_int("kv_heads", kv_heads, 1)
         _check_int("max_len", max_len, 1)
@@ -128,6 +135,7 @@ class KVCache:
         self.device = torch.device(device)
         self.batch, self.kv_heads, self.head_dim, self.max_len = batch, kv_heads, head_dim, max_len
         self.k_format, self.v_format = k_format, v_format
+        self.rotate_k = bool(rotate_k)
         if page_size is None:
             if num_pages is not None:
                 raise ValueError("KVCache: num_pages is for the paged layout; pass page_size too")
@@ -154,8 +162,9 @@ class KVCache:
     # ------------------------------------------------------------------ inspection
     def __repr__(self) -> str:
         layout = f"paged {self.num_pages} x {self.page_size}" if self.paged else "contiguous"
+        rot = ", rotate_k" if self.rotate_k else ""
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
-                f"max_len={self.max_len}, k={self.k_format}, v={self.v_format}, {layout}, device={self.device})")
+                f"max_len={self.max_len}, k={self.k_format}, v={self.v_format}{rot}, {layout}, device={self.device})")
 
     def bytes_per_token(self) -> int:
         """Bytes of K and V one token of one sequence takes, over all KV heads."""
@@ -185,6 +194,8 @@ class KVCache:
         if not any(counts):
             return
         new_pages = self._pages_for(counts)  # may raise: before anything is written
+        if self.rotate_k:
+            k = robust.rotate(k)
         starts = list(self.host_lengths)
         self._commit_pages(new_pages)
         backend = decode_routing.append_backend(self.device, self.head_dim)
@@ -364,8 +375,8 @@ class KVCache:
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) as the values they stand for, float32 (batch, kv_heads, N, head_dim),
-        zeros past each sequence's length: for tests and inspection (decode never
-        makes this copy)."""
+        zeros past each sequence's length (k rotated where `rotate_k`): for tests and
+        inspection (decode never makes this copy)."""
         kb, ks, vb, vs = self.reference_operands()
         return kb * ks[..., None], vb * vs[..., None]
 

@@ -150,3 +150,26 @@ def test_decode_names_a_bad_argument_and_leaves_the_cache_unchanged(make, messag
 def test_decode_needs_a_cache():
     with pytest.raises(TypeError, match="fp4attn.KVCache"):
         decode(torch.randn(1, 1, 1, 64), object())
+
+
+@pytest.mark.parametrize("fmt", ("bf16", "mxfp4"))
+def test_rotated_keys_give_the_same_attention(fmt):
+    """rotate_k stores H (s * k) and decode rotates q alike: the same scores in real
+    arithmetic (bf16 roundings of the rotated values aside)."""
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(2, 2, 40, 64, generator=g) for _ in range(2))
+    k[:, :, :, 7] *= 30.0  # a large key channel: what the rotation spreads out
+    q = torch.randn(2, 4, 2, 64, generator=g)
+    plain, rotated = (KVCache(2, 2, 64, 48, k_format=fmt, rotate_k=r) for r in (False, True))
+    for c in (plain, rotated):
+        c.append(k, v)
+    kk = k.repeat_interleave(2, 1).double()
+    vv = v.repeat_interleave(2, 1).double()
+    vis = visible_keys(torch.tensor([40, 40]), 2, 40, True)
+    s = (q.double() @ kk.transpose(-1, -2) / 8.0).masked_fill(~vis, -math.inf)
+    want = torch.softmax(s, -1) @ vv
+    errs = [float((decode(q, c).double() - want).norm() / want.norm()) for c in (plain, rotated)]
+    if fmt == "bf16":
+        assert errs[1] < 1e-2
+    else:  # MXFP4's 32-channel power-of-two blocks: the spread-out channel costs the others less
+        assert errs[1] < errs[0]

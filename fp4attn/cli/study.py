@@ -128,7 +128,9 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=["train"])
+    p.add_argument("what", choices=["train", "decode"],
+                   help="train: the loss curves; decode: a trained checkpoint's held-out loss through a quantized "
+                   "KV cache (fp4attn/cli/study_decode.py)")
     p.add_argument("--attn", default="sdpa,train,train-mxfp4pv", help="'sdpa' and/or fp4attn training recipes")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--seq", type=int, default=1024)
@@ -149,9 +151,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("results/study"))
+    p.add_argument("--checkpoint", type=Path, help="decode: the ckpt-<attention>.pt to evaluate")
+    p.add_argument("--formats", help="decode: K/V format pairs, 'nvfp4/fp8,mxfp4,...' (default: study_decode.PAIRS)")
+    p.add_argument("--decode-seq", type=int, help="decode: tokens per held-out window (default: the model's seq)")
 
 
 def main(args: argparse.Namespace) -> list[dict]:
+    if args.what == "decode":
+        from fp4attn.cli import study_decode
+
+        return study_decode.main(args)
     if args.parallel != "none" and (args.checkpoint_every or args.resume):
         raise SystemExit("checkpoints are single-process for now: drop --checkpoint-every/--resume with --parallel")
     if args.deterministic:
