@@ -41,6 +41,9 @@ class DecodeLaunch:
     stages: int  # the software pipeline's depth over key tiles
     programs_per_sm: int  # split-K aims at this many programs per SM (or fewer splits of >= min_split_tiles)
     min_split_tiles: int = 4  # a split holds at least this many tiles (the combine and setup amortized)
+    # dequantize by the inline-PTX bit placement (`decode_triton._fp4_asm`, `_fp8_asm`);
+    # False: by float arithmetic (the interpreter's path, and a check of the asm's values)
+    asm: bool = True
 
 
 # Chosen from the sm_90 machine code before the first H200 measurement

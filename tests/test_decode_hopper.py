@@ -136,6 +136,21 @@ def test_decode_matches_the_reference(case, causal):
     _check(got2, want, lse2, want_lse, (case, "many splits"))
 
 
+@pytest.mark.parametrize("fmt", ("fp8", "nvfp4", "mxfp4"))
+def test_the_asm_and_the_float_dequantization_agree(fmt):
+    """The inline-PTX bit placement and the float arithmetic make the same bf16 operands,
+    so the whole decode is bit-identical."""
+    cache = _filled(fmt, fmt, 2, 8, 128, (700, 130))
+    q = torch.randn(2, 32, 2, 128, device="cuda").bfloat16()
+    launch = decode_op.decode_routing.DEFAULT_LAUNCH
+    outs = [decode_op.hopper_decode(q, cache, scale=128**-0.5, causal=True,
+                                    launch=decode_op.decode_routing.DecodeLaunch(
+                                        launch.block_n, launch.warps, launch.stages, launch.programs_per_sm,
+                                        launch.min_split_tiles, asm))
+            for asm in (True, False)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_left_padding_and_rows_that_see_nothing():
     cache = _filled("nvfp4", "mxfp4", 3, 2, 128, (300, 300, 300))
     q = torch.randn(3, 8, 4, 128, device="cuda").bfloat16()

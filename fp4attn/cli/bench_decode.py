@@ -42,18 +42,22 @@ def parse_decode_shapes(spec: str) -> list[tuple[int, ...]]:
 
 
 def parse_launches(spec: str | None):
-    """Kernel launches "block_n,warps,stages[,programs_per_sm];..." to time beside the
-    routing table's (None: the table's only)."""
-    from fp4attn.decode_routing import DecodeLaunch, DEFAULT_LAUNCH
+    """Kernel launches "block_n,warps,stages[,programs_per_sm[,asm]];..." to time beside
+    the routing table's (None: the table's only); asm 0 dequantizes by float arithmetic."""
+    from fp4attn.decode_routing import DEFAULT_LAUNCH, DecodeLaunch
 
     if not spec:
         return []
     out = []
     for part in spec.split(";"):
-        vals = [int(x) for x in part.split(",")]
-        if len(vals) not in (3, 4):
-            raise ValueError(f"--launches {spec!r}: each launch is block_n,warps,stages[,programs_per_sm]")
-        out.append(DecodeLaunch(*vals[:3], vals[3] if len(vals) == 4 else DEFAULT_LAUNCH.programs_per_sm))
+        try:
+            vals = [int(x) for x in part.split(",")]
+        except ValueError:
+            vals = []
+        if len(vals) not in (3, 4, 5):
+            raise ValueError(f"--launches {spec!r}: each launch is block_n,warps,stages[,programs_per_sm[,asm]]")
+        pps = vals[3] if len(vals) > 3 else DEFAULT_LAUNCH.programs_per_sm
+        out.append(DecodeLaunch(*vals[:3], pps, DEFAULT_LAUNCH.min_split_tiles, bool(vals[4]) if len(vals) > 4 else True))
     return out
 
 
@@ -154,7 +158,7 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
             for launch in [None] + list(launches):
                 ms = time_ms(lambda: hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch))
                 name = "table" if launch is None else f"{launch.block_n},{launch.warps},{launch.stages}," \
-                    f"{launch.programs_per_sm}"
+                    f"{launch.programs_per_sm},{int(launch.asm)}"
                 timed.append(dict(impl=f"fp4attn-{fmt}", format=fmt, launch=name, ms=ms, bytes=cache_bytes,
                                   cos=cos_exact))
             # the append of one token per sequence (a step's write), on a copy at the same length

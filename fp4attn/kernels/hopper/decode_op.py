@@ -94,9 +94,10 @@ def _block_m(rows: int) -> int:
 def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, va: torch.Tensor,
                vs: torch.Tensor, vt: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                key_start: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int, kv_heads: int,
-               max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0,
-               stages: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_n, warps, stages: a launch other than the routing table's (0: the table's)."""
+               max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0, stages: int = 0,
+               programs_per_sm: int = 0, asm: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_n, warps, stages, programs_per_sm, asm (0/1): a launch other than the
+    routing table's (0, or -1 for asm: the table's)."""
     B, Hq, Sq, D = q.shape
     qb = q.to(torch.bfloat16).contiguous()
     group = Hq // kv_heads
@@ -105,7 +106,8 @@ def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Te
     row_blocks = triton.cdiv(rows, block_m)
     launch = decode_routing.decode_launch(k_fmt, v_fmt, D)
     launch = decode_routing.DecodeLaunch(block_n or launch.block_n, warps or launch.warps, stages or launch.stages,
-                                         launch.programs_per_sm, launch.min_split_tiles)
+                                         programs_per_sm or launch.programs_per_sm, launch.min_split_tiles,
+                                         launch.asm if asm < 0 else bool(asm))
     splits, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), B * kv_heads * row_blocks,
                                                      _sms(q.device))
     o_acc = torch.empty((splits, B, Hq, Sq, D), dtype=torch.float32, device=q.device)
@@ -116,7 +118,7 @@ def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Te
         qb.stride(0), qb.stride(1), qb.stride(2), kv_heads, page_size, table.stride(0), Sq, rows, split_tokens,
         scale * LOG2E,
         GROUP=group, D=D, K_FMT=FORMAT_CODES[k_fmt], V_FMT=FORMAT_CODES[v_fmt], BLOCK_M=block_m,
-        BLOCK_N=launch.block_n, CAUSAL=causal, HAS_START=key_start is not None, ASM=hw, HW=hw,
+        BLOCK_N=launch.block_n, CAUSAL=causal, HAS_START=key_start is not None, ASM=hw and launch.asm, HW=hw,
         ALIGNED=page_size % launch.block_n == 0, num_warps=launch.warps, num_stages=launch.stages)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
@@ -129,7 +131,7 @@ def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Te
 
 @_decode_op.register_fake
 def _(q, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len, scale,
-      causal, block_n=0, warps=0, stages=0):
+      causal, block_n=0, warps=0, stages=0, programs_per_sm=0, asm=-1):
     B, Hq, Sq, D = q.shape
     return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -141,6 +143,7 @@ def hopper_decode(q: torch.Tensor, cache, *, scale: float, causal: bool, key_sta
     measure one against another)."""
     ka, ks, kt = pool_tensors(cache.k, q)
     va, vs, vt = pool_tensors(cache.v, q)
-    extra = (launch.block_n, launch.warps, launch.stages) if launch is not None else (0, 0, 0)
+    extra = ((launch.block_n, launch.warps, launch.stages, launch.programs_per_sm, int(launch.asm))
+             if launch is not None else (0, 0, 0, 0, -1))
     return _decode_op(q, ka, ks, kt, va, vs, vt, cache.block_table, cache.lengths, key_start, cache.k_format,
                       cache.v_format, cache.page_size, cache.kv_heads, cache.max_length(), scale, causal, *extra)
