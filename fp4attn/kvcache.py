@@ -133,6 +133,10 @@ class KVCache:
             if fmt not in CACHE_FORMATS:
                 raise ValueError(f"KVCache: {name}={fmt!r}; accepted: {CACHE_FORMATS}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" names the current device; tensors made on it report "cuda:<index>", which
+            # the device checks of append and decode compare against
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.batch, self.kv_heads, self.head_dim, self.max_len = batch, kv_heads, head_dim, max_len
         self.k_format, self.v_format = k_format, v_format
         self.rotate_k = bool(rotate_k)
