@@ -64,6 +64,11 @@ FLOORS: dict[str, tuple[float, float]] = {
     "nvfp4-fp8": NVFP4_FP8, "nvfp4-fp8-robust": NVFP4_FP8, "train": NVFP4_FP8, "train-robust": NVFP4_FP8,
     "fp8-directp": FP8_DIRECTP, "fp8-directp-fastacc": FP8_DIRECTP,  # worst 0.97368, 0.2613
     "directp": DIRECTP, "directp-robust": DIRECTP, "train-mxfp4pv": DIRECTP,  # worst 0.95229, 0.4211
+    # the affine builders (reference/affine.py): the worst of about 750 draws each (at 2388610)
+    "fp8-affine": FP8, "fp8-affine-fastacc": FP8,  # worst 0.99653, 0.0846
+    "fp8-ktile-affine-fastacc": FP8,  # worst 0.99662, 0.0910
+    "directp-fast": DIRECTP,  # worst 0.93725, 0.4509
+    "fp8-directp-fast": DIRECTP, "fp8-directp-fast-fastacc": DIRECTP,  # worst 0.94882, 0.4209
 }
 # Per training recipe: cosine floor of each of dQ, dK, dV against float64 autograd of
 # exact attention: the worst of 1600 random draws of `attention_cases(min_sq=16,
