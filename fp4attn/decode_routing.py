@@ -17,6 +17,7 @@ tile or the split a key falls in (`reference/decode.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -46,16 +47,23 @@ class DecodeLaunch:
     asm: bool = True
 
 
-# Chosen from the sm_90 machine code before the first H200 measurement
-# (docs/notes/decode.md): 128-key tiles, 4 warps, 2 stages issue the fewest
-# instructions a key in the 4-bit loops without spilling (about 210 registers: two
-# programs an SM, each with a K and a V tile in flight, about 20 KB for NVFP4).
+# Chosen from the sm_90 machine code before any H200 measurement (tools/compile_check_decode.py,
+# docs/notes/decode.md): the fewest instructions a key and KV head in the unmasked tile
+# loop without spilling. Up to 8 rows a program (GQA group x new tokens) 128-key tiles
+# and 4 warps (about 210 registers: 38-41 warp instructions a key for the 4-bit and
+# fp8 formats); bf16 spilled there (255 registers, 48 bytes of stack) and takes 64-key
+# tiles. 16 rows: 64-key tiles (128 spilled 136 bytes). 32 and 64 rows: 8 warps.
 DEFAULT_LAUNCH = DecodeLaunch(block_n=128, warps=4, stages=2, programs_per_sm=4)
-DECODE_LAUNCH: dict[tuple[str, str, int], DecodeLaunch] = {}
+DECODE_LAUNCH: dict[tuple[str, str, int], DecodeLaunch] = {}  # (K format, V format, head dim): measured overrides
 
 
-def decode_launch(k_format: str, v_format: str, head_dim: int) -> DecodeLaunch:
-    return DECODE_LAUNCH.get((k_format, v_format, head_dim), DEFAULT_LAUNCH)
+def decode_launch(k_format: str, v_format: str, head_dim: int, block_m: int = MIN_BLOCK_M) -> DecodeLaunch:
+    """The split kernel's launch for these formats, head dim and rows a program."""
+    if (k_format, v_format, head_dim) in DECODE_LAUNCH:
+        return DECODE_LAUNCH[(k_format, v_format, head_dim)]
+    small_tile = block_m >= 16 or "bf16" in (k_format, v_format)
+    return dataclasses.replace(DEFAULT_LAUNCH, block_n=64 if small_tile else DEFAULT_LAUNCH.block_n,
+                               warps=8 if block_m >= 32 else DEFAULT_LAUNCH.warps)
 
 
 def split_plan(launch: DecodeLaunch, max_len: int, programs: int, sms: int) -> tuple[int, int]:

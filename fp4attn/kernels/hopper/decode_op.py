@@ -104,7 +104,7 @@ def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Te
     rows = group * Sq
     block_m = _block_m(rows)
     row_blocks = triton.cdiv(rows, block_m)
-    launch = decode_routing.decode_launch(k_fmt, v_fmt, D)
+    launch = decode_routing.decode_launch(k_fmt, v_fmt, D, block_m)
     launch = decode_routing.DecodeLaunch(block_n or launch.block_n, warps or launch.warps, stages or launch.stages,
                                          programs_per_sm or launch.programs_per_sm, launch.min_split_tiles,
                                          launch.asm if asm < 0 else bool(asm))
