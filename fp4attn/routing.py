@@ -293,6 +293,14 @@ BLACKWELL_FORWARD_LAUNCH: dict[tuple[int, bool, bool], BlackwellLaunch] = {
     (d, causal, key_mask): BlackwellLaunch() for d in (64, 128) for causal in (False, True) for key_mask in (False, True)
 }
 SERIAL_BLACKWELL_LAUNCH = BlackwellLaunch(warps=8, stages=2, pipelined=False)
+# the serial kernel with a key mask at D=128: one stage (with two, nvfp4-fp8 causal spilled
+# 60 bytes)
+SERIAL_BLACKWELL_LAUNCH_KEY_MASK_128 = BlackwellLaunch(warps=8, stages=1, pipelined=False)
+# (P, P build, head dim) whose pipelined build spills, run on the serial kernel instead:
+# affine MXFP4 P at D=128 spills 648 bytes in the correction partition (88 registers a
+# thread; Triton 3.6 passes it alpha already broadcast and it loads both halves of O
+# before storing either), its serial build none (`fp4attn compile-report`)
+BLACKWELL_SERIAL_BUILDS = {("mxfp4", "affine", 128)}
 
 _BLACKWELL_OVERRIDE: contextvars.ContextVar[BlackwellLaunch | None] = contextvars.ContextVar("blackwell_launch",
                                                                                             default=None)
@@ -312,9 +320,16 @@ def override_blackwell_launch(launch: BlackwellLaunch) -> Iterator[None]:
         _BLACKWELL_OVERRIDE.reset(token)
 
 
-def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False) -> BlackwellLaunch:
-    """The Blackwell forward's launch for this kernel head dim and masking."""
-    return _BLACKWELL_OVERRIDE.get() or BLACKWELL_FORWARD_LAUNCH[head_dim, causal, key_mask]
+def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False, p: str = "fp8",
+                             p_build: str = "exp2") -> BlackwellLaunch:
+    """The Blackwell forward's launch for this kernel head dim, masking and P (format and
+    builder: `BLACKWELL_SERIAL_BUILDS` run the serial kernel)."""
+    override = _BLACKWELL_OVERRIDE.get()
+    if override is not None:
+        return override
+    if (p, p_build, head_dim) in BLACKWELL_SERIAL_BUILDS:
+        return SERIAL_BLACKWELL_LAUNCH_KEY_MASK_128 if key_mask and head_dim == 128 else SERIAL_BLACKWELL_LAUNCH
+    return BLACKWELL_FORWARD_LAUNCH[head_dim, causal, key_mask]
 
 
 # The Hopper backward's Triton kernels at their Blackwell launch (`kernels.blackwell.
@@ -501,21 +516,27 @@ BLACKWELL_TARGETS = ("sm_100", "sm_103")
 # `robust_qk`); K smoothing and 4/6 scales also in training (the saved NVFP4 payload)
 BLACKWELL_FORWARD_ROBUST_FIELDS = ("smooth_k", "rotate_qk", "qk_four_over_six")
 
-# the Blackwell forward's (P, P build, V): MXFP4 P by Direct-P with MXFP4 V on the FP4
-# tensor cores, or FP8 P from exp2 with FP8 V on the FP8 tensor cores
-BLACKWELL_PV = (("mxfp4", "directp", "mxfp4"), ("fp8", "exp2", "fp8"))
+# the Blackwell forward's (P, P build, V): MXFP4 P by Direct-P or by the affine map with
+# MXFP4 V on the FP4 tensor cores, or FP8 P from exp2 or the affine map with FP8 V on
+# the FP8 tensor cores (the P_AFFINE constexpr)
+BLACKWELL_PV = (("mxfp4", "directp", "mxfp4"), ("mxfp4", "affine", "mxfp4"), ("fp8", "exp2", "fp8"),
+                ("fp8", "affine", "fp8"))
 
 
 def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "none") -> str | None:
     """Why the Blackwell forward cannot run `recipe` at `head_dim` with this mask kind
     ("none", "key"; see `KernelFamily`), or None."""
-    launch = blackwell_forward_launch(kernel_head_dim(head_dim) or 0, False, mask == "key") \
-        if kernel_head_dim(head_dim) else None
-    if mask == "key" and recipe.qk == "fp8" and kernel_head_dim(head_dim) == 128 and not launch.pipelined:
+    dk = kernel_head_dim(head_dim)
+    serial = dk is not None and not blackwell_forward_launch(dk, False, mask == "key", recipe.p,
+                                                             recipe.p_build).pipelined
+    if serial and recipe.qk == "fp8" and dk == 128 and mask == "key":
         # the serial kernel's sm_100a builds spill (255 registers; 340 bytes with FP8 P,
         # 276 with Direct-P): a thread holds its row's 64 keys of the key bias beside
         # their per-token key scales, the S tile and the output accumulator
         return "a key mask with FP8 Q/K at head_dim 128 (the Blackwell build would spill registers)"
+    if serial and recipe.qk == "fp8" and dk == 128 and (recipe.p, recipe.p_build) == ("mxfp4", "affine"):
+        # its serial causal build spills 284 bytes (the pipelined one 648, any mask)
+        return "FP8 Q/K with affine MXFP4 P at head_dim 128 (the Blackwell build would spill registers)"
     robust = robust_unsupported_reason(recipe, BLACKWELL_FORWARD_ROBUST_FIELDS)
     if robust is not None:
         return robust
@@ -559,9 +580,11 @@ def _blackwell_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: s
 def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
                               on_cuda: bool = True) -> str:
     qk = "NVFP4 QK^T (kind::mxf4nvf4)" if recipe.qk == "nvfp4" else "FP8 QK^T (kind::f8f6f4)"
-    pv = "Direct-P MXFP4 PV (kind::mxf4)" if recipe.p == "mxfp4" else "FP8 PV (kind::f8f6f4)"
+    build = {"directp": "Direct-P", "affine": "affine", "exp2": "exp2"}[recipe.p_build]
+    pv = f"{build} MXFP4 PV (kind::mxf4)" if recipe.p == "mxfp4" else f"{build} FP8 PV (kind::f8f6f4)"
     dk = kernel_head_dim(head_dim)
-    serial = dk is not None and not blackwell_forward_launch(dk, causal, mask == "key").pipelined
+    serial = dk is not None and not blackwell_forward_launch(dk, causal, mask == "key", recipe.p,
+                                                             recipe.p_build).pipelined
     return f"blackwell.forward_triton ({'serial' if serial else 'pipelined'}, {qk}, {pv})"
 
 

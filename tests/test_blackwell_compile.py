@@ -1,8 +1,10 @@
 """The Blackwell kernels compile for sm_100a on a machine without a GPU, as routed, and
 their machine code has the structure the design relies on: every NVFP4/MXFP4 product a
 block-scaled FP4 tensor-core MMA, no register spills, tensor memory within its 512
-columns, Direct-P's E2M1 pairs packed by the hardware conversion and no exponential per
-P element (`fp4attn compile-report` prints the same records)."""
+columns, the pipelined builds warp-specialized into their three partitions, Direct-P's
+E2M1 pairs packed by the hardware conversion, no exponential per P element where P is
+not built by exp2, and the cost model calibrated within 25% (`fp4attn compile-report`
+prints the same records; each build compiles once per test session)."""
 
 import pytest
 
@@ -17,23 +19,38 @@ def records():
     largest build (D=128, causal)."""
     recs = compile_report.records("sm_100a", key_bias=False, backward=False)
     masked = [e for e in compile_report.routed_builds(key_bias=True)
-              if e["key_bias"] and e["head_dim"] == 128 and e["causal"] and e["recipe"] in ("directp", "nvfp4-fp8")]
+              if e["key_bias"] and e["head_dim"] == 128 and e["causal"]
+              and e["recipe"] in ("directp", "nvfp4-fp8", "fp8", "directp-fast")]
     for e in masked:
-        rec = compile_report.build_report(e["qk_fp4"], e["pv_fp4"], True, 128, True, "sm_100a")
+        rec = compile_report.build_report(e["qk_fp4"], e["pv_fp4"], e["p_affine"], True, 128, True, "sm_100a")
         recs.append({**e, **rec, "fp4_block_scaled": compile_report.fp4_products_ok(e, rec)})
     return recs
 
 
 def test_every_recipe_family_is_routed_and_built(records):
-    built = {(r["qk_fp4"], r["pv_fp4"]) for r in records}
-    assert built == {(True, True), (True, False), (False, True), (False, False)}
-    assert {"directp", "nvfp4-fp8", "fp8-directp", "fp8"} <= {r["recipe"] for r in records}
+    built = {(r["qk_fp4"], r["pv_fp4"], r["p_affine"]) for r in records}
+    assert built == {(True, True, False), (True, False, False), (False, True, False), (False, False, False),
+                     (True, True, True), (False, True, True), (False, False, True)}, built
+    assert {"directp", "nvfp4-fp8", "fp8-directp", "fp8", "directp-fast", "fp8-affine", "train"} <= {
+        r["recipe"] for r in records}
 
 
 def test_no_spills_and_tensor_memory_within_512_columns(records):
     bad = [(r["recipe"], r["head_dim"], r["causal"], r["key_bias"], r["spill_bytes"], r["tmem_columns"])
            for r in records if r["spill_bytes"] or not 0 < r["tmem_columns"] <= 512]
     assert not bad, bad
+
+
+def test_routed_builds_are_pipelined_where_the_routing_says(records):
+    """The routing's pipelined launches build warp-specialized kernels whose load/MMA,
+    softmax and correction partitions the cost model finds; only affine MXFP4 P at D=128
+    runs the serial kernel (its pipelined build spills)."""
+    for r in records:
+        serial = r["pv_fp4"] and r["p_affine"] and r["head_dim"] == 128
+        assert r["pipelined"] is not serial, (r["recipe"], r["head_dim"], r["causal"])
+        if r["pipelined"]:
+            parts = r["prediction"]["partitions"]
+            assert set(parts) == {"mma", "softmax", "correction"} and parts["softmax"]["warps"] == 4, parts
 
 
 def test_fp4_products_are_block_scaled_fp4_mmas(records):
@@ -50,18 +67,38 @@ def test_fp4_products_are_block_scaled_fp4_mmas(records):
             assert "kind::f8f6f4" in kinds, (r["recipe"], kinds)
 
 
-def test_directp_packs_by_the_hardware_conversion_and_takes_no_exp_per_element(records):
+def test_p_builders_in_the_machine_code(records):
     """Direct-P tiles: one cvt.rn.satfinite.e2m1x2.f32 per pair of P elements (64 per
-    thread and 128x128 tile at 8 warps, in each of the two tile loops), and the only
-    exps are per row (alpha): 2 per row and tile against one per element for FP8 P."""
+    thread and 128-key tile); affine MXFP4 P packs its codes with integer arithmetic (no
+    conversion); neither Direct-P nor the affine builders take an exp per element (the
+    only MUFU work is per row, alpha: at most 2 per row and tile), FP8 P from exp2 one
+    per element."""
     for r in records:
-        pred = r["prediction"]
-        if r["pv_fp4"]:
-            assert r["e2m1_cvt"] >= 64, r["recipe"]
-            assert pred["mufu_per_tile"] <= 2 * r["block_m"], (r["recipe"], pred)
+        pred, where = r["prediction"], (r["recipe"], r["head_dim"], r["causal"])
+        exp2_p = not r["pv_fp4"] and not r["p_affine"]
+        assert (r["e2m1_cvt"] >= 64) == (r["pv_fp4"] and not r["p_affine"]), where
+        if exp2_p:
+            assert pred["mufu_per_tile"] >= r["block_m"] * 128, (where, pred["mufu_per_tile"])
         else:
-            assert r["e2m1_cvt"] == 0
-            assert pred["mufu_per_tile"] >= r["block_m"] * 128, (r["recipe"], pred)
+            assert pred["mufu_per_tile"] <= 2 * r["block_m"], (where, pred["mufu_per_tile"])
+
+
+def test_affine_p_builds_fewer_instructions_than_direct_p(records):
+    """The softmax partition's instructions per score, pipelined at D=64 (where both
+    are): the affine classifier (directp-fast) at most half of Direct-P's exact one."""
+    ipe = {(r["recipe"], r["causal"]): r["prediction"]["instructions_per_element"]
+           for r in records if r["head_dim"] == 64 and not r["key_bias"]}
+    for causal in (False, True):
+        assert ipe["directp-fast", causal] <= 0.5 * ipe["directp", causal], ipe
+
+
+def test_cost_model_is_calibrated_within_25_percent():
+    """The model's raw figure for the BF16 build of the same pipeline against
+    FlashAttention-4's measured 1613 TFLOP/s (B200, D=128): within 25% (the issue's
+    bar; measured -9.5% with Triton 3.6), and the build is the pipelined kind::f16 one."""
+    cal = compile_report.calibration_report()
+    assert cal["pipelined"] and cal["spill_bytes"] == 0 and cal["mma_kinds"] == ["tcgen05.mma.cta_group::1.kind::f16"]
+    assert abs(cal["model_error"]) <= 0.25, cal["model_error"]
 
 
 def test_training_backward_builds_for_sm100_without_spills():

@@ -71,6 +71,7 @@ FORWARD = BLACKWELL_PATCHES + textwrap.dedent('''
 
     g = torch.Generator().manual_seed(1)
     CASES = (  # recipe, B, Hq, Hkv, Sq, Sk, D, causal, key mask
+        # @cases
         ("directp", 1, 4, 2, 100, 200, 64, None, False),
         ("directp", 2, 2, 1, 130, 77, 128, "bottom_right", True),
         ("nvfp4-fp8", 1, 2, 2, 129, 300, 64, "top_left", False),
@@ -80,6 +81,7 @@ FORWARD = BLACKWELL_PATCHES + textwrap.dedent('''
         ("train-mxfp4pv", 1, 2, 1, 96, 96, 64, "top_left", False),
         ("train-robust", 1, 2, 1, 80, 100, 64, None, False),  # K smoothing, 4/6 scales
         (PRESETS["directp"].with_(rotate_qk="hadamard", smooth_k=True), 1, 2, 2, 64, 70, 128, "bottom_right", True),
+        # @end
     )
     for name, B, HQ, HKV, sq, sk, D, causal, masked in CASES:
         r = PRESETS[name] if isinstance(name, str) else name
@@ -116,6 +118,7 @@ FORWARD = BLACKWELL_PATCHES + textwrap.dedent('''
         # a score that float32 summation order moves across a threshold of P changes one
         # code, and its row's LSE by up to about 0.1: a few such entries are allowed
         assert same_p >= 0.999 and close >= 0.99 and float(lse_err.max()) < 0.2 and within >= 0.999, r
+    # @stop
 
     # the op's fake implementation (torch.compile traces it) gives the real op's shapes
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -130,11 +133,91 @@ FORWARD = BLACKWELL_PATCHES + textwrap.dedent('''
 ''')
 
 
+# the affine P builders (reference/affine.py) on the same checks: directp-fast pipelined
+# (D=64) and serial (D=128), FP8 Q/K with affine MXFP4 P, and affine FP8 P
+AFFINE_CASES = """
+    ("directp-fast", 2, 2, 1, 100, 150, 64, "bottom_right", True),
+    ("directp-fast", 1, 2, 2, 70, 130, 128, None, False),
+    ("fp8-directp-fast", 1, 2, 1, 90, 140, 64, "top_left", False),
+    ("fp8-affine", 2, 2, 1, 64, 100, 64, None, True),
+    ("fp8-affine", 1, 2, 1, 80, 90, 128, "bottom_right", False),
+"""
+
+
+def _forward_with_cases(cases: str) -> str:
+    """FORWARD's case loop (its checks, without what follows it) over other cases."""
+    head, rest = FORWARD.split("# @cases\n")
+    body = rest.split("# @end\n")[1].split("# @stop\n")[0]
+    return head.rstrip(" ") + cases.lstrip("\n") + "    # @end\n" + body + 'print("ok")\n'
+
+
+AFFINE = _forward_with_cases(AFFINE_CASES)
+
+
+def test_blackwell_affine_p_matches_reference_under_the_interpreter():
+    """The affine builders' P tiles equal the reference's (`reference.affine`) on >=
+    99.9% of entries, LSE and output as the exact recipes' (the serial kernel for
+    affine MXFP4 P at D=128, the pipelined one elsewhere)."""
+    run_under_interpreter(AFFINE)
+
+
+SERIAL = BLACKWELL_PATCHES + textwrap.dedent('''
+    import os
+
+    os.environ["FP4ATTN_TARGET"] = "sm_100"
+
+    import fp4attn
+    from fp4attn.kernels.blackwell.forward_op import blackwell_attention
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference import reference_forward
+    from fp4attn.reference.forward import key_bias_of_mask
+    from fp4attn.reference.masks import causal_offset
+
+    g = torch.Generator().manual_seed(4)
+    # the serial kernel (one program's warps doing every step in turn), kept for
+    # comparison: on the interpreter its float32 additions are the pipelined kernel's
+    # (acc * alpha + P.V either way), so outputs, LSE and P tiles agree bit for bit
+    from fp4attn.routing import SERIAL_BLACKWELL_LAUNCH, override_blackwell_launch
+
+    for name, causal, masked in (("directp", "bottom_right", True), ("fp8", None, False)):
+        r = PRESETS[name]
+        B, sq, sk, D = 2, 130, 150, 64
+        q = torch.randn(B, 2, sq, D, generator=g).bfloat16()
+        k, v = (torch.randn(B, 1, sk, D, generator=g).bfloat16() for _ in range(2))
+        key_bias = None
+        if masked:
+            mask = torch.ones(B, 1, 1, sk, dtype=torch.bool)
+            mask[1, ..., 100:] = False
+            key_bias = key_bias_of_mask(mask, B, sk)
+        kw = dict(scale=D**-0.5, causal_offset=causal_offset(causal, sq, sk), key_bias=key_bias, write_p=True)
+        piped = blackwell_attention(q, k, v, r, **kw)
+        with override_blackwell_launch(SERIAL_BLACKWELL_LAUNCH):
+            assert "serial" in fp4attn.explain(q, k, v, recipe=r, causal=causal or False, enable_gqa=True)["kernel"]
+            serial = blackwell_attention(q, k, v, r, **kw)
+        assert "pipelined" in fp4attn.explain(q, k, v, recipe=r, causal=causal or False, enable_gqa=True)["kernel"]
+        for a, b in zip(piped, serial):  # bf16 compared by its bits, NaN equal to NaN
+            a, b = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x for x in (a, b))
+            nan = torch.isnan(a) if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+            assert torch.equal(nan, torch.isnan(b) if b.is_floating_point() else nan), name
+            assert torch.equal(a[~nan], b[~nan]), name
+
+    print("ok")
+''')
+
+
+def test_serial_kernel_equals_the_pipelined_one_under_the_interpreter():
+    """The serial kernel (one program's warps doing every step in turn, kept for
+    comparison and where the pipelined build spills) gives the pipelined kernel's
+    outputs, LSE and P tiles bit for bit (key mask, causal, GQA)."""
+    run_under_interpreter(SERIAL)
+
+
 def test_blackwell_forward_matches_reference_under_the_interpreter():
-    """P tiles equal the reference's on >= 99.9% of entries, the LSE within 1e-5 on
-    >= 99% of rows (measured: every row within 1e-6), the bf16 output within half a bf16
-    ulp (plus float32 summation order) on >= 99.9% of entries; fully masked rows (Sq >
-    Sk bottom-right, key padding) have LSE -inf and output 0 as the reference."""
+    """The routed (pipelined) kernel: P tiles equal the reference's on >= 99.9% of
+    entries, the LSE within 1e-5 on >= 99% of rows (measured: every row within 1e-6),
+    the bf16 output within half a bf16 ulp (plus float32 summation order) on >= 99.9% of
+    entries; fully masked rows (Sq > Sk bottom-right, key padding) have LSE -inf and
+    output 0 as the reference."""
     run_under_interpreter(FORWARD)
 
 
@@ -250,12 +333,12 @@ NONFINITE = BLACKWELL_PATCHES + textwrap.dedent('''
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 1, 40, 64, generator=g).bfloat16() for _ in range(3))
-    for name in ("directp", "fp8"):
+    for name in ("directp", "fp8", "directp-fast"):
         base, base_lse = fp4attn.attention(q, k, v, recipe=name, backend="triton", return_lse=True)
         for where, value in (("q", float("nan")), ("k", float("nan")), ("q", float("inf")), ("q", 3e38)):
             args = {"q": q.clone(), "k": k.clone(), "v": v}
             args[where][1, 0, 5, 3] = value  # batch item 1, token 5
-            out, lse = fp4attn.attention(**args, recipe=name, backend="triton", return_lse=True)
+            out, lse = fp4attn.attention(*args.values(), recipe=name, backend="triton", return_lse=True)
             ref = reference_forward(*args.values(), PRESETS[name], scale=0.125)
             assert torch.equal(torch.isnan(out), torch.isnan(ref.out)), (name, where, value)
             assert torch.equal(torch.isnan(lse), torch.isnan(ref.lse)), (name, where, value)

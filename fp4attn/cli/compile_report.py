@@ -2,8 +2,11 @@
 GB200), sm_103a (B300) or sm_120a (consumer Blackwell, not routed) on this machine, no
 GPU needed, and report what each build uses: registers and spills (ptxas-blackwell -v),
 shared memory and tensor-memory columns (the compiler's metadata), the tensor-core
-instruction kinds in its PTX, and a predicted B200 ceiling per key tile from its machine
-code (`tools.machine_code_sm100.predict_tile`: a prediction, not a measurement)."""
+instruction kinds in its PTX, whether it is pipelined (warp-specialized), and a B200
+prediction from its machine code (`tools.cost_model_sm100`: per partition its issue per
+tile, the tensor-core and MUFU time, the overlap the schedule allows; calibrated on the
+BF16 build of the same pipeline against FlashAttention-4's measured BF16 forward, whose
+record the report carries). Predictions, not measurements."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from fp4attn.recipes import PRESETS
 from fp4attn.routing import (
     KEY_TILE,
     P_MODES,
+    SERIAL_BLACKWELL_LAUNCH,
+    BlackwellLaunch,
     blackwell_forward_launch,
     blackwell_forward_unsupported,
     blackwell_train_unsupported,
@@ -25,9 +30,13 @@ HEAD_DIMS = (64, 128)
 FP4_MMA = "block_scale"  # every NVFP4/MXFP4 product must be a block-scaled FP4 tcgen05.mma (or mma.sync on sm_120a)
 
 
+def _p_builder(recipe) -> str:
+    return recipe.p_build if recipe.p == "mxfp4" else ("affine" if recipe.p_build == "affine" else "exp2")
+
+
 def routed_builds(key_bias: bool = True) -> list[dict]:
     """One entry per routed (recipe, head dim, causal, key bias) of the Blackwell
-    forward, with the kernel build that runs it (QK_FP4, PV_FP4)."""
+    forward, with the kernel build that runs it (QK_FP4, PV_FP4, P_AFFINE)."""
     out = []
     for name, r in PRESETS.items():
         for d in HEAD_DIMS:
@@ -36,27 +45,59 @@ def routed_builds(key_bias: bool = True) -> list[dict]:
                     if blackwell_forward_unsupported(r, d, "key" if kb else "none") is not None:
                         continue
                     out.append(dict(kernel="blackwell.forward_triton", recipe=name, head_dim=d, causal=causal,
-                                    key_bias=kb, qk_fp4=r.qk == "nvfp4", pv_fp4=r.p == "mxfp4"))
+                                    key_bias=kb, qk_fp4=r.qk == "nvfp4", pv_fp4=r.p == "mxfp4",
+                                    p_affine=r.p_build == "affine"))
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def build_report(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, key_bias: bool, arch: str) -> dict:
-    """Compile one build at its routed launch and read its machine code."""
-    from fp4attn.tools.machine_code_sm100 import compile_forward, inspect, predict_tile
+def _launch(pv_fp4: bool, p_affine: bool, causal: bool, head_dim: int, key_bias: bool):
+    p = "mxfp4" if pv_fp4 else "fp8"
+    return blackwell_forward_launch(head_dim, causal, key_bias, p, "affine" if p_affine else
+                                    "directp" if pv_fp4 else "exp2")
 
-    launch = blackwell_forward_launch(head_dim, causal, key_bias)
+
+@functools.lru_cache(maxsize=None)
+def build_report(qk_fp4: bool, pv_fp4: bool, p_affine: bool, causal: bool, head_dim: int, key_bias: bool,
+                 arch: str, launch=None, bf16: bool = False) -> dict:
+    """Compile one build at its routed launch (or `launch`) and read its machine code;
+    on sm_100a with the cost model's prediction, calibrated (`calibration_report`)."""
+    from fp4attn.tools.cost_model_sm100 import calibrate, predict
+    from fp4attn.tools.machine_code_sm100 import compile_forward, inspect
+
+    launch = launch or _launch(pv_fp4, p_affine, causal, head_dim, key_bias)
     kernel = compile_forward(qk_fp4, pv_fp4, causal, head_dim, arch=arch, block_m=launch.block_m,
-                             block_n=KEY_TILE, num_warps=launch.warps, num_stages=launch.stages, key_bias=key_bias)
+                             block_n=KEY_TILE, num_warps=launch.warps, num_stages=launch.stages, key_bias=key_bias,
+                             pipelined=launch.pipelined, p_affine=p_affine, bf16=bf16)
     rep = inspect(kernel, arch)
     rec = dict(registers=rep.registers, spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes,
                tmem_columns=rep.tmem_columns, mma_kinds=rep.mma_kinds,
                e2m1_cvt=rep.ptx.count("cvt.rn.satfinite.e2m1x2.f32"),
-               block_m=launch.block_m, warps=launch.warps, stages=launch.stages)
+               block_m=launch.block_m, warps=launch.warps, stages=launch.stages, pipelined=rep.pipelined)
     if arch == "sm_100a":  # the B200 model reads the SASS
-        rec["prediction"] = predict_tile(rep, qk_fp4=qk_fp4, pv_fp4=pv_fp4, head_dim=head_dim,
-                                         block_m=launch.block_m, block_n=KEY_TILE, warps=launch.warps)
+        kinds = ("bf16", "bf16") if bf16 else ("fp4" if qk_fp4 else "fp8", "fp4" if pv_fp4 else "fp8")
+        pred = predict(rep, qk=kinds[0], pv=kinds[1], head_dim=head_dim, block_m=launch.block_m, block_n=KEY_TILE)
+        rec["prediction"] = pred if bf16 else calibrate(pred, calibration_report()["prediction"])
     return rec
+
+
+# the calibration build: the bf16 form of the pipelined kernel (Q, K, V, P in bf16,
+# kind::f16) at D=128, non-causal, FlashAttention-4's measured case; two stages (with
+# three its load partition spills 112 bytes)
+CALIBRATION_LAUNCH = BlackwellLaunch(warps=4, stages=2, pipelined=True)
+
+
+@functools.lru_cache(maxsize=1)
+def calibration_report() -> dict:
+    """The cost model on the BF16 build of the same pipeline against FlashAttention-4's
+    BF16 forward (`tools.cost_model_sm100.FA4_BF16_TFLOPS`): its record, with the raw
+    model's error there."""
+    from fp4attn.tools.cost_model_sm100 import FA4_BF16_TFLOPS
+
+    rec = build_report(False, False, False, False, 128, False, "sm_100a", CALIBRATION_LAUNCH, bf16=True)
+    model = rec["prediction"]["ceiling_tflops"]
+    return {"kernel": "blackwell.forward_triton (bf16, the calibration build)", "recipe": "bf16", "head_dim": 128,
+            "causal": False, "key_bias": False, "arch": "sm_100a", **rec,
+            "fa4_bf16_measured_tflops": FA4_BF16_TFLOPS, "model_error": round(model / FA4_BF16_TFLOPS - 1, 3)}
 
 
 def routed_backward_builds() -> list[dict]:
@@ -107,18 +148,30 @@ def fp4_products_ok(entry: dict, rec: dict) -> bool:
     return ok
 
 
-def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True) -> list[dict]:
-    """compile-report's records: one per routed build, with its machine-code figures.
+def comparison_builds() -> list[dict]:
+    """The serial kernel's D=128 non-causal builds of the four exact recipe families, not
+    routed where the pipelined one is: the schedule's effect in the model."""
+    return [dict(kernel="blackwell.forward_triton (serial, for comparison)", recipe=name, head_dim=128, causal=False,
+                 key_bias=False, qk_fp4=r.qk == "nvfp4", pv_fp4=r.p == "mxfp4", p_affine=False)
+            for name, r in PRESETS.items() if name in ("directp", "nvfp4-fp8", "fp8-directp", "fp8")]
+
+
+def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True, comparison: bool = False) -> list[dict]:
+    """compile-report's records: one per routed build, with its machine-code figures
+    (and `comparison`: the serial builds of `comparison_builds`, `routed` False).
     The training backward's records have `fp4_block_scaled` None: its S^T rebuild is a
     bf16 product of the NVFP4 grid values (exact; kind::f16), its gradient products
     FP8 (docs/notes/blackwell.md)."""
     out = []
     for e in routed_builds(key_bias):
-        rec = build_report(e["qk_fp4"], e["pv_fp4"], e["causal"], e["head_dim"], e["key_bias"], arch)
-        out.append({**e, "arch": arch, **rec, "fp4_block_scaled": fp4_products_ok(e, rec)})
+        rec = build_report(e["qk_fp4"], e["pv_fp4"], e["p_affine"], e["causal"], e["head_dim"], e["key_bias"], arch)
+        out.append({**e, "arch": arch, **rec, "routed": True, "fp4_block_scaled": fp4_products_ok(e, rec)})
+    for e in comparison_builds() if comparison else ():
+        rec = build_report(e["qk_fp4"], e["pv_fp4"], False, False, 128, False, arch, SERIAL_BLACKWELL_LAUNCH)
+        out.append({**e, "arch": arch, **rec, "routed": False, "fp4_block_scaled": fp4_products_ok(e, rec)})
     for e in routed_backward_builds() if backward else ():
         rec = backward_report(e["part"], e["p_mode"], e["causal"], e["head_dim"], arch)
-        out.append({**e, "arch": arch, **rec, "fp4_block_scaled": None})
+        out.append({**e, "arch": arch, **rec, "routed": True, "fp4_block_scaled": None})
     return out
 
 
@@ -126,26 +179,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", choices=("sm_100a", "sm_103a", "sm_120a"), default="sm_100a",
                    help="target to compile for (sm_120a: consumer Blackwell, not routed)")
     p.add_argument("--no-key-bias", action="store_true", help="skip the key-mask builds (half the compile time)")
+    p.add_argument("--comparison", action="store_true", help="also the serial kernel's D=128 builds, not routed")
     p.add_argument("--json", type=Path, default=None, help="write the records as JSON")
 
 
 def main(args: argparse.Namespace) -> None:
-    recs = records(args.arch, key_bias=not args.no_key_bias)
+    recs = records(args.arch, key_bias=not args.no_key_bias, comparison=args.comparison)
+    calibration = calibration_report() if args.arch == "sm_100a" else None
     rows = []
-    for r in recs:
+    for r in recs + ([calibration] if calibration else []):
         pred = r.get("prediction", {})
-        rows.append([r["kernel"].split(".")[-1], r["recipe"], r["head_dim"], "yes" if r["causal"] else "no", "yes" if r["key_bias"] else "no",
-                     r["registers"], r["spill_bytes"], r["shared_bytes"], r["tmem_columns"],
-                     "<br>".join(k.replace("tcgen05.mma.cta_group::1.", "") for k in r["mma_kinds"]),
-                     pred.get("instructions_per_element", "-"), pred.get("predicted_tflops", "-"),
-                     pred.get("bound", "-")])
+        rows.append([r["kernel"].split("forward_triton")[-1].strip() or "pipelined" if r.get("pipelined") else
+                     r["kernel"].split(".")[-1], r["recipe"], r["head_dim"], "yes" if r["causal"] else "no",
+                     "yes" if r["key_bias"] else "no", r["registers"], r["spill_bytes"], r["shared_bytes"],
+                     r["tmem_columns"], "<br>".join(k.replace("tcgen05.mma.cta_group::1.", "") for k in r["mma_kinds"]),
+                     pred.get("instructions_per_element", "-"), pred.get("bound", "-"),
+                     pred.get("ceiling_tflops", "-"), pred.get("predicted_tflops", "-"),
+                     pred.get("predicted_vs_fa4_bf16", "-")])
     print(f"Blackwell builds for {args.arch}: blackwell.forward_triton and the training backward's "
-          "hopper.backward_triton kernels (compiled here, not run; TFLOP/s a predicted ceiling on a B200, "
-          "not a measurement)\n")
+          "hopper.backward_triton kernels (compiled here, not run; TFLOP/s predicted for a B200 by "
+          "tools/cost_model_sm100.py, not measured)\n")
     print(markdown_table(["kernel", "recipe", "D", "causal", "key mask", "regs", "spill B", "smem B", "tmem cols",
-                          "MMA kinds", "instr/elem", "pred. TFLOP/s", "bound"], rows))
-    bad = [r for r in recs if r["spill_bytes"] or r["tmem_columns"] > 512 or r["fp4_block_scaled"] is False]
-    write_json(args.json, {"arch": args.arch, "records": recs})
+                          "MMA kinds", "instr/elem (softmax)", "bound", "model TFLOP/s", "pred. TFLOP/s",
+                          "vs FA4 BF16"], rows))
+    if calibration:
+        print(f"\ncalibration: the BF16 build of the pipeline, model {calibration['prediction']['ceiling_tflops']} "
+              f"TFLOP/s against FlashAttention-4's measured {calibration['fa4_bf16_measured_tflops']:.0f} "
+              f"(error {calibration['model_error']:+.1%}); pred. TFLOP/s = model x "
+              f"{calibration['fa4_bf16_measured_tflops'] / calibration['prediction']['ceiling_tflops']:.3f}")
+    bad = [r for r in recs if r["routed"] and (r["spill_bytes"] or r["tmem_columns"] > 512 or
+                                               r["fp4_block_scaled"] is False)]
+    write_json(args.json, {"arch": args.arch, "records": recs, "calibration": calibration})
     if bad:
         raise SystemExit(f"{len(bad)} build(s) spill, use more than 512 tensor-memory columns or run an FP4 product "
                          f"without a block-scaled FP4 MMA: {[(r['recipe'], r['head_dim'], r['causal']) for r in bad]}")

@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import tempfile
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +32,11 @@ _STRIDES = tuple(f"stride_{t}{d}" for t in ("q", "qs", "k", "ks", "v", "vs", "o"
 _LENGTHS = ("Sq", "Sk")
 
 
-def forward_signature(qk_fp4: bool, pv_fp4: bool) -> dict[str, str]:
+def forward_signature(qk_fp4: bool, pv_fp4: bool, bf16: bool = False) -> dict[str, str]:
     """Argument types of `attn_fwd_sm100_kernel` as the launcher passes them."""
-    types = {"Q": "*u8" if qk_fp4 else "*fp8e4nv", "K": "*u8" if qk_fp4 else "*fp8e4nv",
-             "QSC": "*fp8e4nv", "KSC": "*fp8e4nv", "V": "*u8" if pv_fp4 else "*fp8e4nv", "VSC": "*u8",
+    wide = "*bf16" if bf16 else "*fp8e4nv"
+    types = {"Q": "*u8" if qk_fp4 else wide, "K": "*u8" if qk_fp4 else wide,
+             "QSC": "*fp8e4nv", "KSC": "*fp8e4nv", "V": "*u8" if pv_fp4 else wide, "VSC": "*u8",
              "O": "*bf16"}
     sig = {n: types.get(n, "*fp32") for n in _POINTERS}
     sig.update({n: "i32" for n in _STRIDES})
@@ -54,13 +54,17 @@ def _divisibility(sig: dict, aligned: list[str]) -> dict:
 
 def compile_forward(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, *, arch: str = "sm_100a",
                     block_m: int = 128, block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
-                    key_bias: bool = False, hw_cvt: bool = True):
+                    key_bias: bool = False, hw_cvt: bool = True, pipelined: bool = False, p_affine: bool = False,
+                    bf16: bool = False):
     """The compiled Blackwell forward for one recipe family and launch shape; pointers,
     strides and lengths specialized as multiples of 16, as the JIT builds it at the
-    bench shapes."""
-    sig = forward_signature(qk_fp4, pv_fp4)
+    bench shapes. bf16: Q, K, V and P in bf16 (qk_fp4 and pv_fp4 False)."""
+    if bf16 and (qk_fp4 or pv_fp4):
+        raise ValueError("compile_forward: bf16=True is the all-bf16 build (qk_fp4 and pv_fp4 False)")
+    sig = forward_signature(qk_fp4, pv_fp4, bf16)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP4=qk_fp4, PV_FP4=pv_fp4,
-                  CAUSAL=causal, HW_CVT=hw_cvt, KEY_BIAS=key_bias, WRITE_P=False)
+                  CAUSAL=causal, HW_CVT=hw_cvt, KEY_BIAS=key_bias, WRITE_P=False, PIPELINED=pipelined,
+                  P_AFFINE=p_affine, BF16=bf16)
     sig = {**sig, **{c: "constexpr" for c in consts}}
     aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or n in _LENGTHS]
     src = ASTSource(attn_fwd_sm100_kernel, sig, constexprs=consts, attrs=_divisibility(sig, aligned))
@@ -98,6 +102,21 @@ def mma_kinds(ptx: str) -> list[str]:
     return sorted(set(re.findall(r"\b(tcgen05\.mma[.\w:]*|wgmma\.mma_async[.\w:]*|mma\.sync[.\w:]*)", ptx)))
 
 
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;\n]*);")
+
+
+@dataclass(frozen=True)
+class PartitionLoop:
+    """The tile loop of one partition of a warp-specialized build: its role ("mma": the
+    loads and the MMA issue; "softmax": P building; "correction": O rescaled in tensor
+    memory), its opcodes in order, the warps running it and their register limit."""
+
+    role: str
+    opcodes: list[str]
+    warps: int
+    registers: int | None
+
+
 @dataclass(frozen=True)
 class BlackwellReport:
     """What a compiled Blackwell kernel uses, and the instructions of its machine code."""
@@ -109,6 +128,62 @@ class BlackwellReport:
     mma_kinds: list[str]
     ptx: str = field(repr=False)
     sass: str = field(repr=False)
+    ttgir: str = field(default="", repr=False)
+    num_warps: int = 8
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the build is warp-specialized (partitions that run at once)."""
+        return "ttg.warp_specialize" in self.ttgir
+
+    def instructions(self) -> list[tuple[int, str, str]]:
+        """(address, opcode with modifiers, operands) of every SASS instruction."""
+        return [(int(a, 16), op, rest) for a, op, rest in _INSTRUCTION.findall(self.sass)]
+
+    def partitions(self) -> list[tuple[int, int]]:
+        """(warps, register limit) of each worker partition, in the IR's order."""
+        regs = re.search(r"requestedRegisters = array<i32: ([0-9, ]+)>", self.ttgir)
+        warps = [int(w) for w in re.findall(r"^\s*partition\d+\(.*num_warps\((\d+)\)", self.ttgir, re.M)]
+        regs = [int(r) for r in regs.group(1).split(",")] if regs else [None] * len(warps)
+        return list(zip(warps, regs))
+
+    def partition_loops(self) -> dict[str, PartitionLoop]:
+        """The tile loop of each partition of a pipelined build, by role. A loop is a
+        backward branch before the kernel's last EXIT (after it ptxas puts the retry
+        stubs of mbarrier waits, which branch back into the loops), holding no
+        setmaxnreg (the partitions' dispatch) and 20 instructions or more (the waits'
+        own spin loops are shorter). Of the innermost such loops, the one issuing
+        tcgen05 MMAs is "mma", the largest of the others "softmax", the next
+        "correction". A loop's warps are those of the partition whose setmaxnreg
+        precedes it (the default partition's: the launch's num_warps)."""
+        ins = self.instructions()
+        at = {a: i for i, (a, _, _) in enumerate(ins)}
+        exits = [i for i, (_, op, _) in enumerate(ins) if op == "EXIT"]
+        spans = []
+        for i, (a, op, operands) in enumerate(ins[:exits[-1] if exits else 0]):
+            m = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
+            if m is None or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
+                continue
+            j = at[int(m.group(1), 16)]
+            body = [o for _, o, _ in ins[j:i + 1]]
+            if i - j + 1 >= 20 and not any(o.startswith("USETMAXREG") for o in body):
+                spans.append((j, i))
+        inner = [(j, i) for j, i in spans if not any(j <= j2 and i2 <= i and (j2, i2) != (j, i) for j2, i2 in spans)]
+        by_regs = {r: w for w, r in self.partitions()}
+        loops = []
+        for j, i in inner:
+            body = [o for _, o, _ in ins[j:i + 1]]
+            alloc = [int(m.group(1), 16) for _, o, rest in ins[:j] if o.startswith("USETMAXREG.TRY_ALLOC")
+                     for m in [re.search(r"0x([0-9a-f]+)", rest)] if m]
+            regs = alloc[-1] if alloc else None
+            loops.append((body, by_regs.get(regs, self.num_warps), regs))
+        mma = [lp for lp in loops if any(o.startswith("UTC") and "MMA" in o for o in lp[0])]
+        rest = sorted((lp for lp in loops if lp not in mma), key=lambda lp: -len(lp[0]))
+        if len(mma) != 1 or len(rest) != 2:
+            raise ValueError(f"expected one MMA loop and two others in a pipelined build, found {len(mma)} and "
+                             f"{len(rest)}")
+        return {role: PartitionLoop(role, *lp) for role, lp in
+                (("mma", mma[0]), ("softmax", rest[0]), ("correction", rest[1]))}
 
     def count(self, pattern: str) -> int:
         return len(re.findall(pattern, self.sass))
@@ -145,62 +220,11 @@ def inspect(kernel, arch: str = "sm_100a") -> BlackwellReport:
     regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"], arch)
     md = kernel.metadata
     sass = sass_of(kernel.asm["cubin"]) if arch in SASS_ARCHS else ""
+    ttgir = kernel.asm.get("ttgir", "")
+    warps = re.search(r'"ttg.num-warps" = (\d+)', ttgir)  # the launch's (metadata counts the partitions' too)
     return BlackwellReport(regs, spill_st + spill_ld, int(md.shared), int(getattr(md, "tmem_size", 0) or 0),
-                           mma_kinds(kernel.asm["ptx"]), kernel.asm["ptx"], sass)
-
-
-def per_element(loop: list[str], elements_per_thread: int) -> tuple[float, Counter]:
-    """Instructions per score element of a tile loop, and the opcode counts (first word)."""
-    ops = Counter(op.split(".")[0] for op in loop)
-    return len(loop) / elements_per_thread, ops
-
-
-# ---------------------------------------------------------------------------- cost prediction
-@dataclass(frozen=True)
-class B200:
-    """B200 figures the prediction uses. Tensor-core rates per SM and clock from the
-    datasheet's dense throughputs (HGX B200: BF16 2.25, FP8 4.5, FP4 9 PFLOP/s) at 148
-    SMs and the clock they imply (2.25e15 / (148 * 8192) = 1.86 GHz); four warp
-    schedulers issue one instruction each per clock; MUFU.EX2 16 per clock per SM."""
-
-    sms: int = 148
-    clock_hz: float = 1.86e9
-    bf16_flop_per_clk: int = 8192
-    fp8_flop_per_clk: int = 16384
-    fp4_flop_per_clk: int = 32768
-    issue_per_clk: int = 4
-    mufu_per_clk: int = 16
-
-
-# FlashAttention-4's BF16 forward on a B200, D=128 (published: 1613 TFLOP/s, 71% of
-# peak); the paper's FP4 kernel reached 2.13x of its BF16 baseline at best, 2.02x geomean
-FA4_BF16_TFLOPS = 1613.0
-
-
-def predict_tile(report: BlackwellReport, *, qk_fp4: bool, pv_fp4: bool, head_dim: int, block_m: int = 128,
-                 block_n: int = 128, warps: int = 8, gpu: B200 = B200()) -> dict:
-    """A ceiling for one key tile of the unmasked loop, from the machine code: the
-    clocks of each resource the tile needs (the warp schedulers' issue slots for the
-    loop's instructions, the tensor cores for QK^T and PV, MUFU for the exps), the
-    largest of them as the tile's time (perfect overlap of the others: a ceiling), and
-    the TFLOP/s that gives on a B200. A prediction, not a measurement."""
-    loop = report.tile_loop()
-    elems = block_m * block_n // (warps * 32)
-    per_elem, ops = per_element(loop, elems)
-    mufu = sum(n for op, n in ops.items() if op == "MUFU")
-    mma = sum(n for op, n in ops.items() if op.startswith("UTC") and "MMA" in op)
-    flop = 2 * block_m * block_n * head_dim
-    tensor = (flop / (gpu.fp4_flop_per_clk if qk_fp4 else gpu.fp8_flop_per_clk)
-              + flop / (gpu.fp4_flop_per_clk if pv_fp4 else gpu.fp8_flop_per_clk))
-    issue = len(loop) * warps / gpu.issue_per_clk
-    mufu_clk = mufu * warps * 32 / gpu.mufu_per_clk
-    tile = max(tensor, issue, mufu_clk)
-    tflops = 2 * flop / tile * gpu.sms * gpu.clock_hz / 1e12
-    bound = {tensor: "tensor cores", issue: "instruction issue", mufu_clk: "MUFU"}[tile]
-    return {"instructions_per_element": round(per_elem, 2), "tile_loop_instructions": len(loop),
-            "mma_instructions": mma, "mufu_per_tile": mufu * warps * 32, "clk_tensor": round(tensor),
-            "clk_issue": round(issue), "clk_mufu": round(mufu_clk), "bound": bound,
-            "predicted_tflops": round(tflops), "predicted_vs_fa4_bf16": round(tflops / FA4_BF16_TFLOPS, 2)}
+                           mma_kinds(kernel.asm["ptx"]), kernel.asm["ptx"], sass, ttgir,
+                           int(warps.group(1)) if warps else int(md.num_warps))
 
 
 # ---------------------------------------------------------------------------- training backward

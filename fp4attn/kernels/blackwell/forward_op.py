@@ -22,17 +22,20 @@ from fp4attn.routing import BLACKWELL_FORWARD_ROBUST_FIELDS, blackwell_forward_l
 
 
 def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int | None,
-                   key_bias: torch.Tensor | None = None, write_p: bool = False):
+                   key_bias: torch.Tensor | None = None, write_p: bool = False, p_affine: bool = False):
     """Run the kernel on prepared operands: (out bf16, lse fp32, P tile or empty).
 
     write_p: also every P tile's represented values, float32 (B, H, Sq padded to
     BLOCK_M, Sk) (tests). key_bias: (B, Sk) float32 added to the log2 scores
-    (`reference.forward.key_bias_of_mask`)."""
+    (`reference.forward.key_bias_of_mask`). p_affine: P by the affine map
+    (`Recipe.p_build == "affine"`), else Direct-P (MXFP4 P) or exp2 (FP8 P)."""
     q, k = ops.q, ops.k
     B, H, Sq = q.shape[:3]
     Hkv, Sk = k.shape[1], k.shape[2]
     D = ops.v.shape[2]
-    cfg = blackwell_forward_launch(D, causal_offset is not None, key_bias is not None)
+    p = "mxfp4" if ops.pv_fp4 else "fp8"
+    cfg = blackwell_forward_launch(D, causal_offset is not None, key_bias is not None, p,
+                                   "affine" if p_affine else "directp" if ops.pv_fp4 else "exp2")
     dev = q.device
     out = torch.empty((B, H, Sq, D), device=dev, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=dev, dtype=torch.float32)
@@ -59,7 +62,7 @@ def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int |
         H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N, QK_FP4=ops.qk_fp4, PV_FP4=ops.pv_fp4,
         CAUSAL=causal_offset is not None, HW_CVT=not interpreting(), KEY_BIAS=key_bias is not None,
-        WRITE_P=write_p, num_warps=cfg.warps, num_stages=cfg.stages,
+        WRITE_P=write_p, PIPELINED=cfg.pipelined, P_AFFINE=p_affine, num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return out, lse, dbg if write_p else dbg[:0]
 
@@ -75,7 +78,7 @@ def _blackwell_attention_op(
                     qk_four_over_six=four_over_six)
     ops, scale = prepare_operands(q, k, v, recipe, scale, head_dim or None)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None, key_bias=key_bias,
-                          write_p=write_p)
+                          write_p=write_p, p_affine=p_build == "affine")
 
 
 @_blackwell_attention_op.register_fake

@@ -14,6 +14,13 @@ Recipes map to constexpr flags:
              MXFP4 (E2M1 codes packed along the keys, an E8M0 scale per 32 keys and
              channel): `tl.dot_scaled` into `kind::mxf4.block_scale`. Else P is FP8 e4m3
              (exp2, times 2**8) and V e4m3 with a per-channel scale (`kind::f8f6f4`).
+    BF16     (with QK_FP4 and PV_FP4 off) Q, K, V and P in bf16 (`kind::f16`), P = exp2
+             rounded to bf16, l summing the exp2 values: the bf16 recipe, and the build
+             the cost model is calibrated on against FlashAttention-4's BF16 forward.
+    P_AFFINE P built by the affine map of the log-score (`reference.affine`: the paper's
+             fast Direct-P for MXFP4 P, the e4m3 byte off one FMA for FP8 P) instead of
+             the exact classifier (MXFP4) or exp2 (FP8); the rows' running point is the
+             maximum snapped to the map's grid.
     HW_CVT   GPU builds: the E2M1 pairs are packed by `cvt.rn.satfinite.e2m1x2.f32` and
              FP8 P rounded by `cvt.rn.satfinite.e4m3x2.f32` (inline PTX); False (the
              interpreter, which runs no PTX) builds the same bytes with integer
@@ -21,6 +28,15 @@ Recipes map to constexpr flags:
     CAUSAL   query i sees keys j <= i + causal_offset
     KEY_BIAS a per-(batch, key) log2-unit bias is added to the scores (an SDPA key mask)
     WRITE_P  tests: every tile's represented P values (float32, no offset) to P_DBG
+    PIPELINED  the warp-specialized schedule (`tl.range(..., warp_specialize=True)`):
+             Triton 3.6 splits the tile loop into partitions that run at once, a load
+             and MMA-issue partition, the softmax (P building) partition and a
+             correction partition that rescales O in tensor memory, with S double
+             buffered in tensor memory so that the next tile's QK^T runs under this
+             tile's softmax. O is accumulated by the PV product itself (`acc * alpha`
+             passed as its accumulator): the same alpha * acc + P.V as the reference,
+             its float32 additions in the tensor core's order. One loop covers every
+             tile; the tiles that need the key/causal mask take it by a runtime branch.
 
 Direct-P on this hardware (docs/notes/blackwell.md): a thread holds whole rows of the
 S tile as it comes out of tensor memory, so the 32-key block maxima are in-thread
@@ -36,12 +52,17 @@ import triton
 import triton.language as tl
 
 from fp4attn.kernels.common import (
+    AFFINE_MAGIC,
     P_EMIN,
+    P_MODE_FP8_AFFINE,
+    P_MODE_MXFP4_AFFINE,
     P_OFFSET_LOG2,
+    affine_reference_point,
     e2m1_classify,
     key_tile_bounds,
     log2_scores,
     max_propagating_nan,
+    p_fp8_affine,
     round_e4m3,
     round_e4m3_cvt,
 )
@@ -116,14 +137,82 @@ def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.co
 
 
 @triton.jit
+def _affine_mxfp4_tile(tb, bmax, m_ref, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """MXFP4 P by the paper's affine classifier (`reference.affine.affine_mxfp4_codes`,
+    operation for operation) from log2 scores tb (BLOCK_M, blocks, 32) with their block
+    maxima bmax and the rows' reference point m_ref: (packed E2M1 codes, E8M0 scales,
+    consistent row sums, the represented values as float32).
+
+    Per block e_b = floor(max t - m~) - 2 and C = (2 - 2 m~ - 2 e_b) + MAGIC, then one
+    FMA f = 2 t + C clamped to [MAGIC, MAGIC + 7]: f's bits are MAGIC's plus the code, so
+    the byte of a pair is the low byte of lo + 16 hi (MAGIC's low byte is 0) and the
+    code's E2M1 value is the float32 of its bits shifted left by 22, times 2**-126
+    (code 1 a denormal): integer and float32 arithmetic the interpreter runs alike, no
+    conversion instruction. A dropped block (e_b below P_EMIN, or empty) takes e_b = 0:
+    its 2 (t - m~) + 2 is then below -26, so every code clamps to 0 without a select."""
+    NB: tl.constexpr = BLOCK_N // MX_BLOCK
+    e_b = tl.floor(bmax - m_ref[:, None]) - 2.0  # -inf for an empty block
+    keep = e_b >= P_EMIN
+    e_b = tl.where(keep, e_b, 0.0)
+    c = ((2.0 - m_ref[:, None] * 2.0) - e_b * 2.0) + AFFINE_MAGIC
+    nan_ok: tl.constexpr = tl.PropagateNan.ALL
+    f = tl.minimum(tl.maximum(tb * 2.0 + c[:, :, None], AFFINE_MAGIC, propagate_nan=nan_ok), AFFINE_MAGIC + 7.0,
+                   propagate_nan=nan_ok)
+    bits = tl.reshape(f.to(tl.int32, bitcast=True), (BLOCK_M, BLOCK_N))
+    lo, hi = tl.split(tl.reshape(bits, (BLOCK_M, BLOCK_N // 2, 2)))
+    packed = (lo + (hi << 4)).to(tl.uint8)
+    # E2M1(code) * 2**-126 from the bits; a block's sum of 32 of them is exact, and so is
+    # its product with 2**(e_b + 126)
+    v = (bits << 22).to(tl.float32, bitcast=True)
+    e_i = e_b.to(tl.int32)
+    pow2 = tl.where(keep, ((e_i + 253) << 23).to(tl.float32, bitcast=True), 0.0)
+    row_sum = tl.sum(tl.sum(tl.reshape(v, (BLOCK_M, NB, MX_BLOCK)), axis=2) * pow2, axis=1)
+    scale = tl.where(keep, e_i + 127, 0).to(tl.uint8)
+    p_val = tl.reshape(tl.reshape(v, (BLOCK_M, NB, MX_BLOCK)) * pow2[:, :, None], (BLOCK_M, BLOCK_N))
+    return packed, scale, row_sum, p_val
+
+
+@triton.jit
+def _hide_keys(t, key_ok, cols, offs_m, causal_offset, Sk, CAUSAL: tl.constexpr):
+    """Scores of keys past Sk, or (causal) past a row's last key, set to -inf: one
+    comparison per score against the row's last visible key."""
+    if CAUSAL:
+        last = tl.minimum(offs_m + causal_offset, Sk - 1)
+        visible = cols[None, :] <= last[:, None]
+    else:
+        visible = key_ok[None, :]
+    return tl.where(visible, t, -float("inf"))
+
+
+@triton.jit
+def _rescale(acc, alpha, HALVES: tl.constexpr):
+    """acc * alpha per row; with HALVES the two column halves separately (the same
+    products), so the correction partition holds half a row of O at a time."""
+    if HALVES:
+        BM: tl.constexpr = acc.shape[0]
+        BD: tl.constexpr = acc.shape[1]
+        a0, a1 = acc.reshape([BM, 2, BD // 2]).permute(0, 2, 1).split()
+        a0 = a0 * alpha[:, None]
+        a1 = a1 * alpha[:, None]
+        return tl.join(a0, a1).permute(0, 2, 1).reshape([BM, BD])
+    else:
+        return acc * alpha[:, None]
+
+
+@triton.jit
 def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr, start_n,
-          offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_pm,
+          offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_pm, full,
           QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, HW_CVT: tl.constexpr, MASK: tl.constexpr,
           CAUSAL: tl.constexpr, KEY_BIAS: tl.constexpr, WRITE_P: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PIPELINED: tl.constexpr,
+          P_AFFINE: tl.constexpr, BF16: tl.constexpr):
+    """One key tile. MASK: a tile past `full` (the non-pipelined kernel's second loop,
+    masked loads and scores); PIPELINED: every tile, loads masked by the key count (a
+    predicate on the copies) and scores by the mask where start_n >= full."""
     offs_n = tl.arange(0, BLOCK_N)
     cols = start_n + offs_n
     key_ok = cols < Sk
+    MASK_LOADS: tl.constexpr = MASK or PIPELINED
     # -- scores in log2 units: (Qv Kv^T) * (q_scale * softmax_scale * log2 e) * k_scale
     if QK_FP4:
         offs_h = tl.arange(0, HEAD_DIM // 2)
@@ -131,7 +220,7 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         # K^T codes (D/2, BLOCK_N), packed along the head dim; scales (BLOCK_N, D/16) e4m3
         kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_h[:, None]
         ksc_ptrs = ksc_ptr + cols[:, None] * stride_ksn + offs_s[None, :]
-        if MASK:
+        if MASK_LOADS:
             kt = tl.load(kt_ptrs, mask=key_ok[None, :], other=0)
             k_sc = tl.load(ksc_ptrs, mask=key_ok[:, None], other=0.0)
         else:
@@ -142,7 +231,7 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         k_ptrs = k_ptr + cols[:, None] * stride_kn + offs_d[None, :]
-        if MASK:
+        if MASK_LOADS:
             k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
@@ -152,60 +241,87 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         # scalar load instead of a row of 64-128 per-key values in every thread
         t = log2_scores(s, a_i[:, None], tl.load(ks_ptr))
     else:
-        if MASK:
+        if MASK_LOADS:
             b_j = tl.load(ks_ptr + cols, mask=key_ok, other=0.0)
         else:
             b_j = tl.load(ks_ptr + cols)
         t = log2_scores(s, a_i[:, None], b_j[None, :])
     if KEY_BIAS:  # added before hiding keys, as the reference does
-        if MASK:
+        if MASK_LOADS:
             t = t + tl.load(kb_ptr + cols, mask=key_ok, other=0.0)[None, :]
         else:
             t = t + tl.load(kb_ptr + cols)[None, :]
     if MASK:
-        visible = key_ok[None, :]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-        t = tl.where(visible, t, -float("inf"))
+        t = _hide_keys(t, key_ok, cols, offs_m, causal_offset, Sk, CAUSAL)
+    if PIPELINED:
+        if start_n >= full:
+            t = _hide_keys(t, key_ok, cols, offs_m, causal_offset, Sk, CAUSAL)
     # -- online softmax: exact running max, rescale every tile. NaN propagates through
     # the max (tl.max would drop it): a NaN score makes its row NaN, and a score that
     # overflows to +inf leaves the row undefined, NaN (reference/forward.py)
-    m_new = tl.maximum(m_i, tl.reduce(t, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
-    if MASK or KEY_BIAS:  # a row may have seen no key yet
+    if P_AFFINE and PV_FP4:  # the row max from the 32-key block maxima P needs anyway
+        tb = tl.reshape(t, (BLOCK_M, BLOCK_N // MX_BLOCK, MX_BLOCK))
+        bmax = tl.reduce(tb, 2, max_propagating_nan)
+        m_new = tl.maximum(m_i, tl.reduce(bmax, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
+    else:
+        m_new = tl.maximum(m_i, tl.reduce(t, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
+    if MASK or KEY_BIAS or PIPELINED:  # a row may have seen no key yet
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
     else:
         m_use = m_new
     m_use = tl.where(m_new == float("inf"), float("nan"), m_use)
+    if P_AFFINE:  # the affine map's reference point: the max snapped to its grid
+        m_use = affine_reference_point(m_use, P_MODE_MXFP4_AFFINE if PV_FP4 else P_MODE_FP8_AFFINE)
     alpha = tl.math.exp2(m_i - m_use)
-    x = t - m_use[:, None]
     # V tiles are stored with keys padded by zeros to whole tiles: no mask
     if PV_FP4:
-        p_codes, p_sc, p_sum, p_val = _directp_tile(x, BLOCK_M, BLOCK_N, HW_CVT)
+        if P_AFFINE:
+            p_codes, p_sc, p_sum, p_val = _affine_mxfp4_tile(tb, bmax, m_use, BLOCK_M, BLOCK_N)
+        else:
+            p_codes, p_sc, p_sum, p_val = _directp_tile(t - m_use[:, None], BLOCK_M, BLOCK_N, HW_CVT)
         offs_kh = tl.arange(0, BLOCK_N // 2)
         offs_kb = tl.arange(0, BLOCK_N // 32)
         offs_d = tl.arange(0, HEAD_DIM)
         # V codes (BLOCK_N/2, D) packed along the keys; scales (D, BLOCK_N/32) E8M0
         v = tl.load(v_ptr + offs_d[None, :] * stride_vd + (start_n // 2 + offs_kh)[:, None])
         v_sc = tl.load(vsc_ptr + offs_d[:, None] * stride_vsd + (start_n // 32 + offs_kb)[None, :])
-        pv_init = zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-        pv = tl.dot_scaled(p_codes, p_sc, "e2m1", v, v_sc, "e2m1", pv_init)
-    else:
-        if HW_CVT:
-            p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
+        if PIPELINED:
+            acc = tl.dot_scaled(p_codes, p_sc, "e2m1", v, v_sc, "e2m1", _rescale(acc, alpha, HEAD_DIM == 128))
         else:
-            p = round_e4m3(tl.math.exp2(x + P_OFFSET_LOG2))
-        p_sum = tl.sum(p, axis=1)
+            pv_init = zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+            pv = tl.dot_scaled(p_codes, p_sc, "e2m1", v, v_sc, "e2m1", pv_init)
+    else:
         tl.static_assert(P_OFFSET_LOG2 == 8)
-        p_val = p * 0.00390625  # p / 2**P_OFFSET_LOG2
+        if BF16:  # P = exp2 rounded to bf16; l sums exp2 itself (the bf16 recipe's consistent_norm=False)
+            p32 = tl.math.exp2(t - m_use[:, None])
+            p_sum = tl.sum(p32, axis=1)
+            p = p32.to(tl.bfloat16)
+            p_val = p.to(tl.float32)
+        else:
+            if P_AFFINE:  # e4m3 bytes off one affine map (kernels.common; the tile itself with HW_CVT)
+                p, p_sum = p_fp8_affine(t, m_use, HW_CVT)
+            elif HW_CVT:
+                p = round_e4m3_cvt(tl.math.exp2(t - m_use[:, None] + P_OFFSET_LOG2))
+                p_sum = tl.sum(p, axis=1)
+            else:
+                p = round_e4m3(tl.math.exp2(t - m_use[:, None] + P_OFFSET_LOG2))
+                p_sum = tl.sum(p, axis=1)
+            p_val = p.to(tl.float32) * 0.00390625  # p / 2**P_OFFSET_LOG2
+            p = p.to(tl.float8e4nv)
         offs_d = tl.arange(0, HEAD_DIM)
-        vt = tl.load(v_ptr + offs_d[:, None] * stride_vd + cols[None, :])  # V^T (D, BLOCK_N) e4m3
-        pv_init = zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-        pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), pv_init)
+        vt = tl.load(v_ptr + offs_d[:, None] * stride_vd + cols[None, :])  # V^T (D, BLOCK_N) e4m3 or bf16
+        if PIPELINED:
+            acc = tl.dot(p, tl.trans(vt), _rescale(acc, alpha, HEAD_DIM == 128))
+        else:
+            pv_init = zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+            pv = tl.dot(p, tl.trans(vt), pv_init)
     if WRITE_P:
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], p_val, mask=key_ok[None, :])
-    # each tile's PV on a fresh accumulator, added into O in float32 (as the reference)
-    acc = acc * alpha[:, None] + pv
+    if not PIPELINED:  # each tile's PV on a fresh accumulator, added into O in float32
+        acc = acc * alpha[:, None] + pv
     l_i = l_i * alpha + p_sum
+    if P_AFFINE:  # later tiles are measured from m~ (a row that saw no key keeps -inf)
+        m_new = tl.where(m_new == -float("inf"), m_new, m_use)
     return acc, l_i, m_new
 
 
@@ -223,7 +339,8 @@ def attn_fwd_sm100_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr,
-    KEY_BIAS: tl.constexpr = False, WRITE_P: tl.constexpr = False,
+    KEY_BIAS: tl.constexpr = False, WRITE_P: tl.constexpr = False, PIPELINED: tl.constexpr = False,
+    P_AFFINE: tl.constexpr = False, BF16: tl.constexpr = False,
 ):
     """Q (B, H, Sq, D/2) uint8 codes or (B, H, Sq, D) e4m3; QSC (B, H, Sq, D/16) e4m3
     block scales (NVFP4 only); K, KSC likewise at Hkv heads; QS (B, H, Sq), KS (B, Hkv,
@@ -272,16 +389,25 @@ def attn_fwd_sm100_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     full, hi = key_tile_bounds(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
-    for start_n in range(0, full, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
-                              kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd,
-                              stride_vsd, stride_pm, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL, KEY_BIAS, WRITE_P,
-                              BLOCK_M, BLOCK_N, HEAD_DIM)
-    for start_n in range(full, hi, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
-                              kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd,
-                              stride_vsd, stride_pm, QK_FP4, PV_FP4, HW_CVT, True, CAUSAL, KEY_BIAS, WRITE_P,
-                              BLOCK_M, BLOCK_N, HEAD_DIM)
+    if PIPELINED:
+        # one loop (Triton 3.6 fails to build a second loop on the tensor-memory O, in
+        # TritonGPUHoistTMEMAlloc, and a plain one after the partitions spills)
+        for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True, disallow_acc_multi_buffer=True):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
+                                  kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
+                                  stride_vd, stride_vsd, stride_pm, full, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL,
+                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, True, P_AFFINE, BF16)
+    else:
+        for start_n in range(0, full, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
+                                  kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
+                                  stride_vd, stride_vsd, stride_pm, full, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL,
+                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, False, P_AFFINE, BF16)
+        for start_n in range(full, hi, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
+                                  kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
+                                  stride_vd, stride_vsd, stride_pm, full, QK_FP4, PV_FP4, HW_CVT, True, CAUSAL,
+                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, False, P_AFFINE, BF16)
 
     # -- epilogue: 1/l, V's per-channel scale (FP8 V); LSE in natural log (FP8 P's 2**8
     # offset cancels in acc / l and is subtracted from the LSE)
@@ -294,7 +420,7 @@ def attn_fwd_sm100_kernel(
     else:
         vs = tl.load(VS + (b.to(tl.int64) * (H // GROUP) + hk) * HEAD_DIM + offs_d)
         out = out * vs[None, :]
-        lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - P_OFFSET_LOG2
+        lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - (0.0 if BF16 else P_OFFSET_LOG2)
     lse = tl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
     o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(o_ptr + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),

@@ -1,0 +1,111 @@
+"""A pipeline-aware cost model of the Blackwell forward on a B200, read off its machine
+code: a prediction, never a measurement (no Blackwell GPU has run these kernels).
+
+Per 128 x 128 key tile it counts the clocks of each resource the tile needs:
+
+    issue    the warp schedulers' instruction slots: each partition's tile loop (its
+             SASS) times its warps, spread over the SM's 4 schedulers (one instruction a
+             clock each; a partition of fewer than 4 warps lands on as many schedulers)
+    tensor   the two products at the tensor cores' dense rates (B200: BF16 2.25, FP8
+             4.5, FP4 9 PFLOP/s at 148 SMs)
+    MUFU     the loop's MUFU instructions at 16 per SM and clock
+
+and how they combine, which is what the schedule allows:
+
+    pipelined (warp-specialized: loads and MMA issue, softmax, correction in partitions
+              that run at once, S in tensor memory single-buffered, freed once the
+              softmax has read it): the tile takes the largest of the three; the next
+              QK^T runs under this tile's softmax and this tile's PV under the next one's
+    serial    (one program's warps issue the products, wait for them and build P): the
+              issue time plus the tensor time (the warps wait on each product before
+              using it), with the all-overlapped largest-of-three as its ceiling
+
+TFLOP/s = 4 * 128 * 128 * D per tile / tile time, at 148 SMs and the 1.86 GHz the
+datasheet rates imply. The model ignores memory, latency and synchronization, so it is
+a ceiling; `calibrate` applies it to the BF16 build of the same pipeline and compares
+with FlashAttention-4's measured BF16 forward (1613 TFLOP/s, B200, D=128): the ratio is
+the model's error on a kernel whose real speed is known, and the factor the other
+builds' `predicted_tflops` are scaled by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# FlashAttention-4's BF16 forward on a B200, D=128, non-causal (published: 1613 TFLOP/s,
+# 71% of the dense BF16 peak); the paper's FP4 kernel reached 2.13x of it at best and
+# 2.02x in geometric mean over its D=128 grid (GB200)
+FA4_BF16_TFLOPS = 1613.0
+
+
+@dataclass(frozen=True)
+class B200:
+    """B200 figures the model uses. Tensor-core rates per SM and clock from the
+    datasheet's dense throughputs (HGX B200: BF16 2.25, FP8 4.5, FP4 9 PFLOP/s) at 148
+    SMs and the clock they imply (2.25e15 / (148 * 8192) = 1.86 GHz); four warp
+    schedulers issue one instruction each per clock; MUFU.EX2 16 per clock per SM."""
+
+    sms: int = 148
+    clock_hz: float = 1.86e9
+    flop_per_clk: tuple = (("bf16", 8192), ("fp8", 16384), ("fp4", 32768))
+    schedulers: int = 4
+    mufu_per_clk: int = 16
+
+    def rate(self, kind: str) -> int:
+        return dict(self.flop_per_clk)[kind]
+
+
+def _issue_clocks(loops: list[tuple[int, int]], gpu: B200) -> float:
+    """Clocks of the busiest scheduler for loops given as (instructions, warps): a
+    partition of w >= 4 warps puts w / 4 of them on each scheduler, a smaller one its
+    warps on one scheduler each, all on the same ones (the worst case)."""
+    return sum(n * (w / gpu.schedulers if w >= gpu.schedulers else w) for n, w in loops)
+
+
+def predict(report, *, qk: str, pv: str, head_dim: int, block_m: int = 128, block_n: int = 128,
+            gpu: B200 = B200()) -> dict:
+    """The model's figures for one compiled build (`machine_code_sm100.BlackwellReport`)
+    whose products multiply `qk` and `pv` operands ("fp4", "fp8", "bf16"). Returns
+    per-partition issue, the clocks of each resource, the bound, and `ceiling_tflops`
+    (the model's raw figure); `calibrate` adds the calibrated prediction."""
+    flop = 2 * block_m * block_n * head_dim
+    tensor = flop / gpu.rate(qk) + flop / gpu.rate(pv)
+    out: dict = {"pipelined": report.pipelined}
+    if report.pipelined:
+        loops = report.partition_loops()
+        softmax = loops["softmax"]
+        elems = block_m * block_n / (softmax.warps * 32)
+        parts = {role: {"instructions": len(lp.opcodes), "warps": lp.warps, "registers": lp.registers,
+                        "clk_issue": round(_issue_clocks([(len(lp.opcodes), lp.warps)], gpu))}
+                 for role, lp in loops.items()}
+        issue = _issue_clocks([(len(lp.opcodes), lp.warps) for lp in loops.values()], gpu)
+        mufu = sum(sum(o.startswith("MUFU") for o in lp.opcodes) * lp.warps * 32 for lp in loops.values())
+        out.update(partitions=parts, instructions_per_element=round(len(softmax.opcodes) / elems, 2))
+    else:
+        loop = report.tile_loop()
+        elems = block_m * block_n / (report.num_warps * 32)
+        issue = _issue_clocks([(len(loop), report.num_warps)], gpu)
+        mufu = sum(o.startswith("MUFU") for o in loop) * report.num_warps * 32
+        out.update(instructions_per_element=round(len(loop) / elems, 2), tile_loop_instructions=len(loop))
+    clk_mufu = mufu / gpu.mufu_per_clk
+    ceiling = max(tensor, issue, clk_mufu)
+    tile = ceiling if report.pipelined else issue + tensor
+    bound = {tensor: "tensor cores", issue: "instruction issue", clk_mufu: "MUFU"}[ceiling]
+    if not report.pipelined:
+        bound = "issue + tensor cores in turn"
+    tflops = 2 * flop / tile * gpu.sms * gpu.clock_hz / 1e12
+    out.update(mufu_per_tile=mufu, clk_tensor=round(tensor), clk_issue=round(issue), clk_mufu=round(clk_mufu),
+               clk_tile=round(tile), bound=bound, ceiling_tflops=round(tflops),
+               overlapped_ceiling_tflops=round(2 * flop / ceiling * gpu.sms * gpu.clock_hz / 1e12))
+    return out
+
+
+def calibrate(prediction: dict, bf16_prediction: dict) -> dict:
+    """`prediction` with the calibrated figures: `predicted_tflops` is its ceiling times
+    FA4_BF16_TFLOPS / the BF16 build's ceiling (the model's error on a kernel of known
+    speed taken out), `predicted_vs_fa4_bf16` that over FA4_BF16_TFLOPS, and
+    `calibration` the factor and the raw model's error on the BF16 build."""
+    factor = FA4_BF16_TFLOPS / bf16_prediction["ceiling_tflops"]
+    predicted = prediction["ceiling_tflops"] * factor
+    return {**prediction, "predicted_tflops": round(predicted), "predicted_vs_fa4_bf16": round(predicted / FA4_BF16_TFLOPS, 2),
+            "calibration": {"factor": round(factor, 3), "raw_error_on_bf16": round(1 / factor - 1, 3)}}
