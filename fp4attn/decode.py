@@ -113,7 +113,7 @@ def decode(
     chosen, why = decode_routing.backend_for(q.device, cache.head_dim, backend)
     if k is not None:
         cache.append(k, v, counts)
-    out_dtype = q.dtype
+    out_dtype, q_in, s_in = q.dtype, q, s
     if cache.rotate_k:  # q' . k' = block * (q . k): the scale divided by the block (exact)
         q = robust.rotate(q)
         s = s * robust.rotation_scale(cache.head_dim)
@@ -130,4 +130,9 @@ def decode(
         lengths = torch.tensor(cache.host_lengths, device=q.device)
         res = reference_decode(q, kb, ks, vb, vs, lengths, scale=s, causal=causal, key_start=key_start)
         out, lse = res.out.to(out_dtype), res.lse
+    if cache.smooth_k and return_lse:
+        # the scores were q . (k - mean): the LSE of q . k is that plus scale * q . mean
+        qg = q_in.bfloat16().float().reshape(q.shape[0], cache.kv_heads, -1, q.shape[-1])
+        shift = torch.einsum("bgrd,bgd->bgr", qg, cache.k_mean)
+        lse = lse + s_in * shift.reshape(lse.shape)
     return (out, lse) if return_lse else out

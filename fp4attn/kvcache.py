@@ -113,6 +113,12 @@ class KVCache:
             and divides the softmax scale by the rotation's block, so the scores are the
             same in real arithmetic. It spreads a few large key channels over all of
             them before the 4-bit blocks quantize them (docs/notes/decode.md).
+        smooth_k: subtract from every key of a sequence the mean of the keys of its
+            first append (its prompt), per KV head and channel, fixed from then on: each
+            query's scores move by one constant, which the softmax removes (the
+            returned LSE is corrected back), and a shared offset in K no longer takes
+            the 4-bit codes' range. A mean over the whole cache would change with every
+            token; this one never does.
 
     Lengths are kept on the device (`lengths`, int32 (batch,), what the kernels read)
     and on the host (`host_lengths`), so that appends are checked without waiting for
@@ -121,7 +127,7 @@ class KVCache:
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, max_len: int, *, k_format: str = "nvfp4",
                  v_format: str | None = None, device: torch.device | str = "cpu", page_size: int | None = None,
-                 num_pages: int | None = None, rotate_k: bool = False):
+                 num_pages: int | None = None, rotate_k: bool = False, smooth_k: bool = False):
         _check_int("batch", batch, 1)
         _check_int("kv_heads", kv_heads, 1)
         _check_int("max_len", max_len, 1)
@@ -140,6 +146,10 @@ class KVCache:
         self.batch, self.kv_heads, self.head_dim, self.max_len = batch, kv_heads, head_dim, max_len
         self.k_format, self.v_format = k_format, v_format
         self.rotate_k = bool(rotate_k)
+        self.smooth_k = bool(smooth_k)
+        # the fixed K mean of each sequence (float32 (batch, kv_heads, head_dim)), set
+        # at its first append; zeros before (and without smooth_k)
+        self.k_mean = torch.zeros(batch, kv_heads, head_dim, device=self.device)
         if page_size is None:
             if num_pages is not None:
                 raise ValueError("KVCache: num_pages is for the paged layout; pass page_size too")
@@ -166,7 +176,7 @@ class KVCache:
     # ------------------------------------------------------------------ inspection
     def __repr__(self) -> str:
         layout = f"paged {self.num_pages} x {self.page_size}" if self.paged else "contiguous"
-        rot = ", rotate_k" if self.rotate_k else ""
+        rot = (", rotate_k" if self.rotate_k else "") + (", smooth_k" if self.smooth_k else "")
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
                 f"max_len={self.max_len}, k={self.k_format}, v={self.v_format}{rot}, {layout}, device={self.device})")
 
@@ -198,6 +208,8 @@ class KVCache:
         if not any(counts):
             return
         new_pages = self._pages_for(counts)  # may raise: before anything is written
+        if self.smooth_k:
+            k = self._smoothed(k, counts)
         if self.rotate_k:
             k = robust.rotate(k)
         starts = list(self.host_lengths)
@@ -214,6 +226,14 @@ class KVCache:
             self.host_lengths[b] += c
         if backend != "triton":
             self.lengths.copy_(torch.tensor(self.host_lengths, dtype=torch.int32))
+
+    def _smoothed(self, k: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """k less each sequence's fixed mean, which a sequence's first append sets from
+        its own tokens (float64 sums, the mean rounded to float32)."""
+        first = [b for b, c in enumerate(counts) if c and not self.host_lengths[b]]
+        for b in first:
+            self.k_mean[b] = k[b, :, :counts[b]].double().mean(dim=1).float()
+        return k.float() - self.k_mean[:, :, None, :]
 
     def _check_append(self, k, v, counts) -> list[int]:
         for name, t in (("k", k), ("v", v)):
@@ -343,6 +363,7 @@ class KVCache:
                         self._free.append(p)
                     self._host_table[b, i] = -1
             self.host_lengths[b] = 0
+            self.k_mean[b] = 0.0
         if self.paged:
             self._sync_table()
         self.lengths.copy_(torch.tensor(self.host_lengths, dtype=torch.int32))
@@ -379,7 +400,8 @@ class KVCache:
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) as the values they stand for, float32 (batch, kv_heads, N, head_dim),
-        zeros past each sequence's length (k rotated where `rotate_k`): for tests and
+        zeros past each sequence's length (k smoothed and rotated where `smooth_k`,
+        `rotate_k` say): for tests and
         inspection (decode never makes this copy)."""
         kb, ks, vb, vs = self.reference_operands()
         return kb * ks[..., None], vb * vs[..., None]

@@ -173,3 +173,26 @@ def test_rotated_keys_give_the_same_attention(fmt):
         assert errs[1] < 1e-2
     else:  # MXFP4's 32-channel power-of-two blocks: the spread-out channel costs the others less
         assert errs[1] < errs[0]
+
+
+def test_smoothed_keys_give_the_same_attention_and_lse():
+    """smooth_k subtracts the first append's K mean from every key: each row's scores
+    shift by one constant (the softmax removes it, the LSE is corrected back), and a
+    shared offset no longer costs the 4-bit codes their range."""
+    g = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(2, 2, 40, 64, generator=g) for _ in range(2))
+    k = k + 3.0
+    q = torch.randn(2, 4, 1, 64, generator=g)
+    caches = {name: KVCache(2, 2, 64, 48, k_format=fmt, smooth_k=sm) for name, fmt, sm in
+              (("bf16", "bf16", False), ("bf16-smooth", "bf16", True), ("nvfp4", "nvfp4", False),
+               ("nvfp4-smooth", "nvfp4", True))}
+    for c in caches.values():
+        c.append(k[:, :, :30], v[:, :, :30])  # the prompt: the mean is fixed here
+        c.append(k[:, :, 30:], v[:, :, 30:])
+    res = {n: decode(q, c, return_lse=True) for n, c in caches.items()}
+    assert torch.allclose(res["bf16-smooth"][0], res["bf16"][0], atol=2e-2)
+    assert torch.allclose(res["bf16-smooth"][1], res["bf16"][1], atol=2e-2)
+    exact = res["bf16"][0].double()
+    err = {n: float((res[n][0].double() - exact).norm() / exact.norm()) for n in ("nvfp4", "nvfp4-smooth")}
+    assert err["nvfp4-smooth"] < err["nvfp4"]
+    assert torch.equal(caches["nvfp4-smooth"].k_mean[0, 0], k[0, 0, :30].double().mean(0).float())

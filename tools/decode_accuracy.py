@@ -12,6 +12,8 @@ Schemes (K and V quantized alike, per token along the head dim):
                                    larger tokens saturate their block scales at 448
     nvfp4-rotated, mxfp4-rotated   the cache with `rotate_k` (Hadamard rotation of K, and
                                    of q at decode)
+    nvfp4-smoothed, mxfp4-smoothed the cache with `smooth_k` (K less the mean of the first
+                                   256 tokens, fixed)
 Inputs (B=2, Hq=32, Hkv=8, L=4096, D=128, one query row at the end of the context):
     gaussian      K, V ~ N(0, 1)
     k-outliers    four key channels of each head 20x larger (the case rotation targets)
@@ -88,6 +90,10 @@ def nvfp4_calibrated(x: torch.Tensor) -> torch.Tensor:
 
 def quantized(k: torch.Tensor, v: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(K values, V values, rotated) as the scheme stores them."""
+    if scheme.endswith("-smoothed"):
+        fmt = scheme.removesuffix("-smoothed")
+        mean = k[:, :, :PROMPT].double().mean(dim=2, keepdim=True).float()
+        return per_token(k - mean, fmt), per_token(v, fmt), False
     if scheme.endswith("-rotated"):
         fmt = scheme.removesuffix("-rotated")
         return per_token(robust.rotate(k), fmt), per_token(v, fmt), True
@@ -103,7 +109,8 @@ def metrics(out: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"cos": float(o @ r / (o.norm() * r.norm())), "rel_l2": float((o - r).norm() / r.norm())}
 
 
-SCHEMES = ("bf16", "fp8", "nvfp4", "mxfp4", "nvfp4-pow2", "nvfp4-calibrated", "nvfp4-rotated", "mxfp4-rotated")
+SCHEMES = ("bf16", "fp8", "nvfp4", "mxfp4", "nvfp4-pow2", "nvfp4-calibrated", "nvfp4-rotated", "mxfp4-rotated",
+           "nvfp4-smoothed", "mxfp4-smoothed")
 KINDS = ("gaussian", "k-outliers", "drift", "k-offset")
 
 

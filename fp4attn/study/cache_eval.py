@@ -22,14 +22,17 @@ def cached_logits(model: GPT, x: torch.Tensor, k_format: str, v_format: str | No
                   backend: str = "auto") -> torch.Tensor:
     """Logits (B, S, vocab) of `model` over byte tokens x (B, S), run one token at a time
     with each block's keys and values in a KVCache of the given formats (a K format
-    "<fmt>-rotated" is `fmt` with `KVCache(rotate_k=True)`)."""
+    "<fmt>-rotated" is `fmt` with `KVCache(rotate_k=True)`, "<fmt>-smoothed" with
+    `smooth_k=True`, "<fmt>-rotated-smoothed" with both)."""
     cfg = model.cfg
     b, s = x.shape
     heads, head_dim = cfg.heads, cfg.dim // cfg.heads
+    smooth = k_format.endswith("-smoothed")
+    k_format = k_format.removesuffix("-smoothed")
     rotate = k_format.endswith("-rotated")
     k_format = k_format.removesuffix("-rotated")
-    caches = [KVCache(b, heads, head_dim, s, k_format=k_format, v_format=v_format, device=x.device, rotate_k=rotate)
-              for _ in model.blocks]
+    caches = [KVCache(b, heads, head_dim, s, k_format=k_format, v_format=v_format, device=x.device, rotate_k=rotate,
+                      smooth_k=smooth) for _ in model.blocks]
     out = []
     for t in range(s):
         h = model.tok(x[:, t:t + 1]) + model.pos(torch.full((1,), t, device=x.device))
