@@ -53,6 +53,9 @@ class DecodeLaunch:
 # and 4 warps (about 210 registers: 38-41 warp instructions a key for the 4-bit and
 # fp8 formats); bf16 spilled there (255 registers, 48 bytes of stack) and takes 64-key
 # tiles. 16 rows: 64-key tiles (128 spilled 136 bytes). 32 and 64 rows: 8 warps.
+# Measured since (benchmarks/results/log/h200-decode-4ccabce.json): at about 200
+# registers two programs share an SM and the loop is latency-bound (37 SM cycles a key
+# and KV head for every format at (8, 32, 8, 32768)); the table awaits a launch sweep.
 DEFAULT_LAUNCH = DecodeLaunch(block_n=128, warps=4, stages=2, programs_per_sm=4)
 DECODE_LAUNCH: dict[tuple[str, str, int], DecodeLaunch] = {}  # (K format, V format, head dim): measured overrides
 
