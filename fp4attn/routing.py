@@ -38,7 +38,7 @@ from fp4attn.recipes import Recipe, robust_fields, robust_unsupported_reason
 TARGET_ENV = "FP4ATTN_TARGET"  # "sm_90", "sm_100", "sm_120", "cpu": route as if on that target
 BACKEND_ENV = "FP4ATTN_BACKEND"  # overrides backend="auto"
 BACKENDS = ("auto", "reference", "triton")
-TARGETS = ("sm_90", "sm_100", "sm_120", "cpu")
+TARGETS = ("sm_90", "sm_100", "sm_103", "sm_120", "sm_121", "cpu")
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 # the Hopper forward's key tile: equals Recipe.block_n of every preset (the tile is part of
@@ -320,13 +320,33 @@ def override_blackwell_launch(launch: BlackwellLaunch) -> Iterator[None]:
         _BLACKWELL_OVERRIDE.reset(token)
 
 
+# Consumer Blackwell (sm_120 / sm_121: RTX 50xx, RTX PRO 6000, DGX Spark): no tensor
+# memory, the block-scaled products are mma.sync (kind::mxf4nvf4) with accumulators in
+# registers, so the serial kernel at programs small enough for a thread's share of the S
+# and O tiles. Keyed by (head dim, key mask). Not measured: chosen from the sm_120a builds
+# (`fp4attn compile-report --arch sm_120a`), the smallest launch without a spill for every
+# routed recipe, causal or not: D=64 64 rows of 8 warps, one stage (4 warps spilled 8-64
+# bytes); with a key mask 32 rows of 4 warps (nvfp4-fp8 causal spilled 80 bytes at 64
+# rows); D=128 32 rows of 4 warps, two stages (64 rows spilled 120-1300 bytes).
+SM120_FORWARD_LAUNCH: dict[tuple[int, bool], BlackwellLaunch] = {
+    (64, False): BlackwellLaunch(block_m=64, warps=8, stages=1, pipelined=False),
+    (64, True): BlackwellLaunch(block_m=32, warps=4, stages=1, pipelined=False),
+    (128, False): BlackwellLaunch(block_m=32, warps=4, stages=2, pipelined=False),
+    (128, True): BlackwellLaunch(block_m=32, warps=4, stages=2, pipelined=False),
+}
+CONSUMER_BLACKWELL_TARGETS = ("sm_120", "sm_121")
+
+
 def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False, p: str = "fp8",
-                             p_build: str = "exp2") -> BlackwellLaunch:
-    """The Blackwell forward's launch for this kernel head dim, masking and P (format and
-    builder: `BLACKWELL_SERIAL_BUILDS` run the serial kernel)."""
+                             p_build: str = "exp2", target: str = "sm_100") -> BlackwellLaunch:
+    """The Blackwell forward's launch for this kernel head dim, masking, P (format and
+    builder: `BLACKWELL_SERIAL_BUILDS` run the serial kernel) and target (consumer
+    Blackwell: `SM120_FORWARD_LAUNCH`)."""
     override = _BLACKWELL_OVERRIDE.get()
     if override is not None:
         return override
+    if target in CONSUMER_BLACKWELL_TARGETS:
+        return SM120_FORWARD_LAUNCH[head_dim, key_mask]
     if (p, p_build, head_dim) in BLACKWELL_SERIAL_BUILDS:
         return SERIAL_BLACKWELL_LAUNCH_KEY_MASK_128 if key_mask and head_dim == 128 else SERIAL_BLACKWELL_LAUNCH
     return BLACKWELL_FORWARD_LAUNCH[head_dim, causal, key_mask]
@@ -523,12 +543,15 @@ BLACKWELL_PV = (("mxfp4", "directp", "mxfp4"), ("mxfp4", "affine", "mxfp4"), ("f
                 ("fp8", "affine", "fp8"))
 
 
-def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "none") -> str | None:
+def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "none",
+                                  target: str = "sm_100") -> str | None:
     """Why the Blackwell forward cannot run `recipe` at `head_dim` with this mask kind
-    ("none", "key"; see `KernelFamily`), or None."""
+    ("none", "key"; see `KernelFamily`) on `target`, or None. The spill rules are those
+    of the datacenter builds' serial kernel; the consumer launches build every routed
+    recipe without one."""
     dk = kernel_head_dim(head_dim)
-    serial = dk is not None and not blackwell_forward_launch(dk, False, mask == "key", recipe.p,
-                                                             recipe.p_build).pipelined
+    serial = dk is not None and target in BLACKWELL_TARGETS and not blackwell_forward_launch(
+        dk, False, mask == "key", recipe.p, recipe.p_build).pipelined
     if serial and recipe.qk == "fp8" and dk == 128 and mask == "key":
         # the serial kernel's sm_100a builds spill (255 registers; 340 bytes with FP8 P,
         # 276 with Direct-P): a thread holds its row's 64 keys of the key bias beside
@@ -577,6 +600,14 @@ def _blackwell_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: s
             "hopper.backward_triton.dq (built for sm_100a)")
 
 
+def _sm120_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
+                          on_cuda: bool = True) -> str:
+    qk = "NVFP4 QK^T (mma.sync kind::mxf4nvf4)" if recipe.qk == "nvfp4" else "FP8 QK^T (mma.sync)"
+    build = {"directp": "Direct-P", "affine": "affine", "exp2": "exp2"}[recipe.p_build]
+    pv = f"{build} MXFP4 PV (mma.sync kind::mxf4nvf4)" if recipe.p == "mxfp4" else f"{build} FP8 PV (mma.sync)"
+    return f"blackwell.forward_triton (sm_120 serial, {qk}, {pv})"
+
+
 def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
                               on_cuda: bool = True) -> str:
     qk = "NVFP4 QK^T (kind::mxf4nvf4)" if recipe.qk == "nvfp4" else "FP8 QK^T (kind::f8f6f4)"
@@ -598,6 +629,10 @@ KERNEL_FAMILIES: list[KernelFamily] = [
                  _blackwell_train_kernel, "fp4attn.kernels.blackwell.train_op:blackwell_train_attention", ("none",)),
     KernelFamily("blackwell-forward", BLACKWELL_TARGETS, False, blackwell_forward_unsupported,
                  _blackwell_forward_kernel, "fp4attn.kernels.blackwell.forward_op:blackwell_attention"),
+    # inference only: the training backward has no sm_120 launch yet
+    KernelFamily("consumer-blackwell-forward", CONSUMER_BLACKWELL_TARGETS, False,
+                 lambda r, d, m: blackwell_forward_unsupported(r, d, m, "sm_120"), _sm120_forward_kernel,
+                 "fp4attn.kernels.blackwell.forward_op:blackwell_attention"),
 ]
 
 

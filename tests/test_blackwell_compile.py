@@ -114,3 +114,37 @@ def test_training_backward_builds_for_sm100_without_spills():
         assert rec["spill_bytes"] == 0 and 0 < rec["tmem_columns"] <= 512, (where, rec)
         kinds = " ".join(rec["mma_kinds"])
         assert "kind::f8f6f4" in kinds and "kind::f16" in kinds, (where, kinds)
+
+
+def test_sm103a_builds_every_routed_forward_without_spills():
+    """B300 (sm_103a, routed as sm_100's family): the same routed builds compile for
+    sm_103a, warp-specialized where routed, without spills, tensor memory within 512
+    columns, the FP4 products block-scaled (no SASS: the bundled cuobjdump cannot read
+    sm_103a, so no prediction)."""
+    recs = compile_report.records("sm_103a", key_bias=False, backward=False)
+    assert {r["recipe"] for r in recs} >= {"directp", "nvfp4-fp8", "directp-fast", "fp8-affine"}
+    bad = [(r["recipe"], r["head_dim"], r["causal"], r["spill_bytes"], r["tmem_columns"]) for r in recs
+           if r["spill_bytes"] or not 0 < r["tmem_columns"] <= 512 or not r["fp4_block_scaled"]
+           or r["pipelined"] is (r["pv_fp4"] and r["p_affine"] and r["head_dim"] == 128)]
+    assert not bad, bad
+
+
+def test_sm120a_builds_every_routed_forward_without_spills():
+    """Consumer Blackwell (sm_120a, `routing.SM120_FORWARD_LAUNCH`): every routed build,
+    with and without a key mask, compiles without spills, uses no tensor memory, and
+    multiplies NVFP4/MXFP4 operands by block-scaled mma.sync (kind::mxf4nvf4, e4m3
+    scales per 16 as scale_vec::4X, E8M0 per 32 as scale_vec::2X); the model's figure
+    for an RTX 5090 stands beside SageAttention3's."""
+    recs = compile_report.records("sm_120a", key_bias=True, backward=False)
+    assert {r["recipe"] for r in recs} >= {"directp", "nvfp4-fp8", "fp8", "directp-fast", "fp8-affine"}
+    assert {r["key_bias"] for r in recs} == {False, True} and {r["head_dim"] for r in recs} == {64, 128}
+    for r in recs:
+        where = (r["recipe"], r["head_dim"], r["causal"], r["key_bias"])
+        assert r["spill_bytes"] == 0 and r["tmem_columns"] == 0 and not r["pipelined"], (where, r["spill_bytes"])
+        kinds = " ".join(r["mma_kinds"])
+        assert r["fp4_block_scaled"] and "tcgen05" not in kinds, (where, kinds)
+        if r["qk_fp4"]:
+            assert "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X" in kinds, (where, kinds)
+        if r["pv_fp4"]:
+            assert "scale_vec::2X" in kinds and "ue8m0" in kinds, (where, kinds)
+        assert r["prediction"]["gpu"] == "RTX 5090" and r["prediction"]["predicted_vs_sageattention3"] > 0, where

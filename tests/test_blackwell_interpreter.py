@@ -153,6 +153,15 @@ def _forward_with_cases(cases: str) -> str:
 
 AFFINE = _forward_with_cases(AFFINE_CASES)
 
+# consumer Blackwell (FP4ATTN_TARGET=sm_120): the serial kernel at its own launches (32-
+# and 64-row programs, `routing.SM120_FORWARD_LAUNCH`) on the same checks
+SM120 = _forward_with_cases("""
+    ("directp", 1, 2, 1, 100, 150, 128, "bottom_right", True),
+    ("nvfp4-fp8", 2, 2, 1, 70, 130, 64, None, True),
+    ("directp-fast", 1, 2, 2, 90, 100, 128, "top_left", False),
+    ("fp8-affine", 1, 2, 1, 80, 90, 64, "bottom_right", False),
+""").replace('"sm_100"', '"sm_120"')
+
 
 def test_blackwell_affine_p_matches_reference_under_the_interpreter():
     """The affine builders' P tiles equal the reference's (`reference.affine`) on >=
@@ -210,6 +219,14 @@ def test_serial_kernel_equals_the_pipelined_one_under_the_interpreter():
     comparison and where the pipelined build spills) gives the pipelined kernel's
     outputs, LSE and P tiles bit for bit (key mask, causal, GQA)."""
     run_under_interpreter(SERIAL)
+
+
+def test_sm120_route_matches_reference_under_the_interpreter():
+    """Consumer Blackwell routed under backend="auto" (FP4ATTN_TARGET=sm_120): the P
+    tiles, LSE and output held to the reference as on sm_100 (D=64 and 128, key masks,
+    both causal alignments, GQA, Direct-P, FP8 P and the affine builders)."""
+    assert SM120.count('"sm_120"') == 2 and '"sm_100"' not in SM120
+    run_under_interpreter(SM120)
 
 
 def test_blackwell_forward_matches_reference_under_the_interpreter():

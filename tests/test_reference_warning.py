@@ -91,6 +91,6 @@ def test_hint_names_the_targets_and_triton(hopper, monkeypatch):
     q = _x()
     kw = dict(q=q, rec=fp4attn.get_recipe("fp8"), mode=None, needs_grad=False, attn_mask=None, keys=16)
     r = routing.Route("reference", "reference", "sm_80", "no kernels are built for target sm_80")
-    assert api._kernel_hint(r=r, **kw) == "the kernels are built for sm_90, sm_100, sm_103"
+    assert api._kernel_hint(r=r, **kw) == "the kernels are built for sm_90, sm_100, sm_103, sm_120, sm_121"
     r = routing.Route("reference", "reference", "sm_90", "Triton is not importable (No module named 'triton')")
     assert "installing Triton" in api._kernel_hint(r=r, **kw)

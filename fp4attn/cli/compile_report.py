@@ -34,15 +34,20 @@ def _p_builder(recipe) -> str:
     return recipe.p_build if recipe.p == "mxfp4" else ("affine" if recipe.p_build == "affine" else "exp2")
 
 
-def routed_builds(key_bias: bool = True) -> list[dict]:
+# the routing target each compile-report architecture stands for
+TARGET_OF_ARCH = {"sm_100a": "sm_100", "sm_103a": "sm_103", "sm_120a": "sm_120"}
+
+
+def routed_builds(key_bias: bool = True, arch: str = "sm_100a") -> list[dict]:
     """One entry per routed (recipe, head dim, causal, key bias) of the Blackwell
-    forward, with the kernel build that runs it (QK_FP4, PV_FP4, P_AFFINE)."""
+    forward on `arch`'s target, with the kernel build that runs it (QK_FP4, PV_FP4,
+    P_AFFINE)."""
     out = []
     for name, r in PRESETS.items():
         for d in HEAD_DIMS:
             for causal in (False, True):
                 for kb in (False, True) if key_bias else (False,):
-                    if blackwell_forward_unsupported(r, d, "key" if kb else "none") is not None:
+                    if blackwell_forward_unsupported(r, d, "key" if kb else "none", TARGET_OF_ARCH[arch]) is not None:
                         continue
                     out.append(dict(kernel="blackwell.forward_triton", recipe=name, head_dim=d, causal=causal,
                                     key_bias=kb, qk_fp4=r.qk == "nvfp4", pv_fp4=r.p == "mxfp4",
@@ -50,21 +55,23 @@ def routed_builds(key_bias: bool = True) -> list[dict]:
     return out
 
 
-def _launch(pv_fp4: bool, p_affine: bool, causal: bool, head_dim: int, key_bias: bool):
+def _launch(pv_fp4: bool, p_affine: bool, causal: bool, head_dim: int, key_bias: bool, arch: str):
     p = "mxfp4" if pv_fp4 else "fp8"
     return blackwell_forward_launch(head_dim, causal, key_bias, p, "affine" if p_affine else
-                                    "directp" if pv_fp4 else "exp2")
+                                    "directp" if pv_fp4 else "exp2", TARGET_OF_ARCH[arch])
 
 
 @functools.lru_cache(maxsize=None)
 def build_report(qk_fp4: bool, pv_fp4: bool, p_affine: bool, causal: bool, head_dim: int, key_bias: bool,
                  arch: str, launch=None, bf16: bool = False) -> dict:
     """Compile one build at its routed launch (or `launch`) and read its machine code;
-    on sm_100a with the cost model's prediction, calibrated (`calibration_report`)."""
-    from fp4attn.tools.cost_model_sm100 import calibrate, predict
+    on sm_100a with the cost model's prediction for a B200, calibrated
+    (`calibration_report`), on sm_120a its raw figure for an RTX 5090 beside
+    SageAttention3's."""
+    from fp4attn.tools.cost_model_sm100 import RTX_5090, SAGEATTENTION3_RTX5090_TOPS, calibrate, predict
     from fp4attn.tools.machine_code_sm100 import compile_forward, inspect
 
-    launch = launch or _launch(pv_fp4, p_affine, causal, head_dim, key_bias)
+    launch = launch or _launch(pv_fp4, p_affine, causal, head_dim, key_bias, arch)
     kernel = compile_forward(qk_fp4, pv_fp4, causal, head_dim, arch=arch, block_m=launch.block_m,
                              block_n=KEY_TILE, num_warps=launch.warps, num_stages=launch.stages, key_bias=key_bias,
                              pipelined=launch.pipelined, p_affine=p_affine, bf16=bf16)
@@ -73,10 +80,15 @@ def build_report(qk_fp4: bool, pv_fp4: bool, p_affine: bool, causal: bool, head_
                tmem_columns=rep.tmem_columns, mma_kinds=rep.mma_kinds,
                e2m1_cvt=rep.ptx.count("cvt.rn.satfinite.e2m1x2.f32"),
                block_m=launch.block_m, warps=launch.warps, stages=launch.stages, pipelined=rep.pipelined)
-    if arch == "sm_100a":  # the B200 model reads the SASS
-        kinds = ("bf16", "bf16") if bf16 else ("fp4" if qk_fp4 else "fp8", "fp4" if pv_fp4 else "fp8")
+    kinds = ("bf16", "bf16") if bf16 else ("fp4" if qk_fp4 else "fp8", "fp4" if pv_fp4 else "fp8")
+    if arch == "sm_100a":  # the model reads the SASS (the bundled cuobjdump cannot for sm_103a)
         pred = predict(rep, qk=kinds[0], pv=kinds[1], head_dim=head_dim, block_m=launch.block_m, block_n=KEY_TILE)
         rec["prediction"] = pred if bf16 else calibrate(pred, calibration_report()["prediction"])
+    elif arch == "sm_120a":  # uncalibrated: no consumer Blackwell kernel of known speed shares this pipeline
+        pred = predict(rep, qk=kinds[0], pv=kinds[1], head_dim=head_dim, block_m=launch.block_m, block_n=KEY_TILE,
+                       gpu=RTX_5090)
+        rec["prediction"] = {**pred, "predicted_tflops": pred["ceiling_tflops"],
+                             "predicted_vs_sageattention3": round(pred["ceiling_tflops"] / SAGEATTENTION3_RTX5090_TOPS, 2)}
     return rec
 
 
@@ -163,21 +175,21 @@ def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True,
     bf16 product of the NVFP4 grid values (exact; kind::f16), its gradient products
     FP8 (docs/notes/blackwell.md)."""
     out = []
-    for e in routed_builds(key_bias):
+    for e in routed_builds(key_bias, arch):
         rec = build_report(e["qk_fp4"], e["pv_fp4"], e["p_affine"], e["causal"], e["head_dim"], e["key_bias"], arch)
         out.append({**e, "arch": arch, **rec, "routed": True, "fp4_block_scaled": fp4_products_ok(e, rec)})
-    for e in comparison_builds() if comparison else ():
+    for e in comparison_builds() if comparison and arch == "sm_100a" else ():
         rec = build_report(e["qk_fp4"], e["pv_fp4"], False, False, 128, False, arch, SERIAL_BLACKWELL_LAUNCH)
         out.append({**e, "arch": arch, **rec, "routed": False, "fp4_block_scaled": fp4_products_ok(e, rec)})
-    for e in routed_backward_builds() if backward else ():
+    for e in routed_backward_builds() if backward and arch != "sm_120a" else ():
         rec = backward_report(e["part"], e["p_mode"], e["causal"], e["head_dim"], arch)
         out.append({**e, "arch": arch, **rec, "routed": True, "fp4_block_scaled": None})
     return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", choices=("sm_100a", "sm_103a", "sm_120a"), default="sm_100a",
-                   help="target to compile for (sm_120a: consumer Blackwell, not routed)")
+    p.add_argument("--arch", choices=tuple(TARGET_OF_ARCH), default="sm_100a",
+                   help="target to compile for (sm_120a: consumer Blackwell, its forward only)")
     p.add_argument("--no-key-bias", action="store_true", help="skip the key-mask builds (half the compile time)")
     p.add_argument("--comparison", action="store_true", help="also the serial kernel's D=128 builds, not routed")
     p.add_argument("--json", type=Path, default=None, help="write the records as JSON")
@@ -189,19 +201,23 @@ def main(args: argparse.Namespace) -> None:
     rows = []
     for r in recs + ([calibration] if calibration else []):
         pred = r.get("prediction", {})
-        rows.append([r["kernel"].split("forward_triton")[-1].strip() or "pipelined" if r.get("pipelined") else
-                     r["kernel"].split(".")[-1], r["recipe"], r["head_dim"], "yes" if r["causal"] else "no",
+        kind = "pipelined" if r.get("pipelined") else "serial" if r["kernel"].startswith("blackwell") else \
+            r["kernel"].split(".")[-1]
+        if "calibration" in r["kernel"] or "comparison" in r["kernel"]:
+            kind += " (calibration)" if "calibration" in r["kernel"] else " (comparison, not routed)"
+        rows.append([kind, r["recipe"], r["head_dim"], "yes" if r["causal"] else "no",
                      "yes" if r["key_bias"] else "no", r["registers"], r["spill_bytes"], r["shared_bytes"],
                      r["tmem_columns"], "<br>".join(k.replace("tcgen05.mma.cta_group::1.", "") for k in r["mma_kinds"]),
                      pred.get("instructions_per_element", "-"), pred.get("bound", "-"),
                      pred.get("ceiling_tflops", "-"), pred.get("predicted_tflops", "-"),
-                     pred.get("predicted_vs_fa4_bf16", "-")])
+                     pred.get("predicted_vs_fa4_bf16", pred.get("predicted_vs_sageattention3", "-"))])
+    gpu = "an RTX 5090, uncalibrated" if args.arch == "sm_120a" else "a B200"
     print(f"Blackwell builds for {args.arch}: blackwell.forward_triton and the training backward's "
-          "hopper.backward_triton kernels (compiled here, not run; TFLOP/s predicted for a B200 by "
+          f"hopper.backward_triton kernels (compiled here, not run; TFLOP/s predicted for {gpu} by "
           "tools/cost_model_sm100.py, not measured)\n")
     print(markdown_table(["kernel", "recipe", "D", "causal", "key mask", "regs", "spill B", "smem B", "tmem cols",
                           "MMA kinds", "instr/elem (softmax)", "bound", "model TFLOP/s", "pred. TFLOP/s",
-                          "vs FA4 BF16"], rows))
+                          "vs SageAttention3 (1038)" if args.arch == "sm_120a" else "vs FA4 BF16"], rows))
     if calibration:
         print(f"\ncalibration: the BF16 build of the pipeline, model {calibration['prediction']['ceiling_tflops']} "
               f"TFLOP/s against FlashAttention-4's measured {calibration['fa4_bf16_measured_tflops']:.0f} "

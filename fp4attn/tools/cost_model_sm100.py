@@ -39,20 +39,36 @@ FA4_BF16_TFLOPS = 1613.0
 
 
 @dataclass(frozen=True)
-class B200:
-    """B200 figures the model uses. Tensor-core rates per SM and clock from the
-    datasheet's dense throughputs (HGX B200: BF16 2.25, FP8 4.5, FP4 9 PFLOP/s) at 148
-    SMs and the clock they imply (2.25e15 / (148 * 8192) = 1.86 GHz); four warp
-    schedulers issue one instruction each per clock; MUFU.EX2 16 per clock per SM."""
+class GPU:
+    """The figures the model uses: SMs, the clock, dense tensor-core FLOP per SM and
+    clock by operand kind, 4 warp schedulers issuing one instruction a clock each, MUFU
+    16 per SM and clock, and the register file and shared memory an SM shares among
+    its resident programs."""
 
-    sms: int = 148
-    clock_hz: float = 1.86e9
-    flop_per_clk: tuple = (("bf16", 8192), ("fp8", 16384), ("fp4", 32768))
+    name: str
+    sms: int
+    clock_hz: float
+    flop_per_clk: tuple
     schedulers: int = 4
     mufu_per_clk: int = 16
+    registers_per_sm: int = 65536
+    smem_per_sm: int = 228 * 1024
 
     def rate(self, kind: str) -> int:
         return dict(self.flop_per_clk)[kind]
+
+
+# B200: the datasheet's dense throughputs (HGX B200: BF16 2.25, FP8 4.5, FP4 9 PFLOP/s) at
+# 148 SMs and the clock they imply (2.25e15 / (148 * 8192) = 1.86 GHz)
+B200 = GPU("B200", 148, 1.86e9, (("bf16", 8192), ("fp8", 16384), ("fp4", 32768)))
+# RTX 5090 (sm_120): 170 SMs at the 2.41 GHz boost clock and the dense rates of NVIDIA's RTX
+# Blackwell whitepaper as read here (FP4 1676, FP8 838, BF16 419 TFLOPS with float32
+# accumulation: 4096, 2048, 1024 FLOP per SM and clock), 100 KiB of shared memory an SM;
+# not checked on the GPU
+RTX_5090 = GPU("RTX 5090", 170, 2.41e9, (("bf16", 1024), ("fp8", 2048), ("fp4", 4096)), smem_per_sm=100 * 1024)
+# SageAttention3 on an RTX 5090 (NVFP4 Q/K/P/V, its paper: 1038 TOPS), the sm_120 builds'
+# comparison point
+SAGEATTENTION3_RTX5090_TOPS = 1038.0
 
 
 def _issue_clocks(loops: list[tuple[int, int]], gpu: B200) -> float:
@@ -63,11 +79,14 @@ def _issue_clocks(loops: list[tuple[int, int]], gpu: B200) -> float:
 
 
 def predict(report, *, qk: str, pv: str, head_dim: int, block_m: int = 128, block_n: int = 128,
-            gpu: B200 = B200()) -> dict:
+            gpu: GPU = B200) -> dict:
     """The model's figures for one compiled build (`machine_code_sm100.BlackwellReport`)
-    whose products multiply `qk` and `pv` operands ("fp4", "fp8", "bf16"). Returns
-    per-partition issue, the clocks of each resource, the bound, and `ceiling_tflops`
-    (the model's raw figure); `calibrate` adds the calibrated prediction."""
+    whose products multiply `qk` and `pv` operands ("fp4", "fp8", "bf16"), per program
+    tile of block_m x block_n. Returns per-partition issue, the clocks of each resource,
+    the bound, and `ceiling_tflops` (the model's raw figure); `calibrate` adds the
+    calibrated prediction. A serial build with room for two or more programs on an SM
+    (registers and shared memory) overlaps one program's products with another's
+    issue: its tile then takes the largest, as a pipelined one."""
     flop = 2 * block_m * block_n * head_dim
     tensor = flop / gpu.rate(qk) + flop / gpu.rate(pv)
     out: dict = {"pipelined": report.pipelined}
@@ -89,12 +108,17 @@ def predict(report, *, qk: str, pv: str, head_dim: int, block_m: int = 128, bloc
         out.update(instructions_per_element=round(len(loop) / elems, 2), tile_loop_instructions=len(loop))
     clk_mufu = mufu / gpu.mufu_per_clk
     ceiling = max(tensor, issue, clk_mufu)
-    tile = ceiling if report.pipelined else issue + tensor
+    threads = report.num_warps * 32
+    programs = min(gpu.registers_per_sm // (max(report.registers, 1) * threads),
+                   gpu.smem_per_sm // max(report.shared_bytes, 1))
+    overlapped = report.pipelined or programs >= 2
+    tile = ceiling if overlapped else issue + tensor
     bound = {tensor: "tensor cores", issue: "instruction issue", clk_mufu: "MUFU"}[ceiling]
-    if not report.pipelined:
+    if not overlapped:
         bound = "issue + tensor cores in turn"
     tflops = 2 * flop / tile * gpu.sms * gpu.clock_hz / 1e12
-    out.update(mufu_per_tile=mufu, clk_tensor=round(tensor), clk_issue=round(issue), clk_mufu=round(clk_mufu),
+    out.update(gpu=gpu.name, programs_per_sm=programs if not report.pipelined else 1,
+               mufu_per_tile=mufu, clk_tensor=round(tensor), clk_issue=round(issue), clk_mufu=round(clk_mufu),
                clk_tile=round(tile), bound=bound, ceiling_tflops=round(tflops),
                overlapped_ceiling_tflops=round(2 * flop / ceiling * gpu.sms * gpu.clock_hz / 1e12))
     return out

@@ -205,11 +205,12 @@ class BlackwellReport:
         return [[op for _, op, _ in ins[i:j + 1]] for i, j in sorted(spans, key=lambda s: s[1] - s[0])]
 
     def tile_loop(self) -> list[str]:
-        """The unmasked key-tile loop: the shortest loop holding UTCQMMA/UTCHMMA/UTCOMMA
-        (tcgen05 MMA) instructions and no EXIT (the first of the kernel's two tile
-        loops in program order is the unmasked one; both are the same size)."""
+        """The unmasked key-tile loop of the serial kernel: the shortest loop holding
+        tensor-core instructions (UTCQMMA/UTCHMMA/UTCOMMA, tcgen05; OMMA/QMMA/HMMA,
+        mma.sync on sm_120a) and no EXIT (the first of the kernel's two tile loops in
+        program order is the unmasked one; both are the same size)."""
         for loop in self.loops():
-            if any(op.startswith("UTC") and "MMA" in op for op in loop) and "EXIT" not in loop:
+            if any("MMA" in op for op in loop) and "EXIT" not in loop:
                 return loop
         raise ValueError("no loop with tensor-core instructions in the SASS")
 
