@@ -80,8 +80,8 @@ def split_plan(launch: DecodeLaunch, max_len: int, programs: int, sms: int) -> t
     return math.ceil(tiles / per), per * launch.block_n
 
 
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# looked up once at import: torch.compile cannot trace importlib's spec search
+TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
 
 
 def unsupported_reason(device, head_dim: int) -> str | None:
@@ -94,7 +94,7 @@ def unsupported_reason(device, head_dim: int) -> str | None:
         return f"no decode kernels are built for target {target}"
     if head_dim not in DECODE_HEAD_DIMS:
         return f"head_dim {head_dim} (the decode kernels take {DECODE_HEAD_DIMS})"
-    if not _triton_importable():
+    if not TRITON_IMPORTABLE:
         return "Triton is not importable"
     return None
 

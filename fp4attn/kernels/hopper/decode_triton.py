@@ -457,6 +457,9 @@ def decode_split_kernel(
             acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, t0, KA, KS, KT, VA, VS, VT, TABLE, b, h, L,
             start, seq_row, qk_scale, HKV, PS, TABLE_STRIDE, K_FMT, V_FMT, D, BLOCK_N, SQ, CAUSAL, True, ASM, HW, OP,
             ALIGNED)
+    # a row whose visible keys all scored NaN has l NaN but, as the GPU's max ignores NaN,
+    # a running maximum of -inf, which the combine would read as "saw no key" (0): NaN
+    m_i = tl.where(l_i != l_i, float("nan"), m_i)
     # -- partial results ----------------------------------------------------------------
     n_b = tl.num_programs(1) // HKV
     hq_all = HKV * GROUP
