@@ -65,7 +65,9 @@ def bench_shape(shape: list[int], causal: bool, recipes: list[str] | None = None
         scale = D**-0.5
         ops, op_scale = prepare_operands(q, k, v, recipe, scale)
         offset = 0 if causal else None
-        timed[(name, False)] = time_ms(lambda: launch_forward(ops, scale=op_scale, causal_offset=offset))
+        affine = recipe.p_build == "affine"
+        timed[(name, False)] = time_ms(lambda: launch_forward(ops, scale=op_scale, causal_offset=offset,
+                                                              p_affine=affine))
         timed[(name, True)] = time_ms(lambda: fp4attn.attention(q, k, v, recipe=recipe, causal=causal,
                                                                 backend="triton"))
     base = timed.get(("sdpa-cudnn", False)) or timed.get(("sdpa-flash", False))
