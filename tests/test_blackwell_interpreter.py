@@ -408,3 +408,37 @@ def test_padded_head_dims_rotate_at_the_callers_head_dim():
         if rotate:
             other, other_scale = prepare_operands(*padded, r, d**-0.5)
             assert other_scale != want_scale or not torch.equal(raw(other.q[..., :n]), raw(want.q)), (d, fmt)
+
+
+BENCH = BLACKWELL_PATCHES + textwrap.dedent('''
+    import os
+
+    os.environ["FP4ATTN_TARGET"] = "sm_100"
+
+    from fp4attn.cli import bench_blackwell
+    from fp4attn.tools import benchmark
+
+    calls = []
+
+    def once(fn):  # the interpreter cannot time: run the call once, count it
+        fn()
+        calls.append(fn)
+        return 1.0
+
+    benchmark.time_ms = once
+    recs = bench_blackwell.bench_shape([1, 2, 130, 64], True, ["directp-fast", "fp8-affine", "bf16"], device="cpu")
+    impls = {(r["impl"], r["quant_included"]) for r in recs}
+    # bf16 is not routed to a kernel, so not timed; SDPA flash runs on CPU tensors too
+    assert {("directp-fast", False), ("directp-fast", True), ("fp8-affine", False), ("fp8-affine", True)} <= impls
+    assert not any(i == "bf16" for i, _ in impls), impls
+    assert all(r["cos"] > 0.999 for r in recs if r["impl"] in ("directp-fast", "fp8-affine")), recs
+    print("ok")
+''')
+
+
+def test_blackwell_bench_runs_each_routed_recipe_under_the_interpreter():
+    """`fp4attn bench` on Blackwell (what `fp4attn blackwell-report` sends back): each
+    routed recipe checked against its reference (cos > 0.999 on a slice), then timed
+    alone (its own P builder) and with its quantization; recipes that no kernel runs are
+    not timed. The timer is stood in for (the interpreter cannot time)."""
+    run_under_interpreter(BENCH)

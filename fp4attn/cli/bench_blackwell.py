@@ -36,9 +36,10 @@ def routed_recipes(q, k, v, causal: bool) -> list[str]:
             if fp4attn.explain(q, k, v, recipe=name, causal=causal)["backend"] == "triton"]
 
 
-def bench_shape(shape: list[int], causal: bool, recipes: list[str] | None = None) -> list[dict]:
+def bench_shape(shape: list[int], causal: bool, recipes: list[str] | None = None, device: str = "cuda") -> list[dict]:
     """Records of one (B, H, S, D) and causal flag: SDPA cuDNN and flash bf16, and each
-    routed recipe (those of them in `recipes` if given) alone and with its quantization."""
+    routed recipe (those of them in `recipes` if given) alone and with its quantization.
+    `device`: "cuda" (tests: "cpu" under the interpreter)."""
     import fp4attn
     from fp4attn.cli.bench import check_recipe
     from fp4attn.kernels.blackwell.forward_op import launch_forward
@@ -47,8 +48,8 @@ def bench_shape(shape: list[int], causal: bool, recipes: list[str] | None = None
     from fp4attn.tools.benchmark import sdpa, time_ms, visible_pairs
 
     B, H, S, D = shape
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
     flops = 4 * B * H * D * visible_pairs(S, S, causal)
     timed = {}
     for impl in ("sdpa-cudnn", "sdpa-flash"):
