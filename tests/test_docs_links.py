@@ -73,7 +73,9 @@ def test_results_folder_layout():
     uncited = [n for n in top if not re.search(rf"(?<![\w.-]){re.escape(n)}(?![\w.-])", cited)]
     assert not uncited, (f"benchmarks/results/ holds files that README.md, docs/performance.md and "
                          f"docs/accuracy.md do not cite; move them to benchmarks/results/log/: {uncited}")
-    assert len(top) <= 45, f"{len(top)} files at benchmarks/results/'s top level: logs belong in log/"
+    # about 40: every file cited for a current figure (48 with the affine presets' runs, the
+    # decode study and the sm_120a report); more means logs have crept back
+    assert len(top) <= 50, f"{len(top)} files at benchmarks/results/'s top level: logs belong in log/"
     listed = set(relative_links((RESULTS / "README.md").read_text()))
     files = top + [f"log/{p.name}" for p in sorted((RESULTS / "log").iterdir()) if p.is_file()]
     unlisted = [f for f in files if f not in listed]

@@ -20,7 +20,7 @@ Inputs (B=2, Hq=32, Hkv=8, L=4096, D=128, one query row at the end of the contex
     drift         K and V growing 8x in magnitude from the first token to the last
     k-offset      K with a shared per-head offset of 3 in every channel
 
-    python tools/decode_accuracy.py [--json benchmarks/results/decode-accuracy-cpu.json]
+    python tools/decode_accuracy.py [--json benchmarks/results/log/decode-accuracy-cpu.json]
 """
 
 from __future__ import annotations
