@@ -7,9 +7,10 @@ target and backend rules it shares (FP4ATTN_TARGET, FP4ATTN_BACKEND, TRITON_INTE
                 `kvcache_triton.py`) on sm_90 at head dims 64 and 128; else the
                 reference (`reference/decode.py`, `reference/kvcache.py`), logged once
     launch      `DecodeLaunch`: the key tile, warps and pipeline stages of the split
-                kernel per (K format, V format, head dim), and how many programs the
-                split-K grid aims at per SM (`DECODE_LAUNCH`, each entry traced to a
-                measurement in docs/notes/decode.md)
+                kernel per (K format, V format, head dim) (`DECODE_LAUNCH`, each entry
+                traced to a measurement in docs/notes/decode.md)
+    splits      `split_plan`: split-K so that the programs fill whole waves of what an
+                SM holds of the compiled kernel (`resident_programs`)
 
 A launch changes speed only, never a value: the decode numerics do not depend on the
 tile or the split a key falls in (`reference/decode.py`).
@@ -40,11 +41,14 @@ class DecodeLaunch:
     block_n: int  # keys a tile
     warps: int
     stages: int  # the software pipeline's depth over key tiles
-    programs_per_sm: int  # split-K aims at this many programs per SM (or fewer splits of >= min_split_tiles)
+    # programs resident on one SM, which the split plan fills in whole waves; 0: from the
+    # compiled kernel's registers and shared memory (`resident_programs`)
+    programs_per_sm: int = 0
     min_split_tiles: int = 4  # a split holds at least this many tiles (the combine and setup amortized)
     # dequantize by the inline-PTX bit placement (`decode_triton._fp4_asm`, `_fp8_asm`);
     # False: by float arithmetic (the interpreter's path, and a check of the asm's values)
     asm: bool = True
+    splits: int = 0  # split-K splits; 0: `split_plan`'s (measurement only)
 
 
 # Chosen from the sm_90 machine code before any H200 measurement (tools/compile_check_decode.py,
@@ -55,9 +59,18 @@ class DecodeLaunch:
 # tiles. 16 rows: 64-key tiles (128 spilled 136 bytes). 32 and 64 rows: 8 warps.
 # Measured since (benchmarks/results/log/h200-decode-4ccabce.json): at about 200
 # registers two programs share an SM and the loop is latency-bound (37 SM cycles a key
-# and KV head for every format at (8, 32, 8, 32768)); the table awaits a launch sweep.
-DEFAULT_LAUNCH = DecodeLaunch(block_n=128, warps=4, stages=2, programs_per_sm=4)
+# and KV head for every format at (8, 32, 8, 32768)), and a plan of 4 programs per SM
+# left a third of its last wave idle: the plan now fills the waves the kernel really has.
+DEFAULT_LAUNCH = DecodeLaunch(block_n=128, warps=4, stages=2)
 DECODE_LAUNCH: dict[tuple[str, str, int], DecodeLaunch] = {}  # (K format, V format, head dim): measured overrides
+
+# sm_90: 64 K registers, 64 warps, 32 programs and 227 KiB of shared memory an SM;
+# registers are allocated per warp in units of 256
+SM90_REGISTERS, SM90_WARPS, SM90_PROGRAMS, SM90_SHARED = 65536, 64, 32, 227 * 1024
+# a split's fixed cost (setup, q, the masked tiles, its partial's write and combine),
+# in tiles of the loop: what a plan pays for each split beyond the keys it reads
+SPLIT_OVERHEAD_TILES = 1.0
+MAX_SPLITS = 256
 
 
 def decode_launch(k_format: str, v_format: str, head_dim: int, block_m: int = MIN_BLOCK_M) -> DecodeLaunch:
@@ -69,13 +82,32 @@ def decode_launch(k_format: str, v_format: str, head_dim: int, block_m: int = MI
                                warps=8 if block_m >= 32 else DEFAULT_LAUNCH.warps)
 
 
-def split_plan(launch: DecodeLaunch, max_len: int, programs: int, sms: int) -> tuple[int, int]:
+def resident_programs(registers: int, warps: int, shared_bytes: int) -> int:
+    """Programs of `warps` warps, `registers` a thread and `shared_bytes` of shared
+    memory that fit one sm_90 SM at once (at least 1)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    fit = min(SM90_REGISTERS // max(per_warp, 1) // warps, SM90_WARPS // warps, SM90_PROGRAMS)
+    if shared_bytes:
+        fit = min(fit, SM90_SHARED // shared_bytes)
+    return max(1, fit)
+
+
+def split_plan(launch: DecodeLaunch, max_len: int, programs: int, sms: int, resident: int) -> tuple[int, int]:
     """(splits, tokens per split) for `programs` (sequences x KV heads x row blocks) over
-    keys up to `max_len`: enough splits to reach `programs_per_sm` programs per SM, each
-    at least `min_split_tiles` tiles (and at least one)."""
+    keys up to `max_len`, `resident` programs to an SM: the splits whose waves (whole
+    waves count: a part-filled last wave takes a wave's time) times tiles per split, plus
+    each split's fixed cost, is least; each split at least `min_split_tiles` tiles."""
     tiles = max(1, math.ceil(max_len / launch.block_n))
-    want = max(1, math.ceil(launch.programs_per_sm * sms / max(programs, 1)))
-    splits = max(1, min(want, tiles // launch.min_split_tiles))
+    if launch.splits:
+        splits = min(launch.splits, tiles)
+    else:
+        slots = max(1, resident * sms)
+        most = max(1, min(MAX_SPLITS, tiles // launch.min_split_tiles))
+
+        def cost(s: int) -> float:
+            return math.ceil(programs * s / slots) * (math.ceil(tiles / s) + SPLIT_OVERHEAD_TILES)
+
+        splits = min(range(1, most + 1), key=lambda s: (cost(s), s))
     per = math.ceil(tiles / splits)
     return math.ceil(tiles / per), per * launch.block_n
 

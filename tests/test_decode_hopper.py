@@ -131,7 +131,7 @@ def test_decode_matches_the_reference(case, causal):
     got, lse = decode(q, cache, causal=causal, return_lse=True)
     _check(got, want, lse, want_lse, case)
     # another split of the keys (64-key tiles, many splits) gives the same result
-    many = decode_op.decode_routing.DecodeLaunch(64, 4, 2, 64, 1)
+    many = decode_op.decode_routing.DecodeLaunch(64, 4, 2, min_split_tiles=1, splits=64)
     got2, lse2 = decode_op.hopper_decode(q, cache, scale=D**-0.5, causal=causal, launch=many)
     _check(got2, want, lse2, want_lse, (case, "many splits"))
 

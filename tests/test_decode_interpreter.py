@@ -76,7 +76,7 @@ SCRIPT = KERNEL_PATCHES + textwrap.dedent('''
         q = torch.randn(B, Hq, sq, D, generator=g)
         ks = None if start is None else torch.tensor(start)
         want, want_lse = decode(q, cache, causal=causal, key_start=ks, return_lse=True, backend="reference")
-        for launch in (None, decode_op.decode_routing.DecodeLaunch(64, 4, 1, 16, 1)):  # one split, and many
+        for launch in (None, decode_op.decode_routing.DecodeLaunch(64, 4, 1, min_split_tiles=1, splits=16)):  # planned, and many
             got, lse = decode_op.hopper_decode(q, cache, scale=D**-0.5, causal=causal, key_start=ks, launch=launch)
             name = f"decode {kf} {vf} {lens} sq={sq} ps={ps} {launch}"
             assert torch.equal(torch.isnan(got), torch.isnan(want)), name

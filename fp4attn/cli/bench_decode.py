@@ -42,8 +42,10 @@ def parse_decode_shapes(spec: str) -> list[tuple[int, ...]]:
 
 
 def parse_launches(spec: str | None):
-    """Kernel launches "block_n,warps,stages[,programs_per_sm[,asm]];..." to time beside
-    the routing table's (None: the table's only); asm 0 dequantizes by float arithmetic."""
+    """Kernel launches "block_n,warps,stages[,programs_per_sm[,asm[,splits]]];..." to time
+    beside the routing table's (None: the table's only); programs_per_sm 0 and splits 0:
+    the compiled kernel's occupancy and the split plan's; asm 0 dequantizes by float
+    arithmetic."""
     from fp4attn.decode_routing import DEFAULT_LAUNCH, DecodeLaunch
 
     if not spec:
@@ -54,10 +56,12 @@ def parse_launches(spec: str | None):
             vals = [int(x) for x in part.split(",")]
         except ValueError:
             vals = []
-        if len(vals) not in (3, 4, 5):
-            raise ValueError(f"--launches {spec!r}: each launch is block_n,warps,stages[,programs_per_sm[,asm]]")
+        if len(vals) not in (3, 4, 5, 6):
+            raise ValueError(f"--launches {spec!r}: each launch is "
+                             "block_n,warps,stages[,programs_per_sm[,asm[,splits]]]")
         pps = vals[3] if len(vals) > 3 else DEFAULT_LAUNCH.programs_per_sm
-        out.append(DecodeLaunch(*vals[:3], pps, DEFAULT_LAUNCH.min_split_tiles, bool(vals[4]) if len(vals) > 4 else True))
+        out.append(DecodeLaunch(*vals[:3], pps, DEFAULT_LAUNCH.min_split_tiles, bool(vals[4]) if len(vals) > 4 else True,
+                                vals[5] if len(vals) > 5 else 0))
     return out
 
 
@@ -158,7 +162,7 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
             for launch in [None] + list(launches):
                 ms = time_ms(lambda: hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch))
                 name = "table" if launch is None else f"{launch.block_n},{launch.warps},{launch.stages}," \
-                    f"{launch.programs_per_sm},{int(launch.asm)}"
+                    f"{launch.programs_per_sm},{int(launch.asm)},{launch.splits}"
                 timed.append(dict(impl=f"fp4attn-{fmt}", format=fmt, launch=name, ms=ms, bytes=cache_bytes,
                                   cos=cos_exact))
             # the append of one token per sequence (a step's write), on a copy at the same length
@@ -254,6 +258,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The decode options of `fp4attn bench` (with --decode)."""
     p.add_argument("--formats", help=f"with --decode: comma-separated cache formats; default {','.join(FORMATS)}")
     p.add_argument("--launches", help="with --decode: also time these kernel launches, "
-                   "'block_n,warps,stages[,programs_per_sm];...'")
+                   "'block_n,warps,stages[,programs_per_sm[,asm[,splits]]];...' (0: the table's or the plan's)")
     p.add_argument("--warm-processes", type=int, default=0,
                    help="with --decode: compile the kernels first in this many parallel processes")

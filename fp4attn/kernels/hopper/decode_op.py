@@ -90,14 +90,31 @@ def _block_m(rows: int) -> int:
     return min(decode_routing.MAX_BLOCK_M, max(decode_routing.MIN_BLOCK_M, triton.next_power_of_2(rows)))
 
 
+_RESIDENT: dict[tuple, int] = {}  # (constexprs, warps, stages, device index): programs an SM holds
+
+
+def _resident(launch: decode_routing.DecodeLaunch, args: tuple, consts: dict, device: torch.device) -> int:
+    """Programs of the split kernel an SM holds at once, from the compiled kernel's
+    registers and shared memory (once per compiled form; the launch's own count if set)."""
+    if launch.programs_per_sm:
+        return launch.programs_per_sm
+    if device.type != "cuda":  # the interpreter compiles nothing: a nominal two
+        return 2
+    key = (tuple(consts.items()), launch.warps, launch.stages, device.index)
+    if key not in _RESIDENT:
+        k = decode_split_kernel.warmup(*args, grid=(1,), **consts, num_warps=launch.warps, num_stages=launch.stages)
+        _RESIDENT[key] = decode_routing.resident_programs(k.n_regs, launch.warps, k.metadata.shared)
+    return _RESIDENT[key]
+
+
 @torch.library.custom_op("fp4attn::decode", mutates_args=())
 def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, va: torch.Tensor,
                vs: torch.Tensor, vt: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                key_start: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int, kv_heads: int,
                max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0, stages: int = 0,
-               programs_per_sm: int = 0, asm: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_n, warps, stages, programs_per_sm, asm (0/1): a launch other than the
-    routing table's (0, or -1 for asm: the table's)."""
+               programs_per_sm: int = 0, asm: int = -1, splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_n, warps, stages, programs_per_sm, asm (0/1), splits: a launch other than
+    the routing table's (0, or -1 for asm: the table's)."""
     B, Hq, Sq, D = q.shape
     qb = q.to(torch.bfloat16).contiguous()
     group = Hq // kv_heads
@@ -107,31 +124,41 @@ def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Te
     launch = decode_routing.decode_launch(k_fmt, v_fmt, D, block_m)
     launch = decode_routing.DecodeLaunch(block_n or launch.block_n, warps or launch.warps, stages or launch.stages,
                                          programs_per_sm or launch.programs_per_sm, launch.min_split_tiles,
-                                         launch.asm if asm < 0 else bool(asm))
-    splits, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), B * kv_heads * row_blocks,
-                                                     _sms(q.device))
-    o_acc = torch.empty((splits, B, Hq, Sq, D), dtype=torch.float32, device=q.device)
-    o_ml = torch.empty((splits, B, Hq, Sq, 2), dtype=torch.float32, device=q.device)
+                                         launch.asm if asm < 0 else bool(asm), splits or launch.splits)
     hw = _on_gpu()
-    decode_split_kernel[(splits, B * kv_heads, row_blocks)](
-        qb, ka, ks, kt, va, vs, vt, table, lengths, key_start if key_start is not None else lengths, o_acc, o_ml,
-        qb.stride(0), qb.stride(1), qb.stride(2), kv_heads, page_size, table.stride(0), Sq, rows, split_tokens,
-        scale * LOG2E,
-        GROUP=group, D=D, K_FMT=FORMAT_CODES[k_fmt], V_FMT=FORMAT_CODES[v_fmt], BLOCK_M=block_m,
-        BLOCK_N=launch.block_n, CAUSAL=causal, HAS_START=key_start is not None, ASM=hw and launch.asm, HW=hw,
-        ALIGNED=page_size % launch.block_n == 0, num_warps=launch.warps, num_stages=launch.stages)
+    consts = dict(GROUP=group, D=D, K_FMT=FORMAT_CODES[k_fmt], V_FMT=FORMAT_CODES[v_fmt], BLOCK_M=block_m,
+                  BLOCK_N=launch.block_n, CAUSAL=causal, HAS_START=key_start is not None, ASM=hw and launch.asm,
+                  HW=hw, ALIGNED=page_size % launch.block_n == 0)
+    programs = B * kv_heads * row_blocks
+
+    def args(split_tokens: int, o_acc: torch.Tensor, o_ml: torch.Tensor) -> tuple:
+        return (qb, ka, ks, kt, va, vs, vt, table, lengths, key_start if key_start is not None else lengths, o_acc,
+                o_ml, qb.stride(0), qb.stride(1), qb.stride(2), kv_heads, page_size, table.stride(0), Sq, rows,
+                split_tokens, scale * LOG2E)
+
+    n_split, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), programs, _sms(q.device), 1)
+    if not launch.splits:
+        # the plan fills the waves the compiled kernel really has (its registers decide)
+        f32 = torch.empty(0, dtype=torch.float32, device=q.device)  # the partials' dtype, for the compile
+        resident = _resident(launch, args(split_tokens, f32, f32), consts, q.device)
+        n_split, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), programs, _sms(q.device),
+                                                          resident)
+    o_acc = torch.empty((n_split, B, Hq, Sq, D), dtype=torch.float32, device=q.device)
+    o_ml = torch.empty((n_split, B, Hq, Sq, 2), dtype=torch.float32, device=q.device)
+    decode_split_kernel[(n_split, B * kv_heads, row_blocks)](
+        *args(split_tokens, o_acc, o_ml), **consts, num_warps=launch.warps, num_stages=launch.stages)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     n_rows = B * Hq * Sq
     decode_combine_kernel[(triton.cdiv(n_rows, COMBINE_ROWS),)](
-        o_acc, o_ml, out, lse, n_rows, splits, D=D, SPLITS_P2=triton.next_power_of_2(splits),
+        o_acc, o_ml, out, lse, n_rows, n_split, D=D, SPLITS_P2=triton.next_power_of_2(n_split),
         BLOCK_R=COMBINE_ROWS, num_warps=4)
     return out, lse
 
 
 @_decode_op.register_fake
 def _(q, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len, scale,
-      causal, block_n=0, warps=0, stages=0, programs_per_sm=0, asm=-1):
+      causal, block_n=0, warps=0, stages=0, programs_per_sm=0, asm=-1, splits=0):
     B, Hq, Sq, D = q.shape
     return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -143,7 +170,7 @@ def hopper_decode(q: torch.Tensor, cache, *, scale: float, causal: bool, key_sta
     measure one against another)."""
     ka, ks, kt = pool_tensors(cache.k, q)
     va, vs, vt = pool_tensors(cache.v, q)
-    extra = ((launch.block_n, launch.warps, launch.stages, launch.programs_per_sm, int(launch.asm))
-             if launch is not None else (0, 0, 0, 0, -1))
+    extra = ((launch.block_n, launch.warps, launch.stages, launch.programs_per_sm, int(launch.asm), launch.splits)
+             if launch is not None else (0, 0, 0, 0, -1, 0))
     return _decode_op(q, ka, ks, kt, va, vs, vt, cache.block_table, cache.lengths, key_start, cache.k_format,
                       cache.v_format, cache.page_size, cache.kv_heads, cache.max_length(), scale, causal, *extra)

@@ -1,0 +1,42 @@
+"""The decode split plan and the occupancy it plans for (pure Python, no GPU)."""
+
+import math
+
+import pytest
+
+from fp4attn.decode_routing import DEFAULT_LAUNCH, DecodeLaunch, resident_programs, split_plan
+
+
+def test_resident_programs_follow_registers_warps_and_shared_memory():
+    assert resident_programs(207, 4, 45 * 1024) == 2  # 208 x 128 registers a program: two of 64 K
+    assert resident_programs(128, 4, 0) == 4
+    assert resident_programs(64, 4, 0) == 8
+    assert resident_programs(32, 4, 0) == 16  # the SM's 64 warps
+    assert resident_programs(32, 4, 100 * 1024) == 2  # shared memory
+    assert resident_programs(255, 8, 0) == 1
+
+
+def test_the_plan_fills_whole_waves():
+    launch = DEFAULT_LAUNCH  # 128-key tiles
+    # (8, 32, 8, 32768): 64 (sequence, KV head) programs, two resident on each of 132 SMs:
+    # four splits fill one wave (256 of 264 slots), where nine made 2.2 waves
+    assert split_plan(launch, 32768, 64, 132, 2) == (4, 8192)
+    # one sequence of 131072 (8 KV heads): 32 splits, 256 programs, one wave
+    assert split_plan(launch, 131072, 8, 132, 2) == (32, 4096)
+    # already four waves of programs: no split
+    assert split_plan(launch, 8192, 1024, 132, 2) == (1, 8192)
+    # the launch's own split count (measurement)
+    assert split_plan(DecodeLaunch(64, 4, 2, splits=16), 4096, 8, 132, 2) == (16, 256)
+
+
+@pytest.mark.parametrize("max_len", [1, 63, 128, 129, 1000, 4096, 32767, 131072, 500_000])
+@pytest.mark.parametrize("programs", [1, 7, 64, 1024])
+@pytest.mark.parametrize("resident", [1, 2, 4])
+def test_every_split_holds_keys_and_together_they_cover_the_sequence(max_len, programs, resident):
+    for launch in (DEFAULT_LAUNCH, DecodeLaunch(64, 4, 2, min_split_tiles=1)):
+        splits, per = split_plan(launch, max_len, programs, 132, resident)
+        tiles = math.ceil(max_len / launch.block_n)
+        assert per % launch.block_n == 0 and 1 <= splits <= max(1, tiles)
+        assert (splits - 1) * per < max(max_len, 1) <= splits * per  # none empty, none missing
+        if splits > 1:
+            assert per // launch.block_n >= launch.min_split_tiles
