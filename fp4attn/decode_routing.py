@@ -49,6 +49,8 @@ class DecodeLaunch:
     # False: by float arithmetic (the interpreter's path, and a check of the asm's values)
     asm: bool = True
     splits: int = 0  # split-K splits; 0: `split_plan`'s (measurement only)
+    # "": `split_kernel`'s choice; "triton" or "cuda" to measure one against the other
+    kernel: str = ""
 
 
 # Chosen from the sm_90 machine code before any H200 measurement (tools/compile_check_decode.py,
@@ -80,6 +82,50 @@ def decode_launch(k_format: str, v_format: str, head_dim: int, block_m: int = MI
     small_tile = block_m >= 16 or "bf16" in (k_format, v_format)
     return dataclasses.replace(DEFAULT_LAUNCH, block_n=64 if small_tile else DEFAULT_LAUNCH.block_n,
                                warps=8 if block_m >= 32 else DEFAULT_LAUNCH.warps)
+
+
+# The CUDA split kernel (`kernels/hopper/decode_cuda.py`: one warp a split, no barrier)
+# takes one new query row a sequence over FP8 / NVFP4 keys and values, up to 16 query
+# heads a KV head, pages of a multiple of 16 tokens; the Triton kernel takes the rest
+# (bf16 and MXFP4 caches, speculative steps, chunks of a prompt).
+CUDA_FORMATS = ("fp8", "nvfp4")
+CUDA_MAX_ROWS = 16
+CUDA_TILE = 16  # keys a warp takes at a time
+CUDA_WARPS = 4
+# a CTA of the CUDA kernel as a split plan's program: its warps' keys together, each warp
+# at least 128 keys (8 of its tiles)
+CUDA_LAUNCH = DecodeLaunch(block_n=CUDA_TILE * CUDA_WARPS, warps=CUDA_WARPS, stages=1, min_split_tiles=8)
+
+
+def cuda_unsupported_reason(k_format: str, v_format: str, head_dim: int, group: int, sq: int,
+                            page_size: int) -> str | None:
+    """Why the CUDA split kernel does not take this decode call (None: it does)."""
+    if k_format not in CUDA_FORMATS or v_format not in CUDA_FORMATS:
+        return f"formats {k_format}/{v_format} (it takes {CUDA_FORMATS})"
+    if head_dim not in DECODE_HEAD_DIMS:
+        return f"head_dim {head_dim}"
+    if sq != 1:
+        return f"{sq} new query rows a sequence (it takes 1)"
+    if group > CUDA_MAX_ROWS:
+        return f"{group} query heads a KV head (it takes up to {CUDA_MAX_ROWS})"
+    if page_size % CUDA_TILE:
+        return f"page size {page_size} (it takes multiples of {CUDA_TILE})"
+    return None
+
+
+def split_kernel(k_format: str, v_format: str, head_dim: int, group: int, sq: int, page_size: int,
+                 on_gpu: bool, asked: str = "") -> str:
+    """"cuda" or "triton": which split kernel runs this decode call (`asked`: a launch's
+    own choice, which must be possible)."""
+    why = cuda_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size) if on_gpu else \
+        "the interpreter runs Triton kernels only"
+    if why is None and not NVRTC_IMPORTABLE:
+        why = "cuda-bindings (NVRTC) is not installed"
+    if asked == "cuda" and why:
+        raise ValueError(f"the CUDA decode kernel cannot run this call: {why}")
+    if asked == "triton" or why:
+        return "triton"
+    return "cuda"
 
 
 def resident_programs(registers: int, warps: int, shared_bytes: int) -> int:
@@ -114,6 +160,10 @@ def split_plan(launch: DecodeLaunch, max_len: int, programs: int, sms: int, resi
 
 # looked up once at import: torch.compile cannot trace importlib's spec search
 TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
+try:
+    NVRTC_IMPORTABLE = importlib.util.find_spec("cuda.bindings") is not None
+except ModuleNotFoundError:  # no `cuda` package at all
+    NVRTC_IMPORTABLE = False
 
 
 def unsupported_reason(device, head_dim: int) -> str | None:

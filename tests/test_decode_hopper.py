@@ -193,3 +193,38 @@ def test_decode_compiles():
 
     got = torch.compile(step, fullgraph=True)(q)
     assert torch.equal(got, step(q))
+
+
+CUDA_CASES = [  # (K, V, B, Hkv, Hq, D, lengths, page size, key_start)
+    ("nvfp4", "nvfp4", 3, 8, 32, 128, (4099, 1, 1000), None, None),
+    ("fp8", "fp8", 2, 2, 32, 128, (17, 2345), 16, None),  # 16 query heads a KV head: rows 8-15 of the tile
+    ("nvfp4", "fp8", 2, 4, 8, 64, (700, 63), 32, (5, 0)),
+    ("fp8", "nvfp4", 1, 1, 12, 64, (16,), 16, (15,)),
+    ("nvfp4", "nvfp4", 2, 2, 4, 128, (1, 31), 48, (0, 30)),
+]
+
+
+@pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: f"{c[0]}-{c[1]}-Hq{c[4]}-D{c[5]}-L{c[6]}-ps{c[7]}")
+def test_the_cuda_split_kernel_matches_the_reference_and_the_triton_kernel(case):
+    """One warp a split (`decode_cuda`): against the reference, and against the Triton
+    split kernel on the same cache, with the planned splits and with many."""
+    kf, vf, B, Hkv, Hq, D, lens, ps, start = case
+    cache = _filled(kf, vf, B, Hkv, D, lens, page_size=ps, bad=True)
+    q = torch.randn(B, Hq, 1, D, device="cuda").bfloat16()
+    ks = None if start is None else torch.tensor(start, device="cuda", dtype=torch.int32)
+    want, want_lse = decode(q, cache, key_start=ks, return_lse=True, backend="reference")
+    R = decode_op.decode_routing
+    for launch in (R.DecodeLaunch(128, 4, 2, kernel="cuda"), R.DecodeLaunch(128, 4, 2, splits=37, kernel="cuda")):
+        got, lse = decode_op.hopper_decode(q, cache, scale=D**-0.5, causal=True, key_start=ks, launch=launch)
+        _check(got, want, lse, want_lse, (case, launch))
+    tri, tri_lse = decode_op.hopper_decode(q, cache, scale=D**-0.5, causal=True, key_start=ks,
+                                           launch=R.DecodeLaunch(128, 4, 2, kernel="triton"))
+    _check(got, tri, lse, tri_lse, (case, "triton"))
+
+
+def test_the_cuda_split_kernel_refuses_what_it_cannot_run():
+    cache = _filled("mxfp4", "mxfp4", 1, 1, 128, (40,))
+    q = torch.randn(1, 4, 1, 128, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="CUDA decode kernel cannot run"):
+        decode_op.hopper_decode(q, cache, scale=0.1, causal=True,
+                                launch=decode_op.decode_routing.DecodeLaunch(128, 4, 2, kernel="cuda"))

@@ -52,6 +52,9 @@ def parse_launches(spec: str | None):
         return []
     out = []
     for part in spec.split(";"):
+        if part in ("triton", "cuda"):  # the table's launch of that split kernel
+            out.append(DecodeLaunch(DEFAULT_LAUNCH.block_n, DEFAULT_LAUNCH.warps, DEFAULT_LAUNCH.stages, kernel=part))
+            continue
         try:
             vals = [int(x) for x in part.split(",")]
         except ValueError:
@@ -61,7 +64,7 @@ def parse_launches(spec: str | None):
                              "block_n,warps,stages[,programs_per_sm[,asm[,splits]]]")
         pps = vals[3] if len(vals) > 3 else DEFAULT_LAUNCH.programs_per_sm
         out.append(DecodeLaunch(*vals[:3], pps, DEFAULT_LAUNCH.min_split_tiles, bool(vals[4]) if len(vals) > 4 else True,
-                                vals[5] if len(vals) > 5 else 0))
+                                vals[5] if len(vals) > 5 else 0, kernel="triton"))
     return out
 
 
@@ -99,7 +102,7 @@ def _warm(args: tuple) -> None:
     """Compile one format's kernels at one shape's specialization (a process of its own:
     the compiles run side by side)."""
     fmt, (B, Hq, Hkv, L, D), launches = args
-    from fp4attn import KVCache, decode
+    from fp4attn import KVCache, decode, decode_routing
     from fp4attn.kernels.hopper.decode_op import hopper_append, hopper_decode
 
     cache = KVCache(B, Hkv, D, max(L, 2048), k_format=fmt, device="cuda")
@@ -109,7 +112,8 @@ def _warm(args: tuple) -> None:
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
     decode(q, cache)
     for launch in launches:
-        hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch)
+        if launch.kernel != "cuda" or fmt in decode_routing.CUDA_FORMATS:
+            hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch)
     torch.cuda.synchronize()
 
 
@@ -126,7 +130,7 @@ def warm_up(shapes, formats, launches, processes: int = 8) -> None:
 def run_bench(shapes, formats, launches, partial: Path | None = None, check: bool = True) -> list[dict]:
     """Time SDPA and every format (and launch) on every shape; `partial` gets the
     records after each shape, so a cut-short run keeps what it measured."""
-    from fp4attn import KVCache, decode
+    from fp4attn import KVCache, decode, decode_routing
     from fp4attn.kernels.hopper.decode_op import hopper_append, hopper_decode
     from fp4attn.tools.benchmark import time_ms
 
@@ -160,9 +164,12 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
                 if not cos > 0.9999:
                     raise RuntimeError(f"decode {fmt} at {shape} disagrees with its reference: cos {cos}")
             for launch in [None] + list(launches):
+                if launch is not None and launch.kernel == "cuda" and decode_routing.cuda_unsupported_reason(
+                        fmt, fmt, D, Hq // Hkv, 1, cache.page_size):
+                    continue  # the CUDA split kernel does not take this format: nothing to time
                 ms = time_ms(lambda: hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch))
                 name = "table" if launch is None else f"{launch.block_n},{launch.warps},{launch.stages}," \
-                    f"{launch.programs_per_sm},{int(launch.asm)},{launch.splits}"
+                    f"{launch.programs_per_sm},{int(launch.asm)},{launch.splits}" if not launch.kernel else launch.kernel
                 timed.append(dict(impl=f"fp4attn-{fmt}", format=fmt, launch=name, ms=ms, bytes=cache_bytes,
                                   cos=cos_exact))
             # the append of one token per sequence (a step's write), on a copy at the same length

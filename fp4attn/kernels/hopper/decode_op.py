@@ -8,6 +8,7 @@ empty tensor in their place (never read).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -103,29 +104,18 @@ def _resident(launch: decode_routing.DecodeLaunch, args: tuple, consts: dict, de
     key = (tuple(consts.items()), launch.warps, launch.stages, device.index)
     if key not in _RESIDENT:
         k = decode_split_kernel.warmup(*args, grid=(1,), **consts, num_warps=launch.warps, num_stages=launch.stages)
+        k._init_handles()  # loads the module: the register count is known from then on
         _RESIDENT[key] = decode_routing.resident_programs(k.n_regs, launch.warps, k.metadata.shared)
     return _RESIDENT[key]
 
 
-@torch.library.custom_op("fp4attn::decode", mutates_args=())
-def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, va: torch.Tensor,
-               vs: torch.Tensor, vt: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
-               key_start: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int, kv_heads: int,
-               max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0, stages: int = 0,
-               programs_per_sm: int = 0, asm: int = -1, splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_n, warps, stages, programs_per_sm, asm (0/1), splits: a launch other than
-    the routing table's (0, or -1 for asm: the table's)."""
-    B, Hq, Sq, D = q.shape
-    qb = q.to(torch.bfloat16).contiguous()
+def _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads,
+                  max_len, scale, causal, launch, block_m, hw):
+    """The Triton split kernel's partials: (o_acc, o_ml, splits)."""
+    B, Hq, Sq, D = qb.shape
     group = Hq // kv_heads
     rows = group * Sq
-    block_m = _block_m(rows)
     row_blocks = triton.cdiv(rows, block_m)
-    launch = decode_routing.decode_launch(k_fmt, v_fmt, D, block_m)
-    launch = decode_routing.DecodeLaunch(block_n or launch.block_n, warps or launch.warps, stages or launch.stages,
-                                         programs_per_sm or launch.programs_per_sm, launch.min_split_tiles,
-                                         launch.asm if asm < 0 else bool(asm), splits or launch.splits)
-    hw = _on_gpu()
     consts = dict(GROUP=group, D=D, K_FMT=FORMAT_CODES[k_fmt], V_FMT=FORMAT_CODES[v_fmt], BLOCK_M=block_m,
                   BLOCK_N=launch.block_n, CAUSAL=causal, HAS_START=key_start is not None, ASM=hw and launch.asm,
                   HW=hw, ALIGNED=page_size % launch.block_n == 0)
@@ -136,17 +126,68 @@ def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Te
                 o_ml, qb.stride(0), qb.stride(1), qb.stride(2), kv_heads, page_size, table.stride(0), Sq, rows,
                 split_tokens, scale * LOG2E)
 
-    n_split, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), programs, _sms(q.device), 1)
+    n_split, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), programs, _sms(qb.device), 1)
     if not launch.splits:
         # the plan fills the waves the compiled kernel really has (its registers decide)
-        f32 = torch.empty(0, dtype=torch.float32, device=q.device)  # the partials' dtype, for the compile
-        resident = _resident(launch, args(split_tokens, f32, f32), consts, q.device)
-        n_split, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), programs, _sms(q.device),
+        f32 = torch.empty(0, dtype=torch.float32, device=qb.device)  # the partials' dtype, for the compile
+        resident = _resident(launch, args(split_tokens, f32, f32), consts, qb.device)
+        n_split, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), programs, _sms(qb.device),
                                                           resident)
-    o_acc = torch.empty((n_split, B, Hq, Sq, D), dtype=torch.float32, device=q.device)
-    o_ml = torch.empty((n_split, B, Hq, Sq, 2), dtype=torch.float32, device=q.device)
+    o_acc = torch.empty((n_split, B, Hq, Sq, D), dtype=torch.float32, device=qb.device)
+    o_ml = torch.empty((n_split, B, Hq, Sq, 2), dtype=torch.float32, device=qb.device)
     decode_split_kernel[(n_split, B * kv_heads, row_blocks)](
         *args(split_tokens, o_acc, o_ml), **consts, num_warps=launch.warps, num_stages=launch.stages)
+    return o_acc, o_ml, n_split
+
+
+def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len,
+                scale, splits):
+    """The CUDA split kernel's partials (a split a warp): (o_acc, o_ml, splits)."""
+    from fp4attn.kernels.hopper import decode_cuda
+
+    B, Hq, Sq, D = qb.shape
+    group = Hq // kv_heads
+    variant = decode_cuda.Variant(D, k_fmt, v_fmt, group > 8, decode_routing.CUDA_WARPS)
+    plan = decode_routing.CUDA_LAUNCH
+    if splits:  # warps' splits asked for: whole CTAs of them
+        plan = dataclasses.replace(plan, splits=max(1, -(-splits // variant.warps)))
+    ctas, cta_tokens = decode_routing.split_plan(plan, max(max_len, 1), B * kv_heads, _sms(qb.device),
+                                                 decode_cuda.resident_ctas(variant))
+    n_split = ctas * variant.warps
+    o_acc = torch.empty((n_split, B, Hq, Sq, D), dtype=torch.float32, device=qb.device)
+    o_ml = torch.empty((n_split, B, Hq, Sq, 2), dtype=torch.float32, device=qb.device)
+    decode_cuda.launch_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, o_acc, o_ml, variant=variant,
+                             kv_heads=kv_heads, page_size=page_size, split_tokens=cta_tokens // variant.warps,
+                             ctas=ctas, qk_scale=scale * LOG2E)
+    return o_acc, o_ml, n_split
+
+
+@torch.library.custom_op("fp4attn::decode", mutates_args=())
+def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, va: torch.Tensor,
+               vs: torch.Tensor, vt: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+               key_start: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int, kv_heads: int,
+               max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0, stages: int = 0,
+               programs_per_sm: int = 0, asm: int = -1, splits: int = 0,
+               split_impl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """block_n, warps, stages, programs_per_sm, asm (0/1), splits, split_impl ("triton"
+    or "cuda"): a launch other than the routing table's (0, -1 for asm, "": the table's)."""
+    B, Hq, Sq, D = q.shape
+    qb = q.to(torch.bfloat16).contiguous()
+    group = Hq // kv_heads
+    block_m = _block_m(group * Sq)
+    launch = decode_routing.decode_launch(k_fmt, v_fmt, D, block_m)
+    launch = decode_routing.DecodeLaunch(block_n or launch.block_n, warps or launch.warps, stages or launch.stages,
+                                         programs_per_sm or launch.programs_per_sm, launch.min_split_tiles,
+                                         launch.asm if asm < 0 else bool(asm), splits or launch.splits,
+                                         split_impl or launch.kernel)
+    hw = _on_gpu()
+    kernel = decode_routing.split_kernel(k_fmt, v_fmt, D, group, Sq, page_size, hw, launch.kernel)
+    if kernel == "cuda":
+        o_acc, o_ml, n_split = _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt,
+                                           page_size, kv_heads, max_len, scale, launch.splits)
+    else:
+        o_acc, o_ml, n_split = _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt,
+                                             page_size, kv_heads, max_len, scale, causal, launch, block_m, hw)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     n_rows = B * Hq * Sq
@@ -158,7 +199,7 @@ def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Te
 
 @_decode_op.register_fake
 def _(q, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len, scale,
-      causal, block_n=0, warps=0, stages=0, programs_per_sm=0, asm=-1, splits=0):
+      causal, block_n=0, warps=0, stages=0, programs_per_sm=0, asm=-1, splits=0, split_impl=""):
     B, Hq, Sq, D = q.shape
     return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -170,7 +211,7 @@ def hopper_decode(q: torch.Tensor, cache, *, scale: float, causal: bool, key_sta
     measure one against another)."""
     ka, ks, kt = pool_tensors(cache.k, q)
     va, vs, vt = pool_tensors(cache.v, q)
-    extra = ((launch.block_n, launch.warps, launch.stages, launch.programs_per_sm, int(launch.asm), launch.splits)
-             if launch is not None else (0, 0, 0, 0, -1, 0))
+    extra = ((launch.block_n, launch.warps, launch.stages, launch.programs_per_sm, int(launch.asm), launch.splits,
+              launch.kernel) if launch is not None else (0, 0, 0, 0, -1, 0, ""))
     return _decode_op(q, ka, ks, kt, va, vs, vt, cache.block_table, cache.lengths, key_start, cache.k_format,
                       cache.v_format, cache.page_size, cache.kv_heads, cache.max_length(), scale, causal, *extra)

@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
-import os
-import re
-import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from fp4attn.kernels.hopper.nvrtc_build import (ARCH, CACHE_ENV, Build, check, compile_source, driver,  # noqa: F401
+                                               load_function, nvrtc_version, options_for)
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 
 SOURCE = Path(__file__).with_name("cuda") / "attn_fwd_fp8.cu"
 KERNEL_NAME = "attn_fwd_fp8"
-ARCH = "sm_90a"
 HEAD_DIMS = (64, 128)
-CACHE_ENV = "FP4ATTN_CACHE_DIR"
 LOG2E = 1.4426950408889634
 
 
@@ -163,138 +158,26 @@ def all_variants() -> list[Variant]:
 
 
 # ---------------------------------------------------------------------------- build
-def _nvrtc():
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError as e:  # pragma: no cover - depends on the installation
-        raise RuntimeError("the CUDA forward needs NVRTC: pip install cuda-bindings nvidia-cuda-nvrtc "
-                           "(the fp4attn[test] extra installs them)") from e
-    return nvrtc
-
-
-def _check(result, what: str):
-    err = result[0]
-    if int(err) != 0:
-        raise RuntimeError(f"{what} failed: {err!r}")
-    return result[1] if len(result) == 2 else result[1:]
-
-
-def nvrtc_version() -> tuple[int, int]:
-    return tuple(_check(_nvrtc().nvrtcVersion(), "nvrtcVersion"))
-
-
-def _options(variant: Variant) -> list[str]:
-    # -v: ptxas reports registers and spills in the log (read by the compile check)
-    return [f"--gpu-architecture={ARCH}", "-std=c++17", "--ptxas-options=-v", *variant.defines()]
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "fp4attn") / "cuda"
-
-
-@dataclass(frozen=True)
-class Build:
-    cubin: bytes
-    log: str  # NVRTC's and ptxas's messages
-
-    def spill_bytes(self) -> int:
-        """Local-memory spill stores plus loads reported by ptxas (0 when none)."""
-        pairs = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.log)
-        return sum(int(a) + int(b) for a, b in pairs)
-
-    def registers(self) -> int | None:
-        m = re.search(r"Used (\d+) registers", self.log)
-        return int(m.group(1)) if m else None
-
-    def serialized_wgmma(self) -> bool:
-        """ptxas's note that it serialized the wgmmas (C7510-C7520: a lost pipeline)."""
-        return "wgmma.mma_async instructions are serialized" in self.log
-
-
 def compile_variant(variant: Variant, *, use_cache: bool = True, announce: bool = True) -> Build:
     """The variant's cubin for sm_90a, from the disk cache or built by NVRTC (no GPU needed)."""
-    nvrtc = _nvrtc()
-    source = SOURCE.read_bytes()
-    options = _options(variant)
-    key = hashlib.sha256(source + "\0".join(options).encode() + repr(nvrtc_version()).encode())
-    key = key.hexdigest()[:24]
-    path = _cache_dir() / f"{KERNEL_NAME}-{key}.cubin"
-    if use_cache and path.exists():
-        log_path = path.with_suffix(".log")
-        return Build(path.read_bytes(), log_path.read_text() if log_path.exists() else "")
-    if announce:
-        print(f"fp4attn: compiling the CUDA attention forward ({variant}) with NVRTC ...", file=sys.stderr,
-              flush=True)
-    prog = _check(nvrtc.nvrtcCreateProgram(source, SOURCE.name.encode(), 0, [], []), "nvrtcCreateProgram")
-    try:
-        opts = [o.encode() for o in options]
-        err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
-        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        log_text = log.decode(errors="replace").rstrip("\0 \n")
-        if int(err) != 0:
-            raise RuntimeError(f"NVRTC could not compile {SOURCE.name} ({variant}):\n{log_text}")
-        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    if use_cache:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(cubin)
-            path.with_suffix(".log").write_text(log_text)
-            os.replace(tmp, path)  # atomic: concurrent builds of one variant never read half a file
-        except OSError:
-            pass  # a read-only home: the build still runs, uncached
-    return Build(cubin, log_text)
+    return compile_source(SOURCE, options_for(variant.defines()), f"the CUDA attention forward ({variant})",
+                          use_cache=use_cache, announce=announce)
 
 
 # ---------------------------------------------------------------------------- load and launch
-_lock = threading.Lock()
-_functions: dict[tuple[int, Variant], object] = {}
-
-
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
 def _function(variant: Variant, device: torch.device):
     """The loaded kernel for this variant in the device's primary context (torch's)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, variant)
-    with _lock:
-        fn = _functions.get(key)
-        if fn is None:
-            drv = _driver()
-            torch.cuda.init()
-            with torch.cuda.device(index):
-                torch.cuda.current_stream()  # makes torch's (primary) context current in this thread
-                ctx = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-                if int(ctx) == 0:
-                    dev = _check(drv.cuDeviceGet(index), "cuDeviceGet")
-                    ctx = _check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-                    _check((drv.cuCtxSetCurrent(ctx)[0], None), "cuCtxSetCurrent")
-                module = _check(drv.cuModuleLoadData(compile_variant(variant).cubin), "cuModuleLoadData")
-                fn = _check(drv.cuModuleGetFunction(module, KERNEL_NAME.encode()), "cuModuleGetFunction")
-                attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _check((drv.cuFuncSetAttribute(fn, attr, variant.shared_bytes())[0], None),
-                       "cuFuncSetAttribute")
-            _functions[key] = fn
-    return fn
+    return load_function(("forward", variant), lambda: compile_variant(variant), KERNEL_NAME, device,
+                         variant.shared_bytes())
 
 
 def _tensor_map(base: int, dims: list[int], strides: list[int], box: list[int], swizzle_bytes: int) -> bytes:
     """A TMA descriptor of uint8 elements (dims innermost first, strides in bytes of
     dims 1..), as the 128 bytes the kernel's TensorMap holds."""
-    drv = _driver()
+    drv = driver()
     swizzle = {64: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
                128: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle_bytes]
-    tmap = _check(drv.cuTensorMapEncodeTiled(
+    tmap = check(drv.cuTensorMapEncodeTiled(
         drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, len(dims), base,
         [drv.cuuint64_t(x) for x in dims], [drv.cuuint64_t(x) for x in strides],
         [drv.cuuint32_t(x) for x in box], [drv.cuuint32_t(1)] * len(dims),
@@ -461,10 +344,10 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     p.p_dump = p_dump.data_ptr() if p_dump is not None else 0
 
     fn = _function(variant, q.device)
-    drv = _driver()
+    drv = driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
     stream = drv.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    _check((drv.cuLaunchKernel(fn, -(-Sq // variant.block_m), B * H, 1, variant.threads, 1, 1,
+    check((drv.cuLaunchKernel(fn, -(-Sq // variant.block_m), B * H, 1, variant.threads, 1, 1,
                                variant.shared_bytes(), stream,
                                ctypes.addressof(args), 0)[0], None), "cuLaunchKernel")
     return out, lse

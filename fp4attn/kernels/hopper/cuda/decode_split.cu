@@ -1,0 +1,406 @@
+// Decode attention over a quantized KV cache, split kernel (sm_90): one new query row per
+// sequence (Sq = 1), the GQA group's query heads (up to 16) as the rows of one mma tile,
+// FP8 or NVFP4 keys and values. The numerics are reference/decode.py's and the Triton
+// split kernel's (decode_triton.py), operation for operation: bf16 q, block values exact
+// in bf16, float32 scores times the token factor, an integer running maximum, P = 2**(t - m)
+// rounded to bf16 after the V token factor, l the float32 sum of the unrounded P.
+//
+// Why a second kernel: the Triton kernel is latency-bound (docs/notes/decode.md): its
+// 4 warps share each key tile, so every tile crosses the warps twice (the row maximum,
+// P's layout for the PV product) behind barriers, and at ~200 registers two programs fit
+// an SM. Here every warp is a split of its own: it walks its keys 16 at a time with its
+// own online softmax, nothing is shared between warps (no shared memory, no barrier),
+// and the next tile's bytes are loaded before this one is worked on. Each warp writes its
+// partial (m, l, acc) as a split of the combine kernel's, so the warps' results merge in
+// the same power-of-two combine as the splits'.
+//
+// Register layouts (mma.m16n8k16, row-major A, column-major B; lane = 4 g + t):
+//   S = q K^T: A = q (rows g, g + 8), B = K codes of key g of each 8-key n-tile. The
+//     contraction order is free, so lane t holds channels [D/4 t, D/4 t + D/4) of its key:
+//     D/8 contiguous bytes (NVFP4) or D/4 (FP8), one coalesced load; the dequantization's
+//     output order decides which channel each k index is, and q is loaded in that order
+//     (q_channel below).
+//   P: the S accumulators of two n-tiles are P's A fragment for 16 keys (FlashAttention-2's
+//     register reuse: keys 2t, 2t + 1 and 2t + 8, 2t + 9).
+//   O = P V: B = V of keys 2t, 2t + 1 (and + 8) at channel v_channel(o, g) = D/8 g + o of
+//     n-tile o: lane g holds D/8 contiguous channels of each of its four keys.
+//
+// Dequantization, by bit placement (as decode_triton's _fp4_asm / _fp8_asm, bit-identical):
+// an E2M1 code's exponent and mantissa bits into bf16's lowest exponent and top mantissa
+// bits (the value times 2**-126), then one bf16x2 multiply by the block's multiplier
+// (e4m3 scale x 2**-7, pre-shifted by 2**126); e4m3 bytes likewise, times 2**120.
+
+// NVRTC without the toolkit's headers: the few types it needs
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef K_FMT  // 1 fp8, 2 nvfp4 (decode_op.FORMAT_CODES)
+#define K_FMT 2
+#endif
+#ifndef V_FMT
+#define V_FMT 2
+#endif
+#ifndef HI_ROWS  // 1: more than 8 query rows (rows 8-15 of the mma tile hold queries)
+#define HI_ROWS 0
+#endif
+#ifndef WARPS
+#define WARPS 4
+#endif
+
+constexpr int D = HEAD_DIM;
+constexpr int KSTEPS = D / 16;  // k steps of the score product
+constexpr int NT_O = D / 8;     // n-tiles of the output
+constexpr bool K_FP4 = K_FMT == 2;
+constexpr bool V_FP4 = V_FMT == 2;
+constexpr int KW = K_FP4 ? D / 32 : D / 16;  // u32 words of one key a lane holds
+constexpr int VW = V_FP4 ? D / 64 : D / 32;  // u32 words of one value row a lane holds
+constexpr int TILE = 16;
+#define NEG_INF __int_as_float(0xff800000)
+
+struct Params {
+    const uint16_t* q;  // bf16 bits, (B, Hq, 1, D) contiguous
+    const uint8_t* ka;  // codes (NVFP4, D/2 bytes a token) or e4m3 bytes (D)
+    const uint8_t* ks;  // NVFP4 block scales (e4m3, D/16 a token)
+    const float* kt;    // token scales
+    const uint8_t* va;
+    const uint8_t* vs;
+    const float* vt;
+    const int* table;  // (B, table_stride) pages
+    const int* lens;   // (B,)
+    const int* start;  // (B,) first visible key (has_start)
+    float* o_acc;      // (splits, B, Hq, 1, D)
+    float* o_ml;       // (splits, B, Hq, 1, 2)
+    int hkv, page_size, table_stride, hq, group, batch, split_tokens, has_start;
+    float qk_scale;
+};
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// 8 E2M1 codes (nibble k) -> bf16x2 {nibble j, nibble j + 4} for j = 0..3, times mult
+__device__ __forceinline__ void fp4x8(uint32_t w, uint32_t mult, uint32_t (&o)[4]) {
+    asm("{\n\t.reg .b32 v, x;\n\t"
+        "and.b32 x, %4, 0x000F000F;\n\tmul.lo.u32 x, x, 0x1040;\n\tand.b32 x, x, 0x81C081C0;\n\t"
+        "mul.rn.bf16x2 %0, x, %5;\n\t"
+        "and.b32 x, %4, 0x00F000F0;\n\tmul.lo.u32 x, x, 0x104;\n\tand.b32 x, x, 0x81C081C0;\n\t"
+        "mul.rn.bf16x2 %1, x, %5;\n\t"
+        "shr.b32 v, %4, 8;\n\t"
+        "and.b32 x, v, 0x000F000F;\n\tmul.lo.u32 x, x, 0x1040;\n\tand.b32 x, x, 0x81C081C0;\n\t"
+        "mul.rn.bf16x2 %2, x, %5;\n\t"
+        "and.b32 x, v, 0x00F000F0;\n\tmul.lo.u32 x, x, 0x104;\n\tand.b32 x, x, 0x81C081C0;\n\t"
+        "mul.rn.bf16x2 %3, x, %5;\n\t}"
+        : "=r"(o[0]), "=r"(o[1]), "=r"(o[2]), "=r"(o[3])
+        : "r"(w), "r"(mult));
+}
+
+// 4 e4m3 bytes -> bf16x2 {byte 0, byte 2}, {byte 1, byte 3}
+__device__ __forceinline__ void fp8x4(uint32_t w, uint32_t (&o)[2]) {
+    asm("{\n\t.reg .b32 t, u, c;\n\tmov.b32 c, 0x7B807B80;\n\t"
+        "shl.b32 t, %2, 4;\n\tand.b32 t, t, 0x07F007F0;\n\tshl.b32 u, %2, 8;\n\tand.b32 u, u, 0x80008000;\n\t"
+        "or.b32 t, t, u;\n\tmul.rn.bf16x2 %0, t, c;\n\t"
+        "shr.b32 t, %2, 4;\n\tand.b32 t, t, 0x07F007F0;\n\tand.b32 u, %2, 0x80008000;\n\t"
+        "or.b32 t, t, u;\n\tmul.rn.bf16x2 %1, t, c;\n\t}"
+        : "=r"(o[0]), "=r"(o[1])
+        : "r"(w));
+}
+
+__device__ __forceinline__ float e4m3_value(uint32_t byte) {
+    // exact, NaN kept: through the hardware e4m3x2 -> f16x2 conversion
+    uint32_t h;
+    uint16_t b = (uint16_t)byte;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(b));
+    float f;
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %1;\n\tcvt.f32.f16 %0, lo;\n\t}" : "=f"(f) : "r"(h));
+    return f;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// an NVFP4 block's multiplier, e4m3 x 2**-7 x 2**126 (exact in bf16), NaN kept
+__device__ __forceinline__ float fp4_mult(uint32_t byte) { return e4m3_value(byte) * 0x1p119f; }
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int N>
+__device__ __forceinline__ void load_words(const uint8_t* p, uint32_t (&w)[N]) {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 4; ++i) {
+            uint4 x = __ldcs(reinterpret_cast<const uint4*>(p) + i);
+            w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+        }
+    } else if constexpr (N == 2) {
+        uint2 x = __ldcs(reinterpret_cast<const uint2*>(p));
+        w[0] = x.x, w[1] = x.y;
+    } else {
+        w[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
+    }
+}
+
+// q's channel for k step kk and lane t: slot 0, 1, 2, 3 are the k indices 2t, 2t + 1,
+// 2t + 8, 2t + 9 (A's a0 low, a0 high, a2 low, a2 high), as the K dequantization orders them
+__device__ __forceinline__ int q_channel(int kk, int t, int slot) {
+    const int base = (D / 4) * t;
+    if (K_FP4) {  // word kk / 2, nibbles 2j, 2j + 4 (out 2j) and 2j + 1, 2j + 5 (out 2j + 1)
+        const int c = base + 8 * (kk / 2) + 2 * (kk % 2);
+        return c + (slot == 1 ? 4 : slot == 2 ? 1 : slot == 3 ? 5 : 0);
+    }
+    const int c = base + 4 * kk;  // word kk, bytes 0, 2 (out 0) and 1, 3 (out 1)
+    return c + (slot == 1 ? 2 : slot == 2 ? 1 : slot == 3 ? 3 : 0);
+}
+
+__device__ __forceinline__ int v_channel(int o, int g) { return (D / 8) * g + o; }
+
+struct Raw {
+    uint32_t k[2][KW];  // key g of n-tile nt
+    uint32_t ksc[2];    // its block-scale bytes (NVFP4)
+    float2 kt[2];       // token scales of keys 8 nt + 2t, + 1
+    uint32_t v[4][VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+    uint32_t vsc[4];
+    float2 vt[2];  // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
+};
+
+__device__ __forceinline__ void load_tile(const Params& p, int b, int h, int tile0, int g, int t, Raw& r) {
+    const int page = p.table[(int64_t)b * p.table_stride + tile0 / p.page_size];
+    const int64_t row0 = ((int64_t)page * p.hkv + h) * p.page_size + tile0 % p.page_size;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        const int64_t row = row0 + 8 * nt + g;
+        if (K_FP4) {
+            load_words<KW>(p.ka + row * (D / 2) + (D / 8) * t, r.k[nt]);
+            r.ksc[nt] = D == 128 ? (uint32_t)__ldg(reinterpret_cast<const uint16_t*>(p.ks + row * (D / 16)) + t)
+                                 : (uint32_t)__ldg(p.ks + row * (D / 16) + t);
+        } else {
+            load_words<KW>(p.ka + row * D + (D / 4) * t, r.k[nt]);
+        }
+        r.kt[nt] = __ldg(reinterpret_cast<const float2*>(p.kt + row0 + 8 * nt + 2 * t));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int64_t row = row0 + 2 * t + (i & 1) + 8 * (i >> 1);
+        if (V_FP4) {
+            load_words<VW>(p.va + row * (D / 2) + (D / 16) * g, r.v[i]);
+            r.vsc[i] = __ldg(p.vs + row * (D / 16) + (D == 128 ? g : g / 2));
+        } else {
+            load_words<VW>(p.va + row * D + (D / 8) * g, r.v[i]);
+        }
+    }
+    r.vt[0] = __ldg(reinterpret_cast<const float2*>(p.vt + row0 + 2 * t));
+    r.vt[1] = __ldg(reinterpret_cast<const float2*>(p.vt + row0 + 8 + 2 * t));
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ Params p) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int b = blockIdx.y / p.hkv, h = blockIdx.y % p.hkv;
+    const int split = blockIdx.x * WARPS + warp;
+    const int L = p.lens[b];
+    const int start = p.has_start ? p.start[b] : 0;
+    int lo = split * p.split_tokens;
+    const int hi = min(lo + p.split_tokens, L);
+    if (p.has_start) lo = max(lo, (start / TILE) * TILE);
+
+    // -- q fragments (an Inf becomes NaN, as the reference) ------------------------------------
+    uint32_t qa[KSTEPS][2], qb[KSTEPS][2];
+    {
+        const bool ok_lo = g < p.group, ok_hi = HI_ROWS && g + 8 < p.group;
+        const uint16_t* q_lo = p.q + ((int64_t)b * p.hq + h * p.group + g) * D;
+        const uint16_t* q_hi = q_lo + 8 * D;
+        auto get = [](const uint16_t* row, bool ok, int c) -> uint32_t {
+            uint32_t x = ok ? row[c] : 0u;
+            return (x & 0x7FFF) == 0x7F80 ? 0x7FC0u : x;
+        };
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; ++kk) {
+            const int c0 = q_channel(kk, t, 0), c1 = q_channel(kk, t, 1);
+            const int c2 = q_channel(kk, t, 2), c3 = q_channel(kk, t, 3);
+            qa[kk][0] = get(q_lo, ok_lo, c0) | (get(q_lo, ok_lo, c1) << 16);
+            qa[kk][1] = get(q_lo, ok_lo, c2) | (get(q_lo, ok_lo, c3) << 16);
+            qb[kk][0] = HI_ROWS ? get(q_hi, ok_hi, c0) | (get(q_hi, ok_hi, c1) << 16) : 0u;
+            qb[kk][1] = HI_ROWS ? get(q_hi, ok_hi, c2) | (get(q_hi, ok_hi, c3) << 16) : 0u;
+        }
+    }
+
+    float acc[NT_O][4];
+#pragma unroll
+    for (int o = 0; o < NT_O; ++o) acc[o][0] = acc[o][1] = acc[o][2] = acc[o][3] = 0.0f;
+    float m_row[2] = {NEG_INF, NEG_INF}, l_row[2] = {0.0f, 0.0f};
+    const float k_fac_shift = K_FP4 ? 128.0f : 1.0f, v_fac_shift = V_FP4 ? 128.0f : 1.0f;
+
+    const int last = lo < hi ? lo + ((hi - 1 - lo) / TILE) * TILE : lo;
+    Raw cur, nxt;
+    if (lo < hi) load_tile(p, b, h, lo, g, t, cur);
+    for (int tile0 = lo; tile0 < hi; tile0 += TILE) {
+        // the next tile's bytes in flight while this one is worked on (the last tile reloads itself)
+        load_tile(p, b, h, min(tile0 + TILE, last), g, t, nxt);
+        const bool masked = tile0 < start || tile0 + TILE > L;
+
+        // -- scores, log2 units ----------------------------------------------------------------
+        float s[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+            if (K_FP4) {
+                const uint32_t m0 = pack_bf16(fp4_mult(cur.ksc[nt] & 0xFF), fp4_mult(cur.ksc[nt] & 0xFF));
+                const uint32_t m1 = D == 128 ? pack_bf16(fp4_mult(cur.ksc[nt] >> 8), fp4_mult(cur.ksc[nt] >> 8)) : m0;
+#pragma unroll
+                for (int i = 0; i < KW; ++i) {
+                    uint32_t o[4];
+                    fp4x8(cur.k[nt][i], i < KW / 2 || D != 128 ? m0 : m1, o);
+                    mma(s[nt], qa[2 * i][0], qb[2 * i][0], qa[2 * i][1], qb[2 * i][1], o[0], o[1]);
+                    mma(s[nt], qa[2 * i + 1][0], qb[2 * i + 1][0], qa[2 * i + 1][1], qb[2 * i + 1][1], o[2], o[3]);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < KW; ++i) {
+                    uint32_t o[2];
+                    fp8x4(cur.k[nt][i], o);
+                    mma(s[nt], qa[i][0], qb[i][0], qa[i][1], qb[i][1], o[0], o[1]);
+                }
+            }
+            const float f0 = cur.kt[nt].x * k_fac_shift * p.qk_scale, f1 = cur.kt[nt].y * k_fac_shift * p.qk_scale;
+            s[nt][0] *= f0, s[nt][1] *= f1, s[nt][2] *= f0, s[nt][3] *= f1;
+            if (masked) {
+                const int j = tile0 + 8 * nt + 2 * t;
+                const bool v0 = j < L && j >= start, v1 = j + 1 < L && j + 1 >= start;
+                if (!v0) s[nt][0] = s[nt][2] = NEG_INF;
+                if (!v1) s[nt][1] = s[nt][3] = NEG_INF;
+            }
+        }
+        // -- online softmax, integer maximum (rows g and g + 8) -----------------------------------
+        float m_new[2];
+        bool grew = false;
+#pragma unroll
+        for (int r = 0; r < (HI_ROWS ? 2 : 1); ++r) {
+            float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            m_new[r] = fmaxf(m_row[r], ceilf(mx));
+            grew |= m_new[r] > m_row[r];
+        }
+        if (__any_sync(0xffffffff, grew)) {
+#pragma unroll
+            for (int r = 0; r < (HI_ROWS ? 2 : 1); ++r) {
+                const float use = m_new[r] == NEG_INF ? 0.0f : m_new[r];
+                const float alpha = ex2(m_row[r] - use);
+                l_row[r] *= alpha;
+#pragma unroll
+                for (int o = 0; o < NT_O; ++o) acc[o][2 * r] *= alpha, acc[o][2 * r + 1] *= alpha;
+            }
+        }
+        float m_use[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_row[r] = r == 0 || HI_ROWS ? m_new[r] : NEG_INF;
+            m_use[r] = m_row[r] == NEG_INF ? 0.0f : m_row[r];
+        }
+        float pr[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                pr[nt][e] = (e < 2 || HI_ROWS) ? ex2(s[nt][e] - m_use[e / 2]) : 0.0f;
+                l_row[e / 2] += pr[nt][e];
+            }
+        // -- P V -------------------------------------------------------------------------------
+        float2 vf[2] = {cur.vt[0], cur.vt[1]};
+        uint32_t keep[2] = {0xFFFFFFFFu, 0xFFFFFFFFu};  // a value no row may see is zeroed (0 * NaN)
+        if (masked) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const int j = tile0 + 8 * nt + 2 * t;
+                const bool v0 = j < L && j >= start, v1 = j + 1 < L && j + 1 >= start;
+                vf[nt].x = v0 ? vf[nt].x : 0.0f;
+                vf[nt].y = v1 ? vf[nt].y : 0.0f;
+                keep[nt] = (v0 ? 0x0000FFFFu : 0u) | (v1 ? 0xFFFF0000u : 0u);
+            }
+        }
+        uint32_t pa[4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const float x = vf[nt].x * v_fac_shift, y = vf[nt].y * v_fac_shift;
+            pa[2 * nt] = pack_bf16(pr[nt][0] * x, pr[nt][1] * y);
+            pa[2 * nt + 1] = HI_ROWS ? pack_bf16(pr[nt][2] * x, pr[nt][3] * y) : 0u;
+        }
+        uint32_t vm[2] = {0u, 0u};
+        if (V_FP4) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+                vm[nt] = pack_bf16(fp4_mult(cur.vsc[2 * nt]), fp4_mult(cur.vsc[2 * nt + 1]));
+        }
+#pragma unroll
+        for (int w = 0; w < VW; ++w) {
+            // keys 2t, 2t + 1 (and + 8) side by side: a bf16x2 register pairs two keys of one channel
+            const uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5410), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7632);
+            const uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5410), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7632);
+            if (V_FP4) {
+                uint32_t a[4], c[4], e[4], f[4];
+                fp4x8(x0, vm[0], a), fp4x8(x1, vm[0], c), fp4x8(y0, vm[1], e), fp4x8(y1, vm[1], f);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    mma(acc[8 * w + j], pa[0], pa[1], pa[2], pa[3], a[j] & keep[0], e[j] & keep[1]);
+                    mma(acc[8 * w + 4 + j], pa[0], pa[1], pa[2], pa[3], c[j] & keep[0], f[j] & keep[1]);
+                }
+            } else {
+                uint32_t a[2], c[2], e[2], f[2];
+                fp8x4(x0, a), fp8x4(x1, c), fp8x4(y0, e), fp8x4(y1, f);
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    mma(acc[4 * w + j], pa[0], pa[1], pa[2], pa[3], a[j] & keep[0], e[j] & keep[1]);
+                    mma(acc[4 * w + 2 + j], pa[0], pa[1], pa[2], pa[3], c[j] & keep[0], f[j] & keep[1]);
+                }
+            }
+        }
+        cur = nxt;
+    }
+
+    // -- this warp's partial, as a split of the combine's --------------------------------------
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_row[r] += __shfl_xor_sync(0xffffffff, l_row[r], 1);
+        l_row[r] += __shfl_xor_sync(0xffffffff, l_row[r], 2);
+        // a row whose visible keys all scored NaN: its max (fmaxf ignores NaN) stayed -inf
+        if (l_row[r] != l_row[r]) m_row[r] = __int_as_float(0x7fc00000);
+    }
+#pragma unroll
+    for (int r = 0; r < (HI_ROWS ? 2 : 1); ++r) {
+        const int row = g + 8 * r;
+        if (row >= p.group) continue;
+        const int64_t prow = ((int64_t)split * p.batch + b) * p.hq + h * p.group + row;
+        float* out = p.o_acc + prow * D;
+#pragma unroll
+        for (int o = 0; o < NT_O; ++o) {
+            out[v_channel(o, 2 * t)] = acc[o][2 * r];
+            out[v_channel(o, 2 * t + 1)] = acc[o][2 * r + 1];
+        }
+        if (t == 0) {
+            p.o_ml[prow * 2] = m_row[r];
+            p.o_ml[prow * 2 + 1] = l_row[r];
+        }
+    }
+}
