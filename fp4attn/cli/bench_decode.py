@@ -112,7 +112,8 @@ def _warm(args: tuple) -> None:
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
     decode(q, cache)
     for launch in launches:
-        if launch.kernel != "cuda" or fmt in decode_routing.CUDA_FORMATS:
+        if launch.kernel != "cuda" or not decode_routing.cuda_unsupported_reason(fmt, fmt, D, Hq // Hkv, 1,
+                                                                                  cache.page_size):
             hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch)
     torch.cuda.synchronize()
 

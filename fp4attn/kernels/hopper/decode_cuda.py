@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.decode_routing import DECODE_HEAD_DIMS, resident_programs
+from fp4attn.decode_routing import CUDA_WARPS, DECODE_HEAD_DIMS, resident_programs
 from fp4attn.kernels.hopper.nvrtc_build import (Build, check, compile_source, driver, load_function,  # noqa: F401
                                                options_for)
 
@@ -30,7 +30,7 @@ class Variant:
     k_format: str
     v_format: str
     hi_rows: bool  # more than 8 query rows
-    warps: int = 4
+    warps: int = CUDA_WARPS
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DK_FMT={FORMATS[self.k_format]}",

@@ -126,13 +126,14 @@ def _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, 
                 o_ml, qb.stride(0), qb.stride(1), qb.stride(2), kv_heads, page_size, table.stride(0), Sq, rows,
                 split_tokens, scale * LOG2E)
 
-    n_split, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), programs, _sms(qb.device), 1)
+    resident = 1  # a fixed split count needs no occupancy
     if not launch.splits:
-        # the plan fills the waves the compiled kernel really has (its registers decide)
-        f32 = torch.empty(0, dtype=torch.float32, device=qb.device)  # the partials' dtype, for the compile
-        resident = _resident(launch, args(split_tokens, f32, f32), consts, qb.device)
-        n_split, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), programs, _sms(qb.device),
-                                                          resident)
+        # the plan fills the waves the compiled kernel really has (its registers decide); the
+        # compile sees the partials' dtype and a split length of the same specialization (a
+        # multiple of the key tile, as every plan's)
+        f32 = torch.empty(0, dtype=torch.float32, device=qb.device)
+        resident = _resident(launch, args(launch.block_n, f32, f32), consts, qb.device)
+    n_split, split_tokens = decode_routing.split_plan(launch, max(max_len, 1), programs, _sms(qb.device), resident)
     o_acc = torch.empty((n_split, B, Hq, Sq, D), dtype=torch.float32, device=qb.device)
     o_ml = torch.empty((n_split, B, Hq, Sq, 2), dtype=torch.float32, device=qb.device)
     decode_split_kernel[(n_split, B * kv_heads, row_blocks)](
@@ -147,7 +148,7 @@ def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_
 
     B, Hq, Sq, D = qb.shape
     group = Hq // kv_heads
-    variant = decode_cuda.Variant(D, k_fmt, v_fmt, group > 8, decode_routing.CUDA_WARPS)
+    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8)
     plan = decode_routing.CUDA_LAUNCH
     if splits:  # warps' splits asked for: whole CTAs of them
         plan = dataclasses.replace(plan, splits=max(1, -(-splits // variant.warps)))
