@@ -16,13 +16,18 @@ from fp4attn.reference.directp import build_p
 
 
 def test_hadamard_is_orthogonal_up_to_its_order_and_exact_on_bf16():
-    """H H = n I for the butterfly (exact on bf16 inputs: no sum needs more than 24 bits),
-    and a head dim that is not a power of two is rotated in blocks."""
-    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0)).bfloat16().float()
+    """H H = n I for the butterfly, and a head dim that is not a power of two is rotated
+    in blocks. Exact on a grid of multiples of 2**-4 below 16 (every partial sum of both
+    passes needs at most 8 + 7 + 7 bits); to float32 rounding on Gaussian inputs, whose
+    sums of values of unlike exponents can need more than float32's 24 bits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-255, 256, (5, 128), generator=g).float() / 16
     assert torch.equal(robust.hadamard(robust.hadamard(x)), x * 128)
-    y = torch.randn(3, 96).bfloat16().float()
+    y = torch.randint(-255, 256, (3, 96), generator=g).float() / 16
     assert robust.hadamard_block(96) == 32
     assert torch.equal(robust.hadamard(robust.hadamard(y)), y * 32)
+    z = torch.randn(7, 96, generator=g).bfloat16().float()
+    torch.testing.assert_close(robust.hadamard(robust.hadamard(z)), z * 32, rtol=1e-6, atol=1e-5)
     h = robust.hadamard(torch.eye(8))
     assert torch.equal(h @ h.T, 8 * torch.eye(8)) and torch.equal(h, h.T)
     # rotate / unrotate are adjoint: <rotate(a), b> = <a, unrotate(b)>
