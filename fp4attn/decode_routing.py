@@ -19,6 +19,7 @@ tile or the split a key falls in (`reference/decode.py`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -92,6 +93,20 @@ CUDA_FORMATS = ("fp8", "nvfp4")
 CUDA_MAX_ROWS = 16
 CUDA_TILE = 16  # keys a warp takes at a time
 CUDA_WARPS = 4
+# key tiles of a warp's cp.async ring (STAGES - 1 in flight a warp; 0: the next tile
+# prefetched in registers, one in flight), per (K format, V format). Measured, kernel
+# time from CUDA graphs against SDPA cuDNN bf16 at the five shapes of
+# benchmarks/results/log/h200-decode-ring/: NVFP4 1.23-1.50x with a ring of 2 or 3
+# against 1.03-1.06x prefetching in registers; FP8 the other way round, 1.20-1.26x in
+# registers against 0.80-0.92x through the ring (not understood yet: docs/notes/decode.md).
+# The mixed-format caches take the default, unmeasured.
+CUDA_STAGES = 2
+CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}
+
+
+def cuda_stages(k_format: str, v_format: str) -> int:
+    """The CUDA split kernel's ring depth for these formats."""
+    return CUDA_RING.get((k_format, v_format), CUDA_STAGES)
 # a CTA of the CUDA kernel as a split plan's program: its warps' keys together, each warp
 # at least 128 keys (8 of its tiles)
 CUDA_LAUNCH = DecodeLaunch(block_n=CUDA_TILE * CUDA_WARPS, warps=CUDA_WARPS, stages=1, min_split_tiles=8)
@@ -138,6 +153,7 @@ def resident_programs(registers: int, warps: int, shared_bytes: int) -> int:
     return max(1, fit)
 
 
+@functools.lru_cache(maxsize=1024)  # on every decode call's path: the search is ~100 us of Python
 def split_plan(launch: DecodeLaunch, max_len: int, programs: int, sms: int, resident: int) -> tuple[int, int]:
     """(splits, tokens per split) for `programs` (sequences x KV heads x row blocks) over
     keys up to `max_len`, `resident` programs to an SM: the splits whose waves (whole

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the KV cache and decode kernels: the GPU tests (compiled in
-# parallel processes), then the decode benchmark; logs and results under $OUT, a short
-# table last. Usage: bash tools/gpu_decode.sh [tests|bench|all] [bench shapes] [launches]
+# parallel processes), then the decode benchmark, then where a short call's host time
+# goes; logs and results under $OUT, a short table last.
+# Usage: [FORMATS=fp8,nvfp4] bash tools/gpu_decode.sh [tests|bench|host|all] [bench shapes] [launches]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -18,5 +19,9 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     timeout "${BENCH_TIMEOUT:-160}" python3 -m fp4attn.cli.main bench --decode --shapes "$SHAPES" --warm-processes 8 \
-        ${LAUNCHES:+--launches "$LAUNCHES"} --json "$OUT/h200-decode.json" 2>&1 | tee "$OUT/bench.txt" | tail -40
+        ${FORMATS:+--formats "$FORMATS"} ${LAUNCHES:+--launches "$LAUNCHES"} --json "$OUT/h200-decode.json" 2>&1 \
+        | tee "$OUT/bench.txt" | tail -40
+fi
+if [ "$WHAT" = host ] || [ "$WHAT" = all ]; then
+    timeout 60 python3 tools/profile_decode_host.py 8,32,8,2048,128 nvfp4 12 2>&1 | tee "$OUT/host.txt" | sed -n 1,8p
 fi

@@ -31,7 +31,7 @@ calls = {
     "fp4attn.decode": lambda: decode(q, cache),
     "hopper_decode": lambda: decode_op.hopper_decode(q, cache, scale=D**-0.5, causal=True),
     "custom op": lambda: decode_op._decode_op(*op_args),
-    "op body (no dispatch)": lambda: decode_op._decode_op._init_fn(*op_args),
+    "op body (no dispatch)": lambda: decode_op._decode_impl(*op_args),
 }
 print(f"| call, {fmt} ({B},{Hq},{Hkv},{L},{D}) | host us a call | device us a call (kernels) |")
 print("|---|---|---|")

@@ -6,7 +6,9 @@ new query row per sequence, GQA), the same random bf16 keys and values fill a bf
 cache for SDPA (cuDNN and flash backends, `enable_gqa`) and an `fp4attn.KVCache` per
 format (K and V in the same format). Every kernel is checked once against the reference
 decode on the same cache before it is timed. Reported per implementation: the kernel
-time (median of `triton.testing.do_bench`), the speedup over the fastest SDPA backend,
+time (median of `triton.testing.do_bench`, each call launched from Python) and the same
+call replayed from a CUDA graph (`graph_ms`: the kernels alone, as a serving engine that
+captures its decode step runs them), the speedup over the fastest SDPA backend,
 the bytes of cache it reads per second and that rate as a fraction of a 2 GiB
 device-to-device copy timed in the same run (bytes read plus written), and for the
 cache formats the append of one new token per sequence (the quantize-on-write kernel).
@@ -42,17 +44,20 @@ def parse_decode_shapes(spec: str) -> list[tuple[int, ...]]:
 
 
 def parse_launches(spec: str | None):
-    """Kernel launches "block_n,warps,stages[,programs_per_sm[,asm[,splits]]];..." to time
-    beside the routing table's (None: the table's only); programs_per_sm 0 and splits 0:
-    the compiled kernel's occupancy and the split plan's; asm 0 dequantizes by float
-    arithmetic."""
+    """Kernel launches "block_n,warps,stages[,programs_per_sm[,asm[,splits]]];..." of the
+    Triton split kernel, "triton", "cuda" or "cuda:<ring stages>" (the CUDA kernel with
+    that ring, 0 its register prefetch), to time beside the routing table's (None: the
+    table's only); programs_per_sm 0 and splits 0: the compiled kernel's occupancy and the
+    split plan's; asm 0 dequantizes by float arithmetic."""
     from fp4attn.decode_routing import DEFAULT_LAUNCH, DecodeLaunch
 
     if not spec:
         return []
     out = []
     for part in spec.split(";"):
-        if part in ("triton", "cuda"):  # the table's launch of that split kernel
+        if part in ("triton", "cuda") or part.startswith("cuda:"):  # the table's launch of that split kernel
+            if part.startswith("cuda:") and not part[5:].isdigit():
+                raise ValueError(f"--launches {spec!r}: 'cuda:<ring stages>' takes a number, got {part!r}")
             out.append(DecodeLaunch(DEFAULT_LAUNCH.block_n, DEFAULT_LAUNCH.warps, DEFAULT_LAUNCH.stages, kernel=part))
             continue
         try:
@@ -112,7 +117,7 @@ def _warm(args: tuple) -> None:
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
     decode(q, cache)
     for launch in launches:
-        if launch.kernel != "cuda" or not decode_routing.cuda_unsupported_reason(fmt, fmt, D, Hq // Hkv, 1,
+        if not launch.kernel.startswith("cuda") or not decode_routing.cuda_unsupported_reason(fmt, fmt, D, Hq // Hkv, 1,
                                                                                   cache.page_size):
             hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch)
     torch.cuda.synchronize()
@@ -133,7 +138,7 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
     records after each shape, so a cut-short run keeps what it measured."""
     from fp4attn import KVCache, decode, decode_routing
     from fp4attn.kernels.hopper.decode_op import hopper_append, hopper_decode
-    from fp4attn.tools.benchmark import time_ms
+    from fp4attn.tools.benchmark import graph_ms, time_ms
 
     copy_bps = copy_bandwidth()
     print(f"device-to-device copy: {copy_bps / 1e12:.2f} TB/s (read + write, {COPY_BYTES >> 30} GiB)")
@@ -149,10 +154,12 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
             f = _sdpa_decode(impl)
             try:
                 ms = time_ms(lambda: f(q, k, v))
+                g_ms = graph_ms(lambda: f(q, k, v))
             except RuntimeError as e:  # a backend that refuses the shape is a result, not a crash
                 print(f"{impl} at {shape}: not run ({str(e).splitlines()[0][:120]})")
                 continue
-            timed.append(dict(impl=impl, format="bf16", launch="sdpa", ms=ms, bytes=2 * k.numel() * 2, cos=1.0))
+            timed.append(dict(impl=impl, format="bf16", launch="sdpa", ms=ms, graph_ms=g_ms, bytes=2 * k.numel() * 2,
+                              cos=1.0))
         for fmt in formats:
             cache = KVCache(B, Hkv, D, L + 16, k_format=fmt, device="cuda")
             cache.append(k, v)
@@ -165,14 +172,15 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
                 if not cos > 0.9999:
                     raise RuntimeError(f"decode {fmt} at {shape} disagrees with its reference: cos {cos}")
             for launch in [None] + list(launches):
-                if launch is not None and launch.kernel == "cuda" and decode_routing.cuda_unsupported_reason(
+                if launch is not None and launch.kernel.startswith("cuda") and decode_routing.cuda_unsupported_reason(
                         fmt, fmt, D, Hq // Hkv, 1, cache.page_size):
                     continue  # the CUDA split kernel does not take this format: nothing to time
-                ms = time_ms(lambda: hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch))
+                call = (lambda launch=launch: hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch))
+                ms, g_ms = time_ms(call), graph_ms(call)
                 name = "table" if launch is None else f"{launch.block_n},{launch.warps},{launch.stages}," \
                     f"{launch.programs_per_sm},{int(launch.asm)},{launch.splits}" if not launch.kernel else launch.kernel
-                timed.append(dict(impl=f"fp4attn-{fmt}", format=fmt, launch=name, ms=ms, bytes=cache_bytes,
-                                  cos=cos_exact))
+                timed.append(dict(impl=f"fp4attn-{fmt}", format=fmt, launch=name, ms=ms, graph_ms=g_ms,
+                                  bytes=cache_bytes, cos=cos_exact))
             # the append of one token per sequence (a step's write), on a copy at the same length
             kn, vn = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
             lens = cache.lengths.clone()
@@ -182,14 +190,19 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
                 hopper_append(cache, kn, vn, None)
 
             timed.append(dict(impl=f"append-{fmt}", format=fmt, launch="table", ms=time_ms(append_one),
-                              bytes=B * cache.bytes_per_token(), cos=None))
+                              graph_ms=None, bytes=B * cache.bytes_per_token(), cos=None))
             del cache
             torch.cuda.empty_cache()
         base = min(t["ms"] for t in timed if t["impl"].startswith("sdpa"))
+        g_base = min(t["graph_ms"] for t in timed if t["impl"].startswith("sdpa"))
         for t in timed:
+            decode_row = not t["impl"].startswith("append")
             bps = t["bytes"] / (t["ms"] * 1e-3)
-            records.append({**shape, **t, "speedup_vs_sdpa": None if t["impl"].startswith("append") else base / t["ms"],
-                            "bw_TBps": bps / 1e12, "bw_frac_copy": bps / copy_bps})
+            g_bps = t["bytes"] / (t["graph_ms"] * 1e-3) if decode_row else None
+            records.append({**shape, **t, "speedup_vs_sdpa": base / t["ms"] if decode_row else None,
+                            "bw_TBps": bps / 1e12, "bw_frac_copy": bps / copy_bps,
+                            "graph_speedup_vs_sdpa": g_base / t["graph_ms"] if decode_row else None,
+                            "graph_bw_frac_copy": g_bps / copy_bps if decode_row else None})
         del k, v
         torch.cuda.empty_cache()
         write_json(partial, records)
@@ -211,10 +224,14 @@ def best_records(records: list[dict]) -> list[dict]:
 def format_table(records: list[dict]) -> str:
     rows = []
     for r in best_records(records):
+        graph = r.get("graph_ms") is not None
         rows.append([f"{r['B']},{r['Hq']},{r['Hkv']},{r['L']},{r['D']}", r["impl"], r["launch"], f"{r['ms'] * 1e3:.1f}",
                      "-" if r["speedup_vs_sdpa"] is None else f"{r['speedup_vs_sdpa']:.2f}x",
-                     f"{r['bw_TBps']:.2f}", f"{r['bw_frac_copy']:.2f}", "-" if r["cos"] is None else f"{r['cos']:.4f}"])
-    return markdown_table(["B,Hq,Hkv,L,D", "impl", "launch", "us", "vs SDPA", "TB/s", "of copy", "cos vs bf16"], rows)
+                     f"{r['graph_ms'] * 1e3:.1f}" if graph else "-",
+                     f"{r['graph_speedup_vs_sdpa']:.2f}x" if graph else "-",
+                     f"{r['graph_bw_frac_copy']:.2f}" if graph else "-", "-" if r["cos"] is None else f"{r['cos']:.4f}"])
+    return markdown_table(["B,Hq,Hkv,L,D", "impl", "launch", "us", "vs SDPA", "graph us", "graph vs SDPA",
+                           "graph of copy", "cos vs bf16"], rows)
 
 
 def plot(records: list[dict], path: Path, gpu: str | None = None) -> None:
@@ -266,6 +283,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The decode options of `fp4attn bench` (with --decode)."""
     p.add_argument("--formats", help=f"with --decode: comma-separated cache formats; default {','.join(FORMATS)}")
     p.add_argument("--launches", help="with --decode: also time these kernel launches, "
-                   "'block_n,warps,stages[,programs_per_sm[,asm[,splits]]];...' (0: the table's or the plan's)")
+                   "'block_n,warps,stages[,programs_per_sm[,asm[,splits]]];...' of the Triton split kernel (0: "
+                   "the table's or the plan's), 'triton', 'cuda' or 'cuda:<ring stages>'")
     p.add_argument("--warm-processes", type=int, default=0,
                    help="with --decode: compile the kernels first in this many parallel processes")

@@ -25,6 +25,29 @@ def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_ms(fn, calls: int = 20) -> float:
+    """Device time per call of `fn` replayed from a CUDA graph of `calls` calls (median of
+    `do_bench` over replays, divided by `calls`): the kernels' time with no host launch
+    cost, as a serving engine that captures its decode step sees it. Several calls a
+    replay, so do_bench's L2 flush before each replay leaves the later calls' cache
+    bytes to be read from memory either way (they exceed the 60 MiB L2)."""
+    import triton
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture: compiles, allocator pools
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+    del graph
+    return ms / calls
+
+
 def host_ms(fn, n: int = 20) -> float:
     """Host time per call of `fn` when nothing waits on the GPU: n calls, then one
     synchronization. A call whose host time exceeds its device time (`device_kernels`)

@@ -1,9 +1,10 @@
 """The decode split kernel in CUDA C++ (`cuda/decode_split.cu`): one warp a split, no
-shared memory and no barrier (the Triton kernel's four warps cross twice a key tile), for
-one new query row per sequence over FP8 or NVFP4 keys and values (what it takes:
-`decode_routing.cuda_unsupported_reason`). Its partials go to
-the Triton combine kernel (`decode_triton.decode_combine_kernel`) as splits of their own.
-Same numerics as the Triton kernel (`reference/decode.py`); `decode_op` routes to it.
+barrier (the Triton kernel's four warps cross twice a key tile), its key tiles streamed
+through a per-warp cp.async ring in shared memory, for one new query row per sequence
+over FP8 or NVFP4 keys and values (what it takes: `decode_routing.cuda_unsupported_reason`),
+and the combine of its partials (`decode_combine`, the same merge as the Triton
+combine's). Same numerics as the Triton kernel (`reference/decode.py`); `decode_op`
+routes to it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,23 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.decode_routing import CUDA_WARPS, DECODE_HEAD_DIMS, resident_programs
+from fp4attn.decode_routing import CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_stages, resident_programs
 from fp4attn.kernels.hopper.nvrtc_build import (Build, check, compile_source, driver, load_function,  # noqa: F401
                                                options_for)
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_split.cu"
-KERNEL_NAME = "decode_split"
+KERNEL_NAME, COMBINE_NAME = "decode_split", "decode_combine"
 FORMATS = {"fp8": 1, "nvfp4": 2}  # decode_op.FORMAT_CODES, of decode_routing.CUDA_FORMATS
+COMBINE_WARPS = 8
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the combine's OUT_KIND
+
+
+def _key_words(head_dim: int, fmt: str) -> int:
+    return head_dim // 32 if fmt == "nvfp4" else head_dim // 16
+
+
+def _value_words(head_dim: int, fmt: str) -> int:
+    return head_dim // 64 if fmt == "nvfp4" else head_dim // 32
 
 
 @dataclass(frozen=True)
@@ -31,14 +42,32 @@ class Variant:
     v_format: str
     hi_rows: bool  # more than 8 query rows
     warps: int = CUDA_WARPS
+    stages: int = CUDA_STAGES  # the per-warp ring's key tiles (0: the next tile prefetched in registers)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DK_FMT={FORMATS[self.k_format]}",
-                f"-DV_FMT={FORMATS[self.v_format]}", f"-DHI_ROWS={int(self.hi_rows)}", f"-DWARPS={self.warps}"]
+                f"-DV_FMT={FORMATS[self.v_format]}", f"-DHI_ROWS={int(self.hi_rows)}", f"-DWARPS={self.warps}",
+                f"-DSTAGES={self.stages}", f"-DCOMBINE_WARPS={COMBINE_WARPS}", f"-DSLOT_BYTES={self.slot_bytes()}"]
+
+    def slot_bytes(self) -> int:
+        """A lane's slot of one key tile in the ring (decode_split.cu's `Raw` and `SLOT`):
+        codes, token scales, block-scale rows, in an odd number of 16-byte units."""
+        d, sw = self.head_dim, self.head_dim // 64
+        words = (2 * _key_words(d, self.k_format) + 4 * _value_words(d, self.v_format) + 8
+                 + (2 if self.k_format == "nvfp4" else 1) * sw + (4 if self.v_format == "nvfp4" else 1) * sw)
+        units = -(-words // 4)
+        return 16 * (units if units % 2 else units + 1)
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of one CTA: its warps' rings."""
+        return self.stages * self.warps * 32 * self.slot_bytes()
 
 
-def all_variants() -> list[Variant]:
-    return [Variant(d, kf, vf, hi) for d in DECODE_HEAD_DIMS for kf in FORMATS for vf in FORMATS for hi in (False, True)]
+def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:
+    """Every variant the routing can pick (`stages`: these ring depths instead of the
+    routed one)."""
+    return [Variant(d, kf, vf, hi, stages=st) for d in DECODE_HEAD_DIMS for kf in FORMATS for vf in FORMATS
+            for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),))]
 
 
 class _Params(ctypes.Structure):
@@ -54,9 +83,11 @@ def compile_variant(variant: Variant, use_cache: bool = True) -> Build:
                           use_cache=use_cache)
 
 
+@functools.cache
 def resident_ctas(variant: Variant) -> int:
-    """CTAs of the variant an sm_90 SM holds (registers from ptxas's report)."""
-    return resident_programs(compile_variant(variant).registers() or 255, variant.warps, 0)
+    """CTAs of the variant an sm_90 SM holds (registers from ptxas's report, its rings'
+    shared memory)."""
+    return resident_programs(compile_variant(variant).registers(KERNEL_NAME) or 255, variant.warps, variant.shared_bytes())
 
 
 def launch_split(q: torch.Tensor, ka, ks, kt, va, vs, vt, table: torch.Tensor, lengths: torch.Tensor,
@@ -73,9 +104,27 @@ def launch_split(q: torch.Tensor, ka, ks, kt, va, vs, vt, table: torch.Tensor, l
     p.hkv, p.page_size, p.table_stride, p.hq = kv_heads, page_size, table.stride(0), Hq
     p.group, p.batch, p.split_tokens, p.has_start = Hq // kv_heads, B, split_tokens, int(key_start is not None)
     p.qk_scale = qk_scale
-    fn = load_function(("decode", variant), lambda: compile_variant(variant), KERNEL_NAME, q.device)
-    drv = driver()
+    shared = variant.shared_bytes()
+    fn = load_function(("decode", variant), lambda: compile_variant(variant), KERNEL_NAME, q.device, shared)
     args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
-    stream = drv.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    check((drv.cuLaunchKernel(fn, ctas, B * kv_heads, 1, 32 * variant.warps, 1, 1, 0, stream,
-                              ctypes.addressof(args), 0)[0], None), "cuLaunchKernel")
+    _launch(fn, (ctas, B * kv_heads), 32 * variant.warps, shared, args, q.device)
+
+
+def launch_combine(variant: Variant, o_acc: torch.Tensor, o_ml: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor) -> None:
+    """out (B, Hq, Sq, D) in float32, bf16 or fp16 and lse (B, Hq, Sq) from the splits'
+    partials o_acc (splits, B, Hq, Sq, D) and o_ml (..., 2): a row a CTA."""
+    n_rows = out.numel() // out.shape[-1]
+    fn = load_function(("decode", variant, COMBINE_NAME), lambda: compile_variant(variant), COMBINE_NAME, out.device)
+    vals = (ctypes.c_void_p(o_acc.data_ptr()), ctypes.c_void_p(o_ml.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_void_p(lse.data_ptr()), ctypes.c_int(n_rows), ctypes.c_int(o_acc.shape[0]),
+            ctypes.c_int(OUT_KINDS[out.dtype]))
+    args = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
+    _launch(fn, (n_rows, 1), 32 * COMBINE_WARPS, 0, args, out.device)
+
+
+def _launch(fn, grid: tuple[int, int], threads: int, shared: int, args, device: torch.device) -> None:
+    drv = driver()
+    stream = drv.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    check((drv.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, shared, stream, ctypes.addressof(args), 0)[0],
+           None), "cuLaunchKernel")

@@ -142,13 +142,14 @@ def _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, 
 
 
 def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len,
-                scale, splits):
-    """The CUDA split kernel's partials (a split a warp): (o_acc, o_ml, splits)."""
+                scale, splits, stages, out, lse):
+    """The CUDA split kernel (a split a warp, `stages` its ring's tiles) and its combine
+    into out and lse."""
     from fp4attn.kernels.hopper import decode_cuda
 
     B, Hq, Sq, D = qb.shape
     group = Hq // kv_heads
-    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8)
+    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=stages)
     plan = decode_routing.CUDA_LAUNCH
     if splits:  # warps' splits asked for: whole CTAs of them
         plan = dataclasses.replace(plan, splits=max(1, -(-splits // variant.warps)))
@@ -160,18 +161,18 @@ def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_
     decode_cuda.launch_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, o_acc, o_ml, variant=variant,
                              kv_heads=kv_heads, page_size=page_size, split_tokens=cta_tokens // variant.warps,
                              ctas=ctas, qk_scale=scale * LOG2E)
-    return o_acc, o_ml, n_split
+    decode_cuda.launch_combine(variant, o_acc, o_ml, out, lse)
 
 
-@torch.library.custom_op("fp4attn::decode", mutates_args=())
-def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, va: torch.Tensor,
+def _decode_impl(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, va: torch.Tensor,
                vs: torch.Tensor, vt: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                key_start: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int, kv_heads: int,
                max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0, stages: int = 0,
                programs_per_sm: int = 0, asm: int = -1, splits: int = 0,
                split_impl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """block_n, warps, stages, programs_per_sm, asm (0/1), splits, split_impl ("triton"
-    or "cuda"): a launch other than the routing table's (0, -1 for asm, "": the table's)."""
+    """The body of the `fp4attn::decode` op. block_n, warps, stages, programs_per_sm, asm
+    (0/1), splits, split_impl ("triton", "cuda" or "cuda:<ring stages>"): a launch other
+    than the routing table's (0, -1 for asm, "": the table's)."""
     B, Hq, Sq, D = q.shape
     qb = q.to(torch.bfloat16).contiguous()
     group = Hq // kv_heads
@@ -182,20 +183,27 @@ def _decode_op(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Te
                                          launch.asm if asm < 0 else bool(asm), splits or launch.splits,
                                          split_impl or launch.kernel)
     hw = _on_gpu()
-    kernel = decode_routing.split_kernel(k_fmt, v_fmt, D, group, Sq, page_size, hw, launch.kernel)
-    if kernel == "cuda":
-        o_acc, o_ml, n_split = _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt,
-                                           page_size, kv_heads, max_len, scale, launch.splits)
-    else:
-        o_acc, o_ml, n_split = _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt,
-                                             page_size, kv_heads, max_len, scale, causal, launch, block_m, hw)
+    kernel, _, ring = launch.kernel.partition(":")
+    kernel = decode_routing.split_kernel(k_fmt, v_fmt, D, group, Sq, page_size, hw, kernel)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if kernel == "cuda":
+        _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads,
+                    max_len, scale, launch.splits, int(ring) if ring else decode_routing.cuda_stages(k_fmt, v_fmt),
+                    out, lse)
+        return out, lse
+    o_acc, o_ml, n_split = _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt,
+                                         page_size, kv_heads, max_len, scale, causal, launch, block_m, hw)
     n_rows = B * Hq * Sq
     decode_combine_kernel[(triton.cdiv(n_rows, COMBINE_ROWS),)](
         o_acc, o_ml, out, lse, n_rows, n_split, D=D, SPLITS_P2=triton.next_power_of_2(n_split),
         BLOCK_R=COMBINE_ROWS, num_warps=4)
     return out, lse
+
+
+# torch.compile traces the op through its fake; an eager call runs the body directly (the
+# op's own dispatch costs ~46 us of host a call, more than a short decode's kernels)
+_decode_op = torch.library.custom_op("fp4attn::decode", mutates_args=())(_decode_impl)
 
 
 @_decode_op.register_fake
@@ -214,5 +222,6 @@ def hopper_decode(q: torch.Tensor, cache, *, scale: float, causal: bool, key_sta
     va, vs, vt = pool_tensors(cache.v, q)
     extra = ((launch.block_n, launch.warps, launch.stages, launch.programs_per_sm, int(launch.asm), launch.splits,
               launch.kernel) if launch is not None else (0, 0, 0, 0, -1, 0, ""))
-    return _decode_op(q, ka, ks, kt, va, vs, vt, cache.block_table, cache.lengths, key_start, cache.k_format,
+    op = _decode_op if torch.compiler.is_compiling() else _decode_impl
+    return op(q, ka, ks, kt, va, vs, vt, cache.block_table, cache.lengths, key_start, cache.k_format,
                       cache.v_format, cache.page_size, cache.kv_heads, cache.max_length(), scale, causal, *extra)

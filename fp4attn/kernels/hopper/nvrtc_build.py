@@ -62,8 +62,15 @@ class Build:
         pairs = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", self.log)
         return sum(int(a) + int(b) for a, b in pairs)
 
-    def registers(self) -> int | None:
-        m = re.search(r"Used (\d+) registers", self.log)
+    def registers(self, function: str | None = None) -> int | None:
+        """Registers a thread of `function` (None: the first one ptxas reports)."""
+        log = self.log
+        if function is not None:
+            at = log.find(f"Compiling entry function '{function}'")
+            if at < 0:
+                return None
+            log = log[at:]
+        m = re.search(r"Used (\d+) registers", log)
         return int(m.group(1)) if m else None
 
     def serialized_wgmma(self) -> bool:

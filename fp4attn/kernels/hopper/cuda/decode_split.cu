@@ -9,17 +9,26 @@
 // 4 warps share each key tile, so every tile crosses the warps twice (the row maximum,
 // P's layout for the PV product) behind barriers, and at ~200 registers two programs fit
 // an SM. Here every warp is a split of its own: it walks its keys 16 at a time with its
-// own online softmax, nothing is shared between warps (no shared memory, no barrier),
-// and the next tile's bytes are loaded before this one is worked on. Each warp writes its
-// partial (m, l, acc) as a split of the combine kernel's, so the warps' results merge in
-// the same power-of-two combine as the splits'.
+// own online softmax and nothing is shared between warps (no barrier). Each warp writes
+// its partial (m, l, acc) as a split of the combine (`decode_combine` below), so the
+// warps' results merge in the same power-of-two combine as the splits'.
+//
+// Keeping the memory busy: a warp's key tile is ~2.3 KB (NVFP4, D = 128), and the loads
+// of a tile must be in flight long before its arithmetic. STAGES = 0 prefetches the next
+// tile into registers (one tile in flight a warp, paid in ~70 registers); STAGES >= 2
+// keeps a ring of STAGES tiles a warp in shared memory filled by cp.async, STAGES - 1
+// tiles in flight. Every lane copies exactly the bytes it later reads, into a slot of its
+// own, so the ring needs no barrier and no __syncwarp: cp.async.wait_group orders a
+// thread's copies before its own reads.
 //
 // Register layouts (mma.m16n8k16, row-major A, column-major B; lane = 4 g + t):
 //   S = q K^T: A = q (rows g, g + 8), B = K codes of key g of each 8-key n-tile. The
-//     contraction order is free, so lane t holds channels [D/4 t, D/4 t + D/4) of its key:
-//     D/8 contiguous bytes (NVFP4) or D/4 (FP8), one coalesced load; the dequantization's
-//     output order decides which channel each k index is, and q is loaded in that order
-//     (q_channel below).
+//     contraction order is free, so lane t holds D/4 channels of its key in 16-byte chunks
+//     that a warp's load instruction reads contiguously: NVFP4 channels [D/4 t, D/4 t + D/4)
+//     (D/8 bytes), FP8 chunk i bytes [16 (4 i + t), + 16) (at D = 128 two chunks 64 bytes
+//     apart: contiguous chunks a lane would leave every 32-byte sector half read by each
+//     load); the dequantization's output order decides which channel each k index is, and
+//     q is loaded in that order (q_channel below).
 //   P: the S accumulators of two n-tiles are P's A fragment for 16 keys (FlashAttention-2's
 //     register reuse: keys 2t, 2t + 1 and 2t + 8, 2t + 9).
 //   O = P V: B = V of keys 2t, 2t + 1 (and + 8) at channel v_channel(o, g) = D/8 g + o of
@@ -51,6 +60,12 @@ typedef long long int64_t;
 #ifndef WARPS
 #define WARPS 4
 #endif
+#ifndef STAGES  // 0: the next tile prefetched in registers; >= 2: a cp.async ring in shared memory
+#define STAGES 0
+#endif
+#ifndef COMBINE_WARPS
+#define COMBINE_WARPS 8
+#endif
 
 constexpr int D = HEAD_DIM;
 constexpr int KSTEPS = D / 16;  // k steps of the score product
@@ -59,7 +74,9 @@ constexpr bool K_FP4 = K_FMT == 2;
 constexpr bool V_FP4 = V_FMT == 2;
 constexpr int KW = K_FP4 ? D / 32 : D / 16;  // u32 words of one key a lane holds
 constexpr int VW = V_FP4 ? D / 64 : D / 32;  // u32 words of one value row a lane holds
+constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
 constexpr int TILE = 16;
+static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Params {
@@ -162,6 +179,31 @@ __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t (&w)[N]) {
     }
 }
 
+// cp.async of N words into shared memory (16-byte copies bypass L1: the cache is read once)
+__device__ __forceinline__ void cp_async(void* dst, const void* src, int bytes) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    if (bytes == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    else if (bytes == 8)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void copy_words(const uint8_t* p, uint32_t (&w)[N]) {
+    constexpr int CHUNK = N % 4 == 0 ? 4 : N;  // words a copy
+#pragma unroll
+    for (int i = 0; i < N / CHUNK; ++i) cp_async(&w[CHUNK * i], p + 16 * i, 4 * CHUNK);
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // q's channel for k step kk and lane t: slot 0, 1, 2, 3 are the k indices 2t, 2t + 1,
 // 2t + 8, 2t + 9 (A's a0 low, a0 high, a2 low, a2 high), as the K dequantization orders them
 __device__ __forceinline__ int q_channel(int kk, int t, int slot) {
@@ -170,48 +212,89 @@ __device__ __forceinline__ int q_channel(int kk, int t, int slot) {
         const int c = base + 8 * (kk / 2) + 2 * (kk % 2);
         return c + (slot == 1 ? 4 : slot == 2 ? 1 : slot == 3 ? 5 : 0);
     }
-    const int c = base + 4 * kk;  // word kk, bytes 0, 2 (out 0) and 1, 3 (out 1)
+    // word kk: chunk kk / 4 of the lane, bytes 0, 2 (out 0) and 1, 3 (out 1)
+    const int c = 16 * (4 * (kk / 4) + t) + 4 * (kk % 4);
     return c + (slot == 1 ? 2 : slot == 2 ? 1 : slot == 3 ? 3 : 0);
 }
 
 __device__ __forceinline__ int v_channel(int o, int g) { return (D / 8) * g + o; }
 
-struct Raw {
+// A lane's bytes of one key tile, as loaded (the block scales as the token's whole row of
+// them: cp.async copies 4 bytes at least).
+struct alignas(16) Raw {
     uint32_t k[2][KW];  // key g of n-tile nt
-    uint32_t ksc[2];    // its block-scale bytes (NVFP4)
-    float2 kt[2];       // token scales of keys 8 nt + 2t, + 1
     uint32_t v[4][VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
-    uint32_t vsc[4];
-    float2 vt[2];  // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
+    float2 kt[2];       // token scales of keys 8 nt + 2t, + 1
+    float2 vt[2];       // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
+    uint32_t ksc[K_FP4 ? 2 : 1][SW];  // the block scales of key g of n-tile nt (NVFP4)
+    uint32_t vsc[V_FP4 ? 4 : 1][SW];
 };
+// a lane's slot in the ring: an odd number of 16-byte units, so a warp's 16-byte reads of
+// its 32 slots hit every bank once a phase
+constexpr int SLOT = sizeof(Raw) / 16 % 2 ? sizeof(Raw) : sizeof(Raw) + 16;
+#ifdef SLOT_BYTES  // the host's figure, from which it sizes the shared memory (decode_cuda.Variant)
+static_assert(SLOT == SLOT_BYTES, "the host's ring slot size is not the kernel's");
+#endif
 
+// lane t's two e4m3 scales (D = 128: channels 32 t .. 32 t + 31) or one (D = 64) of key nt
+__device__ __forceinline__ uint32_t k_scales(const Raw& r, int nt, int t) {
+    return D == 128 ? (r.ksc[nt][t >> 1] >> (16 * (t & 1))) & 0xFFFF : (r.ksc[nt][0] >> (8 * t)) & 0xFF;
+}
+
+// lane g's e4m3 scale of value row i (its channels D/8 g .. D/8 g + D/8 - 1)
+__device__ __forceinline__ uint32_t v_scale(const Raw& r, int i, int g) {
+    return D == 128 ? (r.vsc[i][g >> 2] >> (8 * (g & 3))) & 0xFF : (r.vsc[i][0] >> (8 * (g >> 1))) & 0xFF;
+}
+
+// ASYNC: the tile's bytes copied into r in shared memory (cp.async; not committed), else
+// loaded into r in registers
+template <bool ASYNC, int N>
+__device__ __forceinline__ void fetch_words(const uint8_t* p, uint32_t (&w)[N]) {
+    if constexpr (ASYNC)
+        copy_words<N>(p, w);
+    else
+        load_words<N>(p, w);
+}
+
+template <bool ASYNC>
+__device__ __forceinline__ void fetch_float2(const float* p, float2& x) {
+    if constexpr (ASYNC)
+        cp_async(&x, p, 8);
+    else
+        x = __ldg(reinterpret_cast<const float2*>(p));
+}
+
+template <bool ASYNC>
 __device__ __forceinline__ void load_tile(const Params& p, int b, int h, int tile0, int g, int t, Raw& r) {
     const int page = p.table[(int64_t)b * p.table_stride + tile0 / p.page_size];
     const int64_t row0 = ((int64_t)page * p.hkv + h) * p.page_size + tile0 % p.page_size;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
         const int64_t row = row0 + 8 * nt + g;
-        if (K_FP4) {
-            load_words<KW>(p.ka + row * (D / 2) + (D / 8) * t, r.k[nt]);
-            r.ksc[nt] = D == 128 ? (uint32_t)__ldg(reinterpret_cast<const uint16_t*>(p.ks + row * (D / 16)) + t)
-                                 : (uint32_t)__ldg(p.ks + row * (D / 16) + t);
+        if constexpr (K_FP4) {
+            fetch_words<ASYNC, KW>(p.ka + row * (D / 2) + (D / 8) * t, r.k[nt]);
+            fetch_words<ASYNC, SW>(p.ks + row * (D / 16), r.ksc[nt]);
         } else {
-            load_words<KW>(p.ka + row * D + (D / 4) * t, r.k[nt]);
+#pragma unroll
+            for (int i = 0; i < KW / 4; ++i) {  // chunk i: bytes 16 (4 i + t) .. + 15 of the key
+                uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&r.k[nt][4 * i]);
+                fetch_words<ASYNC, 4>(p.ka + row * D + 16 * (4 * i + t), w);
+            }
         }
-        r.kt[nt] = __ldg(reinterpret_cast<const float2*>(p.kt + row0 + 8 * nt + 2 * t));
+        fetch_float2<ASYNC>(p.kt + row0 + 8 * nt + 2 * t, r.kt[nt]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int64_t row = row0 + 2 * t + (i & 1) + 8 * (i >> 1);
-        if (V_FP4) {
-            load_words<VW>(p.va + row * (D / 2) + (D / 16) * g, r.v[i]);
-            r.vsc[i] = __ldg(p.vs + row * (D / 16) + (D == 128 ? g : g / 2));
+        if constexpr (V_FP4) {
+            fetch_words<ASYNC, VW>(p.va + row * (D / 2) + (D / 16) * g, r.v[i]);
+            fetch_words<ASYNC, SW>(p.vs + row * (D / 16), r.vsc[i]);
         } else {
-            load_words<VW>(p.va + row * D + (D / 8) * g, r.v[i]);
+            fetch_words<ASYNC, VW>(p.va + row * D + (D / 8) * g, r.v[i]);
         }
     }
-    r.vt[0] = __ldg(reinterpret_cast<const float2*>(p.vt + row0 + 2 * t));
-    r.vt[1] = __ldg(reinterpret_cast<const float2*>(p.vt + row0 + 8 + 2 * t));
+    fetch_float2<ASYNC>(p.vt + row0 + 2 * t, r.vt[0]);
+    fetch_float2<ASYNC>(p.vt + row0 + 8 + 2 * t, r.vt[1]);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ Params p) {
@@ -252,12 +335,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     float m_row[2] = {NEG_INF, NEG_INF}, l_row[2] = {0.0f, 0.0f};
     const float k_fac_shift = K_FP4 ? 128.0f : 1.0f, v_fac_shift = V_FP4 ? 128.0f : 1.0f;
 
-    const int last = lo < hi ? lo + ((hi - 1 - lo) / TILE) * TILE : lo;
-    Raw cur, nxt;
-    if (lo < hi) load_tile(p, b, h, lo, g, t, cur);
-    for (int tile0 = lo; tile0 < hi; tile0 += TILE) {
-        // the next tile's bytes in flight while this one is worked on (the last tile reloads itself)
-        load_tile(p, b, h, min(tile0 + TILE, last), g, t, nxt);
+    // one key tile's scores, softmax and P V from its bytes (in registers or in the ring)
+    auto work = [&](const Raw& cur, const int tile0) {
         const bool masked = tile0 < start || tile0 + TILE > L;
 
         // -- scores, log2 units ----------------------------------------------------------------
@@ -265,9 +344,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-            if (K_FP4) {
-                const uint32_t m0 = pack_bf16(fp4_mult(cur.ksc[nt] & 0xFF), fp4_mult(cur.ksc[nt] & 0xFF));
-                const uint32_t m1 = D == 128 ? pack_bf16(fp4_mult(cur.ksc[nt] >> 8), fp4_mult(cur.ksc[nt] >> 8)) : m0;
+            if constexpr (K_FP4) {
+                const uint32_t sc = k_scales(cur, nt, t);
+                const uint32_t m0 = pack_bf16(fp4_mult(sc & 0xFF), fp4_mult(sc & 0xFF));
+                const uint32_t m1 = D == 128 ? pack_bf16(fp4_mult(sc >> 8), fp4_mult(sc >> 8)) : m0;
 #pragma unroll
                 for (int i = 0; i < KW; ++i) {
                     uint32_t o[4];
@@ -348,10 +428,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             pa[2 * nt + 1] = HI_ROWS ? pack_bf16(pr[nt][2] * x, pr[nt][3] * y) : 0u;
         }
         uint32_t vm[2] = {0u, 0u};
-        if (V_FP4) {
+        if constexpr (V_FP4) {
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
-                vm[nt] = pack_bf16(fp4_mult(cur.vsc[2 * nt]), fp4_mult(cur.vsc[2 * nt + 1]));
+                vm[nt] = pack_bf16(fp4_mult(v_scale(cur, 2 * nt, g)), fp4_mult(v_scale(cur, 2 * nt + 1, g)));
         }
 #pragma unroll
         for (int w = 0; w < VW; ++w) {
@@ -376,7 +456,40 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                 }
             }
         }
-        cur = nxt;
+    };
+
+    if constexpr (STAGES == 0) {
+        const int last = lo < hi ? lo + ((hi - 1 - lo) / TILE) * TILE : lo;
+        Raw cur, nxt;
+        if (lo < hi) load_tile<false>(p, b, h, lo, g, t, cur);
+        for (int tile0 = lo; tile0 < hi; tile0 += TILE) {
+            // the next tile's bytes in flight while this one is worked on (the last tile reloads itself)
+            load_tile<false>(p, b, h, min(tile0 + TILE, last), g, t, nxt);
+            work(cur, tile0);
+            cur = nxt;
+        }
+    } else {
+        // the ring: tile i lives in stage i % STAGES
+        extern __shared__ __align__(16) unsigned char smem[];
+        unsigned char* mine = smem + (warp * STAGES * 32 + lane) * SLOT;
+        auto ring = [&](int stage) -> Raw& { return *reinterpret_cast<Raw*>(mine + stage * 32 * SLOT); };
+        const int tiles = lo < hi ? (hi - lo + TILE - 1) / TILE : 0;
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (i < tiles) load_tile<true>(p, b, h, lo + i * TILE, g, t, ring(i));
+            cp_async_commit();  // empty groups too: the wait below counts groups
+        }
+        int use = 0, fill = STAGES - 1;  // the stages of tile i and of tile i + STAGES - 1
+        for (int i = 0; i < tiles; ++i) {
+            // the stage refilled now was read by the previous tile's work, whose reads have all
+            // returned (their values were consumed); the asm's memory clobbers keep the order
+            if (i + STAGES - 1 < tiles) load_tile<true>(p, b, h, lo + (i + STAGES - 1) * TILE, g, t, ring(fill));
+            cp_async_commit();
+            cp_async_wait<STAGES - 1>();  // tile i's copies have landed
+            work(ring(use), lo + i * TILE);
+            use = use + 1 == STAGES ? 0 : use + 1;
+            fill = fill + 1 == STAGES ? 0 : fill + 1;
+        }
     }
 
     // -- this warp's partial, as a split of the combine's --------------------------------------
@@ -404,3 +517,84 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         }
     }
 }
+
+// The splits' partials merged, a row a CTA: out = sum_s 2**(m_s - M) acc_s / sum_s
+// 2**(m_s - M) l_s, M the largest m_s (integer maxima: every weight a power of two), as
+// decode_triton's combine; a row no split saw is 0 with LSE -inf, a NaN anywhere stays.
+// Its warps take the splits in turn (independent loads in flight: the one-sequence plans
+// have a few hundred splits for a few dozen rows). OUT_KIND: 0 float32, 1 bf16, 2 fp16.
+__device__ __forceinline__ float lg2(float x) {
+    float y;
+    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32)
+    decode_combine(const float* __restrict__ o_acc, const float* __restrict__ o_ml, void* out, float* lse, int n_rows,
+                   int splits, int out_kind) {
+    constexpr int C = D / 32;  // channels a lane
+    __shared__ float red[COMBINE_WARPS][D + 2];
+    const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float big = NEG_INF;
+    bool nan = false;
+    for (int s = threadIdx.x; s < splits; s += COMBINE_WARPS * 32) {
+        const float m = o_ml[((int64_t)s * n_rows + r) * 2];
+        big = fmaxf(big, m);
+        nan |= m != m;
+    }
+#pragma unroll
+    for (int x = 16; x; x >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffff, big, x));
+    nan = __any_sync(0xffffffff, nan);
+    if (lane == 0) red[warp][0] = nan ? __int_as_float(0x7fc00000) : big;
+    __syncthreads();
+    big = red[0][0];
+    for (int w = 1; w < COMBINE_WARPS; ++w) big = big != big || red[w][0] != red[w][0] ? red[w][0] + big
+                                                                                         : fmaxf(big, red[w][0]);
+    __syncthreads();
+    const bool seen = big != NEG_INF;
+    const float m_use = seen ? big : 0.0f;
+    float acc[C], l = 0.0f;
+#pragma unroll
+    for (int c = 0; c < C; ++c) acc[c] = 0.0f;
+#pragma unroll 4
+    for (int s = warp; s < splits; s += COMBINE_WARPS) {
+        const int64_t row = (int64_t)s * n_rows + r;
+        const float2 ml = *reinterpret_cast<const float2*>(o_ml + row * 2);
+        const float w = ex2(ml.x - m_use);
+        l += w * ml.y;
+        const float* a = o_acc + row * D + C * lane;
+        if constexpr (C == 4) {
+            const float4 x = *reinterpret_cast<const float4*>(a);
+            acc[0] += w * x.x, acc[1] += w * x.y, acc[2] += w * x.z, acc[3] += w * x.w;
+        } else {
+            const float2 x = *reinterpret_cast<const float2*>(a);
+            acc[0] += w * x.x, acc[1] += w * x.y;
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) red[warp][C * lane + c] = acc[c];
+    if (lane == 0) red[warp][D] = l;
+    __syncthreads();
+    if (warp) return;
+    l = red[0][D];
+    for (int w = 1; w < COMBINE_WARPS; ++w) l += red[w][D];
+    const float safe_l = seen ? l : 1.0f;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        float x = red[0][C * lane + c];
+        for (int w = 1; w < COMBINE_WARPS; ++w) x += red[w][C * lane + c];
+        const float o = seen ? x / safe_l : 0.0f;
+        const int64_t i = (int64_t)r * D + C * lane + c;
+        if (out_kind == 0)
+            static_cast<float*>(out)[i] = o;
+        else if (out_kind == 1)
+            static_cast<uint16_t*>(out)[i] = (uint16_t)(pack_bf16(o, 0.0f) & 0xFFFF);
+        else {
+            uint16_t h;
+            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(o));
+            static_cast<uint16_t*>(out)[i] = h;
+        }
+    }
+    if (lane == 0) lse[r] = seen ? (big + lg2(safe_l)) * 0.6931471805599453f : NEG_INF;
+}
+
