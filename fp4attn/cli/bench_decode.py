@@ -56,8 +56,9 @@ def parse_launches(spec: str | None):
     out = []
     for part in spec.split(";"):
         if part in ("triton", "cuda") or part.startswith("cuda:"):  # the table's launch of that split kernel
-            if part.startswith("cuda:") and not part[5:].isdigit():
-                raise ValueError(f"--launches {spec!r}: 'cuda:<ring stages>' takes a number, got {part!r}")
+            if part.startswith("cuda:") and not all(x.isdigit() for x in part[5:].split(":")[:2]):
+                raise ValueError(f"--launches {spec!r}: 'cuda:<ring stages>[:<CTAs an SM>]' takes numbers, "
+                                 f"got {part!r}")
             out.append(DecodeLaunch(DEFAULT_LAUNCH.block_n, DEFAULT_LAUNCH.warps, DEFAULT_LAUNCH.stages, kernel=part))
             continue
         try:
@@ -229,7 +230,8 @@ def format_table(records: list[dict]) -> str:
                      "-" if r["speedup_vs_sdpa"] is None else f"{r['speedup_vs_sdpa']:.2f}x",
                      f"{r['graph_ms'] * 1e3:.1f}" if graph else "-",
                      f"{r['graph_speedup_vs_sdpa']:.2f}x" if graph else "-",
-                     f"{r['graph_bw_frac_copy']:.2f}" if graph else "-", "-" if r["cos"] is None else f"{r['cos']:.4f}"])
+                     f"{r['graph_bw_frac_copy']:.2f}" if graph else "-",
+                     "-" if r["cos"] is None else f"{r['cos']:.4f}"])
     return markdown_table(["B,Hq,Hkv,L,D", "impl", "launch", "us", "vs SDPA", "graph us", "graph vs SDPA",
                            "graph of copy", "cos vs bf16"], rows)
 
@@ -284,6 +286,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", help=f"with --decode: comma-separated cache formats; default {','.join(FORMATS)}")
     p.add_argument("--launches", help="with --decode: also time these kernel launches, "
                    "'block_n,warps,stages[,programs_per_sm[,asm[,splits]]];...' of the Triton split kernel (0: "
-                   "the table's or the plan's), 'triton', 'cuda' or 'cuda:<ring stages>'")
+                   "the table's or the plan's), 'triton', 'cuda' or 'cuda:<ring stages>[:<CTAs an SM>]'")
     p.add_argument("--warm-processes", type=int, default=0,
                    help="with --decode: compile the kernels first in this many parallel processes")
