@@ -161,6 +161,8 @@ class BackwardLaunch:
     moved through shared memory together (1), or copied asynchronously into two-stage
     buffers a tile ahead (2). *_maxnreg: register caps of the Gluon
     kernels' 4-warp programs (None: ptxas's choice).
+    qk_fp4_dq (Blackwell): the Triton dQ kernel's S by the block-scaled FP4 product of
+    the saved NVFP4 payloads (its QK_FP4; needs block_m_dq = 128), not a bf16 product.
     """
 
     block_n_dkdv: int = 128
@@ -177,6 +179,7 @@ class BackwardLaunch:
     dq_gluon: bool = False
     dkdv_maxnreg: int | None = None
     dq_maxnreg: int | None = None
+    qk_fp4_dq: bool = False
 
 
 # Keyed by head dim; the fastest variants of causal (4,16,4096,128) and (8,16,4096,64),
@@ -356,10 +359,14 @@ def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False
 # train_op`): no TMA or Gluon paths (those are Hopper's wgmma code). Not measured; from
 # the sm_100a builds (`fp4attn compile-report`): 64-key dK/dV programs of 8 warps, one
 # stage, without spills (two stages spilled 596 bytes at D=128 and 16 with Direct-P P at
-# D=64; 4 warps 3020-7724; 32-key programs leave the tcgen05 tensor cores for mma.sync).
+# D=64; 4 warps 3020-7724; 32-key programs leave the tcgen05 tensor cores for mma.sync;
+# 128-key programs spill 20-3428 bytes). dQ: 128-query programs, S by the block-scaled FP4
+# product (qk_fp4_dq: tcgen05 builds it for 128 rows only), without spills at either head
+# dim; the dK/dV kernel's S^T stays a bf16 product (docs/notes/blackwell.md, "The training
+# backward's score products").
 BLACKWELL_BACKWARD_LAUNCH: dict[int, BackwardLaunch] = {
-    d: BackwardLaunch(block_n_dkdv=64, block_m_dq=64, warps_dkdv=8, warps_dq=8, stages_dkdv=1, stages_dq=2,
-                      tma=False, dkdv_gluon=False, dq_gluon=False) for d in (64, 128)
+    d: BackwardLaunch(block_n_dkdv=64, block_m_dq=128, warps_dkdv=8, warps_dq=8, stages_dkdv=1, stages_dq=2,
+                      tma=False, dkdv_gluon=False, dq_gluon=False, qk_fp4_dq=True) for d in (64, 128)
 }
 
 
@@ -597,7 +604,7 @@ def blackwell_train_unsupported(recipe: Recipe, head_dim: int, mask: str = "none
 def _blackwell_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
                             on_cuda: bool = True) -> str:
     return (f"{_blackwell_forward_kernel(recipe, head_dim, causal, mask)} + hopper.backward_triton.dkdv + "
-            "hopper.backward_triton.dq (built for sm_100a)")
+            "hopper.backward_triton.dq (built for sm_100a; dQ's S by the block-scaled FP4 product)")
 
 
 def _sm120_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,

@@ -101,19 +101,45 @@ def test_cost_model_is_calibrated_within_25_percent():
     assert abs(cal["model_error"]) <= 0.25, cal["model_error"]
 
 
-def test_training_backward_builds_for_sm100_without_spills():
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
+def test_training_backward_builds_without_spills(arch):
     """The training backward's Triton kernels at their Blackwell launch (the causal
-    builds; `fp4attn compile-report` prints all): no spills, tensor memory within 512
-    columns, the gradient products on the FP8 tensor cores and S^T rebuilt by a bf16
-    product of the NVFP4 grid values (exact)."""
-    for e in compile_report.routed_backward_builds():
-        if not e["causal"]:
-            continue
-        rec = compile_report.backward_report(e["part"], e["p_mode"], True, e["head_dim"], "sm_100a")
-        where = (e["kernel"], e["recipe"], e["head_dim"])
-        assert rec["spill_bytes"] == 0 and 0 < rec["tmem_columns"] <= 512, (where, rec)
-        kinds = " ".join(rec["mma_kinds"])
-        assert "kind::f8f6f4" in kinds and "kind::f16" in kinds, (where, kinds)
+    builds; `fp4attn compile-report` prints all), for B200 and B300: no spills, tensor
+    memory within 512 columns, the gradient products on the FP8 tensor cores; the dQ
+    kernel's S the block-scaled FP4 product of the NVFP4 payload (kind::mxf4nvf4 with
+    e4m3 scales per 16, its only FP4 product, and no bf16 product left), the dK/dV
+    kernel's S^T a bf16 product of the NVFP4 grid values (exact; its 64-key programs
+    are below the block-scaled MMA's 128 rows)."""
+    recs = [r for r in compile_report.records(arch, key_bias=False, backward=True)
+            if r["kernel"].startswith("hopper.backward_triton") and r["causal"]]
+    assert {(r["part"], r["head_dim"]) for r in recs} == {(p, d) for p in ("dkdv", "dq") for d in (64, 128)}, recs
+    for r in recs:
+        where = (r["kernel"], r["recipe"], r["head_dim"], arch)
+        assert r["spill_bytes"] == 0 and 0 < r["tmem_columns"] <= 512, (where, r)
+        kinds = " ".join(r["mma_kinds"])
+        assert "kind::f8f6f4" in kinds, (where, kinds)
+        if r["part"] == "dq":
+            assert r["qk_fp4"] and r["fp4_block_scaled"], (where, kinds)
+            assert "kind::mxf4nvf4.block_scale.scale_vec::4X" in kinds and "kind::f16" not in kinds, (where, kinds)
+        else:
+            assert not r["qk_fp4"] and r["fp4_block_scaled"] is None, (where, kinds)
+            assert "kind::f16" in kinds and "mxf4" not in kinds, (where, kinds)
+
+
+def test_training_backward_fp4_scores_in_the_tile_loop():
+    """The dQ kernel's key-tile loop (sm_100a SASS, D=128 causal) issues the S product
+    as block-scaled FP4 MMAs (UTCOMMA.4X: kind::mxf4nvf4 with 4 scales a 64-element
+    K-step, two for D=128) and no bf16 MMA (UTCHMMA), against eight bf16 MMAs in the
+    same kernel built with S from the grid values."""
+    from fp4attn.tools.machine_code_sm100 import compile_backward, inspect
+
+    def loop_mmas(qk_fp4):
+        loop = inspect(compile_backward("dq", True, 128, qk_fp4=qk_fp4)).tile_loop()
+        return {op: loop.count(op) for op in set(loop) if "MMA" in op}
+
+    fp4, bf16 = loop_mmas(True), loop_mmas(False)
+    assert fp4.get("UTCOMMA.4X") == 2 and "UTCHMMA" not in fp4, fp4
+    assert bf16.get("UTCHMMA") == 8 and not any(op.startswith("UTCOMMA") for op in bf16), bf16
 
 
 def test_sm103a_builds_every_routed_forward_without_spills():

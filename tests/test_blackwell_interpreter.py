@@ -339,6 +339,91 @@ def test_blackwell_train_backward_matches_reference_under_the_interpreter():
     run_under_interpreter(TRAIN)
 
 
+TRAIN_FP4_SCORES = BLACKWELL_PATCHES + textwrap.dedent('''
+    import dataclasses
+    import os
+
+    os.environ["FP4ATTN_TARGET"] = "sm_100"
+
+    from fp4attn import routing
+    from fp4attn.kernels.blackwell.train_op import _train_backward_op, _train_forward_op
+    from fp4attn.kernels.hopper.train_op import backward_operands, launch_backward
+    from fp4attn.metrics import error_metrics
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference import reference_backward, reference_forward
+    from fp4attn.reference.forward import ForwardResult
+    from fp4attn.reference.masks import causal_offset
+
+    f32 = (torch.float32,) * 3
+    g = torch.Generator().manual_seed(6)
+    for name, B, HQ, HKV, sq, sk, D, causal in (("train", 1, 4, 2, 113, 239, 64, "bottom_right"),
+                                                ("train", 2, 2, 1, 200, 77, 128, "top_left"),
+                                                ("train-mxfp4pv", 1, 2, 1, 130, 100, 64, None),
+                                                ("train-robust", 1, 2, 2, 96, 150, 128, "bottom_right"),
+                                                ("train", 1, 2, 1, 1, 70, 128, "bottom_right")):
+        r = PRESETS[name]
+        q = torch.randn(B, HQ, sq, D, generator=g).bfloat16()
+        k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
+        q[:, :, :5] *= 6.0  # sharp rows
+        dout = torch.randn(B, HQ, sq, D, generator=g).bfloat16()
+        off = causal_offset(causal, sq, sk)
+        args = (r.qk, r.p, r.p_build, r.v, off or 0, causal is not None, D**-0.5, r.smooth_k, r.qk_four_over_six)
+        out, lse, *saved = _train_forward_op(q, k, v, *args)
+        bwd = (r.p, r.p_build, off or 0, causal is not None, D**-0.5)
+        # the route: the Blackwell backward op, gradients kept in float32
+        got = _train_backward_op(dout, out, lse, *saved, *bwd, *f32)
+        launch = routing.blackwell_backward_launch(D)
+        assert launch.qk_fp4_dq and launch.block_m_dq == 128, launch
+        # the same kernels with S by the bf16 product of the grid values, at the FP4 launch's
+        # 128-row and the former 64-row dQ programs: the interpreter multiplies both products
+        # exactly (float64, rounded once), so every gradient is equal bit for bit
+        ops = backward_operands(dout, out, *saved)
+        for dq_launch in (dataclasses.replace(launch, qk_fp4_dq=False),
+                          dataclasses.replace(launch, qk_fp4_dq=False, block_m_dq=64)):
+            with routing.override_launch(backward=dq_launch):
+                other = launch_backward(ops, lse, *bwd[:2], *bwd[2:], f32)
+            for n, a, b in zip(("dq", "dk", "dv"), got, other):
+                nan = torch.isnan(a)
+                assert torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan]), (name, D, n, dq_launch)
+        # against the reference backward of the same forward (its quantized operands)
+        kx, vx = (t.repeat_interleave(HQ // HKV, 1) for t in (k, v))
+        ref = reference_forward(q, kx, vx, r, scale=D**-0.5, causal=causal)
+        fwd = ForwardResult(out.float(), lse, ref.q, ref.k, ref.v)
+        want = reference_backward(fwd, out, dout, r, scale=D**-0.5, causal=causal)
+        G = HQ // HKV
+        want = (want[0], want[1].reshape(B, HKV, G, sk, D).sum(2), want[2].reshape(B, HKV, G, sk, D).sum(2))
+        for n, a, w in zip(("dq", "dk", "dv"), got, want):
+            err = error_metrics(a, w)["rel_l2"]
+            print(name, D, sq, sk, causal, n, err)
+            # measured 1e-8 to 3.4e-5 (an e4m3 code of P or dS that float32 summation
+            # order moves across a rounding threshold: one element, by up to 1/8)
+            assert a.dtype == torch.float32 and err < 1e-3, (name, D, sq, sk, causal, n, err)
+    # the launch refuses a dQ launch of the wrong shape, or no payload, rather than
+    # multiplying something else
+    for bad, kw in ((dataclasses.replace(launch, block_m_dq=64), dict(nvfp4=tuple(saved[:4]))), (launch, {})):
+        with routing.override_launch(backward=bad):
+            try:
+                launch_backward(ops, lse, *bwd, f32, **kw)
+            except ValueError as e:
+                assert "qk_fp4_dq" in str(e), e
+            else:
+                raise AssertionError(bad)
+    print("ok")
+''')
+
+
+def test_blackwell_train_backward_fp4_scores_under_the_interpreter():
+    """The Blackwell backward's dQ kernel multiplies S from the saved NVFP4 payload by the
+    block-scaled FP4 product (its QK_FP4 form at the Blackwell launch, 128-query
+    programs): on awkward shapes (Sq 1, 96, 113, 130, 200 against Sk 70 to 239), both
+    causal alignments, GQA, D=64 and 128, FP8 and Direct-P P, K smoothing and 4/6 scales,
+    dQ, dK and dV in float32 equal bit for bit those of the same kernels with S from the
+    grid values (128- and 64-query programs: the interpreter multiplies both products
+    exactly), and are within 1e-3 relative L2 of the reference backward (measured 1e-8 to
+    3.4e-5); the launcher refuses a dQ launch that is not 128 rows or lacks the payload."""
+    run_under_interpreter(TRAIN_FP4_SCORES)
+
+
 NONFINITE = BLACKWELL_PATCHES + textwrap.dedent('''
     import os
 

@@ -361,6 +361,29 @@ def log2_scores(s, a, b):
 
 
 @triton.jit
+def nvfp4_scores(a, a_sc, bt, b_sc, zero_rows):
+    """The raw score product A B^T of two NVFP4 operands (Blackwell only), before the
+    tensor scales (`log2_scores` applies them): a (M, D/2) and bt (D/2, N) E2M1 codes
+    packed two a byte along the head dim (element 2i in the low nibble: the payload
+    `formats.nvfp4` and the training quantizers store), a_sc (M, D/16) and b_sc (N, D/16)
+    e4m3 block scales. `tl.dot_scaled` lowers it to the block-scaled FP4 product
+    (`tcgen05.mma ... kind::mxf4nvf4.block_scale.scale_vec::4X` on sm_100, block-scaled
+    mma.sync on sm_120). Every product of two NVFP4 grid values is exact in float32, so
+    this is the bf16 product of the decoded values up to float32 summation order.
+
+    The accumulator starts from zero_rows (M,) broadcast, a zero the compiler cannot
+    fold: Triton 3.6 fails to build a block-scaled MMA in a loop whose accumulator is a
+    constant zero ("'ttng.tmem_alloc' op uninitialized alloc must have a mutable memdesc
+    type" in TritonGPUOptimizeAccumulatorInit; `acc=None` too). Callers take it from a
+    scale the scores are multiplied by anyway, so a NaN there only gives the NaN scores
+    that scale would."""
+    M: tl.constexpr = a.shape[0]
+    N: tl.constexpr = bt.shape[1]
+    acc = zero_rows[:, None] + tl.zeros((M, N), tl.float32)
+    return tl.dot_scaled(a, a_sc, "e2m1", bt, b_sc, "e2m1", acc)
+
+
+@triton.jit
 def max_propagating_nan(a, b):
     """max(a, b) with a NaN in either giving NaN (`tl.reduce` combiner; tl.max drops NaN)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)

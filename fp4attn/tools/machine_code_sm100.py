@@ -230,42 +230,55 @@ def inspect(kernel, arch: str = "sm_100a") -> BlackwellReport:
 
 # ---------------------------------------------------------------------------- training backward
 _BWD_FP8 = ("DO_T", "DO_C", "V_T", "Q_C", "K_C")
-_BWD_BF16 = ("Q", "K", "DK", "DV", "DQ")  # NVFP4 grid values in, bf16 gradients out
+_BWD_BF16 = ("DK", "DV", "DQ")  # bf16 gradients out
 _BWD_INTS = ("H", "GROUP", "Sq", "Sk", "causal_offset")
 
 
-def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0, arch: str = "sm_100a"):
+def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0, arch: str = "sm_100a",
+                     qk_fp4: bool | None = None, launch=None):
     """The training backward's Triton kernel `part` ("dkdv" or "dq", from
     `kernels.hopper.backward_triton`) compiled for `arch` at the Blackwell launch
-    (`routing.BLACKWELL_BACKWARD_LAUNCH`), pointers and lengths specialized as
-    multiples of 16. The signature follows the kernel's own parameters, so it tracks
-    their changes."""
+    (`routing.BLACKWELL_BACKWARD_LAUNCH`, or `launch`), pointers and lengths
+    specialized as multiples of 16. qk_fp4 (dq only; None: the launch's
+    `qk_fp4_dq`): S by the block-scaled FP4 product of the NVFP4 payloads (QK_FP4);
+    False: by the bf16 product of their grid values. The signature follows the
+    kernel's own parameters, so it tracks their changes."""
     from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
     from fp4attn.reference.backward import DS_BLOCK
     from fp4attn.routing import BLACKWELL_BACKWARD_LAUNCH
 
-    cfg = BLACKWELL_BACKWARD_LAUNCH[head_dim]
+    cfg = launch or BLACKWELL_BACKWARD_LAUNCH[head_dim]
     fn = attn_bwd_dkdv_kernel if part == "dkdv" else attn_bwd_dq_kernel
     if part == "dkdv":
+        if qk_fp4:
+            raise ValueError("compile_backward: the dK/dV kernel has no QK_FP4 form (its S^T is a bf16 product)")
+        qk_fp4 = False
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
                       HW_CVT=cfg.hw_cvt, TMA=False)
         warps, stages = cfg.warps_dkdv, cfg.stages_dkdv
     else:
+        qk_fp4 = cfg.qk_fp4_dq if qk_fp4 is None else qk_fp4
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
-                      HW_CVT=cfg.hw_cvt, TMA=False)
+                      HW_CVT=cfg.hw_cvt, TMA=False, QK_FP4=qk_fp4)
         warps, stages = cfg.warps_dq, cfg.stages_dq
+    # Q and K: the NVFP4 codes with their e4m3 block scales, or the bf16 grid values
+    # (the block-scale pointers then None, as the launcher leaves them)
+    qk = {"Q": "*u8", "K": "*u8", "QSC": "*fp8e4nv", "KSC": "*fp8e4nv"} if qk_fp4 else {"Q": "*bf16", "K": "*bf16"}
     sig = {}
     for param in fn.params:
         n = param.name
         if param.is_constexpr:
             sig[n] = "constexpr"
             consts.setdefault(n, param.default)
+        elif n in ("QSC", "KSC") and not qk_fp4:
+            sig[n] = "constexpr"
+            consts[n] = None
         elif n in _BWD_INTS:
             sig[n] = "i32"
         elif n in ("qk_scale", "sm_scale"):
             sig[n] = "fp32"
         else:
-            sig[n] = "*fp8e4nv" if n in _BWD_FP8 else "*bf16" if n in _BWD_BF16 else "*fp32"
+            sig[n] = qk.get(n) or ("*fp8e4nv" if n in _BWD_FP8 else "*bf16" if n in _BWD_BF16 else "*fp32")
     aligned = [n for n, t in sig.items() if t.startswith("*") or n in _LENGTHS]
     consts = {k: v for k, v in consts.items() if k in sig}
     src = ASTSource(fn, sig, constexprs=consts, attrs=_divisibility(sig, aligned))

@@ -62,6 +62,7 @@ from fp4attn.kernels.common import (
     key_tile_bounds,
     log2_scores,
     max_propagating_nan,
+    nvfp4_scores,
     p_fp8_affine,
     round_e4m3,
     round_e4m3_cvt,
@@ -226,8 +227,7 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         else:
             kt = tl.load(kt_ptrs)
             k_sc = tl.load(ksc_ptrs)
-        s_init = zero_m[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        s = tl.dot_scaled(q, q_sc, "e2m1", kt, k_sc, "e2m1", s_init)
+        s = nvfp4_scores(q, q_sc, kt, k_sc, zero_m)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         k_ptrs = k_ptr + cols[:, None] * stride_kn + offs_d[None, :]

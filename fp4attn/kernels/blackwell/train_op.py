@@ -6,13 +6,14 @@ The saved operands, their quantizers and the backward are the Hopper training
 kernels' (`kernels.hopper.train_op`), which are plain Triton and build for sm_100a
 (`fp4attn compile-report` compiles them): the forward keeps the NVFP4 Q/K payloads (two
 E2M1 codes a byte, an e4m3 scale per 16, one tensor scale per head) and the LSE, and the
-backward rebuilds P from exactly those (S^T by a bf16 product of the NVFP4 grid values,
-exact, as the forward's block-scaled FP4 product computes it up to float32 summation
-order) with its four gradient products on the FP8 tensor cores (`kind::f8f6f4`). What
-changes from Hopper: the forward is `forward_triton.attn_fwd_sm100_kernel` on the same
-codes and scales (block-scaled FP4 QK^T), and the backward runs its Triton kernels at
-the Blackwell launch (`routing.BLACKWELL_BACKWARD_LAUNCH`: no Hopper TMA or Gluon
-paths).
+backward rebuilds P from exactly those, with its four gradient products on the FP8
+tensor cores (`kind::f8f6f4`). What changes from Hopper: the forward is
+`forward_triton.attn_fwd_sm100_kernel` on the same codes and scales (block-scaled FP4
+QK^T), and the backward runs its Triton kernels at the Blackwell launch
+(`routing.BLACKWELL_BACKWARD_LAUNCH`: no Hopper TMA or Gluon paths), where the dQ
+kernel's S is the block-scaled FP4 product of the same payload (`kind::mxf4nvf4`, as the
+forward's QK^T) and the dK/dV kernel's S^T a bf16 product of its grid values: exact
+both, equal up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def _train_backward_op(
     ops = backward_operands(dout, out, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts)
     launch = routing.blackwell_backward_launch(q_codes.shape[-1] * 2)
     with routing.override_launch(backward=launch):
-        return launch_backward(ops, lse, p, p_build, causal_offset, causal, scale, (dq_dtype, dk_dtype, dv_dtype))
+        # the dQ kernel multiplies S from the NVFP4 payload itself (block-scaled FP4 MMA)
+        return launch_backward(ops, lse, p, p_build, causal_offset, causal, scale, (dq_dtype, dk_dtype, dv_dtype),
+                               nvfp4=(q_codes, q_bscale, k_codes, k_bscale))
 
 
 _train_backward_op.register_fake(train_backward_fake)

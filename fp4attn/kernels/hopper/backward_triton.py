@@ -33,13 +33,32 @@ the attention of a small batch: tools/profile_train_step.py).
 HW_CVT: the e4m3 operands (P_r for FP8 P, and dS) are rounded by the hardware's packed
 conversion (cvt.rn.satfinite, round-to-nearest-even with saturation, as the reference)
 instead of the float32 bit arithmetic the forward needs for its row sums.
+
+QK_FP4 (the dq kernel, Blackwell only: sm_90 has no FP4 tensor cores, and Triton 3.6
+cannot build an NVFP4 `dot_scaled` for it): Q and K arrive as the forward's saved NVFP4
+payloads, packed E2M1 codes (B, heads, S, D/2) with e4m3 block scales QSC, KSC (B,
+heads, S, D/16), and S is the block-scaled FP4 product of those
+(`kernels.common.nvfp4_scores`, `tcgen05.mma ... kind::mxf4nvf4`) instead of a bf16
+product of their grid values: the same exact products summed in float32. The tensor
+scales multiply the float32 product as before. tcgen05 has that product for 128 rows
+only (M = 128), so it takes BLOCK_M = 128. The dK/dV kernel keeps the bf16 S^T: its
+programs hold 64 keys, and neither 128-key programs nor a 64-key S^T padded to 128 rows
+built well (docs/notes/blackwell.md, "The training backward's score products"). Off
+(the default, QSC and KSC None), the kernels build as they did.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, build_p_tile, fp8_scale_inv, log2_scores, round_e4m3
+from fp4attn.kernels.common import (
+    P_OFFSET_LOG2,
+    build_p_tile,
+    fp8_scale_inv,
+    log2_scores,
+    nvfp4_scores,
+    round_e4m3,
+)
 from fp4attn.reference.backward import DS_BLOCK
 from fp4attn.reference.forward import LOG2E as _LOG2E
 
@@ -74,6 +93,23 @@ def _token_tile(T, head_row, start, rows, ok, HEAD_DIM: tl.constexpr, TMA: tl.co
         d = tl.arange(0, HEAD_DIM)
         tile = tl.load(T + (head_row + rows[:, None]) * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
     return tile
+
+
+@triton.jit
+def _nvfp4_token_tile(T, TSC, head_row, rows, ok, HEAD_DIM: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The NVFP4 payload of rows head_row + rows of a token-major operand (QK_FP4): codes
+    (B * heads * S, D/2) uint8 as a (rows, D/2) tile, or TRANSPOSED (D/2, rows), the right
+    operand of a product over the head dim; block scales (B * heads * S, D/16) e4m3 as
+    (rows, D/16) either way, as `tl.dot_scaled` takes both operands' scales. Rows past
+    the head's length (not `ok`) are zero codes with zero scales."""
+    h = tl.arange(0, HEAD_DIM // 2)
+    sb = tl.arange(0, HEAD_DIM // 16)
+    if TRANSPOSED:
+        codes = tl.load(T + (head_row + rows[None, :]) * (HEAD_DIM // 2) + h[:, None], mask=ok[None, :], other=0)
+    else:
+        codes = tl.load(T + (head_row + rows[:, None]) * (HEAD_DIM // 2) + h[None, :], mask=ok[:, None], other=0)
+    scales = tl.load(TSC + (head_row + rows[:, None]) * (HEAD_DIM // 16) + sb[None, :], mask=ok[:, None], other=0.0)
+    return codes, scales
 
 
 @triton.jit
@@ -251,13 +287,19 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
              causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-             HW_CVT: tl.constexpr, TMA: tl.constexpr, ROW_SCALES: tl.constexpr):
+             HW_CVT: tl.constexpr, TMA: tl.constexpr, ROW_SCALES: tl.constexpr,
+             q_sc=None, KSC=None, zero_m=None, QK_FP4: tl.constexpr = False):
     offs_n = start_n + offs_nb
     key_ok = offs_n < Sk
-    k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, TMA)
-    if ROW_SCALES:  # this tile's keys' own scales
-        k_scale = token_scales(KS, kv_off, offs_n, key_ok, 1.0, 1)
-    t = log2_scores(tl.dot(q, tl.trans(k)), q_scale, k_scale)
+    if QK_FP4:  # S = Q K^T by the block-scaled FP4 product of the saved payloads
+        kt, k_sc = _nvfp4_token_tile(K, KSC, kv_off, offs_n, key_ok, HEAD_DIM, True)
+        s = nvfp4_scores(q, q_sc, kt, k_sc, zero_m)
+    else:
+        k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, TMA)
+        if ROW_SCALES:  # this tile's keys' own scales
+            k_scale = token_scales(KS, kv_off, offs_n, key_ok, 1.0, 1)
+        s = tl.dot(q, tl.trans(k))
+    t = log2_scores(s, q_scale, k_scale)
     if MASK:
         visible = key_ok[None, :]
         if CAUSAL:
@@ -280,11 +322,16 @@ def attn_bwd_dq_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False, ROW_SCALES: tl.constexpr = False,
+    QK_FP4: tl.constexpr = False, QSC=None, KSC=None,
 ):
     """Layouts as `attn_bwd_dkdv_kernel` (ROW_SCALES likewise); K_C (B, Hkv, D, Sk) e4m3
     with K_CS (B, Hkv, D).
     DQ (B, H, Sq, D) in the gradient's dtype. TMA: K, V_T and K_C are descriptors and Sk
-    is a multiple of BLOCK_N."""
+    is a multiple of BLOCK_N. QK_FP4: Q (B, H, Sq, D/2) and K (B, Hkv, Sk, D/2) uint8
+    NVFP4 codes with QSC (B, H, Sq, D/16) and KSC (B, Hkv, Sk, D/16) e4m3 block scales,
+    QS and KS their tensor scales per head; pointer loads, BLOCK_M 128."""
+    tl.static_assert(not QK_FP4 or not (TMA or ROW_SCALES), "QK_FP4: NVFP4 payloads by pointer loads, one scale a head")
+    tl.static_assert(not QK_FP4 or BLOCK_M == 128, "QK_FP4: tcgen05's block-scaled MMA has 128 rows")
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     b = off_bh // H
@@ -300,7 +347,11 @@ def attn_bwd_dq_kernel(
     kvd_off = (b.to(tl.int64) * Hkv + hk) * HEAD_DIM  # this head's first row of K_C
 
     # the program's own queries, loaded once (pointer loads: a tail block is masked)
-    q = _token_tile(Q, row_off, start_m, offs_m, row_ok, HEAD_DIM, False)
+    if QK_FP4:
+        q, q_sc = _nvfp4_token_tile(Q, QSC, row_off, offs_m, row_ok, HEAD_DIM, False)
+    else:
+        q = _token_tile(Q, row_off, start_m, offs_m, row_ok, HEAD_DIM, False)
+        q_sc = None
     if ROW_SCALES:  # the program's queries' own scales; each key tile loads its keys'
         q_scale = token_scales(QS, row_off, offs_m, row_ok, qk_scale, 0)
         k_scale = 1.0
@@ -308,6 +359,9 @@ def attn_bwd_dq_kernel(
         q_scale = tl.load(QS + off_bh) * qk_scale  # the heads' tensor scales
         k_scale = tl.load(KS + b * Hkv + hk)
     lse2 = _lse2(LSE + row_off + offs_m, row_ok)
+    zero_m = None
+    if QK_FP4:  # S's accumulator: a zero the compiler cannot fold (`nvfp4_scores`), from the query scale
+        zero_m = tl.zeros([BLOCK_M], tl.float32) + q_scale * 0.0
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
     do_t = _token_tile(DO_T, row_off, start_m, offs_m, row_ok, HEAD_DIM, False)
     do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
@@ -321,10 +375,12 @@ def attn_bwd_dq_kernel(
         full = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, full)
     for start_n in range(0, full, BLOCK_N):
         dq = _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
-                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT, TMA, ROW_SCALES)
+                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT, TMA, ROW_SCALES,
+                      q_sc, KSC, zero_m, QK_FP4)
     for start_n in range(full, hi, BLOCK_N):
         dq = _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
-                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT, TMA, ROW_SCALES)
+                      causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT, TMA, ROW_SCALES,
+                      q_sc, KSC, zero_m, QK_FP4)
     k_cs = tl.load(K_CS + kvd_off + offs_d)
     dq = dq * k_cs[None, :] * sm_scale
     tl.store(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq.to(DQ.dtype.element_ty),
