@@ -127,9 +127,9 @@ class Recipe:
                              "smooth_k=False and rotate_qk=None")
         if self.p_build == "affine" and self.p not in ("fp8", "mxfp4"):
             raise ValueError(f"p_build='affine' builds FP8 or MXFP4 P; got p={self.p!r}")
-        if self.p_build == "affine" and self.grad is not None:
-            raise ValueError("p_build='affine' is an inference P builder (the backward rebuilds P by 'exp2' or "
-                             f"'directp'); got grad={self.grad!r} (use grad=None)")
+        if self.p_build == "affine" and self.grad is not None and self.p != "fp8":
+            raise ValueError("p_build='affine' trains with FP8 P only (the backward rebuilds P by the same map of "
+                             f"the normalized log-score); got p={self.p!r} with grad={self.grad!r}")
         if self.p_build == "affine" and self.p_sink:
             raise ValueError("Recipe.p_sink=True is defined for p_build='directp' or 'exp2'; got p_build='affine'")
         if self.grad is not None and self.grad not in GRAD_FORMATS:
@@ -238,6 +238,10 @@ PRESETS: dict[str, Recipe] = {
         # the e4m3 values on the bf16 tensor cores), FP8 P/V, e4m3 gradient products; trained
         # on the Hopper training kernels (their per-token-scale forms) and the reference
         Recipe(qk="fp8", p="fp8", v="fp8", p_build="exp2", grad="e4m3", name="train-fp8"),
+        # training with affine FP8 P: the forward's codes from one affine map of the log-score
+        # (no exponential), and the backward P from the same map of t - LSE, for dV and dS
+        # alike (no exponential there either; `reference.backward`)
+        Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="affine", grad="e4m3", name="train-affine"),
     )
 }
 

@@ -53,6 +53,12 @@ P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2, ("
 # against 0.559x of cuDNN bf16, D=128 geomean, benchmarks/results/log/h200-forward-affine-mx-gluon.json):
 # MXFP4 P stays on the Triton kernel
 GLUON_P_MODES = (0, 4)
+# the training kernels' P modes: as P_MODES, but a trained affine FP8 P measures its codes
+# from the integer grid (P_MODE 6: `kernels.common.affine_reference_point`), from which the
+# backward rebuilds them given the LSE (`reference.affine.snap_max`, `reference.backward`);
+# the Triton kernels build it (forward and backward), not the Gluon, CUDA or sm_100 ones
+P_MODE_AFFINE_TRAINED = 6
+TRAIN_P_MODES = {**P_MODES, ("fp8", "affine"): P_MODE_AFFINE_TRAINED}
 # and those the CUDA C++ kernel builds (`forward_cuda.Variant.affine_p` for 4)
 CUDA_P_MODES = (0, 4)
 TRAIN_GRAD_FORMATS = ("e4m3",)
@@ -265,9 +271,10 @@ def backward_gluon_kernels(launch: BackwardLaunch, qk: str, p_mode: int, tma: bo
     launch asks for it (`dkdv_gluon`, `dq_gluon`), the loops' tiles arrive by TMA (`tma`:
     the launch's, with both lengths whole 64-token tiles), e4m3 is rounded by the
     hardware's conversion (`hw_cvt`), the Q/K format is one of GLUON_BACKWARD_QK and, for
-    dK/dV, P is FP8 (P mode 0)."""
+    dK/dV, P is FP8 from exp2 (P mode 0), for dQ not the trained affine P (6)."""
     ok = tma and launch.hw_cvt and qk in GLUON_BACKWARD_QK
-    return launch.dkdv_gluon and ok and p_mode == 0, launch.dq_gluon and ok
+    # the Gluon dQ kernel builds P by exp2: not the trained affine P
+    return launch.dkdv_gluon and ok and p_mode == 0, launch.dq_gluon and ok and p_mode != P_MODE_AFFINE_TRAINED
 
 
 # ---------------------------------------------------------------------------- Blackwell (sm_100)
@@ -405,8 +412,17 @@ HOPPER_TRAIN_QK = {"nvfp4": HOPPER_TRAIN_ROBUST_FIELDS, "fp8": ()}
 P_MODE_DIRECTP_SINK = 3
 
 
+def trained_affine(recipe: Recipe) -> bool:
+    """Whether `recipe` builds the trained affine FP8 P (P_MODE 6: codes measured from the
+    integer grid, `reference.affine.snap_max(..., trained=True)`), forward and backward."""
+    return recipe.p_build == "affine" and recipe.p == "fp8" and recipe.grad is not None
+
+
 def p_mode(recipe: Recipe) -> int:
-    """The forward kernels' P_MODE for `recipe` (`P_MODES`, or 3 for p_sink's Direct-P)."""
+    """The forward kernels' P_MODE for `recipe` (`P_MODES`, 3 for p_sink's Direct-P, 6 for
+    the trained affine FP8 P)."""
+    if trained_affine(recipe):
+        return P_MODE_AFFINE_TRAINED
     if recipe.p_sink:
         if recipe.p_build != "directp":
             raise ValueError(f"the Hopper kernels build p_sink P by Direct-P only, got p_build={recipe.p_build!r}")
@@ -492,10 +508,10 @@ def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: st
     by TMA, which the fused quantizers' layouts allow); else the Triton kernel."""
     dk = kernel_head_dim(head_dim)
     launch = forward_launch(dk, recipe.fast_accum, causal)
-    p_mode = P_MODES[recipe.p, recipe.p_build]
-    if use_cuda_forward(launch, p_mode, recipe.fast_accum, keys, on_cuda):
+    mode = p_mode(recipe)
+    if use_cuda_forward(launch, mode, recipe.fast_accum, keys, on_cuda):
         return "hopper.forward_cuda"
-    gluon = launch.warp_specialized and p_mode in GLUON_P_MODES and mask == "none"
+    gluon = launch.warp_specialized and mode in GLUON_P_MODES and mask == "none"
     return "hopper.forward_gluon_ws" if gluon else "hopper.forward_triton"
 
 
@@ -503,7 +519,7 @@ def _hopper_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str,
                          on_cuda: bool = True) -> str:
     fwd = _hopper_forward_kernel(recipe, head_dim, causal, mask, keys, on_cuda)
     cfg = backward_launch(kernel_head_dim(head_dim))
-    gluon = backward_gluon_kernels(cfg, recipe.qk, P_MODES[recipe.p, recipe.p_build], cfg.tma)
+    gluon = backward_gluon_kernels(cfg, recipe.qk, p_mode(recipe), cfg.tma)
     dkdv, dq = (f"backward_{'gluon' if g else 'triton'}.{part}" for g, part in zip(gluon, ("dkdv", "dq")))
     where = " (Gluon where the lengths are whole 64-token tiles)" if any(gluon) else ""
     return f"{fwd} + hopper.{dkdv} + hopper.{dq}{where}"
@@ -556,6 +572,8 @@ def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "no
     ("none", "key"; see `KernelFamily`) on `target`, or None. The spill rules are those
     of the datacenter builds' serial kernel; the consumer launches build every routed
     recipe without one."""
+    if trained_affine(recipe):
+        return "the trained affine FP8 P (its integer reference grid: the Hopper Triton kernels build it)"
     dk = kernel_head_dim(head_dim)
     serial = dk is not None and target in BLACKWELL_TARGETS and not blackwell_forward_launch(
         dk, False, mask == "key", recipe.p, recipe.p_build).pipelined

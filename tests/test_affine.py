@@ -133,8 +133,9 @@ def test_forward_error_is_the_formats(name, causal):
 def test_recipe_rules():
     with pytest.raises(ValueError, match="affine.*FP8 or MXFP4"):
         Recipe(p="bf16", p_build="affine")
-    with pytest.raises(ValueError, match="inference P builder"):
-        Recipe(p="fp8", v="fp8", p_build="affine", grad="e4m3")
+    with pytest.raises(ValueError, match="trains with FP8 P only"):
+        Recipe(qk="nvfp4", p="mxfp4", v="mxfp4", p_build="affine", grad="e4m3")
+    assert Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="affine", grad="e4m3").grad == "e4m3"
     with pytest.raises(ValueError, match="p_sink"):
         Recipe(p_build="affine", p_sink=True)
 
@@ -194,3 +195,53 @@ def test_hopper_op_keeps_every_numerics_field(monkeypatch):
         got = seen[-1]
         for field in ("qk", "p", "v", "p_build", "fast_accum", "k_scale", "block_n", "consistent_norm"):
             assert getattr(got, field) == getattr(want, field), (name, field)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_trained_affine_p_is_rebuilt_from_the_lse_exactly(seed):
+    """`train-affine`: the forward measures its FP8 codes from the integer m~ = ceil(max t)
+    and the backward rebuilds them from the LSE alone, measured from ceil(lse2) and scaled
+    by 2**(ceil(lse2) - lse2): the forward's normalized P exactly wherever its byte is
+    normal (>= 8), with no exponential per score. Rows of one key tile (one reference
+    point), logits of several sharpnesses, masked keys."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(64, 128, generator=g) * (1 + 4 * seed)
+    t[:, 100:] = float("-inf")
+    m_ref = snap_max(t.amax(-1), "fp8", trained=True)
+    assert torch.equal(m_ref, torch.ceil(t.amax(-1)))
+    p_f = build_p_affine(t, m_ref, "fp8")
+    l = p_f.sum(-1)
+    lse2 = m_ref + torch.log2(l)
+    mb = torch.ceil(lse2)
+    p_b = build_p_affine(t, mb, "fp8") * torch.exp2(mb - lse2)[:, None]
+    b_f = affine_fp8_bytes(t, m_ref).int()
+    b_b = affine_fp8_bytes(t, mb).int()
+    normal = (b_f >= 8) & (b_b >= 8)
+    # the same codes, shifted by 8 per integer of the reference point (a power of two)
+    assert torch.equal((b_b - b_f)[normal], (8 * (m_ref - mb)).int()[:, None].expand_as(b_f)[normal])
+    want = p_f / l[:, None]
+    # and the same values to the rounding of lse2 (an ulp of a log2 near 30 is 4e-6) in
+    # 2**(mb - lse2) against 1 / l
+    torch.testing.assert_close(p_b[normal], want[normal], rtol=1e-5, atol=0)
+    # elsewhere the rebuilt P is a smaller subnormal or zero: never above the forward's
+    assert bool((p_b[~normal] <= want[~normal] * (1 + 1e-6) + 1e-30).all())
+    assert bool((p_b[:, 100:] == 0).all())
+
+
+def test_train_affine_trains_on_the_reference():
+    """`train-affine` through `fp4attn.attention` and autograd on the CPU (the reference
+    forward and backward): finite gradients of the accuracy of `train`'s against exact
+    attention's (the NVFP4 Q/K dominate both)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 150, 64, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    dout = torch.randn(1, 2, 150, 64, generator=g).bfloat16()
+    grads = {}
+    for name in ("train-affine", "train", "bf16"):
+        for x in (q, k, v):
+            x.grad = None
+        fp4attn.attention(q, k, v, recipe=name, causal=True).backward(dout)
+        grads[name] = [x.grad.float().clone() for x in (q, k, v)]
+    for a, b, e in zip(grads["train-affine"], grads["train"], grads["bf16"]):
+        assert bool(torch.isfinite(a).all())
+        err_affine, err_train = float((a - e).norm() / e.norm()), float((b - e).norm() / e.norm())
+        assert err_affine < 1.1 * err_train + 0.01, (err_affine, err_train)

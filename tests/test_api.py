@@ -28,7 +28,7 @@ def test_custom_recipe_and_presets():
                             "fp8-directp-fastacc", "fp8-fastacc", "directp-robust", "nvfp4-fp8-robust",
                             "train-robust", "train-fp8", "directp-fast", "fp8-directp-fast",
                             "fp8-directp-fast-fastacc", "fp8-affine", "fp8-affine-fastacc",
-                            "fp8-ktile-affine-fastacc"}
+                            "fp8-ktile-affine-fastacc", "train-affine"}
     with pytest.raises(ValueError, match="fast_accum.*qk='fp8'.*'nvfp4'"):
         Recipe(qk="nvfp4", fast_accum=True)
     from fp4attn.recipes import preset_names
@@ -130,7 +130,7 @@ def test_cli_backward_accuracy(tmp_path):
     path = tmp_path / "bwd.json"
     cli_main(["accuracy", "--backward", "--causal", "-S", "64", "-H", "2", "--device", "cpu", "--json", str(path)])
     records = {r["recipe"]: r for r in json.loads(path.read_text())}
-    assert set(records) == {"train", "train-mxfp4pv", "train-robust", "train-fp8", "bf16"}  # recipes with a backward
+    assert set(records) == {"train", "train-mxfp4pv", "train-robust", "train-fp8", "train-affine", "bf16"}  # with a backward
     assert records["bf16"]["cos_dq"] > 0.999 and 0.9 < records["train"]["cos_dk"] < 1
 
 

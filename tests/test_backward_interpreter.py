@@ -101,7 +101,11 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
                                          ("train-fp8", 128, 113, 239, "top_left", False),
                                          ("train-fp8", 64, 239, 113, "bottom_right", False),
                                          ("train-fp8", 128, 239, 113, None, False),
-                                         (fp8_mxfp4, 64, 113, 100, "top_left", False)):
+                                         (fp8_mxfp4, 64, 113, 100, "top_left", False),
+                                         # the trained affine FP8 P (P mode 6), rebuilt from the LSE
+                                         ("train-affine", 64, 128, 192, "bottom_right", True),
+                                         ("train-affine", 128, 113, 239, "top_left", False),
+                                         ("train-affine", 64, 239, 113, None, False)):
         r = PRESETS.get(name, name)
         q, dout = (torch.randn(1, 2, sq, D, generator=g).bfloat16() for _ in range(2))
         k, v = (torch.randn(1, 1, sk, D, generator=g).bfloat16() for _ in range(2))
@@ -139,7 +143,35 @@ def test_backward_matches_reference_under_the_interpreter():
     run_under_interpreter(NUMERICS)
 
 
-TRAIN_FP8 = BLACKWELL_PATCHES + textwrap.dedent('''
+
+# what both training-route scripts check after their forward and backward: the LSE and
+# output against the reference forward's, the gradients (GQA sums included) against the
+# reference backward's from the same output and LSE
+CHECK_ROUTE = textwrap.dedent('''
+    from fp4attn.reference import reference_backward, reference_forward
+    from fp4attn.reference.forward import ForwardResult
+
+
+    def check_route(q, k, v, out, lse, dout, r, causal):
+        (B, HQ, sq, D), (HKV, sk) = q.shape, k.shape[1:3]
+        lse = lse.detach()  # (it carries no gradient)
+        kx, vx = (t.detach().repeat_interleave(HQ // HKV, 1) for t in (k, v))
+        ref = reference_forward(q.detach(), kx, vx, r, scale=D**-0.5, causal=causal)
+        seen = torch.isfinite(ref.lse)
+        assert torch.equal(seen, torch.isfinite(lse)) and float((lse[seen] - ref.lse[seen]).abs().max()) < 1e-5
+        o_err = float((out.detach().float() - ref.out).norm() / ref.out.norm())
+        assert o_err < 1e-2, o_err  # the bf16 rounding of the output
+        fwd = ForwardResult(out.detach().float(), lse, ref.q, ref.k, ref.v)
+        want = reference_backward(fwd, out.detach(), dout, r, scale=D**-0.5, causal=causal)
+        G = HQ // HKV
+        want = (want[0], want[1].reshape(B, HKV, G, sk, D).sum(2), want[2].reshape(B, HKV, G, sk, D).sum(2))
+        for n, t, w in zip("qkv", (q, k, v), want):
+            err = float((t.grad.float() - w).norm() / w.norm())
+            # measured 3.3e-3 to 3.4e-3 (train-fp8): the bf16 rounding of the gradients
+            assert t.grad.dtype == torch.bfloat16 and err < 1e-2, (sq, sk, D, causal, n, err)
+''')
+
+TRAIN_FP8 = BLACKWELL_PATCHES + CHECK_ROUTE + textwrap.dedent('''
     import dataclasses
     import os
 
@@ -148,8 +180,6 @@ TRAIN_FP8 = BLACKWELL_PATCHES + textwrap.dedent('''
     import fp4attn
     from fp4attn.kernels.hopper import train_op
     from fp4attn.recipes import PRESETS
-    from fp4attn.reference import reference_backward, reference_forward
-    from fp4attn.reference.forward import ForwardResult
     from fp4attn.routing import BACKWARD_LAUNCH, ForwardLaunch, override_launch
 
     r = PRESETS["train-fp8"]
@@ -176,19 +206,7 @@ TRAIN_FP8 = BLACKWELL_PATCHES + textwrap.dedent('''
                                          backend="triton", return_lse=True)
             dout = torch.randn(out.shape, generator=g).bfloat16()
             out.backward(dout)
-        lse = lse.detach()  # (it carries no gradient)
-        kx, vx = (t.detach().repeat_interleave(HQ // HKV, 1) for t in (k, v))
-        ref = reference_forward(q.detach(), kx, vx, r, scale=D**-0.5, causal=causal)
-        seen = torch.isfinite(ref.lse)
-        assert torch.equal(seen, torch.isfinite(lse)) and float((lse[seen] - ref.lse[seen]).abs().max()) < 1e-5
-        fwd = ForwardResult(out.detach().float(), lse, ref.q, ref.k, ref.v)
-        want = reference_backward(fwd, out.detach(), dout, r, scale=D**-0.5, causal=causal)
-        G = HQ // HKV
-        want = (want[0], want[1].reshape(B, HKV, G, sk, D).sum(2), want[2].reshape(B, HKV, G, sk, D).sum(2))
-        for n, t, w in zip("qkv", (q, k, v), want):
-            err = float((t.grad.float() - w).norm() / w.norm())
-            # measured 3.3e-3 to 3.4e-3: the bf16 rounding of the gradients
-            assert t.grad.dtype == torch.bfloat16 and err < 1e-2, (sq, sk, D, causal, n, err)
+        check_route(q, k, v, out, lse, dout, r, causal)
 
     # the ops' fake implementations (torch.compile traces them) give the real ops' shapes
     # and dtypes; what the forward keeps is Q/K's e4m3 bytes, not their bf16 values
@@ -221,3 +239,43 @@ def test_train_fp8_trains_through_autograd_under_the_interpreter():
     and LSE (the bf16 rounding of the gradients); the ops' fake implementations give the
     real ops' shapes and dtypes."""
     run_under_interpreter(TRAIN_FP8)
+
+
+TRAIN_AFFINE = BLACKWELL_PATCHES + CHECK_ROUTE + textwrap.dedent('''
+    import dataclasses
+    import os
+
+    os.environ["FP4ATTN_TARGET"] = "sm_90"
+
+    import fp4attn
+    from fp4attn.recipes import PRESETS
+    from fp4attn.routing import BACKWARD_LAUNCH, ForwardLaunch, override_launch
+
+    r = PRESETS["train-affine"]
+    g = torch.Generator().manual_seed(4)
+    for B, HQ, HKV, sq, sk, D, causal in ((1, 2, 1, 113, 239, 64, "bottom_right"), (2, 2, 2, 64, 128, 128, "top_left"),
+                                          (1, 4, 2, 70, 50, 128, None)):
+        q = torch.randn(B, HQ, sq, D, generator=g).bfloat16().requires_grad_()
+        k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16().requires_grad_() for _ in range(2))
+        info = fp4attn.explain(q, k, v, causal=causal, recipe="train-affine", enable_gqa=True)
+        # P mode 6 runs on the Triton kernels only: forward, dK/dV and dQ
+        assert info["kernel"] == "hopper.forward_triton + hopper.backward_triton.dkdv + hopper.backward_triton.dq", info
+        with override_launch(forward=ForwardLaunch(64, 4, 2),
+                             backward=dataclasses.replace(BACKWARD_LAUNCH[D], hw_cvt=False)):
+            out, lse = fp4attn.attention(q, k, v, causal=causal, recipe="train-affine", enable_gqa=True,
+                                         backend="triton", return_lse=True)
+            dout = torch.randn(out.shape, generator=g).bfloat16()
+            out.backward(dout)
+        check_route(q, k, v, out, lse, dout, r, causal)
+    print("ok")
+''')
+
+
+def test_train_affine_trains_through_autograd_under_the_interpreter():
+    """`train-affine` through `fp4attn.attention` and autograd on the Hopper training route
+    (the interpreter, FP4ATTN_TARGET=sm_90): the Triton forward builds P by the trained
+    affine map (P mode 6, its codes from the integer grid), its LSE within 1e-5 of the
+    reference forward's and its output within bf16 rounding; the backward kernels rebuild
+    P from the LSE with no exponential, dQ, dK, dV within 1% of the reference backward's
+    (GQA, both causal alignments, head dims 64 and 128, lengths off the tiles)."""
+    run_under_interpreter(TRAIN_AFFINE)

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 
 # train-fp8: per-token FP8 Q/K, its backward on the kernels' ROW_SCALES form (the Gluon
 # kernels where the lengths are whole tiles, as train's: routing.GLUON_BACKWARD_QK)
-RECIPES = ["train", "train-mxfp4pv", "train-fp8"]
+# train-affine: P by the trained affine map (P mode 6), forward and backward on the Triton kernels
+RECIPES = ["train", "train-mxfp4pv", "train-fp8", "train-affine"]
 
 
 def _inputs(b, hq, hkv, sq, sk, d, dtype=torch.bfloat16):

@@ -281,10 +281,14 @@ def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None
 @triton.jit
 def affine_reference_point(m, P_MODE: tl.constexpr):
     """The affine builders' reference point m~ of rows with (finite) running max m:
-    `reference.affine.snap_max`, operation for operation (float32, IEEE rounding)."""
+    `reference.affine.snap_max`, operation for operation (float32, IEEE rounding). P_MODE
+    6 (trained affine FP8 P) snaps to the integers: the backward rebuilds these codes from
+    the LSE (`p_fp8_affine_rebuilt`)."""
     if P_MODE == 4:
         c = (AFFINE_K_FP8 - m * 8.0) + AFFINE_MAGIC
         m_ref = (AFFINE_K_FP8 - (c - AFFINE_MAGIC)) * 0.125
+    elif P_MODE == 6:
+        m_ref = tl.math.ceil(m)
     else:
         m_ref = tl.math.ceil(m * 2.0) * 0.5
     return m_ref
@@ -328,6 +332,25 @@ def p_fp8_affine(t, m_ref, HW_PACK: tl.constexpr):
         p = v * (2.0 ** 120)
     row_sum = tl.sum(v, axis=1) * (2.0 ** 120)
     return p, row_sum
+
+
+@triton.jit
+def p_fp8_affine_rebuilt(t, lse2):
+    """The trained affine FP8 P (P_MODE 6) of log2 scores t rebuilt from the rows' LSE in
+    log2 units (lse2, broadcast against t; +inf for rows without keys): the forward's
+    codes measured from the integer m~ = ceil(lse2), e4m3(byte) * 2**-8, times
+    2**(m~ - lse2). The forward measured them from its integer running maximum, and an
+    integer shift of the reference moves each byte by 8 (a power of two), so this is the
+    forward's normalized P exactly wherever the byte stays normal (`reference.backward`).
+    No exponential per score; NaN scores or a NaN LSE give NaN."""
+    live = lse2 != float("inf")  # a NaN LSE stays NaN through m~ and the factor
+    m_ref = tl.where(live, tl.math.ceil(lse2), 0.0)
+    factor = tl.where(live, tl.math.exp2(m_ref - lse2), 0.0)
+    f = tl.maximum(t * 8.0 + ((AFFINE_K_FP8 - m_ref * 8.0) + AFFINE_MAGIC), AFFINE_MAGIC,
+                   propagate_nan=tl.PropagateNan.ALL)
+    v = (f.to(tl.int32, bitcast=True) << 20).to(tl.float32, bitcast=True)
+    v = tl.where(f == f, v, f)  # a NaN's bits need not shift to a NaN
+    return v * (2.0 ** 112) * factor
 
 
 @triton.jit
@@ -418,7 +441,7 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
         # until it sees a key)
         m_use = affine_reference_point(m_use, P_MODE)
         alpha = tl.math.exp2(m_i - m_use)
-        if P_MODE == 4:
+        if P_MODE == 4 or P_MODE == 6:
             p, row_sum = p_fp8_affine(t, m_use, P_HW_CVT)
         else:
             p = p_mxfp4_affine(t, m_use, key_block)

@@ -77,10 +77,15 @@ def _f32(x: float) -> float:
 K_FP8_F32 = _f32(K_FP8)
 
 
-def snap_max(m: torch.Tensor, p_format: str) -> torch.Tensor:
+def snap_max(m: torch.Tensor, p_format: str, trained: bool = False) -> torch.Tensor:
     """The reference point m~ of rows whose (finite, or NaN) running maximum is m, for
-    the affine builder of `p_format` ("fp8" or "mxfp4"); float32, as a kernel computes it."""
+    the affine builder of `p_format` ("fp8" or "mxfp4"); float32, as a kernel computes it.
+    trained (a recipe with a backward, FP8 P): the integer ceil(m), from which the
+    backward rebuilds the forward's codes given only the LSE (an integer shift of m~ moves
+    every byte by 8, a power of two: `reference.backward`)."""
     m = m.float()
+    if p_format == "fp8" and trained:
+        return torch.ceil(m)
     if p_format == "fp8":
         c = (K_FP8_F32 - 8.0 * m) + MAGIC
         return (K_FP8_F32 - (c - MAGIC)) * 0.125

@@ -9,7 +9,15 @@ forward computed. The four gradient products then run on low-precision views:
     dQ = dS_g  K_a * scale    dK = dS_g^T Q_a * scale
 
 P_r is P in the recipe's own P format (FP8 for `train`, Direct-P MXFP4 for
-`train-mxfp4pv`); `_a` are e4m3 views of the saved operands, `_g` views in
+`train-mxfp4pv`). With the affine builder (`train-affine`) the backward has no
+exponential per score: the trained forward measures its codes from the integer m~ =
+ceil(running max) (`affine.snap_max(..., trained=True)`), and an integer shift of the
+reference point moves every byte by 8, a power of two; so the codes measured from
+ceil(lse2) (lse2 = lse * log2 e), times 2**(ceil(lse2) - lse2), are the forward's
+normalized P exactly wherever the bytes stay normal. That P serves dS, and rounded to
+e4m3 (times 2**8, as FP8 P) it is P_r for dV: 2**(ceil(lse2) - lse2) is no power of two,
+and a factor per query cannot leave a product that sums over the queries. `_a` are
+e4m3 views of the saved operands, `_g` views in
 `recipe.grad` (e4m3 or e5m2); for grad="bf16" every view is bf16. Each view is
 quantized with one scale per row of the product's contraction dim, so the scales
 factor out of the product. The views of Q, K, V and dO span the whole contraction
@@ -35,11 +43,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fp4attn.formats import quantize_fp8
+from fp4attn.formats import E4M3, quantize_fp8, round_to_format
 from fp4attn.formats.constants import MX_BLOCK
 from fp4attn.recipes import Recipe
 from fp4attn.reference import robust
+from fp4attn.reference.affine import build_p_affine
 from fp4attn.reference.directp import build_p
+from fp4attn.reference.encoding import P_OFFSET_LOG2
 from fp4attn.reference.forward import (
     LOG2E,
     ForwardResult,
@@ -50,6 +60,7 @@ from fp4attn.reference.forward import (
 from fp4attn.reference.masks import causal_offset
 from fp4attn.reference.operands import QKOperand
 
+P_OFFSET = float(2**P_OFFSET_LOG2)  # FP8 P's fixed scale
 DS_BLOCK = 64  # contraction elements per scale of dS's FP8 views (a backward kernel tile)
 # queries per step of the reference backward: bounds its (B, H, rows, Sk) temporaries;
 # a multiple of DS_BLOCK, so dS's query blocks never straddle two steps
@@ -120,9 +131,17 @@ def reference_backward(
                            fwd.q.scale[..., rows, :] if fwd.q.scale.shape[-2] > 1 else fwd.q.scale)
         t = masked_log2_scores(q_rows, fwd.k, scale, offset, bias, 0, sk, i0)
         x = torch.where(lse2[..., rows, :] == -math.inf, torch.full_like(t, -math.inf), t - lse2[..., rows, :])
-        p = torch.exp2(x)
-        p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build, recipe.p_sink,
-                      recipe.p_sink_keys)[..., :sk]
+        if recipe.p_build == "affine":  # the forward's codes from the LSE: no exponential per score
+            l2 = lse2[..., rows, :]
+            live = l2 != -math.inf
+            m_ref = torch.where(live, torch.ceil(l2), torch.zeros_like(l2))
+            factor = torch.where(live, torch.exp2(m_ref - l2), torch.zeros_like(l2))
+            p = build_p_affine(t, m_ref.squeeze(-1), recipe.p) * factor
+            p_r = round_to_format(p * P_OFFSET, E4M3) / P_OFFSET  # e4m3(p * 2**8) / 2**8
+        else:
+            p = torch.exp2(x)
+            p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build, recipe.p_sink,
+                          recipe.p_sink_keys)[..., :sk]
         dv += p_r.transpose(-1, -2) @ do_c[..., rows, :]
         dp = do_t[..., rows, :] @ v_a.transpose(-1, -2)
         ds = p * (dp - delta[..., rows, :])

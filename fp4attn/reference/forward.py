@@ -142,7 +142,7 @@ def reference_forward(
         m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
         if recipe.p_build == "affine":
             # the affine map's reference point: the maximum snapped to its grid (affine.py)
-            m_use = snap_max(m_use, recipe.p)
+            m_use = snap_max(m_use, recipe.p, trained=recipe.grad is not None)
         alpha = torch.exp2(m - m_use)
         x = t - m_use.unsqueeze(-1)
         if recipe.p_build == "affine":

@@ -57,6 +57,7 @@ from fp4attn.kernels.common import (
     fp8_scale_inv,
     log2_scores,
     nvfp4_scores,
+    p_fp8_affine_rebuilt,
     round_e4m3,
 )
 from fp4attn.reference.backward import DS_BLOCK
@@ -139,7 +140,7 @@ def token_scales(S, first_row, offs, ok, factor, AXIS: tl.constexpr):
 @triton.jit
 def p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
     """P in the recipe's P format times 2**8, as e4m3 (keys along axis 0)."""
-    if P_MODE == 0:
+    if P_MODE == 0 or P_MODE == 6:  # P_MODE 6: pt is the e4m3 grid already (exact)
         p256 = pt * P_OFFSET  # exact: the reference's exp2(x) * 2**8
         if HW_CVT:
             pr = p256.to(tl.float8e4nv)
@@ -169,7 +170,10 @@ def _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd
             visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
         tt = tl.where(visible, tt, -float("inf"))
     xt = tt - lse2[None, :]
-    pt = tl.math.exp2(xt)
+    if P_MODE == 6:  # trained affine FP8 P: the forward's codes, no exponential
+        pt = p_fp8_affine_rebuilt(tt, lse2[None, :])
+    else:
+        pt = tl.math.exp2(xt)
     # dV += P_r^T dO_c (P_r times 2**8; dO_c's channel scale differs per query head)
     do_c = _channel_tile(DO_C, hd_off, start_m, offs_m, row_ok, Sq, HEAD_DIM, TMA)
     do_cs = tl.load(DO_CS + hd_off + offs_d)
@@ -288,7 +292,7 @@ def attn_bwd_dkdv_kernel(
 def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
              causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
              HW_CVT: tl.constexpr, TMA: tl.constexpr, ROW_SCALES: tl.constexpr,
-             q_sc=None, KSC=None, zero_m=None, QK_FP4: tl.constexpr = False):
+             q_sc=None, KSC=None, zero_m=None, QK_FP4: tl.constexpr = False, P_MODE: tl.constexpr = 0):
     offs_n = start_n + offs_nb
     key_ok = offs_n < Sk
     if QK_FP4:  # S = Q K^T by the block-scaled FP4 product of the saved payloads
@@ -305,7 +309,10 @@ def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, 
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
         t = tl.where(visible, t, -float("inf"))
-    p = tl.math.exp2(t - lse2[:, None])
+    if P_MODE == 6:
+        p = p_fp8_affine_rebuilt(t, lse2[:, None])
+    else:
+        p = tl.math.exp2(t - lse2[:, None])
     v = _token_tile(V_T, kv_off, start_n, offs_n, key_ok, HEAD_DIM, TMA)
     v_s = tl.load(V_TS + kv_off + offs_n, mask=key_ok, other=0.0)
     dp = tl.dot(do_t, tl.trans(v)) * do_s[:, None] * v_s[None, :]
@@ -322,14 +329,16 @@ def attn_bwd_dq_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False, ROW_SCALES: tl.constexpr = False,
-    QK_FP4: tl.constexpr = False, QSC=None, KSC=None,
+    QK_FP4: tl.constexpr = False, QSC=None, KSC=None, P_MODE: tl.constexpr = 0,
 ):
     """Layouts as `attn_bwd_dkdv_kernel` (ROW_SCALES likewise); K_C (B, Hkv, D, Sk) e4m3
     with K_CS (B, Hkv, D).
     DQ (B, H, Sq, D) in the gradient's dtype. TMA: K, V_T and K_C are descriptors and Sk
     is a multiple of BLOCK_N. QK_FP4: Q (B, H, Sq, D/2) and K (B, Hkv, Sk, D/2) uint8
     NVFP4 codes with QSC (B, H, Sq, D/16) and KSC (B, Hkv, Sk, D/16) e4m3 block scales,
-    QS and KS their tensor scales per head; pointer loads, BLOCK_M 128."""
+    QS and KS their tensor scales per head; pointer loads, BLOCK_M 128. P_MODE: 6 (trained
+    affine FP8 P) rebuilds P by the affine map (`p_fp8_affine_rebuilt`), any other by
+    exp2 (dS takes the unrounded P there)."""
     tl.static_assert(not QK_FP4 or not (TMA or ROW_SCALES), "QK_FP4: NVFP4 payloads by pointer loads, one scale a head")
     tl.static_assert(not QK_FP4 or BLOCK_M == 128, "QK_FP4: tcgen05's block-scaled MMA has 128 rows")
     start_m = tl.program_id(0) * BLOCK_M
@@ -376,11 +385,11 @@ def attn_bwd_dq_kernel(
     for start_n in range(0, full, BLOCK_N):
         dq = _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
                       causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, False, HW_CVT, TMA, ROW_SCALES,
-                      q_sc, KSC, zero_m, QK_FP4)
+                      q_sc, KSC, zero_m, QK_FP4, P_MODE)
     for start_n in range(full, hi, BLOCK_N):
         dq = _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, offs_nb, kv_off, kvd_off, Sk,
                       causal_offset, K, KS, V_T, V_TS, K_C, HEAD_DIM, CAUSAL, True, HW_CVT, TMA, ROW_SCALES,
-                      q_sc, KSC, zero_m, QK_FP4)
+                      q_sc, KSC, zero_m, QK_FP4, P_MODE)
     k_cs = tl.load(K_CS + kvd_off + offs_d)
     dq = dq * k_cs[None, :] * sm_scale
     tl.store(DQ + (row_off + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], dq.to(DQ.dtype.element_ty),

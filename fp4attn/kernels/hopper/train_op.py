@@ -46,7 +46,7 @@ from fp4attn.reference.forward import LOG2E
 # the outlier-robust fields the NVFP4 training kernels apply (`routing.HOPPER_TRAIN_ROBUST_FIELDS`; the
 # Blackwell training, which keeps the same payload, takes them from here)
 from fp4attn.routing import HOPPER_TRAIN_ROBUST_FIELDS as TRAIN_ROBUST_FIELDS
-from fp4attn.routing import P_MODES, backward_gluon_kernels, backward_launch, hopper_train_unsupported
+from fp4attn.routing import TRAIN_P_MODES, backward_gluon_kernels, backward_launch, hopper_train_unsupported
 
 
 def quantize_for_training(q, k, v, v_fmt: str, smooth_k: bool = False,
@@ -97,7 +97,7 @@ def _train_forward_op(
                          "train through fp4attn::hopper_train_forward_fp8)")
     ops, saved = quantize_for_training(q, k, v, v_fmt, smooth_k, four_over_six)
     out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
-                                 p_mode=P_MODES[(p, p_build)])
+                                 p_mode=TRAIN_P_MODES[(p, p_build)])
     # the tensor scales (one per head) are views of the per-row scales: copied, so that
     # only one float a head is kept
     return (out, lse, *saved[:4], *(s.clone(memory_format=torch.contiguous_format) for s in saved[4:6]),
@@ -144,7 +144,7 @@ def _train_forward_fp8_op(
                          "'nvfp4' Q/K train through fp4attn::hopper_train_forward)")
     ops, saved = quantize_for_training_fp8(q, k, v, v_fmt)
     out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
-                                 p_mode=P_MODES[(p, p_build)])
+                                 p_mode=TRAIN_P_MODES[(p, p_build)])
     return (out, lse, *saved)
 
 
@@ -329,7 +329,7 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[1])
     dv = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[2])
     off = causal_offset if causal else 0
-    p_mode = P_MODES[(p, p_build)]
+    p_mode = TRAIN_P_MODES[(p, p_build)]
     row_scales = ops.row_scales
     tma = cfg.tma and tiles_tma_loadable(qv, do_t, do_c, q_c, kv, v_t, k_c)
     dkdv_gluon, dq_gluon = backward_gluon_kernels(cfg, "fp8" if row_scales else "nvfp4", p_mode, tma)
@@ -367,7 +367,7 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
         q_s, k_s, qs, ks, lse, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
-        HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, num_warps=cfg.warps_dq,
+        HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, P_MODE=p_mode, num_warps=cfg.warps_dq,
         num_stages=cfg.stages_dq, **dq_fp4)
     return dq, dk, dv
 
