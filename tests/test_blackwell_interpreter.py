@@ -153,6 +153,183 @@ def _forward_with_cases(cases: str) -> str:
 
 AFFINE = _forward_with_cases(AFFINE_CASES)
 
+# The GPU's affine MXFP4 path (HW_CVT in 128-row programs: the scores and the map two keys
+# at a time, the row sums from the code bytes, forward_triton.py) is inline PTX, which the
+# interpreter does not run. Here an emulator of the instructions it uses, each defined as
+# the PTX ISA defines it (float32 lanes rounded once; prmt's byte selection; dp4a),
+# stands in for the interpreter's missing inline asm, and the launch takes HW_CVT.
+PTX_EMULATOR = textwrap.dedent(r'''
+    import re as _re
+
+    def _f32(u):
+        return u.view(np.float32)
+
+    def _bits(f):
+        return np.asarray(f, dtype=np.float32).view(np.uint32)
+
+    def _ftz(f):
+        tiny = np.abs(f) < np.float32(2.0**-126)
+        return np.where(tiny, np.copysign(np.float32(0), f), f).astype(np.float32)
+
+    def _max_min_nan(op, a, b):
+        r = op(_f32(a), _f32(b))  # NumPy's maximum and minimum propagate NaN
+        return np.where(np.isnan(r), np.uint32(0x7FFFFFFF), _bits(r))
+
+    def _prmt(a, b, sel):
+        """prmt.b32, default mode: byte i of the result is byte (s & 7) of b:a for s the
+        selector's nibble i, its sign bit replicated where s & 8."""
+        both = a.astype(np.uint64) | (b.astype(np.uint64) << np.uint64(32))
+        out = np.zeros_like(a)
+        for i in range(4):
+            s = (sel >> np.uint32(4 * i)) & np.uint32(0xF)
+            shift = (s & np.uint32(7)).astype(np.uint64) * np.uint64(8)
+            byte = ((both >> shift) & np.uint64(0xFF)).astype(np.uint32)
+            sign = np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0))
+            byte = np.where(s & np.uint32(8), sign, byte)
+            out |= byte << np.uint32(8 * i)
+        return out
+
+    def _bytes(x, i):
+        return (x >> np.uint32(8 * i)) & np.uint32(0xFF)
+
+    PTX_RUN = set()  # the instructions emulated so far
+
+    def _run_ptx(text, regs, n):
+        """The instructions of the kernels' inline PTX that this emulator knows, on
+        uint32 arrays of n lanes (a 64-bit register as its (low, high) halves)."""
+        def v(tok):
+            if tok in regs:
+                return regs[tok]
+            value = int(tok[2:], 16) if tok.startswith("0f") else int(tok, 0)
+            return np.full(n, value & 0xFFFFFFFF, np.uint32)
+
+        def halves(tok):
+            return [x.strip() for x in tok[1:-1].split(",")]
+
+        for line in text.split("\n"):
+            line = line.strip().rstrip(";").strip()
+            if not line or line in ("{", "}") or line.startswith(".reg"):
+                continue
+            op, rest = line.split(None, 1)
+            PTX_RUN.add(op)
+            a = _re.findall(r"\{[^}]*\}|[^,\s{}]+", rest)
+            if op == "mov.b64" and a[0].startswith("{"):
+                lo, hi = halves(a[0])
+                regs[lo], regs[hi] = regs[a[1]]
+            elif op == "mov.b64" and a[1].startswith("{"):
+                regs[a[0]] = tuple(v(x) for x in halves(a[1]))
+            elif op == "mov.b64":
+                imm = int(a[1], 0)
+                regs[a[0]] = (v(str(imm & 0xFFFFFFFF)), v(str(imm >> 32)))
+            elif op == "mov.b32":
+                regs[a[0]] = v(a[1])
+            elif op == "mul.rn.ftz.f32x2":  # each lane one float32 product, denormals flushed
+                regs[a[0]] = tuple(_bits(_ftz(_ftz(_f32(x)) * _ftz(_f32(y))))
+                                   for x, y in zip(regs[a[1]], regs[a[2]]))
+            elif op == "fma.rn.f32x2":  # by 2 (exact): the float32 sum is the FMA's one rounding
+                assert all(np.all(_f32(y) == 2.0) for y in regs[a[2]]), line
+                regs[a[0]] = tuple(_bits(_f32(x) * np.float32(2) + _f32(z))
+                                   for x, z in zip(regs[a[1]], regs[a[3]]))
+            elif op == "max.NaN.f32":
+                regs[a[0]] = _max_min_nan(np.maximum, v(a[1]), v(a[2]))
+            elif op == "min.NaN.f32":
+                regs[a[0]] = _max_min_nan(np.minimum, v(a[1]), v(a[2]))
+            elif op == "mad.lo.u32":
+                regs[a[0]] = ((v(a[1]).astype(np.uint64) * v(a[2]) + v(a[3])) & 0xFFFFFFFF).astype(np.uint32)
+            elif op == "add.u32":
+                regs[a[0]] = ((v(a[1]).astype(np.uint64) + v(a[2])) & 0xFFFFFFFF).astype(np.uint32)
+            elif op == "prmt.b32":
+                regs[a[0]] = _prmt(v(a[1]), v(a[2]), v(a[3]))
+            elif op == "dp4a.u32.u32":
+                x, y = v(a[1]), v(a[2])
+                regs[a[0]] = (v(a[3]) + sum(_bytes(x, i) * _bytes(y, i) for i in range(4))).astype(np.uint32)
+            else:
+                raise NotImplementedError(f"PTX emulator: {line}")
+        return regs
+
+    class _AsmCall:
+        def __init__(self, outs):
+            self.outs = outs
+
+        def get_result(self, i):
+            return self.outs[i]
+
+    def _create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        """Inline PTX with 32-bit operands, `pack` elements a call (consecutive along the
+        last axis, $ operands numbered as Triton's), run by `_run_ptx`."""
+        shape = tuple(types[0].shape)
+        lanes = int(np.prod(shape)) // pack
+        regs = {}
+        for i, h in enumerate(values):
+            data = np.ascontiguousarray(np.broadcast_to(h.data, shape))
+            assert data.itemsize == 4, data.dtype
+            data = data.view(np.uint32).reshape(lanes, pack)
+            for j in range(pack):
+                regs[f"${(len(types) + i) * pack + j}"] = data[:, j].copy()
+        regs = _run_ptx(asm, regs, lanes)
+        outs = []
+        for k, ty in enumerate(types):
+            words = np.stack([regs[f"${k * pack + j}"] for j in range(pack)], axis=1).reshape(shape)
+            outs.append(_interp.TensorHandle(words.view(_interp._get_np_dtype(ty.scalar)), ty.scalar))
+        return _AsmCall(outs)
+
+    _interp.InterpreterBuilder.create_inline_asm = _create_inline_asm
+''')
+
+AFFINE_X2 = BLACKWELL_PATCHES + PTX_EMULATOR + textwrap.dedent('''
+    import os
+
+    os.environ["FP4ATTN_TARGET"] = "sm_100"
+
+    from fp4attn.kernels.blackwell import forward_op
+    from fp4attn.kernels.blackwell.forward_op import blackwell_attention
+    from fp4attn.recipes import PRESETS
+    from fp4attn.reference.forward import key_bias_of_mask
+    from fp4attn.reference.masks import causal_offset
+
+    g = torch.Generator().manual_seed(5)
+    for name, B, HQ, HKV, sq, sk, D, causal, masked in (
+            ("directp-fast", 1, 2, 1, 100, 230, 64, None, True),  # pipelined, key mask, a partial tile
+            ("directp-fast", 1, 2, 2, 70, 150, 64, "bottom_right", False),
+            ("directp-fast", 1, 2, 1, 90, 140, 128, "top_left", False),  # the serial kernel
+            ("fp8-directp-fast", 1, 2, 1, 64, 131, 64, None, False)):
+        r = PRESETS[name]
+        q = torch.randn(B, HQ, sq, D, generator=g).bfloat16()
+        k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
+        q[:, :, :3] *= 8.0  # sharp rows: dropped blocks, codes 7
+        q[:, :, 3:5] *= 0.01  # flat rows: code ties
+        if D == 128:  # the second head's scores past 2**21 (log2 units): C rounds, the codes
+            q[:, 1] *= 3.0e6  # are the float32 arithmetic's
+        key_bias = None
+        if masked:
+            mask = torch.ones(B, 1, 1, sk, dtype=torch.bool)
+            mask[0, ..., int(0.6 * sk):] = False
+            key_bias = key_bias_of_mask(mask, B, sk)
+        kw = dict(scale=D**-0.5, causal_offset=causal_offset(causal, sq, sk), key_bias=key_bias, write_p=True)
+        forward_op.interpreting = lambda: True
+        plain = blackwell_attention(q, k, v, r, **kw)
+        forward_op.interpreting = lambda: False  # HW_CVT: the two-wide path, its PTX emulated
+        PTX_RUN.clear()
+        x2 = blackwell_attention(q, k, v, r, **kw)
+        assert {"mul.rn.ftz.f32x2", "fma.rn.f32x2", "prmt.b32", "dp4a.u32.u32"} <= PTX_RUN, (name, PTX_RUN)
+        for a, b in zip(plain, x2):  # bf16 compared by its bits, NaN equal to NaN
+            a, b = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x for x in (a, b))
+            nan = torch.isnan(a) if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+            assert torch.equal(nan, torch.isnan(b) if b.is_floating_point() else nan), name
+            assert torch.equal(a[~nan], b[~nan]), (name, D, causal)
+        print(name, D, causal, "equal")
+    print("ok")
+''')
+
+
+def test_affine_mxfp4_two_wide_path_equals_the_scalar_one_under_the_interpreter():
+    """The affine MXFP4 P of the GPU builds (two-wide scores and map, codes packed and
+    row sums taken from the code bytes by PRMT and dp4a), its PTX run by the emulator
+    above, gives the interpreter path's output, LSE and P tiles bit for bit: pipelined
+    (key mask, causal) and serial (D=128, with scores past 2**21), NVFP4 and FP8 Q/K."""
+    run_under_interpreter(AFFINE_X2)
+
+
 # consumer Blackwell (FP4ATTN_TARGET=sm_120): the serial kernel at its own launches (32-
 # and 64-row programs, `routing.SM120_FORWARD_LAUNCH`) on the same checks
 SM120 = _forward_with_cases("""

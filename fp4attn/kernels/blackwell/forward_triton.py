@@ -22,9 +22,11 @@ Recipes map to constexpr flags:
              the exact classifier (MXFP4) or exp2 (FP8); the rows' running point is the
              maximum snapped to the map's grid.
     HW_CVT   GPU builds: the E2M1 pairs are packed by `cvt.rn.satfinite.e2m1x2.f32` and
-             FP8 P rounded by `cvt.rn.satfinite.e4m3x2.f32` (inline PTX); False (the
-             interpreter, which runs no PTX) builds the same bytes with integer
-             arithmetic.
+             FP8 P rounded by `cvt.rn.satfinite.e4m3x2.f32` (inline PTX); affine MXFP4 P
+             in 128-row programs takes its scores and map two keys at a time
+             (`mul.rn.ftz.f32x2`, `fma.rn.f32x2`) and its row sums from the code bytes
+             (PRMT, dp4a). False (the interpreter, which runs no PTX) builds the same
+             bytes and sums with integer and float32 arithmetic.
     CAUSAL   query i sees keys j <= i + causal_offset
     KEY_BIAS a per-(batch, key) log2-unit bias is added to the scores (an SDPA key mask)
     WRITE_P  tests: every tile's represented P values (float32, no offset) to P_DBG
@@ -89,6 +91,99 @@ def _pack_e2m1_cvt(lo, hi):
 
 
 @triton.jit
+def _log2_scores_x2(s, a, b):
+    """`log2_scores` two scores at a time, GPU only (sm_100+): (s * a) * b by two
+    `mul.rn.ftz.f32x2`, each lane rounded exactly as the scalar `mul.rn.ftz.f32` that
+    `libdevice.mul_rn` compiles to here (the same flush of denormal products to zero),
+    and never contracted: FMUL2, half the instructions of the scalar pair."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b64 s2, a2, b2, t2;
+        mov.b64 s2, {$2, $3};
+        mov.b64 a2, {$4, $5};
+        mov.b64 b2, {$6, $7};
+        mul.rn.ftz.f32x2 t2, s2, a2;
+        mul.rn.ftz.f32x2 t2, t2, b2;
+        mov.b64 {$0, $1}, t2;
+        }""",
+        "=r,=r,r,r,r,r,r,r", [s, a, b], dtype=tl.float32, is_pure=True, pack=2)
+
+
+def _affine_group_ptx() -> str:
+    """The PTX of `_affine_group_x2`: the eight keys' scores in $2-$9, C in $10; the code
+    word out in $0, the value lanes in $1."""
+    lines = [".reg .b64 two, x, y;", ".reg .b32 a, b, p0, p1, p2, p3, q01, q23, t0, t1, l01, l23;",
+             "mov.b64 two, 0x4000000040000000;", "mov.b64 y, {$10, $10};"]
+    for i in range(4):  # pair i: keys 2i, 2i + 1
+        lines += [f"mov.b64 x, {{${2 + 2 * i}, ${3 + 2 * i}}};", "fma.rn.f32x2 x, x, two, y;",
+                  "mov.b64 {a, b}, x;",
+                  "max.NaN.f32 a, a, 0f4B400000;", "max.NaN.f32 b, b, 0f4B400000;",
+                  "min.NaN.f32 a, a, 0f4B400007;", "min.NaN.f32 b, b, 0f4B400007;",
+                  f"mad.lo.u32 p{i}, b, 16, a;"]
+    lines += ["prmt.b32 q01, p0, p1, 0x0040;", "prmt.b32 q23, p2, p3, 0x0040;",
+              "prmt.b32 $0, q01, q23, 0x5410;", "mov.b32 t0, 0x03020100;", "mov.b32 t1, 0x0C080604;",
+              "prmt.b32 l01, t0, t1, q01;", "prmt.b32 l23, t0, t1, q23;", "add.u32 $1, l01, l23;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+AFFINE_GROUP_PTX = tl.constexpr(_affine_group_ptx())
+
+
+@triton.jit
+def _affine_group_x2(k0, k1, k2, k3, k4, k5, k6, k7, c):
+    """GPU only (sm_100+): the affine MXFP4 codes of groups of eight consecutive keys
+    (log2 scores k0..k7, C the constant of their 32-key block), elementwise over the
+    groups: (int32 words of the four code bytes, key 2i's code in the low nibble of byte
+    i; int32 words of four byte lanes whose sum is twice the eight codes' E2M1 values).
+
+    The map f = 2 t + C of a pair of keys by one `fma.rn.f32x2` (each lane rounded once,
+    as the scalar FMA and the reference's `(2 t) + C`: 2 t is exact), clamped to [MAGIC,
+    MAGIC + 7] by the NaN-propagating max and min; a pair's byte is the low byte of
+    lo + 16 hi (MAGIC's low byte is 0). The values by one PRMT per four codes: a PRMT
+    selector nibble's low three bits pick one of the eight bytes of its two sources,
+    which hold twice the E2M1 values (0, 1, 2, 3, 4, 6, 8, 12) at the codes' places, and
+    two code bytes are the selector of four codes (PRMT reads the selector's low 16
+    bits only). A lane adds two values per group: at most 24, 96 over a block."""
+    return tl.inline_asm_elementwise(AFFINE_GROUP_PTX, "=r,=r,r,r,r,r,r,r,r,r,r",
+                                     [k0, k1, k2, k3, k4, k5, k6, k7, c], dtype=(tl.int32, tl.int32),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _split_eight(x, G: tl.constexpr):
+    """The eight (rows, G) tensors of keys 8 g + j (j = 0..7) of x (rows, 8 G)."""
+    BM: tl.constexpr = x.shape[0]
+    x_e, x_o = tl.split(tl.reshape(x, (BM, G, 2, 2, 2)))  # key bit 0
+    x_0, x_2 = tl.split(x_e)  # key bit 1
+    x_1, x_3 = tl.split(x_o)
+    k0, k4 = tl.split(x_0)  # key bit 2
+    k2, k6 = tl.split(x_2)
+    k1, k5 = tl.split(x_1)
+    k3, k7 = tl.split(x_3)
+    return k0, k1, k2, k3, k4, k5, k6, k7
+
+
+@triton.jit
+def _bytes_of_words(w):
+    """The (rows, 4 G) uint8 bytes of int32 words w (rows, G), byte k of word g at 4 g + k
+    (the compiler keeps the words as they are)."""
+    BM: tl.constexpr = w.shape[0]
+    G: tl.constexpr = w.shape[1]
+    b0 = w.to(tl.uint8)
+    b1 = (w >> 8).to(tl.uint8)
+    b2 = (w >> 16).to(tl.uint8)
+    b3 = (w >> 24).to(tl.uint8)
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BM, 4 * G))
+
+
+@triton.jit
+def _byte_lane_sum(w):
+    """GPU only: the sum of the four byte lanes of each int32 w (one dp4a with ones)."""
+    return tl.inline_asm_elementwise(
+        "dp4a.u32.u32 $0, $1, 0x01010101, 0;", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _e2m1_code(v):
     """E2M1 code 0..7 of a non-negative float32 v on the E2M1 grid (0, 0.5, 1, 1.5, 2,
     3, 4, 6): for v >= 1 the exponent and first mantissa bit of its float32 bits
@@ -138,7 +233,7 @@ def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.co
 
 
 @triton.jit
-def _affine_mxfp4_tile(tb, bmax, m_ref, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _affine_mxfp4_tile(tb, bmax, m_ref, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, X2: tl.constexpr):
     """MXFP4 P by the paper's affine classifier (`reference.affine.affine_mxfp4_codes`,
     operation for operation) from log2 scores tb (BLOCK_M, blocks, 32) with their block
     maxima bmax and the rows' reference point m_ref: (packed E2M1 codes, E8M0 scales,
@@ -150,7 +245,14 @@ def _affine_mxfp4_tile(tb, bmax, m_ref, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     code's E2M1 value is the float32 of its bits shifted left by 22, times 2**-126
     (code 1 a denormal): integer and float32 arithmetic the interpreter runs alike, no
     conversion instruction. A dropped block (e_b below P_EMIN, or empty) takes e_b = 0:
-    its 2 (t - m~) + 2 is then below -26, so every code clamps to 0 without a select."""
+    its 2 (t - m~) + 2 is then below -26, so every code clamps to 0 without a select.
+
+    X2 (GPU, sm_100's 128-row programs): the same codes from `_affine_group_x2`, the map
+    two keys at a time, and each block's sum of E2M1 values from its code bytes as an
+    integer (twice the sum, at most 384: exact) times 2**(e_b - 1), the float32 block
+    sums of the other path exactly (docs/notes/blackwell.md, "Affine Direct-P on
+    Blackwell"). A NaN row's codes and sum are not defined there; its alpha is NaN,
+    and so are its l, O and LSE, as on the other path."""
     NB: tl.constexpr = BLOCK_N // MX_BLOCK
     e_b = tl.floor(bmax - m_ref[:, None]) - 2.0  # -inf for an empty block
     keep = e_b >= P_EMIN
@@ -160,26 +262,44 @@ def _affine_mxfp4_tile(tb, bmax, m_ref, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     f = tl.minimum(tl.maximum(tb * 2.0 + c[:, :, None], AFFINE_MAGIC, propagate_nan=nan_ok), AFFINE_MAGIC + 7.0,
                    propagate_nan=nan_ok)
     bits = tl.reshape(f.to(tl.int32, bitcast=True), (BLOCK_M, BLOCK_N))
-    lo, hi = tl.split(tl.reshape(bits, (BLOCK_M, BLOCK_N // 2, 2)))
-    packed = (lo + (hi << 4)).to(tl.uint8)
+    if X2:
+        G: tl.constexpr = BLOCK_N // 8  # groups of eight keys, four to a block
+        k0, k1, k2, k3, k4, k5, k6, k7 = _split_eight(tl.reshape(tb, (BLOCK_M, BLOCK_N)), G)
+        c_g = tl.reshape(tl.broadcast_to(c[:, :, None], (BLOCK_M, NB, MX_BLOCK // 8)), (BLOCK_M, G))
+        words, lanes = _affine_group_x2(k0, k1, k2, k3, k4, k5, k6, k7, c_g)
+        packed = _bytes_of_words(words)
+    else:
+        lo, hi = tl.split(tl.reshape(bits, (BLOCK_M, BLOCK_N // 2, 2)))
+        packed = (lo + (hi << 4)).to(tl.uint8)
     # E2M1(code) * 2**-126 from the bits; a block's sum of 32 of them is exact, and so is
     # its product with 2**(e_b + 126)
     v = (bits << 22).to(tl.float32, bitcast=True)
     e_i = e_b.to(tl.int32)
     pow2 = tl.where(keep, ((e_i + 253) << 23).to(tl.float32, bitcast=True), 0.0)
-    row_sum = tl.sum(tl.sum(tl.reshape(v, (BLOCK_M, NB, MX_BLOCK)), axis=2) * pow2, axis=1)
+    if X2:  # the same float32 block sums: (twice their E2M1 sum) * 2**(e_b - 1)
+        twice = _byte_lane_sum(tl.sum(tl.reshape(lanes, (BLOCK_M, NB, MX_BLOCK // 8)), axis=2))
+        half_pow2 = tl.where(keep, ((e_i + 126) << 23).to(tl.float32, bitcast=True), 0.0)
+        row_sum = tl.sum(twice.to(tl.float32) * half_pow2, axis=1)
+    else:
+        row_sum = tl.sum(tl.sum(tl.reshape(v, (BLOCK_M, NB, MX_BLOCK)), axis=2) * pow2, axis=1)
     scale = tl.where(keep, e_i + 127, 0).to(tl.uint8)
     p_val = tl.reshape(tl.reshape(v, (BLOCK_M, NB, MX_BLOCK)) * pow2[:, :, None], (BLOCK_M, BLOCK_N))
     return packed, scale, row_sum, p_val
 
 
 @triton.jit
-def _hide_keys(t, key_ok, cols, offs_m, causal_offset, Sk, CAUSAL: tl.constexpr):
+def _hide_keys(t, key_ok, cols, start_n, offs_m, causal_offset, Sk, CAUSAL: tl.constexpr,
+               TILE_OFFSETS: tl.constexpr = False):
     """Scores of keys past Sk, or (causal) past a row's last key, set to -inf: one
-    comparison per score against the row's last visible key."""
+    comparison per score against the row's last visible key. TILE_OFFSETS: the same
+    predicate as cols - start_n <= last - start_n, whose left side (the keys' offsets
+    in the tile) is a constant per register: no index add per score."""
     if CAUSAL:
         last = tl.minimum(offs_m + causal_offset, Sk - 1)
-        visible = cols[None, :] <= last[:, None]
+        if TILE_OFFSETS:
+            visible = (cols - start_n)[None, :] <= (last - start_n)[:, None]
+        else:
+            visible = cols[None, :] <= last[:, None]
     else:
         visible = key_ok[None, :]
     return tl.where(visible, t, -float("inf"))
@@ -236,26 +356,41 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         else:
             k = tl.load(k_ptrs)
         s = tl.dot(q, tl.trans(k))
+    # affine MXFP4 P on sm_100 (HW_CVT, 128-row programs: a thread holds its rows' keys
+    # in order, from tensor memory): scores and map two keys at a time, the row sums
+    # from the code bytes (`_affine_mxfp4_tile`); consumer Blackwell's 32- and 64-row
+    # mma.sync programs keep the scalar path (grouping their keys by eight spills)
+    AFFINE_X2: tl.constexpr = HW_CVT and P_AFFINE and PV_FP4 and BLOCK_M == 128
     if QK_FP4:
         # NVFP4's tensor scale is one number per (batch, head), in every token's slot: one
         # scalar load instead of a row of 64-128 per-key values in every thread
-        t = log2_scores(s, a_i[:, None], tl.load(ks_ptr))
+        if AFFINE_X2:
+            t = _log2_scores_x2(s, a_i[:, None], tl.load(ks_ptr))
+        else:
+            t = log2_scores(s, a_i[:, None], tl.load(ks_ptr))
     else:
         if MASK_LOADS:
             b_j = tl.load(ks_ptr + cols, mask=key_ok, other=0.0)
         else:
             b_j = tl.load(ks_ptr + cols)
-        t = log2_scores(s, a_i[:, None], b_j[None, :])
+        if AFFINE_X2:
+            t = _log2_scores_x2(s, a_i[:, None], b_j[None, :])
+        else:
+            t = log2_scores(s, a_i[:, None], b_j[None, :])
     if KEY_BIAS:  # added before hiding keys, as the reference does
         if MASK_LOADS:
             t = t + tl.load(kb_ptr + cols, mask=key_ok, other=0.0)[None, :]
         else:
             t = t + tl.load(kb_ptr + cols)[None, :]
     if MASK:
-        t = _hide_keys(t, key_ok, cols, offs_m, causal_offset, Sk, CAUSAL)
+        t = _hide_keys(t, key_ok, cols, start_n, offs_m, causal_offset, Sk, CAUSAL, AFFINE_X2)
     if PIPELINED:
-        if start_n >= full:
-            t = _hide_keys(t, key_ok, cols, offs_m, causal_offset, Sk, CAUSAL)
+        if AFFINE_X2 and not CAUSAL:
+            # the key mask on every tile (key_ok is all true below `full`): no branch, whose
+            # merge cost register moves to rebuild the two-wide pairs, about one a score
+            t = _hide_keys(t, key_ok, cols, start_n, offs_m, causal_offset, Sk, CAUSAL)
+        elif start_n >= full:
+            t = _hide_keys(t, key_ok, cols, start_n, offs_m, causal_offset, Sk, CAUSAL, AFFINE_X2)
     # -- online softmax: exact running max, rescale every tile. NaN propagates through
     # the max (tl.max would drop it): a NaN score makes its row NaN, and a score that
     # overflows to +inf leaves the row undefined, NaN (reference/forward.py)
@@ -276,7 +411,7 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
     # V tiles are stored with keys padded by zeros to whole tiles: no mask
     if PV_FP4:
         if P_AFFINE:
-            p_codes, p_sc, p_sum, p_val = _affine_mxfp4_tile(tb, bmax, m_use, BLOCK_M, BLOCK_N)
+            p_codes, p_sc, p_sum, p_val = _affine_mxfp4_tile(tb, bmax, m_use, BLOCK_M, BLOCK_N, AFFINE_X2)
         else:
             p_codes, p_sc, p_sum, p_val = _directp_tile(t - m_use[:, None], BLOCK_M, BLOCK_N, HW_CVT)
         offs_kh = tl.arange(0, BLOCK_N // 2)
