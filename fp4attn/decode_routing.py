@@ -98,7 +98,8 @@ CUDA_WARPS = 4
 # time from CUDA graphs against SDPA cuDNN bf16 at the five shapes of
 # benchmarks/results/log/h200-decode-ring/: NVFP4 1.23-1.50x with a ring of 2 or 3
 # against 1.03-1.06x prefetching in registers; FP8 the other way round, 1.20-1.26x in
-# registers against 0.80-0.92x through the ring (not understood yet: docs/notes/decode.md).
+# registers against 0.80-0.92x through the ring, whose memory pipeline saturates before
+# DRAM for FP8's bytes (ncu: L2 hit rate 57% against 2%; docs/notes/decode.md).
 # The mixed-format caches take the default, unmeasured.
 CUDA_STAGES = 2
 CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}

@@ -56,9 +56,8 @@ def parse_launches(spec: str | None):
     out = []
     for part in spec.split(";"):
         if part in ("triton", "cuda") or part.startswith("cuda:"):  # the table's launch of that split kernel
-            if part.startswith("cuda:") and not all(x.isdigit() for x in part[5:].split(":")[:2]):
-                raise ValueError(f"--launches {spec!r}: 'cuda:<ring stages>[:<CTAs an SM>]' takes numbers, "
-                                 f"got {part!r}")
+            if part.startswith("cuda:") and not part[5:].isdigit():
+                raise ValueError(f"--launches {spec!r}: 'cuda:<ring stages>' takes a number, got {part!r}")
             out.append(DecodeLaunch(DEFAULT_LAUNCH.block_n, DEFAULT_LAUNCH.warps, DEFAULT_LAUNCH.stages, kernel=part))
             continue
         try:
@@ -104,11 +103,20 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b / (a.norm() * b.norm()))
 
 
+def _launch_runs(launch, fmt: str, head_dim: int, group: int, page_size: int) -> bool:
+    """Whether a launch to time runs on this cache: a forced CUDA split kernel only where
+    it takes the format and shape (elsewhere there is nothing to time)."""
+    from fp4attn import decode_routing
+
+    return launch is None or not launch.kernel.startswith("cuda") or not decode_routing.cuda_unsupported_reason(
+        fmt, fmt, head_dim, group, 1, page_size)
+
+
 def _warm(args: tuple) -> None:
     """Compile one format's kernels at one shape's specialization (a process of its own:
     the compiles run side by side)."""
     fmt, (B, Hq, Hkv, L, D), launches = args
-    from fp4attn import KVCache, decode, decode_routing
+    from fp4attn import KVCache, decode
     from fp4attn.kernels.hopper.decode_op import hopper_append, hopper_decode
 
     cache = KVCache(B, Hkv, D, max(L, 2048), k_format=fmt, device="cuda")
@@ -118,8 +126,7 @@ def _warm(args: tuple) -> None:
     q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
     decode(q, cache)
     for launch in launches:
-        if not launch.kernel.startswith("cuda") or not decode_routing.cuda_unsupported_reason(fmt, fmt, D, Hq // Hkv, 1,
-                                                                                  cache.page_size):
+        if _launch_runs(launch, fmt, D, Hq // Hkv, cache.page_size):
             hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch)
     torch.cuda.synchronize()
 
@@ -137,7 +144,7 @@ def warm_up(shapes, formats, launches, processes: int = 8) -> None:
 def run_bench(shapes, formats, launches, partial: Path | None = None, check: bool = True) -> list[dict]:
     """Time SDPA and every format (and launch) on every shape; `partial` gets the
     records after each shape, so a cut-short run keeps what it measured."""
-    from fp4attn import KVCache, decode, decode_routing
+    from fp4attn import KVCache, decode
     from fp4attn.kernels.hopper.decode_op import hopper_append, hopper_decode
     from fp4attn.tools.benchmark import graph_ms, time_ms
 
@@ -173,9 +180,8 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
                 if not cos > 0.9999:
                     raise RuntimeError(f"decode {fmt} at {shape} disagrees with its reference: cos {cos}")
             for launch in [None] + list(launches):
-                if launch is not None and launch.kernel.startswith("cuda") and decode_routing.cuda_unsupported_reason(
-                        fmt, fmt, D, Hq // Hkv, 1, cache.page_size):
-                    continue  # the CUDA split kernel does not take this format: nothing to time
+                if not _launch_runs(launch, fmt, D, Hq // Hkv, cache.page_size):
+                    continue
                 call = (lambda launch=launch: hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch))
                 ms, g_ms = time_ms(call), graph_ms(call)
                 name = "table" if launch is None else f"{launch.block_n},{launch.warps},{launch.stages}," \
@@ -286,6 +292,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", help=f"with --decode: comma-separated cache formats; default {','.join(FORMATS)}")
     p.add_argument("--launches", help="with --decode: also time these kernel launches, "
                    "'block_n,warps,stages[,programs_per_sm[,asm[,splits]]];...' of the Triton split kernel (0: "
-                   "the table's or the plan's), 'triton', 'cuda' or 'cuda:<ring stages>[:<CTAs an SM>]'")
+                   "the table's or the plan's), 'triton', 'cuda' or 'cuda:<ring stages>'")
     p.add_argument("--warm-processes", type=int, default=0,
                    help="with --decode: compile the kernels first in this many parallel processes")

@@ -309,6 +309,19 @@ def _prmt_low_bytes(f):
 
 
 @triton.jit
+def _affine_fp8_field(t, m_ref):
+    """The affine FP8 map of log2 scores t from reference points m_ref (broadcast against
+    t): f = 8 t + C with C = (K - 8 m~) + MAGIC (one rounding: 8 t is exact, so an FMA and
+    the separate product round alike), clamped at MAGIC by a NaN-propagating max, and v,
+    f's bits shifted left by 20: the float32 of e4m3(f's low byte) * 2**-120, exactly
+    (the e4m3 fields land on float32's, its subnormals on float32 denormals)."""
+    f = tl.maximum(t * 8.0 + ((AFFINE_K_FP8 - m_ref * 8.0) + AFFINE_MAGIC), AFFINE_MAGIC,
+                   propagate_nan=tl.PropagateNan.ALL)
+    v = (f.to(tl.int32, bitcast=True) << 20).to(tl.float32, bitcast=True)
+    return f, v
+
+
+@triton.jit
 def p_fp8_affine(t, m_ref, HW_PACK: tl.constexpr):
     """FP8 P by the affine map (reference/affine.py): f = 8 t + C (one rounding: 8 t is
     exact, so an FMA and the separate product round alike), clamped at MAGIC by a
@@ -319,9 +332,7 @@ def p_fp8_affine(t, m_ref, HW_PACK: tl.constexpr):
     conversion: f's bits shifted left by 20 are the float32 of e4m3(byte) * 2**-120,
     exactly, subnormal bytes and byte 0 included (the e4m3 fields land on float32's, and
     e4m3's subnormals on float32 denormals); the row sum is scaled back once per row."""
-    c = (AFFINE_K_FP8 - m_ref * 8.0) + AFFINE_MAGIC
-    f = tl.maximum(t * 8.0 + tl.expand_dims(c, 1), AFFINE_MAGIC, propagate_nan=tl.PropagateNan.ALL)
-    v = (f.to(tl.int32, bitcast=True) << 20).to(tl.float32, bitcast=True)
+    f, v = _affine_fp8_field(t, tl.expand_dims(m_ref, 1))
     if HW_PACK:
         # the GPU's canonical NaN 0x7FFFFFFF has the low byte 0xFF (e4m3 NaN) and shifted
         # is a NaN value: a NaN row stays NaN in P and in its sum without a select
@@ -346,9 +357,7 @@ def p_fp8_affine_rebuilt(t, lse2):
     live = lse2 != float("inf")  # a NaN LSE stays NaN through m~ and the factor
     m_ref = tl.where(live, tl.math.ceil(lse2), 0.0)
     factor = tl.where(live, tl.math.exp2(m_ref - lse2), 0.0)
-    f = tl.maximum(t * 8.0 + ((AFFINE_K_FP8 - m_ref * 8.0) + AFFINE_MAGIC), AFFINE_MAGIC,
-                   propagate_nan=tl.PropagateNan.ALL)
-    v = (f.to(tl.int32, bitcast=True) << 20).to(tl.float32, bitcast=True)
+    f, v = _affine_fp8_field(t, m_ref)
     v = tl.where(f == f, v, f)  # a NaN's bits need not shift to a NaN
     return v * (2.0 ** 112) * factor
 

@@ -28,9 +28,9 @@ def time_ms(fn) -> float:
 def graph_ms(fn, calls: int = 20) -> float:
     """Device time per call of `fn` replayed from a CUDA graph of `calls` calls (median of
     `do_bench` over replays, divided by `calls`): the kernels' time with no host launch
-    cost, as a serving engine that captures its decode step sees it. Several calls a
-    replay, so do_bench's L2 flush before each replay leaves the later calls' cache
-    bytes to be read from memory either way (they exceed the 60 MiB L2)."""
+    cost, as a serving engine that captures its decode step sees it. do_bench flushes the
+    L2 only before each replay: the later calls of one replay read from memory only where
+    a call reads more than the L2 holds (60 MiB on the H200), as the decode benchmark's do."""
     import triton
 
     stream = torch.cuda.Stream()

@@ -142,14 +142,14 @@ def _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, 
 
 
 def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len,
-                scale, splits, stages, min_ctas, out, lse):
-    """The CUDA split kernel (a split a warp, `stages` its ring's tiles, `min_ctas` a
-    register cap's CTAs an SM) and its combine into out and lse."""
+                scale, splits, stages, out, lse):
+    """The CUDA split kernel (a split a warp, `stages` its ring's tiles) and its combine
+    into out and lse."""
     from fp4attn.kernels.hopper import decode_cuda
 
     B, Hq, Sq, D = qb.shape
     group = Hq // kv_heads
-    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=stages, min_ctas=min_ctas)
+    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=stages)
     plan = decode_routing.CUDA_LAUNCH
     if splits:  # warps' splits asked for: whole CTAs of them
         plan = dataclasses.replace(plan, splits=max(1, -(-splits // variant.warps)))
@@ -165,13 +165,13 @@ def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_
 
 
 def _decode_impl(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.Tensor, va: torch.Tensor,
-               vs: torch.Tensor, vt: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
-               key_start: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int, kv_heads: int,
-               max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0, stages: int = 0,
-               programs_per_sm: int = 0, asm: int = -1, splits: int = 0,
-               split_impl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                 vs: torch.Tensor, vt: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+                 key_start: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int, kv_heads: int,
+                 max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0, stages: int = 0,
+                 programs_per_sm: int = 0, asm: int = -1, splits: int = 0,
+                 split_impl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The body of the `fp4attn::decode` op. block_n, warps, stages, programs_per_sm, asm
-    (0/1), splits, split_impl ("triton", "cuda" or "cuda:<ring stages>[:<CTAs an SM>]"): a launch other
+    (0/1), splits, split_impl ("triton", "cuda" or "cuda:<ring stages>"): a launch other
     than the routing table's (0, -1 for asm, "": the table's)."""
     B, Hq, Sq, D = q.shape
     qb = q.to(torch.bfloat16).contiguous()
@@ -188,10 +188,9 @@ def _decode_impl(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if kernel == "cuda":
-        stages, _, min_ctas = ring.partition(":")  # "cuda:<ring stages>[:<CTAs an SM>]"
+        stages = int(ring) if ring else decode_routing.cuda_stages(k_fmt, v_fmt)  # "cuda:<ring stages>"
         _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads,
-                    max_len, scale, launch.splits, int(stages) if stages else decode_routing.cuda_stages(k_fmt, v_fmt),
-                    int(min_ctas or 0), out, lse)
+                    max_len, scale, launch.splits, stages, out, lse)
         return out, lse
     o_acc, o_ml, n_split = _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt,
                                          page_size, kv_heads, max_len, scale, causal, launch, block_m, hw)
@@ -225,4 +224,4 @@ def hopper_decode(q: torch.Tensor, cache, *, scale: float, causal: bool, key_sta
               launch.kernel) if launch is not None else (0, 0, 0, 0, -1, 0, ""))
     op = _decode_op if torch.compiler.is_compiling() else _decode_impl
     return op(q, ka, ks, kt, va, vs, vt, cache.block_table, cache.lengths, key_start, cache.k_format,
-                      cache.v_format, cache.page_size, cache.kv_heads, cache.max_length(), scale, causal, *extra)
+              cache.v_format, cache.page_size, cache.kv_heads, cache.max_length(), scale, causal, *extra)

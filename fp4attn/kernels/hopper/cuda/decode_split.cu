@@ -66,14 +66,6 @@ typedef long long int64_t;
 #ifndef COMBINE_WARPS
 #define COMBINE_WARPS 8
 #endif
-#ifndef MIN_CTAS  // CTAs an SM must hold (__launch_bounds__'s second figure caps the registers); 0: ptxas's choice
-#define MIN_CTAS 0
-#endif
-#if MIN_CTAS
-#define SPLIT_BOUNDS __launch_bounds__(WARPS * 32, MIN_CTAS)
-#else
-#define SPLIT_BOUNDS __launch_bounds__(WARPS * 32)
-#endif
 
 constexpr int D = HEAD_DIM;
 constexpr int KSTEPS = D / 16;  // k steps of the score product
@@ -305,7 +297,7 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int h, int til
     fetch_float2<ASYNC>(p.vt + row0 + 8 + 2 * t, r.vt[1]);
 }
 
-extern "C" __global__ void SPLIT_BOUNDS decode_split(const __grid_constant__ Params p) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ Params p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / p.hkv, h = blockIdx.y % p.hkv;
