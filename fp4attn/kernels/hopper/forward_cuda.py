@@ -110,7 +110,7 @@ ROWSUM_INT = {(128, False): True, (128, True): True, (64, False): False, (64, Tr
 # the PV product (fused_softmax) and a quarter of the exp2s by polynomial (exp_poly=4):
 # P codes 99.986% equal to the recipe's arithmetic, 2-9% faster than the fused softmax
 # alone and 7-21% faster than the recipe's arithmetic at every measured shape
-# (benchmarks/results/h200-forward-cuda-fused-poly.txt)
+# (benchmarks/results/log/h200-forward-cuda-fused-poly.txt)
 SOFTMAX = {"fused_softmax": True, "exp_poly": 4}
 
 

@@ -18,7 +18,7 @@ def shared_layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedL
     """The NVMMA shared-memory layout of a (bf16 or e4m3) TMA tile of shape `block`, as
     wgmma reads it. Cached: building one took the host 5-15 us, and a `train` forward
     and backward builds ten descriptors (the backward's seven took 0.16 ms of host time,
-    benchmarks/results/h200-train-step-profile.txt)."""
+    benchmarks/results/log/h200-train-step-profile.txt)."""
     if dtype not in _GLUON_DTYPES:
         raise ValueError(f"TMA tile of dtype {dtype}: the Gluon kernels load {sorted(map(str, _GLUON_DTYPES))}")
     return gl.NVMMASharedLayout.get_default_for(list(block), _GLUON_DTYPES[dtype])
