@@ -13,7 +13,7 @@ from fp4attn import decode_routing
 from fp4attn.api import ReferenceFallbackWarning
 from fp4attn.kvcache import INPUT_DTYPES, KVCache
 from fp4attn.reference import robust
-from fp4attn.reference.decode import reference_decode
+from fp4attn.reference.decode import P_HALF_FORMATS, reference_decode
 
 log = logging.getLogger("fp4attn")
 
@@ -128,7 +128,8 @@ def decode(
             (_warn_once if q.is_cuda else _log_once)(message)
         kb, ks, vb, vs = cache.reference_operands()
         lengths = torch.tensor(cache.host_lengths, device=q.device)
-        res = reference_decode(q, kb, ks, vb, vs, lengths, scale=s, causal=causal, key_start=key_start)
+        res = reference_decode(q, kb, ks, vb, vs, lengths, scale=s, causal=causal, key_start=key_start,
+                               p_half=cache.v_format in P_HALF_FORMATS)
         out, lse = res.out.to(out_dtype), res.lse
     if cache.smooth_k and return_lse:
         # the scores were q . (k - mean): the LSE of q . k is that plus scale * q . mean

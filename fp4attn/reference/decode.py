@@ -5,14 +5,29 @@ decoding) of each sequence to the L_b tokens its cache holds, the new ones inclu
 Decode reads every cached byte once per step and does little arithmetic on it, so its
 speed is the cache's size: the cache is quantized (`reference.kvcache`), and the
 arithmetic stays in bf16 operands with float32 sums, as the Hopper kernel runs it.
-With q rounded to bf16 (an Inf in it becomes NaN, as `reference.operands` makes it), K
-and V as block values kb, vb (exact in bf16) times token scales ks, vs, and t the
-scores in log2 units:
+With q rounded to bf16 (an Inf in it becomes NaN, as `reference.operands` makes it) and
+then to f16 at its row's power-of-two scale (`half_queries`), K and V as block values kb,
+vb (exact in bf16) times token scales ks, vs, and t the scores in log2 units:
 
     t_ij = (q_i . kb_j) * (ks_j * scale * log2(e))     key j visible to row i, else -inf
     m_i  = ceil(max_j t_ij)                                   (an integer: see below)
     p_ij = 2**(t_ij - m_i),   l_i = sum_j p_ij                 (float32)
     o_i  = sum_j bf16(p_ij * vs_j) * vb_j / l_i,   lse_i = (m_i + log2 l_i) * ln 2
+
+The f16 rounding of q is exact for every element down to 2**-28 of its row's largest
+(the kernels multiply in f16, where FP8 keys convert in one instruction); below that it
+rounds as f16 subnormals do, far under the float32 rounding of the scores.
+
+FP8 values (`p_half`): their e4m3 codes are exact in f16, and so the product takes P in
+f16 too, whose 11 bits are finer than bf16's 8 but whose range is narrow. The value's
+token scale vs_j = mu_j * 2**E_j (`split_scales`: mu in [1, 2), E an integer) puts its
+exponent into the score and its mantissa into P, so that a second integer maximum keeps
+P at the top of f16's range whatever the token scales are:
+
+    u_ij = t_ij + E_j,   M_i = ceil(max_j u_ij)
+    o_i  = 2**(M_i - 13 - m_i) * sum_j f16(2**(u_ij - M_i) * mu_j * 2**13) * vb_j / l_i
+
+(P below 2**15; f16's normal range reaches 2**-28 below the largest term.)
 
 The maximum is rounded up to an integer so that a kernel's online softmax, which
 rescales its running sums by 2**(m_old - m_new) whenever the maximum grows, and its
@@ -63,17 +78,47 @@ def visible_keys(lengths: torch.Tensor, sq: int, n_keys: int, causal: bool,
     return vis.expand(-1, 1, sq, n_keys)
 
 
+# P's offset in f16 for `p_half` (module docstring): the largest P is below 2**14 * 2
+P_HALF_SHIFT = 13
+# the value formats whose P is f16 (`p_half`): their values are exact in f16
+P_HALF_FORMATS = ("fp8",)
+
+
+def _exponent_field(x: torch.Tensor) -> torch.Tensor:
+    return (x.contiguous().view(torch.int32) >> 23) & 0xFF
+
+
+def half_queries(qv: torch.Tensor) -> torch.Tensor:
+    """q (float32, bf16 values) rounded to f16 at its row's power-of-two scale 2**e,
+    e = 14 - floor(log2 amax) (so the row's largest lies in [2**14, 2**15)), clamped to
+    [-126, 100], and scaled back: what the kernels' f16 products hold. A row of zeros,
+    subnormals or NaN takes e from the same rule on its amax's exponent field."""
+    amax = qv.abs().amax(dim=-1, keepdim=True)
+    e = (141 - _exponent_field(amax)).clamp(-126, 100).float()
+    return (qv * torch.exp2(e)).half().float() * torch.exp2(-e)
+
+
+def split_scales(vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, mu) with vs = mu * 2**E: a normal float's exponent and its mantissa in [1, 2);
+    zeros, subnormals, Inf and NaN keep E = 0 and mu = vs."""
+    field = _exponent_field(vs)
+    normal = (field > 0) & (field < 255)
+    mant = ((vs.contiguous().view(torch.int32) & 0x807FFFFF) | 0x3F800000).view(torch.float32)
+    return torch.where(normal, field - 127, 0).float(), torch.where(normal, mant, vs)
+
+
 def reference_decode(q: torch.Tensor, kb: torch.Tensor, ks: torch.Tensor, vb: torch.Tensor, vs: torch.Tensor,
                      lengths: torch.Tensor, *, scale: float, causal: bool = True,
-                     key_start: torch.Tensor | None = None) -> DecodeResult:
+                     key_start: torch.Tensor | None = None, p_half: bool = False) -> DecodeResult:
     """Decode attention of q (B, Hq, Sq, D) over cached keys and values given as block
     values kb, vb (float32 (B, Hkv, N, D), exact in bf16) and token scales ks, vs
     (float32 (B, Hkv, N)), sequence b holding lengths[b] <= N tokens (entries past it
-    are never read). key_start (B,): the first key each sequence attends to."""
+    are never read). key_start (B,): the first key each sequence attends to. p_half:
+    P in f16 with the value scales' exponents split off (FP8 values: module docstring)."""
     hq, sq = q.shape[1], q.shape[2]
     n = kb.shape[2]
     qv = q.to(torch.bfloat16).float()
-    qv = qv.masked_fill(torch.isinf(qv), float("nan"))
+    qv = half_queries(qv.masked_fill(torch.isinf(qv), float("nan")))
     vis = visible_keys(lengths.to(q.device), sq, n, causal, key_start)  # (B, 1, Sq, N)
     kb, ks = expand_heads(kb, hq), expand_heads(ks, hq)
     vb, vs = expand_heads(vb, hq), expand_heads(vs, hq)
@@ -89,8 +134,16 @@ def reference_decode(q: torch.Tensor, kb: torch.Tensor, ks: torch.Tensor, vb: to
     nan_map = torch.isnan(vb) | vs_nan.unsqueeze(-1)  # (B, Hq, N, D)
     vb_clean = vb.masked_fill(nan_map, 0.0)
     vs_clean = vs.masked_fill(vs_nan, 0.0)
-    pv = (p * vs_clean.unsqueeze(-2)).to(torch.bfloat16).float()
-    acc = pv @ vb_clean
+    if p_half:
+        big_e, mu = split_scales(vs_clean)
+        u = t + big_e.unsqueeze(-2)
+        big_m = torch.ceil(u.amax(dim=-1))
+        big_m = torch.where(big_m == -math.inf, torch.zeros_like(big_m), big_m)
+        pv = (torch.exp2(u - big_m.unsqueeze(-1)) * (mu * 2.0 ** P_HALF_SHIFT).unsqueeze(-2)).half().float()
+        acc = (pv @ vb_clean) * torch.exp2(big_m - P_HALF_SHIFT - m_use).unsqueeze(-1)
+    else:
+        pv = (p * vs_clean.unsqueeze(-2)).to(torch.bfloat16).float()
+        acc = pv @ vb_clean
     out_nan = (vis.expand_as(p).float() @ nan_map.float()) > 0
     seen = m != -math.inf
     safe_l = torch.where(seen, l, torch.ones_like(l))

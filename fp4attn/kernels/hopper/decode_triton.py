@@ -310,9 +310,36 @@ def _bf16_round(x, HW: tl.constexpr, OP: tl.constexpr):
     return _round_bf16(x).to(OP)
 
 
+@triton.jit
+def _field(x):
+    """The float32 exponent field of x."""
+    return (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+
+
+@triton.jit
+def _half_queries(q_lo, q_hi):
+    """q rounded to f16 at its row's power-of-two scale and scaled back
+    (`reference.decode.half_queries`), float32."""
+    amax = tl.maximum(tl.max(tl.abs(q_lo), axis=1), tl.max(tl.abs(q_hi), axis=1))
+    e = tl.minimum(tl.maximum(141 - _field(amax), -126), 100)
+    up, down = _pow2(e)[:, None], _pow2(-e)[:, None]
+    return ((q_lo * up).to(tl.float16).to(tl.float32) * down,
+            (q_hi * up).to(tl.float16).to(tl.float32) * down)
+
+
+@triton.jit
+def _split_scales(vs):
+    """(E, mu), vs = mu * 2**E (`reference.decode.split_scales`)."""
+    f = _field(vs)
+    normal = (f > 0) & (f < 255)
+    keep = -2139095041  # 0x807FFFFF: sign and mantissa
+    mant = ((vs.to(tl.int32, bitcast=True) & keep) | 0x3F800000).to(tl.float32, bitcast=True)
+    return tl.where(normal, f - 127, 0).to(tl.float32), tl.where(normal, mant, vs)
+
+
 # ----------------------------------------------------------------------------- one tile
 @triton.jit
-def _tile(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, t0, KA, KS, KT, VA, VS, VT,
+def _tile(acc_lo, acc_hi, m_i, l_i, big_m, q_lo, q_hi, t0, KA, KS, KT, VA, VS, VT,
           TABLE, b, h, L, start, seq_row, qk_scale, HKV, PS, TABLE_STRIDE,
           K_FMT: tl.constexpr, V_FMT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
           SQ, CAUSAL: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, HW: tl.constexpr,
@@ -324,16 +351,17 @@ def _tile(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, t0, KA, KS, KT, VA, VS, VT,
     row0, rows = _tile_rows(TABLE, b, h, t0, ok, HKV, PS, TABLE_STRIDE, BLOCK_N, ALIGNED)
     ka, kb, ksb, kts = _load_raw(KA, KS, KT, row0, rows, ok, K_FMT, D, True, True)
     va, vb, vsb, vts = _load_raw(VA, VS, VT, row0, rows, ok, V_FMT, D, False, True)
-    return _tile_math(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, j, ka, kb, ksb, kts, va, vb, vsb, vts,
+    return _tile_math(acc_lo, acc_hi, m_i, l_i, big_m, q_lo, q_hi, j, ka, kb, ksb, kts, va, vb, vsb, vts,
                       L, start, seq_row, qk_scale, K_FMT, V_FMT, D, SQ, CAUSAL, MASKED, ASM, HW, OP)
 
 
 @triton.jit
-def _tile_math(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, j, ka, kb, ksb, kts, va, vb, vsb, vts,
+def _tile_math(acc_lo, acc_hi, m_i, l_i, big_m, q_lo, q_hi, j, ka, kb, ksb, kts, va, vb, vsb, vts,
                L, start, seq_row, qk_scale, K_FMT: tl.constexpr, V_FMT: tl.constexpr, D: tl.constexpr, SQ,
                CAUSAL: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr, HW: tl.constexpr,
                OP: tl.constexpr):
-    """The arithmetic of one tile whose bytes are in registers."""
+    """The arithmetic of one tile whose bytes are in registers. big_m: the second running
+    maximum of FP8 values' f16 P (`reference.decode`, p_half), unused otherwise."""
     k_lo, k_hi, kfac = _operands(ka, kb, ksb, kts, K_FMT, D, ASM, OP, True)
     # -- scores, log2 units --------------------------------------------------------
     s = tl.dot(q_lo, k_lo, input_precision="ieee")
@@ -344,18 +372,6 @@ def _tile_math(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, j, ka, kb, ksb, kts, va, vb
         if CAUSAL:
             vis = vis & (j[None, :] <= (L - SQ + seq_row)[:, None])
         t = tl.where(vis, t, float("-inf"))
-    # -- online softmax, integer maximum ---------------------------------------------
-    m_new = tl.maximum(m_i, tl.math.ceil(tl.max(t, axis=1)))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    # the running sums are rescaled only when some row's (integer) maximum grew, which
-    # after the first tiles is rare: the multiply by 2**(m_old - m_new) is skipped
-    if tl.max((m_new > m_i).to(tl.int32), axis=0) > 0:
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha
-        acc_lo = acc_lo * alpha[:, None]
-        acc_hi = acc_hi * alpha[:, None]
-    p = tl.math.exp2(t - m_use[:, None])
-    l_i = l_i + tl.sum(p, axis=1)
     v_lo, v_hi, vfac = _operands(va, vb, vsb, vts, V_FMT, D, ASM, OP, False)
     if MASKED:
         # a value no row may see must not reach the product as 0 * NaN: cleaned, and its
@@ -366,7 +382,42 @@ def _tile_math(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, j, ka, kb, ksb, kts, va, vb
         bad_hi = (v_hi != v_hi) | fnan[:, None]
         v_lo = tl.where(bad_lo, 0.0, v_lo)
         v_hi = tl.where(bad_hi, 0.0, v_hi)
-    pv = _bf16_round(p * vfac[None, :], HW, OP)
+    # -- online softmax, integer maximum ---------------------------------------------
+    m_new = tl.maximum(m_i, tl.math.ceil(tl.max(t, axis=1)))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    P_HALF: tl.constexpr = V_FMT == FP8
+    if P_HALF:
+        e_tok, mu = _split_scales(vfac)
+        u = t + e_tok[None, :]
+        big_new = tl.maximum(big_m, tl.math.ceil(tl.max(u, axis=1)))
+        big_use = tl.where(big_new == float("-inf"), 0.0, big_new)
+        grew = (m_new > m_i) | (big_new > big_m)
+    else:
+        big_new = big_m
+        grew = m_new > m_i
+    # the running sums are rescaled only when some row's (integer) maximum grew, which
+    # after the first tiles is rare: the multiply by 2**(m_old - m_new) is skipped
+    if tl.max(grew.to(tl.int32), axis=0) > 0:
+        l_i = l_i * tl.math.exp2(m_i - m_use)
+        if P_HALF:
+            beta = tl.math.exp2(big_m - big_use)
+        else:
+            beta = tl.math.exp2(m_i - m_use)
+        acc_lo = acc_lo * beta[:, None]
+        acc_hi = acc_hi * beta[:, None]
+    p = tl.math.exp2(t - m_use[:, None])
+    l_i = l_i + tl.sum(p, axis=1)
+    if P_HALF:
+        # f16 P (11 bits) times f16 values (e4m3 is exact in f16)
+        x = tl.math.exp2(u - big_use[:, None]) * (mu * 8192.0)[None, :]  # 2**P_HALF_SHIFT
+        if HW:
+            pv = x.to(tl.float16)
+            v_lo = v_lo.to(tl.float16)
+            v_hi = v_hi.to(tl.float16)
+        else:
+            pv = x.to(tl.float16).to(tl.float32)
+    else:
+        pv = _bf16_round(p * vfac[None, :], HW, OP)
     acc_lo = tl.dot(pv, v_lo, acc_lo, input_precision="ieee")
     acc_hi = tl.dot(pv, v_hi, acc_hi, input_precision="ieee")
     if MASKED:
@@ -375,7 +426,7 @@ def _tile_math(acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, j, ka, kb, ksb, kts, va, vb
         vis_op = vis.to(OP)
         acc_lo = tl.where(tl.dot(vis_op, bad_lo.to(OP), input_precision="ieee") > 0, float("nan"), acc_lo)
         acc_hi = tl.where(tl.dot(vis_op, bad_hi.to(OP), input_precision="ieee") > 0, float("nan"), acc_hi)
-    return acc_lo, acc_hi, m_new, l_i
+    return acc_lo, acc_hi, m_new, l_i, big_new
 
 
 # ----------------------------------------------------------------------------- split kernel
@@ -419,8 +470,11 @@ def decode_split_kernel(
     q_lo = tl.load(q_base[:, None] + c_lo[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q_hi = tl.load(q_base[:, None] + c_hi[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     # an Inf query is NaN (as the reference): a -inf score would silently mask a key
-    q_lo = tl.where(tl.abs(q_lo) == float("inf"), float("nan"), q_lo).to(OP)
-    q_hi = tl.where(tl.abs(q_hi) == float("inf"), float("nan"), q_hi).to(OP)
+    q_lo = tl.where(tl.abs(q_lo) == float("inf"), float("nan"), q_lo)
+    q_hi = tl.where(tl.abs(q_hi) == float("inf"), float("nan"), q_hi)
+    q_lo, q_hi = _half_queries(q_lo, q_hi)
+    q_lo = q_lo.to(OP)
+    q_hi = q_hi.to(OP)
     # -- this split's keys: masked tiles first and last, unmasked between ----------------
     lo = split * SPLIT_TOKENS
     hi = tl.minimum(lo + SPLIT_TOKENS, L)
@@ -436,11 +490,12 @@ def decode_split_kernel(
     full_hi = tl.maximum(full_lo, tl.minimum(hi, (all_see // BLOCK_N) * BLOCK_N))
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    big_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     acc_lo = tl.zeros([BLOCK_M, D // 2], tl.float32)
     acc_hi = tl.zeros([BLOCK_M, D // 2], tl.float32)
     for t0 in range(lo, tl.minimum(full_lo, hi), BLOCK_N):
-        acc_lo, acc_hi, m_i, l_i = _tile(
-            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, t0, KA, KS, KT, VA, VS, VT, TABLE, b, h, L,
+        acc_lo, acc_hi, m_i, l_i, big_m = _tile(
+            acc_lo, acc_hi, m_i, l_i, big_m, q_lo, q_hi, t0, KA, KS, KT, VA, VS, VT, TABLE, b, h, L,
             start, seq_row, qk_scale, HKV, PS, TABLE_STRIDE, K_FMT, V_FMT, D, BLOCK_N, SQ, CAUSAL, True, ASM, HW, OP,
             ALIGNED)
     # unmasked tiles (Triton's pipeliner issues the next tiles' loads ahead, `num_stages`)
@@ -449,17 +504,23 @@ def decode_split_kernel(
         row0, rows = _tile_rows(TABLE, b, h, t0, every, HKV, PS, TABLE_STRIDE, BLOCK_N, ALIGNED)
         ka, kb, ksb, kts = _load_raw(KA, KS, KT, row0, rows, every, K_FMT, D, True, False)
         va, vb, vsb, vts = _load_raw(VA, VS, VT, row0, rows, every, V_FMT, D, False, False)
-        acc_lo, acc_hi, m_i, l_i = _tile_math(
-            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, t0 + tl.arange(0, BLOCK_N), ka, kb, ksb, kts,
+        acc_lo, acc_hi, m_i, l_i, big_m = _tile_math(
+            acc_lo, acc_hi, m_i, l_i, big_m, q_lo, q_hi, t0 + tl.arange(0, BLOCK_N), ka, kb, ksb, kts,
             va, vb, vsb, vts, L, start, seq_row, qk_scale, K_FMT, V_FMT, D, SQ, CAUSAL, False, ASM, HW, OP)
     for t0 in range(tl.maximum(full_hi, tl.minimum(full_lo, hi)), hi, BLOCK_N):
-        acc_lo, acc_hi, m_i, l_i = _tile(
-            acc_lo, acc_hi, m_i, l_i, q_lo, q_hi, t0, KA, KS, KT, VA, VS, VT, TABLE, b, h, L,
+        acc_lo, acc_hi, m_i, l_i, big_m = _tile(
+            acc_lo, acc_hi, m_i, l_i, big_m, q_lo, q_hi, t0, KA, KS, KT, VA, VS, VT, TABLE, b, h, L,
             start, seq_row, qk_scale, HKV, PS, TABLE_STRIDE, K_FMT, V_FMT, D, BLOCK_N, SQ, CAUSAL, True, ASM, HW, OP,
             ALIGNED)
     # a row whose visible keys all scored NaN has l NaN but, as the GPU's max ignores NaN,
     # a running maximum of -inf, which the combine would read as "saw no key" (0): NaN
     m_i = tl.where(l_i != l_i, float("nan"), m_i)
+    if V_FMT == FP8:
+        # f16 P's frame (2**(big_m - 13) a unit) into the combine's (2**m_i): a power of two
+        seen = m_i != float("-inf")
+        to_m = tl.math.exp2(tl.where(seen, big_m - 13.0 - m_i, 0.0))
+        acc_lo = acc_lo * to_m[:, None]
+        acc_hi = acc_hi * to_m[:, None]
     # -- partial results ----------------------------------------------------------------
     n_b = tl.num_programs(1) // HKV
     hq_all = HKV * GROUP
