@@ -1,9 +1,11 @@
 // Decode attention over a quantized KV cache, split kernel (sm_90): one new query row per
 // sequence (Sq = 1), the GQA group's query heads (up to 16) as the rows of one mma tile,
 // FP8 or NVFP4 keys and values. The numerics are reference/decode.py's and the Triton
-// split kernel's (decode_triton.py), operation for operation: bf16 q, block values exact
-// in bf16, float32 scores times the token factor, an integer running maximum, P = 2**(t - m)
-// rounded to bf16 after the V token factor, l the float32 sum of the unrounded P.
+// split kernel's (decode_triton.py), operation for operation: q in f16 at its row's
+// power-of-two scale, block values exact in f16, float32 scores times the token factor, an
+// integer running maximum, l the float32 sum of the unrounded P = 2**(t - m); P rounded to
+// bf16 after the V token factor for NVFP4 values, to f16 with the factor's exponent split
+// off (a second integer maximum, `p_half`) for FP8 values.
 //
 // Why a second kernel: the Triton kernel is latency-bound (docs/notes/decode.md): its
 // 4 warps share each key tile, so every tile crosses the warps twice (the row maximum,
@@ -22,22 +24,27 @@
 // thread's copies before its own reads.
 //
 // Register layouts (mma.m16n8k16, row-major A, column-major B; lane = 4 g + t):
-//   S = q K^T: A = q (rows g, g + 8), B = K codes of key g of each 8-key n-tile. The
+//   S = q K^T: A = q (rows g, g + 8), B = K of key g of each 8-key n-tile. The
 //     contraction order is free, so lane t holds D/4 channels of its key in 16-byte chunks
 //     that a warp's load instruction reads contiguously: NVFP4 channels [D/4 t, D/4 t + D/4)
 //     (D/8 bytes), FP8 chunk i bytes [16 (4 i + t), + 16) (at D = 128 two chunks 64 bytes
 //     apart: contiguous chunks a lane would leave every 32-byte sector half read by each
-//     load); the dequantization's output order decides which channel each k index is, and
-//     q is loaded in that order (q_channel below).
+//     load); the conversion's output order decides which channel each k index is, and q
+//     is loaded in that order (q_channel below).
 //   P: the S accumulators of two n-tiles are P's A fragment for 16 keys (FlashAttention-2's
 //     register reuse: keys 2t, 2t + 1 and 2t + 8, 2t + 9).
 //   O = P V: B = V of keys 2t, 2t + 1 (and + 8) at channel v_channel(o, g) = D/8 g + o of
 //     n-tile o: lane g holds D/8 contiguous channels of each of its four keys.
 //
-// Dequantization, by bit placement (as decode_triton's _fp4_asm / _fp8_asm, bit-identical):
-// an E2M1 code's exponent and mantissa bits into bf16's lowest exponent and top mantissa
-// bits (the value times 2**-126), then one bf16x2 multiply by the block's multiplier
-// (e4m3 scale x 2**-7, pre-shifted by 2**126); e4m3 bytes likewise, times 2**120.
+// Dequantization into f16, where the hardware converts two e4m3 bytes in one instruction
+// (cvt.rn.f16x2.e4m3x2): FP8 keys and values convert as they are; an E2M1 code's bits are
+// placed into an e4m3 byte (its value times 2**-6: two shifts and two masks for four
+// codes), converted, and multiplied by the block's e4m3 scale times 2**6 (an f16x2
+// multiply, exact: five significant bits at most). NVFP4 values feed a bf16 product (P in
+// bf16, as the reference has it): E2M1 by bit placement into bf16 (the value times
+// 2**-126) and one bf16x2 multiply by the block's multiplier (as decode_triton's _fp4_asm).
+// The f16 products are why q is rounded to f16: at its row's power-of-two scale that is
+// exact down to 2**-28 of the row's largest element.
 
 // NVRTC without the toolkit's headers: the few types it needs
 typedef unsigned char uint8_t;
@@ -145,6 +152,44 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return d;
 }
 
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// 4 e4m3 bytes -> f16x2 {byte 0, byte 1}, {byte 2, byte 3} (exact, NaN kept)
+__device__ __forceinline__ void e4m3x4(uint32_t w, uint32_t (&o)[2]) {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(o[0]), "=r"(o[1])
+        : "r"(w));
+}
+
+// 8 E2M1 codes (nibble k) -> f16x2 {nibble 0, 2}, {4, 6}, {1, 3}, {5, 7}, times mult: each
+// code's bits into an e4m3 byte (exponent and mantissa to bits 4..2, the sign to bit 7: the
+// value times 2**-6), the bytes converted, then one multiply by the block's scale x 2**6
+__device__ __forceinline__ void fp4x8_f16(uint32_t w, uint32_t mult, uint32_t (&o)[4]) {
+    const uint32_t even = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+    const uint32_t odd = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+    uint32_t a[2], b[2];
+    e4m3x4(even, a), e4m3x4(odd, b);
+    asm("mul.rn.f16x2 %0, %0, %4;\n\tmul.rn.f16x2 %1, %1, %4;\n\t"
+        "mul.rn.f16x2 %2, %2, %4;\n\tmul.rn.f16x2 %3, %3, %4;"
+        : "+r"(a[0]), "+r"(a[1]), "+r"(b[0]), "+r"(b[1])
+        : "r"(mult));
+    o[0] = a[0], o[1] = a[1], o[2] = b[0], o[3] = b[1];
+}
+
+// an NVFP4 key block's f16 multiplier pair {s, s}, s = e4m3 scale x 2**6 (exact, NaN kept)
+__device__ __forceinline__ void fp4_mult_f16(uint32_t two_bytes, uint32_t (&m)[2]) {
+    uint32_t h[2];
+    e4m3x4(two_bytes, h);  // {scale 0, scale 1}
+    uint32_t x;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(x) : "r"(h[0]), "r"(0x54005400u));  // x {64, 64}
+    m[0] = prmt(x, 0, 0x1010), m[1] = prmt(x, 0, 0x3232);
+}
+
 // an NVFP4 block's multiplier, e4m3 x 2**-7 x 2**126 (exact in bf16), NaN kept
 __device__ __forceinline__ float fp4_mult(uint32_t byte) { return e4m3_value(byte) * 0x1p119f; }
 
@@ -154,14 +199,24 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
+// m16n8k16, float32 sums: F16 operands in f16, else bf16
+template <bool F16 = false>
 __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    if constexpr (F16)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
 
 template <int N>
 __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t (&w)[N]) {
@@ -205,16 +260,12 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // q's channel for k step kk and lane t: slot 0, 1, 2, 3 are the k indices 2t, 2t + 1,
-// 2t + 8, 2t + 9 (A's a0 low, a0 high, a2 low, a2 high), as the K dequantization orders them
+// 2t + 8, 2t + 9 (A's a0 low, a0 high, a2 low, a2 high), as the K conversion orders them
 __device__ __forceinline__ int q_channel(int kk, int t, int slot) {
-    const int base = (D / 4) * t;
-    if (K_FP4) {  // word kk / 2, nibbles 2j, 2j + 4 (out 2j) and 2j + 1, 2j + 5 (out 2j + 1)
-        const int c = base + 8 * (kk / 2) + 2 * (kk % 2);
-        return c + (slot == 1 ? 4 : slot == 2 ? 1 : slot == 3 ? 5 : 0);
-    }
-    // word kk: chunk kk / 4 of the lane, bytes 0, 2 (out 0) and 1, 3 (out 1)
-    const int c = 16 * (4 * (kk / 4) + t) + 4 * (kk % 4);
-    return c + (slot == 1 ? 2 : slot == 2 ? 1 : slot == 3 ? 3 : 0);
+    if (K_FP4)  // word kk / 2: nibbles 0, 2, 4, 6 (kk even), 1, 3, 5, 7 (odd) (fp4x8_f16)
+        return (D / 4) * t + 8 * (kk / 2) + (kk % 2) + 2 * slot;
+    // word kk: chunk kk / 4 of the lane, bytes 0 .. 3 (e4m3x4)
+    return 16 * (4 * (kk / 4) + t) + 4 * (kk % 4) + slot;
 }
 
 __device__ __forceinline__ int v_channel(int o, int g) { return (D / 8) * g + o; }
@@ -308,36 +359,61 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     const int hi = min(lo + p.split_tokens, L);
     if (p.has_start) lo = max(lo, (start / TILE) * TILE);
 
-    // -- q fragments (an Inf becomes NaN, as the reference) ------------------------------------
+    // -- q fragments: an Inf becomes NaN (as the reference), then f16 at the row's scale 2**e
+    // (reference.decode.half_queries), 2**-e going into the row's score factor -------------
     uint32_t qa[KSTEPS][2], qb[KSTEPS][2];
+    float row_down[2];
     {
-        const bool ok_lo = g < p.group, ok_hi = HI_ROWS && g + 8 < p.group;
-        const uint16_t* q_lo = p.q + ((int64_t)b * p.hq + h * p.group + g) * D;
-        const uint16_t* q_hi = q_lo + 8 * D;
-        auto get = [](const uint16_t* row, bool ok, int c) -> uint32_t {
-            uint32_t x = ok ? row[c] : 0u;
-            return (x & 0x7FFF) == 0x7F80 ? 0x7FC0u : x;
+        const bool ok[2] = {g < p.group, HI_ROWS && g + 8 < p.group};
+        const uint16_t* q_row[2];
+        q_row[0] = p.q + ((int64_t)b * p.hq + h * p.group + g) * D;
+        q_row[1] = q_row[0] + 8 * D;
+        auto get = [&](int r, int c) -> float {
+            uint32_t x = ok[r] ? q_row[r][c] : 0u;
+            x = (x & 0x7FFF) == 0x7F80 ? 0x7FC0u : x;
+            return __uint_as_float(x << 16);
         };
+        float up[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float amax = 0.0f;
+            if (r == 0 || HI_ROWS) {
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; ++kk)
+#pragma unroll
+                    for (int sl = 0; sl < 4; ++sl) amax = fmaxf(amax, fabsf(get(r, q_channel(kk, t, sl))));
+            }
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
+            const int e = min(max(141 - (int)((__float_as_uint(amax) >> 23) & 0xFF), -126), 100);
+            up[r] = __uint_as_float((uint32_t)(127 + e) << 23);
+            row_down[r] = __uint_as_float((uint32_t)(127 - e) << 23);
+        }
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const int c0 = q_channel(kk, t, 0), c1 = q_channel(kk, t, 1);
             const int c2 = q_channel(kk, t, 2), c3 = q_channel(kk, t, 3);
-            qa[kk][0] = get(q_lo, ok_lo, c0) | (get(q_lo, ok_lo, c1) << 16);
-            qa[kk][1] = get(q_lo, ok_lo, c2) | (get(q_lo, ok_lo, c3) << 16);
-            qb[kk][0] = HI_ROWS ? get(q_hi, ok_hi, c0) | (get(q_hi, ok_hi, c1) << 16) : 0u;
-            qb[kk][1] = HI_ROWS ? get(q_hi, ok_hi, c2) | (get(q_hi, ok_hi, c3) << 16) : 0u;
+            qa[kk][0] = pack_f16(get(0, c0) * up[0], get(0, c1) * up[0]);
+            qa[kk][1] = pack_f16(get(0, c2) * up[0], get(0, c3) * up[0]);
+            qb[kk][0] = HI_ROWS ? pack_f16(get(1, c0) * up[1], get(1, c1) * up[1]) : 0u;
+            qb[kk][1] = HI_ROWS ? pack_f16(get(1, c2) * up[1], get(1, c3) * up[1]) : 0u;
         }
     }
 
     float acc[NT_O][4];
 #pragma unroll
     for (int o = 0; o < NT_O; ++o) acc[o][0] = acc[o][1] = acc[o][2] = acc[o][3] = 0.0f;
-    float m_row[2] = {NEG_INF, NEG_INF}, l_row[2] = {0.0f, 0.0f};
-    const float k_fac_shift = K_FP4 ? 128.0f : 1.0f, v_fac_shift = V_FP4 ? 128.0f : 1.0f;
+    // m_row: the scores' integer running maximum (l's frame); big_row: the second one of f16
+    // P (u = t + E of the value scale), acc's frame, for FP8 values (V_HALF)
+    float m_row[2] = {NEG_INF, NEG_INF}, l_row[2] = {0.0f, 0.0f}, big_row[2] = {NEG_INF, NEG_INF};
+    constexpr bool V_HALF = !V_FP4;  // reference.decode.P_HALF_FORMATS
+    const float v_fac_shift = V_FP4 ? 128.0f : 1.0f;
+    const float qk[2] = {p.qk_scale * row_down[0], p.qk_scale * row_down[1]};
 
-    // one key tile's scores, softmax and P V from its bytes (in registers or in the ring)
-    auto work = [&](const Raw& cur, const int tile0) {
-        const bool masked = tile0 < start || tile0 + TILE > L;
+    // one key tile's scores, softmax and P V from its bytes (in registers or in the ring);
+    // MASKED: a tile that a sequence's end or start cuts (`run` calls it with a constant at
+    // each site, so the inlined copies are the masked and the plain tile)
+    auto work = [&](const Raw& cur, const int tile0, const bool MASKED) {
 
         // -- scores, log2 units ----------------------------------------------------------------
         float s[2][4];
@@ -345,35 +421,63 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         for (int nt = 0; nt < 2; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
             if constexpr (K_FP4) {
-                const uint32_t sc = k_scales(cur, nt, t);
-                const uint32_t m0 = pack_bf16(fp4_mult(sc & 0xFF), fp4_mult(sc & 0xFF));
-                const uint32_t m1 = D == 128 ? pack_bf16(fp4_mult(sc >> 8), fp4_mult(sc >> 8)) : m0;
+                uint32_t mult[2];
+                fp4_mult_f16(k_scales(cur, nt, t), mult);
 #pragma unroll
                 for (int i = 0; i < KW; ++i) {
                     uint32_t o[4];
-                    fp4x8(cur.k[nt][i], i < KW / 2 || D != 128 ? m0 : m1, o);
-                    mma(s[nt], qa[2 * i][0], qb[2 * i][0], qa[2 * i][1], qb[2 * i][1], o[0], o[1]);
-                    mma(s[nt], qa[2 * i + 1][0], qb[2 * i + 1][0], qa[2 * i + 1][1], qb[2 * i + 1][1], o[2], o[3]);
+                    fp4x8_f16(cur.k[nt][i], D == 128 && i >= KW / 2 ? mult[1] : mult[0], o);
+                    mma<true>(s[nt], qa[2 * i][0], qb[2 * i][0], qa[2 * i][1], qb[2 * i][1], o[0], o[1]);
+                    mma<true>(s[nt], qa[2 * i + 1][0], qb[2 * i + 1][0], qa[2 * i + 1][1], qb[2 * i + 1][1], o[2],
+                              o[3]);
                 }
             } else {
 #pragma unroll
                 for (int i = 0; i < KW; ++i) {
                     uint32_t o[2];
-                    fp8x4(cur.k[nt][i], o);
-                    mma(s[nt], qa[i][0], qb[i][0], qa[i][1], qb[i][1], o[0], o[1]);
+                    e4m3x4(cur.k[nt][i], o);
+                    mma<true>(s[nt], qa[i][0], qb[i][0], qa[i][1], qb[i][1], o[0], o[1]);
                 }
             }
-            const float f0 = cur.kt[nt].x * k_fac_shift * p.qk_scale, f1 = cur.kt[nt].y * k_fac_shift * p.qk_scale;
-            s[nt][0] *= f0, s[nt][1] *= f1, s[nt][2] *= f0, s[nt][3] *= f1;
-            if (masked) {
+            const float f0 = cur.kt[nt].x, f1 = cur.kt[nt].y;
+            s[nt][0] *= f0 * qk[0], s[nt][1] *= f1 * qk[0], s[nt][2] *= f0 * qk[1], s[nt][3] *= f1 * qk[1];
+            if (MASKED) {
                 const int j = tile0 + 8 * nt + 2 * t;
                 const bool v0 = j < L && j >= start, v1 = j + 1 < L && j + 1 >= start;
                 if (!v0) s[nt][0] = s[nt][2] = NEG_INF;
                 if (!v1) s[nt][1] = s[nt][3] = NEG_INF;
             }
         }
-        // -- online softmax, integer maximum (rows g and g + 8) -----------------------------------
-        float m_new[2];
+        // -- the value token factors (an invisible key's is 0: 0 * NaN must not reach a row) ---
+        float2 vf[2] = {cur.vt[0], cur.vt[1]};
+        uint32_t keep[2] = {0xFFFFFFFFu, 0xFFFFFFFFu};  // a value no row may see is zeroed (0 * NaN)
+        if (MASKED) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const int j = tile0 + 8 * nt + 2 * t;
+                const bool v0 = j < L && j >= start, v1 = j + 1 < L && j + 1 >= start;
+                vf[nt].x = v0 ? vf[nt].x : 0.0f;
+                vf[nt].y = v1 ? vf[nt].y : 0.0f;
+                keep[nt] = (v0 ? 0x0000FFFFu : 0u) | (v1 ? 0xFFFF0000u : 0u);
+            }
+        }
+        // V_HALF: u = t + E, vf = mu 2**E (reference.decode.split_scales)
+        float u[2][4], mu[2][2];
+        if constexpr (V_HALF) {
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const float x = k ? vf[nt].y : vf[nt].x;
+                    const uint32_t bits = __float_as_uint(x), field = (bits >> 23) & 0xFF;
+                    const bool normal = field > 0 && field < 255;
+                    const float e = normal ? (float)((int)field - 127) : 0.0f;
+                    mu[nt][k] = normal ? __uint_as_float((bits & 0x807FFFFFu) | 0x3F800000u) * 8192.0f : x * 8192.0f;
+                    u[nt][k] = s[nt][k] + e, u[nt][k + 2] = s[nt][k + 2] + e;
+                }
+        }
+        // -- online softmax, integer maxima (rows g and g + 8) ------------------------------------
+        float m_new[2], big_new[2];
         bool grew = false;
 #pragma unroll
         for (int r = 0; r < (HI_ROWS ? 2 : 1); ++r) {
@@ -382,6 +486,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
             m_new[r] = fmaxf(m_row[r], ceilf(mx));
             grew |= m_new[r] > m_row[r];
+            if constexpr (V_HALF) {
+                float mu_x = fmaxf(fmaxf(u[0][2 * r], u[0][2 * r + 1]), fmaxf(u[1][2 * r], u[1][2 * r + 1]));
+                mu_x = fmaxf(mu_x, __shfl_xor_sync(0xffffffff, mu_x, 1));
+                mu_x = fmaxf(mu_x, __shfl_xor_sync(0xffffffff, mu_x, 2));
+                big_new[r] = fmaxf(big_row[r], ceilf(mu_x));
+                grew |= big_new[r] > big_row[r];
+            }
         }
         if (__any_sync(0xffffffff, grew)) {
 #pragma unroll
@@ -389,15 +500,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                 const float use = m_new[r] == NEG_INF ? 0.0f : m_new[r];
                 const float alpha = ex2(m_row[r] - use);
                 l_row[r] *= alpha;
+                float beta = alpha;
+                if constexpr (V_HALF) beta = ex2(big_row[r] - (big_new[r] == NEG_INF ? 0.0f : big_new[r]));
 #pragma unroll
-                for (int o = 0; o < NT_O; ++o) acc[o][2 * r] *= alpha, acc[o][2 * r + 1] *= alpha;
+                for (int o = 0; o < NT_O; ++o) acc[o][2 * r] *= beta, acc[o][2 * r + 1] *= beta;
             }
         }
-        float m_use[2];
+        float m_use[2], big_use[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             m_row[r] = r == 0 || HI_ROWS ? m_new[r] : NEG_INF;
             m_use[r] = m_row[r] == NEG_INF ? 0.0f : m_row[r];
+            if constexpr (V_HALF) {
+                big_row[r] = r == 0 || HI_ROWS ? big_new[r] : NEG_INF;
+                big_use[r] = big_row[r] == NEG_INF ? 0.0f : big_row[r];
+            }
         }
         float pr[2][4];
 #pragma unroll
@@ -408,54 +525,71 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                 l_row[e / 2] += pr[nt][e];
             }
         // -- P V -------------------------------------------------------------------------------
-        float2 vf[2] = {cur.vt[0], cur.vt[1]};
-        uint32_t keep[2] = {0xFFFFFFFFu, 0xFFFFFFFFu};  // a value no row may see is zeroed (0 * NaN)
-        if (masked) {
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                const int j = tile0 + 8 * nt + 2 * t;
-                const bool v0 = j < L && j >= start, v1 = j + 1 < L && j + 1 >= start;
-                vf[nt].x = v0 ? vf[nt].x : 0.0f;
-                vf[nt].y = v1 ? vf[nt].y : 0.0f;
-                keep[nt] = (v0 ? 0x0000FFFFu : 0u) | (v1 ? 0xFFFF0000u : 0u);
-            }
-        }
         uint32_t pa[4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-            const float x = vf[nt].x * v_fac_shift, y = vf[nt].y * v_fac_shift;
-            pa[2 * nt] = pack_bf16(pr[nt][0] * x, pr[nt][1] * y);
-            pa[2 * nt + 1] = HI_ROWS ? pack_bf16(pr[nt][2] * x, pr[nt][3] * y) : 0u;
+            if constexpr (V_HALF) {
+                // f16 P = 2**(u - big) * mu * 2**13
+                const float x0 = ex2(u[nt][0] - big_use[0]) * mu[nt][0], x1 = ex2(u[nt][1] - big_use[0]) * mu[nt][1];
+                pa[2 * nt] = pack_f16(x0, x1);
+                if constexpr (HI_ROWS) {
+                    const float y0 = ex2(u[nt][2] - big_use[1]) * mu[nt][0];
+                    const float y1 = ex2(u[nt][3] - big_use[1]) * mu[nt][1];
+                    pa[2 * nt + 1] = pack_f16(y0, y1);
+                } else {
+                    pa[2 * nt + 1] = 0u;
+                }
+            } else {
+                const float x = vf[nt].x * v_fac_shift, y = vf[nt].y * v_fac_shift;
+                pa[2 * nt] = pack_bf16(pr[nt][0] * x, pr[nt][1] * y);
+                pa[2 * nt + 1] = HI_ROWS ? pack_bf16(pr[nt][2] * x, pr[nt][3] * y) : 0u;
+            }
         }
-        uint32_t vm[2] = {0u, 0u};
         if constexpr (V_FP4) {
+            uint32_t vm[2];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
                 vm[nt] = pack_bf16(fp4_mult(v_scale(cur, 2 * nt, g)), fp4_mult(v_scale(cur, 2 * nt + 1, g)));
-        }
 #pragma unroll
-        for (int w = 0; w < VW; ++w) {
-            // keys 2t, 2t + 1 (and + 8) side by side: a bf16x2 register pairs two keys of one channel
-            const uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5410), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7632);
-            const uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5410), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7632);
-            if (V_FP4) {
+            for (int w = 0; w < VW; ++w) {
+                // keys 2t, 2t + 1 (and + 8) side by side: a bf16x2 register pairs two keys of one channel
+                const uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5410), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7632);
+                const uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5410), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7632);
                 uint32_t a[4], c[4], e[4], f[4];
                 fp4x8(x0, vm[0], a), fp4x8(x1, vm[0], c), fp4x8(y0, vm[1], e), fp4x8(y1, vm[1], f);
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    mma(acc[8 * w + j], pa[0], pa[1], pa[2], pa[3], a[j] & keep[0], e[j] & keep[1]);
-                    mma(acc[8 * w + 4 + j], pa[0], pa[1], pa[2], pa[3], c[j] & keep[0], f[j] & keep[1]);
+                    if (MASKED) {
+                        a[j] &= keep[0], c[j] &= keep[0], e[j] &= keep[1], f[j] &= keep[1];
+                    }
+                    mma(acc[8 * w + j], pa[0], pa[1], pa[2], pa[3], a[j], e[j]);
+                    mma(acc[8 * w + 4 + j], pa[0], pa[1], pa[2], pa[3], c[j], f[j]);
                 }
-            } else {
-                uint32_t a[2], c[2], e[2], f[2];
-                fp8x4(x0, a), fp8x4(x1, c), fp8x4(y0, e), fp8x4(y1, f);
+            }
+        } else {
+#pragma unroll
+            for (int w = 0; w < VW; ++w) {
+                // bytes of keys 2t, 2t + 1 (and + 8) interleaved: an f16x2 pairs two keys of one channel
+                const uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5140), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7362);
+                const uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5140), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7362);
+                uint32_t a[2], c[2], e[2], f[2];  // channels 4w + {0, 1}, {2, 3} of the lane
+                e4m3x4(x0, a), e4m3x4(x1, c), e4m3x4(y0, e), e4m3x4(y1, f);
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                    mma(acc[4 * w + j], pa[0], pa[1], pa[2], pa[3], a[j] & keep[0], e[j] & keep[1]);
-                    mma(acc[4 * w + 2 + j], pa[0], pa[1], pa[2], pa[3], c[j] & keep[0], f[j] & keep[1]);
+                    if (MASKED) {
+                        a[j] &= keep[0], c[j] &= keep[0], e[j] &= keep[1], f[j] &= keep[1];
+                    }
+                    mma<true>(acc[4 * w + j], pa[0], pa[1], pa[2], pa[3], a[j], e[j]);
+                    mma<true>(acc[4 * w + 2 + j], pa[0], pa[1], pa[2], pa[3], c[j], f[j]);
                 }
             }
         }
+    };
+    auto run = [&](const Raw& cur, const int tile0) {
+        if (tile0 < start || tile0 + TILE > L)
+            work(cur, tile0, true);
+        else
+            work(cur, tile0, false);
     };
 
     if constexpr (STAGES == 0) {
@@ -465,7 +599,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         for (int tile0 = lo; tile0 < hi; tile0 += TILE) {
             // the next tile's bytes in flight while this one is worked on (the last tile reloads itself)
             load_tile<false>(p, b, h, min(tile0 + TILE, last), g, t, nxt);
-            work(cur, tile0);
+            run(cur, tile0);
             cur = nxt;
         }
     } else {
@@ -486,7 +620,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             if (i + STAGES - 1 < tiles) load_tile<true>(p, b, h, lo + (i + STAGES - 1) * TILE, g, t, ring(fill));
             cp_async_commit();
             cp_async_wait<STAGES - 1>();  // tile i's copies have landed
-            work(ring(use), lo + i * TILE);
+            run(ring(use), lo + i * TILE);
             use = use + 1 == STAGES ? 0 : use + 1;
             fill = fill + 1 == STAGES ? 0 : fill + 1;
         }
@@ -499,6 +633,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         l_row[r] += __shfl_xor_sync(0xffffffff, l_row[r], 2);
         // a row whose visible keys all scored NaN: its max (fmaxf ignores NaN) stayed -inf
         if (l_row[r] != l_row[r]) m_row[r] = __int_as_float(0x7fc00000);
+        if constexpr (V_HALF) {
+            // f16 P's frame (2**(big - 13) a unit) into the combine's (2**m): a power of two
+            const float to_m = m_row[r] == NEG_INF ? 1.0f : ex2(big_row[r] - 13.0f - m_row[r]);
+#pragma unroll
+            for (int o = 0; o < NT_O; ++o) acc[o][2 * r] *= to_m, acc[o][2 * r + 1] *= to_m;
+        }
     }
 #pragma unroll
     for (int r = 0; r < (HI_ROWS ? 2 : 1); ++r) {
