@@ -73,6 +73,9 @@ typedef long long int64_t;
 #ifndef COMBINE_WARPS
 #define COMBINE_WARPS 8
 #endif
+#ifndef ABLATE_DEQUANT  // timing-only builds (wrong outputs; tools/probe_decode_bound.py): 1, the
+#define ABLATE_DEQUANT 0  // loaded words fed to the products unconverted, to place the conversion's cost
+#endif
 
 constexpr int D = HEAD_DIM;
 constexpr int KSTEPS = D / 16;  // k steps of the score product
@@ -111,6 +114,10 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 
 // 8 E2M1 codes (nibble k) -> bf16x2 {nibble j, nibble j + 4} for j = 0..3, times mult
 __device__ __forceinline__ void fp4x8(uint32_t w, uint32_t mult, uint32_t (&o)[4]) {
+#if ABLATE_DEQUANT
+    o[0] = w, o[1] = w >> 8, o[2] = w >> 16, o[3] = w >> 24;
+    return;
+#endif
     asm("{\n\t.reg .b32 v, x;\n\t"
         "and.b32 x, %4, 0x000F000F;\n\tmul.lo.u32 x, x, 0x1040;\n\tand.b32 x, x, 0x81C081C0;\n\t"
         "mul.rn.bf16x2 %0, x, %5;\n\t"
@@ -160,6 +167,10 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
 
 // 4 e4m3 bytes -> f16x2 {byte 0, byte 1}, {byte 2, byte 3} (exact, NaN kept)
 __device__ __forceinline__ void e4m3x4(uint32_t w, uint32_t (&o)[2]) {
+#if ABLATE_DEQUANT
+    o[0] = w, o[1] = w >> 16;
+    return;
+#endif
     asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
         "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
         : "=r"(o[0]), "=r"(o[1])
@@ -170,6 +181,10 @@ __device__ __forceinline__ void e4m3x4(uint32_t w, uint32_t (&o)[2]) {
 // code's bits into an e4m3 byte (exponent and mantissa to bits 4..2, the sign to bit 7: the
 // value times 2**-6), the bytes converted, then one multiply by the block's scale x 2**6
 __device__ __forceinline__ void fp4x8_f16(uint32_t w, uint32_t mult, uint32_t (&o)[4]) {
+#if ABLATE_DEQUANT
+    o[0] = w, o[1] = w >> 8, o[2] = w >> 16, o[3] = w >> 24;
+    return;
+#endif
     const uint32_t even = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
     const uint32_t odd = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
     uint32_t a[2], b[2];
@@ -315,37 +330,47 @@ __device__ __forceinline__ void fetch_float2(const float* p, float2& x) {
         x = __ldg(reinterpret_cast<const float2*>(p));
 }
 
+// the bytes of one token row of each array
+constexpr int K_ROW = K_FP4 ? D / 2 : D, V_ROW = V_FP4 ? D / 2 : D, S_ROW = D / 16;
+
 template <bool ASYNC>
 __device__ __forceinline__ void load_tile(const Params& p, int b, int h, int tile0, int g, int t, Raw& r) {
+    // one page lookup and one 64-bit base an array per tile; every lane's offset from the
+    // tile's first row is a 32-bit constant of (g, t) and of the unrolled indices, so the
+    // copies address [base + lane constant + immediate]
     const int page = p.table[(int64_t)b * p.table_stride + tile0 / p.page_size];
     const int64_t row0 = ((int64_t)page * p.hkv + h) * p.page_size + tile0 % p.page_size;
+    const uint8_t* ka = p.ka + row0 * K_ROW;
+    const uint8_t* va = p.va + row0 * V_ROW;
+    const float* kt = p.kt + row0;
+    const float* vt = p.vt + row0;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-        const int64_t row = row0 + 8 * nt + g;
+        const int row = 8 * nt + g;
         if constexpr (K_FP4) {
-            fetch_words<ASYNC, KW>(p.ka + row * (D / 2) + (D / 8) * t, r.k[nt]);
-            fetch_words<ASYNC, SW>(p.ks + row * (D / 16), r.ksc[nt]);
+            fetch_words<ASYNC, KW>(ka + row * K_ROW + (D / 8) * t, r.k[nt]);
+            fetch_words<ASYNC, SW>(p.ks + row0 * S_ROW + row * S_ROW, r.ksc[nt]);
         } else {
 #pragma unroll
             for (int i = 0; i < KW / 4; ++i) {  // chunk i: bytes 16 (4 i + t) .. + 15 of the key
                 uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&r.k[nt][4 * i]);
-                fetch_words<ASYNC, 4>(p.ka + row * D + 16 * (4 * i + t), w);
+                fetch_words<ASYNC, 4>(ka + row * K_ROW + 16 * (4 * i + t), w);
             }
         }
-        fetch_float2<ASYNC>(p.kt + row0 + 8 * nt + 2 * t, r.kt[nt]);
+        fetch_float2<ASYNC>(kt + 8 * nt + 2 * t, r.kt[nt]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const int64_t row = row0 + 2 * t + (i & 1) + 8 * (i >> 1);
+        const int row = 2 * t + (i & 1) + 8 * (i >> 1);
         if constexpr (V_FP4) {
-            fetch_words<ASYNC, VW>(p.va + row * (D / 2) + (D / 16) * g, r.v[i]);
-            fetch_words<ASYNC, SW>(p.vs + row * (D / 16), r.vsc[i]);
+            fetch_words<ASYNC, VW>(va + row * V_ROW + (D / 16) * g, r.v[i]);
+            fetch_words<ASYNC, SW>(p.vs + row0 * S_ROW + row * S_ROW, r.vsc[i]);
         } else {
-            fetch_words<ASYNC, VW>(p.va + row * D + (D / 8) * g, r.v[i]);
+            fetch_words<ASYNC, VW>(va + row * V_ROW + (D / 8) * g, r.v[i]);
         }
     }
-    fetch_float2<ASYNC>(p.vt + row0 + 2 * t, r.vt[0]);
-    fetch_float2<ASYNC>(p.vt + row0 + 8 + 2 * t, r.vt[1]);
+    fetch_float2<ASYNC>(vt + 2 * t, r.vt[0]);
+    fetch_float2<ASYNC>(vt + 8 + 2 * t, r.vt[1]);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ Params p) {
