@@ -19,30 +19,26 @@ def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
     # at most 255 registers, and at least two CTAs of four warps an SM with their rings
     regs = build.registers(decode_cuda.KERNEL_NAME)
     assert regs is not None and R.resident_programs(regs, variant.warps, variant.shared_bytes()) >= 2, (regs, variant)
-    if variant.stages == R.cuda_stages(variant.k_format, variant.v_format) and variant.stages:
-        # the routed ring keeps the tiles out of registers: three CTAs an SM
-        assert R.resident_programs(regs, variant.warps, variant.shared_bytes()) >= 3, (regs, variant)
+    if variant.stages:  # the ring keeps the tiles out of registers: 8 warps an SM at least
+        assert regs <= 168, regs
     assert build.registers(decode_cuda.COMBINE_NAME) is not None
 
 
-def test_the_ring_sizes_are_the_kernels():
-    """The host sizes a CTA's shared memory from its own figures of a lane's ring slot and
-    of a warp's copy of a tile's scales, which every build checks against decode_split.cu's
-    `Codes` and `TileScales` (static_asserts on SLOT_BYTES and SCALE_BYTES: a wrong figure
-    does not compile): the slot an odd number of 16-byte units holding a lane's codes
-    (NVFP4 D=128: 32 + 32 bytes), the scales 16 token scales each of K and V and, for
-    NVFP4, 16 rows of D/16 block scales."""
+def test_the_ring_slot_is_the_kernels():
+    """The host sizes a CTA's shared memory from its own figure of a lane's ring slot,
+    which every build checks against decode_split.cu's `Raw` (a static_assert on
+    SLOT_BYTES: a wrong figure does not compile): an odd number of 16-byte units, and
+    what a lane's fields add up to (NVFP4 D=128: 32 + 32 bytes of codes, 16 + 16 of
+    token scales, 16 + 32 of block-scale rows)."""
     variant = decode_cuda.Variant(128, "nvfp4", "nvfp4", False)
-    for name, wrong_value in (("SLOT_BYTES", 160), ("SCALE_BYTES", 256)):
-        assert f"-D{name}=" in " ".join(variant.defines())
-        wrong = [d if not d.startswith(f"-D{name}=") else f"-D{name}={wrong_value}" for d in variant.defines()]
-        with pytest.raises(RuntimeError, match="size is not the kernel"):
-            decode_cuda.compile_source(decode_cuda.SOURCE, decode_cuda.options_for(wrong), "wrong", use_cache=False,
-                                       announce=False)
-    sizes = {(v.head_dim, v.k_format, v.v_format): (v.slot_bytes(), v.scale_bytes()) for v in decode_cuda.all_variants()}
-    assert sizes[(128, "nvfp4", "nvfp4")] == (80, 384) and sizes[(128, "fp8", "fp8")] == (144, 160)
-    assert sizes[(64, "nvfp4", "fp8")] == (48, 208)
-    assert all(slot % 32 == 16 and scales % 16 == 0 for slot, scales in sizes.values()), sizes
+    assert f"-DSLOT_BYTES={variant.slot_bytes()}" in variant.defines()
+    wrong = [d if not d.startswith("-DSLOT_BYTES") else "-DSLOT_BYTES=160" for d in variant.defines()]
+    with pytest.raises(RuntimeError, match="slot size"):
+        decode_cuda.compile_source(decode_cuda.SOURCE, decode_cuda.options_for(wrong), "wrong", use_cache=False,
+                                   announce=False)
+    sizes = {(v.head_dim, v.k_format, v.v_format): v.slot_bytes() for v in decode_cuda.all_variants()}
+    assert sizes[(128, "nvfp4", "nvfp4")] == 144 and sizes[(128, "fp8", "fp8")] == 176
+    assert all(b % 32 == 16 for b in sizes.values()), sizes
 
 
 def test_routing_takes_the_cuda_kernel_only_where_it_can_run():

