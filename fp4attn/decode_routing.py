@@ -108,16 +108,6 @@ CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}
 def cuda_stages(k_format: str, v_format: str) -> int:
     """The CUDA split kernel's ring depth for these formats."""
     return CUDA_RING.get((k_format, v_format), CUDA_STAGES)
-
-
-# CTAs an SM the CUDA split kernel's registers are capped for (0: ptxas's choice), per
-# (K format, V format): none routed yet (`cuda:<ring>:<CTAs>` measures one).
-CUDA_MIN_CTAS: dict[tuple[str, str], int] = {}
-
-
-def cuda_min_ctas(k_format: str, v_format: str) -> int:
-    """The CUDA split kernel's register cap, in CTAs an SM, for these formats (0: none)."""
-    return CUDA_MIN_CTAS.get((k_format, v_format), 0)
 # a CTA of the CUDA kernel as a split plan's program: its warps' keys together, each warp
 # at least 128 keys (8 of its tiles)
 CUDA_LAUNCH = DecodeLaunch(block_n=CUDA_TILE * CUDA_WARPS, warps=CUDA_WARPS, stages=1, min_split_tiles=8)

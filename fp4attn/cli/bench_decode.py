@@ -56,10 +56,8 @@ def parse_launches(spec: str | None):
     out = []
     for part in spec.split(";"):
         if part in ("triton", "cuda") or part.startswith("cuda:"):  # the table's launch of that split kernel
-            if part.startswith("cuda:") and not all(x.isdigit() for x in part[5:].split(":")[:2]) \
-                    or part.count(":") > 2:
-                raise ValueError(f"--launches {spec!r}: 'cuda:<ring stages>[:<CTAs an SM>]' takes numbers, "
-                                 f"got {part!r}")
+            if part.startswith("cuda:") and not part[5:].isdigit():
+                raise ValueError(f"--launches {spec!r}: 'cuda:<ring stages>' takes a number, got {part!r}")
             out.append(DecodeLaunch(DEFAULT_LAUNCH.block_n, DEFAULT_LAUNCH.warps, DEFAULT_LAUNCH.stages, kernel=part))
             continue
         try:

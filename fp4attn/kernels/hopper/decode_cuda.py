@@ -43,14 +43,13 @@ class Variant:
     hi_rows: bool  # more than 8 query rows
     warps: int = CUDA_WARPS
     stages: int = CUDA_STAGES  # the per-warp ring's key tiles (0: the next tile prefetched in registers)
-    min_ctas: int = 0  # > 0: registers capped for that many CTAs an SM (`decode_routing.CUDA_MIN_CTAS`)
     ablate: int = 0  # timing-only builds (wrong outputs): 1, no dequantization (tools/probe_decode_bound.py)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DK_FMT={FORMATS[self.k_format]}",
                 f"-DV_FMT={FORMATS[self.v_format]}", f"-DHI_ROWS={int(self.hi_rows)}", f"-DWARPS={self.warps}",
                 f"-DSTAGES={self.stages}", f"-DCOMBINE_WARPS={COMBINE_WARPS}", f"-DSLOT_BYTES={self.slot_bytes()}",
-                f"-DABLATE_DEQUANT={self.ablate}"] + ([f"-DMIN_CTAS={self.min_ctas}"] if self.min_ctas else [])
+                f"-DABLATE_DEQUANT={self.ablate}"]
 
     def slot_bytes(self) -> int:
         """A lane's slot of one key tile in the ring (decode_split.cu's `Raw` and `SLOT`):

@@ -373,14 +373,7 @@ __device__ __forceinline__ void load_tile(const Params& p, int b, int h, int til
     fetch_float2<ASYNC>(vt + 8 + 2 * t, r.vt[1]);
 }
 
-// MIN_CTAS (`decode_routing.CUDA_MIN_CTAS`): ptxas keeps the registers low enough for that
-// many CTAs an SM (more warps, more tiles in flight, at the price of what it spills)
-#ifdef MIN_CTAS
-#define DECODE_BOUNDS __launch_bounds__(WARPS * 32, MIN_CTAS)
-#else
-#define DECODE_BOUNDS __launch_bounds__(WARPS * 32)
-#endif
-extern "C" __global__ void DECODE_BOUNDS decode_split(const __grid_constant__ Params p) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ Params p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int b = blockIdx.y / p.hkv, h = blockIdx.y % p.hkv;
