@@ -54,6 +54,8 @@ FP8: tl.constexpr = tl.constexpr(1)
 NVFP4: tl.constexpr = tl.constexpr(2)
 MXFP4: tl.constexpr = tl.constexpr(3)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+P_HALF_SHIFT: tl.constexpr = tl.constexpr(13.0)  # reference.decode.P_HALF_SHIFT
+P_HALF_SCALE: tl.constexpr = tl.constexpr(8192.0)  # 2**P_HALF_SHIFT
 
 
 # ----------------------------------------------------------------------------- dequantization
@@ -411,7 +413,7 @@ def _tile_math(acc_lo, acc_hi, m_i, l_i, big_m, q_lo, q_hi, j, ka, kb, ksb, kts,
     l_i = l_i + tl.sum(p, axis=1)
     if P_HALF:
         # f16 P (11 bits) times f16 values (e4m3 is exact in f16)
-        x = tl.math.exp2(u - big_use[:, None]) * (mu * 8192.0)[None, :]  # 2**P_HALF_SHIFT
+        x = tl.math.exp2(u - big_use[:, None]) * (mu * P_HALF_SCALE)[None, :]
         if HW:
             pv = x.to(tl.float16)
             v_lo = v_lo.to(tl.float16)
@@ -518,9 +520,9 @@ def decode_split_kernel(
     # a running maximum of -inf, which the combine would read as "saw no key" (0): NaN
     m_i = tl.where(l_i != l_i, float("nan"), m_i)
     if V_FMT == FP8:
-        # f16 P's frame (2**(big_m - 13) a unit) into the combine's (2**m_i): a power of two
+        # f16 P's frame (2**(big_m - P_HALF_SHIFT) a unit) into the combine's (2**m_i): a power of two
         seen = m_i != float("-inf")
-        to_m = tl.math.exp2(tl.where(seen, big_m - 13.0 - m_i, 0.0))
+        to_m = tl.math.exp2(tl.where(seen, big_m - P_HALF_SHIFT - m_i, 0.0))
         acc_lo = acc_lo * to_m[:, None]
         acc_hi = acc_hi * to_m[:, None]
     # -- partial results ----------------------------------------------------------------

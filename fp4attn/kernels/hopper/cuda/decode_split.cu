@@ -132,17 +132,6 @@ __device__ __forceinline__ void fp4x8(uint32_t w, uint32_t mult, uint32_t (&o)[4
         : "r"(w), "r"(mult));
 }
 
-// 4 e4m3 bytes -> bf16x2 {byte 0, byte 2}, {byte 1, byte 3}
-__device__ __forceinline__ void fp8x4(uint32_t w, uint32_t (&o)[2]) {
-    asm("{\n\t.reg .b32 t, u, c;\n\tmov.b32 c, 0x7B807B80;\n\t"
-        "shl.b32 t, %2, 4;\n\tand.b32 t, t, 0x07F007F0;\n\tshl.b32 u, %2, 8;\n\tand.b32 u, u, 0x80008000;\n\t"
-        "or.b32 t, t, u;\n\tmul.rn.bf16x2 %0, t, c;\n\t"
-        "shr.b32 t, %2, 4;\n\tand.b32 t, t, 0x07F007F0;\n\tand.b32 u, %2, 0x80008000;\n\t"
-        "or.b32 t, t, u;\n\tmul.rn.bf16x2 %1, t, c;\n\t}"
-        : "=r"(o[0]), "=r"(o[1])
-        : "r"(w));
-}
-
 __device__ __forceinline__ float e4m3_value(uint32_t byte) {
     // exact, NaN kept: through the hardware e4m3x2 -> f16x2 conversion
     uint32_t h;
@@ -231,7 +220,6 @@ __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-
 
 template <int N>
 __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t (&w)[N]) {
@@ -336,8 +324,7 @@ constexpr int K_ROW = K_FP4 ? D / 2 : D, V_ROW = V_FP4 ? D / 2 : D, S_ROW = D / 
 template <bool ASYNC>
 __device__ __forceinline__ void load_tile(const Params& p, int b, int h, int tile0, int g, int t, Raw& r) {
     // one page lookup and one 64-bit base an array per tile; every lane's offset from the
-    // tile's first row is a 32-bit constant of (g, t) and of the unrolled indices, so the
-    // copies address [base + lane constant + immediate]
+    // tile's first row is a 32-bit constant of (g, t) and of the unrolled indices
     const int page = p.table[(int64_t)b * p.table_stride + tile0 / p.page_size];
     const int64_t row0 = ((int64_t)page * p.hkv + h) * p.page_size + tile0 % p.page_size;
     const uint8_t* ka = p.ka + row0 * K_ROW;
@@ -432,6 +419,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // P (u = t + E of the value scale), acc's frame, for FP8 values (V_HALF)
     float m_row[2] = {NEG_INF, NEG_INF}, l_row[2] = {0.0f, 0.0f}, big_row[2] = {NEG_INF, NEG_INF};
     constexpr bool V_HALF = !V_FP4;  // reference.decode.P_HALF_FORMATS
+    constexpr float P_HALF_SHIFT = 13.0f, P_HALF_SCALE = 8192.0f;  // reference.decode.P_HALF_SHIFT, its power
     const float v_fac_shift = V_FP4 ? 128.0f : 1.0f;
     const float qk[2] = {p.qk_scale * row_down[0], p.qk_scale * row_down[1]};
 
@@ -439,7 +427,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // MASKED: a tile that a sequence's end or start cuts (`run` calls it with a constant at
     // each site, so the inlined copies are the masked and the plain tile)
     auto work = [&](const Raw& cur, const int tile0, const bool MASKED) {
-
+        // keys 8 nt + 2t (+ 1) of the tile visible (MASKED tiles only)
+        bool vis[2][2];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const int j = tile0 + 8 * nt + 2 * t;
+            vis[nt][0] = j < L && j >= start, vis[nt][1] = j + 1 < L && j + 1 >= start;
+        }
         // -- scores, log2 units ----------------------------------------------------------------
         float s[2][4];
 #pragma unroll
@@ -467,10 +461,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             const float f0 = cur.kt[nt].x, f1 = cur.kt[nt].y;
             s[nt][0] *= f0 * qk[0], s[nt][1] *= f1 * qk[0], s[nt][2] *= f0 * qk[1], s[nt][3] *= f1 * qk[1];
             if (MASKED) {
-                const int j = tile0 + 8 * nt + 2 * t;
-                const bool v0 = j < L && j >= start, v1 = j + 1 < L && j + 1 >= start;
-                if (!v0) s[nt][0] = s[nt][2] = NEG_INF;
-                if (!v1) s[nt][1] = s[nt][3] = NEG_INF;
+                if (!vis[nt][0]) s[nt][0] = s[nt][2] = NEG_INF;
+                if (!vis[nt][1]) s[nt][1] = s[nt][3] = NEG_INF;
             }
         }
         // -- the value token factors (an invisible key's is 0: 0 * NaN must not reach a row) ---
@@ -479,8 +471,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         if (MASKED) {
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-                const int j = tile0 + 8 * nt + 2 * t;
-                const bool v0 = j < L && j >= start, v1 = j + 1 < L && j + 1 >= start;
+                const bool v0 = vis[nt][0], v1 = vis[nt][1];
                 vf[nt].x = v0 ? vf[nt].x : 0.0f;
                 vf[nt].y = v1 ? vf[nt].y : 0.0f;
                 keep[nt] = (v0 ? 0x0000FFFFu : 0u) | (v1 ? 0xFFFF0000u : 0u);
@@ -497,7 +488,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                     const uint32_t bits = __float_as_uint(x), field = (bits >> 23) & 0xFF;
                     const bool normal = field > 0 && field < 255;
                     const float e = normal ? (float)((int)field - 127) : 0.0f;
-                    mu[nt][k] = normal ? __uint_as_float((bits & 0x807FFFFFu) | 0x3F800000u) * 8192.0f : x * 8192.0f;
+                    mu[nt][k] = (normal ? __uint_as_float((bits & 0x807FFFFFu) | 0x3F800000u) : x) * P_HALF_SCALE;
                     u[nt][k] = s[nt][k] + e, u[nt][k + 2] = s[nt][k + 2] + e;
                 }
         }
@@ -554,7 +545,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             if constexpr (V_HALF) {
-                // f16 P = 2**(u - big) * mu * 2**13
+                // f16 P = 2**(u - big) * mu * 2**P_HALF_SHIFT
                 const float x0 = ex2(u[nt][0] - big_use[0]) * mu[nt][0], x1 = ex2(u[nt][1] - big_use[0]) * mu[nt][1];
                 pa[2 * nt] = pack_f16(x0, x1);
                 if constexpr (HI_ROWS) {
@@ -659,8 +650,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         // a row whose visible keys all scored NaN: its max (fmaxf ignores NaN) stayed -inf
         if (l_row[r] != l_row[r]) m_row[r] = __int_as_float(0x7fc00000);
         if constexpr (V_HALF) {
-            // f16 P's frame (2**(big - 13) a unit) into the combine's (2**m): a power of two
-            const float to_m = m_row[r] == NEG_INF ? 1.0f : ex2(big_row[r] - 13.0f - m_row[r]);
+            // f16 P's frame (2**(big - P_HALF_SHIFT) a unit) into the combine's (2**m): a power of two
+            const float to_m = m_row[r] == NEG_INF ? 1.0f : ex2(big_row[r] - P_HALF_SHIFT - m_row[r]);
 #pragma unroll
             for (int o = 0; o < NT_O; ++o) acc[o][2 * r] *= to_m, acc[o][2 * r + 1] *= to_m;
         }
