@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from fp4attn import KVCache, decode
-from fp4attn.reference.decode import reference_decode, visible_keys
+from fp4attn.reference.decode import (P_HALF_SHIFT, half_queries, reference_decode, split_scales,
+                                      visible_keys)
 from fp4attn.reference.forward import LOG2E
 
 
@@ -97,6 +98,68 @@ def test_splitting_the_keys_combines_to_the_same_result():
     assert all(torch.equal(x, torch.exp2(torch.round(torch.log2(x)))) for x in w)  # powers of two
     combined = (w[0].unsqueeze(-1) * accs[0] + w[1].unsqueeze(-1) * accs[1]) / (w[0] * ls[0] + w[1] * ls[1]).unsqueeze(-1)
     assert torch.allclose(combined, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_half_queries_is_exact_down_to_2_to_the_minus_28_of_the_row():
+    """q in f16 at its row's power-of-two scale (rows whose largest lies in [2**-86, 2**140],
+    where the scale is not clamped): every element at least 2**-28 of its row's largest is
+    kept bit for bit, smaller ones round as f16 subnormals (within half a step, 2**-39 of the
+    row's largest); a NaN stays NaN, a zero row zero."""
+    g = torch.Generator().manual_seed(3)
+    mags = torch.exp2(-torch.randint(0, 40, (6, 128), generator=g).float())
+    q = (torch.randn(6, 128, generator=g).sign() * mags * torch.tensor([1e-20, 1e-3, 1.0, 7.0, 3e4, 1e30])[:, None])
+    q = q.bfloat16().float()
+    h = half_queries(q)
+    amax = q.abs().amax(-1, keepdim=True)
+    big = q.abs() >= amax * 2.0**-28
+    assert torch.equal(h[big], q[big])
+    assert ((h - q).abs()[~big] <= amax.expand_as(q)[~big] * 2.0**-39).all()
+    assert torch.equal(half_queries(torch.zeros(2, 8)), torch.zeros(2, 8))
+    x = torch.ones(1, 8)
+    x[0, 3] = float("nan")
+    assert torch.isnan(half_queries(x)[0, 3])  # (the row's scores are NaN whatever its other elements)
+
+
+def test_split_scales_puts_the_exponent_apart_exactly():
+    g = torch.Generator().manual_seed(4)
+    vs = torch.exp2(torch.randn(1000, generator=g) * 30) * torch.rand(1000, generator=g).add(0.5)
+    e, mu = split_scales(vs)
+    assert ((mu >= 1) & (mu < 2)).all() and torch.equal(e, e.round())
+    assert torch.equal(mu * torch.exp2(e), vs)
+    odd = torch.tensor([0.0, 1e-40, float("inf"), float("nan")])
+    e, mu = split_scales(odd)
+    assert torch.equal(e, torch.zeros(4)) and torch.equal(mu[:3], odd[:3]) and torch.isnan(mu[3])
+
+
+def test_fp8_values_f16_p_splits_and_combines_to_the_same_result():
+    """FP8 values' P in f16 (`p_half`): a split that writes its partial in its own frame,
+    acc * 2**(M_s - P_HALF_SHIFT - m_s) with l_s, merged by the ordinary power-of-two
+    combine, is the unsplit result; and f16 P is at least as close to float64 attention
+    over the same cached values as bf16 P."""
+    cache, g = _filled("fp8", lens=(50, 50, 50))
+    q = torch.randn(3, 2, 1, 64, generator=g) * 3
+    kb, ks, vb, vs = cache.reference_operands()
+    vs = vs * torch.exp2(torch.randint(-12, 12, vs.shape, generator=g).float())  # token scales far apart
+    lengths = torch.tensor(cache.host_lengths)
+    scale = 64**-0.5
+    whole = reference_decode(q, kb, ks, vb, vs, lengths, scale=scale, causal=False, p_half=True).out
+    t = (half_queries(q.bfloat16().float()) @ kb.transpose(-1, -2)) * (ks * (scale * LOG2E)).unsqueeze(-2)
+    e, mu = split_scales(vs)
+    accs, ms, ls = [], [], []
+    for sl in (slice(0, 17), slice(17, 50)):
+        ts, u = t[..., sl], t[..., sl] + e[..., sl].unsqueeze(-2)
+        m, big_m = torch.ceil(ts.amax(-1)), torch.ceil(u.amax(-1))
+        pv = (torch.exp2(u - big_m.unsqueeze(-1)) * (mu[..., sl] * 2.0**P_HALF_SHIFT).unsqueeze(-2)).half().float()
+        accs.append((pv @ vb[:, :, sl]) * torch.exp2(big_m - P_HALF_SHIFT - m).unsqueeze(-1))
+        ms.append(m)
+        ls.append(torch.exp2(ts - m.unsqueeze(-1)).sum(-1))
+    top = torch.maximum(*ms)
+    w = [torch.exp2(m - top) for m in ms]
+    combined = (w[0].unsqueeze(-1) * accs[0] + w[1].unsqueeze(-1) * accs[1]) / (w[0] * ls[0] + w[1] * ls[1]).unsqueeze(-1)
+    assert (combined - whole).norm() <= 1e-6 * whole.norm()  # float32 summation order
+    exact = torch.softmax(t.double() / LOG2E, -1) @ (vb * vs.unsqueeze(-1)).double()
+    bf16_p = reference_decode(q, kb, ks, vb, vs, lengths, scale=scale, causal=False).out
+    assert (whole.double() - exact).norm() <= (bf16_p.double() - exact).norm()
 
 
 @pytest.mark.parametrize("fmt", ("bf16", "fp8", "nvfp4", "mxfp4"))
