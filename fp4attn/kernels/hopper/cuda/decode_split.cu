@@ -21,13 +21,7 @@
 // keeps a ring of STAGES tiles a warp in shared memory filled by cp.async, STAGES - 1
 // tiles in flight. Every lane copies exactly the bytes it later reads, into a slot of its
 // own, so the ring needs no barrier and no __syncwarp: cp.async.wait_group orders a
-// thread's copies before its own reads. BULK = 1 fills the ring by bulk copies instead
-// (cp.async.bulk, the TMA engine's one-dimensional form): one lane copies a tile's rows
-// of each array (contiguous in a page) in six instructions and an mbarrier a stage says
-// when they have landed; the lanes then read their fragments out of the tile as they
-// would from the cache, and the stage is refilled as soon as they hold them in registers,
-// so STAGES tiles are in flight while one is worked on. (The per-lane 8- and 16-byte
-// cp.async copies asked L2 for sectors more than once: docs/notes/decode.md.)
+// thread's copies before its own reads.
 //
 // Register layouts (mma.m16n8k16, row-major A, column-major B; lane = 4 g + t):
 //   S = q K^T: A = q (rows g, g + 8), B = K of key g of each 8-key n-tile. The
@@ -57,7 +51,6 @@ typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 typedef long long int64_t;
-typedef unsigned long long uint64_t;
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -77,9 +70,6 @@ typedef unsigned long long uint64_t;
 #ifndef STAGES  // 0: the next tile prefetched in registers; >= 2: a cp.async ring in shared memory
 #define STAGES 0
 #endif
-#ifndef BULK  // 1: the ring filled by bulk copies (one lane, an mbarrier a stage); STAGES >= 2
-#define BULK 0
-#endif
 #ifndef COMBINE_WARPS
 #define COMBINE_WARPS 8
 #endif
@@ -97,7 +87,6 @@ constexpr int VW = V_FP4 ? D / 64 : D / 32;  // u32 words of one value row a lan
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
 constexpr int TILE = 16;
 static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
-static_assert(!BULK || STAGES >= 2, "BULK: a ring of at least 2 tiles");
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Params {
@@ -312,26 +301,13 @@ __device__ __forceinline__ uint32_t v_scale(const Raw& r, int i, int g) {
 }
 
 // how a lane fetches its bytes of a tile: LOAD from the cache into registers, COPY from
-// the cache into its ring slot (cp.async; not committed), SHARED out of a bulk-copied tile
-enum Fetch { LOAD, COPY, SHARED };
+// the cache into its ring slot (cp.async; not committed)
+enum Fetch { LOAD, COPY };
 
 template <int MODE, int N>
 __device__ __forceinline__ void fetch_words(const uint8_t* p, uint32_t (&w)[N]) {
     if constexpr (MODE == COPY) {
         copy_words<N>(p, w);
-    } else if constexpr (MODE == SHARED) {
-        if constexpr (N % 4 == 0) {
-#pragma unroll
-            for (int i = 0; i < N / 4; ++i) {
-                const uint4 x = reinterpret_cast<const uint4*>(p)[i];
-                w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
-            }
-        } else if constexpr (N == 2) {
-            const uint2 x = *reinterpret_cast<const uint2*>(p);
-            w[0] = x.x, w[1] = x.y;
-        } else {
-            w[0] = *reinterpret_cast<const uint32_t*>(p);
-        }
     } else {
         load_words<N>(p, w);
     }
@@ -341,8 +317,6 @@ template <int MODE>
 __device__ __forceinline__ void fetch_float2(const float* p, float2& x) {
     if constexpr (MODE == COPY)
         cp_async(&x, p, 8);
-    else if constexpr (MODE == SHARED)
-        x = *reinterpret_cast<const float2*>(p);
     else
         x = __ldg(reinterpret_cast<const float2*>(p));
 }
@@ -350,8 +324,8 @@ __device__ __forceinline__ void fetch_float2(const float* p, float2& x) {
 // the bytes of one token row of each array
 constexpr int K_ROW = K_FP4 ? D / 2 : D, V_ROW = V_FP4 ? D / 2 : D, S_ROW = D / 16;
 
-// A key tile's rows of each array: in the cache (one page lookup and one 64-bit base an
-// array per tile) or a bulk-copied tile in shared memory, laid out alike
+// A key tile's rows of each array in the cache: one page lookup and one 64-bit base an
+// array per tile
 struct TileRows {
     const uint8_t *ka, *va, *ks, *vs;
     const float *kt, *vt;
@@ -362,24 +336,6 @@ __device__ __forceinline__ TileRows cache_rows(const Params& p, int b, int h, in
     const int64_t row0 = ((int64_t)page * p.hkv + h) * p.page_size + tile0 % p.page_size;
     return {p.ka + row0 * K_ROW, p.va + row0 * V_ROW, p.ks + row0 * S_ROW, p.vs + row0 * S_ROW, p.kt + row0,
             p.vt + row0};
-}
-
-// a bulk ring's stage: the tile's rows of every array the formats have (16-byte multiples)
-struct alignas(16) TileBytes {
-    uint8_t ka[TILE * K_ROW];
-    uint8_t va[TILE * V_ROW];
-    float kt[TILE];
-    float vt[TILE];
-    uint8_t ks[K_FP4 ? TILE * S_ROW : 16];
-    uint8_t vs[V_FP4 ? TILE * S_ROW : 16];
-};
-constexpr uint32_t TILE_TX = TILE * (K_ROW + V_ROW + 8) + (K_FP4 ? TILE * S_ROW : 0) + (V_FP4 ? TILE * S_ROW : 0);
-#ifdef TILE_BYTES  // the host's figure, from which it sizes the shared memory (decode_cuda.Variant)
-static_assert(BULK == 0 || sizeof(TileBytes) == TILE_BYTES, "the host's bulk tile size is not the kernel's");
-#endif
-
-__device__ __forceinline__ TileRows shared_rows(const TileBytes& x) {
-    return {x.ka, x.va, x.ks, x.vs, x.kt, x.vt};
 }
 
 // every lane's offset from the tile's first row is a 32-bit constant of (g, t) and of the
@@ -413,53 +369,6 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
     }
     fetch_float2<MODE>(x.vt + 2 * t, r.vt[0]);
     fetch_float2<MODE>(x.vt + 8 + 2 * t, r.vt[1]);
-}
-
-// -- the bulk ring's copies and barriers (sm_90 PTX) ---------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* x) { return (uint32_t)__cvta_generic_to_shared(x); }
-
-__device__ __forceinline__ void bar_init(uint64_t* bar) {
-    asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bar_expect(uint64_t* bar, uint32_t bytes) {
-    asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared.b64 st, [%0], %1;\n\t}" ::"r"(
-                     smem_addr(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t phase) {
-    uint32_t done;
-    do {
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(smem_addr(bar)), "r"(phase)
-            : "memory");
-    } while (!done);
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-
-// one lane: a tile's rows copied into a stage, its barrier told how many bytes to expect.
-// The stage's previous tile was read by every lane of the warp in the generic proxy
-// (ordered before this by the caller's __syncwarp); the proxy fence orders those reads
-// before the copy engine's writes.
-__device__ __forceinline__ void bulk_tile(const TileRows& x, TileBytes& dst, uint64_t* bar) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    bar_expect(bar, TILE_TX);
-    bulk_copy(dst.ka, x.ka, TILE * K_ROW, bar);
-    bulk_copy(dst.va, x.va, TILE * V_ROW, bar);
-    bulk_copy(dst.kt, x.kt, TILE * 4, bar);
-    bulk_copy(dst.vt, x.vt, TILE * 4, bar);
-    if constexpr (K_FP4) bulk_copy(dst.ks, x.ks, TILE * S_ROW, bar);
-    if constexpr (V_FP4) bulk_copy(dst.vs, x.vs, TILE * S_ROW, bar);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ Params p) {
@@ -719,33 +628,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             load_tile<LOAD>(cache_rows(p, b, h, min(tile0 + TILE, last)), g, t, nxt);
             run(cur, tile0);
             cur = nxt;
-        }
-    } else if constexpr (BULK) {
-        // the ring: tile i lives in stage i % STAGES, its barrier's phase (i / STAGES) % 2
-        extern __shared__ __align__(128) unsigned char smem[];
-        __shared__ uint64_t bars[WARPS][STAGES > 0 ? STAGES : 1];  // (parsed in every build)
-        TileBytes* ring = reinterpret_cast<TileBytes*>(smem) + warp * STAGES;
-        const int tiles = lo < hi ? (hi - lo + TILE - 1) / TILE : 0;
-        if (lane == 0) {
-#pragma unroll
-            for (int i = 0; i < STAGES; ++i) bar_init(&bars[warp][i]);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#pragma unroll
-            for (int i = 0; i < STAGES; ++i)
-                if (i < tiles) bulk_tile(cache_rows(p, b, h, lo + i * TILE), ring[i], &bars[warp][i]);
-        }
-        __syncwarp();
-        int stage = 0;
-        uint32_t phase = 0;
-        for (int i = 0; i < tiles; ++i) {
-            bar_wait(&bars[warp][stage], phase);
-            Raw cur;
-            load_tile<SHARED>(shared_rows(ring[stage]), g, t, cur);
-            __syncwarp();  // every lane holds its bytes of the stage: refill it
-            if (lane == 0 && i + STAGES < tiles)
-                bulk_tile(cache_rows(p, b, h, lo + (i + STAGES) * TILE), ring[stage], &bars[warp][stage]);
-            run(cur, lo + i * TILE);
-            if (++stage == STAGES) stage = 0, phase ^= 1;
         }
     } else {
         // the ring: tile i lives in stage i % STAGES
