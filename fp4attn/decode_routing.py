@@ -93,33 +93,30 @@ CUDA_FORMATS = ("fp8", "nvfp4")
 CUDA_MAX_ROWS = 16
 CUDA_TILE = 16  # keys a warp takes at a time
 CUDA_WARPS = 4
-# How a warp of the CUDA split kernel streams its key tiles, per (K format, V format), as
-# the pipeline spec "cuda:<spec>" of a launch takes it: "0" the next tile prefetched in
-# registers (one in flight), "<n>" a ring of n tiles a warp filled by per-lane cp.async
-# copies (n - 1 in flight), "b<n>" a ring of n tiles filled by bulk copies (n in flight
-# while one is worked on). Measured, kernel time from CUDA graphs against SDPA cuDNN bf16
-# at the five shapes of benchmarks/results/log/h200-decode-ring/: NVFP4 1.23-1.50x with
-# a cp.async ring of 2 or 3 against 1.03-1.06x prefetching in registers; FP8 the other
-# way round, 1.20-1.26x in registers against 0.80-0.92x through the cp.async ring, whose
-# memory pipeline saturates before DRAM for FP8's bytes (ncu: L2 hit rate 57% against 2%;
-# docs/notes/decode.md). The mixed-format caches take the default, unmeasured.
-CUDA_PIPELINE = "2"
-CUDA_PIPELINES: dict[tuple[str, str], str] = {("fp8", "fp8"): "0"}
+# key tiles of a warp's cp.async ring (STAGES - 1 in flight a warp; 0: the next tile
+# prefetched in registers, one in flight), per (K format, V format), as a launch names
+# it ("cuda:<stages>"). Measured, kernel time from CUDA graphs against SDPA cuDNN bf16 at
+# the five shapes of benchmarks/results/log/h200-decode-ring/: NVFP4 1.23-1.50x with a
+# ring of 2 or 3 against 1.03-1.06x prefetching in registers; FP8 the other way round,
+# 1.20-1.26x in registers against 0.80-0.92x through the ring, whose memory pipeline
+# saturates before DRAM for FP8's bytes (ncu: L2 hit rate 57% against 2%;
+# docs/notes/decode.md). A ring filled by bulk copies was level with these or slower,
+# but for FP8 at one query head a KV head (log/h200-decode-bulk/, at 60947ae and
+# 604ebf9). The mixed-format caches take the default, unmeasured.
+CUDA_STAGES = 2
+CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}
 
 
-def parse_cuda_pipeline(spec: str) -> tuple[int, bool]:
-    """(stages, bulk) of a pipeline spec: "0", "<n>" (n >= 2) or "b<n>" (n >= 2)."""
-    bulk = spec.startswith("b")
-    digits = spec[1:] if bulk else spec
-    if not digits.isdigit() or (int(digits) < 2 and (bulk or int(digits) != 0)):
-        raise ValueError(f"CUDA decode pipeline {spec!r}: accepted '0' (registers), '<n>' (a cp.async ring of "
-                         "n >= 2 tiles) or 'b<n>' (a bulk-copied ring of n >= 2 tiles)")
-    return int(digits), bulk
+def parse_cuda_stages(spec: str) -> int:
+    """The ring depth a launch's "cuda:<stages>" names: 0 or at least 2."""
+    if not spec.isdigit() or int(spec) == 1:
+        raise ValueError(f"CUDA decode ring {spec!r}: accepted 0 (registers) or a ring of n >= 2 tiles")
+    return int(spec)
 
 
-def cuda_pipeline(k_format: str, v_format: str) -> tuple[int, bool]:
-    """The CUDA split kernel's (ring stages, bulk copies) for these formats."""
-    return parse_cuda_pipeline(CUDA_PIPELINES.get((k_format, v_format), CUDA_PIPELINE))
+def cuda_stages(k_format: str, v_format: str) -> int:
+    """The CUDA split kernel's ring depth for these formats."""
+    return CUDA_RING.get((k_format, v_format), CUDA_STAGES)
 
 
 # a CTA of the CUDA kernel as a split plan's program: its warps' keys together, each warp

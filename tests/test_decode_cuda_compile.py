@@ -10,7 +10,7 @@ pytest.importorskip("cuda.bindings.nvrtc")
 from fp4attn.kernels.hopper import decode_cuda  # noqa: E402
 
 
-@pytest.mark.parametrize("variant", decode_cuda.all_variants(((0, False), (2, False), (3, True))), ids=str)
+@pytest.mark.parametrize("variant", decode_cuda.all_variants((0, 2, 3)), ids=str)
 def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
     monkeypatch.setenv("FP4ATTN_CACHE_DIR", str(tmp_path))
     build = decode_cuda.compile_source(decode_cuda.SOURCE, decode_cuda.options_for(variant.defines()), str(variant),
@@ -18,10 +18,9 @@ def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
     assert build.spill_bytes() == 0, build.log
     # at most 255 registers, and at least two CTAs of four warps an SM with their rings
     regs = build.registers(decode_cuda.KERNEL_NAME)
-    shared = variant.shared_bytes() + variant.static_shared_bytes()
-    assert regs is not None and R.resident_programs(regs, variant.warps, shared) >= 2, (regs, variant)
-    if variant.stages and not variant.bulk:  # the cp.async ring keeps the tiles out of registers
-        assert regs <= 168, regs  # (a bulk ring's lanes hold the tile they work on: the 2 CTAs above)
+    assert regs is not None and R.resident_programs(regs, variant.warps, variant.shared_bytes()) >= 2, (regs, variant)
+    if variant.stages:  # the ring keeps the tiles out of registers: 8 warps an SM at least
+        assert regs <= 168, regs
     assert build.registers(decode_cuda.COMBINE_NAME) is not None
 
 
@@ -56,29 +55,10 @@ def test_routing_takes_the_cuda_kernel_only_where_it_can_run():
         R.split_kernel("mxfp4", "fp8", 128, 4, 1, 256, True, "cuda")
 
 
-def test_the_bulk_tile_is_the_kernels():
-    """A bulk-copied ring's stage is the tile's rows of each array (decode_split.cu's
-    `TileBytes`, checked against the host's TILE_BYTES by a static_assert: a wrong
-    figure does not compile): NVFP4 D=128, 16 keys of 64 + 64 bytes of codes, 4 + 4 of
-    token scales and 8 + 8 of block scales; FP8 128 + 128 + 8 and 16 bytes for each
-    block-scale array it lacks. Every array's rows start on 16 bytes (the copies' rule)."""
-    nv = decode_cuda.Variant(128, "nvfp4", "nvfp4", False, stages=3, bulk=True)
-    assert nv.tile_bytes() == 16 * (64 + 64 + 8) + 2 * 16 * 8 == 2432
-    assert decode_cuda.Variant(128, "fp8", "fp8", False, stages=3, bulk=True).tile_bytes() == 16 * 264 + 32
-    assert nv.shared_bytes() == 3 * 4 * 2432 and nv.static_shared_bytes() == 8 * 3 * 4
-    wrong = [d if not d.startswith("-DTILE_BYTES") else "-DTILE_BYTES=2416" for d in nv.defines()]
-    with pytest.raises(RuntimeError, match="bulk tile size"):
-        decode_cuda.compile_source(decode_cuda.SOURCE, decode_cuda.options_for(wrong), "wrong", use_cache=False,
-                                   announce=False)
-    with pytest.raises(ValueError, match="at least 2 stages"):
-        decode_cuda.Variant(128, "fp8", "fp8", False, stages=0, bulk=True)
-
-
-@pytest.mark.parametrize("spec,want", [("0", (0, False)), ("2", (2, False)), ("b3", (3, True)), ("b1", None),
-                                       ("1", None), ("x2", None), ("", None), ("b", None)])
-def test_pipeline_specs(spec, want):
+@pytest.mark.parametrize("spec,want", [("0", 0), ("2", 2), ("3", 3), ("1", None), ("b2", None), ("", None)])
+def test_ring_specs(spec, want):
     if want is None:
-        with pytest.raises(ValueError, match="accepted '0'"):
-            R.parse_cuda_pipeline(spec)
+        with pytest.raises(ValueError, match="accepted 0"):
+            R.parse_cuda_stages(spec)
     else:
-        assert R.parse_cuda_pipeline(spec) == want
+        assert R.parse_cuda_stages(spec) == want

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.decode_routing import (CUDA_PIPELINE, CUDA_TILE, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_pipeline,
-                                    parse_cuda_pipeline, resident_programs)
+from fp4attn.decode_routing import CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_stages, resident_programs
 from fp4attn.kernels.hopper.nvrtc_build import (Build, check, compile_source, driver, load_function,  # noqa: F401
                                                options_for)
 
@@ -43,29 +42,14 @@ class Variant:
     v_format: str
     hi_rows: bool  # more than 8 query rows
     warps: int = CUDA_WARPS
-    stages: int = parse_cuda_pipeline(CUDA_PIPELINE)[0]  # the ring's key tiles a warp (0: prefetched in registers)
-    bulk: bool = False  # the ring filled by bulk copies (one lane, an mbarrier a stage) instead of per-lane cp.async
+    stages: int = CUDA_STAGES  # the per-warp ring's key tiles (0: the next tile prefetched in registers)
     ablate: int = 0  # timing-only builds (wrong outputs): 1, no dequantization (tools/probe_decode_bound.py)
-
-    def __post_init__(self):
-        if self.bulk and self.stages < 2:
-            raise ValueError(f"a bulk-copied ring takes at least 2 stages, got {self.stages}")
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DK_FMT={FORMATS[self.k_format]}",
                 f"-DV_FMT={FORMATS[self.v_format]}", f"-DHI_ROWS={int(self.hi_rows)}", f"-DWARPS={self.warps}",
-                f"-DSTAGES={self.stages}", f"-DBULK={int(self.bulk)}", f"-DCOMBINE_WARPS={COMBINE_WARPS}",
-                f"-DSLOT_BYTES={self.slot_bytes()}", f"-DTILE_BYTES={self.tile_bytes()}",
-                f"-DABLATE_DEQUANT={self.ablate}",
-                "-default-device"]  # the kernel's generic lambdas (a tile's work over either tile type) are device code
-
-    def tile_bytes(self) -> int:
-        """One stage of a bulk ring (decode_split.cu's `TileBytes`): the tile's rows of
-        codes, token scales and NVFP4 block scales (16 bytes for an array a format lacks)."""
-        d, tile = self.head_dim, CUDA_TILE
-        row = {"fp8": d, "nvfp4": d // 2}
-        scales = [tile * d // 16 if f == "nvfp4" else 16 for f in (self.k_format, self.v_format)]
-        return tile * (row[self.k_format] + row[self.v_format] + 8) + sum(scales)
+                f"-DSTAGES={self.stages}", f"-DCOMBINE_WARPS={COMBINE_WARPS}", f"-DSLOT_BYTES={self.slot_bytes()}",
+                f"-DABLATE_DEQUANT={self.ablate}"]
 
     def slot_bytes(self) -> int:
         """A lane's slot of one key tile in the ring (decode_split.cu's `Raw` and `SLOT`):
@@ -78,20 +62,14 @@ class Variant:
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory of one CTA: its warps' rings."""
-        if self.bulk:
-            return self.stages * self.warps * self.tile_bytes()
         return self.stages * self.warps * 32 * self.slot_bytes()
 
-    def static_shared_bytes(self) -> int:
-        """Static shared memory of one CTA: a bulk ring's barriers."""
-        return 8 * self.stages * self.warps if self.bulk else 0
 
-
-def all_variants(pipelines: tuple[tuple[int, bool], ...] | None = None) -> list[Variant]:
-    """Every variant the routing can pick (`pipelines`: these (stages, bulk) instead of
-    the routed one)."""
-    return [Variant(d, kf, vf, hi, stages=st, bulk=bulk) for d in DECODE_HEAD_DIMS for kf in FORMATS
-            for vf in FORMATS for hi in (False, True) for st, bulk in (pipelines or (cuda_pipeline(kf, vf),))]
+def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:
+    """Every variant the routing can pick (`stages`: these ring depths instead of the
+    routed one)."""
+    return [Variant(d, kf, vf, hi, stages=st) for d in DECODE_HEAD_DIMS for kf in FORMATS for vf in FORMATS
+            for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),))]
 
 
 class _Params(ctypes.Structure):
@@ -112,7 +90,7 @@ def resident_ctas(variant: Variant) -> int:
     """CTAs of the variant an sm_90 SM holds (registers from ptxas's report, its rings'
     shared memory)."""
     registers = compile_variant(variant).registers(KERNEL_NAME) or 255
-    return resident_programs(registers, variant.warps, variant.shared_bytes() + variant.static_shared_bytes())
+    return resident_programs(registers, variant.warps, variant.shared_bytes())
 
 
 def launch_split(q: torch.Tensor, ka, ks, kt, va, vs, vt, table: torch.Tensor, lengths: torch.Tensor,

@@ -142,14 +142,14 @@ def _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, 
 
 
 def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len,
-                scale, splits, pipeline, out, lse):
-    """The CUDA split kernel (a split a warp, `pipeline` its ring's (stages, bulk)) and its
-    combine into out and lse."""
+                scale, splits, stages, out, lse):
+    """The CUDA split kernel (a split a warp, `stages` its ring's tiles) and its combine
+    into out and lse."""
     from fp4attn.kernels.hopper import decode_cuda
 
     B, Hq, Sq, D = qb.shape
     group = Hq // kv_heads
-    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=pipeline[0], bulk=pipeline[1])
+    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=stages)
     plan = decode_routing.CUDA_LAUNCH
     if splits:  # warps' splits asked for: whole CTAs of them
         plan = dataclasses.replace(plan, splits=max(1, -(-splits // variant.warps)))
@@ -171,9 +171,8 @@ def _decode_impl(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.
                  programs_per_sm: int = 0, asm: int = -1, splits: int = 0,
                  split_impl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The body of the `fp4attn::decode` op. block_n, warps, stages, programs_per_sm, asm
-    (0/1), splits, split_impl ("triton", "cuda" or "cuda:<pipeline>" as
-    decode_routing.parse_cuda_pipeline takes it): a launch other than the routing
-    table's (0, -1 for asm, "": the table's)."""
+    (0/1), splits, split_impl ("triton", "cuda" or "cuda:<ring stages>"): a launch other
+    than the routing table's (0, -1 for asm, "": the table's)."""
     B, Hq, Sq, D = q.shape
     qb = q.to(torch.bfloat16).contiguous()
     group = Hq // kv_heads
@@ -189,10 +188,10 @@ def _decode_impl(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if kernel == "cuda":
-        pipeline = decode_routing.parse_cuda_pipeline(ring) if ring else \
-            decode_routing.cuda_pipeline(k_fmt, v_fmt)  # "cuda:<pipeline spec>"
+        stages = decode_routing.parse_cuda_stages(ring) if ring else \
+            decode_routing.cuda_stages(k_fmt, v_fmt)  # "cuda:<ring stages>"
         _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads,
-                    max_len, scale, launch.splits, pipeline, out, lse)
+                    max_len, scale, launch.splits, stages, out, lse)
         return out, lse
     o_acc, o_ml, n_split = _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt,
                                          page_size, kv_heads, max_len, scale, causal, launch, block_m, hw)

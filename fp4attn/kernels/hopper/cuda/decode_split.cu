@@ -21,13 +21,7 @@
 // keeps a ring of STAGES tiles a warp in shared memory filled by cp.async, STAGES - 1
 // tiles in flight. Every lane copies exactly the bytes it later reads, into a slot of its
 // own, so the ring needs no barrier and no __syncwarp: cp.async.wait_group orders a
-// thread's copies before its own reads. BULK = 1 fills the ring by bulk copies instead
-// (cp.async.bulk, the TMA engine's one-dimensional form): one lane copies a tile's rows
-// of each array (contiguous in a page) in six instructions and an mbarrier a stage says
-// when they have landed; each lane reads its words out of the stage as the tile's work
-// reaches them (`SharedTile`: the offsets it would read in the cache), and the stage is
-// refilled once the work is done, STAGES - 1 tiles in flight meanwhile. (The per-lane
-// cp.async copies asked L2 for sectors more than once: docs/notes/decode.md.)
+// thread's copies before its own reads.
 //
 // Register layouts (mma.m16n8k16, row-major A, column-major B; lane = 4 g + t):
 //   S = q K^T: A = q (rows g, g + 8), B = K of key g of each 8-key n-tile. The
@@ -57,7 +51,6 @@ typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 typedef long long int64_t;
-typedef unsigned long long uint64_t;
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -77,9 +70,6 @@ typedef unsigned long long uint64_t;
 #ifndef STAGES  // 0: the next tile prefetched in registers; >= 2: a cp.async ring in shared memory
 #define STAGES 0
 #endif
-#ifndef BULK  // 1: the ring filled by bulk copies (one lane, an mbarrier a stage); STAGES >= 2
-#define BULK 0
-#endif
 #ifndef COMBINE_WARPS
 #define COMBINE_WARPS 8
 #endif
@@ -97,7 +87,6 @@ constexpr int VW = V_FP4 ? D / 64 : D / 32;  // u32 words of one value row a lan
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
 constexpr int TILE = 16;
 static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
-static_assert(!BULK || STAGES >= 2, "BULK: a ring of at least 2 tiles");
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Params {
@@ -293,13 +282,6 @@ struct alignas(16) Raw {
     float2 vt[2];       // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
     uint32_t ksc[K_FP4 ? 2 : 1][SW];  // the block scales of key g of n-tile nt (NVFP4)
     uint32_t vsc[V_FP4 ? 4 : 1][SW];
-    // what a tile's work reads (`SharedTile` reads the same out of a bulk-copied tile)
-    __device__ __forceinline__ uint32_t key(int nt, int i) const { return k[nt][i]; }
-    __device__ __forceinline__ uint32_t value(int i, int w) const { return v[i][w]; }
-    __device__ __forceinline__ float2 key_factor(int nt) const { return kt[nt]; }
-    __device__ __forceinline__ float2 value_factor(int j) const { return vt[j]; }
-    __device__ __forceinline__ uint32_t key_scale_word(int nt, int j) const { return ksc[nt][j]; }
-    __device__ __forceinline__ uint32_t value_scale_word(int i, int j) const { return vsc[i][j]; }
 };
 // a lane's slot in the ring: an odd number of 16-byte units, so a warp's 16-byte reads of
 // its 32 slots hit every bank once a phase
@@ -309,17 +291,13 @@ static_assert(SLOT == SLOT_BYTES, "the host's ring slot size is not the kernel's
 #endif
 
 // lane t's two e4m3 scales (D = 128: channels 32 t .. 32 t + 31) or one (D = 64) of key nt
-template <class Tile>
-__device__ __forceinline__ uint32_t k_scales(const Tile& r, int nt, int t) {
-    return D == 128 ? (r.key_scale_word(nt, t >> 1) >> (16 * (t & 1))) & 0xFFFF
-                    : (r.key_scale_word(nt, 0) >> (8 * t)) & 0xFF;
+__device__ __forceinline__ uint32_t k_scales(const Raw& r, int nt, int t) {
+    return D == 128 ? (r.ksc[nt][t >> 1] >> (16 * (t & 1))) & 0xFFFF : (r.ksc[nt][0] >> (8 * t)) & 0xFF;
 }
 
 // lane g's e4m3 scale of value row i (its channels D/8 g .. D/8 g + D/8 - 1)
-template <class Tile>
-__device__ __forceinline__ uint32_t v_scale(const Tile& r, int i, int g) {
-    return D == 128 ? (r.value_scale_word(i, g >> 2) >> (8 * (g & 3))) & 0xFF
-                    : (r.value_scale_word(i, 0) >> (8 * (g >> 1))) & 0xFF;
+__device__ __forceinline__ uint32_t v_scale(const Raw& r, int i, int g) {
+    return D == 128 ? (r.vsc[i][g >> 2] >> (8 * (g & 3))) & 0xFF : (r.vsc[i][0] >> (8 * (g >> 1))) & 0xFF;
 }
 
 // how a lane fetches its bytes of a tile: LOAD from the cache into registers, COPY from
@@ -346,8 +324,8 @@ __device__ __forceinline__ void fetch_float2(const float* p, float2& x) {
 // the bytes of one token row of each array
 constexpr int K_ROW = K_FP4 ? D / 2 : D, V_ROW = V_FP4 ? D / 2 : D, S_ROW = D / 16;
 
-// A key tile's rows of each array: in the cache (one page lookup and one 64-bit base an
-// array per tile) or a bulk-copied tile in shared memory, laid out alike
+// A key tile's rows of each array in the cache: one page lookup and one 64-bit base an
+// array per tile
 struct TileRows {
     const uint8_t *ka, *va, *ks, *vs;
     const float *kt, *vt;
@@ -359,50 +337,6 @@ __device__ __forceinline__ TileRows cache_rows(const Params& p, int b, int h, in
     return {p.ka + row0 * K_ROW, p.va + row0 * V_ROW, p.ks + row0 * S_ROW, p.vs + row0 * S_ROW, p.kt + row0,
             p.vt + row0};
 }
-
-// a bulk ring's stage: the tile's rows of every array the formats have (16-byte multiples)
-struct alignas(16) TileBytes {
-    uint8_t ka[TILE * K_ROW];
-    uint8_t va[TILE * V_ROW];
-    float kt[TILE];
-    float vt[TILE];
-    uint8_t ks[K_FP4 ? TILE * S_ROW : 16];
-    uint8_t vs[V_FP4 ? TILE * S_ROW : 16];
-};
-constexpr uint32_t TILE_TX = TILE * (K_ROW + V_ROW + 8) + (K_FP4 ? TILE * S_ROW : 0) + (V_FP4 ? TILE * S_ROW : 0);
-#ifdef TILE_BYTES  // the host's figure, from which it sizes the shared memory (decode_cuda.Variant)
-static_assert(BULK == 0 || sizeof(TileBytes) == TILE_BYTES, "the host's bulk tile size is not the kernel's");
-#endif
-
-// A lane's view of a bulk-copied tile: the words `Raw` holds, read out of shared memory
-// as the tile's work reaches them (the same offsets as `load_tile`'s), so the tile is
-// never held whole in registers
-struct SharedTile {
-    const TileBytes& x;
-    int g, t;
-    __device__ __forceinline__ uint32_t key(int nt, int i) const {
-        const int row = 8 * nt + g;
-        const int byte = K_FP4 ? (D / 8) * t + 4 * i : 16 * (4 * (i / 4) + t) + 4 * (i % 4);
-        return *reinterpret_cast<const uint32_t*>(x.ka + row * K_ROW + byte);
-    }
-    __device__ __forceinline__ uint32_t value(int i, int w) const {
-        const int row = 2 * t + (i & 1) + 8 * (i >> 1);
-        return *reinterpret_cast<const uint32_t*>(x.va + row * V_ROW + (V_FP4 ? D / 16 : D / 8) * g + 4 * w);
-    }
-    __device__ __forceinline__ float2 key_factor(int nt) const {
-        return *reinterpret_cast<const float2*>(x.kt + 8 * nt + 2 * t);
-    }
-    __device__ __forceinline__ float2 value_factor(int j) const {
-        return *reinterpret_cast<const float2*>(x.vt + 8 * j + 2 * t);
-    }
-    __device__ __forceinline__ uint32_t key_scale_word(int nt, int j) const {
-        return *reinterpret_cast<const uint32_t*>(x.ks + (8 * nt + g) * S_ROW + 4 * j);
-    }
-    __device__ __forceinline__ uint32_t value_scale_word(int i, int j) const {
-        const int row = 2 * t + (i & 1) + 8 * (i >> 1);
-        return *reinterpret_cast<const uint32_t*>(x.vs + row * S_ROW + 4 * j);
-    }
-};
 
 // every lane's offset from the tile's first row is a 32-bit constant of (g, t) and of the
 // unrolled indices
@@ -435,53 +369,6 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
     }
     fetch_float2<MODE>(x.vt + 2 * t, r.vt[0]);
     fetch_float2<MODE>(x.vt + 8 + 2 * t, r.vt[1]);
-}
-
-// -- the bulk ring's copies and barriers (sm_90 PTX) ---------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* x) { return (uint32_t)__cvta_generic_to_shared(x); }
-
-__device__ __forceinline__ void bar_init(uint64_t* bar) {
-    asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bar_expect(uint64_t* bar, uint32_t bytes) {
-    asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared.b64 st, [%0], %1;\n\t}" ::"r"(
-                     smem_addr(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t phase) {
-    uint32_t done;
-    do {
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(smem_addr(bar)), "r"(phase)
-            : "memory");
-    } while (!done);
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-
-// one lane: a tile's rows copied into a stage, its barrier told how many bytes to expect.
-// The stage's previous tile was read by every lane of the warp in the generic proxy
-// (ordered before this by the caller's __syncwarp); the proxy fence orders those reads
-// before the copy engine's writes.
-__device__ __forceinline__ void bulk_tile(const TileRows& x, TileBytes& dst, uint64_t* bar) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    bar_expect(bar, TILE_TX);
-    bulk_copy(dst.ka, x.ka, TILE * K_ROW, bar);
-    bulk_copy(dst.va, x.va, TILE * V_ROW, bar);
-    bulk_copy(dst.kt, x.kt, TILE * 4, bar);
-    bulk_copy(dst.vt, x.vt, TILE * 4, bar);
-    if constexpr (K_FP4) bulk_copy(dst.ks, x.ks, TILE * S_ROW, bar);
-    if constexpr (V_FP4) bulk_copy(dst.vs, x.vs, TILE * S_ROW, bar);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ Params p) {
@@ -550,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // one key tile's scores, softmax and P V from its bytes (in registers or in the ring);
     // MASKED: a tile that a sequence's end or start cuts (`run` calls it with a constant at
     // each site, so the inlined copies are the masked and the plain tile)
-    auto work = [&](const auto& cur, const int tile0, const bool MASKED) {
+    auto work = [&](const Raw& cur, const int tile0, const bool MASKED) {
         // keys 8 nt + 2t (+ 1) of the tile visible (MASKED tiles only)
         bool vis[2][2];
 #pragma unroll
@@ -569,7 +456,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
                 for (int i = 0; i < KW; ++i) {
                     uint32_t o[4];
-                    fp4x8_f16(cur.key(nt, i), D == 128 && i >= KW / 2 ? mult[1] : mult[0], o);
+                    fp4x8_f16(cur.k[nt][i], D == 128 && i >= KW / 2 ? mult[1] : mult[0], o);
                     mma<true>(s[nt], qa[2 * i][0], qb[2 * i][0], qa[2 * i][1], qb[2 * i][1], o[0], o[1]);
                     mma<true>(s[nt], qa[2 * i + 1][0], qb[2 * i + 1][0], qa[2 * i + 1][1], qb[2 * i + 1][1], o[2],
                               o[3]);
@@ -578,12 +465,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
                 for (int i = 0; i < KW; ++i) {
                     uint32_t o[2];
-                    e4m3x4(cur.key(nt, i), o);
+                    e4m3x4(cur.k[nt][i], o);
                     mma<true>(s[nt], qa[i][0], qb[i][0], qa[i][1], qb[i][1], o[0], o[1]);
                 }
             }
-            const float2 kf = cur.key_factor(nt);
-            const float f0 = kf.x, f1 = kf.y;
+            const float f0 = cur.kt[nt].x, f1 = cur.kt[nt].y;
             s[nt][0] *= f0 * qk[0], s[nt][1] *= f1 * qk[0], s[nt][2] *= f0 * qk[1], s[nt][3] *= f1 * qk[1];
             if (MASKED) {
                 if (!vis[nt][0]) s[nt][0] = s[nt][2] = NEG_INF;
@@ -591,7 +477,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
         }
         // -- the value token factors (an invisible key's is 0: 0 * NaN must not reach a row) ---
-        float2 vf[2] = {cur.value_factor(0), cur.value_factor(1)};
+        float2 vf[2] = {cur.vt[0], cur.vt[1]};
         uint32_t keep[2] = {0xFFFFFFFFu, 0xFFFFFFFFu};  // a value no row may see is zeroed (0 * NaN)
         if (MASKED) {
 #pragma unroll
@@ -694,8 +580,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
             for (int w = 0; w < VW; ++w) {
                 // keys 2t, 2t + 1 (and + 8) side by side: a bf16x2 register pairs two keys of one channel
-                const uint32_t x0 = prmt(cur.value(0, w), cur.value(1, w), 0x5410), x1 = prmt(cur.value(0, w), cur.value(1, w), 0x7632);
-                const uint32_t y0 = prmt(cur.value(2, w), cur.value(3, w), 0x5410), y1 = prmt(cur.value(2, w), cur.value(3, w), 0x7632);
+                const uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5410), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7632);
+                const uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5410), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7632);
                 uint32_t a[4], c[4], e[4], f[4];
                 fp4x8(x0, vm[0], a), fp4x8(x1, vm[0], c), fp4x8(y0, vm[1], e), fp4x8(y1, vm[1], f);
 #pragma unroll
@@ -711,8 +597,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
             for (int w = 0; w < VW; ++w) {
                 // bytes of keys 2t, 2t + 1 (and + 8) interleaved: an f16x2 pairs two keys of one channel
-                const uint32_t x0 = prmt(cur.value(0, w), cur.value(1, w), 0x5140), x1 = prmt(cur.value(0, w), cur.value(1, w), 0x7362);
-                const uint32_t y0 = prmt(cur.value(2, w), cur.value(3, w), 0x5140), y1 = prmt(cur.value(2, w), cur.value(3, w), 0x7362);
+                const uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5140), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7362);
+                const uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5140), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7362);
                 uint32_t a[2], c[2], e[2], f[2];  // channels 4w + {0, 1}, {2, 3} of the lane
                 e4m3x4(x0, a), e4m3x4(x1, c), e4m3x4(y0, e), e4m3x4(y1, f);
 #pragma unroll
@@ -726,7 +612,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
         }
     };
-    auto run = [&](const auto& cur, const int tile0) {
+    auto run = [&](const Raw& cur, const int tile0) {
         if (tile0 < start || tile0 + TILE > L)
             work(cur, tile0, true);
         else
@@ -742,31 +628,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             load_tile<LOAD>(cache_rows(p, b, h, min(tile0 + TILE, last)), g, t, nxt);
             run(cur, tile0);
             cur = nxt;
-        }
-    } else if constexpr (BULK) {
-        // the ring: tile i lives in stage i % STAGES, its barrier's phase (i / STAGES) % 2
-        extern __shared__ __align__(128) unsigned char smem[];
-        __shared__ uint64_t bars[WARPS][STAGES > 0 ? STAGES : 1];  // (parsed in every build)
-        TileBytes* ring = reinterpret_cast<TileBytes*>(smem) + warp * STAGES;
-        const int tiles = lo < hi ? (hi - lo + TILE - 1) / TILE : 0;
-        if (lane == 0) {
-#pragma unroll
-            for (int i = 0; i < STAGES; ++i) bar_init(&bars[warp][i]);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#pragma unroll
-            for (int i = 0; i < STAGES; ++i)
-                if (i < tiles) bulk_tile(cache_rows(p, b, h, lo + i * TILE), ring[i], &bars[warp][i]);
-        }
-        __syncwarp();
-        int stage = 0;
-        uint32_t phase = 0;
-        for (int i = 0; i < tiles; ++i) {
-            bar_wait(&bars[warp][stage], phase);
-            run(SharedTile{ring[stage], g, t}, lo + i * TILE);
-            __syncwarp();  // every lane has read its bytes of the stage: refill it
-            if (lane == 0 && i + STAGES < tiles)
-                bulk_tile(cache_rows(p, b, h, lo + (i + STAGES) * TILE), ring[stage], &bars[warp][stage]);
-            if (++stage == STAGES) stage = 0, phase ^= 1;
         }
     } else {
         // the ring: tile i lives in stage i % STAGES
