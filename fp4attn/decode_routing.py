@@ -91,61 +91,38 @@ def decode_launch(k_format: str, v_format: str, head_dim: int, block_m: int = MI
 # (bf16 and MXFP4 caches, speculative steps, chunks of a prompt).
 CUDA_FORMATS = ("fp8", "nvfp4")
 CUDA_MAX_ROWS = 16
-CUDA_HALF = 16  # keys of the smallest tile a warp takes (pages are multiples of it)
+CUDA_TILE = 16  # keys a warp takes at a time
 CUDA_WARPS = 4
-
-
-@dataclass(frozen=True)
-class CudaPipeline:
-    """How a warp of the CUDA split kernel streams its keys: `stages`, the key tiles of
-    its cp.async ring (stages - 1 in flight; 0: the next tile prefetched in registers,
-    one in flight), and `tile`, the keys of one softmax step (16, or 32 as two 16-key
-    halves, each with its own page lookup). A launch names it "cuda:<stages>[:<tile>]"."""
-    stages: int
-    tile: int = CUDA_HALF
-
-    @property
-    def halves(self) -> int:
-        return self.tile // CUDA_HALF
-
-    def spec(self) -> str:
-        return f"{self.stages}" if self.tile == CUDA_HALF else f"{self.stages}:{self.tile}"
-
-
-# per (K format, V format). Measured, kernel time from CUDA graphs against SDPA cuDNN bf16
-# at the five shapes of benchmarks/results/log/h200-decode-ring/: NVFP4 1.23-1.50x with a
+# key tiles of a warp's cp.async ring (STAGES - 1 in flight a warp; 0: the next tile
+# prefetched in registers, one in flight), per (K format, V format), as a launch names
+# it ("cuda:<stages>"). Measured, kernel time from CUDA graphs against SDPA cuDNN bf16 at
+# the five shapes of benchmarks/results/log/h200-decode-ring/: NVFP4 1.23-1.50x with a
 # ring of 2 or 3 against 1.03-1.06x prefetching in registers; FP8 the other way round,
 # 1.20-1.26x in registers against 0.80-0.92x through the ring, whose memory pipeline
 # saturates before DRAM for FP8's bytes (ncu: L2 hit rate 57% against 2%;
 # docs/notes/decode.md). A ring filled by bulk copies was level with these or slower,
 # but for FP8 at one query head a KV head (log/h200-decode-bulk/, at 60947ae and
-# 604ebf9). The mixed-format caches take the default, unmeasured.
-CUDA_PIPELINE = CudaPipeline(2)
-CUDA_PIPELINES: dict[tuple[str, str], CudaPipeline] = {("fp8", "fp8"): CudaPipeline(0)}
+# 604ebf9); 32-key tiles were level for NVFP4 at long contexts (d3cecdc). The
+# mixed-format caches take the default, unmeasured.
+CUDA_STAGES = 2
+CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}
 
 
-def parse_cuda_pipeline(spec: str) -> CudaPipeline:
-    """The pipeline a launch's "cuda:<stages>[:<tile>]" names: stages 0 or at least 2,
-    tile 16 or 32 keys."""
-    stages, _, tile = spec.partition(":")
-    if not stages.isdigit() or int(stages) == 1 or tile not in ("", "16", "32"):
-        raise ValueError(f"CUDA decode pipeline {spec!r}: accepted '<stages>[:<tile>]', stages 0 (registers) or a "
-                         "ring of n >= 2 tiles, tile 16 or 32 keys")
-    return CudaPipeline(int(stages), int(tile or CUDA_HALF))
+def parse_cuda_stages(spec: str) -> int:
+    """The ring depth a launch's "cuda:<stages>" names: 0 or at least 2."""
+    if not spec.isdigit() or int(spec) == 1:
+        raise ValueError(f"CUDA decode ring {spec!r}: accepted 0 (registers) or a ring of n >= 2 tiles")
+    return int(spec)
 
 
-def cuda_pipeline(k_format: str, v_format: str) -> CudaPipeline:
-    """The CUDA split kernel's pipeline for these formats."""
-    return CUDA_PIPELINES.get((k_format, v_format), CUDA_PIPELINE)
+def cuda_stages(k_format: str, v_format: str) -> int:
+    """The CUDA split kernel's ring depth for these formats."""
+    return CUDA_RING.get((k_format, v_format), CUDA_STAGES)
 
 
-def cuda_launch(pipeline: CudaPipeline) -> DecodeLaunch:
-    """A CTA of the CUDA kernel as a split plan's program: its warps' keys together, each
-    warp at least 128 keys; splits in whole tiles of the pipeline."""
-    return DecodeLaunch(block_n=pipeline.tile * CUDA_WARPS, warps=CUDA_WARPS, stages=1,
-                        min_split_tiles=128 // pipeline.tile)
-
-
+# a CTA of the CUDA kernel as a split plan's program: its warps' keys together, each warp
+# at least 128 keys (8 of its tiles)
+CUDA_LAUNCH = DecodeLaunch(block_n=CUDA_TILE * CUDA_WARPS, warps=CUDA_WARPS, stages=1, min_split_tiles=8)
 
 
 def cuda_unsupported_reason(k_format: str, v_format: str, head_dim: int, group: int, sq: int,
@@ -159,8 +136,8 @@ def cuda_unsupported_reason(k_format: str, v_format: str, head_dim: int, group: 
         return f"{sq} new query rows a sequence (it takes 1)"
     if group > CUDA_MAX_ROWS:
         return f"{group} query heads a KV head (it takes up to {CUDA_MAX_ROWS})"
-    if page_size % CUDA_HALF:
-        return f"page size {page_size} (it takes multiples of {CUDA_HALF})"
+    if page_size % CUDA_TILE:
+        return f"page size {page_size} (it takes multiples of {CUDA_TILE})"
     return None
 
 

@@ -45,11 +45,11 @@ def parse_decode_shapes(spec: str) -> list[tuple[int, ...]]:
 
 def parse_launches(spec: str | None):
     """Kernel launches "block_n,warps,stages[,programs_per_sm[,asm[,splits]]];..." of the
-    Triton split kernel, "triton", "cuda" or "cuda:<stages>[:<tile>]" (the CUDA kernel
-    with that ring, 0 its register prefetch, and 16- or 32-key tiles), to time beside the routing table's (None: the
+    Triton split kernel, "triton", "cuda" or "cuda:<ring stages>" (the CUDA kernel with
+    that ring, 0 its register prefetch), to time beside the routing table's (None: the
     table's only); programs_per_sm 0 and splits 0: the compiled kernel's occupancy and the
     split plan's; asm 0 dequantizes by float arithmetic."""
-    from fp4attn.decode_routing import DEFAULT_LAUNCH, DecodeLaunch, parse_cuda_pipeline
+    from fp4attn.decode_routing import DEFAULT_LAUNCH, DecodeLaunch, parse_cuda_stages
 
     if not spec:
         return []
@@ -57,7 +57,7 @@ def parse_launches(spec: str | None):
     for part in spec.split(";"):
         if part in ("triton", "cuda") or part.startswith("cuda:"):  # the table's launch of that split kernel
             if part.startswith("cuda:"):
-                parse_cuda_pipeline(part[5:])  # a clear error for a pipeline it does not take
+                parse_cuda_stages(part[5:])  # a clear error for a ring it does not take
             out.append(DecodeLaunch(DEFAULT_LAUNCH.block_n, DEFAULT_LAUNCH.warps, DEFAULT_LAUNCH.stages, kernel=part))
             continue
         try:
@@ -292,6 +292,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", help=f"with --decode: comma-separated cache formats; default {','.join(FORMATS)}")
     p.add_argument("--launches", help="with --decode: also time these kernel launches, "
                    "'block_n,warps,stages[,programs_per_sm[,asm[,splits]]];...' of the Triton split kernel (0: "
-                   "the table's or the plan's), 'triton', 'cuda' or 'cuda:<stages>[:<tile>]'")
+                   "the table's or the plan's), 'triton', 'cuda' or 'cuda:<ring stages>'")
     p.add_argument("--warm-processes", type=int, default=0,
                    help="with --decode: compile the kernels first in this many parallel processes")

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.decode_routing import (CUDA_PIPELINE, CUDA_WARPS, DECODE_HEAD_DIMS, CudaPipeline, cuda_pipeline,
-                                    resident_programs)
+from fp4attn.decode_routing import CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_stages, resident_programs
 from fp4attn.kernels.hopper.nvrtc_build import (Build, check, compile_source, driver, load_function,  # noqa: F401
                                                options_for)
 
@@ -43,24 +42,22 @@ class Variant:
     v_format: str
     hi_rows: bool  # more than 8 query rows
     warps: int = CUDA_WARPS
-    stages: int = CUDA_PIPELINE.stages  # the per-warp ring's key tiles (0: the next tile prefetched in registers)
-    halves: int = 1  # 16-key halves of a warp's key tile (one softmax step, one ring slot, for both)
+    stages: int = CUDA_STAGES  # the per-warp ring's key tiles (0: the next tile prefetched in registers)
     ablate: int = 0  # timing-only builds (wrong outputs): 1, no dequantization (tools/probe_decode_bound.py)
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DK_FMT={FORMATS[self.k_format]}",
                 f"-DV_FMT={FORMATS[self.v_format]}", f"-DHI_ROWS={int(self.hi_rows)}", f"-DWARPS={self.warps}",
-                f"-DSTAGES={self.stages}", f"-DHALVES={self.halves}", f"-DCOMBINE_WARPS={COMBINE_WARPS}",
-                f"-DSLOT_BYTES={self.slot_bytes()}",
+                f"-DSTAGES={self.stages}", f"-DCOMBINE_WARPS={COMBINE_WARPS}", f"-DSLOT_BYTES={self.slot_bytes()}",
                 f"-DABLATE_DEQUANT={self.ablate}"]
 
     def slot_bytes(self) -> int:
-        """A lane's slot of one key tile in the ring (decode_split.cu's `Raw` a half and
-        `SLOT`): codes, token scales, block-scale rows, in an odd number of 16-byte units."""
+        """A lane's slot of one key tile in the ring (decode_split.cu's `Raw` and `SLOT`):
+        codes, token scales, block-scale rows, in an odd number of 16-byte units."""
         d, sw = self.head_dim, self.head_dim // 64
         words = (2 * _key_words(d, self.k_format) + 4 * _value_words(d, self.v_format) + 8
                  + (2 if self.k_format == "nvfp4" else 1) * sw + (4 if self.v_format == "nvfp4" else 1) * sw)
-        units = self.halves * -(-words // 4)
+        units = -(-words // 4)
         return 16 * (units if units % 2 else units + 1)
 
     def shared_bytes(self) -> int:
@@ -68,10 +65,11 @@ class Variant:
         return self.stages * self.warps * 32 * self.slot_bytes()
 
 
-def all_variants(pipelines: tuple[CudaPipeline, ...] | None = None) -> list[Variant]:
-    """Every variant the routing can pick (`pipelines`: these instead of the routed one)."""
-    return [Variant(d, kf, vf, hi, stages=pl.stages, halves=pl.halves) for d in DECODE_HEAD_DIMS for kf in FORMATS
-            for vf in FORMATS for hi in (False, True) for pl in (pipelines or (cuda_pipeline(kf, vf),))]
+def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:
+    """Every variant the routing can pick (`stages`: these ring depths instead of the
+    routed one)."""
+    return [Variant(d, kf, vf, hi, stages=st) for d in DECODE_HEAD_DIMS for kf in FORMATS for vf in FORMATS
+            for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),))]
 
 
 class _Params(ctypes.Structure):

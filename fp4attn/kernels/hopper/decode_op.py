@@ -142,15 +142,15 @@ def _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, 
 
 
 def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len,
-                scale, splits, pipeline, out, lse):
-    """The CUDA split kernel (a split a warp, streaming its keys as `pipeline`,
-    decode_routing.CudaPipeline) and its combine into out and lse."""
+                scale, splits, stages, out, lse):
+    """The CUDA split kernel (a split a warp, `stages` its ring's tiles) and its combine
+    into out and lse."""
     from fp4attn.kernels.hopper import decode_cuda
 
     B, Hq, Sq, D = qb.shape
     group = Hq // kv_heads
-    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=pipeline.stages, halves=pipeline.halves)
-    plan = decode_routing.cuda_launch(pipeline)
+    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=stages)
+    plan = decode_routing.CUDA_LAUNCH
     if splits:  # warps' splits asked for: whole CTAs of them
         plan = dataclasses.replace(plan, splits=max(1, -(-splits // variant.warps)))
     ctas, cta_tokens = decode_routing.split_plan(plan, max(max_len, 1), B * kv_heads, _sms(qb.device),
@@ -171,7 +171,7 @@ def _decode_impl(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.
                  programs_per_sm: int = 0, asm: int = -1, splits: int = 0,
                  split_impl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The body of the `fp4attn::decode` op. block_n, warps, stages, programs_per_sm, asm
-    (0/1), splits, split_impl ("triton", "cuda" or "cuda:<stages>[:<tile>]"): a launch other
+    (0/1), splits, split_impl ("triton", "cuda" or "cuda:<ring stages>"): a launch other
     than the routing table's (0, -1 for asm, "": the table's)."""
     B, Hq, Sq, D = q.shape
     qb = q.to(torch.bfloat16).contiguous()
@@ -188,10 +188,10 @@ def _decode_impl(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if kernel == "cuda":
-        pipeline = decode_routing.parse_cuda_pipeline(ring) if ring else \
-            decode_routing.cuda_pipeline(k_fmt, v_fmt)  # "cuda:<stages>[:<tile>]"
+        stages = decode_routing.parse_cuda_stages(ring) if ring else \
+            decode_routing.cuda_stages(k_fmt, v_fmt)  # "cuda:<ring stages>"
         _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads,
-                    max_len, scale, launch.splits, pipeline, out, lse)
+                    max_len, scale, launch.splits, stages, out, lse)
         return out, lse
     o_acc, o_ml, n_split = _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt,
                                          page_size, kv_heads, max_len, scale, causal, launch, block_m, hw)

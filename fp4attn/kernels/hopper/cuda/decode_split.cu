@@ -70,9 +70,6 @@ typedef long long int64_t;
 #ifndef STAGES  // 0: the next tile prefetched in registers; >= 2: a cp.async ring in shared memory
 #define STAGES 0
 #endif
-#ifndef HALVES  // 16-key halves of a warp's key tile (1 or 2): one softmax step and one ring slot for all
-#define HALVES 1
-#endif
 #ifndef COMBINE_WARPS
 #define COMBINE_WARPS 8
 #endif
@@ -88,10 +85,7 @@ constexpr bool V_FP4 = V_FMT == 2;
 constexpr int KW = K_FP4 ? D / 32 : D / 16;  // u32 words of one key a lane holds
 constexpr int VW = V_FP4 ? D / 64 : D / 32;  // u32 words of one value row a lane holds
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
-constexpr int HALF = 16;           // keys of a half tile: a `Raw`, one page lookup
-constexpr int TILE = HALF * HALVES;  // keys a warp's softmax step takes
-constexpr int NT = 2 * HALVES;       // 8-key n-tiles of the score product a step
-static_assert(HALVES == 1 || HALVES == 2, "HALVES: 1 or 2");
+constexpr int TILE = 16;
 static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -291,8 +285,7 @@ struct alignas(16) Raw {
 };
 // a lane's slot in the ring: an odd number of 16-byte units, so a warp's 16-byte reads of
 // its 32 slots hit every bank once a phase
-constexpr int SLOT_RAW = HALVES * sizeof(Raw);  // a lane's halves of one tile
-constexpr int SLOT = SLOT_RAW / 16 % 2 ? SLOT_RAW : SLOT_RAW + 16;
+constexpr int SLOT = sizeof(Raw) / 16 % 2 ? sizeof(Raw) : sizeof(Raw) + 16;
 #ifdef SLOT_BYTES  // the host's figure, from which it sizes the shared memory (decode_cuda.Variant)
 static_assert(SLOT == SLOT_BYTES, "the host's ring slot size is not the kernel's");
 #endif
@@ -444,28 +437,26 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // one key tile's scores, softmax and P V from its bytes (in registers or in the ring);
     // MASKED: a tile that a sequence's end or start cuts (`run` calls it with a constant at
     // each site, so the inlined copies are the masked and the plain tile)
-    auto work = [&](const Raw (&cur)[HALVES], const int tile0, const bool MASKED) {
-        // keys 8 nt + 2t (+ 1) of the tile visible (MASKED tiles only); n-tile nt is n-tile
-        // nt % 2 of half nt / 2
-        bool vis[NT][2];
+    auto work = [&](const Raw& cur, const int tile0, const bool MASKED) {
+        // keys 8 nt + 2t (+ 1) of the tile visible (MASKED tiles only)
+        bool vis[2][2];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < 2; ++nt) {
             const int j = tile0 + 8 * nt + 2 * t;
             vis[nt][0] = j < L && j >= start, vis[nt][1] = j + 1 < L && j + 1 >= start;
         }
         // -- scores, log2 units ----------------------------------------------------------------
-        float s[NT][4];
+        float s[2][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const Raw& half = cur[nt / 2];
+        for (int nt = 0; nt < 2; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
             if constexpr (K_FP4) {
                 uint32_t mult[2];
-                fp4_mult_f16(k_scales(half, nt % 2, t), mult);
+                fp4_mult_f16(k_scales(cur, nt, t), mult);
 #pragma unroll
                 for (int i = 0; i < KW; ++i) {
                     uint32_t o[4];
-                    fp4x8_f16(half.k[nt % 2][i], D == 128 && i >= KW / 2 ? mult[1] : mult[0], o);
+                    fp4x8_f16(cur.k[nt][i], D == 128 && i >= KW / 2 ? mult[1] : mult[0], o);
                     mma<true>(s[nt], qa[2 * i][0], qb[2 * i][0], qa[2 * i][1], qb[2 * i][1], o[0], o[1]);
                     mma<true>(s[nt], qa[2 * i + 1][0], qb[2 * i + 1][0], qa[2 * i + 1][1], qb[2 * i + 1][1], o[2],
                               o[3]);
@@ -474,11 +465,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
                 for (int i = 0; i < KW; ++i) {
                     uint32_t o[2];
-                    e4m3x4(half.k[nt % 2][i], o);
+                    e4m3x4(cur.k[nt][i], o);
                     mma<true>(s[nt], qa[i][0], qb[i][0], qa[i][1], qb[i][1], o[0], o[1]);
                 }
             }
-            const float f0 = half.kt[nt % 2].x, f1 = half.kt[nt % 2].y;
+            const float f0 = cur.kt[nt].x, f1 = cur.kt[nt].y;
             s[nt][0] *= f0 * qk[0], s[nt][1] *= f1 * qk[0], s[nt][2] *= f0 * qk[1], s[nt][3] *= f1 * qk[1];
             if (MASKED) {
                 if (!vis[nt][0]) s[nt][0] = s[nt][2] = NEG_INF;
@@ -486,13 +477,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
         }
         // -- the value token factors (an invisible key's is 0: 0 * NaN must not reach a row) ---
-        float2 vf[NT];
-        uint32_t keep[NT];  // a value no row may see is zeroed (0 * NaN)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) vf[nt] = cur[nt / 2].vt[nt % 2], keep[nt] = 0xFFFFFFFFu;
+        float2 vf[2] = {cur.vt[0], cur.vt[1]};
+        uint32_t keep[2] = {0xFFFFFFFFu, 0xFFFFFFFFu};  // a value no row may see is zeroed (0 * NaN)
         if (MASKED) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
+            for (int nt = 0; nt < 2; ++nt) {
                 const bool v0 = vis[nt][0], v1 = vis[nt][1];
                 vf[nt].x = v0 ? vf[nt].x : 0.0f;
                 vf[nt].y = v1 ? vf[nt].y : 0.0f;
@@ -500,10 +489,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
         }
         // V_HALF: u = t + E, vf = mu 2**E (reference.decode.split_scales)
-        float u[NT][4], mu[NT][2];
+        float u[2][4], mu[2][2];
         if constexpr (V_HALF) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (int k = 0; k < 2; ++k) {
                     const float x = k ? vf[nt].y : vf[nt].x;
@@ -519,17 +508,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         bool grew = false;
 #pragma unroll
         for (int r = 0; r < (HI_ROWS ? 2 : 1); ++r) {
-            float mx = fmaxf(s[0][2 * r], s[0][2 * r + 1]);
-#pragma unroll
-            for (int nt = 1; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+            float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
             m_new[r] = fmaxf(m_row[r], ceilf(mx));
             grew |= m_new[r] > m_row[r];
             if constexpr (V_HALF) {
-                float mu_x = fmaxf(u[0][2 * r], u[0][2 * r + 1]);
-#pragma unroll
-                for (int nt = 1; nt < NT; ++nt) mu_x = fmaxf(mu_x, fmaxf(u[nt][2 * r], u[nt][2 * r + 1]));
+                float mu_x = fmaxf(fmaxf(u[0][2 * r], u[0][2 * r + 1]), fmaxf(u[1][2 * r], u[1][2 * r + 1]));
                 mu_x = fmaxf(mu_x, __shfl_xor_sync(0xffffffff, mu_x, 1));
                 mu_x = fmaxf(mu_x, __shfl_xor_sync(0xffffffff, mu_x, 2));
                 big_new[r] = fmaxf(big_row[r], ceilf(mu_x));
@@ -558,129 +543,109 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                 big_use[r] = big_row[r] == NEG_INF ? 0.0f : big_row[r];
             }
         }
-        float pr[NT][4];
+        float pr[2][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 pr[nt][e] = (e < 2 || HI_ROWS) ? ex2(s[nt][e] - m_use[e / 2]) : 0.0f;
                 l_row[e / 2] += pr[nt][e];
             }
         // -- P V -------------------------------------------------------------------------------
-        uint32_t pa[HALVES][4];  // P of each half: the A fragment of its 16 keys
+        uint32_t pa[4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            uint32_t* pq = pa[nt / 2] + 2 * (nt % 2);
+        for (int nt = 0; nt < 2; ++nt) {
             if constexpr (V_HALF) {
                 // f16 P = 2**(u - big) * mu * 2**P_HALF_SHIFT
                 const float x0 = ex2(u[nt][0] - big_use[0]) * mu[nt][0], x1 = ex2(u[nt][1] - big_use[0]) * mu[nt][1];
-                pq[0] = pack_f16(x0, x1);
+                pa[2 * nt] = pack_f16(x0, x1);
                 if constexpr (HI_ROWS) {
                     const float y0 = ex2(u[nt][2] - big_use[1]) * mu[nt][0];
                     const float y1 = ex2(u[nt][3] - big_use[1]) * mu[nt][1];
-                    pq[1] = pack_f16(y0, y1);
+                    pa[2 * nt + 1] = pack_f16(y0, y1);
                 } else {
-                    pq[1] = 0u;
+                    pa[2 * nt + 1] = 0u;
                 }
             } else {
                 const float x = vf[nt].x * v_fac_shift, y = vf[nt].y * v_fac_shift;
-                pq[0] = pack_bf16(pr[nt][0] * x, pr[nt][1] * y);
-                pq[1] = HI_ROWS ? pack_bf16(pr[nt][2] * x, pr[nt][3] * y) : 0u;
+                pa[2 * nt] = pack_bf16(pr[nt][0] * x, pr[nt][1] * y);
+                pa[2 * nt + 1] = HI_ROWS ? pack_bf16(pr[nt][2] * x, pr[nt][3] * y) : 0u;
             }
         }
+        if constexpr (V_FP4) {
+            uint32_t vm[2];
 #pragma unroll
-        for (int hh = 0; hh < HALVES; ++hh) {
-            const Raw& hv = cur[hh];
-            const auto& cv = hv.v;
-            const uint32_t* ph = pa[hh];
-            const uint32_t* kp = keep + 2 * hh;
-            if constexpr (V_FP4) {
-                uint32_t vm[2];
+            for (int nt = 0; nt < 2; ++nt)
+                vm[nt] = pack_bf16(fp4_mult(v_scale(cur, 2 * nt, g)), fp4_mult(v_scale(cur, 2 * nt + 1, g)));
 #pragma unroll
-                for (int nt = 0; nt < 2; ++nt)
-                    vm[nt] = pack_bf16(fp4_mult(v_scale(hv, 2 * nt, g)), fp4_mult(v_scale(hv, 2 * nt + 1, g)));
+            for (int w = 0; w < VW; ++w) {
+                // keys 2t, 2t + 1 (and + 8) side by side: a bf16x2 register pairs two keys of one channel
+                const uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5410), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7632);
+                const uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5410), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7632);
+                uint32_t a[4], c[4], e[4], f[4];
+                fp4x8(x0, vm[0], a), fp4x8(x1, vm[0], c), fp4x8(y0, vm[1], e), fp4x8(y1, vm[1], f);
 #pragma unroll
-                for (int w = 0; w < VW; ++w) {
-                    // keys 2t, 2t + 1 (and + 8) side by side: a bf16x2 register pairs two keys of one channel
-                    const uint32_t x0 = prmt(cv[0][w], cv[1][w], 0x5410), x1 = prmt(cv[0][w], cv[1][w], 0x7632);
-                    const uint32_t y0 = prmt(cv[2][w], cv[3][w], 0x5410), y1 = prmt(cv[2][w], cv[3][w], 0x7632);
-                    uint32_t a[4], c[4], e[4], f[4];
-                    fp4x8(x0, vm[0], a), fp4x8(x1, vm[0], c), fp4x8(y0, vm[1], e), fp4x8(y1, vm[1], f);
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        if (MASKED) {
-                            a[j] &= kp[0], c[j] &= kp[0], e[j] &= kp[1], f[j] &= kp[1];
-                        }
-                        mma(acc[8 * w + j], ph[0], ph[1], ph[2], ph[3], a[j], e[j]);
-                        mma(acc[8 * w + 4 + j], ph[0], ph[1], ph[2], ph[3], c[j], f[j]);
+                for (int j = 0; j < 4; ++j) {
+                    if (MASKED) {
+                        a[j] &= keep[0], c[j] &= keep[0], e[j] &= keep[1], f[j] &= keep[1];
                     }
+                    mma(acc[8 * w + j], pa[0], pa[1], pa[2], pa[3], a[j], e[j]);
+                    mma(acc[8 * w + 4 + j], pa[0], pa[1], pa[2], pa[3], c[j], f[j]);
                 }
-            } else {
+            }
+        } else {
 #pragma unroll
-                for (int w = 0; w < VW; ++w) {
-                    // bytes of keys 2t, 2t + 1 (and + 8) interleaved: an f16x2 pairs two keys of one channel
-                    const uint32_t x0 = prmt(cv[0][w], cv[1][w], 0x5140), x1 = prmt(cv[0][w], cv[1][w], 0x7362);
-                    const uint32_t y0 = prmt(cv[2][w], cv[3][w], 0x5140), y1 = prmt(cv[2][w], cv[3][w], 0x7362);
-                    uint32_t a[2], c[2], e[2], f[2];  // channels 4w + {0, 1}, {2, 3} of the lane
-                    e4m3x4(x0, a), e4m3x4(x1, c), e4m3x4(y0, e), e4m3x4(y1, f);
+            for (int w = 0; w < VW; ++w) {
+                // bytes of keys 2t, 2t + 1 (and + 8) interleaved: an f16x2 pairs two keys of one channel
+                const uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5140), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7362);
+                const uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5140), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7362);
+                uint32_t a[2], c[2], e[2], f[2];  // channels 4w + {0, 1}, {2, 3} of the lane
+                e4m3x4(x0, a), e4m3x4(x1, c), e4m3x4(y0, e), e4m3x4(y1, f);
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        if (MASKED) {
-                            a[j] &= kp[0], c[j] &= kp[0], e[j] &= kp[1], f[j] &= kp[1];
-                        }
-                        mma<true>(acc[4 * w + j], ph[0], ph[1], ph[2], ph[3], a[j], e[j]);
-                        mma<true>(acc[4 * w + 2 + j], ph[0], ph[1], ph[2], ph[3], c[j], f[j]);
+                for (int j = 0; j < 2; ++j) {
+                    if (MASKED) {
+                        a[j] &= keep[0], c[j] &= keep[0], e[j] &= keep[1], f[j] &= keep[1];
                     }
+                    mma<true>(acc[4 * w + j], pa[0], pa[1], pa[2], pa[3], a[j], e[j]);
+                    mma<true>(acc[4 * w + 2 + j], pa[0], pa[1], pa[2], pa[3], c[j], f[j]);
                 }
             }
         }
     };
-    auto run = [&](const Raw (&cur)[HALVES], const int tile0) {
+    auto run = [&](const Raw& cur, const int tile0) {
         if (tile0 < start || tile0 + TILE > L)
             work(cur, tile0, true);
         else
             work(cur, tile0, false);
     };
 
-    // the rows of half hh of the tile at tile0: a half that starts at or past the split's
-    // end (a sequence's last tile) reads the last half there is (its keys are all masked)
-    const int last_half = lo < hi ? lo + ((hi - 1 - lo) / HALF) * HALF : lo;
-    auto rows = [&](int tile0, int hh) { return cache_rows(p, b, h, min(tile0 + HALF * hh, last_half)); };
     if constexpr (STAGES == 0) {
         const int last = lo < hi ? lo + ((hi - 1 - lo) / TILE) * TILE : lo;
-        Raw cur[HALVES], nxt[HALVES];
-#pragma unroll
-        for (int hh = 0; hh < HALVES; ++hh)
-            if (lo < hi) load_tile<LOAD>(rows(lo, hh), g, t, cur[hh]);
+        Raw cur, nxt;
+        if (lo < hi) load_tile<LOAD>(cache_rows(p, b, h, lo), g, t, cur);
         for (int tile0 = lo; tile0 < hi; tile0 += TILE) {
             // the next tile's bytes in flight while this one is worked on (the last tile reloads itself)
-#pragma unroll
-            for (int hh = 0; hh < HALVES; ++hh) load_tile<LOAD>(rows(min(tile0 + TILE, last), hh), g, t, nxt[hh]);
+            load_tile<LOAD>(cache_rows(p, b, h, min(tile0 + TILE, last)), g, t, nxt);
             run(cur, tile0);
-#pragma unroll
-            for (int hh = 0; hh < HALVES; ++hh) cur[hh] = nxt[hh];
+            cur = nxt;
         }
     } else {
         // the ring: tile i lives in stage i % STAGES
         extern __shared__ __align__(16) unsigned char smem[];
         unsigned char* mine = smem + (warp * STAGES * 32 + lane) * SLOT;
-        using Tile = Raw[HALVES];
-        auto ring = [&](int stage) -> Tile& { return *reinterpret_cast<Tile*>(mine + stage * 32 * SLOT); };
-        auto fetch = [&](int tile0, Tile& slot) {
-#pragma unroll
-            for (int hh = 0; hh < HALVES; ++hh) load_tile<COPY>(rows(tile0, hh), g, t, slot[hh]);
-        };
+        auto ring = [&](int stage) -> Raw& { return *reinterpret_cast<Raw*>(mine + stage * 32 * SLOT); };
         const int tiles = lo < hi ? (hi - lo + TILE - 1) / TILE : 0;
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < tiles) fetch(lo + i * TILE, ring(i));
+            if (i < tiles) load_tile<COPY>(cache_rows(p, b, h, lo + i * TILE), g, t, ring(i));
             cp_async_commit();  // empty groups too: the wait below counts groups
         }
         int use = 0, fill = STAGES - 1;  // the stages of tile i and of tile i + STAGES - 1
         for (int i = 0; i < tiles; ++i) {
             // the stage refilled now was read by the previous tile's work, whose reads have all
             // returned (their values were consumed); the asm's memory clobbers keep the order
-            if (i + STAGES - 1 < tiles) fetch(lo + (i + STAGES - 1) * TILE, ring(fill));
+            if (i + STAGES - 1 < tiles)
+                load_tile<COPY>(cache_rows(p, b, h, lo + (i + STAGES - 1) * TILE), g, t, ring(fill));
             cp_async_commit();
             cp_async_wait<STAGES - 1>();  // tile i's copies have landed
             run(ring(use), lo + i * TILE);
