@@ -8,11 +8,11 @@ import textwrap
 
 import pytest
 
-from tests.interpreter import run_under_interpreter
+from tests.interpreter import SPEEDUPS, run_under_interpreter
 
 pytest.importorskip("triton")
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = SPEEDUPS + textwrap.dedent('''
     import torch
     from fp4attn.formats import quantize_fp8
     from fp4attn.kernels.hopper.operands import prepare_operands
@@ -155,7 +155,7 @@ def test_fused_quantizers_under_the_interpreter():
     run_under_interpreter(SCRIPT, timeout=900)
 
 
-E2M1_SCRIPT = textwrap.dedent('''
+E2M1_SCRIPT = SPEEDUPS + textwrap.dedent('''
     import torch
     import triton
     import triton.language as tl
