@@ -17,6 +17,7 @@ GRAD_FORMATS = ("e4m3", "e5m2", "bf16")
 ROTATIONS = ("hadamard",)
 QK_FALLBACKS = ("fp8",)
 K_SCALES = ("token", "tile")
+RESCALES = ("exact", "lazy")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,13 @@ class Recipe:
             per block_n keys of a (batch, head): each score's key factor is then a constant
             of its tile, which the CUDA forward folds into the row's one FMA instead of a
             product per score (docs/notes/affine-p.md).
+        rescale: when the online softmax moves a row's reference point (affine FP8 P,
+            inference only). "exact": to every tile's running maximum. "lazy": only when
+            a score of the tile would need an e4m3 byte above 126 (448, the format's
+            largest) measured from the point the row has: a row's point then stays put
+            for most tiles, as FlashAttention-4's conditional rescaling, and the map's
+            offset leaves the bytes room above it (`reference.affine.K_FP8_LAZY`). A kernel
+            then builds P without waiting for the tile's maximum (docs/notes/affine-p.md).
         consistent_norm: the softmax denominator sums the represented P values (those
             the PV product consumes) rather than the unrounded exponentials.
         grad: format of the gradient products' operands in the backward; None for an
@@ -106,6 +114,7 @@ class Recipe:
     qk_fallback_logit_std: float = 1.25
     qk_four_over_six: bool = False
     k_scale: str = "token"
+    rescale: str = "exact"
 
     def __post_init__(self) -> None:
         for field, value, accepted in (
@@ -125,6 +134,12 @@ class Recipe:
         if self.k_scale == "tile" and (self.grad is not None or self.smooth_k or self.rotate_qk is not None):
             raise ValueError("Recipe.k_scale='tile' is an inference form without K transforms: it needs grad=None, "
                              "smooth_k=False and rotate_qk=None")
+        if self.rescale not in RESCALES:
+            raise ValueError(f"Recipe.rescale={self.rescale!r} is not supported; accepted: {RESCALES}")
+        if self.rescale == "lazy" and not (self.p_build == "affine" and self.p == "fp8" and self.grad is None):
+            raise ValueError("Recipe.rescale='lazy' moves the affine FP8 map's reference point; it needs "
+                             f"p_build='affine', p='fp8' and grad=None, got p_build={self.p_build!r}, p={self.p!r}, "
+                             f"grad={self.grad!r}")
         if self.p_build == "affine" and self.p not in ("fp8", "mxfp4"):
             raise ValueError(f"p_build='affine' builds FP8 or MXFP4 P; got p={self.p!r}")
         if self.p_build == "affine" and self.grad is not None and self.p != "fp8":
@@ -234,6 +249,10 @@ PRESETS: dict[str, Recipe] = {
         # one FMA and one max, no product by a key's own scale (docs/notes/affine-p.md)
         Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", k_scale="tile", fast_accum=True,
                name="fp8-ktile-affine-fastacc"),
+        # and with the rows' points moved only when a byte would not fit (Recipe.rescale): the
+        # CUDA forward then builds P without waiting for each tile's maximum
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="affine", k_scale="tile", fast_accum=True, rescale="lazy",
+               name="fp8-ktile-affine-lazy-fastacc"),
         # FP8 training for Hopper: per-token e4m3 Q/K (QK^T summed exactly: the kernels multiply
         # the e4m3 values on the bf16 tensor cores), FP8 P/V, e4m3 gradient products; trained
         # on the Hopper training kernels (their per-token-scale forms) and the reference

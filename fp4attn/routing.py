@@ -52,15 +52,17 @@ P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2, ("
 # (reference/affine.py). Affine MXFP4 P (5) ran there at the Triton kernel's speed (0.558x
 # against 0.559x of cuDNN bf16, D=128 geomean, benchmarks/results/log/h200-forward-affine-mx-gluon.json):
 # MXFP4 P stays on the Triton kernel
-GLUON_P_MODES = (0, 4)
+GLUON_P_MODES = (0, 4, 7)
 # the training kernels' P modes: as P_MODES, but a trained affine FP8 P measures its codes
 # from the integer grid (P_MODE 6: `kernels.common.affine_reference_point`), from which the
 # backward rebuilds them given the LSE (`reference.affine.snap_max`, `reference.backward`);
 # the Triton kernels build it (forward and backward), not the Gluon, CUDA or sm_100 ones
 P_MODE_AFFINE_TRAINED = 6
+# affine FP8 P with Recipe.rescale="lazy" (`kernels.common.lazy_reference_point`)
+P_MODE_AFFINE_LAZY = 7
 TRAIN_P_MODES = {**P_MODES, ("fp8", "affine"): P_MODE_AFFINE_TRAINED}
-# and those the CUDA C++ kernel builds (`forward_cuda.Variant.affine_p` for 4)
-CUDA_P_MODES = (0, 4)
+# and those the CUDA C++ kernel builds (`forward_cuda.Variant.affine_p` for 4 and 7, `lazy_rescale` for 7)
+CUDA_P_MODES = (0, 4, 7)
 TRAIN_GRAD_FORMATS = ("e4m3",)
 
 
@@ -122,7 +124,7 @@ class ForwardLaunch:
 
     def cuda_keys(self, p_mode: int) -> int:
         """The key count from which P mode `p_mode` runs on the CUDA C++ kernel (0: never)."""
-        return self.cuda_from_keys if p_mode != 4 or self.cuda_affine_from_keys is None else self.cuda_affine_from_keys
+        return self.cuda_from_keys if p_mode not in (4, 7) or self.cuda_affine_from_keys is None else self.cuda_affine_from_keys
 
 
 # Keyed by (head dim, QK^T on the FP8 tensor cores, causal). The measurements behind each
@@ -423,6 +425,8 @@ def p_mode(recipe: Recipe) -> int:
     the trained affine FP8 P)."""
     if trained_affine(recipe):
         return P_MODE_AFFINE_TRAINED
+    if recipe.rescale == "lazy":
+        return P_MODE_AFFINE_LAZY
     if recipe.p_sink:
         if recipe.p_build != "directp":
             raise ValueError(f"the Hopper kernels build p_sink P by Direct-P only, got p_build={recipe.p_build!r}")
@@ -574,6 +578,8 @@ def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "no
     recipe without one."""
     if trained_affine(recipe):
         return "the trained affine FP8 P (its integer reference grid: the Hopper Triton kernels build it)"
+    if recipe.rescale != "exact":
+        return f"rescale={recipe.rescale!r} (the Blackwell kernels move the reference point at every tile)"
     dk = kernel_head_dim(head_dim)
     serial = dk is not None and target in BLACKWELL_TARGETS and not blackwell_forward_launch(
         dk, False, mask == "key", recipe.p, recipe.p_build).pipelined

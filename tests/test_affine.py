@@ -138,6 +138,63 @@ def test_recipe_rules():
     assert Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="affine", grad="e4m3").grad == "e4m3"
     with pytest.raises(ValueError, match="p_sink"):
         Recipe(p_build="affine", p_sink=True)
+    with pytest.raises(ValueError, match="rescale='lazy'.*p_build='affine', p='fp8' and grad=None"):
+        Recipe(qk="fp8", p="fp8", v="fp8", p_build="exp2", rescale="lazy")
+    with pytest.raises(ValueError, match="rescale='lazy'"):
+        Recipe(qk="nvfp4", p="fp8", v="fp8", p_build="affine", grad="e4m3", rescale="lazy")
+    with pytest.raises(ValueError, match="rescale"):
+        Recipe(rescale="sometimes")
+
+
+def test_lazy_point_moves_only_when_a_byte_would_not_fit():
+    """Recipe.rescale="lazy": a row keeps its point while every byte measured from it is
+    at most 126, on the float32 values the bytes come from (byte 126.5 rounds to even,
+    126, and keeps; one ulp above rounds to 127 and moves); it moves to the snapped
+    maximum on its first key, on a byte of 127 or more however far above (no wrap), and
+    on a NaN; masked keys never move it."""
+    from fp4attn.reference.affine import K_FP8_LAZY_F32, MAGIC, lazy_reference_point
+
+    m = snap_max(torch.tensor([3.0]), "fp8", k=K_FP8_LAZY_F32)
+    edge = np.float32((126.5 - K_FP8_LAZY_F32) / 8.0 + float(m))
+    byte = lambda x: float((8.0 * torch.tensor(x) + ((K_FP8_LAZY_F32 - 8.0 * m) + MAGIC)) - MAGIC)
+    assert byte(edge) == 126.0 and byte(np.nextafter(edge, np.float32(np.inf))) == 127.0  # the tie, to even
+    rows = [[float(edge), -math.inf], [float(np.nextafter(edge, np.float32(np.inf))), 0.0], [1e30, 0.0],
+            [float("nan"), 0.0], [-math.inf, -math.inf], [float(m) - 500.0, -1e30]]
+    t = torch.tensor(rows, dtype=torch.float32)
+    m_ref = m.expand(len(rows)).clone()
+    m_tile = torch.maximum(m_ref, t.amax(-1))
+    got = lazy_reference_point(t, m_ref, m_tile)
+    moved = snap_max(m_tile, "fp8", k=K_FP8_LAZY_F32)
+    assert float(got[0]) == float(m) and float(got[4]) == float(m) and float(got[5]) == float(m)
+    assert float(got[1]) == float(moved[1]) > float(m) and float(got[2]) == float(moved[2])
+    assert bool(torch.isnan(got[3]))
+    assert bool((affine_fp8_bytes(t[[0, 4, 5]], got[[0, 4, 5]], K_FP8_LAZY_F32) <= 126).all())
+    first = lazy_reference_point(t[:1], torch.tensor([-math.inf]), torch.tensor([float(edge)]))
+    assert float(first) == float(snap_max(torch.tensor([float(edge)]), "fp8", k=K_FP8_LAZY_F32))
+
+
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_lazy_rescale_is_exact_rescale_within_the_format(causal):
+    """The lazy form computes what the exact form does but for where P's bytes sit (three
+    log2 units lower, the row's point moved less often): outputs within a fraction of the
+    FP8 format's own error, the LSE about as close to exact, and the same rows empty; on logits that
+    climb by hundreds of log2 units between tiles too (every tile moves the point)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, s, 64, generator=g) for s in (200, 700, 700))
+    k[:, 1, ::128] += q[:, 1].mean(1, keepdim=True) * torch.arange(1, 7).view(1, -1, 1) * 40.0
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    lazy = PRESETS["fp8-ktile-affine-lazy-fastacc"].with_(fast_accum=False)
+    a, b = (reference_forward(q, k, v, r, scale=0.125, causal=causal) for r in (lazy, lazy.with_(rescale="exact")))
+    want = reference_forward(q, k, v, PRESETS["bf16"], scale=0.125, causal=causal)
+    err = lambda x: float((x.out - want.out).norm() / want.out.norm())
+    assert err(a) < 1.05 * err(b) + 1e-4, (err(a), err(b))
+    assert float((a.out - b.out).norm() / b.out.norm()) < 0.5 * err(b)
+    # the LSE sums the represented values: moved by the log-linear grid's error (up to
+    # 0.086 in log2 a value) wherever a row's point differs from its maximum
+    seen = torch.isfinite(b.lse)
+    assert torch.equal(seen, torch.isfinite(a.lse))
+    lse_err = lambda x: float((x.lse - want.lse)[seen].abs().max())
+    assert lse_err(a) < 1.5 * lse_err(b) + 0.02, (lse_err(a), lse_err(b))
 
 
 def test_attention_runs_the_presets_on_the_reference():
@@ -188,12 +245,12 @@ def test_hopper_op_keeps_every_numerics_field(monkeypatch):
 
     monkeypatch.setattr(forward_op, "prepare_operands_fused", stop)
     x = torch.zeros(1, 1, 4, 64)
-    for name in ("fp8-ktile-affine-fastacc", "fp8-affine", "directp-fast"):
+    for name in ("fp8-ktile-affine-fastacc", "fp8-ktile-affine-lazy-fastacc", "fp8-affine", "directp-fast"):
         with pytest.raises(RuntimeError, match="stop"):
             forward_op.hopper_attention(x, x, x, PRESETS[name], scale=0.125, causal_offset=None)
         want = PRESETS[name]
         got = seen[-1]
-        for field in ("qk", "p", "v", "p_build", "fast_accum", "k_scale", "block_n", "consistent_norm"):
+        for field in ("qk", "p", "v", "p_build", "fast_accum", "k_scale", "rescale", "block_n", "consistent_norm"):
             assert getattr(got, field) == getattr(want, field), (name, field)
 
 
@@ -245,3 +302,14 @@ def test_train_affine_trains_on_the_reference():
         assert bool(torch.isfinite(a).all())
         err_affine, err_train = float((a - e).norm() / e.norm()), float((b - e).norm() / e.norm())
         assert err_affine < 1.1 * err_train + 0.01, (err_affine, err_train)
+
+
+def test_blackwell_refuses_the_lazy_rescale():
+    """The Blackwell kernels move the point at every tile: a lazy recipe is refused there
+    by name, never run as its exact form."""
+    from fp4attn.routing import blackwell_forward_unsupported
+
+    lazy = PRESETS["fp8-ktile-affine-lazy-fastacc"].with_(k_scale="token")
+    for target in ("sm_100", "sm_120"):
+        assert "rescale='lazy'" in blackwell_forward_unsupported(lazy, 128, target=target)
+    assert blackwell_forward_unsupported(lazy.with_(rescale="exact"), 128) is None

@@ -18,7 +18,7 @@ from fp4attn.reference.masks import causal_offset
 pytestmark = pytest.mark.gpu
 
 AFFINE = ["fp8-affine", "fp8-affine-fastacc", "directp-fast", "fp8-directp-fast", "fp8-directp-fast-fastacc",
-          "fp8-ktile-affine-fastacc"]
+          "fp8-ktile-affine-fastacc", "fp8-ktile-affine-lazy-fastacc"]
 
 
 @pytest.mark.parametrize("name", AFFINE)
@@ -67,3 +67,36 @@ def test_nan_stays_in_its_row(name):
     assert not bool(outside.any())
     if PRESETS[name].qk == "fp8":
         assert int(nan_rows.sum()) == 1, int(nan_rows.sum())
+
+
+@pytest.mark.parametrize("name", ["fp8-ktile-affine-lazy-fastacc", "fp8-affine-fastacc"])
+@pytest.mark.parametrize("d,causal", [(128, None), (128, "bottom_right"), (64, None)])
+def test_rows_whose_maximum_climbs(name, d, causal):
+    """Scores that climb from tile to tile, by small steps (Recipe.rescale="lazy" keeps the
+    point, then moves it) and by huge ones (a byte thousands of codes above the point:
+    the kernels' test must see it, not its low byte): the routed kernels against the
+    reference by the rule above, and lazy against exact rescaling within the formats'
+    error."""
+    g = torch.Generator(device="cuda").manual_seed(d)
+    sq, sk = 300, 4500
+    q = torch.randn(1, 2, sq, d, device="cuda", generator=g)
+    k = torch.randn(1, 2, sk, d, device="cuda", generator=g)
+    v = torch.randn(1, 2, sk, d, device="cuda", generator=g)
+    # one key per tile along q's mean direction, its score growing with the tile: by about
+    # two log2 units a tile in head 0, by hundreds in head 1
+    direction = torch.nn.functional.normalize(q.mean(2, keepdim=True), dim=-1)
+    tiles = torch.arange(0, sk, 128, device="cuda") + 17
+    steps = torch.tensor([0.15, 30.0], device="cuda").view(1, 2, 1, 1)
+    k[:, :, tiles] = direction * steps * torch.arange(1, len(tiles) + 1, device="cuda").view(1, 1, -1, 1) * d**0.5
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out, lse = fp4attn.attention(q, k, v, recipe=name, causal=causal, return_lse=True)
+    r = PRESETS[name]
+    ref = reference_forward(q, k, v, r, scale=d**-0.5, causal=causal)
+    exact = reference_forward(q, k, v, r.with_(rescale="exact"), scale=d**-0.5, causal=causal)
+    seen = torch.isfinite(ref.lse)
+    assert bool(torch.isfinite(out.float()[seen]).all())
+    err = error_metrics(out.float()[seen], ref.out[seen])["rel_l2"]
+    assert err < 2e-2, err
+    assert error_metrics(ref.out[seen], exact.out[seen])["rel_l2"] < 1e-2
+    dl = (lse[seen] - ref.lse[seen]).abs()
+    assert dl.max().item() < 0.25, dl.max().item()

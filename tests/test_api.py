@@ -28,14 +28,14 @@ def test_custom_recipe_and_presets():
                             "fp8-directp-fastacc", "fp8-fastacc", "directp-robust", "nvfp4-fp8-robust",
                             "train-robust", "train-fp8", "directp-fast", "fp8-directp-fast",
                             "fp8-directp-fast-fastacc", "fp8-affine", "fp8-affine-fastacc",
-                            "fp8-ktile-affine-fastacc", "train-affine"}
+                            "fp8-ktile-affine-fastacc", "fp8-ktile-affine-lazy-fastacc", "train-affine"}
     with pytest.raises(ValueError, match="fast_accum.*qk='fp8'.*'nvfp4'"):
         Recipe(qk="nvfp4", fast_accum=True)
     from fp4attn.recipes import preset_names
 
     assert preset_names(True) == list(PRESETS)
     assert set(preset_names(False)) == set(PRESETS) - {"fp8-fastacc", "fp8-directp-fastacc", "fp8-directp-fast-fastacc",
-                                                       "fp8-affine-fastacc", "fp8-ktile-affine-fastacc"}
+                                                       "fp8-affine-fastacc", "fp8-ktile-affine-fastacc", "fp8-ktile-affine-lazy-fastacc"}
     q, k, v = _qkv()
     r = Recipe(qk="fp8", p="fp8", v="mxfp4", p_build="exp2")
     assert fp4attn.attention(q, k, v, recipe=r).shape == q.shape

@@ -71,7 +71,7 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
     import dataclasses
     import os
     import torch
-    from fp4attn.routing import P_MODES
+    from fp4attn.routing import p_mode as p_mode_of
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.routing import ForwardLaunch, override_launch
 
@@ -93,6 +93,7 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
                                         # the affine builders (P modes 4 and 5)
                                         ("fp8-affine", 128, 100, 200, "bottom_right"),
                                         ("fp8-ktile-affine-fastacc", 64, 128, 300, None),
+                                        ("fp8-ktile-affine-lazy-fastacc", 64, 100, 400, "bottom_right"),
                                         ("directp-fast", 64, 128, 256, None)):
             r = PRESETS[name]
             q = torch.randn(1, 2, sq, D, generator=g).bfloat16()
@@ -105,7 +106,7 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
                 ops = dataclasses.replace(ops, q=ops.q.float(), k=ops.k.float())
             with override_launch(forward=launch):
                 out, lse = launch_forward(ops, scale=D**-0.5, causal_offset=causal_offset(causal, sq, sk),
-                                          p_mode=P_MODES[(r.p, r.p_build)])[:2]
+                                          p_mode=p_mode_of(r))[:2]
             seen = torch.isfinite(ref.lse)
             assert torch.equal(seen, torch.isfinite(lse)), (launch, name)
             lse_err = (lse[seen] - ref.lse[seen]).abs()

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 RECIPES = ["fp8-directp", "directp", "nvfp4-fp8", "fp8", "fp8-directp-fastacc", "fp8-fastacc",
            # the affine builders (P modes 4 and 5)
            "fp8-affine", "fp8-affine-fastacc", "directp-fast", "fp8-directp-fast", "fp8-directp-fast-fastacc",
-           "fp8-ktile-affine-fastacc"]
+           "fp8-ktile-affine-fastacc", "fp8-ktile-affine-lazy-fastacc"]
 EXACT = [r for r in RECIPES if not PRESETS[r].fast_accum]
 P_VARIANTS = [PRESETS["fp8-directp"].with_(p_build="exp2", name="fp8-mxfp4-exp2")]
 

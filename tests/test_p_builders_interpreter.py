@@ -251,15 +251,49 @@ AFFINE_SCRIPT = textwrap.dedent('''
         assert torch.equal(l[ok], want.sum(-1)[ok]) or bool(((l[ok] - want.sum(-1)[ok]).abs() <= 1e-6 * l[ok]).all())
         carried = torch.where(m_new == -math.inf, m_new, m_ref)
         assert torch.equal(mo.nan_to_num(), carried.nan_to_num()), fmt
+
+    # P mode 7 (Recipe.rescale="lazy") from rows that have a point already: points far above
+    # the tile (kept), a little below it (kept while the bytes fit), below it by more than
+    # the room (moved), by hundreds (moved: no byte wraps), a row on the keep/move edge and
+    # one ulp above it, rows with no point yet (moved to the tile's own)
+    from fp4attn.reference.affine import K_FP8_LAZY_F32, lazy_reference_point
+
+    row_max = t.nan_to_num(nan=0.0).amax(-1)
+    shift = torch.tensor([6.0, -1.0, -2.5, -4.5, -300.0, 0.0, 0.0, 0.0] * 8)
+    m_pt = snap_max(torch.where(row_max == -math.inf, 0.0, row_max) + shift, "fp8", k=K_FP8_LAZY_F32)
+    m_pt[[3, 11, 19]] = -math.inf
+    t7 = t.clone()
+    edge = [np.float32((126.5 - K_FP8_LAZY_F32) / 8.0 + m_pt[i].item()) for i in (12, 13)]
+    t7[12].clamp_(max=float(edge[0]))
+    t7[13].clamp_(max=float(edge[1]))
+    t7[12, 0], t7[13, 0] = float(edge[0]), float(np.nextafter(edge[1], np.float32(np.inf)))
+    p, mo, l = torch.empty_like(t7), torch.empty(64), torch.empty(64)
+    p_kernel[(4,)](t7, m_pt, p, mo, l, BLOCK_M=16, BLOCK_N=128, P_MODE=7)
+    m_new = torch.where(torch.isnan(t7).any(-1), float("nan"), torch.maximum(m_pt, t7.amax(-1)))
+    m_ref = lazy_reference_point(t7, m_pt, torch.where(m_new == -math.inf, 0.0, m_new))
+    assert float(m_ref[12]) == float(m_pt[12]) and float(m_ref[13]) > float(m_pt[13])
+    kept = (m_ref == m_pt).sum().item()
+    assert 8 < kept < 56, kept
+    want = build_p_affine(t7, m_ref, "fp8", K_FP8_LAZY_F32) * 32.0
+    same = (p == want) | (torch.isnan(p) & torch.isnan(want))
+    assert bool(same.all()), [(i, j, t7[i, j].item(), p[i, j].item(), want[i, j].item())
+                              for i, j in (~same).nonzero()[:5].tolist()]
+    assert bool((p[~torch.isnan(p)] <= 448.0).all())
+    ok = ~torch.isnan(l)
+    assert torch.equal(torch.isnan(l), torch.isnan(want).any(-1))
+    assert bool(((l[ok] - want.sum(-1)[ok]).abs() <= 1e-6 * l[ok]).all())
+    carried = torch.where(m_new == -math.inf, m_new, m_ref)
+    assert torch.equal(mo.nan_to_num(), carried.nan_to_num())
     print("ok")
 ''')
 
 
 def test_affine_builders_under_the_interpreter():
-    """The kernels' affine builders (P modes 4 and 5 of `online_softmax_p`) equal the
+    """The kernels' affine builders (P modes 4, 5 and 7 of `online_softmax_p`) equal the
     reference's `build_p_affine` value for value, on random rows with large offsets (the
     rounding of C), masked keys, an empty row, a NaN row, a dropped block and scores on
-    every FP8 rounding midpoint; the row sums and the carried reference point too."""
+    every FP8 rounding midpoint; the row sums and the carried reference point too; and
+    the lazy point's keep-or-move choice (`lazy_reference_point`), on its edge too."""
     run_under_interpreter(AFFINE_SCRIPT)
 
 

@@ -28,7 +28,7 @@ SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 
           (4, 32, 4096, 128), (16, 16, 2048, 64), (4, 16, 8192, 64)]
 RECIPES = ["fp8-directp", "fp8", "directp", "nvfp4-fp8", "fp8-directp-fastacc", "fp8-fastacc", "nvfp4-fp8-robust",
            "directp-robust", "fp8-affine", "fp8-affine-fastacc", "directp-fast", "fp8-directp-fast",
-           "fp8-directp-fast-fastacc", "fp8-ktile-affine-fastacc"]
+           "fp8-directp-fast-fastacc", "fp8-ktile-affine-fastacc", "fp8-ktile-affine-lazy-fastacc"]
 CAUSAL_MODES = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal
 # torch.compile's modes (--model-step-compile): a typo fails at parsing, not after the bench
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -41,6 +41,11 @@ AFFINE_MAGIC = tl.constexpr(affine.MAGIC)
 AFFINE_K_FP8 = tl.constexpr(affine.K_FP8_F32)
 P_MODE_FP8_AFFINE = tl.constexpr(4)
 P_MODE_MXFP4_AFFINE = tl.constexpr(5)
+# affine FP8 P with Recipe.rescale="lazy" (its own offset, reference/affine.K_FP8_LAZY)
+P_MODE_FP8_AFFINE_LAZY = tl.constexpr(7)
+AFFINE_K_FP8_LAZY = tl.constexpr(affine.K_FP8_LAZY_F32)
+P_OFFSET_LOG2_LAZY = tl.constexpr(affine.P_OFFSET_LOG2_LAZY)  # its bytes are P times 2**5
+AFFINE_FP8_MAX_BYTE = tl.constexpr(affine.FP8_MAX_BYTE)
 
 
 @triton.jit
@@ -287,6 +292,9 @@ def affine_reference_point(m, P_MODE: tl.constexpr):
     if P_MODE == 4:
         c = (AFFINE_K_FP8 - m * 8.0) + AFFINE_MAGIC
         m_ref = (AFFINE_K_FP8 - (c - AFFINE_MAGIC)) * 0.125
+    elif P_MODE == 7:
+        c = (AFFINE_K_FP8_LAZY - m * 8.0) + AFFINE_MAGIC
+        m_ref = (AFFINE_K_FP8_LAZY - (c - AFFINE_MAGIC)) * 0.125
     elif P_MODE == 6:
         m_ref = tl.math.ceil(m)
     else:
@@ -309,20 +317,31 @@ def _prmt_low_bytes(f):
 
 
 @triton.jit
-def _affine_fp8_field(t, m_ref):
-    """The affine FP8 map of log2 scores t from reference points m_ref (broadcast against
-    t): f = 8 t + C with C = (K - 8 m~) + MAGIC (one rounding: 8 t is exact, so an FMA and
-    the separate product round alike), clamped at MAGIC by a NaN-propagating max, and v,
-    f's bits shifted left by 20: the float32 of e4m3(f's low byte) * 2**-120, exactly
-    (the e4m3 fields land on float32's, its subnormals on float32 denormals)."""
-    f = tl.maximum(t * 8.0 + ((AFFINE_K_FP8 - m_ref * 8.0) + AFFINE_MAGIC), AFFINE_MAGIC,
-                   propagate_nan=tl.PropagateNan.ALL)
+def _affine_fp8_field(t, m_ref, K: tl.constexpr = AFFINE_K_FP8):
+    """The affine FP8 map (offset K) of log2 scores t from reference points m_ref
+    (broadcast against t): f = 8 t + C with C = (K - 8 m~) + MAGIC (one rounding: 8 t is
+    exact, so an FMA and the separate product round alike), clamped at MAGIC by a
+    NaN-propagating max, and v, f's bits shifted left by 20: the float32 of e4m3(f's low
+    byte) * 2**-120, exactly (the e4m3 fields land on float32's, its subnormals on
+    float32 denormals)."""
+    f = tl.maximum(t * 8.0 + ((K - m_ref * 8.0) + AFFINE_MAGIC), AFFINE_MAGIC, propagate_nan=tl.PropagateNan.ALL)
     v = (f.to(tl.int32, bitcast=True) << 20).to(tl.float32, bitcast=True)
     return f, v
 
 
 @triton.jit
-def p_fp8_affine(t, m_ref, HW_PACK: tl.constexpr):
+def lazy_reference_point(t, m_i, m_tile):
+    """Recipe.rescale="lazy" (`reference.affine.lazy_reference_point`): a row keeps its
+    point m_i while every byte of the tile measured from it fits (fl(8 t + C) - MAGIC <=
+    126, NaN-propagating), else it takes the snapped running maximum m_tile."""
+    f = t * 8.0 + tl.expand_dims((AFFINE_K_FP8_LAZY - m_i * 8.0) + AFFINE_MAGIC, 1)
+    top = tl.reduce(f, 1, max_propagating_nan) - AFFINE_MAGIC
+    keeps = (m_i > -float("inf")) & (top <= AFFINE_FP8_MAX_BYTE)
+    return tl.where(keeps, m_i, affine_reference_point(m_tile, P_MODE_FP8_AFFINE_LAZY))
+
+
+@triton.jit
+def p_fp8_affine(t, m_ref, HW_PACK: tl.constexpr, K: tl.constexpr = AFFINE_K_FP8):
     """FP8 P by the affine map (reference/affine.py): f = 8 t + C (one rounding: 8 t is
     exact, so an FMA and the separate product round alike), clamped at MAGIC by a
     NaN-propagating max (a NaN row keeps NaN: the canonical NaN's low byte is 0xFF, e4m3
@@ -332,7 +351,7 @@ def p_fp8_affine(t, m_ref, HW_PACK: tl.constexpr):
     conversion: f's bits shifted left by 20 are the float32 of e4m3(byte) * 2**-120,
     exactly, subnormal bytes and byte 0 included (the e4m3 fields land on float32's, and
     e4m3's subnormals on float32 denormals); the row sum is scaled back once per row."""
-    f, v = _affine_fp8_field(t, tl.expand_dims(m_ref, 1))
+    f, v = _affine_fp8_field(t, tl.expand_dims(m_ref, 1), K)
     if HW_PACK:
         # the GPU's canonical NaN 0x7FFFFFFF has the low byte 0xFF (e4m3 NaN) and shifted
         # is a NaN value: a NaN row stays NaN in P and in its sum without a select
@@ -432,6 +451,7 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
     `_block_max_32` (Gluon callers pass it). P_MODE 4 and 5 are the affine builders
     (`p_fp8_affine`, `p_mxfp4_affine`), which take t itself and return the snapped
     reference point as the running max; with P_HW_CVT, P_MODE 4's P is the e4m3 tile.
+    P_MODE 7 is P_MODE 4 with Recipe.rescale="lazy" (`lazy_reference_point`).
     (Row sums on the tensor cores were measured no faster and removed:
     docs/notes/hopper-forward.md, "Row sums on the tensor cores".)"""
     # NaN propagates through the running max (tl.max would drop it): a NaN score, from a
@@ -448,9 +468,15 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
         # the affine builders (P from t, no exp): the reference point is m snapped to the
         # map's grid, and that is what later tiles are measured from (the row keeps -inf
         # until it sees a key)
-        m_use = affine_reference_point(m_use, P_MODE)
+        if P_MODE == 7:
+            # rescale="lazy": the row's point stays while the tile's bytes fit above it
+            m_use = lazy_reference_point(t, m_i, m_use)
+        else:
+            m_use = affine_reference_point(m_use, P_MODE)
         alpha = tl.math.exp2(m_i - m_use)
-        if P_MODE == 4 or P_MODE == 6:
+        if P_MODE == 7:
+            p, row_sum = p_fp8_affine(t, m_use, P_HW_CVT, AFFINE_K_FP8_LAZY)
+        elif P_MODE == 4 or P_MODE == 6:
             p, row_sum = p_fp8_affine(t, m_use, P_HW_CVT)
         else:
             p = p_mxfp4_affine(t, m_use, key_block)

@@ -75,33 +75,59 @@ def _f32(x: float) -> float:
 
 
 K_FP8_F32 = _f32(K_FP8)
+# Recipe.rescale="lazy": the FP8 map's offset with room above the reference point. A row's
+# point moves only when some byte of a tile would exceed 126, so the offset trades the
+# bytes' room above the point (how often a row must move it) against the normal bytes below
+# it (docs/notes/affine-p.md, chosen by measurement)
+K_FP8_LAZY = 95.5
+K_FP8_LAZY_F32 = _f32(K_FP8_LAZY)
+# its bytes stand for P times 2**5: the byte of x~ = 0 is 95.5 - 119.5 = -24 codes, three
+# binades, below the exact form's, so P (relative to 2**m~) keeps its value and the LSE its
+# formula, a kernel's LSE subtracting 5 where it subtracts 8
+P_OFFSET_LOG2_LAZY = P_OFFSET_LOG2 - int((K_FP8 - K_FP8_LAZY) / 8)
+assert (K_FP8 - K_FP8_LAZY) % 8 == 0
 
 
-def snap_max(m: torch.Tensor, p_format: str, trained: bool = False) -> torch.Tensor:
+def snap_max(m: torch.Tensor, p_format: str, trained: bool = False, k: float = K_FP8_F32) -> torch.Tensor:
     """The reference point m~ of rows whose (finite, or NaN) running maximum is m, for
     the affine builder of `p_format` ("fp8" or "mxfp4"); float32, as a kernel computes it.
     trained (a recipe with a backward, FP8 P): the integer ceil(m), from which the
     backward rebuilds the forward's codes given only the LSE (an integer shift of m~ moves
-    every byte by 8, a power of two: `reference.backward`)."""
+    every byte by 8, a power of two: `reference.backward`). k: the FP8 map's offset."""
     m = m.float()
     if p_format == "fp8" and trained:
         return torch.ceil(m)
     if p_format == "fp8":
-        c = (K_FP8_F32 - 8.0 * m) + MAGIC
-        return (K_FP8_F32 - (c - MAGIC)) * 0.125
+        c = (k - 8.0 * m) + MAGIC
+        return (k - (c - MAGIC)) * 0.125
     if p_format == "mxfp4":
         return torch.ceil(2.0 * m) * 0.5
     raise ValueError(f"affine P builds 'fp8' or 'mxfp4' P, got {p_format!r}")
 
 
-def affine_fp8_bytes(t: torch.Tensor, m_ref: torch.Tensor) -> torch.Tensor:
+def _fp8_field(t: torch.Tensor, m_ref: torch.Tensor, k: float) -> torch.Tensor:
+    """fl(8 t + C) - MAGIC, the unclamped byte of each score (float32; NaN for NaN)."""
+    c = (k - 8.0 * m_ref.float().unsqueeze(-1)) + MAGIC  # = the kernel's C, exactly
+    return ((8.0 * t.float()) + c) - MAGIC
+
+
+def affine_fp8_bytes(t: torch.Tensor, m_ref: torch.Tensor, k: float = K_FP8_F32) -> torch.Tensor:
     """e4m3 bytes (uint8, 0..126) of FP8 P times 2**8 for log2 scores t (..., N) of rows
-    with reference point m_ref (..., ) = `snap_max(m, "fp8")`. NaN scores: byte 0 here,
-    the caller makes them NaN (`build_p_affine`)."""
-    c = (K_FP8_F32 - 8.0 * m_ref.float().unsqueeze(-1)) + MAGIC  # = the kernel's C, exactly
-    f = (8.0 * t.float()) + c
-    code = (f - MAGIC).clamp(0, FP8_MAX_BYTE)
+    with reference point m_ref (..., ) = `snap_max(m, "fp8", k=k)`. NaN scores: byte 0
+    here, the caller makes them NaN (`build_p_affine`)."""
+    code = _fp8_field(t, m_ref, k).clamp(0, FP8_MAX_BYTE)
     return torch.nan_to_num(code, nan=0.0).to(torch.uint8)
+
+
+def lazy_reference_point(t: torch.Tensor, m_ref: torch.Tensor, m_tile: torch.Tensor) -> torch.Tensor:
+    """Recipe.rescale="lazy": the reference point rows with point m_ref (-inf: none yet)
+    measure the log2 scores t (..., N) of a tile from. A row keeps m_ref while every byte
+    of its tile, measured from m_ref, fits (fl(8 t + C) - MAGIC <= 126, no NaN); else it
+    takes `snap_max(m_tile)` of its running maximum m_tile (as the exact rescale does).
+    The test is on the same float32 values a kernel builds the bytes from, so it decides
+    alike; it moves the point up, never down."""
+    keeps = (m_ref.float() > -math.inf) & (_fp8_field(t, m_ref, K_FP8_LAZY_F32).amax(dim=-1) <= FP8_MAX_BYTE)
+    return torch.where(keeps, m_ref.float(), snap_max(m_tile, "fp8", k=K_FP8_LAZY_F32))
 
 
 def affine_mxfp4_codes(t: torch.Tensor, m_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,17 +148,17 @@ def affine_mxfp4_codes(t: torch.Tensor, m_ref: torch.Tensor) -> tuple[torch.Tens
     return code.reshape(t.shape), e_b
 
 
-def fp8_byte_values(byte: torch.Tensor) -> torch.Tensor:
-    """P values e4m3(byte) / 2**8 of FP8 P bytes."""
-    return decode_ue4m3(byte) * 2.0**-P_OFFSET_LOG2
+def fp8_byte_values(byte: torch.Tensor, offset_log2: int = P_OFFSET_LOG2) -> torch.Tensor:
+    """P values e4m3(byte) / 2**offset_log2 of FP8 P bytes (2**8; the lazy form's 2**5)."""
+    return decode_ue4m3(byte) * 2.0**-offset_log2
 
 
-def build_p_affine(t: torch.Tensor, m_ref: torch.Tensor, p_format: str) -> torch.Tensor:
+def build_p_affine(t: torch.Tensor, m_ref: torch.Tensor, p_format: str, k: float = K_FP8_F32) -> torch.Tensor:
     """Represented P values (what PV consumes, relative to 2**m_ref) of log2 scores t
-    (..., N) by the affine builder of `p_format`; NaN scores give NaN, and a NaN
-    reference point a NaN row."""
+    (..., N) by the affine builder of `p_format` (k: the FP8 map's offset); NaN scores
+    give NaN, and a NaN reference point a NaN row."""
     if p_format == "fp8":
-        p = fp8_byte_values(affine_fp8_bytes(t, m_ref))
+        p = fp8_byte_values(affine_fp8_bytes(t, m_ref, k), P_OFFSET_LOG2_LAZY if k == K_FP8_LAZY_F32 else P_OFFSET_LOG2)
     elif p_format == "mxfp4":
         codes, e_b = affine_mxfp4_codes(t, m_ref)
         v = decode_e2m1(codes).reshape(*codes.shape[:-1], -1, MX_BLOCK)

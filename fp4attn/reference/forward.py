@@ -7,13 +7,15 @@ For each tile of `recipe.block_n` keys, with t the scores in log2 units
     P     = build_p(x)                               (directp.py; with p_sink_keys the
                                                       sink remedy on the first tiles only;
                                                       affine.py: m_new snapped to the
-                                                      affine map's grid, P from t)
+                                                      affine map's grid, P from t;
+                                                      rescale="lazy": m_new moves only
+                                                      when the tile's bytes would not fit)
     l     = alpha * l + rowsum(P if consistent_norm else 2**x)
     acc   = alpha * acc + P @ V
     out   = acc / l,  lse = (m + log2(l)) * ln(2)
 
-The rescale is exact-max (every tile), so no key tile is ever scaled against a maximum
-it exceeds: logits of any size stay finite, and tiles far below a later maximum are
+The rescale is exact-max (every tile; with rescale="lazy", whenever a tile would exceed
+what its P format holds), so no key tile is ever scaled against a maximum it overflows: logits of any size stay finite, and tiles far below a later maximum are
 multiplied by 2**(m - m_new) = 0 rather than underflowing inside a block scale.
 
 Before quantizing, the recipe's outlier-robust transforms (`robust.py`: K smoothing,
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from fp4attn.recipes import Recipe
 from fp4attn.reference import robust
-from fp4attn.reference.affine import build_p_affine, snap_max
+from fp4attn.reference.affine import K_FP8_F32, K_FP8_LAZY_F32, build_p_affine, lazy_reference_point, snap_max
 from fp4attn.reference.directp import build_p
 from fp4attn.reference.masks import causal_offset, key_mask, key_mask_view
 from fp4attn.reference.operands import QKOperand, quantize_qk, quantize_qk_fallback, quantize_v
@@ -140,13 +142,17 @@ def reference_forward(
         t = masked_log2_scores(q_op, k_op, scale, offset, bias, j0, bn)
         m_new = torch.maximum(m, t.amax(dim=-1))
         m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
-        if recipe.p_build == "affine":
+        lazy = recipe.rescale == "lazy"
+        if lazy:
+            # the row's point stays while the tile's bytes fit above it (affine.py)
+            m_use = lazy_reference_point(t, m, m_use)
+        elif recipe.p_build == "affine":
             # the affine map's reference point: the maximum snapped to its grid (affine.py)
             m_use = snap_max(m_use, recipe.p, trained=recipe.grad is not None)
         alpha = torch.exp2(m - m_use)
         x = t - m_use.unsqueeze(-1)
         if recipe.p_build == "affine":
-            p = build_p_affine(t, m_use, recipe.p)
+            p = build_p_affine(t, m_use, recipe.p, K_FP8_LAZY_F32 if lazy else K_FP8_F32)
         else:
             # p_sink_keys: the sink remedy on the tiles of the first keys only (whole tiles)
             sink = recipe.p_sink and (recipe.p_sink_keys == 0 or j0 < recipe.p_sink_keys)

@@ -55,6 +55,9 @@ class Variant:
     # affine_p timing builds (wrong outputs): 1 without the key-scale product, 2 also without
     # the row maximum (docs/notes/affine-p.md places the softmax's cost with them)
     affine_ablate: int = 0
+    # affine_p only: Recipe.rescale="lazy" (P mode 7): the rows' points move only when a byte
+    # would not fit, so P is built without waiting for the tile's maximum
+    lazy_rescale: bool = False
     # fused_softmax only: K's scales one per key tile (`Recipe.k_scale="tile"`), folded into
     # the rows' factors once per tile instead of a product per score
     key_tile_scale: bool = False
@@ -67,6 +70,8 @@ class Variant:
         if (self.affine_p or self.key_tile_scale) and not self.fused_softmax:
             raise ValueError("Variant: affine_p and key_tile_scale are forms of the fused softmax; they need "
                              "fused_softmax=True")
+        if self.lazy_rescale and not self.affine_p:
+            raise ValueError("Variant: lazy_rescale is a form of the affine FP8 P; it needs affine_p=True")
         if self.consumers not in (2, 3) or (self.consumers == 3 and self.head_dim != 64):
             raise ValueError(f"Variant: consumers must be 2, or 3 at head dim 64; got {self.consumers} "
                              f"at head dim {self.head_dim}")
@@ -86,7 +91,8 @@ class Variant:
                 f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
                 f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
                 f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}", f"-DAFFINE_P={int(self.affine_p)}",
-                f"-DAFFINE_ABLATE={self.affine_ablate}", f"-DKEY_TILE_SCALE={int(self.key_tile_scale)}"]
+                f"-DAFFINE_ABLATE={self.affine_ablate}", f"-DKEY_TILE_SCALE={int(self.key_tile_scale)}",
+                f"-DLAZY_RESCALE={int(self.lazy_rescale)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
@@ -121,10 +127,11 @@ CONSUMERS = {(128, False): 2, (128, True): 2, (64, False): 3, (64, True): 3}
 
 
 def variant_for(head_dim: int, causal: bool, key_bias: bool = False, affine_p: bool = False,
-                key_tile_scale: bool = False) -> Variant:
+                key_tile_scale: bool = False, lazy_rescale: bool = False) -> Variant:
     """The launcher's build; affine_p: the affine FP8-P recipes' (no exp2: exp_poly unused);
-    key_tile_scale: K's scales one per key tile (`KernelOperands.k_tile_scales`)."""
-    softmax = dict(SOFTMAX, exp_poly=0, affine_p=True) if affine_p else SOFTMAX
+    key_tile_scale: K's scales one per key tile (`KernelOperands.k_tile_scales`);
+    lazy_rescale: `Recipe.rescale="lazy"` (with affine_p)."""
+    softmax = dict(SOFTMAX, exp_poly=0, affine_p=True, lazy_rescale=lazy_rescale) if affine_p else SOFTMAX
     return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal],
                    rowsum_int=ROWSUM_INT[head_dim, causal], consumers=CONSUMERS[head_dim, causal],
                    key_tile_scale=key_tile_scale, **softmax)
@@ -153,8 +160,8 @@ EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Glu
 
 def all_variants() -> list[Variant]:
     """Every variant the launcher can pick (what the compile check builds)."""
-    return [variant_for(d, c, kb, af, kt) for d in HEAD_DIMS for c in (False, True) for kb in (False, True)
-            for af in (False, True) for kt in (False, True)]
+    return [variant_for(d, c, kb, af, kt, lz) for d in HEAD_DIMS for c in (False, True) for kb in (False, True)
+            for af in (False, True) for kt in (False, True) for lz in ((False, True) if af else (False,))]
 
 
 # ---------------------------------------------------------------------------- build
@@ -287,17 +294,18 @@ def p_codes_by_slab(p_dump: torch.Tensor, rows: int, causal: bool) -> torch.Tens
 
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, p_dump: torch.Tensor | None = None,
-                        affine_p: bool = False, **variant):
+                        affine_p: bool = False, lazy_rescale: bool = False, **variant):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
     To measure: `variant`, `Variant` fields in place of the table's (stages, ablate_softmax,
     rowsum_int, fused_softmax, exp_poly; `MEASURED`); p_dump, a `p_dump_buffer` that
     receives every tile's P codes. affine_p: FP8 P by the affine map (P mode 4) instead of
-    exp2 (P mode 0); `ops.k_tile_scales` picks the build that folds K's per-tile scale
-    into the rows' factors."""
+    exp2 (P mode 0), lazy_rescale with it `Recipe.rescale="lazy"` (P mode 7);
+    `ops.k_tile_scales` picks the build that folds K's per-tile scale into the rows'
+    factors."""
     fields = {f.name for f in dataclasses.fields(Variant)} - {"head_dim", "causal", "key_bias", "dump_p", "affine_p",
-                                                             "key_tile_scale"}
+                                                             "key_tile_scale", "lazy_rescale"}
     unknown = sorted(set(variant) - fields)
     if unknown:
         raise ValueError(f"launch_forward_cuda: unknown variant fields {unknown}; accepted: {sorted(fields)}")
@@ -308,7 +316,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     B, H, Sq, D = q.shape
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
     variant = dataclasses.replace(variant_for(D, causal_offset is not None, key_bias is not None, affine_p,
-                                              ops.k_tile_scales), **variant,
+                                              ops.k_tile_scales, lazy_rescale), **variant,
                                   dump_p=p_dump is not None)
     if p_dump is not None:
         need = _p_dump_shape(ops, variant.consumers)

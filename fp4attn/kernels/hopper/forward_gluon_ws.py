@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, log2_scores, online_softmax_p
+from fp4attn.kernels.common import P_OFFSET_LOG2, P_OFFSET_LOG2_LAZY, log2_scores, online_softmax_p
 from fp4attn.kernels.hopper.gluon_common import (
     barriers,
     barriers_ready,
@@ -136,8 +136,10 @@ def _key_tiles(start_m, Sk, causal_offset, CAUSAL: gl.constexpr, BLOCK_M: gl.con
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, start_m, Sq, o_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr):
-    """forward.py's epilogue: V's per-channel scale and 1/l on O, the LSE in natural log."""
+              BLOCK_M: gl.constexpr, P_MODE: gl.constexpr):
+    """forward.py's epilogue: V's per-channel scale and 1/l on O, the LSE in natural log
+    (P's offset, 2**8 or P mode 7's 2**5, subtracted)."""
+    p_offset: gl.constexpr = P_OFFSET_LOG2_LAZY if P_MODE == 7 else P_OFFSET_LOG2
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
@@ -147,7 +149,7 @@ def _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, start_m, Sq, o_layout: gl.
     vs = gl.load(VS + bhk * HEAD_DIM + offs_d)
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_o, 1.0), 0.0)
     out = acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(vs, 0)
-    lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0)) - P_OFFSET_LOG2) * 0.6931471805599453,
+    lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0)) - p_offset) * 0.6931471805599453,
                    -float("inf"))
     rows_o = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
     row_ok = rows_o < Sq
@@ -251,7 +253,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
             pv = warpgroup_mma_wait(0, deps=[pv_tok])  # and QK_{j+1}, issued after it
         mbarrier.arrive(v_empty.index(stage), count=1)  # PV_j has read V_j
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1) + pv
-    _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, start_m, Sq, o_layout, HEAD_DIM, BLOCK_M)
+    _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, start_m, Sq, o_layout, HEAD_DIM, BLOCK_M, P_MODE)
 
 
 @gluon.jit

@@ -65,10 +65,9 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
 
         if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
             out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
-                                           affine_p=p_mode == 4)
+                                           affine_p=p_mode in (4, 7), lazy_rescale=p_mode == 7)
             return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
-    # the CUDA kernel above and the Gluon kernel below take FP8 P (p_mode 0, and 4 for the
-    # Gluon kernel) only: MXFP4 P (P_MODE 1, 2, 5; 3 and its sink_tiles) runs on the Triton kernel
+    # the CUDA kernel above and the Gluon kernel below take FP8 P (p_mode 0, 4 and 7) only: MXFP4 P (P_MODE 1, 2, 5; 3 and its sink_tiles) runs on the Triton kernel
     if (cfg.warp_specialized and p_mode in GLUON_P_MODES and not write_p and key_bias is None and tma_loadable(ops)
             and q.is_contiguous()):
         # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
@@ -110,13 +109,15 @@ def _hopper_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str, fast_accum: bool,
     causal_offset: int, causal: bool, scale: float, write_p: int, key_bias: Optional[torch.Tensor],
     smooth_k: bool = False, four_over_six: bool = False, fallback_logit_std: float = 0.0, p_sink: bool = False,
-    p_sink_keys: int = 0, head_dim: int = 0, k_scale: str = "token",
+    p_sink_keys: int = 0, head_dim: int = 0, k_scale: str = "token", rescale: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The robust fields the kernels apply (`HOPPER_ROBUST_FIELDS`): fallback_logit_std
     0 is no Q/K fallback; head_dim the caller's head dim where q and k are zero-padded
-    (0: theirs), which the fallback's statistic divides by; k_scale `Recipe.k_scale`."""
+    (0: theirs), which the fallback's statistic divides by; k_scale and rescale
+    `Recipe.k_scale` and `Recipe.rescale`."""
     recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum, smooth_k=smooth_k,
                     qk_four_over_six=four_over_six, p_sink=p_sink, p_sink_keys=p_sink_keys, k_scale=k_scale,
+                    rescale=rescale,
                     **(dict(qk_fallback="fp8", qk_fallback_logit_std=fallback_logit_std) if fallback_logit_std else {}))
     ops = prepare_operands_fused(q, k, v, recipe, scale=scale, head_dim=head_dim or None)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
@@ -125,7 +126,8 @@ def _hopper_attention_op(
 
 @_hopper_attention_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, write_p, key_bias, smooth_k=False,
-      four_over_six=False, fallback_logit_std=0.0, p_sink=False, p_sink_keys=0, head_dim=0, k_scale="token"):
+      four_over_six=False, fallback_logit_std=0.0, p_sink=False, p_sink_keys=0, head_dim=0, k_scale="token",
+      rescale="exact"):
     B, H, Sq, D = q.shape
     block_m = forward_launch(D, fast_accum, causal).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
@@ -148,4 +150,4 @@ def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: in
                                 causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias,
                                 recipe.smooth_k, recipe.qk_four_over_six,
                                 recipe.qk_fallback_logit_std if recipe.qk_fallback else 0.0, recipe.p_sink,
-                                recipe.p_sink_keys, head_dim or 0, recipe.k_scale)
+                                recipe.p_sink_keys, head_dim or 0, recipe.k_scale, recipe.rescale)

@@ -42,7 +42,8 @@ The reference (`fp4attn.reference.forward`) defines every value this kernel comp
 import triton
 import triton.language as tl
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, key_tile_bounds, log2_scores, online_softmax_p
+from fp4attn.kernels.common import (P_OFFSET_LOG2, P_OFFSET_LOG2_LAZY, key_tile_bounds, log2_scores,
+                                    online_softmax_p)
 
 
 @triton.jit
@@ -181,12 +182,13 @@ def attn_fwd_kernel(
                                   TMA_KV, K_DESC, VT_DESC, k_row, vt_row, PV_ADD)
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
-    # offset cancels in acc / l and is subtracted from the LSE)
+    # offset, 2**5 for P mode 7, cancels in acc / l and is subtracted from the LSE)
+    p_offset: tl.constexpr = P_OFFSET_LOG2_LAZY if P_MODE == 7 else P_OFFSET_LOG2
     seen = l_i != 0.0  # 0 only for a row that saw no key; NaN (a NaN row) stays NaN
     vs = tl.load(VS + (b.to(tl.int64) * (H // GROUP) + hk) * HEAD_DIM + offs_d)
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None] * vs[None, :]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - P_OFFSET_LOG2) * 0.6931471805599453,
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - p_offset) * 0.6931471805599453,
                    -float("inf"))
     o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(o_ptr + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),

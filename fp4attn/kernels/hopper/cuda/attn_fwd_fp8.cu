@@ -52,6 +52,15 @@
 // an integer in float32 (MAGIC = 1.5 * 2**23, where the ulp is 1), and each score's e4m3
 // byte is the low byte of max.NaN(fma(w, 8 a_row, C), MAGIC): one FMA, one max, and
 // three PRMTs per four bytes. The row sums come from the PV product as above.
+//
+// LAZY_RESCALE (with AFFINE_P): the row's point moves only when some byte of the tile,
+// measured from the point it has, would exceed 126 (the map's offset K_LAZY leaves three
+// log2 units of room above it). The bytes are built from the old point straight away, with
+// no wait for the tile's maximum, and each thread keeps the largest clamped value of its
+// rows as an integer (two per three-input VIMNMX3): a NaN (0x7FFFFFFF), +inf and every byte
+// above 126 compare above MAGIC + 126. Where a warp holds a row that must move (and on a
+// row's first key), it takes the exact path for the tile: the row maxima, the moved points,
+// the bytes again (those of the rows that stay come out the same).
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -85,6 +94,12 @@
 // product (w = s); 2, also no row maximum (the reference point stays where the row started)
 #define AFFINE_ABLATE 0
 #endif
+#ifndef LAZY_RESCALE
+// AFFINE_P only: 1, Recipe.rescale="lazy" (reference/affine.lazy_reference_point): P built
+// from the row's point without waiting for the tile's maximum; the rows move only when a byte
+// would not fit (header)
+#define LAZY_RESCALE 0
+#endif
 #ifndef KEY_TILE_SCALE
 // FUSED_SOFTMAX only: 1, the key scales are one value per key tile (Recipe.k_scale="tile"):
 // folded into each row's factor once per tile, no product per score
@@ -110,6 +125,8 @@ typedef unsigned short uint16_t;
 #error "three consumers do not fit 160 registers at head dim 128"
 #endif
 #define P_OFFSET 8.0f  // P is stored times 2**8 (reference/encoding.P_OFFSET_LOG2)
+// LAZY_RESCALE's bytes stand for P times 2**5 (reference/affine.P_OFFSET_LOG2_LAZY)
+#define LSE_P_OFFSET (AFFINE_P && LAZY_RESCALE ? 5.0f : P_OFFSET)
 
 // Shared memory: rows of HEAD_DIM bytes (Q, K) swizzled by 128 or 64 bytes; V^T rows of
 // BLOCK_N = 128 key bytes swizzled by 128.
@@ -357,6 +374,23 @@ __device__ __forceinline__ uint32_t affine_e4m3x2(float s0, float s1, float f, f
     return r;
 }
 
+#define AFFINE_K_LAZY 95.5f           // reference/affine.K_FP8_LAZY
+#define AFFINE_TOP_BITS (0x4B400000u + 126u)  // MAGIC + 126 as an integer: the largest byte that fits
+// affine_e4m3x2 keeping the largest of the two clamped values in `top` (as unsigned integers)
+__device__ __forceinline__ uint32_t affine_e4m3x2_top(float s0, float s1, float f, float c, uint32_t& top) {
+    uint32_t r;
+    asm("{ .reg .b32 a, b;\n"
+        "fma.rn.f32 a, %2, %4, %5;\n"
+        "fma.rn.f32 b, %3, %4, %5;\n"
+        "max.NaN.f32 a, a, 0f4B400000;\n"
+        "max.NaN.f32 b, b, 0f4B400000;\n"
+        "max.u32 %1, %1, a;\n"
+        "max.u32 %1, %1, b;\n"
+        "prmt.b32 %0, a, b, 0x0040; }"
+        : "=r"(r), "+r"(top) : "f"(s0), "f"(s1), "f"(f), "f"(c));
+    return r;
+}
+
 __device__ __forceinline__ uint32_t prmt_lo_halves(uint32_t lo, uint32_t hi) {
     uint32_t r;
     asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(lo), "r"(hi));
@@ -544,6 +578,73 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         if (MASKED) mask_keys(s, n, key0 + kk, limit);
     }
     float c[2];
+#if AFFINE_P && LAZY_RESCALE
+    // the bytes from the rows' points as they are (a row that saw no key yet: from 0, and
+    // it moves below), each thread's largest clamped value per row beside them
+    float f8[2];
+    uint32_t top[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#if KEY_TILE_SCALE
+        f[i] = KEY_BIAS ? 1.0f : ak[i];
+#else
+        f[i] = KEY_BIAS ? 1.0f : a[i];
+#endif
+        f8[i] = 8.0f * f[i];
+        const float m_use = m[i] == -__int_as_float(0x7f800000) ? 0.0f : m[i];
+        c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K_LAZY), AFFINE_MAGIC);
+        alpha[i] = 1.0f;
+    }
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const uint32_t lo = affine_e4m3x2_top(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], f8[i], c[i], top[i]);
+                const uint32_t hi = affine_e4m3x2_top(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], f8[i], c[i], top[i]);
+                pa[cc][2 * half + i] = prmt_lo_halves(lo, hi);
+            }
+        }
+    }
+    const bool move0 = m[0] == -__int_as_float(0x7f800000) || top[0] > AFFINE_TOP_BITS;
+    const bool move1 = m[1] == -__int_as_float(0x7f800000) || top[1] > AFFINE_TOP_BITS;
+    if (__any_sync(0xffffffffu, move0 || move1)) {
+        // the exact path for this tile (warp-uniform: its shuffles need the whole warp): the
+        // rows that must move take their snapped maxima, the others keep their points
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float tmax = thread_row_max(s, i);
+            float wmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+            wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
+            int mv = (i == 0 ? move0 : move1) ? 1 : 0;  // the row's four threads decide together
+            mv |= __shfl_xor_sync(0xffffffffu, mv, 1);
+            mv |= __shfl_xor_sync(0xffffffffu, mv, 2);
+            if (mv) {
+                const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
+                const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
+                c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K_LAZY), AFFINE_MAGIC);
+                const float m_ref = fmul_rn(fadd_rn(AFFINE_K_LAZY, -fadd_rn(c[i], -AFFINE_MAGIC)), 0.125f);
+                alpha[i] = ex2(m[i] - m_ref);
+                m[i] = row_max == -__int_as_float(0x7f800000) ? row_max : m_ref;
+            }
+        }
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const uint32_t lo = affine_e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], f8[i], c[i]);
+                    const uint32_t hi = affine_e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], f8[i], c[i]);
+                    pa[cc][2 * half + i] = prmt_lo_halves(lo, hi);
+                }
+            }
+        }
+    }
+#else
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #if KEY_TILE_SCALE
@@ -606,6 +707,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         }
     }
 #endif  // AFFINE_P
+#endif  // AFFINE_P && LAZY_RESCALE
 #else
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
@@ -865,7 +967,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
             }
             if (q == 0)
                 p.lse[(long long)bh * Sq + row[i]] =
-                    seen ? ((m[i] + lg2(li)) - P_OFFSET) * 0.6931471805599453f : -__int_as_float(0x7f800000);
+                    seen ? ((m[i] + lg2(li)) - LSE_P_OFFSET) * 0.6931471805599453f : -__int_as_float(0x7f800000);
         }
     }
 }

@@ -1,0 +1,62 @@
+"""The lazy rescale of affine FP8 P on the CUDA C++ forward (Recipe.rescale="lazy",
+docs/notes/affine-p.md): the kernel alone, on prepared operands with K scaled per key tile,
+in one process beside SDPA cuDNN bf16: the exact-rescale build (fp8-ktile-affine-fastacc),
+the lazy build (fp8-ktile-affine-lazy-fastacc), and the timing build without any row
+maximum (wrong outputs: the ceiling the lazy build approaches where its rows never move),
+on Gaussian inputs and on logits `--sharp` times sharper (q and k each scaled by its
+square root), where rows move their points more often. Median of triton.testing.do_bench;
+a short table last.
+
+    python tools/probe_lazy_rescale.py [--shapes "2,16,16384,128;8,16,4096,128"] [--causal]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="8,16,4096,128;4,32,4096,128;2,16,16384,128;1,24,32768,128;4,16,8192,64")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--sharp", type=float, default=6.25, help="logit sharpness of the second input kind")
+    args = p.parse_args()
+    from triton.testing import do_bench
+
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.recipes import get_recipe
+    from fp4attn.tools.benchmark import sdpa
+
+    builds = {"exact rescale": {"affine_p": True}, "lazy rescale": {"affine_p": True, "lazy_rescale": True},
+              "no row max (timing only)": {"affine_p": True, "affine_ablate": 2}}
+    rows = []
+    for shape in args.shapes.split(";"):
+        B, H, S, D = map(int, shape.split(","))
+        flops = 4 * B * H * S * S * D / (2 if args.causal else 1)
+        off = 0 if args.causal else None
+        for sharp in (1.0, args.sharp):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g) for _ in range(3))
+            q, k, v = (q * sharp**0.5).bfloat16(), (k * sharp**0.5).bfloat16(), v.bfloat16()
+            f = sdpa("sdpa-cudnn")
+            base = do_bench(lambda: f(q, k, v, args.causal), return_mode="median")
+            ops = prepare_operands_fused(q, k, v, get_recipe("fp8-ktile-affine-fastacc"))
+            row = [shape, f"{sharp:g}", f"{flops / base * 1e-9:.0f}"]
+            for kw in builds.values():
+                ms = do_bench(lambda: launch_forward_cuda(ops, scale=D**-0.5, causal_offset=off, **kw),
+                              return_mode="median")
+                row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
+            rows.append(row)
+            print(" | ".join(row), flush=True)
+    head = ["B,H,S,D", "logits x", "cuDNN bf16 TFLOP/s", *builds]
+    print(f"causal={args.causal}")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
