@@ -15,6 +15,7 @@ from fp4attn.formats import encode_fp8
 from fp4attn.metrics import error_metrics
 from fp4attn.recipes import PRESETS
 from fp4attn.reference import reference_forward
+from fp4attn.reference.affine import P_OFFSET_LOG2_LAZY
 from fp4attn.reference.encoding import P_OFFSET_LOG2
 from fp4attn.reference.masks import causal_offset, key_mask
 from fp4attn.routing import ForwardLaunch
@@ -44,7 +45,9 @@ def _check(q, k, v, recipe, causal=None, attn_mask=None):
                                          key_bias=key_bias)
     ref = reference_forward(q, k, v, recipe, scale=scale, causal=causal, attn_mask=attn_mask, return_p=True)
     sq = q.shape[-2]
-    want = encode_fp8(ref.p * 2.0**P_OFFSET_LOG2, "e4m3").view(torch.uint8)
+    # the lazy form's bytes stand for P times 2**5 (reference/affine.P_OFFSET_LOG2_LAZY)
+    offset = P_OFFSET_LOG2_LAZY if recipe.rescale == "lazy" else P_OFFSET_LOG2
+    want = encode_fp8(ref.p * 2.0**offset, "e4m3").view(torch.uint8)
     got = encode_fp8(p_bytes[..., :sq, :], "e4m3").view(torch.uint8)
     identical = (got == want).float().mean().item()
     # fast_accum's scores are the fp8 wgmma's own sums over the head dim, not float32,
@@ -168,8 +171,10 @@ def test_kernel_error_does_not_grow_with_row_length(recipe):
     # + 5e-4: directp and fp8-directp match their references all but exactly (measured
     # 2e-9 .. 2e-5 at 1024 keys, 3e-5 .. 1.3e-4 at 32768: Direct-P codes flipped by the
     # float32 summation order); the growth this test exists for was 1.8e-3 -> 5.2e-3
+    # The affine E2M1 map (a threshold every half unit) flips more: fp8-directp-fast 0 at
+    # 1024 keys and 5.1e-4 at 32768 in one run (tests/ at b29a355)
     if not PRESETS[recipe].fast_accum:
-        assert errs[1] <= 1.5 * errs[0] + 5e-4, (recipe, errs)
+        assert errs[1] <= 1.5 * errs[0] + (1e-3 if PRESETS[recipe].p_build == "affine" else 5e-4), (recipe, errs)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -522,7 +522,7 @@ __device__ __forceinline__ float thread_row_max(const float (&s)[64], int i) {
 template <bool MASKED>
 __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], const float (&a)[2], uint32_t ks_tile, int key0,
-                                             int lim0, int sk_last, int q) {
+                                             int lim0, int sk_last, int q, bool& max_first) {
     // the last key rows g and g + 8 see (limit[0] = lim0); kept as one register across the loop
     const int limit[2] = {lim0, CAUSAL ? min(lim0 + 8, sk_last) : lim0};
 #if ABLATE_SOFTMAX
@@ -582,7 +582,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
     // the bytes from the rows' points as they are (a row that saw no key yet: from 0, and
     // it moves below), each thread's largest clamped value per row beside them
     float f8[2];
-    uint32_t top[2] = {0u, 0u};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #if KEY_TILE_SCALE
@@ -595,6 +594,45 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K_LAZY), AFFINE_MAGIC);
         alpha[i] = 1.0f;
     }
+    if (max_first) {
+        // the rows' maxima first (a warp that moved a point on its last tile: rows climbing
+        // now likely climb on), the same choice from the byte of each row's largest score
+        // (the map is increasing: its byte is the largest byte), the bytes built once
+        bool moved = false;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float tmax = thread_row_max(s, i);
+            float wmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+            wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
+            uint32_t top_i = 0u;
+            affine_e4m3x2_top(wmax, wmax, f8[i], c[i], top_i);
+            if (m[i] == -__int_as_float(0x7f800000) || top_i > AFFINE_TOP_BITS) {
+                moved = true;
+                const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
+                const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
+                c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K_LAZY), AFFINE_MAGIC);
+                const float m_ref = fmul_rn(fadd_rn(AFFINE_K_LAZY, -fadd_rn(c[i], -AFFINE_MAGIC)), 0.125f);
+                alpha[i] = ex2(m[i] - m_ref);
+                m[i] = row_max == -__int_as_float(0x7f800000) ? row_max : m_ref;
+            }
+        }
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const uint32_t lo = affine_e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], f8[i], c[i]);
+                    const uint32_t hi = affine_e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], f8[i], c[i]);
+                    pa[cc][2 * half + i] = prmt_lo_halves(lo, hi);
+                }
+            }
+        }
+        max_first = __any_sync(0xffffffffu, moved);
+        return;
+    }
+    uint32_t top[2] = {0u, 0u};
 #pragma unroll
     for (int cc = 0; cc < 4; ++cc) {
 #pragma unroll
@@ -610,7 +648,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
     }
     const bool move0 = m[0] == -__int_as_float(0x7f800000) || top[0] > AFFINE_TOP_BITS;
     const bool move1 = m[1] == -__int_as_float(0x7f800000) || top[1] > AFFINE_TOP_BITS;
-    if (__any_sync(0xffffffffu, move0 || move1)) {
+    max_first = __any_sync(0xffffffffu, move0 || move1);
+    if (max_first) {
         // the exact path for this tile (warp-uniform: its shuffles need the whole warp): the
         // rows that must move take their snapped maxima, the others keep their points
 #pragma unroll
@@ -874,6 +913,9 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     float s[64], pv[PV_N / 2], o[HEAD_DIM / 2];
     uint32_t pa[4][4];  // P of the last softmax, PV's A operand
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.0f, 0.0f}, alpha[2];
+    // LAZY_RESCALE: whether this warp takes its next tile maximum first (it moved a row's
+    // point on its last tile; every row moves on its first key), else speculatively
+    bool max_first = true;
 #pragma unroll
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = 0.0f;
 
@@ -896,9 +938,9 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     if (lane == 0) mbar_arrive(sm.k_empty);
     mbar_wait(sm.ks_full, 0);
     if (0 >= full)
-        softmax_tile<true>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q);
+        softmax_tile<true>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q, max_first);
     else
-        softmax_tile<false>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q);
+        softmax_tile<false>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q, max_first);
     DUMP_TILE(0);
 
     // tile j >= 1: QK^T_j and PV_{j-1} in one turn, both waited for, O updated, then the
@@ -925,9 +967,9 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         mbar_wait(sm.ks_full + 8 * st, parity);
         const uint32_t ks_tile = smem_addr(sm.ks + st * BLOCK_N);
         if (j * BLOCK_N >= full)
-            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q);
+            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q, max_first);
         else
-            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q);
+            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q, max_first);
         DUMP_TILE(j);
     }
 
