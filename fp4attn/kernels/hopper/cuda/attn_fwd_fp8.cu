@@ -60,7 +60,9 @@
 // rows as an integer (two per three-input VIMNMX3): a NaN (0x7FFFFFFF), +inf and every byte
 // above 126 compare above MAGIC + 126. Where a warp holds a row that must move (and on a
 // row's first key), it takes the exact path for the tile: the row maxima, the moved points,
-// the bytes again (those of the rows that stay come out the same).
+// the bytes again (those of the rows that stay come out the same). A warp that moved within
+// its last LAZY_QUIET_TILES tiles takes the maxima first instead (the same choice, from the
+// byte of each row's largest score), so that climbing rows do not pay both paths.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -376,6 +378,11 @@ __device__ __forceinline__ uint32_t affine_e4m3x2(float s0, float s1, float f, f
 
 #define AFFINE_K_LAZY 95.5f           // reference/affine.K_FP8_LAZY
 #define AFFINE_TOP_BITS (0x4B400000u + 126u)  // MAGIC + 126 as an integer: the largest byte that fits
+// LAZY_RESCALE: a warp speculates (bytes before the maximum) once this many tiles passed
+// without a move; a cost model of the move patterns of Gaussian and 2.5x-sharper logits
+// put 4 within 0.5% of always speculating on the first and 2% of exact rescaling on the
+// second (docs/notes/affine-p.md)
+#define LAZY_QUIET_TILES 4
 // affine_e4m3x2 keeping the largest of the two clamped values in `top` (as unsigned integers)
 __device__ __forceinline__ uint32_t affine_e4m3x2_top(float s0, float s1, float f, float c, uint32_t& top) {
     uint32_t r;
@@ -522,7 +529,7 @@ __device__ __forceinline__ float thread_row_max(const float (&s)[64], int i) {
 template <bool MASKED>
 __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], const float (&a)[2], uint32_t ks_tile, int key0,
-                                             int lim0, int sk_last, int q, bool& max_first) {
+                                             int lim0, int sk_last, int q, int& quiet) {
     // the last key rows g and g + 8 see (limit[0] = lim0); kept as one register across the loop
     const int limit[2] = {lim0, CAUSAL ? min(lim0 + 8, sk_last) : lim0};
 #if ABLATE_SOFTMAX
@@ -594,10 +601,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K_LAZY), AFFINE_MAGIC);
         alpha[i] = 1.0f;
     }
-    if (max_first) {
-        // the rows' maxima first (a warp that moved a point on its last tile: rows climbing
-        // now likely climb on), the same choice from the byte of each row's largest score
-        // (the map is increasing: its byte is the largest byte), the bytes built once
+    if (quiet < LAZY_QUIET_TILES) {
+        // the rows' maxima first (a warp that moved a point within its last tiles: rows
+        // climbing now likely climb on), the same choice from the byte of each row's
+        // largest score (the map is increasing: its byte is the largest byte), the bytes
+        // built once
         bool moved = false;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -629,7 +637,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
                 }
             }
         }
-        max_first = __any_sync(0xffffffffu, moved);
+        quiet = __any_sync(0xffffffffu, moved) ? 0 : quiet + 1;
         return;
     }
     uint32_t top[2] = {0u, 0u};
@@ -648,8 +656,9 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
     }
     const bool move0 = m[0] == -__int_as_float(0x7f800000) || top[0] > AFFINE_TOP_BITS;
     const bool move1 = m[1] == -__int_as_float(0x7f800000) || top[1] > AFFINE_TOP_BITS;
-    max_first = __any_sync(0xffffffffu, move0 || move1);
-    if (max_first) {
+    const bool moves = __any_sync(0xffffffffu, move0 || move1);
+    quiet = moves ? 0 : LAZY_QUIET_TILES;  // (no count beyond: speculation goes on while quiet)
+    if (moves) {
         // the exact path for this tile (warp-uniform: its shuffles need the whole warp): the
         // rows that must move take their snapped maxima, the others keep their points
 #pragma unroll
@@ -913,9 +922,9 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     float s[64], pv[PV_N / 2], o[HEAD_DIM / 2];
     uint32_t pa[4][4];  // P of the last softmax, PV's A operand
     float m[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)}, l[2] = {0.0f, 0.0f}, alpha[2];
-    // LAZY_RESCALE: whether this warp takes its next tile maximum first (it moved a row's
-    // point on its last tile; every row moves on its first key), else speculatively
-    bool max_first = true;
+    // LAZY_RESCALE: the tiles since this warp last moved a row's point (every row moves on
+    // its first key); below LAZY_QUIET_TILES it takes the next tile maximum first
+    int quiet = 0;
 #pragma unroll
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = 0.0f;
 
@@ -938,9 +947,9 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     if (lane == 0) mbar_arrive(sm.k_empty);
     mbar_wait(sm.ks_full, 0);
     if (0 >= full)
-        softmax_tile<true>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q, max_first);
+        softmax_tile<true>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q, quiet);
     else
-        softmax_tile<false>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q, max_first);
+        softmax_tile<false>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q, quiet);
     DUMP_TILE(0);
 
     // tile j >= 1: QK^T_j and PV_{j-1} in one turn, both waited for, O updated, then the
@@ -967,9 +976,9 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         mbar_wait(sm.ks_full + 8 * st, parity);
         const uint32_t ks_tile = smem_addr(sm.ks + st * BLOCK_N);
         if (j * BLOCK_N >= full)
-            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q, max_first);
+            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q, quiet);
         else
-            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q, max_first);
+            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, j * BLOCK_N, lim0, p.Sk - 1, q, quiet);
         DUMP_TILE(j);
     }
 
