@@ -1,6 +1,7 @@
 """The lazy rescale of affine FP8 P on the CUDA C++ forward (Recipe.rescale="lazy",
 docs/notes/affine-p.md): the kernel alone, on prepared operands with K scaled per key tile,
-in one process beside SDPA cuDNN bf16: the exact-rescale build (fp8-ktile-affine-fastacc),
+in one process beside SDPA cuDNN bf16: the Triton/Gluon kernel that the routing runs below
+`cuda_from_keys` (exact and lazy), the exact-rescale build (fp8-ktile-affine-fastacc),
 the lazy build (fp8-ktile-affine-lazy-fastacc), and the timing build without any row
 maximum (wrong outputs: the ceiling the lazy build approaches where its rows never move),
 on Gaussian inputs and on logits `--sharp` times sharper (q and k each scaled by its
@@ -25,9 +26,13 @@ def main() -> None:
     args = p.parse_args()
     from triton.testing import do_bench
 
+    import dataclasses
+
     from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
+    from fp4attn.routing import forward_launch, override_launch
     from fp4attn.tools.benchmark import sdpa
 
     builds = {"exact rescale": {"affine_p": True}, "lazy rescale": {"affine_p": True, "lazy_rescale": True},
@@ -45,13 +50,20 @@ def main() -> None:
             base = do_bench(lambda: f(q, k, v, args.causal), return_mode="median")
             ops = prepare_operands_fused(q, k, v, get_recipe("fp8-ktile-affine-fastacc"))
             row = [shape, f"{sharp:g}", f"{flops / base * 1e-9:.0f}"]
+            # the Triton/Gluon kernel the table runs below `cuda_from_keys`: exact (P mode 4), lazy (7)
+            table = dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=0, cuda_affine_from_keys=None)
+            for mode in (4, 7):
+                with override_launch(forward=table):
+                    ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=mode),
+                                  return_mode="median")
+                row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
             for kw in builds.values():
                 ms = do_bench(lambda: launch_forward_cuda(ops, scale=D**-0.5, causal_offset=off, **kw),
                               return_mode="median")
                 row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
             rows.append(row)
             print(" | ".join(row), flush=True)
-    head = ["B,H,S,D", "logits x", "cuDNN bf16 TFLOP/s", *builds]
+    head = ["B,H,S,D", "logits x", "cuDNN bf16 TFLOP/s", "Triton/Gluon exact", "Triton/Gluon lazy", *builds]
     print(f"causal={args.causal}")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
