@@ -107,8 +107,10 @@ class ForwardLaunch:
     cuda_from_keys: the `fast_accum` FP8-P recipes (P mode 0, e4m3 QK^T) on the CUDA C++
     kernel (`forward_cuda`: FlashAttention-3's schedule, fused softmax) from this many
     keys on, on CUDA tensors where it can be built (`cuda_forward_available`; 0: never).
-    cuda_affine_from_keys: the same for the affine FP8-P recipe (P mode 4) where it differs
-    (None: cuda_from_keys).
+    cuda_affine_from_keys: the same for the affine FP8-P recipes (P modes 4 and 7) where it
+    differs (None: cuda_from_keys).
+    cuda_lazy_from_keys: the same for affine FP8 P with `Recipe.rescale="lazy"` (P mode 7)
+    where it differs again (None: cuda_affine_from_keys).
     """
 
     block_m: int = 128
@@ -121,9 +123,12 @@ class ForwardLaunch:
     ws_overlap: int = 1
     cuda_from_keys: int = 0
     cuda_affine_from_keys: int | None = None
+    cuda_lazy_from_keys: int | None = None
 
     def cuda_keys(self, p_mode: int) -> int:
         """The key count from which P mode `p_mode` runs on the CUDA C++ kernel (0: never)."""
+        if p_mode == 7 and self.cuda_lazy_from_keys is not None:
+            return self.cuda_lazy_from_keys
         return self.cuda_from_keys if p_mode not in (4, 7) or self.cuda_affine_from_keys is None else self.cuda_affine_from_keys
 
 
@@ -144,11 +149,19 @@ class ForwardLaunch:
 # against 0.83x / 0.86x); causal the Triton kernel stayed ahead there (0.90x / 0.92x against
 # 0.82x / 0.89x), and at D=128 the Gluon kernel at 2k (1.04x against 1.02x)
 # (log/h200-affine-bound-2.txt, -2-causal.txt; docs/notes/affine-p.md).
+# cuda_lazy_from_keys: the lazy form (fp8-ktile-affine-lazy-fastacc) ran 14-43% faster on the CUDA
+# kernel than on the Triton/Gluon kernels at 2048-4096 keys, both head dims, causal or not
+# (0.94x against 0.78x of cuDNN bf16 at (16,16,2048,64) causal, 1.18x against 0.97x at
+# (8,16,2048,128); benchmarks/results/log/h200-lazy-rescale/probe-routing*.txt); shorter rows
+# were not measured.
 FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
-    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_from_keys=4096),
-    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4, cuda_from_keys=4096),
-    (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_from_keys=8192, cuda_affine_from_keys=2048),
-    (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True, cuda_from_keys=8192),
+    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_from_keys=4096,
+                                      cuda_lazy_from_keys=2048),
+    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4, cuda_from_keys=4096,
+                                     cuda_lazy_from_keys=2048),
+    (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_from_keys=8192, cuda_affine_from_keys=2048,
+                                     cuda_lazy_from_keys=2048),
+    (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True, cuda_from_keys=8192, cuda_lazy_from_keys=2048),
     **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True,
                                            ws_overlap=4) for causal in (True, False)},
     **{(64, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for causal in (True, False)},

@@ -24,7 +24,8 @@ AFFINE = ["fp8-affine", "fp8-affine-fastacc", "directp-fast", "fp8-directp-fast"
 @pytest.mark.parametrize("name", AFFINE)
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", [
     (2, 4, 2, 1000, 4500, 128, None), (1, 4, 4, 4500, 4500, 128, "bottom_right"),
-    (2, 4, 2, 777, 8300, 64, "top_left"), (1, 2, 1, 333, 1030, 64, None)])
+    (2, 4, 2, 777, 8300, 64, "top_left"), (1, 2, 1, 333, 1030, 64, None), (1, 4, 2, 500, 2100, 128, "bottom_right"),
+    (2, 2, 1, 700, 3000, 64, "bottom_right")])
 def test_routed_kernels_match_the_reference(name, b, hq, hkv, sq, sk, d, causal):
     g = torch.Generator(device="cuda").manual_seed(sk)
     mk = lambda h, s: torch.randn(b, h, s, d, device="cuda", generator=g).bfloat16()
