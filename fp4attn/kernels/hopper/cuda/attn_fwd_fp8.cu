@@ -522,6 +522,49 @@ __device__ __forceinline__ float thread_row_max(const float (&s)[64], int i) {
     return mx[0];
 }
 
+// The row i's maximum of w over the quad's four threads (the row's 128 keys).
+__device__ __forceinline__ float quad_row_max(const float (&s)[64], int i) {
+    const float tmax = thread_row_max(s, i);
+    const float wmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    return fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
+}
+
+// AFFINE_P: a row's point moved to its snapped running maximum (reference/affine.snap_max
+// with offset K): C = (K - 8 m) + MAGIC, rounded twice (an integer plus MAGIC), m~ =
+// (K - (C - MAGIC)) / 8; alpha rescales what the row holds, and later tiles are measured
+// from m~ (a row that saw no key stays at -inf).
+__device__ __forceinline__ void affine_move_point(float row_max, float k, float& m, float& c, float& alpha) {
+    const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
+    c = fadd_rn(fmaf(m_use, -8.0f, k), AFFINE_MAGIC);
+    const float m_ref = fmul_rn(fadd_rn(k, -fadd_rn(c, -AFFINE_MAGIC)), 0.125f);
+    alpha = ex2(m - m_ref);
+    m = row_max == -__int_as_float(0x7f800000) ? row_max : m_ref;
+}
+
+// AFFINE_P: the tile's bytes as the PV product's A fragments, keys 32cc + 16 half + 4q +
+// (0..3) of each word, from the rows' factors f8 and constants c; TOP: each thread's largest
+// clamped value per row in top (LAZY_RESCALE's test)
+template <bool TOP>
+__device__ __forceinline__ void affine_tile(const float (&s)[64], uint32_t (&pa)[4][4], const float (&f8)[2],
+                                            const float (&c)[2], uint32_t (&top)[2]) {
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const float *lo_s = &s[4 * n_lo + 2 * i], *hi_s = &s[4 * n_hi + 2 * i];
+                const uint32_t lo = TOP ? affine_e4m3x2_top(lo_s[0], lo_s[1], f8[i], c[i], top[i])
+                                        : affine_e4m3x2(lo_s[0], lo_s[1], f8[i], c[i]);
+                const uint32_t hi = TOP ? affine_e4m3x2_top(hi_s[0], hi_s[1], f8[i], c[i], top[i])
+                                        : affine_e4m3x2(hi_s[0], hi_s[1], f8[i], c[i]);
+                pa[cc][2 * half + i] = prmt_lo_halves(lo, hi);
+            }
+        }
+    }
+}
+
 // The online-softmax step of one tile on the QK^T accumulator s (64 rows x 128 keys, the
 // thread's rows g and g + 8 as i = 0, 1): scores, mask, running max, P packed as the PV
 // product's A fragments, the thread's part of the row sums. Register s[4n + 2i + b] is
@@ -589,6 +632,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
     // the bytes from the rows' points as they are (a row that saw no key yet: from 0, and
     // it moves below), each thread's largest clamped value per row beside them
     float f8[2];
+    uint32_t top[2] = {0u, 0u};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #if KEY_TILE_SCALE
@@ -609,51 +653,19 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         bool moved = false;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const float tmax = thread_row_max(s, i);
-            float wmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-            wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
+            const float wmax = quad_row_max(s, i);
             uint32_t top_i = 0u;
             affine_e4m3x2_top(wmax, wmax, f8[i], c[i], top_i);
             if (m[i] == -__int_as_float(0x7f800000) || top_i > AFFINE_TOP_BITS) {
                 moved = true;
-                const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
-                const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
-                c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K_LAZY), AFFINE_MAGIC);
-                const float m_ref = fmul_rn(fadd_rn(AFFINE_K_LAZY, -fadd_rn(c[i], -AFFINE_MAGIC)), 0.125f);
-                alpha[i] = ex2(m[i] - m_ref);
-                m[i] = row_max == -__int_as_float(0x7f800000) ? row_max : m_ref;
+                affine_move_point(fmaxf(m[i], fmul_rn(wmax, f[i])), AFFINE_K_LAZY, m[i], c[i], alpha[i]);
             }
         }
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const uint32_t lo = affine_e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], f8[i], c[i]);
-                    const uint32_t hi = affine_e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], f8[i], c[i]);
-                    pa[cc][2 * half + i] = prmt_lo_halves(lo, hi);
-                }
-            }
-        }
+        affine_tile<false>(s, pa, f8, c, top);
         quiet = __any_sync(0xffffffffu, moved) ? 0 : quiet + 1;
         return;
     }
-    uint32_t top[2] = {0u, 0u};
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const uint32_t lo = affine_e4m3x2_top(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], f8[i], c[i], top[i]);
-                const uint32_t hi = affine_e4m3x2_top(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], f8[i], c[i], top[i]);
-                pa[cc][2 * half + i] = prmt_lo_halves(lo, hi);
-            }
-        }
-    }
+    affine_tile<true>(s, pa, f8, c, top);
     const bool move0 = m[0] == -__int_as_float(0x7f800000) || top[0] > AFFINE_TOP_BITS;
     const bool move1 = m[1] == -__int_as_float(0x7f800000) || top[1] > AFFINE_TOP_BITS;
     const bool moves = __any_sync(0xffffffffu, move0 || move1);
@@ -663,34 +675,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         // rows that must move take their snapped maxima, the others keep their points
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const float tmax = thread_row_max(s, i);
-            float wmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-            wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
+            const float wmax = quad_row_max(s, i);
             int mv = (i == 0 ? move0 : move1) ? 1 : 0;  // the row's four threads decide together
             mv |= __shfl_xor_sync(0xffffffffu, mv, 1);
             mv |= __shfl_xor_sync(0xffffffffu, mv, 2);
-            if (mv) {
-                const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
-                const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
-                c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K_LAZY), AFFINE_MAGIC);
-                const float m_ref = fmul_rn(fadd_rn(AFFINE_K_LAZY, -fadd_rn(c[i], -AFFINE_MAGIC)), 0.125f);
-                alpha[i] = ex2(m[i] - m_ref);
-                m[i] = row_max == -__int_as_float(0x7f800000) ? row_max : m_ref;
-            }
+            if (mv) affine_move_point(fmaxf(m[i], fmul_rn(wmax, f[i])), AFFINE_K_LAZY, m[i], c[i], alpha[i]);
         }
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const uint32_t lo = affine_e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], f8[i], c[i]);
-                    const uint32_t hi = affine_e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], f8[i], c[i]);
-                    pa[cc][2 * half + i] = prmt_lo_halves(lo, hi);
-                }
-            }
-        }
+        affine_tile<false>(s, pa, f8, c, top);
     }
 #else
 #pragma unroll
@@ -703,40 +694,21 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #if AFFINE_P && AFFINE_ABLATE >= 2
         const float row_max = fmaxf(m[i], 0.0f);
 #else
-        const float tmax = thread_row_max(s, i);
-        float wmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-        wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, 2));
-        const float row_max = fmaxf(m[i], fmul_rn(wmax, f[i]));
+        const float row_max = fmaxf(m[i], fmul_rn(quad_row_max(s, i), f[i]));
 #endif
-        const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
 #if AFFINE_P
-        // C = (K - 8 m) + MAGIC, rounded twice (an integer plus MAGIC); m~ = (K - (C - MAGIC)) / 8
-        c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K), AFFINE_MAGIC);
-        const float m_ref = fmul_rn(fadd_rn(AFFINE_K, -fadd_rn(c[i], -AFFINE_MAGIC)), 0.125f);
-        alpha[i] = ex2(m[i] - m_ref);
-        // later tiles are measured from m~ (a row that saw no key stays at -inf)
-        m[i] = row_max == -__int_as_float(0x7f800000) ? row_max : m_ref;
+        affine_move_point(row_max, AFFINE_K, m[i], c[i], alpha[i]);
         f[i] = 8.0f * f[i];
 #else
+        const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
         alpha[i] = ex2(m[i] - m_use);
         m[i] = row_max;
         c[i] = fadd_rn(P_OFFSET, -m_use);
 #endif
     }
 #if AFFINE_P
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // keys 32cc + 16 half + 4q + (0..3)
-            const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const uint32_t lo = affine_e4m3x2(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], f[i], c[i]);
-                const uint32_t hi = affine_e4m3x2(s[4 * n_hi + 2 * i], s[4 * n_hi + 2 * i + 1], f[i], c[i]);
-                pa[cc][2 * half + i] = prmt_lo_halves(lo, hi);
-            }
-        }
-    }
+    uint32_t unused[2];
+    affine_tile<false>(s, pa, f, c, unused);
 #else
 #pragma unroll
     for (int cc = 0; cc < 4; ++cc) {
