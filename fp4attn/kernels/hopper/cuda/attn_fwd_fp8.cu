@@ -628,11 +628,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         if (MASKED) mask_keys(s, n, key0 + kk, limit);
     }
     float c[2];
-#if AFFINE_P && LAZY_RESCALE
-    // the bytes from the rows' points as they are (a row that saw no key yet: from 0, and
-    // it moves below), each thread's largest clamped value per row beside them
-    float f8[2];
-    uint32_t top[2] = {0u, 0u};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #if KEY_TILE_SCALE
@@ -640,6 +635,14 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #else
         f[i] = KEY_BIAS ? 1.0f : a[i];
 #endif
+    }
+#if AFFINE_P && LAZY_RESCALE
+    // the bytes from the rows' points as they are (a row that saw no key yet: from 0, and
+    // it moves below), each thread's largest clamped value per row beside them
+    float f8[2];
+    uint32_t top[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
         f8[i] = 8.0f * f[i];
         const float m_use = m[i] == -__int_as_float(0x7f800000) ? 0.0f : m[i];
         c[i] = fadd_rn(fmaf(m_use, -8.0f, AFFINE_K_LAZY), AFFINE_MAGIC);
@@ -686,11 +689,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 #else
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-#if KEY_TILE_SCALE
-        f[i] = KEY_BIAS ? 1.0f : ak[i];
-#else
-        f[i] = KEY_BIAS ? 1.0f : a[i];
-#endif
 #if AFFINE_P && AFFINE_ABLATE >= 2
         const float row_max = fmaxf(m[i], 0.0f);
 #else
