@@ -322,10 +322,10 @@ SERIAL_BLACKWELL_LAUNCH = BlackwellLaunch(warps=8, stages=2, pipelined=False)
 # 60 bytes)
 SERIAL_BLACKWELL_LAUNCH_KEY_MASK_128 = BlackwellLaunch(warps=8, stages=1, pipelined=False)
 # (P, P build, head dim) whose pipelined build spills, run on the serial kernel instead:
-# affine MXFP4 P at D=128 spills 648 bytes in the correction partition (88 registers a
-# thread; Triton 3.6 passes it alpha already broadcast and it loads both halves of O
-# before storing either), its serial build none (`fp4attn compile-report`)
-BLACKWELL_SERIAL_BUILDS = {("mxfp4", "affine", 128)}
+# none since K and V load by TMA (affine MXFP4 P at D=128 spilled 648 bytes in the
+# correction partition while the load partition's cp.async addressing shared the
+# partitions' registers; with TMA it builds without a spill, `fp4attn compile-report`)
+BLACKWELL_SERIAL_BUILDS: set[tuple[str, str, int]] = set()
 
 _BLACKWELL_OVERRIDE: contextvars.ContextVar[BlackwellLaunch | None] = contextvars.ContextVar("blackwell_launch",
                                                                                             default=None)

@@ -133,12 +133,12 @@ FORWARD = BLACKWELL_PATCHES + textwrap.dedent('''
 ''')
 
 
-# the affine P builders (reference/affine.py) on the same checks: directp-fast pipelined
-# (D=64) and serial (D=128), FP8 Q/K with affine MXFP4 P, and affine FP8 P
+# the affine P builders (reference/affine.py) on the same checks: directp-fast and FP8
+# Q/K with affine MXFP4 P pipelined at D=64 and 128, and affine FP8 P
 AFFINE_CASES = """
     ("directp-fast", 2, 2, 1, 100, 150, 64, "bottom_right", True),
     ("directp-fast", 1, 2, 2, 70, 130, 128, None, False),
-    ("fp8-directp-fast", 1, 2, 1, 90, 140, 64, "top_left", False),
+    ("fp8-directp-fast", 1, 2, 1, 90, 140, 128, "top_left", False),
     ("fp8-affine", 2, 2, 1, 64, 100, 64, None, True),
     ("fp8-affine", 1, 2, 1, 80, 90, 128, "bottom_right", False),
 """
@@ -291,7 +291,7 @@ AFFINE_X2 = BLACKWELL_PATCHES + PTX_EMULATOR + textwrap.dedent('''
     for name, B, HQ, HKV, sq, sk, D, causal, masked in (
             ("directp-fast", 1, 2, 1, 100, 230, 64, None, True),  # pipelined, key mask, a partial tile
             ("directp-fast", 1, 2, 2, 70, 150, 64, "bottom_right", False),
-            ("directp-fast", 1, 2, 1, 90, 140, 128, "top_left", False),  # the serial kernel
+            ("directp-fast", 1, 2, 1, 90, 140, 128, "top_left", False),  # D=128 pipelined
             ("fp8-directp-fast", 1, 2, 1, 64, 131, 64, None, False)):
         r = PRESETS[name]
         q = torch.randn(B, HQ, sq, D, generator=g).bfloat16()
@@ -326,7 +326,7 @@ def test_affine_mxfp4_two_wide_path_equals_the_scalar_one_under_the_interpreter(
     """The affine MXFP4 P of the GPU builds (two-wide scores and map, codes packed and
     row sums taken from the code bytes by PRMT and dp4a), its PTX run by the emulator
     above, gives the interpreter path's output, LSE and P tiles bit for bit: pipelined
-    (key mask, causal) and serial (D=128, with scores past 2**21), NVFP4 and FP8 Q/K."""
+    (key mask, causal; D=128 with scores past 2**21), NVFP4 and FP8 Q/K."""
     run_under_interpreter(AFFINE_X2)
 
 
@@ -342,8 +342,8 @@ SM120 = _forward_with_cases("""
 
 def test_blackwell_affine_p_matches_reference_under_the_interpreter():
     """The affine builders' P tiles equal the reference's (`reference.affine`) on >=
-    99.9% of entries, LSE and output as the exact recipes' (the serial kernel for
-    affine MXFP4 P at D=128, the pipelined one elsewhere)."""
+    99.9% of entries, LSE and output as the exact recipes' (the pipelined kernel, K and
+    V by TMA descriptors, at D=64 and 128)."""
     run_under_interpreter(AFFINE)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 from pathlib import Path
 
 from fp4attn.cli.output import markdown_table, write_json
@@ -80,6 +81,7 @@ def build_report(qk_fp4: bool, pv_fp4: bool, p_affine: bool, causal: bool, head_
     rec = dict(registers=rep.registers, spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes,
                tmem_columns=rep.tmem_columns, mma_kinds=rep.mma_kinds,
                e2m1_cvt=rep.ptx.count("cvt.rn.satfinite.e2m1x2.f32"),
+               tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", rep.ptx)),
                block_m=launch.block_m, warps=launch.warps, stages=launch.stages, pipelined=rep.pipelined)
     kinds = ("bf16", "bf16") if bf16 else ("fp4" if qk_fp4 else "fp8", "fp4" if pv_fp4 else "fp8")
     if arch == "sm_100a":  # the model reads the SASS (the bundled cuobjdump cannot for sm_103a)

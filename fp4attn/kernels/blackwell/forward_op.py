@@ -9,6 +9,7 @@ also needs the block-scaled product it lacks (tests/interpreter_blackwell.py).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -19,6 +20,22 @@ from fp4attn.kernels.blackwell.operands import BLOCK_N, BlackwellOperands, prepa
 from fp4attn.recipes import Recipe, robust_unsupported_reason
 from fp4attn.reference.forward import LOG2E
 from fp4attn.routing import BLACKWELL_FORWARD_ROBUST_FIELDS, blackwell_forward_launch, interpreting, target_of
+
+
+@contextlib.contextmanager
+def _descriptor_scratch(device: torch.device):
+    """The global memory the pipelined kernel's on-device TMA descriptors are written to
+    (128 bytes each, per program), from torch's allocator on `device`, for this launch
+    only: Triton asks its allocator for it at launch (`triton.set_allocator` would
+    replace a caller's allocator for good, so the context's is set and restored)."""
+    from triton.runtime import _allocation
+
+    token = _allocation._allocator.set(
+        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int | None,
@@ -50,21 +67,27 @@ def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int |
     vs = ops.vs if ops.vs is not None else lse
     kb = key_bias.contiguous() if key_bias is not None else lse
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
-    attn_fwd_sm100_kernel[grid](
-        q, q_sc, k, k_sc, ops.qs, ops.ks, ops.v, v_sc, vs, out, lse, dbg, kb,
-        q.stride(0), q.stride(1), q.stride(2),
-        q_sc.stride(0), q_sc.stride(1), q_sc.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        k_sc.stride(0), k_sc.stride(1), k_sc.stride(2),
-        ops.v.stride(0), ops.v.stride(1), ops.v.stride(2),
-        v_sc.stride(0), v_sc.stride(1), v_sc.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        dbg.stride(0), dbg.stride(1), dbg.stride(2),
-        H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
-        HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N, QK_FP4=ops.qk_fp4, PV_FP4=ops.pv_fp4,
-        CAUSAL=causal_offset is not None, HW_CVT=not interpreting(), KEY_BIAS=key_bias is not None,
-        WRITE_P=write_p, PIPELINED=cfg.pipelined, P_AFFINE=p_affine, num_warps=cfg.warps, num_stages=cfg.stages,
-    )
+    # the pipelined kernel at D=128 (TMA_HEAD_DIM) loads K and V by TMA from descriptors
+    # it builds; Triton calls the allocator only for a build that has them (the
+    # interpreter reads them as blocks of the tensors and needs no memory for them)
+    scratch = _descriptor_scratch(dev) if cfg.pipelined and not interpreting() else contextlib.nullcontext()
+    with scratch:
+        attn_fwd_sm100_kernel[grid](
+            q, q_sc, k, k_sc, ops.qs, ops.ks, ops.v, v_sc, vs, out, lse, dbg, kb,
+            q.stride(0), q.stride(1), q.stride(2),
+            q_sc.stride(0), q_sc.stride(1), q_sc.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            k_sc.stride(0), k_sc.stride(1), k_sc.stride(2),
+            ops.v.stride(0), ops.v.stride(1), ops.v.stride(2),
+            v_sc.stride(0), v_sc.stride(1), v_sc.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            dbg.stride(0), dbg.stride(1), dbg.stride(2),
+            H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
+            HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N, QK_FP4=ops.qk_fp4, PV_FP4=ops.pv_fp4,
+            CAUSAL=causal_offset is not None, HW_CVT=not interpreting(), KEY_BIAS=key_bias is not None,
+            WRITE_P=write_p, PIPELINED=cfg.pipelined, P_AFFINE=p_affine, num_warps=cfg.warps,
+            num_stages=cfg.stages,
+        )
     return out, lse, dbg if write_p else dbg[:0]
 
 

@@ -39,6 +39,9 @@ Recipes map to constexpr flags:
              passed as its accumulator): the same alpha * acc + P.V as the reference,
              its float32 additions in the tensor core's order. One loop covers every
              tile; the tiles that need the key/causal mask take it by a runtime branch.
+             At D=128 K and V come by TMA (descriptors built in the kernel,
+             `cp.async.bulk.tensor`) from a load partition of its own; their scale
+             tiles, whose rows are narrower than a TMA box's 16 bytes, by cp.async.
 
 Direct-P on this hardware (docs/notes/blackwell.md): a thread holds whole rows of the
 S tile as it comes out of tensor memory, so the 32-key block maxima are in-thread
@@ -71,6 +74,8 @@ from fp4attn.kernels.common import (
 )
 
 MX_BLOCK = tl.constexpr(32)
+# the head dim whose pipelined build loads K and V by TMA (docs/notes/blackwell.md)
+TMA_HEAD_DIM = tl.constexpr(128)
 
 
 @triton.jit
@@ -321,15 +326,18 @@ def _rescale(acc, alpha, HALVES: tl.constexpr):
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr, start_n,
+def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr, k_desc, v_desc,
+          start_n,
           offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_pm, full,
           QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, HW_CVT: tl.constexpr, MASK: tl.constexpr,
           CAUSAL: tl.constexpr, KEY_BIAS: tl.constexpr, WRITE_P: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PIPELINED: tl.constexpr,
-          P_AFFINE: tl.constexpr, BF16: tl.constexpr):
+          P_AFFINE: tl.constexpr, BF16: tl.constexpr, TMA: tl.constexpr):
     """One key tile. MASK: a tile past `full` (the non-pipelined kernel's second loop,
     masked loads and scores); PIPELINED: every tile, loads masked by the key count (a
-    predicate on the copies) and scores by the mask where start_n >= full."""
+    predicate on the copies) and scores by the mask where start_n >= full. TMA: K and V
+    by the descriptors k_desc, v_desc (keys past Sk read as zeros, as the masked loads'
+    `other`), the same bytes as the pointer loads."""
     offs_n = tl.arange(0, BLOCK_N)
     cols = start_n + offs_n
     key_ok = cols < Sk
@@ -341,7 +349,10 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         # K^T codes (D/2, BLOCK_N), packed along the head dim; scales (BLOCK_N, D/16) e4m3
         kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_h[:, None]
         ksc_ptrs = ksc_ptr + cols[:, None] * stride_ksn + offs_s[None, :]
-        if MASK_LOADS:
+        if TMA:
+            kt = tl.trans(k_desc.load([start_n, 0]))
+            k_sc = tl.load(ksc_ptrs, mask=key_ok[:, None], other=0.0)
+        elif MASK_LOADS:
             kt = tl.load(kt_ptrs, mask=key_ok[None, :], other=0)
             k_sc = tl.load(ksc_ptrs, mask=key_ok[:, None], other=0.0)
         else:
@@ -351,7 +362,9 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         k_ptrs = k_ptr + cols[:, None] * stride_kn + offs_d[None, :]
-        if MASK_LOADS:
+        if TMA:
+            k = k_desc.load([start_n, 0])
+        elif MASK_LOADS:
             k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
@@ -418,7 +431,10 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         offs_kb = tl.arange(0, BLOCK_N // 32)
         offs_d = tl.arange(0, HEAD_DIM)
         # V codes (BLOCK_N/2, D) packed along the keys; scales (D, BLOCK_N/32) E8M0
-        v = tl.load(v_ptr + offs_d[None, :] * stride_vd + (start_n // 2 + offs_kh)[:, None])
+        if TMA:
+            v = tl.trans(v_desc.load([0, start_n // 2]))
+        else:
+            v = tl.load(v_ptr + offs_d[None, :] * stride_vd + (start_n // 2 + offs_kh)[:, None])
         v_sc = tl.load(vsc_ptr + offs_d[:, None] * stride_vsd + (start_n // 32 + offs_kb)[None, :])
         if PIPELINED:
             acc = tl.dot_scaled(p_codes, p_sc, "e2m1", v, v_sc, "e2m1", _rescale(acc, alpha, HEAD_DIM == 128))
@@ -444,7 +460,10 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
             p_val = p.to(tl.float32) * 0.00390625  # p / 2**P_OFFSET_LOG2
             p = p.to(tl.float8e4nv)
         offs_d = tl.arange(0, HEAD_DIM)
-        vt = tl.load(v_ptr + offs_d[:, None] * stride_vd + cols[None, :])  # V^T (D, BLOCK_N) e4m3 or bf16
+        if TMA:
+            vt = v_desc.load([0, start_n])
+        else:
+            vt = tl.load(v_ptr + offs_d[:, None] * stride_vd + cols[None, :])  # V^T (D, BLOCK_N) e4m3 or bf16
         if PIPELINED:
             acc = tl.dot(p, tl.trans(vt), _rescale(acc, alpha, HEAD_DIM == 128))
         else:
@@ -524,25 +543,42 @@ def attn_fwd_sm100_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     full, hi = key_tile_bounds(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    # K and V by TMA in the pipelined kernel at D=128 (TMA_HEAD_DIM): its load partition
+    # shrinks from 4 warps computing cp.async addresses to 2 issuing two bulk copies a
+    # tile; at D=64 the copies are small and the cost model gives TMA no gain
+    TMA: tl.constexpr = PIPELINED and HEAD_DIM == TMA_HEAD_DIM
+    # (built wherever the kernel is pipelined, used where TMA: a None in their place
+    # made Triton 3.6 drop the warp specialization of the D=64 loop)
+    k_desc = None
+    v_desc = None
     if PIPELINED:
+        skp = tl.cdiv(Sk, BLOCK_N) * BLOCK_N
+        if QK_FP4:
+            k_desc = tl.make_tensor_descriptor(k_ptr, [Sk, HEAD_DIM // 2], [stride_kn, 1], [BLOCK_N, HEAD_DIM // 2])
+        else:
+            k_desc = tl.make_tensor_descriptor(k_ptr, [Sk, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM])
+        if PV_FP4:
+            v_desc = tl.make_tensor_descriptor(v_ptr, [HEAD_DIM, skp // 2], [stride_vd, 1], [HEAD_DIM, BLOCK_N // 2])
+        else:
+            v_desc = tl.make_tensor_descriptor(v_ptr, [HEAD_DIM, skp], [stride_vd, 1], [HEAD_DIM, BLOCK_N])
         # one loop (Triton 3.6 fails to build a second loop on the tensor-memory O, in
         # TritonGPUHoistTMEMAlloc, and a plain one after the partitions spills)
         for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True, disallow_acc_multi_buffer=True):
             acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
-                                  kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
+                                  kb_ptr, p_ptr, k_desc, v_desc, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
                                   stride_vd, stride_vsd, stride_pm, full, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL,
-                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, True, P_AFFINE, BF16)
+                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, True, P_AFFINE, BF16, TMA)
     else:
         for start_n in range(0, full, BLOCK_N):
             acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
-                                  kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
+                                  kb_ptr, p_ptr, k_desc, v_desc, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
                                   stride_vd, stride_vsd, stride_pm, full, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL,
-                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, False, P_AFFINE, BF16)
+                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, False, P_AFFINE, BF16, TMA)
         for start_n in range(full, hi, BLOCK_N):
             acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
-                                  kb_ptr, p_ptr, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
+                                  kb_ptr, p_ptr, k_desc, v_desc, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
                                   stride_vd, stride_vsd, stride_pm, full, QK_FP4, PV_FP4, HW_CVT, True, CAUSAL,
-                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, False, P_AFFINE, BF16)
+                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, False, P_AFFINE, BF16, TMA)
 
     # -- epilogue: 1/l, V's per-channel scale (FP8 V); LSE in natural log (FP8 P's 2**8
     # offset cancels in acc / l and is subtracted from the LSE)
