@@ -111,6 +111,8 @@ class ForwardLaunch:
     differs (None: cuda_from_keys).
     cuda_lazy_from_keys: the same for affine FP8 P with `Recipe.rescale="lazy"` (P mode 7)
     where it differs again (None: cuda_affine_from_keys).
+    cuda_persistent: the CUDA kernel on a persistent grid (one CTA per SM taking the work
+    units in turn; the same results bit for bit) instead of a CTA per unit.
     """
 
     block_m: int = 128
@@ -124,6 +126,7 @@ class ForwardLaunch:
     cuda_from_keys: int = 0
     cuda_affine_from_keys: int | None = None
     cuda_lazy_from_keys: int | None = None
+    cuda_persistent: bool = False
 
     def cuda_keys(self, p_mode: int) -> int:
         """The key count from which P mode `p_mode` runs on the CUDA C++ kernel (0: never)."""
@@ -154,13 +157,19 @@ class ForwardLaunch:
 # (0.94x against 0.78x of cuDNN bf16 at (16,16,2048,64) causal, 1.18x against 0.97x at
 # (8,16,2048,128); benchmarks/results/log/h200-lazy-rescale/probe-routing*.txt); shorter rows
 # were not measured.
+# cuda_persistent: non-causal, the persistent grid ran 1-6% faster than a CTA per unit (lazy
+# affine P at D=128: 1.43x against 1.38x of cuDNN bf16 at 4k keys, 1.37x against 1.29x at 2k,
+# 1.49x against 1.48x at 16k; D=64 +1-7%), the exact and exp2 builds alike; causal, 1-6% slower
+# at D=128 and 30% at (16,16,2048,64): the static schedule hands CTA c the units of one query
+# block length over and over there (132 CTAs = 12 x 11 blocks a head), the longest to some
+# (benchmarks/results/log/h200-persistent/persistent-staged*.txt; docs/notes/hopper-cuda-forward.md).
 FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
     (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_from_keys=4096,
-                                      cuda_lazy_from_keys=2048),
+                                      cuda_lazy_from_keys=2048, cuda_persistent=True),
     (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4, cuda_from_keys=4096,
                                      cuda_lazy_from_keys=2048),
     (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_from_keys=8192, cuda_affine_from_keys=2048,
-                                     cuda_lazy_from_keys=2048),
+                                     cuda_lazy_from_keys=2048, cuda_persistent=True),
     (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True, cuda_from_keys=8192, cuda_lazy_from_keys=2048),
     **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True,
                                            ws_overlap=4) for causal in (True, False)},

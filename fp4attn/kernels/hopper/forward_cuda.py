@@ -65,6 +65,7 @@ class Variant:
     # to interleave, in 160 registers per thread (head dim 64 only: 128 would spill)
     consumers: int = 2
     dump_p: bool = False  # checking only: every tile's P codes written to a buffer
+    ablate_epilogue: bool = False  # timing only: no epilogue, no outputs (what a unit's end costs)
 
     def __post_init__(self):
         if (self.affine_p or self.key_tile_scale) and not self.fused_softmax:
@@ -92,15 +93,17 @@ class Variant:
                 f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
                 f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}", f"-DAFFINE_P={int(self.affine_p)}",
                 f"-DAFFINE_ABLATE={self.affine_ablate}", f"-DKEY_TILE_SCALE={int(self.key_tile_scale)}",
-                f"-DLAZY_RESCALE={int(self.lazy_rescale)}"]
+                f"-DLAZY_RESCALE={int(self.lazy_rescale)}", f"-DABLATE_EPILOGUE={int(self.ablate_epilogue)}"]
 
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: Q, the K and V^T rings, the key scales and bias, the
-        mbarriers, and 1024 bytes to align the tiles for the 128-byte swizzle (with
-        fused_softmax, 8 rows of ones after each V^T stage)."""
+        """Dynamic shared memory: Q's two buffers, the K and V^T rings, the consumers' output
+        stages (64 rows of 2 * d + 16 bytes each), the key scales and bias, the mbarriers, and
+        1024 bytes to align the tiles for the 128-byte swizzle (with fused_softmax, 8 rows of
+        ones after each V^T stage)."""
         d = self.head_dim
-        tiles = self.block_m * d + self.stages * (2 * BLOCK_N * d + (8 * BLOCK_N if self.fused_softmax else 0))
-        return 1024 + tiles + 2 * self.stages * BLOCK_N * 4 + (1 + 5 * self.stages) * 8
+        tiles = 2 * self.block_m * d + self.stages * (2 * BLOCK_N * d + (8 * BLOCK_N if self.fused_softmax else 0))
+        tiles += self.consumers * 64 * (2 * d + 16)
+        return 1024 + tiles + 2 * self.stages * BLOCK_N * 4 + (4 + 5 * self.stages) * 8
 
 
 # K/V^T ring depth per (head dim, causal): depths 2, 3 and 4 ran within 2% of each other
@@ -204,7 +207,7 @@ class _Params(ctypes.Structure):
                 ("key_bias", ctypes.c_uint64), ("out", ctypes.c_uint64), ("lse", ctypes.c_uint64),
                 ("H", ctypes.c_int32), ("group", ctypes.c_int32), ("Sq", ctypes.c_int32),
                 ("Sk", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
-                ("k_rows_per_head", ctypes.c_int32), ("qk_scale", ctypes.c_float),
+                ("k_rows_per_head", ctypes.c_int32), ("qk_scale", ctypes.c_float), ("units", ctypes.c_int32),
                 ("p_dump", ctypes.c_uint64),  # at 592 (8-byte aligned, as in C++)
                 ("_pad", ctypes.c_uint8 * 40)]
 
@@ -233,8 +236,6 @@ def cuda_unsupported_reason(ops: KernelOperands, *, causal_offset: int | None = 
         return f"query heads ({H}) must be a multiple of key/value heads ({Hkv})"
     if Sq < 1 or Sk < 1:
         return f"empty sequence (Sq={Sq}, Sk={Sk})"
-    if B * H > 65535:
-        return f"batch x heads = {B * H} exceeds the grid's 65535"
     if key_bias is not None and tuple(key_bias.shape) != (B, Sk):
         return f"key_bias must be (B, Sk) = {(B, Sk)}; got {tuple(key_bias.shape)}"
     return None
@@ -292,9 +293,13 @@ def p_codes_by_slab(p_dump: torch.Tensor, rows: int, causal: bool) -> torch.Tens
     return slabs.reshape(bh, blocks * consumers, tiles, 128, 64)[:, :-(-rows // 64)]
 
 
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, p_dump: torch.Tensor | None = None,
-                        affine_p: bool = False, lazy_rescale: bool = False, **variant):
+                        affine_p: bool = False, lazy_rescale: bool = False, persistent: bool = False, **variant):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
@@ -303,7 +308,8 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     receives every tile's P codes. affine_p: FP8 P by the affine map (P mode 4) instead of
     exp2 (P mode 0), lazy_rescale with it `Recipe.rescale="lazy"` (P mode 7);
     `ops.k_tile_scales` picks the build that folds K's per-tile scale into the rows'
-    factors."""
+    factors. persistent: one CTA per SM, each taking work units (query blocks of a head)
+    in turn, instead of one CTA per unit (the same arithmetic, unit for unit)."""
     fields = {f.name for f in dataclasses.fields(Variant)} - {"head_dim", "causal", "key_bias", "dump_p", "affine_p",
                                                              "key_tile_scale", "lazy_rescale"}
     unknown = sorted(set(variant) - fields)
@@ -350,12 +356,15 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     p.k_rows_per_head = k.shape[2]
     p.qk_scale = scale * LOG2E
     p.p_dump = p_dump.data_ptr() if p_dump is not None else 0
+    p.units = B * H * -(-Sq // variant.block_m)
+    # the kernel's __launch_bounds__(THREADS, 1) and shared memory leave one CTA an SM
+    grid = min(p.units, _sm_count(q.device)) if persistent else p.units
 
     fn = _function(variant, q.device)
     drv = driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
     stream = drv.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    check((drv.cuLaunchKernel(fn, -(-Sq // variant.block_m), B * H, 1, variant.threads, 1, 1,
+    check((drv.cuLaunchKernel(fn, grid, 1, 1, variant.threads, 1, 1,
                                variant.shared_bytes(), stream,
                                ctypes.addressof(args), 0)[0], None), "cuLaunchKernel")
     return out, lse

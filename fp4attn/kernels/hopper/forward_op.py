@@ -59,13 +59,14 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
                          f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
     if use_cuda_forward(cfg, p_mode, qk_fp8, Sk, q.is_cuda) and not write_p:
-        # the CUDA C++ kernel (FlashAttention-3's schedule) from `cuda_from_keys` keys; where its
-        # launch limits are not met (more than 65535 batch x heads), the kernels below
+        # the CUDA C++ kernel (FlashAttention-3's schedule) from `cuda_from_keys` keys; where it
+        # cannot run the operands (`cuda_unsupported_reason`), the kernels below
         from fp4attn.kernels.hopper.forward_cuda import cuda_unsupported_reason, launch_forward_cuda
 
         if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
             out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
-                                           affine_p=p_mode in (4, 7), lazy_rescale=p_mode == 7)
+                                           affine_p=p_mode in (4, 7), lazy_rescale=p_mode == 7,
+                                           persistent=cfg.cuda_persistent)
             return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     # the CUDA kernel above and the Gluon kernel below take FP8 P (p_mode 0, 4 and 7) only: MXFP4 P (P_MODE 1, 2, 5; 3 and its sink_tiles) runs on the Triton kernel
     if (cfg.warp_specialized and p_mode in GLUON_P_MODES and not write_p and key_bias is None and tma_loadable(ops)

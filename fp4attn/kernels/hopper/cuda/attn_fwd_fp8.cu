@@ -11,10 +11,15 @@
 //   out = O / l * vs,  lse = (m + log2 l - 8) * ln 2
 // Only the order of the tile's row sums differs (exact in any order: see softmax_tile).
 //
-// Schedule (one CTA = 64 * CONSUMERS query rows, a producer and CONSUMERS consumer warpgroups):
-//   warpgroup 0, producer (setmaxnreg down to 24): warp 0 issues the TMA copies of Q once
-//     and of K_j and V^T_j into STAGES-deep rings (full/empty mbarriers); warp 1 copies
-//     the tile's key scales (and key bias) into shared memory beside them;
+// Schedule (a work unit = 64 * CONSUMERS query rows of one head; a CTA = a producer and
+// CONSUMERS consumer warpgroups, taking units u = blockIdx.x, + gridDim.x, ... until p.units:
+// one each where the grid has a CTA per unit, or a persistent grid of one CTA per SM, where
+// the producer loads the next unit's Q and first tiles during the last one's final
+// products and epilogue, and the consumers' turns run on from unit to unit):
+//   warpgroup 0, producer (setmaxnreg down to 24 or 32): warp 0 issues the TMA copies of each
+//     unit's Q (two buffers) and of K_j and V^T_j into STAGES-deep rings (full/empty
+//     mbarriers); warp 1 copies
+//     the tile's key scales, and warp 2 its key bias, into shared memory beside them;
 //   warpgroups 1 .. CONSUMERS, consumers (setmaxnreg up to 240 for two, 160 for three), 64
 //     query rows each: per tile QK^T_j and PV_{j-1} issued together, then the softmax of
 //     tile j. The consumers take turns on the tensor cores, round robin through named
@@ -110,6 +115,9 @@
 #ifndef CONSUMERS
 #define CONSUMERS 2  // consumer warpgroups of 64 query rows; 3 fits the registers at HEAD_DIM 64 only
 #endif
+#ifndef ABLATE_EPILOGUE
+#define ABLATE_EPILOGUE 0  // 1: a timing-only build that skips the epilogue (no outputs written)
+#endif
 #ifndef DUMP_P
 #define DUMP_P 0  // 1: a checking build that also writes every tile's P codes to p.p_dump
 #endif
@@ -121,8 +129,12 @@ typedef unsigned short uint16_t;
 #define BLOCK_M (64 * CONSUMERS)  // query rows per CTA: one consumer warpgroup per 64 rows (wgmma's M)
 #define BLOCK_N 128  // keys per tile: part of the recipes' numerics (the online softmax's steps)
 #define THREADS (128 * (CONSUMERS + 1))
-// registers per consumer thread after setmaxnreg: what the producer's 24 leave of 64K
+// registers per consumer thread after setmaxnreg, and what the producer keeps: the CTA's
+// launch allocation (168 a thread for two consumers, 128 for three: __launch_bounds__) is
+// all there is to move between them (a consumer's setmaxnreg.inc waits until the producer's
+// .dec has freed enough)
 #define CONSUMER_REGS (CONSUMERS == 2 ? 240 : 160)
+#define PRODUCER_REGS (CONSUMERS == 2 ? 24 : 32)
 #if CONSUMERS == 3 && HEAD_DIM == 128
 #error "three consumers do not fit 160 registers at head dim 128"
 #endif
@@ -143,6 +155,10 @@ typedef unsigned short uint16_t;
 #define ONES_BYTES (FUSED_SOFTMAX ? 8 * BLOCK_N : 0)
 #define V_STAGE_BYTES (V_BYTES + ONES_BYTES)
 #define PV_N (HEAD_DIM + (FUSED_SOFTMAX ? 8 : 0))
+// the epilogue stages each consumer's 64 output rows in shared memory, rows padded by 16
+// bytes (the fragment writes then hit 32 distinct banks), and copies them out in whole rows
+#define O_ROW_BYTES (2 * HEAD_DIM + 16)
+#define O_STAGE_BYTES (64 * O_ROW_BYTES)
 
 struct __align__(64) TensorMap {
     uint64_t opaque[16];
@@ -162,6 +178,7 @@ struct Params {
     float* lse;             // (B, H, Sq)
     int H, group, Sq, Sk, causal_offset, k_rows_per_head;  // k_rows_per_head: Sk rounded up to 16
     float qk_scale;         // softmax scale * log2 e
+    int units;              // work units: B * H * query blocks (block_plan)
     unsigned char* p_dump;  // DUMP_P: (B*H, blocks, key tiles, consumer threads, 64) P codes as the PV A operand
 };
 // forward_cuda._Params fills these bytes from Python (it asserts the same size)
@@ -472,24 +489,27 @@ WGMMA_RS(wgmma_rs_n72, 72, WGMMA_R32 ", %32, %33, %34, %35", WGMMA_D36, "%36, %3
 
 // -------------------------------------------------------------------- the kernel
 struct Smem {
-    uint32_t q, k, v;  // tile bases (shared-memory addresses, 1024-byte aligned)
+    uint32_t q, k, v;  // tile bases (shared-memory addresses, 1024-byte aligned): two Q buffers
+    uint32_t o;        // the consumers' output stages (CONSUMERS x O_STAGE_BYTES)
     float* ks;         // STAGES x BLOCK_N key scales
     float* bias;       // STAGES x BLOCK_N key bias (KEY_BIAS)
-    uint32_t q_full, k_full, k_empty, v_full, v_empty, ks_full;  // barrier arrays (8 bytes apart)
+    uint32_t q_full, q_empty, k_full, k_empty, v_full, v_empty, ks_full;  // barrier arrays (8 bytes apart)
 };
 
 __device__ __forceinline__ Smem carve(unsigned char* raw) {
     unsigned char* base = (unsigned char*)(((unsigned long long)raw + 1023) & ~1023ull);
     Smem s;
     s.q = smem_addr(base);
-    s.k = s.q + Q_BYTES;
+    s.k = s.q + 2 * Q_BYTES;  // two Q buffers
     s.v = s.k + STAGES * K_BYTES;
-    unsigned char* rest = base + Q_BYTES + STAGES * (K_BYTES + V_STAGE_BYTES);
+    s.o = s.v + STAGES * V_STAGE_BYTES;
+    unsigned char* rest = base + 2 * Q_BYTES + STAGES * (K_BYTES + V_STAGE_BYTES) + CONSUMERS * O_STAGE_BYTES;
     s.ks = (float*)rest;
     s.bias = s.ks + STAGES * BLOCK_N;
     uint32_t bars = smem_addr(s.bias + STAGES * BLOCK_N);
-    s.q_full = bars;
-    s.k_full = bars + 8;
+    s.q_full = bars;  // two each
+    s.q_empty = bars + 16;
+    s.k_full = bars + 32;
     s.k_empty = s.k_full + 8 * STAGES;
     s.v_full = s.k_empty + 8 * STAGES;
     s.v_empty = s.v_full + 8 * STAGES;
@@ -848,35 +868,27 @@ __device__ __forceinline__ void add_pv(float (&o)[HEAD_DIM / 2], const float (&p
 
 #if DUMP_P
 // the P codes of key tile j as this thread holds them (the PV product's A fragments), at
-// ((bh * blocks + block) * key tiles + j) * (consumer threads) + consumer thread, 64 bytes each
-__device__ __forceinline__ void dump_p(const Params& p, const uint32_t (&pa)[4][4], int j, int tid) {
-    const int tiles = (p.Sk + BLOCK_N - 1) / BLOCK_N;
-    const long long slot = ((long long)(blockIdx.y * gridDim.x + blockIdx.x) * tiles + j) * (128 * CONSUMERS) + (tid - 128);
+// ((bh * blocks + block) * key tiles + j) * (consumer threads) + consumer thread, 64 bytes each,
+// block in launch order (block_plan)
+__device__ __forceinline__ void dump_p(const Params& p, const uint32_t (&pa)[4][4], int j, int tid, int bh,
+                                       int start_m) {
+    const int tiles = (p.Sk + BLOCK_N - 1) / BLOCK_N, blocks = (p.Sq + BLOCK_M - 1) / BLOCK_M;
+    const int block = CAUSAL ? blocks - 1 - start_m : start_m;
+    const long long slot = ((long long)(bh * blocks + block) * tiles + j) * (128 * CONSUMERS) + (tid - 128);
     uint4* dst = (uint4*)(p.p_dump + slot * 64);
 #pragma unroll
     for (int c = 0; c < 4; ++c) dst[c] = make_uint4(pa[c][0], pa[c][1], pa[c][2], pa[c][3]);
 }
-#define DUMP_TILE(j) dump_p(p, pa, j, tid)
+#define DUMP_TILE(j) dump_p(p, pa, j, tid, bh, start_m)
 #else
 #define DUMP_TILE(j)
 #endif
 
-// The first of a consumer thread's two query rows, from %tid.x and %ctaid.x read again
-// (asm volatile: not merged with the loop's copy, so no register holds it across the
-// loop; held, it was spilled in the fused-softmax builds)
-__device__ __forceinline__ int thread_row0() {
-    int tid, cta, ncta;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
-    asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(ncta));
-    const int start_m = CAUSAL ? ncta - 1 - cta : cta;  // as block_plan
-    const int t = tid - 128, lane = t % 32;
-    return start_m * BLOCK_M + (t / 128) * 64 + 16 * ((t % 128) / 32) + lane / 4;
-}
-
-// One consumer warpgroup (1 or 2): rows 64 (wg - 1) .. of the block, every key tile of it.
+// One consumer warpgroup (1 .. CONSUMERS): rows 64 (wg - 1) .. of one unit's block, every
+// key tile of it. tile0: the key tiles of the CTA's earlier units (the rings' stages and
+// parities run on across units), unit: how many units came before (Q's parity).
 __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int tid, int wg, int start_m, int bh,
-                                         int bhk, int full, int n_tiles) {
+                                         int bhk, int full, int n_tiles, int tile0, int unit) {
     const int Sq = p.Sq, Sk = p.Sk;
     const int cw = wg - 1;
     const int t = tid - 128 * wg, warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
@@ -898,35 +910,42 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
 #pragma unroll
     for (int r = 0; r < HEAD_DIM / 2; ++r) o[r] = 0.0f;
 
-    // turn-taking on the tensor cores: consumer cw issues its products after bar.sync on
-    // barrier 1 + cw and hands the turn over by bar.arrive on the other's; consumer 0 goes first
-    if (cw == CONSUMERS - 1) named_arrive<1>(256);
-
-    const uint64_t q_desc = smem_desc(sm.q + cw * 64 * QK_ROW_BYTES, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
-    mbar_wait(sm.q_full, 0);
+    // Q's two buffers take turns from unit to unit (the producer loads the next unit's Q
+    // while this one's is still read)
+    const int qb = unit & 1;
+    const uint64_t q_desc = smem_desc(sm.q + qb * Q_BYTES + cw * 64 * QK_ROW_BYTES, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
+    mbar_wait(sm.q_full + 8 * qb, (unit >> 1) & 1);
 
     // tile 0: QK^T alone
-    mbar_wait(sm.k_full, 0);
-    my_turn_wait();
-    wgmma_fence();
-    issue_qk(s, q_desc, sm.k);
-    wgmma_commit();
-    other_turn_give();
-    wgmma_wait<0>();
-    fence_regs(s);
-    if (lane == 0) mbar_arrive(sm.k_empty);
-    mbar_wait(sm.ks_full, 0);
-    if (0 >= full)
-        softmax_tile<true>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q, quiet);
-    else
-        softmax_tile<false>(s, pa, m, l, alpha, a, smem_addr(sm.ks), 0, lim0, p.Sk - 1, q, quiet);
-    DUMP_TILE(0);
+    {
+        const int st = tile0 % STAGES;
+        const uint32_t parity = (tile0 / STAGES) & 1;
+        mbar_wait(sm.k_full + 8 * st, parity);
+        my_turn_wait();
+        wgmma_fence();
+        issue_qk(s, q_desc, sm.k + st * K_BYTES);
+        wgmma_commit();
+        other_turn_give();
+        wgmma_wait<0>();
+        fence_regs(s);
+        if (lane == 0) {
+            mbar_arrive(sm.k_empty + 8 * st);
+            if (n_tiles == 1) mbar_arrive(sm.q_empty + 8 * qb);  // Q is read by no more products
+        }
+        mbar_wait(sm.ks_full + 8 * st, parity);
+        const uint32_t ks_tile = smem_addr(sm.ks + st * BLOCK_N);
+        if (0 >= full)
+            softmax_tile<true>(s, pa, m, l, alpha, a, ks_tile, 0, lim0, p.Sk - 1, q, quiet);
+        else
+            softmax_tile<false>(s, pa, m, l, alpha, a, ks_tile, 0, lim0, p.Sk - 1, q, quiet);
+        DUMP_TILE(0);
+    }
 
     // tile j >= 1: QK^T_j and PV_{j-1} in one turn, both waited for, O updated, then the
     // softmax of tile j (the other consumer's products run meanwhile)
     for (int j = 1; j < n_tiles; ++j) {
-        const int st = j % STAGES, prev = (j - 1) % STAGES;
-        const uint32_t parity = (j / STAGES) & 1, prev_parity = ((j - 1) / STAGES) & 1;
+        const int g = tile0 + j, st = g % STAGES, prev = (g - 1) % STAGES;
+        const uint32_t parity = (g / STAGES) & 1, prev_parity = ((g - 1) / STAGES) & 1;
         mbar_wait(sm.k_full + 8 * st, parity);
         mbar_wait(sm.v_full + 8 * prev, prev_parity);
         my_turn_wait();
@@ -941,6 +960,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         if (lane == 0) {
             mbar_arrive(sm.k_empty + 8 * st);
             mbar_arrive(sm.v_empty + 8 * prev);
+            if (j == n_tiles - 1) mbar_arrive(sm.q_empty + 8 * qb);
         }
         add_pv(o, pv, alpha, l);
         mbar_wait(sm.ks_full + 8 * st, parity);
@@ -952,15 +972,24 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
         DUMP_TILE(j);
     }
 
-    // the last tile's PV
+    // the last tile's PV; while it runs, V's channel scales of this thread's output columns
+    // are loaded, all at once: in the epilogue's loop each load waited behind the store
+    // before it (the compiler cannot move a load above a store that may alias it), which
+    // cost about 4 us a unit at head dim 128, a seventh of a 4k-key row's time (measured)
+    float2 vsc[HEAD_DIM / 8];
     {
-        const int j = n_tiles - 1, st = j % STAGES;
-        mbar_wait(sm.v_full + 8 * st, (j / STAGES) & 1);
+        const int g = tile0 + n_tiles - 1, st = g % STAGES;
+        mbar_wait(sm.v_full + 8 * st, (g / STAGES) & 1);
         my_turn_wait();
         wgmma_fence();
         issue_pv(pv, pa, sm.v + st * V_STAGE_BYTES);
         wgmma_commit();
-        if (cw != CONSUMERS - 1) other_turn_give();  // the last consumer's turn is the last one
+        // the CTA's very last turn (the last consumer's of its last unit) goes to no one
+        if (cw != CONSUMERS - 1 || (int)(blockIdx.x + (unit + 1) * gridDim.x) < p.units) other_turn_give();
+        const float* vs = p.vs + (long long)bhk * HEAD_DIM + 2 * q;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n)
+            asm volatile("ld.global.nc.v2.f32 {%0, %1}, [%2];" : "=f"(vsc[n].x), "=f"(vsc[n].y) : "l"(vs + 8 * n));
         wgmma_wait<0>();
         fence_regs(pv);
         if (lane == 0) mbar_arrive(sm.v_empty + 8 * st);
@@ -968,44 +997,67 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem& sm, int ti
     }
 
     // -------------------------------------------------------------------- epilogue
-    const float* vs = p.vs + (long long)bhk * HEAD_DIM;
-    const int row0e = thread_row0(), row[2] = {row0e, row0e + 8};
+#if ABLATE_EPILOGUE
+    if (p.causal_offset != -2147483647 - 1) return;  // never taken by a real launch: O stays live
+#endif
+    // O / l * vs as bf16 into this consumer's stage, then out in whole 16-byte pieces of
+    // rows (a warp stores 512 contiguous bytes): the fragments' own 4-byte stores, 8 rows of
+    // 16 bytes a warp instruction, cost about 2.4 us a unit at head dim 128 (measured)
+    // the thread's place from %tid.x read again (no register holds it across the loop)
+    int et;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(et));
+    const int ecw = et / 128 - 1, el = et % 128, eq = el % 4;
+    const uint32_t stage = sm.o + ecw * O_STAGE_BYTES;
+    const int r0 = 16 * (el / 32) + (el % 32) / 4;  // the thread's first row in the stage
+    // every thread has read the stage of the unit before (its copy-out below)
+    asm volatile("bar.sync %0, 128;" ::"r"(8 + ecw) : "memory");
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const float li = l[i];  // the whole row's (reduced over the quad every tile)
         const bool seen = li > 0.0f;
         float inv = 0.0f;
         if (seen) asm("rcp.rn.f32 %0, %1;" : "=f"(inv) : "f"(li));
-        if (row[i] < Sq) {
-            unsigned short* out_row = p.out + ((long long)bh * Sq + row[i]) * HEAD_DIM;
 #pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                const int d = 8 * n + 2 * q;
-                const float2 v = *(const float2*)(vs + d);
-                const float y0 = (o[4 * n + 2 * i] * inv) * v.x;
-                const float y1 = (o[4 * n + 2 * i + 1] * inv) * v.y;
-                *(uint32_t*)(out_row + d) = pack_bf16x2(y0, y1);
-            }
-            if (q == 0)
-                p.lse[(long long)bh * Sq + row[i]] =
-                    seen ? ((m[i] + lg2(li)) - LSE_P_OFFSET) * 0.6931471805599453f : -__int_as_float(0x7f800000);
+        for (int n = 0; n < HEAD_DIM / 8; ++n) {
+            const float y0 = (o[4 * n + 2 * i] * inv) * vsc[n].x;
+            const float y1 = (o[4 * n + 2 * i + 1] * inv) * vsc[n].y;
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(stage + (r0 + 8 * i) * O_ROW_BYTES + 2 * (8 * n + 2 * eq)),
+                         "r"(pack_bf16x2(y0, y1)) : "memory");
         }
+        const int row = start_m * BLOCK_M + ecw * 64 + r0 + 8 * i;
+        if (eq == 0 && row < Sq)
+            p.lse[(long long)bh * Sq + row] =
+                seen ? ((m[i] + lg2(li)) - LSE_P_OFFSET) * 0.6931471805599453f : -__int_as_float(0x7f800000);
+    }
+    asm volatile("bar.sync %0, 128;" ::"r"(8 + ecw) : "memory");
+    constexpr int PIECES = 2 * HEAD_DIM / 16;  // 16-byte pieces a row
+    const int row_base = start_m * BLOCK_M + ecw * 64;
+#pragma unroll
+    for (int k = 0; k < 64 * PIECES / 128; ++k) {
+        const int c = el + 128 * k, r = c / PIECES, col = c % PIECES;
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(stage + r * O_ROW_BYTES + 16 * col) : "memory");
+        if (row_base + r < Sq)
+            *(uint4*)(p.out + ((long long)bh * Sq + row_base + r) * HEAD_DIM + 8 * col) = v;
     }
 }
 
-// The CTA's query block and heads, and the key tiles it sees: [0, full) unmasked,
+// Work unit u's query block and heads, and the key tiles it sees: [0, full) unmasked,
 // n_tiles in all (one masked tile for a block that sees no key), as
-// forward_gluon_ws._key_tiles. Each role computes it after its setmaxnreg: a value live
-// across setmaxnreg is spilled by ptxas.
+// forward_gluon_ws._key_tiles. Units run head by head (u = bh * blocks + x), so that the
+// CTAs running at once share their heads' K and V in L2; under a causal mask each head's
+// longest query blocks first (they see the most keys). Each role computes it after its
+// setmaxnreg: a value live across setmaxnreg is spilled by ptxas.
 struct Block {
     int start_m, bh, bhk, full, n_tiles;
 };
 
-__device__ __forceinline__ Block block_plan(const Params& p) {
+__device__ __forceinline__ Block block_plan(const Params& p, int u) {
     Block b;
-    // longest query blocks first under a causal mask (they see the most keys)
-    b.start_m = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    b.bh = blockIdx.y;
+    const int blocks = (p.Sq + BLOCK_M - 1) / BLOCK_M, x = u % blocks;
+    b.start_m = CAUSAL ? blocks - 1 - x : x;
+    b.bh = u / blocks;
     b.bhk = (b.bh / p.H) * (p.H / p.group) + (b.bh % p.H) / p.group;
     int hi = p.Sk;
     b.full = p.Sk / BLOCK_N * BLOCK_N;
@@ -1025,13 +1077,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
     const int wg = tid / 128;
     if (tid == 0) {
         const Smem sm = carve(smem_raw);
-        mbar_init(sm.q_full, 1);
+        for (int b = 0; b < 2; ++b) {
+            mbar_init(sm.q_full + 8 * b, 1);
+            mbar_init(sm.q_empty + 8 * b, 4 * CONSUMERS);  // one arrival per consumer warp
+        }
         for (int st = 0; st < STAGES; ++st) {
             mbar_init(sm.k_full + 8 * st, 1);
             mbar_init(sm.v_full + 8 * st, 1);
             mbar_init(sm.k_empty + 8 * st, 4 * CONSUMERS);  // one arrival per consumer warp
             mbar_init(sm.v_empty + 8 * st, 4 * CONSUMERS);
-            mbar_init(sm.ks_full + 8 * st, 32);  // each lane of the scales warp
+            mbar_init(sm.ks_full + 8 * st, 32 * (1 + KEY_BIAS));  // each lane of the scales (and bias) warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -1050,19 +1105,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
 
     if (wg == 0) {
         // ---------------------------------------------------------------- producer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
         const Smem sm = carve(smem_raw);
-        const Block blk = block_plan(p);
-        const int start_m = blk.start_m, bh = blk.bh, bhk = blk.bhk, n_tiles = blk.n_tiles;
         const int Sq = p.Sq, Sk = p.Sk;
         const int warp = tid / 32, lane = tid % 32;
         if (warp == 0 && lane == 0) {
-            mbar_expect_tx(sm.q_full, Q_BYTES);
-            tma_load_2d(sm.q, &p.q_map, 0, bh * Sq + start_m * BLOCK_M, sm.q_full);
+          int tile0 = 0, unit = 0;
+          for (int u = blockIdx.x; u < p.units; u += gridDim.x, ++unit) {
+            const Block blk = block_plan(p, u);
+            const int bhk = blk.bhk, n_tiles = blk.n_tiles;
+            // Q's buffer is free once the consumers' last QK^T of the unit two before has run
+            const int qb = unit & 1;
+            mbar_wait(sm.q_empty + 8 * qb, ((unit >> 1) & 1) ^ 1);  // a fresh barrier passes at once
+            mbar_expect_tx(sm.q_full + 8 * qb, Q_BYTES);
+            tma_load_2d(sm.q + qb * Q_BYTES, &p.q_map, 0, blk.bh * Sq + blk.start_m * BLOCK_M, sm.q_full + 8 * qb);
             const int group0 = bhk * (p.k_rows_per_head / 16);
             for (int j = 0; j < n_tiles; ++j) {
-                const int st = j % STAGES;
-                const uint32_t free_parity = ((j / STAGES) & 1) ^ 1;  // a fresh barrier passes at once
+                const int g = tile0 + j, st = g % STAGES;
+                const uint32_t free_parity = ((g / STAGES) & 1) ^ 1;  // a fresh barrier passes at once
                 mbar_wait(sm.k_empty + 8 * st, free_parity);
                 mbar_expect_tx(sm.k_full + 8 * st, K_BYTES);
                 const uint32_t k_tile = sm.k + st * K_BYTES;
@@ -1073,32 +1133,54 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
                 mbar_expect_tx(sm.v_full + 8 * st, V_BYTES);
                 tma_load_2d(sm.v + st * V_STAGE_BYTES, &p.v_map, j * BLOCK_N, bhk * HEAD_DIM, sm.v_full + 8 * st);
             }
-        } else if (warp == 1) {
-            // key scales (and bias) of tile j into the stage whose V^T has been read: the
-            // consumers read them in the softmax, before that tile's PV
-            const float* ks = p.ks + (long long)bhk * Sk;
-#if KEY_BIAS
-            const float* kb = p.key_bias + (long long)(bh / p.H) * Sk;
-#endif
+            tile0 += n_tiles;
+          }
+        } else if (warp == 1 || (KEY_BIAS && warp == 2)) {
+          // key scales (warp 1) and key bias (warp 2) of tile j into the stage whose V^T has
+          // been read: the consumers read them in the softmax, before that tile's PV. One
+          // warp each: in the producer's 24 registers one loop holding both spilled.
+          const bool bias = KEY_BIAS && warp == 2;
+          float* dst = bias ? sm.bias : sm.ks;
+          int tile0 = 0;
+          for (int u = blockIdx.x; u < p.units; u += gridDim.x) {
+            const Block blk = block_plan(p, u);
+            const int n_tiles = blk.n_tiles;
+            const float* src = bias ? p.key_bias + (long long)(blk.bh / p.H) * Sk : p.ks + (long long)blk.bhk * Sk;
             for (int j = 0; j < n_tiles; ++j) {
-                const int st = j % STAGES;
-                mbar_wait(sm.v_empty + 8 * st, ((j / STAGES) & 1) ^ 1);
+                const int g = tile0 + j, st = g % STAGES;
+                mbar_wait(sm.v_empty + 8 * st, ((g / STAGES) & 1) ^ 1);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int kk = lane * 4 + e, key = j * BLOCK_N + kk;
-                    sm.ks[st * BLOCK_N + kk] = key < Sk ? ks[key] : 0.0f;
-#if KEY_BIAS
-                    sm.bias[st * BLOCK_N + kk] = key < Sk ? kb[key] : 0.0f;
-#endif
+                    dst[st * BLOCK_N + kk] = key < Sk ? src[key] : 0.0f;
                 }
                 mbar_arrive(sm.ks_full + 8 * st);
             }
+            tile0 += n_tiles;
+          }
         }
     } else {
         // consumers: each role one branch of this if/else with its setmaxnreg (ptxas applies
         // the new register budget only so)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
-        const Block blk = block_plan(p);
-        consumer(p, carve(smem_raw), tid, wg, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles);
+        // turn-taking on the tensor cores: consumer cw issues its products after bar.sync on
+        // barrier 1 + cw and hands the turn over by bar.arrive on the next one's; consumer 0
+        // goes first, and the turns run on across the CTA's units
+        if (wg == CONSUMERS) named_arrive<1>(256);
+        // only the unit count is carried from unit to unit (each carried value costs the
+        // 160-register builds spills): without a causal mask every unit has the same tiles
+#if CAUSAL
+        int tile0 = 0;
+#endif
+        for (int unit = 0; (int)(blockIdx.x + unit * gridDim.x) < p.units; ++unit) {
+            const Block blk = block_plan(p, blockIdx.x + unit * gridDim.x);
+#if !CAUSAL
+            const int tile0 = unit * blk.n_tiles;
+#endif
+            consumer(p, carve(smem_raw), tid, wg, blk.start_m, blk.bh, blk.bhk, blk.full, blk.n_tiles, tile0, unit);
+#if CAUSAL
+            tile0 += blk.n_tiles;
+#endif
+        }
     }
 }
