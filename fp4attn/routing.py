@@ -319,22 +319,16 @@ class BlackwellLaunch:
 # Keyed by (head dim, causal, key mask). Not measured: no Blackwell GPU has run these
 # kernels. Chosen from the sm_100a builds (docs/notes/blackwell.md, `fp4attn
 # compile-report`): the pipelined kernel at 4 warps a partition and 3 stages builds every
-# recipe family at D=64/128, causal or not, with or without a key mask, without spills
+# routed recipe at D=64/128, causal or not, with or without a key mask, without spills
 # (2 stages: nvfp4-fp8 spills 8-32 bytes; S double-buffered in tensor memory: 8-16
-# bytes). The kernel it replaced (8 warps doing everything in turn, 2 stages, 1 with a
-# key mask at D=128) stays reachable as SERIAL_BLACKWELL_LAUNCH for comparison.
+# bytes), so every build runs pipelined. The kernel it replaced (8 warps doing everything
+# in turn, 2 stages) stays reachable as SERIAL_BLACKWELL_LAUNCH, by
+# `override_blackwell_launch`, for comparison; some of its builds spill (FP8 Q/K at D=128
+# with a key mask or affine MXFP4 P), which costs speed, not numerics.
 BLACKWELL_FORWARD_LAUNCH: dict[tuple[int, bool, bool], BlackwellLaunch] = {
     (d, causal, key_mask): BlackwellLaunch() for d in (64, 128) for causal in (False, True) for key_mask in (False, True)
 }
 SERIAL_BLACKWELL_LAUNCH = BlackwellLaunch(warps=8, stages=2, pipelined=False)
-# the serial kernel with a key mask at D=128: one stage (with two, nvfp4-fp8 causal spilled
-# 60 bytes)
-SERIAL_BLACKWELL_LAUNCH_KEY_MASK_128 = BlackwellLaunch(warps=8, stages=1, pipelined=False)
-# (P, P build, head dim) whose pipelined build spills, run on the serial kernel instead:
-# none since K and V load by TMA (affine MXFP4 P at D=128 spilled 648 bytes in the
-# correction partition while the load partition's cp.async addressing shared the
-# partitions' registers; with TMA it builds without a spill, `fp4attn compile-report`)
-BLACKWELL_SERIAL_BUILDS: set[tuple[str, str, int]] = set()
 
 _BLACKWELL_OVERRIDE: contextvars.ContextVar[BlackwellLaunch | None] = contextvars.ContextVar("blackwell_launch",
                                                                                             default=None)
@@ -371,18 +365,16 @@ SM120_FORWARD_LAUNCH: dict[tuple[int, bool], BlackwellLaunch] = {
 CONSUMER_BLACKWELL_TARGETS = ("sm_120", "sm_121")
 
 
-def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False, p: str = "fp8",
-                             p_build: str = "exp2", target: str = "sm_100") -> BlackwellLaunch:
-    """The Blackwell forward's launch for this kernel head dim, masking, P (format and
-    builder: `BLACKWELL_SERIAL_BUILDS` run the serial kernel) and target (consumer
-    Blackwell: `SM120_FORWARD_LAUNCH`)."""
+def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False,
+                             target: str = "sm_100") -> BlackwellLaunch:
+    """The Blackwell forward's launch for this kernel head dim, masking and target
+    (consumer Blackwell: `SM120_FORWARD_LAUNCH`), or the one `override_blackwell_launch`
+    set."""
     override = _BLACKWELL_OVERRIDE.get()
     if override is not None:
         return override
     if target in CONSUMER_BLACKWELL_TARGETS:
         return SM120_FORWARD_LAUNCH[head_dim, key_mask]
-    if (p, p_build, head_dim) in BLACKWELL_SERIAL_BUILDS:
-        return SERIAL_BLACKWELL_LAUNCH_KEY_MASK_128 if key_mask and head_dim == 128 else SERIAL_BLACKWELL_LAUNCH
     return BLACKWELL_FORWARD_LAUNCH[head_dim, causal, key_mask]
 
 
@@ -595,24 +587,13 @@ BLACKWELL_PV = (("mxfp4", "directp", "mxfp4"), ("mxfp4", "affine", "mxfp4"), ("f
 def blackwell_forward_unsupported(recipe: Recipe, head_dim: int, mask: str = "none",
                                   target: str = "sm_100") -> str | None:
     """Why the Blackwell forward cannot run `recipe` at `head_dim` with this mask kind
-    ("none", "key"; see `KernelFamily`) on `target`, or None. The spill rules are those
-    of the datacenter builds' serial kernel; the consumer launches build every routed
-    recipe without one."""
+    ("none", "key"; see `KernelFamily`) on `target`, or None. Every launch it routes
+    builds without a spill (the pipelined kernel on sm_100/sm_103, the consumer launches
+    on sm_120), so no rule here is about registers."""
     if trained_affine(recipe):
         return "the trained affine FP8 P (its integer reference grid: the Hopper Triton kernels build it)"
     if recipe.rescale != "exact":
         return f"rescale={recipe.rescale!r} (the Blackwell kernels move the reference point at every tile)"
-    dk = kernel_head_dim(head_dim)
-    serial = dk is not None and target in BLACKWELL_TARGETS and not blackwell_forward_launch(
-        dk, False, mask == "key", recipe.p, recipe.p_build).pipelined
-    if serial and recipe.qk == "fp8" and dk == 128 and mask == "key":
-        # the serial kernel's sm_100a builds spill (255 registers; 340 bytes with FP8 P,
-        # 276 with Direct-P): a thread holds its row's 64 keys of the key bias beside
-        # their per-token key scales, the S tile and the output accumulator
-        return "a key mask with FP8 Q/K at head_dim 128 (the Blackwell build would spill registers)"
-    if serial and recipe.qk == "fp8" and dk == 128 and (recipe.p, recipe.p_build) == ("mxfp4", "affine"):
-        # its serial causal build spills 284 bytes (the pipelined one 648, any mask)
-        return "FP8 Q/K with affine MXFP4 P at head_dim 128 (the Blackwell build would spill registers)"
     robust = robust_unsupported_reason(recipe, BLACKWELL_FORWARD_ROBUST_FIELDS)
     if robust is not None:
         return robust
@@ -667,8 +648,7 @@ def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask:
     build = {"directp": "Direct-P", "affine": "affine", "exp2": "exp2"}[recipe.p_build]
     pv = f"{build} MXFP4 PV (kind::mxf4)" if recipe.p == "mxfp4" else f"{build} FP8 PV (kind::f8f6f4)"
     dk = kernel_head_dim(head_dim)
-    serial = dk is not None and not blackwell_forward_launch(dk, causal, mask == "key", recipe.p,
-                                                             recipe.p_build).pipelined
+    serial = dk is not None and not blackwell_forward_launch(dk, causal, mask == "key").pipelined
     return f"blackwell.forward_triton ({'serial' if serial else 'pipelined'}, {qk}, {pv})"
 
 

@@ -45,23 +45,18 @@ def test_routed_builds_are_pipelined_where_the_routing_says(records):
     """The routing's pipelined launches build warp-specialized kernels whose MMA,
     softmax and correction partitions the cost model finds, at D=128 with K and V
     loaded by TMA (`cp.async.bulk.tensor`, a copy each a tile) from a load partition of
-    at most two warps; the serial kernel only where `routing.BLACKWELL_SERIAL_BUILDS`
-    says (none today)."""
-    from fp4attn.routing import BLACKWELL_SERIAL_BUILDS
-
+    at most two warps. Every routed build is pipelined (the serial kernel is reachable
+    by `routing.override_blackwell_launch` only)."""
     for r in records:
-        p_build = "affine" if r["p_affine"] else "directp" if r["pv_fp4"] else "exp2"
-        serial = ("mxfp4" if r["pv_fp4"] else "fp8", p_build, r["head_dim"]) in BLACKWELL_SERIAL_BUILDS
-        assert r["pipelined"] is not serial, (r["recipe"], r["head_dim"], r["causal"])
-        if r["pipelined"]:
-            parts = r["prediction"]["partitions"]
-            tma = r["head_dim"] == 128  # forward_triton.TMA_HEAD_DIM
-            roles = {"mma", "softmax", "correction"} | ({"load"} if tma else set())
-            assert set(parts) == roles and parts["softmax"]["warps"] == 4, parts
-            # K and V each by a bulk copy (the compiler may place a copy more than once)
-            assert (r["tma_loads"] >= 2) if tma else r["tma_loads"] == 0, (r["recipe"], r["head_dim"], r["tma_loads"])
-            if tma:
-                assert parts["load"]["warps"] <= 2 and parts["load"]["instructions"] < 100, parts
+        assert r["pipelined"], (r["recipe"], r["head_dim"], r["causal"])
+        parts = r["prediction"]["partitions"]
+        tma = r["head_dim"] == 128  # forward_triton.TMA_HEAD_DIM
+        roles = {"mma", "softmax", "correction"} | ({"load"} if tma else set())
+        assert set(parts) == roles and parts["softmax"]["warps"] == 4, parts
+        # K and V each by a bulk copy (the compiler may place a copy more than once)
+        assert (r["tma_loads"] >= 2) if tma else r["tma_loads"] == 0, (r["recipe"], r["head_dim"], r["tma_loads"])
+        if tma:
+            assert parts["load"]["warps"] <= 2 and parts["load"]["instructions"] < 100, parts
 
 
 def test_fp4_products_are_block_scaled_fp4_mmas(records):
@@ -108,7 +103,6 @@ def test_affine_mxfp4_p_issues_at_most_8_instructions_per_score(records):
     partition's tile loop (D=64 pipelined, non-causal, the tail mask's selects included;
     9.6 with scalar products and the row sums from float32 values). Its scores are two
     FMUL2 a pair, the map one FFMA2, the row sums one dp4a (IDP) per block."""
-    from fp4attn.tools.cost_model_sm100 import pipeline_loops
     from fp4attn.tools.machine_code_sm100 import compile_forward, inspect
 
     ipe = {r["recipe"]: r["prediction"]["instructions_per_element"] for r in records
@@ -117,7 +111,7 @@ def test_affine_mxfp4_p_issues_at_most_8_instructions_per_score(records):
     launch = compile_report._launch(True, True, False, 64, False, "sm_100a")
     rep = inspect(compile_forward(True, True, False, 64, block_m=launch.block_m, num_warps=launch.warps,
                                   num_stages=launch.stages, pipelined=launch.pipelined, p_affine=True))
-    ops = pipeline_loops(rep)["softmax"].opcodes
+    ops = rep.partition_loops()["softmax"].opcodes
     scores = launch.block_m * 128 // (4 * 32)  # per thread of the 4 softmax warps
     count = {op: sum(o.split(".")[0] == op for o in ops) for op in ("FMUL", "FMUL2", "FFMA2", "IDP")}
     assert count["FMUL2"] >= scores and count["FFMA2"] >= scores // 2, count
@@ -184,18 +178,11 @@ def test_sm103a_builds_every_routed_forward_without_spills():
     sm_103a, warp-specialized where routed, without spills, tensor memory within 512
     columns, the FP4 products block-scaled (no SASS: the bundled cuobjdump cannot read
     sm_103a, so no prediction)."""
-    from fp4attn.routing import BLACKWELL_SERIAL_BUILDS
-
     recs = compile_report.records("sm_103a", key_bias=False, backward=False)
     assert {r["recipe"] for r in recs} >= {"directp", "nvfp4-fp8", "directp-fast", "fp8-affine"}
-
-    def serial(r):
-        p_build = "affine" if r["p_affine"] else "directp" if r["pv_fp4"] else "exp2"
-        return ("mxfp4" if r["pv_fp4"] else "fp8", p_build, r["head_dim"]) in BLACKWELL_SERIAL_BUILDS
-
     bad = [(r["recipe"], r["head_dim"], r["causal"], r["spill_bytes"], r["tmem_columns"]) for r in recs
            if r["spill_bytes"] or not 0 < r["tmem_columns"] <= 512 or not r["fp4_block_scaled"]
-           or r["pipelined"] is serial(r) or (r["pipelined"] and r["head_dim"] == 128 and r["tma_loads"] < 2)]
+           or not r["pipelined"] or (r["head_dim"] == 128 and r["tma_loads"] < 2)]
     assert not bad, bad
 
 

@@ -58,9 +58,7 @@ def routed_builds(key_bias: bool = True, arch: str = "sm_100a") -> list[dict]:
 
 
 def _launch(pv_fp4: bool, p_affine: bool, causal: bool, head_dim: int, key_bias: bool, arch: str):
-    p = "mxfp4" if pv_fp4 else "fp8"
-    return blackwell_forward_launch(head_dim, causal, key_bias, p, "affine" if p_affine else
-                                    "directp" if pv_fp4 else "exp2", TARGET_OF_ARCH[arch])
+    return blackwell_forward_launch(head_dim, causal, key_bias, TARGET_OF_ARCH[arch])
 
 
 @functools.lru_cache(maxsize=None)

@@ -79,61 +79,6 @@ def _issue_clocks(loops: list[tuple[int, int]], gpu: B200) -> float:
     return sum(n * (w / gpu.schedulers if w >= gpu.schedulers else w) for n, w in loops)
 
 
-def _partition_ops(ttgir: str) -> list[tuple[int, str]]:
-    """(warps, body) of each worker partition of a warp-specialized build's IR, in order."""
-    pieces = re.split(r"^\s*partition\d+\(", ttgir, flags=re.M)[1:]
-    return [(int(re.search(r"num_warps\((\d+)\)", body).group(1)), body) for body in pieces]
-
-
-def pipeline_loops(report) -> dict:
-    """The tile loop of each partition of a pipelined build, by role, as
-    `machine_code_sm100.PartitionLoop`s: "mma" (the loop issuing tcgen05 MMAs, with the
-    loads Triton leaves beside them: cp.async and the scale tiles' copies into tensor
-    memory), "load" (where K and V come by TMA: the loop issuing UTMALDG and no MMA),
-    "softmax" (the largest of the rest) and "correction". The warps of each come from
-    the IR: the partition holding the MMA (`tc_gen5_mma`), the one holding the TMA
-    copies and nothing else of note, the remaining worker partition for the
-    correction, the launch's warps for the default (softmax) partition. Loops are found
-    as `BlackwellReport.partition_loops` finds them (the innermost backward branches of
-    20 instructions or more, before the last EXIT, holding no setmaxnreg)."""
-    from fp4attn.tools.machine_code_sm100 import PartitionLoop
-
-    ins = report.instructions()
-    at = {a: i for i, (a, _, _) in enumerate(ins)}
-    exits = [i for i, (_, op, _) in enumerate(ins) if op == "EXIT"]
-    spans = []
-    for i, (a, op, operands) in enumerate(ins[:exits[-1] if exits else 0]):
-        m = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
-        if m is None or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
-            continue
-        j = at[int(m.group(1), 16)]
-        if i - j + 1 >= 20 and not any(o.startswith("USETMAXREG") for _, o, _ in ins[j:i + 1]):
-            spans.append((j, i))
-    inner = [(j, i) for j, i in spans if not any(j <= j2 and i2 <= i and (j2, i2) != (j, i) for j2, i2 in spans)]
-    loops = []
-    for j, i in inner:
-        alloc = [int(m.group(1), 16) for _, o, rest in ins[:j] if o.startswith("USETMAXREG.TRY_ALLOC")
-                 for m in [re.search(r"0x([0-9a-f]+)", rest)] if m]
-        loops.append(([o for _, o, _ in ins[j:i + 1]], alloc[-1] if alloc else None))
-    mma = [lp for lp in loops if any(o.startswith("UTC") and "MMA" in o for o in lp[0])]
-    tma = [lp for lp in loops if lp not in mma and any(o.startswith("UTMALDG") for o in lp[0])]
-    rest = sorted((lp for lp in loops if lp not in mma and lp not in tma), key=lambda lp: -len(lp[0]))
-    if len(mma) != 1 or len(tma) > 1 or len(rest) != 2:
-        raise ValueError(f"expected one MMA loop, at most one TMA load loop and two others in a pipelined build, "
-                         f"found {len(mma)}, {len(tma)} and {len(rest)}")
-    parts = _partition_ops(report.ttgir)
-    mma_w = [w for w, body in parts if "tc_gen5_mma" in body]
-    tma_w = [w for w, body in parts if "tc_gen5_mma" not in body and "async_tma_copy_global_to_local" in body]
-    other_w = [w for w, body in parts if "tc_gen5_mma" not in body and (not tma or
-                                                                          "async_tma_copy_global_to_local" not in body)]
-    warps = {"mma": mma_w[0], "softmax": report.num_warps, "correction": max(other_w)}
-    roles = [("mma", mma[0]), ("softmax", rest[0]), ("correction", rest[1])]
-    if tma:
-        warps["load"] = tma_w[0]
-        roles.append(("load", tma[0]))
-    return {role: PartitionLoop(role, lp[0], warps[role], lp[1]) for role, lp in roles}
-
-
 def predict(report, *, qk: str, pv: str, head_dim: int, block_m: int = 128, block_n: int = 128,
             gpu: GPU = B200) -> dict:
     """The model's figures for one compiled build (`machine_code_sm100.BlackwellReport`)
@@ -147,7 +92,7 @@ def predict(report, *, qk: str, pv: str, head_dim: int, block_m: int = 128, bloc
     tensor = flop / gpu.rate(qk) + flop / gpu.rate(pv)
     out: dict = {"pipelined": report.pipelined}
     if report.pipelined:
-        loops = pipeline_loops(report)
+        loops = report.partition_loops()
         softmax = loops["softmax"]
         elems = block_m * block_n / (softmax.warps * 32)
         parts = {role: {"instructions": len(lp.opcodes), "warps": lp.warps, "registers": lp.registers,

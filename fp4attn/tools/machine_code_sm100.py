@@ -108,8 +108,9 @@ _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-
 @dataclass(frozen=True)
 class PartitionLoop:
     """The tile loop of one partition of a warp-specialized build: its role ("mma": the
-    loads and the MMA issue; "softmax": P building; "correction": O rescaled in tensor
-    memory), its opcodes in order, the warps running it and their register limit."""
+    MMA issue and the loads left beside it; "load": K and V by TMA; "softmax": P
+    building; "correction": O rescaled in tensor memory), its opcodes in order, the warps
+    running it and their register limit."""
 
     role: str
     opcodes: list[str]
@@ -140,22 +141,25 @@ class BlackwellReport:
         """(address, opcode with modifiers, operands) of every SASS instruction."""
         return [(int(a, 16), op, rest) for a, op, rest in _INSTRUCTION.findall(self.sass)]
 
-    def partitions(self) -> list[tuple[int, int]]:
-        """(warps, register limit) of each worker partition, in the IR's order."""
-        regs = re.search(r"requestedRegisters = array<i32: ([0-9, ]+)>", self.ttgir)
-        warps = [int(w) for w in re.findall(r"^\s*partition\d+\(.*num_warps\((\d+)\)", self.ttgir, re.M)]
-        regs = [int(r) for r in regs.group(1).split(",")] if regs else [None] * len(warps)
-        return list(zip(warps, regs))
+    def partitions(self) -> list[tuple[int, str]]:
+        """(warps, IR body) of each worker partition of a warp-specialized build, in the
+        IR's order."""
+        pieces = re.split(r"^\s*partition\d+\(", self.ttgir, flags=re.M)[1:]
+        return [(int(re.search(r"num_warps\((\d+)\)", body).group(1)), body) for body in pieces]
 
     def partition_loops(self) -> dict[str, PartitionLoop]:
-        """The tile loop of each partition of a pipelined build, by role. A loop is a
-        backward branch before the kernel's last EXIT (after it ptxas puts the retry
-        stubs of mbarrier waits, which branch back into the loops), holding no
-        setmaxnreg (the partitions' dispatch) and 20 instructions or more (the waits'
-        own spin loops are shorter). Of the innermost such loops, the one issuing
-        tcgen05 MMAs is "mma", the largest of the others "softmax", the next
-        "correction". A loop's warps are those of the partition whose setmaxnreg
-        precedes it (the default partition's: the launch's num_warps)."""
+        """The tile loop of each partition of a pipelined build, by role: "mma" (the
+        loop issuing tcgen05 MMAs, with the loads Triton leaves beside them: cp.async and
+        the scale tiles' copies into tensor memory), "load" (where K and V come by TMA:
+        the loop issuing UTMALDG and no MMA), "softmax" (the largest of the rest) and
+        "correction" (the other). A loop is a backward branch before the kernel's last
+        EXIT (after it ptxas puts the retry stubs of mbarrier waits, which branch back
+        into the loops), holding no setmaxnreg (the partitions' dispatch) and 20
+        instructions or more (the waits' own spin loops are shorter); of those, the
+        innermost. Its register limit is that of the setmaxnreg before it; its warps come
+        from the IR: the partition holding the MMA (`tc_gen5_mma`), the one holding the
+        TMA copies and no MMA, the largest remaining worker partition for the
+        correction, the launch's warps for the default (softmax) partition."""
         ins = self.instructions()
         at = {a: i for i, (a, _, _) in enumerate(ins)}
         exits = [i for i, (_, op, _) in enumerate(ins) if op == "EXIT"]
@@ -165,25 +169,31 @@ class BlackwellReport:
             if m is None or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
                 continue
             j = at[int(m.group(1), 16)]
-            body = [o for _, o, _ in ins[j:i + 1]]
-            if i - j + 1 >= 20 and not any(o.startswith("USETMAXREG") for o in body):
+            if i - j + 1 >= 20 and not any(o.startswith("USETMAXREG") for _, o, _ in ins[j:i + 1]):
                 spans.append((j, i))
         inner = [(j, i) for j, i in spans if not any(j <= j2 and i2 <= i and (j2, i2) != (j, i) for j2, i2 in spans)]
-        by_regs = {r: w for w, r in self.partitions()}
         loops = []
         for j, i in inner:
-            body = [o for _, o, _ in ins[j:i + 1]]
             alloc = [int(m.group(1), 16) for _, o, rest in ins[:j] if o.startswith("USETMAXREG.TRY_ALLOC")
                      for m in [re.search(r"0x([0-9a-f]+)", rest)] if m]
-            regs = alloc[-1] if alloc else None
-            loops.append((body, by_regs.get(regs, self.num_warps), regs))
+            loops.append(([o for _, o, _ in ins[j:i + 1]], alloc[-1] if alloc else None))
         mma = [lp for lp in loops if any(o.startswith("UTC") and "MMA" in o for o in lp[0])]
-        rest = sorted((lp for lp in loops if lp not in mma), key=lambda lp: -len(lp[0]))
-        if len(mma) != 1 or len(rest) != 2:
-            raise ValueError(f"expected one MMA loop and two others in a pipelined build, found {len(mma)} and "
-                             f"{len(rest)}")
-        return {role: PartitionLoop(role, *lp) for role, lp in
-                (("mma", mma[0]), ("softmax", rest[0]), ("correction", rest[1]))}
+        tma = [lp for lp in loops if lp not in mma and any(o.startswith("UTMALDG") for o in lp[0])]
+        rest = sorted((lp for lp in loops if lp not in mma and lp not in tma), key=lambda lp: -len(lp[0]))
+        if len(mma) != 1 or len(tma) > 1 or len(rest) != 2:
+            raise ValueError(f"expected one MMA loop, at most one TMA load loop and two others in a pipelined "
+                             f"build, found {len(mma)}, {len(tma)} and {len(rest)}")
+        parts = self.partitions()
+        tma_ir = "async_tma_copy_global_to_local"
+        mma_w = [w for w, body in parts if "tc_gen5_mma" in body]
+        tma_w = [w for w, body in parts if "tc_gen5_mma" not in body and tma_ir in body]
+        other_w = [w for w, body in parts if "tc_gen5_mma" not in body and (not tma or tma_ir not in body)]
+        warps = {"mma": mma_w[0], "softmax": self.num_warps, "correction": max(other_w)}
+        roles = [("mma", mma[0]), ("softmax", rest[0]), ("correction", rest[1])]
+        if tma:
+            warps["load"] = tma_w[0]
+            roles.append(("load", tma[0]))
+        return {role: PartitionLoop(role, lp[0], warps[role], lp[1]) for role, lp in roles}
 
     def count(self, pattern: str) -> int:
         return len(re.findall(pattern, self.sass))

@@ -50,10 +50,7 @@ def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int |
     B, H, Sq = q.shape[:3]
     Hkv, Sk = k.shape[1], k.shape[2]
     D = ops.v.shape[2]
-    p = "mxfp4" if ops.pv_fp4 else "fp8"
-    cfg = blackwell_forward_launch(D, causal_offset is not None, key_bias is not None, p,
-                                   "affine" if p_affine else "directp" if ops.pv_fp4 else "exp2",
-                                   target_of(q.device))
+    cfg = blackwell_forward_launch(D, causal_offset is not None, key_bias is not None, target_of(q.device))
     dev = q.device
     out = torch.empty((B, H, Sq, D), device=dev, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=dev, dtype=torch.float32)
@@ -109,7 +106,7 @@ def _blackwell_attention_op(
 def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, write_p, key_bias, smooth_k=False, rotate_qk="",
       four_over_six=False, head_dim=0):
     B, H, Sq, D = q.shape
-    block_m = blackwell_forward_launch(D, causal, key_bias is not None, p, p_build, target_of(q.device)).block_m
+    block_m = blackwell_forward_launch(D, causal, key_bias is not None, target_of(q.device)).block_m
     sq_pad = -(-Sq // block_m) * block_m
     dbg_shape = (B, H, sq_pad, k.shape[2]) if write_p else (0, 1, 1, 1)
     return (q.new_empty((B, H, Sq, D), dtype=torch.bfloat16), q.new_empty((B, H, Sq), dtype=torch.float32),
