@@ -101,8 +101,11 @@ def test_affine_p_builds_fewer_instructions_than_direct_p(records):
 def test_affine_mxfp4_p_issues_at_most_8_instructions_per_score(records):
     """Issue 35's bar for directp-fast: at most 8 instructions per score in the softmax
     partition's tile loop (D=64 pipelined, non-causal, the tail mask's selects included;
-    9.6 with scalar products and the row sums from float32 values). Its scores are two
-    FMUL2 a pair, the map one FFMA2, the row sums one dp4a (IDP) per block."""
+    9.6 with scalar products and the row sums from float32 values, 7.68 with the clamp
+    by two FMNMX a score). Its scores are two FMUL2 a pair, the map and its shift onto
+    the code's bits two FFMA2 a pair, the clamp one VIMNMX a score (no float min or max
+    but the block maxima's and a few per row), the bytes one I2IP a pair, the row sums
+    one dp4a (IDP) per block."""
     from fp4attn.tools.machine_code_sm100 import compile_forward, inspect
 
     ipe = {r["recipe"]: r["prediction"]["instructions_per_element"] for r in records
@@ -113,8 +116,10 @@ def test_affine_mxfp4_p_issues_at_most_8_instructions_per_score(records):
                                   num_stages=launch.stages, pipelined=launch.pipelined, p_affine=True))
     ops = rep.partition_loops()["softmax"].opcodes
     scores = launch.block_m * 128 // (4 * 32)  # per thread of the 4 softmax warps
-    count = {op: sum(o.split(".")[0] == op for o in ops) for op in ("FMUL", "FMUL2", "FFMA2", "IDP")}
-    assert count["FMUL2"] >= scores and count["FFMA2"] >= scores // 2, count
+    count = {op: sum(o.split(".")[0] == op for o in ops) for op in ("FMUL", "FMUL2", "FFMA2", "IDP", "VIMNMX",
+                                                                     "I2IP", "FMNMX")}
+    assert count["FMUL2"] >= scores and count["FFMA2"] >= scores, count
+    assert count["VIMNMX"] >= scores and count["I2IP"] >= scores // 2 and count["FMNMX"] <= 8, count
     assert count["IDP"] == 128 // 32 and count["FMUL"] <= 2, count
 
 

@@ -226,10 +226,18 @@ PTX_EMULATOR = textwrap.dedent(r'''
             elif op == "mul.rn.ftz.f32x2":  # each lane one float32 product, denormals flushed
                 regs[a[0]] = tuple(_bits(_ftz(_ftz(_f32(x)) * _ftz(_f32(y))))
                                    for x, y in zip(regs[a[1]], regs[a[2]]))
-            elif op == "fma.rn.f32x2":  # by 2 (exact): the float32 sum is the FMA's one rounding
-                assert all(np.all(_f32(y) == 2.0) for y in regs[a[2]]), line
-                regs[a[0]] = tuple(_bits(_f32(x) * np.float32(2) + _f32(z))
-                                   for x, z in zip(regs[a[1]], regs[a[3]]))
+            elif op == "fma.rn.f32x2":  # by a power of two, denormals kept: the product is
+                # exact in float64, and the float64 sum of two 24-bit significands rounded
+                # again to float32 is the FMA's one rounding (53 >= 2 * 24 + 2)
+                assert all(np.all(np.frexp(_f32(y))[0] == 0.5) for y in regs[a[2]]), line
+                regs[a[0]] = tuple(_bits((_f32(x).astype(np.float64) * _f32(y) + _f32(z)).astype(np.float32))
+                                   for x, y, z in zip(regs[a[1]], regs[a[2]], regs[a[3]]))
+            elif op == "min.relu.s32":  # max(min(a, b), 0) on int32
+                x, y = v(a[1]).view(np.int32), v(a[2]).view(np.int32)
+                regs[a[0]] = np.maximum(np.minimum(x, y), 0).view(np.uint32)
+            elif op == "cvt.pack.sat.u4.s32.b32":  # (c << 8) | (a << 4) | b, a and b clamped to [0, 15]
+                x, y = (np.clip(v(t).view(np.int32), 0, 15).astype(np.uint32) for t in a[1:3])
+                regs[a[0]] = (v(a[3]) << np.uint32(8)) | (x << np.uint32(4)) | y
             elif op == "max.NaN.f32":
                 regs[a[0]] = _max_min_nan(np.maximum, v(a[1]), v(a[2]))
             elif op == "min.NaN.f32":
@@ -305,13 +313,15 @@ AFFINE_X2 = BLACKWELL_PATCHES + PTX_EMULATOR + textwrap.dedent('''
             mask = torch.ones(B, 1, 1, sk, dtype=torch.bool)
             mask[0, ..., int(0.6 * sk):] = False
             key_bias = key_bias_of_mask(mask, B, sk)
+            key_bias[0, :7] = -1.0e30  # finite scores far below the row's: code 0 off the map's binade
         kw = dict(scale=D**-0.5, causal_offset=causal_offset(causal, sq, sk), key_bias=key_bias, write_p=True)
         forward_op.interpreting = lambda: True
         plain = blackwell_attention(q, k, v, r, **kw)
         forward_op.interpreting = lambda: False  # HW_CVT: the two-wide path, its PTX emulated
         PTX_RUN.clear()
         x2 = blackwell_attention(q, k, v, r, **kw)
-        assert {"mul.rn.ftz.f32x2", "fma.rn.f32x2", "prmt.b32", "dp4a.u32.u32"} <= PTX_RUN, (name, PTX_RUN)
+        assert {"mul.rn.ftz.f32x2", "fma.rn.f32x2", "min.relu.s32", "cvt.pack.sat.u4.s32.b32", "prmt.b32",
+                "dp4a.u32.u32"} <= PTX_RUN, (name, PTX_RUN)
         for a, b in zip(plain, x2):  # bf16 compared by its bits, NaN equal to NaN
             a, b = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x for x in (a, b))
             nan = torch.isnan(a) if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)

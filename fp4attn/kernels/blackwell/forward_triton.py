@@ -117,17 +117,18 @@ def _log2_scores_x2(s, a, b):
 def _affine_group_ptx() -> str:
     """The PTX of `_affine_group_x2`: the eight keys' scores in $2-$9, C in $10; the code
     word out in $0, the value lanes in $1."""
-    lines = [".reg .b64 two, x, y;", ".reg .b32 a, b, p0, p1, p2, p3, q01, q23, t0, t1, l01, l23;",
-             "mov.b64 two, 0x4000000040000000;", "mov.b64 y, {$10, $10};"]
+    lines = [".reg .b64 two, den, sub, x, y;", ".reg .b32 a, b, c0, c1, c2, c3, c4, c5, c6, c7, w, t0, t1, l01, l23;",
+             "mov.b64 two, 0x4000000040000000;", "mov.b64 y, {$10, $10};",
+             # 2**-149 (the least denormal) and -MAGIC * 2**-149 in each lane
+             "mov.b64 den, 0x0000000100000001;", "mov.b64 sub, 0x80C0000080C00000;"]
     for i in range(4):  # pair i: keys 2i, 2i + 1
         lines += [f"mov.b64 x, {{${2 + 2 * i}, ${3 + 2 * i}}};", "fma.rn.f32x2 x, x, two, y;",
-                  "mov.b64 {a, b}, x;",
-                  "max.NaN.f32 a, a, 0f4B400000;", "max.NaN.f32 b, b, 0f4B400000;",
-                  "min.NaN.f32 a, a, 0f4B400007;", "min.NaN.f32 b, b, 0f4B400007;",
-                  f"mad.lo.u32 p{i}, b, 16, a;"]
-    lines += ["prmt.b32 q01, p0, p1, 0x0040;", "prmt.b32 q23, p2, p3, 0x0040;",
-              "prmt.b32 $0, q01, q23, 0x5410;", "mov.b32 t0, 0x03020100;", "mov.b32 t1, 0x0C080604;",
-              "prmt.b32 l01, t0, t1, q01;", "prmt.b32 l23, t0, t1, q23;", "add.u32 $1, l01, l23;"]
+                  "fma.rn.f32x2 x, x, den, sub;", "mov.b64 {a, b}, x;",
+                  f"min.relu.s32 c{2 * i}, a, 7;", f"min.relu.s32 c{2 * i + 1}, b, 7;"]
+    lines += ["cvt.pack.sat.u4.s32.b32 w, c7, c6, 0;", "cvt.pack.sat.u4.s32.b32 w, c5, c4, w;",
+              "mov.b32 t0, 0x03020100;", "mov.b32 t1, 0x0C080604;", "prmt.b32 l23, t0, t1, w;",
+              "cvt.pack.sat.u4.s32.b32 w, c3, c2, w;", "cvt.pack.sat.u4.s32.b32 $0, c1, c0, w;",
+              "prmt.b32 l01, t0, t1, $0;", "add.u32 $1, l01, l23;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
@@ -142,13 +143,18 @@ def _affine_group_x2(k0, k1, k2, k3, k4, k5, k6, k7, c):
     i; int32 words of four byte lanes whose sum is twice the eight codes' E2M1 values).
 
     The map f = 2 t + C of a pair of keys by one `fma.rn.f32x2` (each lane rounded once,
-    as the scalar FMA and the reference's `(2 t) + C`: 2 t is exact), clamped to [MAGIC,
-    MAGIC + 7] by the NaN-propagating max and min; a pair's byte is the low byte of
-    lo + 16 hi (MAGIC's low byte is 0). The values by one PRMT per four codes: a PRMT
-    selector nibble's low three bits pick one of the eight bytes of its two sources,
-    which hold twice the E2M1 values (0, 1, 2, 3, 4, 6, 8, 12) at the codes' places, and
-    two code bytes are the selector of four codes (PRMT reads the selector's low 16
-    bits only). A lane adds two values per group: at most 24, 96 over a block."""
+    as the scalar FMA and the reference's `(2 t) + C`: 2 t is exact); a second one,
+    (f - MAGIC) * 2**-149, is exact wherever f is in MAGIC's binade (f - MAGIC an integer
+    k, k * 2**-149 a denormal whose bits are k) and negative below it (a -inf score
+    included), so the int32 of its bits clamped to [0, 7] by `min.relu.s32` is the
+    reference's clamp of f to [MAGIC, MAGIC + 7] (the map reaches 8 at most for a finite
+    score; a NaN row's codes are not defined). `cvt.pack.sat.u4.s32.b32` packs two codes
+    a nibble each into the bytes of the word, four calls a word. The values by one PRMT
+    per four codes: a PRMT selector nibble's low three bits pick one of the eight bytes
+    of its two sources, which hold twice the E2M1 values (0, 1, 2, 3, 4, 6, 8, 12) at
+    the codes' places, and the low 16 bits of the word (two calls in: codes 4-7; four:
+    codes 0-3) are the selector of four codes. A lane adds two values per group: at
+    most 24, 96 over a block."""
     return tl.inline_asm_elementwise(AFFINE_GROUP_PTX, "=r,=r,r,r,r,r,r,r,r,r,r",
                                      [k0, k1, k2, k3, k4, k5, k6, k7, c], dtype=(tl.int32, tl.int32),
                                      is_pure=True, pack=1)
