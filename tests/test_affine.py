@@ -81,10 +81,14 @@ def test_mxfp4_codes_are_the_rounded_affine_map():
 
 @pytest.mark.parametrize("fmt,tol", [("fp8", 1.0 / 16), ("mxfp4", 0.5)])
 def test_reference_point_is_idempotent_and_close(fmt, tol):
-    m = (torch.randn(10000, dtype=torch.float64) * 1000).float()
+    g = torch.Generator().manual_seed(0)
+    m = (torch.randn(100000, dtype=torch.float64, generator=g) * 1000).float()
     r = snap_max(m, fmt)
     assert torch.equal(snap_max(r, fmt), r)
-    assert float((r - m).abs().max()) <= tol
+    # FP8: half a grid step, plus the float32 rounding of k - 8 m before the magic number
+    # rounds it (a tie's neighbours can round across it: 3e-5 over at |m| ~ 500, measured)
+    slack = (8.0 * m.abs() + K_FP8_F32) * 2.0**-24 / 8.0 if fmt == "fp8" else torch.zeros_like(m)
+    assert bool(((r - m).abs() <= tol + slack).all())
     if fmt == "mxfp4":
         assert bool((r >= m).all())  # x~ <= 0: Direct-P's block exponents stay <= -2
 
