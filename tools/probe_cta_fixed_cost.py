@@ -30,7 +30,7 @@ def main() -> None:
     args = p.parse_args()
     from triton.testing import do_bench
 
-    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, launch_forward_cuda
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
     from fp4attn.tools.benchmark import sdpa
@@ -45,8 +45,7 @@ def main() -> None:
                   "lazy persistent, no epilogue (timing only)": {**builds["lazy persistent"], "ablate_epilogue": True}}
     for grid in args.grid.split(";"):
         B, H, Sq, D = map(int, grid.split(","))
-        rows_per_cta = 128 if D == 128 else 192  # CONSUMERS 2 / 3 warpgroups of 64 rows
-        ctas = B * H * math.ceil(Sq / rows_per_cta)
+        ctas = B * H * math.ceil(Sq / (64 * CONSUMERS[D, args.causal]))  # 64 rows a consumer warpgroup
         waves = math.ceil(ctas / sms)
         print(f"grid {grid}: {ctas} CTAs, {waves} waves of {sms}")
         fits = {name: [] for name in builds}

@@ -47,7 +47,7 @@ HEAD_DIM = 128
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # the H200 forward runs (benchmarks/results/README.md); a recipe's figures come from the
 # first file that has it
-MEASURED = ("h200-forward.json", "h200-forward-ktile.json", "h200-forward-affine.json")
+MEASURED = ("h200-forward.json",)  # the grid that holds every preset (benchmarks/results/README.md)
 TRITON = "hopper.forward_triton"
 
 

@@ -18,8 +18,8 @@
 // products and epilogue, and the consumers' turns run on from unit to unit):
 //   warpgroup 0, producer (setmaxnreg down to 24 or 32): warp 0 issues the TMA copies of each
 //     unit's Q (two buffers) and of K_j and V^T_j into STAGES-deep rings (full/empty
-//     mbarriers); warp 1 copies
-//     the tile's key scales, and warp 2 its key bias, into shared memory beside them;
+//     mbarriers); warp 1 copies the tile's key scales, and warp 2 its key bias, into
+//     shared memory beside them;
 //   warpgroups 1 .. CONSUMERS, consumers (setmaxnreg up to 240 for two, 160 for three), 64
 //     query rows each: per tile QK^T_j and PV_{j-1} issued together, then the softmax of
 //     tile j. The consumers take turns on the tensor cores, round robin through named
