@@ -61,8 +61,9 @@ P_MODE_AFFINE_TRAINED = 6
 # affine FP8 P with Recipe.rescale="lazy" (`kernels.common.lazy_reference_point`)
 P_MODE_AFFINE_LAZY = 7
 TRAIN_P_MODES = {**P_MODES, ("fp8", "affine"): P_MODE_AFFINE_TRAINED}
-# and those the CUDA C++ kernel builds (`forward_cuda.Variant.affine_p` for 4 and 7, `lazy_rescale` for 7)
-CUDA_P_MODES = (0, 4, 7)
+# and those the CUDA C++ kernel builds (`forward_cuda.Variant.affine_p` for 4, 5 and 7, `lazy_rescale` for 7,
+# `affine_mx` for 5)
+CUDA_P_MODES = (0, 4, 5, 7)
 TRAIN_GRAD_FORMATS = ("e4m3",)
 
 
@@ -107,7 +108,7 @@ class ForwardLaunch:
     cuda_from_keys: the `fast_accum` FP8-P recipes (P mode 0, e4m3 QK^T) on the CUDA C++
     kernel (`forward_cuda`: FlashAttention-3's schedule, fused softmax) from this many
     keys on, on CUDA tensors where it can be built (`cuda_forward_available`; 0: never).
-    cuda_affine_from_keys: the same for the affine FP8-P recipes (P modes 4 and 7) where it
+    cuda_affine_from_keys: the same for the affine P recipes (P modes 4, 5 and 7) where it
     differs (None: cuda_from_keys).
     cuda_lazy_from_keys: the same for affine FP8 P with `Recipe.rescale="lazy"` (P mode 7)
     where it differs again (None: cuda_affine_from_keys).
@@ -132,7 +133,8 @@ class ForwardLaunch:
         """The key count from which P mode `p_mode` runs on the CUDA C++ kernel (0: never)."""
         if p_mode == 7 and self.cuda_lazy_from_keys is not None:
             return self.cuda_lazy_from_keys
-        return self.cuda_from_keys if p_mode not in (4, 7) or self.cuda_affine_from_keys is None else self.cuda_affine_from_keys
+        affine = p_mode in (4, 5, 7) and self.cuda_affine_from_keys is not None
+        return self.cuda_affine_from_keys if affine else self.cuda_from_keys
 
 
 # Keyed by (head dim, QK^T on the FP8 tensor cores, causal). The measurements behind each

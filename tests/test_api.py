@@ -580,7 +580,11 @@ def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):
         na = routing.FORWARD_LAUNCH[d, True, causal is not None].cuda_keys(4)
         assert launched(d, na, causal_offset=causal, p_mode=4) == "cuda"
         assert launched(d, na - 1, causal_offset=causal, p_mode=4) != "cuda"
-        assert launched(d, n, causal_offset=causal, p_mode=5) == "triton"  # affine MXFP4 P
+        # affine MXFP4 P (P mode 5) from the affine key count too; Direct-P's other MXFP4
+        # builders stay on the Triton kernel
+        assert launched(d, na, causal_offset=causal, p_mode=5) == "cuda"
+        assert launched(d, na - 1, causal_offset=causal, p_mode=5) == "triton"
+        assert launched(d, n, causal_offset=causal, p_mode=2) == "triton"
     assert routing.FORWARD_LAUNCH[64, True, False].cuda_keys(4) < routing.FORWARD_LAUNCH[64, True, False].cuda_keys(0)
     assert launched(64, 8192, key_bias=torch.zeros(1, 8192)) == "cuda"  # the CUDA kernel takes a key bias
 

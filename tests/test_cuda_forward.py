@@ -312,3 +312,67 @@ def test_persistent_grid_equals_one_cta_per_unit(B, H, Hkv, Sq, Sk, D, causal, b
     assert torch.equal(one[0], persistent[0])
     assert torch.equal(one[1], persistent[1])
     assert torch.equal(dumps[0], dumps[1])
+
+
+def _p_codes_as_rows(p_dump: torch.Tensor, rows: int, keys: int, causal: bool) -> torch.Tensor:
+    """A `p_dump_buffer` as (B*H, rows, keys) bytes: word (cc, 2 half + i) of consumer thread t
+    holds row 16 (t // 32) + (t % 32) // 4 + 8 i of its slab and keys 32 cc + 16 half +
+    4 (t % 4) + (0..3) of its tile (the PV product's A fragment)."""
+    from fp4attn.kernels.hopper.forward_cuda import p_codes_by_slab
+
+    slabs = p_codes_by_slab(p_dump, rows, causal)  # (BH, slabs, tiles, 128, 64)
+    bh, n_slabs, tiles = slabs.shape[:3]
+    # bytes of a thread: 16 cc + 4 (2 half + i) + b
+    x = slabs.view(bh, n_slabs, tiles, 4, 8, 4, 4, 2, 2, 4)  # (.., warp, g, q, cc, half, i, b)
+    x = x.permute(0, 1, 3, 8, 4, 2, 6, 7, 5, 9)  # (bh, slab, warp, i, g, tile, cc, half, q, b)
+    return x.reshape(bh, n_slabs * 64, tiles * 128)[:, :rows, :keys]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,Hkv,Sq,Sk,D,causal,bias", FUSED_SHAPES)
+@pytest.mark.parametrize("ktile", [False, True], ids=["ktoken", "ktile"])
+def test_affine_mxfp4_p_matches_triton_kernel(B, H, Hkv, Sq, Sk, D, causal, bias, ktile):
+    """Affine MXFP4 P (P mode 5, `fp8-directp-fast-fastacc`) on the CUDA kernel: its P codes
+    (e4m3 bytes of E2M1 x 2**(e_b + 8)) equal the Triton kernel's on >= 99.9% of the entries
+    (the two sum QK^T on the same FP8 tensor cores; a code differs where a score's rounding
+    sits on a boundary), outputs and LSE as close as the FP8 forms', the same rows empty."""
+    import dataclasses
+
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, launch_forward_cuda, p_dump_buffer
+    from fp4attn.kernels.hopper.forward_op import launch_forward
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.recipes import get_recipe
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn((B, H, Sq, D), device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn((B, Hkv, Sk, D), device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn((B, Hkv, Sk, D), device="cuda", generator=g).to(torch.bfloat16)
+    recipe = get_recipe("fp8-directp-fast-fastacc")
+    if ktile:
+        recipe = dataclasses.replace(recipe, k_scale="tile", name=None)
+    ops = prepare_operands_fused(q, k, v, recipe)
+    offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
+    key_bias = None
+    if bias:
+        keep = torch.rand((B, Sk), device="cuda", generator=g) > 0.3
+        keep[:, 0] = True
+        key_bias = torch.where(keep, 0.0, -float("inf")).float()
+    scale = D ** -0.5
+    dump = p_dump_buffer(ops, CONSUMERS[D, causal is not None])
+    out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=offset, key_bias=key_bias, p_dump=dump,
+                                   affine_p=True, affine_mx=True)
+    ref, ref_lse, ref_p = launch_forward(ops, scale=scale, causal_offset=offset, p_mode=5, write_p=1,
+                                         key_bias=key_bias)
+    torch.cuda.synchronize()
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(seen, torch.isfinite(lse)), "rows that see no key differ"
+    assert (out[~seen] == 0).all()
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=1e-3, rtol=0)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=1e-2)
+    codes = _p_codes_as_rows(dump, Sq, Sk, causal is not None)
+    ref_codes = ref_p[:, :, :Sq, :Sk].reshape(B * H, Sq, Sk).to(torch.float8_e4m3fn).view(torch.uint8)
+    # tiles a query block skips (causal) keep the buffer's 0xFF: the reference has 0 there
+    valid = codes != 0xFF
+    assert bool((ref_codes[~valid] == 0).all()), "a skipped tile held a key the row sees"
+    same = ((codes == ref_codes) & valid).sum().item() / valid.sum().item()
+    assert same >= 0.999, f"P codes identical on {same:.5f} of the entries"

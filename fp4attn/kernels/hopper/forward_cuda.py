@@ -58,6 +58,12 @@ class Variant:
     # affine_p only: Recipe.rescale="lazy" (P mode 7): the rows' points move only when a byte
     # would not fit, so P is built without waiting for the tile's maximum
     lazy_rescale: bool = False
+    # affine_p only: MXFP4 P by the affine map (P mode 5): per 32-key block its exponent and
+    # a lookup of the block's e4m3 bytes, each score's code from one FMA (the kernel's header)
+    affine_mx: bool = False
+    # affine_mx with K per key and no key bias: codes read off subnormal FMA results, no
+    # subtraction a score (the kernel's header); False, the subtraction (measured beside)
+    mx_subnormal: bool = True
     # fused_softmax only: K's scales one per key tile (`Recipe.k_scale="tile"`), folded into
     # the rows' factors once per tile instead of a product per score
     key_tile_scale: bool = False
@@ -73,6 +79,9 @@ class Variant:
                              "fused_softmax=True")
         if self.lazy_rescale and not self.affine_p:
             raise ValueError("Variant: lazy_rescale is a form of the affine FP8 P; it needs affine_p=True")
+        if self.affine_mx and (not self.affine_p or self.lazy_rescale):
+            raise ValueError("Variant: affine_mx is a form of the affine P with exact rescaling; it needs "
+                             "affine_p=True and lazy_rescale=False")
         if self.consumers not in (2, 3) or (self.consumers == 3 and self.head_dim != 64):
             raise ValueError(f"Variant: consumers must be 2, or 3 at head dim 64; got {self.consumers} "
                              f"at head dim {self.head_dim}")
@@ -93,7 +102,9 @@ class Variant:
                 f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
                 f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}", f"-DAFFINE_P={int(self.affine_p)}",
                 f"-DAFFINE_ABLATE={self.affine_ablate}", f"-DKEY_TILE_SCALE={int(self.key_tile_scale)}",
-                f"-DLAZY_RESCALE={int(self.lazy_rescale)}", f"-DABLATE_EPILOGUE={int(self.ablate_epilogue)}"]
+                f"-DLAZY_RESCALE={int(self.lazy_rescale)}", f"-DAFFINE_MX={int(self.affine_mx)}",
+                f"-DMX_SUBNORMAL_OK={int(self.mx_subnormal)}",
+                f"-DABLATE_EPILOGUE={int(self.ablate_epilogue)}"]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q's two buffers, the K and V^T rings, the consumers' output
@@ -130,11 +141,13 @@ CONSUMERS = {(128, False): 2, (128, True): 2, (64, False): 3, (64, True): 3}
 
 
 def variant_for(head_dim: int, causal: bool, key_bias: bool = False, affine_p: bool = False,
-                key_tile_scale: bool = False, lazy_rescale: bool = False) -> Variant:
+                key_tile_scale: bool = False, lazy_rescale: bool = False, affine_mx: bool = False) -> Variant:
     """The launcher's build; affine_p: the affine FP8-P recipes' (no exp2: exp_poly unused);
     key_tile_scale: K's scales one per key tile (`KernelOperands.k_tile_scales`);
-    lazy_rescale: `Recipe.rescale="lazy"` (with affine_p)."""
-    softmax = dict(SOFTMAX, exp_poly=0, affine_p=True, lazy_rescale=lazy_rescale) if affine_p else SOFTMAX
+    lazy_rescale: `Recipe.rescale="lazy"` (with affine_p); affine_mx: MXFP4 P by the affine
+    map (with affine_p)."""
+    softmax = (dict(SOFTMAX, exp_poly=0, affine_p=True, lazy_rescale=lazy_rescale, affine_mx=affine_mx) if affine_p
+               else SOFTMAX)
     return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal],
                    rowsum_int=ROWSUM_INT[head_dim, causal], consumers=CONSUMERS[head_dim, causal],
                    key_tile_scale=key_tile_scale, **softmax)
@@ -163,8 +176,10 @@ EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Glu
 
 def all_variants() -> list[Variant]:
     """Every variant the launcher can pick (what the compile check builds)."""
-    return [variant_for(d, c, kb, af, kt, lz) for d in HEAD_DIMS for c in (False, True) for kb in (False, True)
-            for af in (False, True) for kt in (False, True) for lz in ((False, True) if af else (False,))]
+    # the affine builds: FP8 P, FP8 P rescaled lazily, MXFP4 P
+    affine = ((False, False), (True, False), (False, True))
+    return [variant_for(d, c, kb, af, kt, lz, mx) for d in HEAD_DIMS for c in (False, True) for kb in (False, True)
+            for af in (False, True) for kt in (False, True) for lz, mx in (affine if af else ((False, False),))]
 
 
 # ---------------------------------------------------------------------------- build
@@ -299,19 +314,21 @@ def _sm_count(device: torch.device) -> int:
 
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, p_dump: torch.Tensor | None = None,
-                        affine_p: bool = False, lazy_rescale: bool = False, persistent: bool = False, **variant):
+                        affine_p: bool = False, lazy_rescale: bool = False, affine_mx: bool = False,
+                        persistent: bool = False, **variant):
     """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
     (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
     (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
     To measure: `variant`, `Variant` fields in place of the table's (stages, ablate_softmax,
     rowsum_int, fused_softmax, exp_poly; `MEASURED`); p_dump, a `p_dump_buffer` that
     receives every tile's P codes. affine_p: FP8 P by the affine map (P mode 4) instead of
-    exp2 (P mode 0), lazy_rescale with it `Recipe.rescale="lazy"` (P mode 7);
+    exp2 (P mode 0), lazy_rescale with it `Recipe.rescale="lazy"` (P mode 7), affine_mx with
+    it MXFP4 P by the affine map (P mode 5; V^T holds MXFP4 V as `operands.prepare_operands`);
     `ops.k_tile_scales` picks the build that folds K's per-tile scale into the rows'
     factors. persistent: one CTA per SM, each taking work units (query blocks of a head)
     in turn, instead of one CTA per unit (the same arithmetic, unit for unit)."""
     fields = {f.name for f in dataclasses.fields(Variant)} - {"head_dim", "causal", "key_bias", "dump_p", "affine_p",
-                                                             "key_tile_scale", "lazy_rescale"}
+                                                             "key_tile_scale", "lazy_rescale", "affine_mx"}
     unknown = sorted(set(variant) - fields)
     if unknown:
         raise ValueError(f"launch_forward_cuda: unknown variant fields {unknown}; accepted: {sorted(fields)}")
@@ -322,7 +339,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     B, H, Sq, D = q.shape
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
     variant = dataclasses.replace(variant_for(D, causal_offset is not None, key_bias is not None, affine_p,
-                                              ops.k_tile_scales, lazy_rescale), **variant,
+                                              ops.k_tile_scales, lazy_rescale, affine_mx), **variant,
                                   dump_p=p_dump is not None)
     if p_dump is not None:
         need = _p_dump_shape(ops, variant.consumers)

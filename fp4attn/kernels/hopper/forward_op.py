@@ -65,10 +65,12 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
 
         if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
             out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
-                                           affine_p=p_mode in (4, 7), lazy_rescale=p_mode == 7,
+                                           affine_p=p_mode in (4, 5, 7), lazy_rescale=p_mode == 7,
+                                           affine_mx=p_mode == 5,
                                            persistent=cfg.cuda_persistent)
             return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
-    # the CUDA kernel above and the Gluon kernel below take FP8 P (p_mode 0, 4 and 7) only: MXFP4 P (P_MODE 1, 2, 5; 3 and its sink_tiles) runs on the Triton kernel
+    # the Gluon kernel below takes FP8 P (p_mode 0, 4 and 7) only, the CUDA kernel above affine MXFP4 P (5) too: the
+    # other MXFP4 P builders (P_MODE 1, 2; 3 and its sink_tiles) run on the Triton kernel
     if (cfg.warp_specialized and p_mode in GLUON_P_MODES and not write_p and key_bias is None and tma_loadable(ops)
             and q.is_contiguous()):
         # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key

@@ -58,6 +58,24 @@
 // byte is the low byte of max.NaN(fma(w, 8 a_row, C), MAGIC): one FMA, one max, and
 // three PRMTs per four bytes. The row sums come from the PV product as above.
 //
+// AFFINE_MX (with AFFINE_P): MXFP4 P by the affine map of reference/affine.py (P mode 5),
+// the same per-score work with a 16-entry lookup in place of the byte: per 32-key block
+// (a thread's 8 scores of a row and its quad's) the block maximum, its exponent e_b by one
+// round-down addition, and two registers holding the e4m3 bytes of the block's 8 E2M1
+// values times 2**(e_b + 8) (normal bytes are 4 c + 8 (e_b + 14): one multiply-add each).
+// Each score's code comes out of one FMA as MAGIC + (8 - code) (the map negated: its
+// rounding is symmetric, so the integer is 8 - RNE(2 t + C) exactly), one integer
+// subtraction leaves 8 - code, and cvt.pack.sat.u4 packs four of them into PRMT's
+// selector nibbles, clamped to 0..15: nibbles 0..7 are codes 8 (the map's one overshoot,
+// which the clamp takes to 7) down to 1, and 8..15 (codes 0 and below) select PRMT's
+// sign-replicate of a byte below 0x80, so 0. A NaN score makes its row's maximum, and so
+// the row, NaN (maxima with NaN propagation), as the reference defines.
+// MX_SUBNORMAL (K scaled per key, no key bias): the producer stores K's scales times
+// 2**-100, so each score w' = w 2**-100 is still a normal float (for |w| > 2**-26) and the
+// FMA w' (-2 f 2**-48) + d' lands in the subnormals, where the ulp is 2**-149 and the
+// result's bits are the integer 8 - code itself: no subtraction (d' = (d - MAGIC) 2**-149,
+// exact; the maxima take f 2**100, so every value the reference defines is unchanged).
+//
 // LAZY_RESCALE (with AFFINE_P): the row's point moves only when some byte of the tile,
 // measured from the point it has, would exceed 126 (the map's offset K_LAZY leaves three
 // log2 units of room above it). The bytes are built from the old point straight away, with
@@ -95,6 +113,17 @@
 #endif
 #ifndef AFFINE_P
 #define AFFINE_P 0  // FUSED_SOFTMAX only: 1, FP8 P by the affine map, no exp2 (header)
+#endif
+#ifndef AFFINE_MX
+#define AFFINE_MX 0  // AFFINE_P only: 1, MXFP4 P by the affine map (P mode 5; header)
+#endif
+#ifndef MX_SUBNORMAL_OK
+#define MX_SUBNORMAL_OK 1  // AFFINE_MX: 0, the subtraction in every build (measured beside; header)
+#endif
+#define MX_SUBNORMAL (AFFINE_MX && MX_SUBNORMAL_OK && !KEY_BIAS && !KEY_TILE_SCALE)
+#define MX_KS_SCALE 7.888609052210118e-31f  // 2**-100: MX_SUBNORMAL's K scales (header)
+#if AFFINE_MX && !(AFFINE_P && FUSED_SOFTMAX)
+#error "AFFINE_MX is a form of the affine P: it needs AFFINE_P and FUSED_SOFTMAX"
 #endif
 #ifndef AFFINE_ABLATE
 // AFFINE_P timing builds only (wrong outputs), to place the softmax's cost: 1, no key-scale
@@ -585,6 +614,134 @@ __device__ __forceinline__ void affine_tile(const float (&s)[64], uint32_t (&pa)
     }
 }
 
+// -------------------------------------------------------------------- AFFINE_MX
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+    float y;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+}
+
+__device__ __forceinline__ float fadd_rm(float a, float b) {
+    float y;
+    asm("add.rm.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+}
+
+// The largest w of row i in MX block cc (keys 32cc .. 32cc + 31: this thread's registers
+// n = 2cc, 2cc + 1, 2cc + 8, 2cc + 9, the quad's other threads the rest), NaN if any is.
+__device__ __forceinline__ float quad_block_max(const float (&s)[64], int i, int cc) {
+    const int n0 = 2 * cc, n1 = n0 + 1, n2 = n0 + 8, n3 = n0 + 9;
+    const float x = fmax_nan(fmax_nan(s[4 * n0 + 2 * i], s[4 * n0 + 2 * i + 1]),
+                             fmax_nan(s[4 * n1 + 2 * i], s[4 * n1 + 2 * i + 1]));
+    const float y = fmax_nan(fmax_nan(s[4 * n2 + 2 * i], s[4 * n2 + 2 * i + 1]),
+                             fmax_nan(s[4 * n3 + 2 * i], s[4 * n3 + 2 * i + 1]));
+    float mx = fmax_nan(x, y);
+    mx = fmax_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    return fmax_nan(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+}
+
+// A row's point moved to its snapped running maximum (reference/affine.snap_max for MXFP4:
+// m~ = ceil(2 m) / 2; a row that saw no key stays at -inf, measured from 0)
+__device__ __forceinline__ float affine_mx_move_point(float row_max, float& m, float& alpha) {
+    const float m_use = row_max == -__int_as_float(0x7f800000) ? 0.0f : row_max;
+    const float m_ref = ceilf(2.0f * m_use) * 0.5f;
+    alpha = ex2(m - m_ref);
+    m = row_max == -__int_as_float(0x7f800000) ? row_max : m_ref;
+    return m_ref;
+}
+
+// One block of a row: from its largest w (times the row factor f, from the point m~) the
+// block's exponent e_b = floor(max t - m~) - 2 (reference/affine.affine_mxfp4_codes), the
+// FMA addend d = MAGIC + 8 - c of the negated map, and the lookup (ta: the bytes of codes
+// 7, 7, 6, 5; tb: of 4, 3, 2, 1). Blocks below P_EMIN, dead (every key hidden) or NaN get
+// an all-zero lookup.
+__device__ __forceinline__ void affine_mx_block(float bmax_w, float f, float m_ref, float rrow, float& d,
+                                                uint32_t& ta, uint32_t& tb) {
+    const float xmax = fadd_rn(fmul_rn(bmax_w, f), -m_ref);  // fl(max t - m~), as the reference
+    const float fl = fadd_rm(xmax, AFFINE_MAGIC);  // MAGIC + floor(xmax), exactly
+#if MX_SUBNORMAL
+    // (2 + 2 m~ + 2 floor(xmax)) 2**-149: rrow is (2 + 2 m~) 2**-149, exact subnormal sums
+    asm("{ .reg .f32 e;\n"
+        "add.f32 e, %1, 0fCB400000;\n"
+        "fma.rn.f32 %0, e, 0f00000002, %2; }" : "=f"(d) : "f"(fl), "f"(rrow));
+#else
+    d = fmaf(fl, 2.0f, rrow);  // MAGIC + 2 + 2 m~ + 2 floor(xmax): integers, exact
+#endif
+    if (fl >= AFFINE_MAGIC - 11.0f) {
+        // e_b >= -13: every code's byte is normal, 4 c + K (code 1: K) with K = 8 (e_b + 14)
+        const uint32_t k = 8u * (__float_as_uint(fl) - 0x4B400000u + 12u);
+        ta = k * 0x01010101u + 0x14181C1Cu;
+        tb = k * 0x01010101u + 0x00080C10u;
+    } else if (fl >= AFFINE_MAGIC - 14.0f) {
+        // e_b in -16 .. -14 (blocks 2**-11 below the row's point and lower): the small
+        // codes' bytes are e4m3 subnormals, rounded exactly by the conversion
+        const int e8 = (int)__float_as_uint(fl) - 0x4B400000 + 6;  // e_b + 8
+        const float u = __int_as_float((e8 + 127) << 23);
+        ta = e4m3x2(6.0f * u, 6.0f * u) | (e4m3x2(4.0f * u, 3.0f * u) << 16);
+        tb = e4m3x2(2.0f * u, 1.5f * u) | (e4m3x2(u, 0.5f * u) << 16);
+    } else {
+        ta = tb = 0u;
+    }
+}
+
+// Four scores' bytes of the A fragment (keys in the order of affine_tile's words): each
+// 8 - code from one FMA and a subtraction, four packed as PRMT's selector, clamped by the
+// packing's saturation (the header says why nibbles 0..15 are all the cases)
+__device__ __forceinline__ uint32_t affine_mx_word(float s0, float s1, float s2, float s3, float fneg2, float d,
+                                                   uint32_t ta, uint32_t tb) {
+    uint32_t r;
+    asm("{ .reg .b32 a, b, c, e, w;\n"
+        "fma.rn.f32 a, %1, %5, %6;\n"
+        "fma.rn.f32 b, %2, %5, %6;\n"
+        "fma.rn.f32 c, %3, %5, %6;\n"
+        "fma.rn.f32 e, %4, %5, %6;\n"
+#if !MX_SUBNORMAL
+        "sub.s32 a, a, 0x4B400000;\n"
+        "sub.s32 b, b, 0x4B400000;\n"
+        "sub.s32 c, c, 0x4B400000;\n"
+        "sub.s32 e, e, 0x4B400000;\n"
+#endif
+        "cvt.pack.sat.u4.s32.b32 w, e, c, 0;\n"
+        "cvt.pack.sat.u4.s32.b32 w, b, a, w;\n"
+        "prmt.b32 %0, %7, %8, w; }"
+        : "=r"(r) : "f"(s0), "f"(s1), "f"(s2), "f"(s3), "f"(fneg2), "f"(d), "r"(ta), "r"(tb));
+    return r;
+}
+
+// AFFINE_MX: the tile's P as the PV product's A fragments (the rows' points m~ set), block
+// by block: a block's lookup is built just before its words, so few registers hold it
+__device__ __forceinline__ void affine_mx_tile(const float (&s)[64], uint32_t (&pa)[4][4], const float (&bmax)[2][4],
+                                               const float (&f)[2], const float (&fmax_t)[2], const float (&m_ref)[2]) {
+    float rrow[2], fneg2[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#if MX_SUBNORMAL
+        // (2 + 2 m~) 2**-149 (an integer below 2**23 in the subnormals: exact) and -2 f 2**-148
+        const float r = fmaf(m_ref[i], 2.0f, 2.0f);
+        asm("mul.rn.f32 %0, %1, 0f00000001;" : "=f"(rrow[i]) : "f"(r));
+        fneg2[i] = f[i] * -3.552713678800501e-15f;  // -2**-48
+#else
+        rrow[i] = fadd_rn(fmaf(m_ref[i], 2.0f, 2.0f), -AFFINE_MAGIC);  // 2 + 2 m~ - MAGIC, exact
+        fneg2[i] = -2.0f * f[i];
+#endif
+    }
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float d;
+            uint32_t ta, tb;
+            affine_mx_block(bmax[i][cc], fmax_t[i], m_ref[i], rrow[i], d, ta, tb);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int n_lo = 2 * cc + half, n_hi = n_lo + 8;
+                pa[cc][2 * half + i] = affine_mx_word(s[4 * n_lo + 2 * i], s[4 * n_lo + 2 * i + 1], s[4 * n_hi + 2 * i],
+                                                      s[4 * n_hi + 2 * i + 1], fneg2[i], d, ta, tb);
+            }
+        }
+    }
+}
+
 // The online-softmax step of one tile on the QK^T accumulator s (64 rows x 128 keys, the
 // thread's rows g and g + 8 as i = 0, 1): scores, mask, running max, P packed as the PV
 // product's A fragments, the thread's part of the row sums. Register s[4n + 2i + b] is
@@ -706,6 +863,18 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
         }
         affine_tile<false>(s, pa, f8, c, top);
     }
+#elif AFFINE_MX
+    // the blocks' maxima (the row's is theirs), the rows' points, then P block by block
+    float bmax[2][4], m_ref[2], fmax_t[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) bmax[i][cc] = quad_block_max(s, i, cc);
+        const float row_w = fmax_nan(fmax_nan(bmax[i][0], bmax[i][1]), fmax_nan(bmax[i][2], bmax[i][3]));
+        fmax_t[i] = MX_SUBNORMAL ? f[i] * 1.2676506002282294e30f : f[i];  // the w' maxima times 2**100
+        m_ref[i] = affine_mx_move_point(fmax_nan(m[i], fmul_rn(row_w, fmax_t[i])), m[i], alpha[i]);
+    }
+    affine_mx_tile(s, pa, bmax, f, fmax_t, m_ref);
 #else
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -1152,7 +1321,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int kk = lane * 4 + e, key = j * BLOCK_N + kk;
-                    dst[st * BLOCK_N + kk] = key < Sk ? src[key] : 0.0f;
+                    // MX_SUBNORMAL: K's scales times 2**-100 (exact; the header says why)
+                    dst[st * BLOCK_N + kk] = key < Sk ? (MX_SUBNORMAL && !bias ? src[key] * MX_KS_SCALE : src[key]) : 0.0f;
                 }
                 mbar_arrive(sm.ks_full + 8 * st);
             }

@@ -1,0 +1,76 @@
+"""Affine MXFP4 P (P mode 5) on the CUDA C++ forward against what it replaces: the kernel
+alone, on prepared operands, in one process beside SDPA cuDNN bf16: the Triton kernel the
+routing ran it on before (P mode 5), the CUDA builds (K scaled per token as
+`fp8-directp-fast-fastacc`, and per key tile), and the affine FP8 P build of the same
+operands' Q/K (`fp8-affine-fastacc`, `fp8-ktile-affine-fastacc`) for the cost of the MXFP4
+lookup. Median of triton.testing.do_bench; a short table last.
+
+    python tools/probe_affine_mx.py [--shapes "8,16,4096,128;2,16,16384,128"] [--causal]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="8,16,4096,128;4,32,4096,128;2,16,16384,128;1,24,32768,128;16,16,2048,64;"
+                                       "4,16,8192,64")
+    p.add_argument("--causal", action="store_true")
+    args = p.parse_args()
+    from triton.testing import do_bench
+
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.kernels.hopper.forward_op import launch_forward
+    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.recipes import get_recipe
+    from fp4attn.routing import forward_launch, override_launch
+    from fp4attn.tools.benchmark import sdpa
+
+    mx = get_recipe("fp8-directp-fast-fastacc")
+    mx_tile = dataclasses.replace(mx, k_scale="tile", name=None)
+    # (column, recipe of the operands, CUDA build fields; None: the Triton kernel, P mode 5)
+    builds = [("MX Triton (P mode 5)", mx, None),
+              ("MX CUDA", mx, {"affine_p": True, "affine_mx": True}),
+              ("MX CUDA, subtraction", mx, {"affine_p": True, "affine_mx": True, "mx_subnormal": False}),
+              ("MX CUDA, K per tile", mx_tile, {"affine_p": True, "affine_mx": True}),
+              ("FP8 affine CUDA", get_recipe("fp8-affine-fastacc"), {"affine_p": True}),
+              ("FP8 affine CUDA, K per tile", get_recipe("fp8-ktile-affine-fastacc"), {"affine_p": True})]
+    rows = []
+    for shape in args.shapes.split(";"):
+        B, H, S, D = map(int, shape.split(","))
+        flops = 4 * B * H * S * S * D / (2 if args.causal else 1)
+        off = 0 if args.causal else None
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g).bfloat16() for _ in range(3))
+        f = sdpa("sdpa-cudnn")
+        base = do_bench(lambda: f(q, k, v, args.causal), return_mode="median")
+        row = [shape, f"{flops / base * 1e-9:.0f}"]
+        table = dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=0, cuda_affine_from_keys=None,
+                                    cuda_lazy_from_keys=None)
+        for _, recipe, kw in builds:
+            ops = prepare_operands_fused(q, k, v, recipe)
+            if kw is None:
+                with override_launch(forward=table):
+                    ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=5),
+                                  return_mode="median")
+            else:
+                ms = do_bench(lambda: launch_forward_cuda(ops, scale=D**-0.5, causal_offset=off,
+                                                          persistent=not args.causal, **kw), return_mode="median")
+            row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
+            del ops
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    head = ["B,H,S,D", "cuDNN bf16 TFLOP/s", *(name for name, _, _ in builds)]
+    print(f"causal={args.causal}")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
