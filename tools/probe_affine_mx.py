@@ -3,9 +3,11 @@ alone, on prepared operands, in one process beside SDPA cuDNN bf16: the Triton k
 routing ran it on before (P mode 5), the CUDA builds (K scaled per token as
 `fp8-directp-fast-fastacc`, and per key tile), and the affine FP8 P build of the same
 operands' Q/K (`fp8-affine-fastacc`, `fp8-ktile-affine-fastacc`) for the cost of the MXFP4
-lookup. Median of triton.testing.do_bench; a short table last.
+lookup; with --exact, the exact recipes (Q/K in bf16, QK^T on the bf16 tensor cores) on the
+CUDA kernel against the Triton/Gluon kernels that run them. Median of
+triton.testing.do_bench; a short table last.
 
-    python tools/probe_affine_mx.py [--shapes "8,16,4096,128;2,16,16384,128"] [--causal]
+    python tools/probe_affine_mx.py [--shapes "8,16,4096,128;2,16,16384,128"] [--causal] [--exact]
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ def main() -> None:
     p.add_argument("--shapes", default="8,16,4096,128;4,32,4096,128;2,16,16384,128;1,24,32768,128;16,16,2048,64;"
                                        "4,16,8192,64")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--exact", action="store_true", help="also the exact recipes, bf16 Q/K on the CUDA kernel against "
+                                                        "the Triton/Gluon kernels")
     args = p.parse_args()
     from triton.testing import do_bench
 
@@ -33,13 +37,20 @@ def main() -> None:
 
     mx = get_recipe("fp8-directp-fast-fastacc")
     mx_tile = dataclasses.replace(mx, k_scale="tile", name=None)
-    # (column, recipe of the operands, CUDA build fields; None: the Triton kernel, P mode 5)
-    builds = [("MX Triton (P mode 5)", mx, None),
-              ("MX CUDA", mx, {"affine_p": True, "affine_mx": True}),
-              ("MX CUDA, subtraction", mx, {"affine_p": True, "affine_mx": True, "mx_subnormal": False}),
-              ("MX CUDA, K per tile", mx_tile, {"affine_p": True, "affine_mx": True}),
-              ("FP8 affine CUDA", get_recipe("fp8-affine-fastacc"), {"affine_p": True}),
-              ("FP8 affine CUDA, K per tile", get_recipe("fp8-ktile-affine-fastacc"), {"affine_p": True})]
+    affine, mxb = {"affine_p": True}, {"affine_p": True, "affine_mx": True}
+    # (column, recipe of the operands, P mode, CUDA build fields; None: the Triton/Gluon kernel
+    # the routing runs below its CUDA key counts)
+    builds = [("MX Triton", mx, 5, None),
+              ("MX CUDA", mx, 5, mxb),
+              ("MX CUDA, subtraction", mx, 5, {**mxb, "mx_subnormal": False}),
+              ("MX CUDA, K per tile", mx_tile, 5, mxb),
+              ("FP8 affine CUDA", get_recipe("fp8-affine-fastacc"), 4, affine),
+              ("FP8 affine CUDA, K per tile", get_recipe("fp8-ktile-affine-fastacc"), 4, affine)]
+    if args.exact:
+        builds += [(f"{name} {'CUDA bf16 QK' if kw is not None else 'Triton/Gluon'}", get_recipe(name), mode, kw)
+                   for name, mode, cuda in (("directp-fast", 5, mxb), ("fp8-directp-fast", 5, mxb),
+                                            ("fp8-affine", 4, affine), ("fp8", 0, {}), ("nvfp4-fp8", 0, {}))
+                   for kw in (None, cuda)]
     rows = []
     for shape in args.shapes.split(";"):
         B, H, S, D = map(int, shape.split(","))
@@ -50,13 +61,13 @@ def main() -> None:
         f = sdpa("sdpa-cudnn")
         base = do_bench(lambda: f(q, k, v, args.causal), return_mode="median")
         row = [shape, f"{flops / base * 1e-9:.0f}"]
-        table = dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=0, cuda_affine_from_keys=None,
-                                    cuda_lazy_from_keys=None)
-        for _, recipe, kw in builds:
+        for _, recipe, mode, kw in builds:
             ops = prepare_operands_fused(q, k, v, recipe)
             if kw is None:
+                table = dataclasses.replace(forward_launch(D, recipe.fast_accum, args.causal), cuda_from_keys=0,
+                                            cuda_affine_from_keys=None, cuda_lazy_from_keys=None)
                 with override_launch(forward=table):
-                    ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=5),
+                    ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=mode),
                                   return_mode="median")
             else:
                 ms = do_bench(lambda: launch_forward_cuda(ops, scale=D**-0.5, causal_offset=off,
@@ -65,7 +76,7 @@ def main() -> None:
             del ops
         rows.append(row)
         print(" | ".join(row), flush=True)
-    head = ["B,H,S,D", "cuDNN bf16 TFLOP/s", *(name for name, _, _ in builds)]
+    head = ["B,H,S,D", "cuDNN bf16 TFLOP/s", *(name for name, *_ in builds)]
     print(f"causal={args.causal}")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:

@@ -67,6 +67,9 @@ class Variant:
     # fused_softmax only: K's scales one per key tile (`Recipe.k_scale="tile"`), folded into
     # the rows' factors once per tile instead of a product per score
     key_tile_scale: bool = False
+    # Q and K in bf16, QK^T on the bf16 tensor cores (the exact recipes' operands); False: e4m3
+    # on the FP8 tensor cores (the fast_accum recipes')
+    qk_bf16: bool = False
     # consumer warpgroups of 64 query rows per CTA: 3 gives each scheduler a third softmax warp
     # to interleave, in 160 registers per thread (head dim 64 only: 128 would spill)
     consumers: int = 2
@@ -103,7 +106,7 @@ class Variant:
                 f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}", f"-DAFFINE_P={int(self.affine_p)}",
                 f"-DAFFINE_ABLATE={self.affine_ablate}", f"-DKEY_TILE_SCALE={int(self.key_tile_scale)}",
                 f"-DLAZY_RESCALE={int(self.lazy_rescale)}", f"-DAFFINE_MX={int(self.affine_mx)}",
-                f"-DMX_SUBNORMAL_OK={int(self.mx_subnormal)}",
+                f"-DMX_SUBNORMAL_OK={int(self.mx_subnormal)}", f"-DQK_BF16={int(self.qk_bf16)}",
                 f"-DABLATE_EPILOGUE={int(self.ablate_epilogue)}"]
 
     def shared_bytes(self) -> int:
@@ -111,8 +114,8 @@ class Variant:
         stages (64 rows of 2 * d + 16 bytes each), the key scales and bias, the mbarriers, and
         1024 bytes to align the tiles for the 128-byte swizzle (with fused_softmax, 8 rows of
         ones after each V^T stage)."""
-        d = self.head_dim
-        tiles = 2 * self.block_m * d + self.stages * (2 * BLOCK_N * d + (8 * BLOCK_N if self.fused_softmax else 0))
+        d, qk = self.head_dim, self.head_dim * (2 if self.qk_bf16 else 1)  # qk: bytes of a Q or K row
+        tiles = 2 * self.block_m * qk + self.stages * (BLOCK_N * (qk + d) + (8 * BLOCK_N if self.fused_softmax else 0))
         tiles += self.consumers * 64 * (2 * d + 16)
         return 1024 + tiles + 2 * self.stages * BLOCK_N * 4 + (4 + 5 * self.stages) * 8
 
@@ -141,16 +144,17 @@ CONSUMERS = {(128, False): 2, (128, True): 2, (64, False): 3, (64, True): 3}
 
 
 def variant_for(head_dim: int, causal: bool, key_bias: bool = False, affine_p: bool = False,
-                key_tile_scale: bool = False, lazy_rescale: bool = False, affine_mx: bool = False) -> Variant:
+                key_tile_scale: bool = False, lazy_rescale: bool = False, affine_mx: bool = False,
+                qk_bf16: bool = False) -> Variant:
     """The launcher's build; affine_p: the affine FP8-P recipes' (no exp2: exp_poly unused);
     key_tile_scale: K's scales one per key tile (`KernelOperands.k_tile_scales`);
     lazy_rescale: `Recipe.rescale="lazy"` (with affine_p); affine_mx: MXFP4 P by the affine
-    map (with affine_p)."""
+    map (with affine_p); qk_bf16: bf16 Q/K (the exact recipes)."""
     softmax = (dict(SOFTMAX, exp_poly=0, affine_p=True, lazy_rescale=lazy_rescale, affine_mx=affine_mx) if affine_p
                else SOFTMAX)
     return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal],
                    rowsum_int=ROWSUM_INT[head_dim, causal], consumers=CONSUMERS[head_dim, causal],
-                   key_tile_scale=key_tile_scale, **softmax)
+                   key_tile_scale=key_tile_scale, qk_bf16=qk_bf16, **softmax)
 
 
 def measured_variants() -> list[Variant]:
@@ -176,10 +180,14 @@ EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Glu
 
 def all_variants() -> list[Variant]:
     """Every variant the launcher can pick (what the compile check builds)."""
-    # the affine builds: FP8 P, FP8 P rescaled lazily, MXFP4 P
+    # the affine builds: FP8 P, FP8 P rescaled lazily, MXFP4 P; bf16 Q/K (the exact recipes: no
+    # lazy or per-tile form among them)
     affine = ((False, False), (True, False), (False, True))
-    return [variant_for(d, c, kb, af, kt, lz, mx) for d in HEAD_DIMS for c in (False, True) for kb in (False, True)
-            for af in (False, True) for kt in (False, True) for lz, mx in (affine if af else ((False, False),))]
+    fp8 = [variant_for(d, c, kb, af, kt, lz, mx) for d in HEAD_DIMS for c in (False, True) for kb in (False, True)
+           for af in (False, True) for kt in (False, True) for lz, mx in (affine if af else ((False, False),))]
+    bf16 = [variant_for(d, c, kb, af, False, False, mx, qk_bf16=True) for d in HEAD_DIMS for c in (False, True)
+            for kb in (False, True) for af, mx in ((False, False), (True, False), (True, True))]
+    return fp8 + bf16
 
 
 # ---------------------------------------------------------------------------- build
@@ -239,8 +247,9 @@ def cuda_unsupported_reason(ops: KernelOperands, *, causal_offset: int | None = 
     major, minor = torch.cuda.get_device_capability(q.device)
     if (major, minor) != (9, 0):
         return f"the CUDA forward is built for sm_90a (Hopper); this GPU is sm_{major}{minor}"
-    if q.dtype != torch.float8_e4m3fn or k.dtype != torch.float8_e4m3fn:
-        return f"the CUDA forward multiplies e4m3 Q/K (the fast_accum recipes); got {q.dtype} and {k.dtype}"
+    if q.dtype != k.dtype or q.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        return (f"the CUDA forward multiplies e4m3 Q/K (the fast_accum recipes) or bf16 Q/K (the exact ones); "
+                f"got {q.dtype} and {k.dtype}")
     if vt.dtype != torch.float8_e4m3fn:
         return f"the CUDA forward takes e4m3 V^T; got {vt.dtype}"
     B, H, Sq, D = q.shape
@@ -328,7 +337,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     factors. persistent: one CTA per SM, each taking work units (query blocks of a head)
     in turn, instead of one CTA per unit (the same arithmetic, unit for unit)."""
     fields = {f.name for f in dataclasses.fields(Variant)} - {"head_dim", "causal", "key_bias", "dump_p", "affine_p",
-                                                             "key_tile_scale", "lazy_rescale", "affine_mx"}
+                                                             "key_tile_scale", "lazy_rescale", "affine_mx", "qk_bf16"}
     unknown = sorted(set(variant) - fields)
     if unknown:
         raise ValueError(f"launch_forward_cuda: unknown variant fields {unknown}; accepted: {sorted(fields)}")
@@ -339,7 +348,8 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     B, H, Sq, D = q.shape
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
     variant = dataclasses.replace(variant_for(D, causal_offset is not None, key_bias is not None, affine_p,
-                                              ops.k_tile_scales, lazy_rescale, affine_mx), **variant,
+                                              ops.k_tile_scales, lazy_rescale, affine_mx,
+                                              ops.q.dtype == torch.bfloat16), **variant,
                                   dump_p=p_dump is not None)
     if p_dump is not None:
         need = _p_dump_shape(ops, variant.consumers)
@@ -352,15 +362,17 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
 
-    swz = 128 if D == 128 else 64
+    rb = D * q.element_size()  # bytes of a Q or K row; the tiles are loaded in chunks of one swizzle span
+    chunk = min(rb, 128)
     k_rows = k.shape[0] * k.shape[1] * k.shape[2]
     p = _Params()
     maps = (
-        _tensor_map(q.data_ptr(), [D, B * H * Sq], [D], [D, variant.block_m], swz),
+        _tensor_map(q.data_ptr(), [rb, B * H * Sq], [rb], [chunk, variant.block_m], chunk),
         # K's rows permuted per 16 keys (see the kernel's header): keys 16n + 4q + 2h + b
-        # land in row 64h + 8n + 2q + b of the tile, one box per h
-        _tensor_map(k.data_ptr(), [D, 2, 4, k_rows // 16], [D, 4 * D, 16 * D], [D, 2, 4, 8], swz),
-        _tensor_map(k.data_ptr() + 2 * D, [D, 2, 4, k_rows // 16], [D, 4 * D, 16 * D], [D, 2, 4, 8], swz),
+        # land in row 64h + 8n + 2q + b of the tile, one box per h (and chunk)
+        _tensor_map(k.data_ptr(), [rb, 2, 4, k_rows // 16], [rb, 4 * rb, 16 * rb], [chunk, 2, 4, 8], chunk),
+        _tensor_map(k.data_ptr() + 2 * rb, [rb, 2, 4, k_rows // 16], [rb, 4 * rb, 16 * rb], [chunk, 2, 4, 8],
+                    chunk),
         _tensor_map(vt.data_ptr(), [Sk, B * Hkv * D], [vt_row], [BLOCK_N, D], 128),
     )
     for name, data in zip(("q_map", "k_map0", "k_map1", "v_map"), maps):

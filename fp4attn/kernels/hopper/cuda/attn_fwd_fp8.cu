@@ -2,7 +2,9 @@
 // with inline PTX, compiled at first use by NVRTC (fp4attn/kernels/hopper/forward_cuda.py).
 //
 // Numerics: the Gluon kernel's (forward_gluon_ws.attn_fwd_ws_kernel) for FP8 P with Q/K
-// multiplied on the FP8 tensor cores (the `fast_accum` recipes), operation for operation:
+// multiplied on the FP8 tensor cores (the `fast_accum` recipes; with QK_BF16, Q/K in bf16 on
+// the bf16 tensor cores: the exact recipes, whose float32 sums differ in order only),
+// operation for operation:
 //   t   = (s * a_row) * b_key            log2-unit scores, two rounded products
 //   m   = max(m, rowmax t);  alpha = exp2(m_old - m)
 //   P   = e4m3(exp2((t - m) + 8))        packed cvt.rn.satfinite, P times 2**8
@@ -141,6 +143,11 @@
 // folded into each row's factor once per tile, no product per score
 #define KEY_TILE_SCALE 0
 #endif
+#ifndef QK_BF16
+// 1: Q and K in bf16, QK^T on the bf16 tensor cores (float32 sums of exact products: the
+// exact recipes, whose e4m3 or NVFP4 values bf16 holds exactly); 0: e4m3, the fast_accum recipes
+#define QK_BF16 0
+#endif
 #ifndef CONSUMERS
 #define CONSUMERS 2  // consumer warpgroups of 64 query rows; 3 fits the registers at HEAD_DIM 64 only
 #endif
@@ -173,12 +180,21 @@ typedef unsigned short uint16_t;
 
 // Shared memory: rows of HEAD_DIM bytes (Q, K) swizzled by 128 or 64 bytes; V^T rows of
 // BLOCK_N = 128 key bytes swizzled by 128.
-#define QK_ROW_BYTES HEAD_DIM
-#define QK_SWIZZLE_LAYOUT (HEAD_DIM == 128 ? 1 : 2)  // wgmma descriptor: 1 = 128B, 2 = 64B swizzle
-#define Q_BYTES (BLOCK_M * HEAD_DIM)
-#define K_BYTES (BLOCK_N * HEAD_DIM)
+// Q and K: e4m3, or bf16 with QK_BF16. Shared memory holds each tile in column chunks of
+// one swizzle span (128 bytes; 64 for e4m3 at head dim 64): one chunk for e4m3, two for bf16
+// at head dim 128, each chunk's rows one after another
+#define QK_ELEM_BYTES (QK_BF16 ? 2 : 1)
+#define QK_GLOBAL_ROW_BYTES (HEAD_DIM * QK_ELEM_BYTES)
+#define QK_ROW_BYTES (QK_GLOBAL_ROW_BYTES < 128 ? QK_GLOBAL_ROW_BYTES : 128)
+#define QK_CHUNKS (QK_GLOBAL_ROW_BYTES / QK_ROW_BYTES)
+#define QK_SWIZZLE_LAYOUT (QK_ROW_BYTES == 128 ? 1 : 2)  // wgmma descriptor: 1 = 128B, 2 = 64B swizzle
+#define QK_STEPS (QK_GLOBAL_ROW_BYTES / 32)  // QK^T's 32-byte K-steps (k32 e4m3, k16 bf16)
+#define Q_BYTES (BLOCK_M * QK_GLOBAL_ROW_BYTES)
+#define K_BYTES (BLOCK_N * QK_GLOBAL_ROW_BYTES)
+#define Q_CHUNK_BYTES (BLOCK_M * QK_ROW_BYTES)
+#define K_CHUNK_BYTES (BLOCK_N * QK_ROW_BYTES)
 #define V_BYTES (HEAD_DIM * BLOCK_N)
-#define K_HALF_BYTES (K_BYTES / 2)
+#define K_HALF_BYTES (K_CHUNK_BYTES / 2)  // a chunk's rows 64 .. 127: the second permuted box
 // FUSED_SOFTMAX: each V^T stage is followed by 8 rows of e4m3 ones (written once), the
 // PV product's extra 8 columns; every one of them is the row sum of P
 #define ONES_BYTES (FUSED_SOFTMAX ? 8 * BLOCK_N : 0)
@@ -195,8 +211,8 @@ struct __align__(64) TensorMap {
 
 // one kernel parameter, passed by value (the tensor maps must live in parameter space)
 struct Params {
-    TensorMap q_map;   // Q as (B*H*Sq rows, D), boxes of (128 rows, D)
-    TensorMap k_map0;  // K as (D, 2, 4, rows / 16): keys 16n + 4q + b of each 16
+    TensorMap q_map;   // Q as (B*H*Sq rows, row bytes), boxes of (BLOCK_M rows, one chunk)
+    TensorMap k_map0;  // K as (row bytes, 2, 4, rows / 16), boxes of one chunk: keys 16n + 4q + b of each 16
     TensorMap k_map1;  // the same from row 2: keys 16n + 4q + 2 + b
     TensorMap v_map;   // V^T as (B*Hkv*D rows, Sk keys), boxes of (D rows, 128 keys)
     const float* qs;   // (B, H, Sq) per-token scales of Q
@@ -472,11 +488,19 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 #define WGMMA_R64 WGMMA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
                   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
-// QK^T: m64n128k32 from shared memory (A = Q, B = K); FRESH: d = A B, else d += A B
+// QK^T: m64n128k32 (e4m3) or m64n128k16 (bf16, with its transpose immediates: both
+// K-major) from shared memory (A = Q, B = K); FRESH: d = A B, else d += A B
+#if QK_BF16
+#define WGMMA_QK_OP "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"
+#define WGMMA_QK_TRANS ", 0, 0"
+#else
+#define WGMMA_QK_OP "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"
+#define WGMMA_QK_TRANS ""
+#endif
 template <bool FRESH>
 __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
 #define WGMMA_SS_N128 "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
-    "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" WGMMA_R64 "}, %64, %65, p, 1, 1;\n}\n"
+    WGMMA_QK_OP " {" WGMMA_R64 "}, %64, %65, p, 1, 1" WGMMA_QK_TRANS ";\n}\n"
     if constexpr (FRESH)
         asm volatile(WGMMA_SS_N128 : WGMMA_D64(WGMMA_WO) : "l"(desc_a), "l"(desc_b), "r"(0));
     else
@@ -1013,8 +1037,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], uint32_t (&pa)[4][4
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint32_t k_tile) {
     const uint64_t k_desc = smem_desc(k_tile, QK_SWIZZLE_LAYOUT, QK_ROW_BYTES);
     wgmma_ss_n128<true>(s, q_desc, k_desc);  // a fresh S: its last tile's values are dead
+    // K-step c: 32 bytes into its chunk's rows (descriptor addresses count 16 bytes)
 #pragma unroll
-    for (int c = 1; c < HEAD_DIM / 32; ++c) wgmma_ss_n128<false>(s, q_desc + 2 * c, k_desc + 2 * c);
+    for (int c = 1; c < QK_STEPS; ++c)
+        wgmma_ss_n128<false>(s, q_desc + (c / 4) * (Q_CHUNK_BYTES >> 4) + 2 * (c % 4),
+                             k_desc + (c / 4) * (K_CHUNK_BYTES >> 4) + 2 * (c % 4));
 }
 
 __device__ __forceinline__ void issue_pv(float (&pv)[PV_N / 2], const uint32_t (&pa)[4][4], uint32_t v_tile) {
@@ -1287,7 +1314,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
             const int qb = unit & 1;
             mbar_wait(sm.q_empty + 8 * qb, ((unit >> 1) & 1) ^ 1);  // a fresh barrier passes at once
             mbar_expect_tx(sm.q_full + 8 * qb, Q_BYTES);
-            tma_load_2d(sm.q + qb * Q_BYTES, &p.q_map, 0, blk.bh * Sq + blk.start_m * BLOCK_M, sm.q_full + 8 * qb);
+#pragma unroll
+            for (int c = 0; c < QK_CHUNKS; ++c)
+                tma_load_2d(sm.q + qb * Q_BYTES + c * Q_CHUNK_BYTES, &p.q_map, c * QK_ROW_BYTES,
+                            blk.bh * Sq + blk.start_m * BLOCK_M, sm.q_full + 8 * qb);
             const int group0 = bhk * (p.k_rows_per_head / 16);
             for (int j = 0; j < n_tiles; ++j) {
                 const int g = tile0 + j, st = g % STAGES;
@@ -1295,9 +1325,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_fwd_fp8(const __gr
                 mbar_wait(sm.k_empty + 8 * st, free_parity);
                 mbar_expect_tx(sm.k_full + 8 * st, K_BYTES);
                 const uint32_t k_tile = sm.k + st * K_BYTES;
-                tma_load_4d(k_tile, &p.k_map0, 0, 0, 0, group0 + j * (BLOCK_N / 16), sm.k_full + 8 * st);
-                tma_load_4d(k_tile + K_HALF_BYTES, &p.k_map1, 0, 0, 0, group0 + j * (BLOCK_N / 16),
-                            sm.k_full + 8 * st);
+#pragma unroll
+                for (int c = 0; c < QK_CHUNKS; ++c) {
+                    tma_load_4d(k_tile + c * K_CHUNK_BYTES, &p.k_map0, c * QK_ROW_BYTES, 0, 0,
+                                group0 + j * (BLOCK_N / 16), sm.k_full + 8 * st);
+                    tma_load_4d(k_tile + c * K_CHUNK_BYTES + K_HALF_BYTES, &p.k_map1, c * QK_ROW_BYTES, 0, 0,
+                                group0 + j * (BLOCK_N / 16), sm.k_full + 8 * st);
+                }
                 mbar_wait(sm.v_empty + 8 * st, free_parity);
                 mbar_expect_tx(sm.v_full + 8 * st, V_BYTES);
                 tma_load_2d(sm.v + st * V_STAGE_BYTES, &p.v_map, j * BLOCK_N, bhk * HEAD_DIM, sm.v_full + 8 * st);
