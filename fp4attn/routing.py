@@ -61,9 +61,10 @@ P_MODE_AFFINE_TRAINED = 6
 # affine FP8 P with Recipe.rescale="lazy" (`kernels.common.lazy_reference_point`)
 P_MODE_AFFINE_LAZY = 7
 TRAIN_P_MODES = {**P_MODES, ("fp8", "affine"): P_MODE_AFFINE_TRAINED}
-# and those the CUDA C++ kernel builds (`forward_cuda.Variant.affine_p` for 4, 5 and 7, `lazy_rescale` for 7,
-# `affine_mx` for 5)
-CUDA_P_MODES = (0, 4, 5, 7)
+# and those the CUDA C++ kernel runs (`forward_cuda.Variant.affine_p` for 4 and 7, `lazy_rescale` for 7). Its
+# affine MXFP4 P build (`affine_mx`, P mode 5) is compiled and checked on the CPU and waits for its first GPU run
+# (tests/test_cuda_forward.py::test_p_codes_match_triton_kernel) before a route takes it
+CUDA_P_MODES = (0, 4, 7)
 TRAIN_GRAD_FORMATS = ("e4m3",)
 
 
@@ -274,9 +275,10 @@ def cuda_forward_available() -> bool:
     return found and cuda is not None and int(cuda.split(".")[0]) >= 13
 
 
-def use_cuda_forward(launch: ForwardLaunch, p_mode: int, qk_fp8: bool, keys: int, on_cuda: bool) -> bool:
-    """Whether the forward runs on the CUDA C++ kernel (`ForwardLaunch.cuda_from_keys`)."""
-    return (launch.cuda_keys(p_mode) > 0 and keys >= launch.cuda_keys(p_mode) and p_mode in CUDA_P_MODES and qk_fp8
+def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: bool) -> bool:
+    """Whether the forward runs on the CUDA C++ kernel (`ForwardLaunch.cuda_from_keys`; the
+    launch is the table's for the recipe's Q/K: e4m3 for `fast_accum`, else bf16)."""
+    return (launch.cuda_keys(p_mode) > 0 and keys >= launch.cuda_keys(p_mode) and p_mode in CUDA_P_MODES
             and on_cuda and cuda_forward_available())
 
 
@@ -529,7 +531,7 @@ def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: st
     dk = kernel_head_dim(head_dim)
     launch = forward_launch(dk, recipe.fast_accum, causal)
     mode = p_mode(recipe)
-    if use_cuda_forward(launch, mode, recipe.fast_accum, keys, on_cuda):
+    if use_cuda_forward(launch, mode, keys, on_cuda):
         return "hopper.forward_cuda"
     gluon = launch.warp_specialized and mode in GLUON_P_MODES and mask == "none"
     return "hopper.forward_gluon_ws" if gluon else "hopper.forward_triton"

@@ -555,8 +555,8 @@ def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):
     monkeypatch.setattr(hops, "tma_descriptors", lambda ops: None)
     monkeypatch.setattr(routing, "cuda_forward_available", lambda: True)
     # CPU tensors stand for CUDA ones here
-    monkeypatch.setattr(hops, "use_cuda_forward", lambda cfg, p_mode, fp8, keys, on_cuda:
-                        routing.use_cuda_forward(cfg, p_mode, fp8, keys, True))
+    monkeypatch.setattr(hops, "use_cuda_forward", lambda cfg, p_mode, keys, on_cuda:
+                        routing.use_cuda_forward(cfg, p_mode, keys, True))
 
     def launched(d, sk, qk=torch.float8_e4m3fn, p_mode=0, **kw):
         q, k = torch.zeros(1, 2, 3, d, dtype=qk), torch.zeros(1, 2, sk, d, dtype=qk)
@@ -580,11 +580,8 @@ def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):
         na = routing.FORWARD_LAUNCH[d, True, causal is not None].cuda_keys(4)
         assert launched(d, na, causal_offset=causal, p_mode=4) == "cuda"
         assert launched(d, na - 1, causal_offset=causal, p_mode=4) != "cuda"
-        # affine MXFP4 P (P mode 5) from the affine key count too; Direct-P's other MXFP4
-        # builders stay on the Triton kernel
-        assert launched(d, na, causal_offset=causal, p_mode=5) == "cuda"
-        assert launched(d, na - 1, causal_offset=causal, p_mode=5) == "triton"
-        assert launched(d, n, causal_offset=causal, p_mode=2) == "triton"
+        assert launched(d, n, causal_offset=causal, p_mode=5) == "triton"  # affine MXFP4 P
+        assert launched(d, n, causal_offset=causal, p_mode=2) == "triton"  # exp2-built MXFP4 P
     assert routing.FORWARD_LAUNCH[64, True, False].cuda_keys(4) < routing.FORWARD_LAUNCH[64, True, False].cuda_keys(0)
     assert launched(64, 8192, key_bias=torch.zeros(1, 8192)) == "cuda"  # the CUDA kernel takes a key bias
 

@@ -58,7 +58,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
                          f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
-    if use_cuda_forward(cfg, p_mode, qk_fp8, Sk, q.is_cuda) and not write_p:
+    if use_cuda_forward(cfg, p_mode, Sk, q.is_cuda) and not write_p:
         # the CUDA C++ kernel (FlashAttention-3's schedule) from `cuda_from_keys` keys; where it
         # cannot run the operands (`cuda_unsupported_reason`), the kernels below
         from fp4attn.kernels.hopper.forward_cuda import cuda_unsupported_reason, launch_forward_cuda
