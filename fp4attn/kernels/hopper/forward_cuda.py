@@ -8,7 +8,9 @@ $FP4ATTN_CACHE_DIR or ~/.cache/fp4attn, keyed by the source, the options and NVR
 version; a build prints one line. `compile_variant` also runs without a GPU (the CPU
 compile check); launching needs one.
 
-Numerics: the `fast_accum` FP8-P recipes. The launcher's build (`SOFTMAX`) does
+Numerics: the `fast_accum` recipes (e4m3 Q/K) and, with `Variant.qk_bf16`, the exact ones
+(bf16 Q/K, whose e4m3 or NVFP4 values bf16 holds exactly); P as FP8 from exp2, FP8 or MXFP4
+from the affine map (`affine_p`, `affine_mx`). The launcher's build (`SOFTMAX`) does
 FlashAttention-3's per-score work, with the row sums of P from the PV product and a
 quarter of the exp2s by a polynomial: P codes equal to the recipe's on 99.986% of entries
 (the issue's bar is 99.9%), outputs within bf16 rounding. `MEASURED["recipe"]` builds the
