@@ -196,6 +196,8 @@ class BackwardLaunch:
     kernels' 4-warp programs (None: ptxas's choice).
     qk_fp4_dq (Blackwell): the Triton dQ kernel's S by the block-scaled FP4 product of
     the saved NVFP4 payloads (its QK_FP4; needs block_m_dq = 128), not a bf16 product.
+    qk_fp4_dkdv (Blackwell): likewise the Triton dK/dV kernel's scores (its QK_FP4: S of
+    two 64-query tiles at once, P^T taken from it), not a bf16 S^T.
     """
 
     block_n_dkdv: int = 128
@@ -213,6 +215,7 @@ class BackwardLaunch:
     dkdv_maxnreg: int | None = None
     dq_maxnreg: int | None = None
     qk_fp4_dq: bool = False
+    qk_fp4_dkdv: bool = False
 
 
 # Keyed by head dim; the fastest variants of causal (4,16,4096,128) and (8,16,4096,64),
@@ -389,11 +392,14 @@ def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False
 # D=64; 4 warps 3020-7724; 32-key programs leave the tcgen05 tensor cores for mma.sync;
 # 128-key programs spill 20-3428 bytes). dQ: 128-query programs, S by the block-scaled FP4
 # product (qk_fp4_dq: tcgen05 builds it for 128 rows only), without spills at either head
-# dim; the dK/dV kernel's S^T stays a bf16 product (docs/notes/blackwell.md, "The training
-# backward's score products").
+# dim. dK/dV: the scores by the block-scaled FP4 product too (qk_fp4_dkdv: S of two query
+# tiles, 128 rows) at D=64, 224-255 registers without spills; at D=128 that build spills
+# 548 bytes (the bf16 build already takes 253-255 registers), so S^T stays a bf16 product
+# there (docs/notes/blackwell.md, "The training backward's score products").
 BLACKWELL_BACKWARD_LAUNCH: dict[int, BackwardLaunch] = {
     d: BackwardLaunch(block_n_dkdv=64, block_m_dq=128, warps_dkdv=8, warps_dq=8, stages_dkdv=1, stages_dq=2,
-                      tma=False, dkdv_gluon=False, dq_gluon=False, qk_fp4_dq=True) for d in (64, 128)
+                      tma=False, dkdv_gluon=False, dq_gluon=False, qk_fp4_dq=True, qk_fp4_dkdv=d == 64)
+    for d in (64, 128)
 }
 
 
@@ -635,7 +641,8 @@ def blackwell_train_unsupported(recipe: Recipe, head_dim: int, mask: str = "none
 def _blackwell_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
                             on_cuda: bool = True) -> str:
     return (f"{_blackwell_forward_kernel(recipe, head_dim, causal, mask)} + hopper.backward_triton.dkdv + "
-            "hopper.backward_triton.dq (built for sm_100a; dQ's S by the block-scaled FP4 product)")
+            "hopper.backward_triton.dq (built for sm_100a; dQ's S, and at head_dim 64 dK/dV's, by the "
+            "block-scaled FP4 product)")
 
 
 def _sm120_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,

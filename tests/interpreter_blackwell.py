@@ -11,7 +11,7 @@ elements, or E8M0 per 32: 2**(s - 127), 0xFF NaN), and multiply the decoded oper
 float64, rounded once to float32 and added to the accumulator. The tensor cores' float32
 sums differ from that only in order, which the tests' tolerances allow. `tl.dot` gets
 the same definition (the interpreter multiplies bf16 operands as their raw bits; the
-Blackwell training backward's S^T is a bf16 product).
+Blackwell training backward's D=128 dK/dV kernel forms S^T as a bf16 product).
 `test_blackwell_interpreter.py` checks the patch itself against a float64 product of
 the reference's dequantized payloads.
 

@@ -132,17 +132,23 @@ def test_cost_model_is_calibrated_within_25_percent():
     assert abs(cal["model_error"]) <= 0.25, cal["model_error"]
 
 
+# the one routed backward build whose scores are still a bf16 product: the D=128 dK/dV
+# kernel's S^T (its FP4 form spills 548 bytes; docs/notes/blackwell.md, "The training
+# backward's score products")
+BF16_SCORE_BUILDS = {("dkdv", 128)}
+
+
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_103a"])
 def test_training_backward_builds_without_spills(arch, monkeypatch):
     """The training backward's Triton kernels at their Blackwell launch (the causal
     builds; `fp4attn compile-report` prints all), for B200 and B300: no spills, tensor
-    memory within 512 columns, the gradient products on the FP8 tensor cores; the dQ
-    kernel's S the block-scaled FP4 product of the NVFP4 payload (kind::mxf4nvf4 with
-    e4m3 scales per 16, its only FP4 product, and no bf16 product left), the dK/dV
-    kernel's S^T a bf16 product of the NVFP4 grid values (exact; its 64-key programs
-    are below the block-scaled MMA's 128 rows). The report's records of these builds
-    alone: its forward builds (the other tests' here) and non-causal backward builds
-    are left out of it, not built and then dropped."""
+    memory within 512 columns, the gradient products on the FP8 tensor cores; the scores
+    the block-scaled FP4 product of the NVFP4 payload (kind::mxf4nvf4 with e4m3 scales per
+    16, the only FP4 product, and no bf16 product left) in the dQ kernel and the D=64
+    dK/dV kernel; a bf16 score product (kind::f16) in any other routed build than those
+    of BF16_SCORE_BUILDS fails. The report's records of these builds alone: its forward
+    builds (the other tests' here) and non-causal backward builds are left out of it, not
+    built and then dropped."""
     causal_backward = [e for e in compile_report.routed_backward_builds() if e["causal"]]
     monkeypatch.setattr(compile_report, "routed_builds", lambda *args, **kwargs: [])
     monkeypatch.setattr(compile_report, "routed_backward_builds", lambda: causal_backward)
@@ -154,28 +160,41 @@ def test_training_backward_builds_without_spills(arch, monkeypatch):
         assert r["spill_bytes"] == 0 and 0 < r["tmem_columns"] <= 512, (where, r)
         kinds = " ".join(r["mma_kinds"])
         assert "kind::f8f6f4" in kinds, (where, kinds)
-        if r["part"] == "dq":
-            assert r["qk_fp4"] and r["fp4_block_scaled"], (where, kinds)
-            assert "kind::mxf4nvf4.block_scale.scale_vec::4X" in kinds and "kind::f16" not in kinds, (where, kinds)
-        else:
+        if (r["part"], r["head_dim"]) in BF16_SCORE_BUILDS:
             assert not r["qk_fp4"] and r["fp4_block_scaled"] is None, (where, kinds)
             assert "kind::f16" in kinds and "mxf4" not in kinds, (where, kinds)
+        else:
+            assert r["qk_fp4"] and r["fp4_block_scaled"], (where, kinds)
+            assert "kind::mxf4nvf4.block_scale.scale_vec::4X" in kinds and "kind::f16" not in kinds, (where, kinds)
 
 
 def test_training_backward_fp4_scores_in_the_tile_loop():
-    """The dQ kernel's key-tile loop (sm_100a SASS, D=128 causal) issues the S product
+    """The key-tile loop of the dQ kernel (sm_100a SASS, D=128 causal) issues the S product
     as block-scaled FP4 MMAs (UTCOMMA.4X: kind::mxf4nvf4 with 4 scales a 64-element
-    K-step, two for D=128) and no bf16 MMA (UTCHMMA), against eight bf16 MMAs in the
-    same kernel built with S from the grid values."""
+    K-step, two for D=128) and no bf16 MMA (UTCHMMA), against eight bf16 MMAs in the same
+    kernel built with S from the grid values. The dK/dV kernel (D=64, causal, FP8 and
+    Direct-P P): one UTCOMMA.4X a step of two query tiles (S = Q K^T, 128 rows, K = 64)
+    and no UTCHMMA anywhere in the kernel, against four bf16 MMAs a tile for S^T from the
+    grid values."""
     from fp4attn.tools.machine_code_sm100 import compile_backward, inspect
 
-    def loop_mmas(qk_fp4):
-        loop = inspect(compile_backward("dq", True, 128, qk_fp4=qk_fp4)).tile_loop()
-        return {op: loop.count(op) for op in set(loop) if "MMA" in op}
+    def loop_mmas(part, head_dim, qk_fp4, p_mode=0):
+        rep = inspect(compile_backward(part, True, head_dim, qk_fp4=qk_fp4, p_mode=p_mode))
+        # the innermost loop holding the score product (and, for dK/dV, each tile's
+        # gradient products in the loop over its two tiles)
+        loop = next(lp for lp in rep.loops() if "EXIT" not in lp and any(
+            op.startswith(("UTCOMMA", "UTCHMMA")) for op in lp))
+        return {op: loop.count(op) for op in set(loop) if "MMA" in op}, rep.opcodes
 
-    fp4, bf16 = loop_mmas(True), loop_mmas(False)
+    fp4, _ = loop_mmas("dq", 128, True)
+    bf16, _ = loop_mmas("dq", 128, False)
     assert fp4.get("UTCOMMA.4X") == 2 and "UTCHMMA" not in fp4, fp4
     assert bf16.get("UTCHMMA") == 8 and not any(op.startswith("UTCOMMA") for op in bf16), bf16
+    for p_mode in (0, 1):
+        (fp4, ops), (bf16, _) = loop_mmas("dkdv", 64, True, p_mode), loop_mmas("dkdv", 64, False, p_mode)
+        assert fp4.get("UTCOMMA.4X") == 1 and fp4.get("UTCQMMA") == 6, (p_mode, fp4)
+        assert not any(op.startswith("UTCHMMA") for op in ops), p_mode
+        assert bf16.get("UTCHMMA") == 4 and not any(op.startswith("UTCOMMA") for op in bf16), (p_mode, bf16)
 
 
 def test_sm103a_builds_every_routed_forward_without_spills():

@@ -548,7 +548,8 @@ TRAIN_FP4_SCORES = BLACKWELL_PATCHES + textwrap.dedent('''
                                                 ("train", 2, 2, 1, 200, 77, 128, "top_left"),
                                                 ("train-mxfp4pv", 1, 2, 1, 130, 100, 64, None),
                                                 ("train-robust", 1, 2, 2, 96, 150, 128, "bottom_right"),
-                                                ("train", 1, 2, 1, 1, 70, 128, "bottom_right")):
+                                                ("train", 1, 2, 1, 1, 70, 128, "bottom_right"),
+                                                ("train", 1, 2, 1, 70, 150, 64, "top_left")):
         r = PRESETS[name]
         q = torch.randn(B, HQ, sq, D, generator=g).bfloat16()
         k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16() for _ in range(2))
@@ -561,13 +562,14 @@ TRAIN_FP4_SCORES = BLACKWELL_PATCHES + textwrap.dedent('''
         # the route: the Blackwell backward op, gradients kept in float32
         got = _train_backward_op(dout, out, lse, *saved, *bwd, *f32)
         launch = routing.blackwell_backward_launch(D)
-        assert launch.qk_fp4_dq and launch.block_m_dq == 128, launch
-        # the same kernels with S by the bf16 product of the grid values, at the FP4 launch's
-        # 128-row and the former 64-row dQ programs: the interpreter multiplies both products
-        # exactly (float64, rounded once), so every gradient is equal bit for bit
+        assert launch.qk_fp4_dq and launch.block_m_dq == 128 and launch.qk_fp4_dkdv == (D == 64), launch
+        # the same kernels with the scores by the bf16 product of the grid values, at the FP4
+        # launch's 128-row and the former 64-row dQ programs: the interpreter multiplies both
+        # products exactly (float64, rounded once), so every gradient is equal bit for bit
+        # (the D=64 cases: the dK/dV kernel's S of two query tiles against its S^T a tile)
         ops = backward_operands(dout, out, *saved)
-        for dq_launch in (dataclasses.replace(launch, qk_fp4_dq=False),
-                          dataclasses.replace(launch, qk_fp4_dq=False, block_m_dq=64)):
+        for dq_launch in (dataclasses.replace(launch, qk_fp4_dq=False, qk_fp4_dkdv=False),
+                          dataclasses.replace(launch, qk_fp4_dq=False, qk_fp4_dkdv=False, block_m_dq=64)):
             with routing.override_launch(backward=dq_launch):
                 other = launch_backward(ops, lse, *bwd[:2], *bwd[2:], f32)
             for n, a, b in zip(("dq", "dk", "dv"), got, other):
@@ -586,14 +588,18 @@ TRAIN_FP4_SCORES = BLACKWELL_PATCHES + textwrap.dedent('''
             # measured 1e-8 to 3.4e-5 (an e4m3 code of P or dS that float32 summation
             # order moves across a rounding threshold: one element, by up to 1/8)
             assert a.dtype == torch.float32 and err < 1e-3, (name, D, sq, sk, causal, n, err)
-    # the launch refuses a dQ launch of the wrong shape, or no payload, rather than
-    # multiplying something else
-    for bad, kw in ((dataclasses.replace(launch, block_m_dq=64), dict(nvfp4=tuple(saved[:4]))), (launch, {})):
+    # the launch refuses an FP4 launch of the wrong shape or path, or without the payload,
+    # rather than multiplying something else
+    fp4 = dataclasses.replace(launch, qk_fp4_dkdv=True)
+    for bad, kw, flag in ((dataclasses.replace(fp4, block_m_dq=64), dict(nvfp4=tuple(saved[:4])), "qk_fp4_dq"),
+                          (dataclasses.replace(fp4, qk_fp4_dq=False, dkdv_gluon=True), dict(nvfp4=tuple(saved[:4])),
+                           "qk_fp4_dkdv"),
+                          (dataclasses.replace(fp4, qk_fp4_dq=False), {}, "qk_fp4_dkdv")):
         with routing.override_launch(backward=bad):
             try:
                 launch_backward(ops, lse, *bwd, f32, **kw)
             except ValueError as e:
-                assert "qk_fp4_dq" in str(e), e
+                assert flag in str(e), e
             else:
                 raise AssertionError(bad)
     print("ok")
@@ -601,14 +607,17 @@ TRAIN_FP4_SCORES = BLACKWELL_PATCHES + textwrap.dedent('''
 
 
 def test_blackwell_train_backward_fp4_scores_under_the_interpreter():
-    """The Blackwell backward's dQ kernel multiplies S from the saved NVFP4 payload by the
-    block-scaled FP4 product (its QK_FP4 form at the Blackwell launch, 128-query
-    programs): on awkward shapes (Sq 1, 96, 113, 130, 200 against Sk 70 to 239), both
-    causal alignments, GQA, D=64 and 128, FP8 and Direct-P P, K smoothing and 4/6 scales,
-    dQ, dK and dV in float32 equal bit for bit those of the same kernels with S from the
-    grid values (128- and 64-query programs: the interpreter multiplies both products
-    exactly), and are within 1e-3 relative L2 of the reference backward (measured 1e-8 to
-    3.4e-5); the launcher refuses a dQ launch that is not 128 rows or lacks the payload."""
+    """The Blackwell backward multiplies its scores from the saved NVFP4 payload by the
+    block-scaled FP4 product (the QK_FP4 forms at the Blackwell launch: the dQ kernel's
+    128-query programs, and at D=64 the dK/dV kernel's S of two 64-query tiles): on
+    awkward shapes (Sq 1, 70, 96, 113, 130, 200 against Sk 70 to 239; at D=64 Sq 70, 113
+    and 130, whose last step's second tile lies past Sq), both causal alignments (at D=64
+    too, with key blocks no query sees), GQA, D=64 and 128, FP8 and Direct-P P, K
+    smoothing and 4/6 scales, dQ, dK and dV in float32 equal bit for bit those of the same
+    kernels with the scores from the grid values (128- and 64-query dQ programs, S^T a
+    tile: the interpreter multiplies both products exactly), and are within 1e-3 relative
+    L2 of the reference backward (measured 1e-8 to 3.4e-5); the launcher refuses an FP4
+    launch on another path or shape, or without the payload."""
     run_under_interpreter(TRAIN_FP4_SCORES)
 
 

@@ -115,9 +115,10 @@ def calibration_report() -> dict:
 
 def routed_backward_builds() -> list[dict]:
     """One entry per routed (training recipe, head dim, causal, kernel) of the Blackwell
-    training backward: its dK/dV kernel (P rebuilt as the recipe builds it, S^T a bf16
-    product of the NVFP4 grid values) and its dQ kernel (S the block-scaled FP4 product
-    of the NVFP4 payload: `qk_fp4` True)."""
+    training backward: its dK/dV kernel (P rebuilt as the recipe builds it) and its dQ
+    kernel, each with `qk_fp4` True where the launch forms its scores by the block-scaled
+    FP4 product of the NVFP4 payload (`qk_fp4_dq`, `qk_fp4_dkdv`), False where by a bf16
+    product of the NVFP4 grid values."""
     out = []
     for name, r in PRESETS.items():
         for d in HEAD_DIMS:
@@ -127,7 +128,7 @@ def routed_backward_builds() -> list[dict]:
                 for part in ("dkdv", "dq"):
                     out.append(dict(kernel=f"hopper.backward_triton.{part}", recipe=name, head_dim=d, causal=causal,
                                     key_bias=False, part=part, p_mode=P_MODES[r.p, r.p_build] if part == "dkdv" else 0,
-                                    qk_fp4=part == "dq" and BLACKWELL_BACKWARD_LAUNCH[d].qk_fp4_dq, pv_fp4=False))
+                                    qk_fp4=getattr(BLACKWELL_BACKWARD_LAUNCH[d], f"qk_fp4_{part}"), pv_fp4=False))
     return out
 
 
@@ -174,11 +175,12 @@ def comparison_builds() -> list[dict]:
 def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True, comparison: bool = False) -> list[dict]:
     """compile-report's records: one per routed build, with its machine-code figures
     (and `comparison`: the serial builds of `comparison_builds`, `routed` False).
-    The training backward's gradient products are FP8 (kind::f8f6f4); its dQ records'
-    `fp4_block_scaled` says whether S is the block-scaled FP4 product (kind::mxf4nvf4,
-    e4m3 scales per 16), the dK/dV records' is None: their S^T is a bf16 product of the
-    NVFP4 grid values (exact; kind::f16; docs/notes/blackwell.md, "The training
-    backward's score products")."""
+    The training backward's gradient products are FP8 (kind::f8f6f4); where a record's
+    launch forms the scores from the NVFP4 payload (`qk_fp4`), its `fp4_block_scaled`
+    says whether they are the block-scaled FP4 product (kind::mxf4nvf4, e4m3 scales per
+    16) with no bf16 product left (kind::f16); elsewhere it is None: the scores are a
+    bf16 product of the NVFP4 grid values (exact; the D=128 dK/dV kernel's S^T,
+    docs/notes/blackwell.md, "The training backward's score products")."""
     out = []
     for e in routed_builds(key_bias, arch):
         rec = build_report(e["qk_fp4"], e["pv_fp4"], e["p_affine"], e["causal"], e["head_dim"], e["key_bias"], arch)
@@ -188,8 +190,8 @@ def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True,
         out.append({**e, "arch": arch, **rec, "routed": False, "fp4_block_scaled": fp4_products_ok(e, rec)})
     for e in routed_backward_builds() if backward and arch != "sm_120a" else ():
         rec = backward_report(e["part"], e["p_mode"], e["causal"], e["head_dim"], arch)
-        out.append({**e, "arch": arch, **rec, "routed": True,
-                    "fp4_block_scaled": fp4_products_ok(e, rec) if e["qk_fp4"] else None})
+        fp4 = fp4_products_ok(e, rec) and not any("kind::f16" in k for k in rec["mma_kinds"])
+        out.append({**e, "arch": arch, **rec, "routed": True, "fp4_block_scaled": fp4 if e["qk_fp4"] else None})
     return out
 
 

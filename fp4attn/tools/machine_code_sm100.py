@@ -249,9 +249,9 @@ def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0,
     """The training backward's Triton kernel `part` ("dkdv" or "dq", from
     `kernels.hopper.backward_triton`) compiled for `arch` at the Blackwell launch
     (`routing.BLACKWELL_BACKWARD_LAUNCH`, or `launch`), pointers and lengths
-    specialized as multiples of 16. qk_fp4 (dq only; None: the launch's
-    `qk_fp4_dq`): S by the block-scaled FP4 product of the NVFP4 payloads (QK_FP4);
-    False: by the bf16 product of their grid values. The signature follows the
+    specialized as multiples of 16. qk_fp4 (None: the launch's `qk_fp4_dq` or
+    `qk_fp4_dkdv`): the scores by the block-scaled FP4 product of the NVFP4 payloads
+    (QK_FP4); False: by the bf16 product of their grid values. The signature follows the
     kernel's own parameters, so it tracks their changes."""
     from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
     from fp4attn.reference.backward import DS_BLOCK
@@ -260,11 +260,9 @@ def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0,
     cfg = launch or BLACKWELL_BACKWARD_LAUNCH[head_dim]
     fn = attn_bwd_dkdv_kernel if part == "dkdv" else attn_bwd_dq_kernel
     if part == "dkdv":
-        if qk_fp4:
-            raise ValueError("compile_backward: the dK/dV kernel has no QK_FP4 form (its S^T is a bf16 product)")
-        qk_fp4 = False
+        qk_fp4 = cfg.qk_fp4_dkdv if qk_fp4 is None else qk_fp4
         consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
-                      HW_CVT=cfg.hw_cvt, TMA=False)
+                      HW_CVT=cfg.hw_cvt, TMA=False, QK_FP4=qk_fp4)
         warps, stages = cfg.warps_dkdv, cfg.stages_dkdv
     else:
         qk_fp4 = cfg.qk_fp4_dq if qk_fp4 is None else qk_fp4

@@ -12,8 +12,9 @@ tensor cores (`kind::f8f6f4`). What changes from Hopper: the forward is
 QK^T), and the backward runs its Triton kernels at the Blackwell launch
 (`routing.BLACKWELL_BACKWARD_LAUNCH`: no Hopper TMA or Gluon paths), where the dQ
 kernel's S is the block-scaled FP4 product of the same payload (`kind::mxf4nvf4`, as the
-forward's QK^T) and the dK/dV kernel's S^T a bf16 product of its grid values: exact
-both, equal up to float32 summation order.
+forward's QK^T), and so are the dK/dV kernel's scores at head dim 64 (S of two query
+tiles, P^T taken from it); at 128 its S^T is a bf16 product of the grid values (the FP4
+build spills there). Exact all, equal up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _train_backward_op(
     ops = backward_operands(dout, out, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts)
     launch = routing.blackwell_backward_launch(q_codes.shape[-1] * 2)
     with routing.override_launch(backward=launch):
-        # the dQ kernel multiplies S from the NVFP4 payload itself (block-scaled FP4 MMA)
+        # the kernels multiply their scores from the NVFP4 payload itself where the launch
+        # says so (block-scaled FP4 MMA)
         return launch_backward(ops, lse, p, p_build, causal_offset, causal, scale, (dq_dtype, dk_dtype, dv_dtype),
                                nvfp4=(q_codes, q_bscale, k_codes, k_bscale))
 

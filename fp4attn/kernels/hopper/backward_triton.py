@@ -34,17 +34,17 @@ HW_CVT: the e4m3 operands (P_r for FP8 P, and dS) are rounded by the hardware's 
 conversion (cvt.rn.satfinite, round-to-nearest-even with saturation, as the reference)
 instead of the float32 bit arithmetic the forward needs for its row sums.
 
-QK_FP4 (the dq kernel, Blackwell only: sm_90 has no FP4 tensor cores, and Triton 3.6
-cannot build an NVFP4 `dot_scaled` for it): Q and K arrive as the forward's saved NVFP4
-payloads, packed E2M1 codes (B, heads, S, D/2) with e4m3 block scales QSC, KSC (B,
-heads, S, D/16), and S is the block-scaled FP4 product of those
-(`kernels.common.nvfp4_scores`, `tcgen05.mma ... kind::mxf4nvf4`) instead of a bf16
-product of their grid values: the same exact products summed in float32. The tensor
-scales multiply the float32 product as before. tcgen05 has that product for 128 rows
-only (M = 128), so it takes BLOCK_M = 128. The dK/dV kernel keeps the bf16 S^T: its
-programs hold 64 keys, and neither 128-key programs nor a 64-key S^T padded to 128 rows
-built well (docs/notes/blackwell.md, "The training backward's score products"). Off
-(the default, QSC and KSC None), the kernels build as they did.
+QK_FP4 (Blackwell only: sm_90 has no FP4 tensor cores, and Triton 3.6 cannot build an
+NVFP4 `dot_scaled` for it): Q and K arrive as the forward's saved NVFP4 payloads, packed
+E2M1 codes (B, heads, S, D/2) with e4m3 block scales QSC, KSC (B, heads, S, D/16), and
+the scores are the block-scaled FP4 product of those (`kernels.common.nvfp4_scores`,
+`tcgen05.mma ... kind::mxf4nvf4`) instead of a bf16 product of their grid values: the
+same exact products summed in float32. The tensor scales multiply the float32 product
+as before. tcgen05 has that product for 128 rows only (M = 128): the dq kernel takes
+BLOCK_M = 128; the dkdv kernel, whose programs hold 64 keys (S^T's rows), forms S = Q K^T
+of two 64-query tiles at once and takes each tile's P^T from it (`_dkdv_tiles_fp4`;
+docs/notes/blackwell.md, "The training backward's score products"). Off (the default,
+QSC and KSC None), the kernels build as they did.
 """
 
 import triton
@@ -138,8 +138,8 @@ def token_scales(S, first_row, offs, ok, factor, AXIS: tl.constexpr):
 
 
 @triton.jit
-def p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
-    """P in the recipe's P format times 2**8, as e4m3 (keys along axis 0)."""
+def p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr, KEY_AXIS: tl.constexpr = 0):
+    """P in the recipe's P format times 2**8, as e4m3 (keys along KEY_AXIS)."""
     if P_MODE == 0 or P_MODE == 6:  # P_MODE 6: pt is the e4m3 grid already (exact)
         p256 = pt * P_OFFSET  # exact: the reference's exp2(x) * 2**8
         if HW_CVT:
@@ -147,7 +147,7 @@ def p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
         else:
             pr = round_e4m3(p256).to(tl.float8e4nv)
     else:
-        pr = build_p_tile(xt, P_MODE, 0).to(tl.float8e4nv)
+        pr = build_p_tile(xt, P_MODE, KEY_AXIS).to(tl.float8e4nv)
     return pr
 
 
@@ -155,29 +155,35 @@ def p_r(xt, pt, P_MODE: tl.constexpr, HW_CVT: tl.constexpr):
 def _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk, causal_offset,
                q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
                HEAD_DIM: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-               HW_CVT: tl.constexpr, TMA: tl.constexpr, ROW_SCALES: tl.constexpr):
+               HW_CVT: tl.constexpr, TMA: tl.constexpr, ROW_SCALES: tl.constexpr, pt=None, pr=None,
+               P_GIVEN: tl.constexpr = False):
     offs_m = start_m + offs_mb
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
-    q = _token_tile(Q, row_off, start_m, offs_m, row_ok, HEAD_DIM, TMA)
-    lse2 = _lse2(LSE + row_off + offs_m, row_ok)
-    if ROW_SCALES:  # q_scale is scale * log2 e: times this tile's queries' own scales
-        q_scale = token_scales(QS, row_off, offs_m, row_ok, q_scale, 1)
-    tt = log2_scores(tl.dot(k, tl.trans(q)), q_scale, k_scale)
-    if MASK:
-        visible = (offs_n < Sk)[:, None]
-        if CAUSAL:
-            visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
-        tt = tl.where(visible, tt, -float("inf"))
-    xt = tt - lse2[None, :]
-    if P_MODE == 6:  # trained affine FP8 P: the forward's codes, no exponential
-        pt = p_fp8_affine_rebuilt(tt, lse2[None, :])
-    else:
-        pt = tl.math.exp2(xt)
+    if not P_GIVEN:  # (P_GIVEN: this tile's P^T, and MXFP4 P's P_r^T, from `_dkdv_tiles_fp4`)
+        q = _token_tile(Q, row_off, start_m, offs_m, row_ok, HEAD_DIM, TMA)
+        lse2 = _lse2(LSE + row_off + offs_m, row_ok)
+        if ROW_SCALES:  # q_scale is scale * log2 e: times this tile's queries' own scales
+            q_scale = token_scales(QS, row_off, offs_m, row_ok, q_scale, 1)
+        tt = log2_scores(tl.dot(k, tl.trans(q)), q_scale, k_scale)
+        if MASK:
+            visible = (offs_n < Sk)[:, None]
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+            tt = tl.where(visible, tt, -float("inf"))
+        xt = tt - lse2[None, :]
+        if P_MODE == 6:  # trained affine FP8 P: the forward's codes, no exponential
+            pt = p_fp8_affine_rebuilt(tt, lse2[None, :])
+        else:
+            pt = tl.math.exp2(xt)
     # dV += P_r^T dO_c (P_r times 2**8; dO_c's channel scale differs per query head)
     do_c = _channel_tile(DO_C, hd_off, start_m, offs_m, row_ok, Sq, HEAD_DIM, TMA)
     do_cs = tl.load(DO_CS + hd_off + offs_d)
-    dv += tl.dot(p_r(xt, pt, P_MODE, HW_CVT), tl.trans(do_c)) * do_cs[None, :]
+    if not P_GIVEN:
+        pr = p_r(xt, pt, P_MODE, HW_CVT)
+    elif P_MODE == 0 or P_MODE == 6:  # from P^T alone
+        pr = p_r(None, pt, P_MODE, HW_CVT)
+    dv += tl.dot(pr, tl.trans(do_c)) * do_cs[None, :]
     # dP^T = V_t dO_t^T on per-token e4m3 views
     do_t = _token_tile(DO_T, row_off, start_m, offs_m, row_ok, HEAD_DIM, TMA)
     do_s = tl.load(DO_TS + row_off + offs_m, mask=row_ok, other=0.0)
@@ -189,6 +195,69 @@ def _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd
     q_c = _channel_tile(Q_C, hd_off, start_m, offs_m, row_ok, Sq, HEAD_DIM, TMA)
     q_cs = tl.load(Q_CS + hd_off + offs_d)
     dk += tl.dot(ds_g, tl.trans(q_c)) * ds_s[:, None] * q_cs[None, :]
+    return dk, dv
+
+
+@triton.jit
+def _transposed_halves(x, BLOCK_M: tl.constexpr):
+    """The transposes of x's two BLOCK_M-row tiles: x (2 * BLOCK_M, N) -> two (N, BLOCK_M)."""
+    return tl.split(tl.reshape(tl.trans(x), (x.shape[1], 2, BLOCK_M)).permute(0, 2, 1))
+
+
+@triton.jit
+def _dkdv_tiles_fp4(dk, dv, kt, k_sc, v, k_scale, v_s, start_n, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
+                    causal_offset, q_scale, Q, QSC, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+                    HEAD_DIM: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+                    HW_CVT: tl.constexpr):
+    """`_dkdv_tile` of the two query tiles at start_m and start_m + BLOCK_M (QK_FP4). S =
+    Q K^T of both by one block-scaled FP4 product of the NVFP4 payloads, their 128 queries
+    as its rows: tcgen05's block-scaled MMA has M = 128, and S^T would have the program's
+    64 keys (128-key programs spill). P is built on S, one query a row, each element by
+    `_dkdv_tile`'s operations (its LSE one register a thread; MXFP4 P's 32-key blocks in
+    one thread's row, no shuffles); then each tile's P^T (and MXFP4 P_r^T) goes through
+    the rest of `_dkdv_tile`, the tiles in query order: dK and dV as two calls of
+    `_dkdv_tile` on the bf16 S^T, up to S's float32 summation order."""
+    BLOCK_M: tl.constexpr = offs_mb.shape[0]
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    P_FROM_PT: tl.constexpr = P_MODE == 0 or P_MODE == 6  # P_r is P times 2**8 in e4m3 (else MXFP4 P)
+    offs_m = start_m + tl.arange(0, 2 * BLOCK_M)
+    row_ok = offs_m < Sq
+    q, q_sc = _nvfp4_token_tile(Q, QSC, row_off, offs_m, row_ok, HEAD_DIM, False)
+    # S's accumulator: a zero the compiler cannot fold (`nvfp4_scores`), from this step's
+    # query indices: from the head's scale, a loop invariant, the compiler kept the zero
+    # tile in registers across the loop
+    zero_m = offs_m.to(tl.float32) * 0.0
+    t = log2_scores(nvfp4_scores(q, q_sc, kt, k_sc, zero_m), q_scale, k_scale)
+    lse2 = _lse2(LSE + row_off + offs_m, row_ok)
+    if MASK:
+        # offs_n < Sk and offs_n <= offs_m + causal_offset, on the keys' offsets in the
+        # block (a constant a register) against a bound a row: 64 key indices in
+        # registers spilled the causal builds
+        key = tl.arange(0, BLOCK_N)[None, :]
+        visible = key < Sk - start_n
+        if CAUSAL:
+            visible = visible & (key <= (offs_m + causal_offset - start_n)[:, None])
+        t = tl.where(visible, t, -float("inf"))
+    x = t - lse2[:, None]
+    if P_MODE == 6:  # trained affine FP8 P: the forward's codes, no exponential
+        p = p_fp8_affine_rebuilt(t, lse2[:, None])
+    else:
+        p = tl.math.exp2(x)
+    pt0, pt1 = _transposed_halves(p, BLOCK_M)
+    pr0 = None
+    pr1 = None
+    if not P_FROM_PT:
+        pr0, pr1 = _transposed_halves(p_r(x, p, P_MODE, HW_CVT, 1), BLOCK_M)
+    # the tiles one after the other by a loop: unrolled, the compiler interleaved them
+    # (both tiles' products in tensor memory at once, 512 columns, and spills)
+    for j in range(2):
+        pr = None
+        if not P_FROM_PT:
+            pr = tl.where(j == 0, pr0, pr1)
+        dk, dv = _dkdv_tile(dk, dv, None, v, k_scale, v_s, offs_n, start_m + j * BLOCK_M, offs_mb, row_off, hd_off,
+                            Sq, Sk, causal_offset, q_scale, Q, None, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+                            HEAD_DIM, P_MODE, CAUSAL, MASK, HW_CVT, False, False, tl.where(j == 0, pt0, pt1), pr,
+                            True)
     return dk, dv
 
 
@@ -227,7 +296,7 @@ def attn_bwd_dkdv_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False,
-    ROW_SCALES: tl.constexpr = False,
+    ROW_SCALES: tl.constexpr = False, QK_FP4: tl.constexpr = False, QSC=None, KSC=None,
 ):
     """Layouts (contiguous): Q (B, H, Sq, D) bf16, K (B, Hkv, Sk, D) bf16 (NVFP4 grid
     values, or FP8 Q/K's e4m3 values); QS (B, H) / KS (B, Hkv) fp32, the tensor decode
@@ -239,7 +308,11 @@ def attn_bwd_dkdv_kernel(
     (B, Hkv, Sk, D): float32 sums stored in their dtype (the gradients').
 
     TMA: Q, DO_T, DO_C and Q_C are descriptors (`train_op.backward_descriptors`) and
-    Sq is a multiple of BLOCK_M."""
+    Sq is a multiple of BLOCK_M. QK_FP4: Q and K are NVFP4 codes with their block scales
+    QSC and KSC, as `attn_bwd_dq_kernel`'s, and each step takes two query tiles
+    (`_dkdv_tiles_fp4`); BLOCK_M 64."""
+    tl.static_assert(not QK_FP4 or not (TMA or ROW_SCALES), "QK_FP4: NVFP4 payloads by pointer loads, one scale a head")
+    tl.static_assert(not QK_FP4 or 2 * BLOCK_M == 128, "QK_FP4: tcgen05's block-scaled MMA has 128 rows")
     start_n = tl.program_id(0) * BLOCK_N
     off_bh = tl.program_id(1)  # (b, kv head)
     Hkv = H // GROUP
@@ -251,8 +324,12 @@ def attn_bwd_dkdv_kernel(
     key_ok = offs_n < Sk
 
     kv_off = (b.to(tl.int64) * Hkv + hk) * Sk
-    # the program's own keys, loaded once (pointer loads: a tail block is masked)
-    k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
+    # the program's own keys, loaded once (pointer loads: a tail block is masked): QK_FP4,
+    # their codes as the right operand of S = Q K^T, (D/2, BLOCK_N), with their block scales
+    if QK_FP4:
+        k, k_sc = _nvfp4_token_tile(K, KSC, kv_off, offs_n, key_ok, HEAD_DIM, True)
+    else:
+        k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
     if ROW_SCALES:  # the program's keys' own scales
         k_scale = token_scales(KS, kv_off, offs_n, key_ok, 1.0, 0)
     else:
@@ -267,6 +344,9 @@ def attn_bwd_dkdv_kernel(
     # have P = 0 through their log2 LSE of +inf); a block that runs past Sk masks every tile
     lo, mid = causal_query_tiles(start_n, Sq, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
     mid = tl.where(start_n + BLOCK_N > Sk, Sq, mid)
+    STEP: tl.constexpr = 2 * BLOCK_M if QK_FP4 else BLOCK_M
+    if QK_FP4:  # whole steps of two tiles mask [lo, mid); a tile past mid or Sq adds zeros
+        mid = lo + tl.cdiv(mid - lo, STEP) * STEP
     for g in range(GROUP):
         h = hk * GROUP + g
         if ROW_SCALES:
@@ -275,14 +355,24 @@ def attn_bwd_dkdv_kernel(
             q_scale = tl.load(QS + b * H + h) * qk_scale  # this query head's tensor scale, times scale * log2 e
         row_off = (b.to(tl.int64) * H + h) * Sq
         hd_off = (b.to(tl.int64) * H + h) * HEAD_DIM
-        for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
-                                causal_offset, q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
-                                HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, TMA, ROW_SCALES)
-        for start_m in range(mid, Sq, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
-                                causal_offset, q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
-                                HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, TMA, ROW_SCALES)
+        for start_m in range(lo, mid, STEP):
+            if QK_FP4:
+                dk, dv = _dkdv_tiles_fp4(dk, dv, k, k_sc, v, k_scale, v_s, start_n, offs_n, start_m, offs_mb, row_off,
+                                         hd_off, Sq, Sk, causal_offset, q_scale, Q, QSC, LSE, DELTA, DO_T, DO_TS, DO_C,
+                                         DO_CS, Q_C, Q_CS, HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT)
+            else:
+                dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
+                                    causal_offset, q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+                                    HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, TMA, ROW_SCALES)
+        for start_m in range(mid, Sq, STEP):
+            if QK_FP4:
+                dk, dv = _dkdv_tiles_fp4(dk, dv, k, k_sc, v, k_scale, v_s, start_n, offs_n, start_m, offs_mb, row_off,
+                                         hd_off, Sq, Sk, causal_offset, q_scale, Q, QSC, LSE, DELTA, DO_T, DO_TS, DO_C,
+                                         DO_CS, Q_C, Q_CS, HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT)
+            else:
+                dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
+                                    causal_offset, q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+                                    HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, TMA, ROW_SCALES)
     out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
     tl.store(DV + out, (dv * (1.0 / P_OFFSET)).to(DV.dtype.element_ty), mask=key_ok[:, None])

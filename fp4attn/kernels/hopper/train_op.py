@@ -283,20 +283,24 @@ def backward_descriptors(q, do_t, do_c, q_c, k, v_t, k_c) -> dict[str, TensorDes
                 K=desc(k, False), V_T=desc(v_t, False), K_C=desc(k_c, True))
 
 
-def _dq_scores_fp4(cfg, ops: BackwardOperands, nvfp4) -> dict:
-    """The dQ kernel's QK_FP4 arguments where the launch multiplies S from the NVFP4
-    payload (`qk_fp4_dq`, Blackwell's): Q and K as their codes, with their block scales;
-    else none. `nvfp4`: (Q's codes, Q's block scales, K's codes, K's block scales) as
-    `quantize_for_training` saves them."""
-    if not cfg.qk_fp4_dq:
-        return {}
+def _scores_fp4(cfg, ops: BackwardOperands, nvfp4) -> tuple[dict, dict]:
+    """The dQ and dK/dV kernels' QK_FP4 arguments where the launch multiplies their scores
+    from the NVFP4 payload (`qk_fp4_dq`, `qk_fp4_dkdv`: Blackwell's): Q and K as their
+    codes, with their block scales; else none. `nvfp4`: (Q's codes, Q's block scales, K's
+    codes, K's block scales) as `quantize_for_training` saves them. A launch the kernels
+    cannot run so is refused, never run as another product."""
+    if not (cfg.qk_fp4_dq or cfg.qk_fp4_dkdv):
+        return {}, {}
     if nvfp4 is None or ops.row_scales:
-        raise ValueError("launch_backward: a launch with qk_fp4_dq multiplies the NVFP4 payload of Q and K (pass "
-                         "nvfp4=(q_codes, q_bscale, k_codes, k_bscale)); per-token FP8 Q/K have none")
-    if cfg.tma or cfg.dq_gluon or cfg.block_m_dq != 128:
+        raise ValueError("launch_backward: a launch with qk_fp4_dq or qk_fp4_dkdv multiplies the NVFP4 payload of Q "
+                         "and K (pass nvfp4=(q_codes, q_bscale, k_codes, k_bscale)); per-token FP8 Q/K have none")
+    if cfg.qk_fp4_dq and (cfg.tma or cfg.dq_gluon or cfg.block_m_dq != 128):
         raise ValueError(f"launch_backward: qk_fp4_dq runs the Triton dQ kernel by pointer loads at block_m_dq=128 "
                          f"(tcgen05's block-scaled MMA has 128 rows), not tma={cfg.tma}, dq_gluon={cfg.dq_gluon}, "
                          f"block_m_dq={cfg.block_m_dq}")
+    if cfg.qk_fp4_dkdv and (cfg.tma or cfg.dkdv_gluon):
+        raise ValueError(f"launch_backward: qk_fp4_dkdv runs the Triton dK/dV kernel by pointer loads, not "
+                         f"tma={cfg.tma}, dkdv_gluon={cfg.dkdv_gluon}")
     q_codes, q_bscale, k_codes, k_bscale = (t.contiguous() for t in nvfp4)
     (B, H, Sq, D), (Hkv, Sk) = ops.q.shape, ops.k.shape[1:3]
     want = {"q codes": (q_codes, (B, H, Sq, D // 2), torch.uint8),
@@ -307,7 +311,8 @@ def _dq_scores_fp4(cfg, ops: BackwardOperands, nvfp4) -> dict:
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"launch_backward: NVFP4 {name} {tuple(t.shape)} {t.dtype}, expected {shape} {dtype} "
                              "(the payload of the operands the backward was given)")
-    return dict(Q=q_codes, K=k_codes, QK_FP4=True, QSC=q_bscale, KSC=k_bscale)
+    args = dict(Q=q_codes, K=k_codes, QK_FP4=True, QSC=q_bscale, KSC=k_bscale)
+    return (dict(args) if cfg.qk_fp4_dq else {}), (dict(args) if cfg.qk_fp4_dkdv else {})
 
 
 def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causal, scale,
@@ -317,14 +322,14 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     the kernels' ROW_SCALES form: the Gluon kernels' where the launch and the lengths
     allow them, as for NVFP4 (`routing.backward_gluon_kernels`), else the Triton ones'.
     `nvfp4`: Q's and K's saved NVFP4 payload (codes and block scales), which a launch
-    with `qk_fp4_dq` (Blackwell's) multiplies for the dQ kernel's S instead of their
-    grid values (the same products, exact either way)."""
+    with `qk_fp4_dq` or `qk_fp4_dkdv` (Blackwell's) multiplies for that kernel's scores
+    instead of their grid values (the same products, exact either way)."""
     qv, kv, qs, ks, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta = ops
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
     lse = lse.contiguous()
     cfg = backward_launch(D)
-    dq_fp4 = _dq_scores_fp4(cfg, ops, nvfp4)
+    dq_fp4, dkdv_fp4 = _scores_fp4(cfg, ops, nvfp4)
     dq = torch.empty((B, H, Sq, D), device=qv.device, dtype=dtypes[0])
     dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[1])
     dv = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[2])
@@ -351,12 +356,14 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
                                                  off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg,
                                                  cfg.dkdv_staged, row_scales=row_scales)
     else:
+        # the scores from Q's and K's NVFP4 payload (QK_FP4) or from their grid values
+        q_s, k_s = (dkdv_fp4.pop("Q"), dkdv_fp4.pop("K")) if dkdv_fp4 else (tiles["Q"], kv)
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
-            tiles["Q"], kv, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
+            q_s, k_s, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
             q_cs, dk, dv, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
             HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
             HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, num_warps=cfg.warps_dkdv,
-            num_stages=cfg.stages_dkdv)
+            num_stages=cfg.stages_dkdv, **dkdv_fp4)
     if dq_gluon:
         backward_gluon.launch_dq_gluon(gluon_descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, off, causal,
                                                scale, cfg.dq_maxnreg, row_scales=row_scales)
