@@ -345,17 +345,20 @@ __device__ __forceinline__ float lg2(float x) {
     return y;
 }
 
-__device__ __forceinline__ float fmul_rn(float a, float b) {
-    float y;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-    return y;
-}
-
-__device__ __forceinline__ float fadd_rn(float a, float b) {
-    float y;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-    return y;
-}
+// float32 operations the compiler must neither fuse nor reorder (each rounds as the
+// reference does): products and sums rounded to nearest, a sum rounded down (AFFINE_MX's
+// floor), a maximum that keeps NaN (AFFINE_MX's block and row maxima)
+#define F32_OP(NAME, OP)                                                   \
+    __device__ __forceinline__ float NAME(float a, float b) {              \
+        float y;                                                           \
+        asm(OP " %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));                 \
+        return y;                                                          \
+    }
+F32_OP(fmul_rn, "mul.rn.f32")
+F32_OP(fadd_rn, "add.rn.f32")
+F32_OP(fadd_rm, "add.rm.f32")
+F32_OP(fmax_nan, "max.NaN.f32")
+#undef F32_OP
 
 // exp2 on the FMA units (EXP_POLY, FlashAttention-4's trick), for x <= 8.5: x = j + f with
 // j = rint(x) (the 1.5 * 2**23 addition) and f in [-0.5, 0.5], 2**f by a degree-3 minimax
@@ -639,17 +642,6 @@ __device__ __forceinline__ void affine_tile(const float (&s)[64], uint32_t (&pa)
 }
 
 // -------------------------------------------------------------------- AFFINE_MX
-__device__ __forceinline__ float fmax_nan(float a, float b) {
-    float y;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-    return y;
-}
-
-__device__ __forceinline__ float fadd_rm(float a, float b) {
-    float y;
-    asm("add.rm.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-    return y;
-}
 
 // The largest w of row i in MX block cc (keys 32cc .. 32cc + 31: this thread's registers
 // n = 2cc, 2cc + 1, 2cc + 8, 2cc + 9, the quad's other threads the rest), NaN if any is.
