@@ -24,6 +24,11 @@
 #   PART=affine    the affine P builders: their GPU tests and the CUDA kernel's, then
 #                  `fp4attn bench` of the affine presets beside the exact builders'
 #                  (CAUSAL=no|yes|both, default both; SHAPES as `bench --shapes`)
+#   PART=cudabuilds  the CUDA forward's builds no route takes yet (affine MXFP4 P, bf16 Q/K for
+#                  the exact recipes): their P codes against the Triton kernel's, then
+#                  tools/probe_affine_mx.py --exact, non-causal and causal, beside the kernels
+#                  they would replace (docs/notes/affine-p.md, "Affine MXFP4 P and the exact
+#                  recipes on the CUDA kernel"); about 6 minutes
 #   OUT=results PART=tests bash tools/gpu_suite.sh      (PART=all runs every part)
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -44,6 +49,15 @@ if run affine; then
     --shapes "${SHAPES:-8,16,4096,128;2,16,16384,128;1,24,32768,128;4,32,4096,128;16,16,2048,64;4,16,8192,64}" \
     --recipes fp8-ktile-affine-fastacc,fp8-affine-fastacc,fp8-affine,fp8-fastacc,fp8,directp-fast,fp8-directp-fast,fp8-directp-fast-fastacc,directp,fp8-directp \
     --json "$OUT/h200-forward-affine-${CAUSAL:-both}.json" 2>&1 | grep -E "^\||geomean|cuDNN"
+fi
+if run cudabuilds; then
+  timeout 200 python3 -m pytest -q -n 12 -m gpu --tb=short tests/test_cuda_forward.py -k "p_codes_match" \
+    > "$OUT/gpu-tests-cudabuilds.log" 2>&1
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests-cudabuilds.log" | cut -c1-300 | head -20; tail -1 "$OUT/gpu-tests-cudabuilds.log"
+  for c in "" --causal; do
+    python3 tools/probe_affine_mx.py --exact $c --shapes "${SHAPES:-8,16,4096,128;2,16,16384,128;16,16,2048,64;4,16,8192,64}" \
+      2>&1 | tee "$OUT/probe-cudabuilds${c}.txt" | tail -7
+  done
 fi
 if run forward; then
   python3 -m fp4attn.cli.main bench --causal both --json "$OUT/h200-forward.json" 2>&1 | grep -E "^\||geomean|cuDNN"
