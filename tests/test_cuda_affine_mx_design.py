@@ -56,7 +56,7 @@ def _block_lookup(bmax: float, m_ref: float) -> tuple[int, int, int]:
         u = 2.0 ** (floor + 6)
         b = [_e4m3_byte(x * u) for x in (6, 6, 4, 3, 2, 1.5, 1, 0.5)]
         return d_int, b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24
-    return d_int, 0, 0
+    return d_int, *((0xFFFFFFFF, 0xFFFFFFFF) if math.isnan(xmax) else (0, 0))
 
 
 def _prmt(ta: int, tb: int, nibble: int) -> int:
@@ -127,8 +127,14 @@ def test_kernel_design_equals_the_reference_bit_for_bit():
     t[2, 64:96] = -math.inf
     t[3] = -math.inf
     t[4, 17] = math.nan
+    t[5, 40] = math.inf  # a score that overflows: its output row is NaN in the reference
     got, want = _kernel_bytes(t), _reference_bytes(t)
     ok = torch.ones(t.shape[0], dtype=torch.bool)
     ok[4] = False  # a NaN row: its row maximum is NaN, which makes the row NaN through alpha
+    ok[5] = False
     assert torch.equal(got[ok], want[ok])
-    assert bool((torch.isnan(t.amax(-1)) == ~ok).all())
+    assert math.isnan(float(t[4].amax())) and not torch.isnan(t[ok].amax(-1)).any()
+    # the +inf score's block is all e4m3 NaN (0xFF), which the PV product carries into the
+    # row and its sum: the row comes out NaN, as the reference's (whose P is 0 there and whose
+    # row sum 0 divides 0); the row's point is +inf, its other blocks hold no code
+    assert bool((got[5, 32:64] == 0xFF).all()) and bool((got[5, :32] == 0).all())

@@ -669,8 +669,11 @@ __device__ __forceinline__ float affine_mx_move_point(float row_max, float& m, f
 // One block of a row: from its largest w (times the row factor f, from the point m~) the
 // block's exponent e_b = floor(max t - m~) - 2 (reference/affine.affine_mxfp4_codes), the
 // FMA addend d = MAGIC + 8 - c of the negated map, and the lookup (ta: the bytes of codes
-// 7, 7, 6, 5; tb: of 4, 3, 2, 1). Blocks below P_EMIN, dead (every key hidden) or NaN get
-// an all-zero lookup.
+// 7, 7, 6, 5; tb: of 4, 3, 2, 1). Blocks below P_EMIN or dead (every key hidden) get an
+// all-zero lookup, a NaN block an all-NaN one. Bit for bit the reference's codes while
+// the row's point is below 2**21 log2 units (reference/affine.py's range for its float32
+// definitions): d is formed from m~ and floor(xmax) in an order of its own, which beyond
+// it rounds where the reference's C does not.
 __device__ __forceinline__ void affine_mx_block(float bmax_w, float f, float m_ref, float rrow, float& d,
                                                 uint32_t& ta, uint32_t& tb) {
     const float xmax = fadd_rn(fmul_rn(bmax_w, f), -m_ref);  // fl(max t - m~), as the reference
@@ -696,7 +699,11 @@ __device__ __forceinline__ void affine_mx_block(float bmax_w, float f, float m_r
         ta = e4m3x2(6.0f * u, 6.0f * u) | (e4m3x2(4.0f * u, 3.0f * u) << 16);
         tb = e4m3x2(2.0f * u, 1.5f * u) | (e4m3x2(u, 0.5f * u) << 16);
     } else {
-        ta = tb = 0u;
+        // dead blocks (every key hidden: xmax = -inf) and blocks below P_EMIN hold no code;
+        // a NaN xmax (a +inf score: inf - inf; or a NaN one) makes every byte e4m3 NaN
+        // (0xFF, whose sign bit the selector's nibbles 8..15 replicate too), so the row is NaN
+        // as the reference's is
+        ta = tb = fl != fl ? 0xFFFFFFFFu : 0u;
     }
 }
 
