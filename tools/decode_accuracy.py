@@ -14,6 +14,10 @@ Schemes (K and V quantized alike, per token along the head dim):
                                    of q at decode)
     nvfp4-smoothed, mxfp4-smoothed the cache with `smooth_k` (K less the mean of the first
                                    256 tokens, fixed)
+    fp8-qe4m3, nvfp4-qe4m3,        the cache with q rounded to e4m3 at its row's own scale
+    mxfp4-qe4m3                    (as the cache's FP8 tokens): what FP8 products of q and
+                                   the keys' e4m3 (or E2M1-as-e4m3) codes would cost a
+                                   decode recipe (docs/notes/decode.md)
 Inputs (B=2, Hq=32, Hkv=8, L=4096, D=128, one query row at the end of the context):
     gaussian      K, V ~ N(0, 1)
     k-outliers    four key channels of each head 20x larger (the case rotation targets)
@@ -97,6 +101,9 @@ def quantized(k: torch.Tensor, v: torch.Tensor, scheme: str) -> tuple[torch.Tens
     if scheme.endswith("-rotated"):
         fmt = scheme.removesuffix("-rotated")
         return per_token(robust.rotate(k), fmt), per_token(v, fmt), True
+    if scheme.endswith("-qe4m3"):
+        fmt = scheme.removesuffix("-qe4m3")
+        return per_token(k, fmt), per_token(v, fmt), False
     if scheme == "nvfp4-pow2":
         return nvfp4_pow2(k), nvfp4_pow2(v), False
     if scheme == "nvfp4-calibrated":
@@ -110,7 +117,7 @@ def metrics(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 SCHEMES = ("bf16", "fp8", "nvfp4", "mxfp4", "nvfp4-pow2", "nvfp4-calibrated", "nvfp4-rotated", "mxfp4-rotated",
-           "nvfp4-smoothed", "mxfp4-smoothed")
+           "nvfp4-smoothed", "mxfp4-smoothed", "fp8-qe4m3", "nvfp4-qe4m3", "mxfp4-qe4m3")
 KINDS = ("gaussian", "k-outliers", "drift", "k-offset")
 
 
@@ -130,6 +137,8 @@ def main() -> None:
         for scheme in SCHEMES:
             kq, vq, rotated = quantized(k, v, scheme)
             qq, sc = (robust.rotate(q), scale * robust.rotation_scale(D)) if rotated else (q, scale)
+            if scheme.endswith("-qe4m3"):
+                qq = per_token(qq, "fp8")
             ones = torch.ones(B, HKV, L)
             out = reference_decode(qq, kq, ones, vq, ones, lengths, scale=sc).out
             rec = {"inputs": kind, "scheme": scheme, **metrics(out, ref)}
