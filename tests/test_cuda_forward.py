@@ -300,11 +300,11 @@ def test_persistent_grid_equals_one_cta_per_unit(B, H, Hkv, Sq, Sk, D, causal, b
     """A persistent grid (one CTA per SM taking work units in turn, the rings and turns running
     on from unit to unit) computes every unit as a CTA of its own does: outputs, LSE and P
     codes equal bit for bit."""
-    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, launch_forward_cuda, p_dump_buffer
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, P_MODE_BUILDS, launch_forward_cuda, p_dump_buffer
 
     ops = _operands(B, H, Hkv, Sq, Sk, D, seed=7)
     offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
-    kw = dict(scale=D ** -0.5, causal_offset=offset, affine_p=build != "exp2", lazy_rescale=build == "lazy")
+    kw = dict(scale=D ** -0.5, causal_offset=offset, **P_MODE_BUILDS[{"exp2": 0, "affine": 4, "lazy": 7}[build]])
     dumps = [p_dump_buffer(ops, CONSUMERS[D, causal is not None]) for _ in range(2)]
     one = launch_forward_cuda(ops, p_dump=dumps[0], **kw)
     persistent = launch_forward_cuda(ops, p_dump=dumps[1], persistent=True, **kw)
@@ -347,7 +347,7 @@ def test_p_codes_match_triton_kernel(B, H, Hkv, Sq, Sk, D, causal, bias, name):
     softmax's, the same rows empty."""
     import dataclasses
 
-    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, launch_forward_cuda, p_dump_buffer
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, P_MODE_BUILDS, launch_forward_cuda, p_dump_buffer
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -372,7 +372,7 @@ def test_p_codes_match_triton_kernel(B, H, Hkv, Sq, Sk, D, causal, bias, name):
     scale = D ** -0.5
     dump = p_dump_buffer(ops, CONSUMERS[D, causal is not None])
     out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=offset, key_bias=key_bias, p_dump=dump,
-                                   affine_p=mode in (4, 5), affine_mx=mode == 5)
+                                   **P_MODE_BUILDS[mode])
     ref, ref_lse, ref_p = launch_forward(ops, scale=scale, causal_offset=offset, p_mode=mode, write_p=1,
                                          key_bias=key_bias)
     torch.cuda.synchronize()

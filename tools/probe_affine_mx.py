@@ -28,7 +28,8 @@ def main() -> None:
     args = p.parse_args()
     from triton.testing import do_bench
 
-    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
+    from fp4attn.cli.output import markdown_table
+    from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS, launch_forward_cuda
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -37,20 +38,19 @@ def main() -> None:
 
     mx = get_recipe("fp8-directp-fast-fastacc")
     mx_tile = dataclasses.replace(mx, k_scale="tile", name=None)
-    affine, mxb = {"affine_p": True}, {"affine_p": True, "affine_mx": True}
-    # (column, recipe of the operands, P mode, CUDA build fields; None: the Triton/Gluon kernel
-    # the routing runs below its CUDA key counts)
+    # (column, recipe of the operands, P mode, CUDA build fields beyond the P mode's; None: the
+    # Triton/Gluon kernel the routing runs below its CUDA key counts)
     builds = [("MX Triton", mx, 5, None),
-              ("MX CUDA", mx, 5, mxb),
-              ("MX CUDA, subtraction", mx, 5, {**mxb, "mx_subnormal": False}),
-              ("MX CUDA, K per tile", mx_tile, 5, mxb),
-              ("FP8 affine CUDA", get_recipe("fp8-affine-fastacc"), 4, affine),
-              ("FP8 affine CUDA, K per tile", get_recipe("fp8-ktile-affine-fastacc"), 4, affine)]
+              ("MX CUDA", mx, 5, {}),
+              ("MX CUDA, subtraction", mx, 5, {"mx_subnormal": False}),
+              ("MX CUDA, K per tile", mx_tile, 5, {}),
+              ("FP8 affine CUDA", get_recipe("fp8-affine-fastacc"), 4, {}),
+              ("FP8 affine CUDA, K per tile", get_recipe("fp8-ktile-affine-fastacc"), 4, {})]
     if args.exact:
         builds += [(f"{name} {'CUDA bf16 QK' if kw is not None else 'Triton/Gluon'}", get_recipe(name), mode, kw)
-                   for name, mode, cuda in (("directp-fast", 5, mxb), ("fp8-directp-fast", 5, mxb),
-                                            ("fp8-affine", 4, affine), ("fp8", 0, {}), ("nvfp4-fp8", 0, {}))
-                   for kw in (None, cuda)]
+                   for name, mode in (("directp-fast", 5), ("fp8-directp-fast", 5), ("fp8-affine", 4), ("fp8", 0),
+                                      ("nvfp4-fp8", 0))
+                   for kw in (None, {})]
     rows = []
     for shape in args.shapes.split(";"):
         B, H, S, D = map(int, shape.split(","))
@@ -71,16 +71,13 @@ def main() -> None:
                                   return_mode="median")
             else:
                 ms = do_bench(lambda: launch_forward_cuda(ops, scale=D**-0.5, causal_offset=off,
-                                                          persistent=not args.causal, **kw), return_mode="median")
+                                                          persistent=not args.causal, **P_MODE_BUILDS[mode], **kw),
+                              return_mode="median")
             row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
-            del ops
         rows.append(row)
         print(" | ".join(row), flush=True)
-    head = ["B,H,S,D", "cuDNN bf16 TFLOP/s", *(name for name, *_ in builds)]
     print(f"causal={args.causal}")
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(markdown_table(["B,H,S,D", "cuDNN bf16 TFLOP/s", *(name for name, *_ in builds)], rows))
 
 
 if __name__ == "__main__":

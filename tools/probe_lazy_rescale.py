@@ -28,6 +28,7 @@ def main() -> None:
 
     import dataclasses
 
+    from fp4attn.cli.output import markdown_table
     from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
@@ -65,9 +66,7 @@ def main() -> None:
             print(" | ".join(row), flush=True)
     head = ["B,H,S,D", "logits x", "cuDNN bf16 TFLOP/s", "Triton/Gluon exact", "Triton/Gluon lazy", *builds]
     print(f"causal={args.causal}")
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(markdown_table(head, rows))
 
 
 if __name__ == "__main__":

@@ -159,6 +159,12 @@ def variant_for(head_dim: int, causal: bool, key_bias: bool = False, affine_p: b
                    key_tile_scale=key_tile_scale, qk_bf16=qk_bf16, **softmax)
 
 
+# the launcher's build fields of each P mode the kernel builds (routing.P_MODES): exp2 FP8 P,
+# affine FP8 P, affine MXFP4 P, affine FP8 P rescaled lazily (`launch_forward_cuda(**...)`)
+P_MODE_BUILDS: dict[int, dict[str, bool]] = {0: {}, 4: {"affine_p": True}, 5: {"affine_p": True, "affine_mx": True},
+                                             7: {"affine_p": True, "lazy_rescale": True}}
+
+
 def measured_variants() -> list[Variant]:
     """The softmax variants built for measurement beside the launcher's (compile-checked too)."""
     return [dataclasses.replace(variant_for(d, c), **kw) for d in HEAD_DIMS for c in (False, True)

@@ -61,13 +61,11 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     if use_cuda_forward(cfg, p_mode, Sk, q.is_cuda) and not write_p:
         # the CUDA C++ kernel (FlashAttention-3's schedule) from `cuda_from_keys` keys; where it
         # cannot run the operands (`cuda_unsupported_reason`), the kernels below
-        from fp4attn.kernels.hopper.forward_cuda import cuda_unsupported_reason, launch_forward_cuda
+        from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS, cuda_unsupported_reason, launch_forward_cuda
 
         if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
             out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
-                                           affine_p=p_mode in (4, 5, 7), lazy_rescale=p_mode == 7,
-                                           affine_mx=p_mode == 5,
-                                           persistent=cfg.cuda_persistent)
+                                           persistent=cfg.cuda_persistent, **P_MODE_BUILDS[p_mode])
             return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     # the Gluon kernel below takes FP8 P (p_mode 0, 4 and 7) only, the CUDA kernel above affine MXFP4 P (5) too: the
     # other MXFP4 P builders (P_MODE 1, 2; 3 and its sink_tiles) run on the Triton kernel

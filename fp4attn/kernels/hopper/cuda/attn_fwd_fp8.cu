@@ -178,11 +178,9 @@ typedef unsigned short uint16_t;
 // LAZY_RESCALE's bytes stand for P times 2**5 (reference/affine.P_OFFSET_LOG2_LAZY)
 #define LSE_P_OFFSET (AFFINE_P && LAZY_RESCALE ? 5.0f : P_OFFSET)
 
-// Shared memory: rows of HEAD_DIM bytes (Q, K) swizzled by 128 or 64 bytes; V^T rows of
-// BLOCK_N = 128 key bytes swizzled by 128.
-// Q and K: e4m3, or bf16 with QK_BF16. Shared memory holds each tile in column chunks of
-// one swizzle span (128 bytes; 64 for e4m3 at head dim 64): one chunk for e4m3, two for bf16
-// at head dim 128, each chunk's rows one after another
+// Shared memory: Q and K (e4m3, or bf16 with QK_BF16) in column chunks of one swizzle span
+// (128 bytes; 64 for e4m3 at head dim 64), one chunk for e4m3, two for bf16 at head dim 128,
+// each chunk's rows one after another; V^T rows of BLOCK_N = 128 key bytes swizzled by 128.
 #define QK_ELEM_BYTES (QK_BF16 ? 2 : 1)
 #define QK_GLOBAL_ROW_BYTES (HEAD_DIM * QK_ELEM_BYTES)
 #define QK_ROW_BYTES (QK_GLOBAL_ROW_BYTES < 128 ? QK_GLOBAL_ROW_BYTES : 128)
