@@ -292,3 +292,42 @@ def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0,
     src = ASTSource(fn, sig, constexprs=consts, attrs=_divisibility(sig, aligned))
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
                           options=dict(num_warps=warps, num_stages=stages))
+
+
+# ------------------------------------------------------------------ Gluon pipelined forward
+def _gluon_desc_sig(dtype, block: list[int]) -> str:
+    """The signature type of a Gluon TMA descriptor argument with the default NVMMA
+    shared layout of its tile (as a launcher building `TensorDescriptor`s would)."""
+    from triton.experimental.gluon import language as gl
+
+    name = {gl.uint8: "u8", gl.bfloat16: "bf16", gl.float8e4nv: "fp8e4nv"}[dtype]
+    return f"tensordesc<{name}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
+
+
+def compile_forward_gluon(p_kind: int, head_dim: int = 128):
+    """The compiled Gluon pipelined forward (`forward_gluon.attn_fwd_sm100_gluon_kernel`)
+    for sm_100a, one P builder (`forward_gluon.P_AFFINE_MXFP4`, `P_EXP2_FP8`, `P_BF16`),
+    pointers and lengths specialized as multiples of 16 (as the JIT does at the bench
+    shapes)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fp4attn.kernels.blackwell import forward_gluon as fg
+
+    bm, bn, d = fg.BLOCK_M.value, fg.BLOCK_N.value, head_dim
+    p_kind = getattr(p_kind, "value", p_kind)
+    if p_kind == fg.P_BF16.value:
+        q, k, v = (_gluon_desc_sig(gl.bfloat16, [bm, d]), _gluon_desc_sig(gl.bfloat16, [bn, d]),
+                   _gluon_desc_sig(gl.bfloat16, [d, bn]))
+    else:
+        q, k = _gluon_desc_sig(gl.uint8, [bm, d // 2]), _gluon_desc_sig(gl.uint8, [bn, d // 2])
+        v = _gluon_desc_sig(gl.uint8, [d, bn // 2]) if p_kind == fg.P_AFFINE_MXFP4.value else \
+            _gluon_desc_sig(gl.float8e4nv, [d, bn])
+    sig = {"q_desc": q, "k_desc": k, "v_desc": v, "QSC": "*fp8e4nv", "KSC": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32",
+           "VSC": "*u8", "VS": "*fp32", "O": "*bf16", "LSE": "*fp32", "H": "i32", "GROUP": "i32", "Sq": "i32",
+           "Sk": "i32", "qk_scale": "fp32"}
+    consts = dict(HEAD_DIM=head_dim, P_KIND=p_kind)
+    aligned = [n for n, t in sig.items() if t.startswith("*") or n in _LENGTHS]
+    src = GluonASTSource(fg.attn_fwd_sm100_gluon_kernel, {**sig, **{c: "constexpr" for c in consts}},
+                         constexprs=consts, attrs=_divisibility(sig, aligned))
+    return triton.compile(src, target=GPUTarget("cuda", 100, 32), options=dict(num_warps=fg.NUM_WARPS))

@@ -244,6 +244,30 @@ def _directp_tile(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HW_CVT: tl.co
 
 
 @triton.jit
+def _affine_block_constants(bmax, m_ref):
+    """The affine map's per-block constants from the 32-key block maxima bmax (rows,
+    blocks) and the rows' reference point m_ref: (e_b, keep, C) with e_b = floor(max t -
+    m~) - 2 (0 for a dropped block: below P_EMIN, or empty), keep whether the block is
+    kept, C = (2 - 2 m~ - 2 e_b) + MAGIC (`reference.affine.affine_mxfp4_codes`)."""
+    e_b = tl.floor(bmax - m_ref[:, None]) - 2.0  # -inf for an empty block
+    keep = e_b >= P_EMIN
+    e_b = tl.where(keep, e_b, 0.0)
+    c = ((2.0 - m_ref[:, None] * 2.0) - e_b * 2.0) + AFFINE_MAGIC
+    return e_b, keep, c
+
+
+@triton.jit
+def _affine_x2_row_sum(twice, e_b, keep):
+    """The X2 path's consistent row sums and E8M0 scales from each block's twice-E2M1
+    sum `twice` (an integer at most 384, from the code bytes): the float32 block sums
+    twice * 2**(e_b - 1), exactly the interpreter path's, added as there."""
+    e_i = e_b.to(tl.int32)
+    half_pow2 = tl.where(keep, ((e_i + 126) << 23).to(tl.float32, bitcast=True), 0.0)
+    row_sum = tl.sum(twice.to(tl.float32) * half_pow2, axis=1)
+    return row_sum, tl.where(keep, e_i + 127, 0).to(tl.uint8)
+
+
+@triton.jit
 def _affine_mxfp4_tile(tb, bmax, m_ref, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, X2: tl.constexpr):
     """MXFP4 P by the paper's affine classifier (`reference.affine.affine_mxfp4_codes`,
     operation for operation) from log2 scores tb (BLOCK_M, blocks, 32) with their block
@@ -265,10 +289,7 @@ def _affine_mxfp4_tile(tb, bmax, m_ref, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     Blackwell"). A NaN row's codes and sum are not defined there; its alpha is NaN,
     and so are its l, O and LSE, as on the other path."""
     NB: tl.constexpr = BLOCK_N // MX_BLOCK
-    e_b = tl.floor(bmax - m_ref[:, None]) - 2.0  # -inf for an empty block
-    keep = e_b >= P_EMIN
-    e_b = tl.where(keep, e_b, 0.0)
-    c = ((2.0 - m_ref[:, None] * 2.0) - e_b * 2.0) + AFFINE_MAGIC
+    e_b, keep, c = _affine_block_constants(bmax, m_ref)
     nan_ok: tl.constexpr = tl.PropagateNan.ALL
     f = tl.minimum(tl.maximum(tb * 2.0 + c[:, :, None], AFFINE_MAGIC, propagate_nan=nan_ok), AFFINE_MAGIC + 7.0,
                    propagate_nan=nan_ok)
@@ -289,11 +310,10 @@ def _affine_mxfp4_tile(tb, bmax, m_ref, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     pow2 = tl.where(keep, ((e_i + 253) << 23).to(tl.float32, bitcast=True), 0.0)
     if X2:  # the same float32 block sums: (twice their E2M1 sum) * 2**(e_b - 1)
         twice = _byte_lane_sum(tl.sum(tl.reshape(lanes, (BLOCK_M, NB, MX_BLOCK // 8)), axis=2))
-        half_pow2 = tl.where(keep, ((e_i + 126) << 23).to(tl.float32, bitcast=True), 0.0)
-        row_sum = tl.sum(twice.to(tl.float32) * half_pow2, axis=1)
+        row_sum, scale = _affine_x2_row_sum(twice, e_b, keep)
     else:
         row_sum = tl.sum(tl.sum(tl.reshape(v, (BLOCK_M, NB, MX_BLOCK)), axis=2) * pow2, axis=1)
-    scale = tl.where(keep, e_i + 127, 0).to(tl.uint8)
+        scale = tl.where(keep, e_i + 127, 0).to(tl.uint8)
     p_val = tl.reshape(tl.reshape(v, (BLOCK_M, NB, MX_BLOCK)) * pow2[:, :, None], (BLOCK_M, BLOCK_N))
     return packed, scale, row_sum, p_val
 

@@ -1,0 +1,515 @@
+"""Attention forward for datacenter Blackwell (sm_100a) in Gluon, with FlashAttention-4's
+structure: explicit partitions (`gl.warp_specialize`) around tensor memory, two 128-row
+query tiles a CTA whose softmax warpgroups take turns on the tensor cores.
+
+Compiled and modelled on a CPU machine (`tools.machine_code_sm100.compile_forward_gluon`,
+`fp4attn compile-report`); not routed, never run on a GPU (docs/notes/blackwell.md, "A
+Gluon pipeline with FA4's structure").
+
+A CTA holds 256 query rows of one head (two tiles of BLOCK_M = 128) and walks the key
+tiles (BLOCK_N = 128) once. Partitions, per key tile j:
+
+    load        1 warp: Q once (both tiles), then K_j and V_j by TMA into a STAGES-deep
+                ring (`cp.async.bulk.tensor`), released by the MMA's completion.
+    mma         1 warp: S = Q_t K_j^T for t = 0, 1 and O_t += P_t V_j, each a single
+                tcgen05 instruction sequence with completion on mbarriers; a fresh S
+                and the first PV take the MMA's own `use_acc=False` (no zero tile).
+                NVFP4 Q/K: `tcgen05_mma_scaled` (kind::mxf4nvf4, e4m3 scales per 16);
+                MXFP4 P.V: `tcgen05_mma_scaled` (kind::mxf4, E8M0 per 32); FP8 and bf16
+                products: `tcgen05_mma`.
+    softmax_t   4 warps for each query tile t (the default partition is tile 0): S_t
+                from tensor memory (one row a thread), the scores, the running max, P and
+                its row sum, P to shared memory (Gluon 3.6's block-scaled MMA reads its A
+                operand from shared memory only) with its E8M0 scales into tensor memory,
+                alpha to the correction. The full key tiles run in a loop with no mask;
+                the tail tile (keys past Sk) in a second loop of at most one tile.
+    correction  4 warps: the block scales of Q (once), K_j and V_j into tensor memory
+                (TensorMemoryScalesLayout, from global memory: their rows are narrower
+                than a TMA box's 16 bytes), O_t *= alpha in tensor memory between PV_t's
+                of consecutive tiles, and the epilogue (O / l, bf16, stored).
+
+Tensor memory (512 columns): one S buffer of 128 columns shared by the two query tiles
+(QK^T of one tile starts once the other's softmax has read S into registers; P lives in
+shared memory, so S is free as soon as it is read), O_0 and O_1 of 128 columns each, and
+the scale tiles (Q: 2 columns a tile; K: 2 a stage; V and P: 1 each): two S buffers and
+the two O's fill all 512 columns and leave none for the scales.
+
+Numerics: every non-MMA arithmetic step is the Triton kernel's own code
+(`forward_triton`: `_log2_scores_x2`, `_affine_mxfp4_tile` with its inline PTX group
+blocks `_affine_group_x2` and the dp4a/PRMT row sums, `affine_reference_point`, the NaN
+rules of the running max), called from this kernel; under the interpreter the Triton
+kernel runs that code and `tests/test_blackwell_interpreter.py` runs the same inline PTX
+through its emulator bit for bit against the reference path. `tests/test_blackwell_gluon
+.py` checks that this kernel's PTX holds exactly those asm blocks. The rest is data
+movement and the tensor cores' products (float32 sums in the tensor core's order, as the
+pipelined Triton kernel).
+
+Operands (contiguous, `operands.prepare_operands`'s layouts): Q (B, H, Sq, D/2) NVFP4
+codes, QSC (B, H, Sq, D/16) e4m3; K, KSC likewise at Hkv heads; QS (B, H, Sq), KS (B,
+Hkv, Sk) float32 tensor scales; V (B, Hkv, D, Skp/2) MXFP4 codes packed along the keys
+with VSC (B, Hkv, D, Skp/32) E8M0, or V^T (B, Hkv, D, Skp) e4m3 with VS (B, Hkv, D);
+bf16: Q, K (B, H, S, D), V^T (B, Hkv, D, Skp). The TMA descriptors cover 2-D views: Q
+(B*H*Sq, D/2 or D), K (B*Hkv*Sk, D/2 or D), V (B*Hkv*D, Skp/2 or Skp).
+"""
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout,
+    TensorMemoryScalesLayout,
+    allocate_tensor_memory,
+    fence_async_shared,
+    get_tmem_reg_layout,
+    mbarrier,
+    tcgen05_mma,
+    tcgen05_mma_scaled,
+    tma,
+)
+
+from fp4attn.kernels.blackwell.forward_triton import (
+    _affine_block_constants,
+    _affine_group_x2,
+    _affine_x2_row_sum,
+    _byte_lane_sum,
+    _bytes_of_words,
+    _log2_scores_x2,
+    _split_eight,
+)
+from fp4attn.kernels.common import (
+    P_MODE_MXFP4_AFFINE,
+    P_OFFSET_LOG2,
+    affine_reference_point,
+    log2_scores,
+    max_propagating_nan,
+    round_e4m3_cvt,
+)
+
+BLOCK_M = gl.constexpr(128)  # one softmax warpgroup's query tile (tcgen05's M); a CTA holds two
+BLOCK_N = gl.constexpr(128)  # key tile
+# P builders (constexpr P_KIND)
+P_AFFINE_MXFP4 = gl.constexpr(0)  # `directp-fast`: NVFP4 Q/K, affine MXFP4 P, MXFP4 V
+P_EXP2_FP8 = gl.constexpr(1)  # `nvfp4-fp8`: NVFP4 Q/K, FP8 P by exp2 (times 2**8), FP8 V
+P_BF16 = gl.constexpr(2)  # the bf16 calibration build: bf16 Q, K, V, P = exp2 rounded to bf16
+# the launch's warps: the default partition (softmax of tile 0); the workers' warps and
+# registers are in `gl.warp_specialize`'s call (softmax of tile 1, correction, MMA, loads)
+NUM_WARPS = 4
+
+
+@gluon.constexpr_function
+def _s_tmem_layout():
+    return TensorMemoryLayout((BLOCK_M, BLOCK_N), col_stride=1)
+
+
+@gluon.constexpr_function
+def _o_tmem_layout(head_dim):
+    return TensorMemoryLayout((BLOCK_M, head_dim), col_stride=1)
+
+
+# ------------------------------------------------------------------------------- load
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_row, k_row, v_row,
+                    n_tiles, V_COLS: gl.constexpr):
+    """Q's two tiles once, then K_j and V_j into ring slot j % STAGES once the MMA has
+    released it (kv_empty, committed after the slot's last product)."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, 0], q_bar, q_smem.index(1))
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, 0], kv_ready.index(s), k_smem.index(s))
+        tma.async_copy_global_to_shared(v_desc, [v_row, j * V_COLS], kv_ready.index(s), v_smem.index(s))
+
+
+# -------------------------------------------------------------------------------- MMA
+@gluon.jit
+def _qk(t: gl.constexpr, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND: gl.constexpr):
+    """S = Q_t K^T into the one S buffer, on a fresh accumulator (use_acc=False);
+    completion arrives at s_ready[t]."""
+    kt = k_smem.index(s).permute((1, 0))
+    if P_KIND == P_BF16:
+        tcgen05_mma(q_smem.index(t), kt, s_tmem, use_acc=False, mbarriers=[s_ready.index(t)])
+    else:
+        # the K scales' two slots are separate allocations (Gluon 3.6 has no multi-buffered
+        # scale tiles): the slot by a branch
+        if s == 0:
+            tcgen05_mma_scaled(q_smem.index(t), kt, s_tmem, qsc_tmem[t], ksc_tmem[0], "e2m1", "e2m1",
+                               use_acc=False, mbarriers=[s_ready.index(t)])
+        else:
+            tcgen05_mma_scaled(q_smem.index(t), kt, s_tmem, qsc_tmem[t], ksc_tmem[1], "e2m1", "e2m1",
+                               use_acc=False, mbarriers=[s_ready.index(t)])
+
+
+@gluon.jit
+def _pv(t: gl.constexpr, j, p_smem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty,
+        RELEASE: gl.constexpr, P_KIND: gl.constexpr):
+    """O_t += P_t V_j once P_t is built (p_ready) and, past the first tile, O_t rescaled
+    (o_ready); the first tile's product starts O_t (use_acc=False). Completion arrives at
+    pv_done[t] and, for the second tile (RELEASE), frees K/V ring slot j % STAGES."""
+    STAGES: gl.constexpr = v_smem.shape[0]
+    s = j % STAGES
+    mbarrier.wait(p_ready.index(t), j & 1)
+    mbarrier.wait(o_ready.index(t), (j - 1) & 1, pred=j > 0)
+    v = v_smem.index(s).permute((1, 0))
+    if RELEASE:
+        bars = [pv_done.index(t), kv_empty.index(s)]
+    else:
+        bars = [pv_done.index(t)]
+    if P_KIND == P_AFFINE_MXFP4:
+        if s == 0:
+            tcgen05_mma_scaled(p_smem.index(t), v, o_tmem.index(t), psc_tmem[t], vsc_tmem[0], "e2m1", "e2m1",
+                               use_acc=j > 0, mbarriers=bars)
+        else:
+            tcgen05_mma_scaled(p_smem.index(t), v, o_tmem.index(t), psc_tmem[t], vsc_tmem[1], "e2m1", "e2m1",
+                               use_acc=j > 0, mbarriers=bars)
+    else:
+        tcgen05_mma(p_smem.index(t), v, o_tmem.index(t), use_acc=j > 0, mbarriers=bars)
+
+
+@gluon.jit
+def _mma_partition(q_smem, k_smem, v_smem, p_smem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem, q_bar,
+                   kv_ready, kv_empty, sc_ready, s_ready, s_free, p_ready, o_ready, pv_done, n_tiles,
+                   P_KIND: gl.constexpr):
+    """Per key tile j: QK_0(j), PV_1(j - 1), QK_1(j), PV_0(j), so that each tile's
+    product runs while the other tile's softmax builds P. A QK^T waits until the other
+    tile's softmax has read the S buffer (s_free, one arrival per read, alternating)."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    mbarrier.wait(q_bar, 0)
+    free_phase = 0
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
+        mbarrier.wait(sc_ready.index(s), (j // STAGES) & 1)
+        mbarrier.wait(s_free, free_phase, pred=j > 0)
+        free_phase ^= (j > 0).to(gl.int32)
+        _qk(0, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND)
+        if j > 0:
+            _pv(1, j - 1, p_smem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True,
+                P_KIND)
+        mbarrier.wait(s_free, free_phase)
+        free_phase ^= 1
+        _qk(1, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND)
+        _pv(0, j, p_smem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, False, P_KIND)
+    _pv(1, n_tiles - 1, p_smem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True, P_KIND)
+
+
+# ---------------------------------------------------------------------------- softmax
+@gluon.jit
+def _affine_mxfp4_x2(t2, bmax, m_ref):
+    """`forward_triton._affine_mxfp4_tile`'s X2 path on a (BLOCK_M, BLOCK_N) tile of log2
+    scores t2 with its 32-key block maxima bmax and reference points m_ref: (packed E2M1
+    codes (BLOCK_M, BLOCK_N / 2), E8M0 scales (BLOCK_M, blocks), consistent row sums).
+    The arithmetic is that function's helpers (`_affine_block_constants`, the group asm
+    `_affine_group_x2`, the dp4a `_byte_lane_sum`, `_affine_x2_row_sum`); what is added
+    here are layout conversions Gluon asks for where Triton infers them (each a
+    relabelling of one thread's registers: a thread holds whole rows)."""
+    G: gl.constexpr = BLOCK_N // 8  # groups of eight keys, four to a block
+    NB: gl.constexpr = BLOCK_N // 32
+    e_b, keep, c = _affine_block_constants(bmax, m_ref)
+    k0, k1, k2, k3, k4, k5, k6, k7 = _split_eight(t2, G)
+    c_g = gl.convert_layout(gl.reshape(tl.broadcast_to(gl.expand_dims(c, 2), [BLOCK_M, NB, 4]), [BLOCK_M, G]),
+                            k0.type.layout)
+    words, lanes = _affine_group_x2(k0, k1, k2, k3, k4, k5, k6, k7, c_g)
+    twice = _byte_lane_sum(gl.sum(gl.reshape(lanes, [BLOCK_M, NB, 4]), axis=2))
+    row_sum, scale = _affine_x2_row_sum(gl.convert_layout(twice, e_b.type.layout), e_b, keep)
+    return _bytes_of_words(words), scale, row_sum
+
+
+@gluon.jit
+def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_smem, psc_tmem, alpha_smem, s_ready,
+                  s_free, p_ready, alpha_ready, pv_done, MASKED: gl.constexpr, P_KIND: gl.constexpr):
+    """Tile j of query tile t: `forward_triton._tile`'s softmax, operation for operation
+    (the pipelined, non-causal form, without the mask unless MASKED)."""
+    s_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [BLOCK_M, BLOCK_N], _s_tmem_layout(), 4)
+    mbarrier.wait(s_ready.index(t), j & 1)
+    s = s_tmem.load(s_layout)
+    mbarrier.arrive(s_free, count=1)  # the S buffer may take the other tile's QK^T
+    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if P_KIND == P_AFFINE_MXFP4:
+        t2 = _log2_scores_x2(s, gl.expand_dims(a_i, 1), ks)
+    elif P_KIND == P_EXP2_FP8:
+        t2 = log2_scores(s, gl.expand_dims(a_i, 1), ks)
+    else:  # the calibration build: one key scale (FA4's forward has none per key)
+        t2 = log2_scores(s, gl.expand_dims(a_i, 1), ks)
+    if MASKED:
+        t2 = gl.where(gl.expand_dims(cols < Sk, 0), t2, -float("inf"))
+    if P_KIND == P_AFFINE_MXFP4:  # the row max from the 32-key block maxima P needs anyway
+        tb = gl.reshape(t2, [BLOCK_M, BLOCK_N // 32, 32])
+        bmax = gl.reduce(tb, 2, max_propagating_nan)
+        # (the same rows, one a thread, in the 3-D tile's slice layout: a trivial conversion)
+        row_max = gl.convert_layout(gl.reduce(bmax, 1, max_propagating_nan), m_i.type.layout)
+        m_new = gl.maximum(m_i, row_max, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        m_new = gl.maximum(m_i, gl.reduce(t2, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
+    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    m_use = gl.where(m_new == float("inf"), float("nan"), m_use)
+    if P_KIND == P_AFFINE_MXFP4:
+        m_use = affine_reference_point(m_use, P_MODE_MXFP4_AFFINE)
+    alpha = gl.exp2(m_i - m_use)
+    if P_KIND == P_AFFINE_MXFP4:
+        p, p_sc, p_sum = _affine_mxfp4_x2(t2, bmax, gl.convert_layout(m_use, gl.SliceLayout(1, bmax.type.layout)))
+        p_sum = gl.convert_layout(p_sum, m_i.type.layout)
+    elif P_KIND == P_EXP2_FP8:
+        p32 = round_e4m3_cvt(gl.exp2(t2 - gl.expand_dims(m_use, 1) + P_OFFSET_LOG2))
+        p_sum = gl.sum(p32, axis=1)
+        p = p32.to(gl.float8e4nv)
+    else:
+        p32 = gl.exp2(t2 - gl.expand_dims(m_use, 1))
+        p_sum = gl.sum(p32, axis=1)
+        p = p32.to(gl.bfloat16)
+    # P_t's buffer (and scale columns) are free once PV_t(j - 1) has read them
+    mbarrier.wait(pv_done.index(t), (j - 1) & 1, pred=j > 0)
+    p_smem.index(t).store(p)
+    if P_KIND == P_AFFINE_MXFP4:
+        sc_layout: gl.constexpr = get_tmem_reg_layout(gl.uint8, [BLOCK_M, BLOCK_N // 32], TensorMemoryScalesLayout(), 4)
+        psc_tmem[t].store(gl.convert_layout(p_sc, sc_layout))
+    fence_async_shared()
+    mbarrier.arrive(p_ready.index(t), count=1)
+    alpha_smem.index(t).store(alpha)
+    mbarrier.arrive(alpha_ready.index(t), count=1)
+    l_i = l_i * alpha + p_sum
+    if P_KIND == P_AFFINE_MXFP4:  # later tiles are measured from m~ (a row that saw no key keeps -inf)
+        m_new = gl.where(m_new == -float("inf"), m_new, m_use)
+    return m_new, l_i
+
+
+@gluon.jit
+def _softmax_partition(t: gl.constexpr, s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready,
+                       alpha_ready, pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles,
+                       P_KIND: gl.constexpr):
+    """Query tile t's softmax over every key tile: the full tiles in a loop without a
+    mask, the tail tile (at most one, non-causal) in a second loop with it; then the
+    LSE, and l and m for the correction's epilogue."""
+    s_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [BLOCK_M, BLOCK_N], _s_tmem_layout(), 4)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = start_m * (2 * BLOCK_M) + t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
+    a_i = gl.load(QS + off_bh * Sq + rows, mask=rows < Sq, other=0.0) * qk_scale
+    KS_ROW = KS + bhk * Sk
+    ks = gl.load(KS_ROW)  # NVFP4: the (batch, head)'s tensor scale, in every key's slot
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
+    for j in range(0, n_full):
+        m_i, l_i = _softmax_tile(t, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_smem, psc_tmem, alpha_smem, s_ready,
+                                 s_free, p_ready, alpha_ready, pv_done, False, P_KIND)
+    for j in range(n_full, n_tiles):
+        m_i, l_i = _softmax_tile(t, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_smem, psc_tmem, alpha_smem, s_ready,
+                                 s_free, p_ready, alpha_ready, pv_done, True, P_KIND)
+    # -- LSE in natural log (FP8 P's 2**8 offset subtracted); l and m to the correction
+    # once it has taken the last alpha (PV_t of the last tile waited for its rescale)
+    seen = m_i != -float("inf")
+    lse2 = m_i + gl.log2(gl.where(seen, l_i, 1.0))
+    if P_KIND == P_EXP2_FP8:
+        lse2 = lse2 - P_OFFSET_LOG2
+    lse = gl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
+    gl.store(LSE + off_bh * Sq + rows, lse, mask=rows < Sq)
+    mbarrier.wait(pv_done.index(t), (n_tiles - 1) & 1)
+    lm_smem.index(2 * t).store(l_i)
+    lm_smem.index(2 * t + 1).store(m_i)
+    mbarrier.arrive(alpha_ready.index(t), count=1)
+
+
+@gluon.jit
+def _softmax0(s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready, pv_done, QS, KS,
+              LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND: gl.constexpr):
+    _softmax_partition(0, s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready,
+                       pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)
+
+
+@gluon.jit
+def _softmax1(s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready, pv_done, QS, KS,
+              LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND: gl.constexpr):
+    _softmax_partition(1, s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready,
+                       pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)
+
+
+# ------------------------------------------------------------------------- correction
+@gluon.jit
+def _scales_to_tmem(ptr, row_stride, col0, rows_ok, dst, N_ROWS: gl.constexpr, N_COLS: gl.constexpr):
+    """A (N_ROWS, N_COLS) block-scale tile from global memory (rows of row_stride bytes,
+    columns from col0) into its tensor-memory scale slot, one row a thread."""
+    layout: gl.constexpr = get_tmem_reg_layout(dst.dtype, [N_ROWS, N_COLS], TensorMemoryScalesLayout(), 4)
+    r = gl.arange(0, N_ROWS, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, N_COLS, layout=gl.SliceLayout(0, layout))
+    ptrs = ptr + gl.expand_dims(r, 1) * row_stride + col0 + gl.expand_dims(c, 0)
+    x = gl.load(ptrs, mask=gl.expand_dims(r < rows_ok, 1), other=0.0)
+    dst.store(x)
+
+
+@gluon.constexpr_function
+def _o_part_layout(head_dim):
+    """Registers of a quarter of O's row (32 columns, one row a thread)."""
+    return get_tmem_reg_layout(gl.float32, [BLOCK_M, head_dim // 4],
+                               TensorMemoryLayout((BLOCK_M, head_dim // 4), col_stride=1), 4)
+
+
+@gluon.jit
+def _rescale_o(o, alpha, HEAD_DIM: gl.constexpr):
+    """O_t *= alpha in tensor memory, a quarter of a row of O at a time (alpha one per
+    row)."""
+    part_l: gl.constexpr = _o_part_layout(HEAD_DIM)
+    a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, part_l)), 1)
+    for h in gl.static_range(4):
+        part = o.slice(h * (HEAD_DIM // 4), HEAD_DIM // 4)
+        part.store(part.load(part_l) * a)
+
+
+@gluon.jit
+def _correction_partition(o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, alpha_smem, lm_smem, kv_empty, sc_ready, alpha_ready,
+                          o_ready, pv_done, QSC, KSC, VSC, VS, O, off_bh, bhk, start_m, Sq, Sk, n_tiles,
+                          HEAD_DIM: gl.constexpr, P_KIND: gl.constexpr):
+    """The scale tiles into tensor memory, O's rescale between tiles, the epilogue."""
+    vec_l: gl.constexpr = gl.SliceLayout(1, get_tmem_reg_layout(gl.float32, [BLOCK_M, BLOCK_N], _s_tmem_layout(), 4))
+    if P_KIND != P_BF16:  # Q's block scales, once per query tile
+        for t in gl.static_range(2):
+            q0 = start_m * (2 * BLOCK_M) + t * BLOCK_M
+            _scales_to_tmem(QSC + (off_bh * Sq + q0) * (HEAD_DIM // 16), HEAD_DIM // 16, 0, Sq - q0,
+                            qsc_tmem[t], BLOCK_M, HEAD_DIM // 16)
+    STAGES: gl.constexpr = kv_empty.shape[0]
+    skp32 = gl.cdiv(Sk, BLOCK_N) * (BLOCK_N // 32)  # V scale columns (keys padded to whole tiles)
+    for j in range(n_tiles):
+        s = j % STAGES
+        if P_KIND != P_BF16:
+            # the K and V scales of tile j into slot s, once the slot's products are done
+            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+            k_sc = KSC + (bhk * Sk + j * BLOCK_N) * (HEAD_DIM // 16)
+            if s == 0:
+                _scales_to_tmem(k_sc, HEAD_DIM // 16, 0, Sk - j * BLOCK_N, ksc_tmem[0], BLOCK_N, HEAD_DIM // 16)
+            else:
+                _scales_to_tmem(k_sc, HEAD_DIM // 16, 0, Sk - j * BLOCK_N, ksc_tmem[1], BLOCK_N, HEAD_DIM // 16)
+            if P_KIND == P_AFFINE_MXFP4:
+                v_sc = VSC + bhk * HEAD_DIM * skp32
+                if s == 0:
+                    _scales_to_tmem(v_sc, skp32, j * (BLOCK_N // 32), HEAD_DIM, vsc_tmem[0], HEAD_DIM, BLOCK_N // 32)
+                else:
+                    _scales_to_tmem(v_sc, skp32, j * (BLOCK_N // 32), HEAD_DIM, vsc_tmem[1], HEAD_DIM, BLOCK_N // 32)
+        mbarrier.arrive(sc_ready.index(s), count=1)
+        if j > 0:  # O_t *= alpha_t(j) once PV_t(j - 1) is done
+            for t in gl.static_range(2):
+                mbarrier.wait(alpha_ready.index(t), j & 1)
+                mbarrier.wait(pv_done.index(t), (j - 1) & 1)
+                _rescale_o(o_tmem.index(t), alpha_smem.index(t).load(vec_l), HEAD_DIM)
+                mbarrier.arrive(o_ready.index(t), count=1)
+    # -- epilogue: O / l (0 for a row that saw no key; NaN rows stay NaN), V's
+    # per-channel scale (FP8 V), bf16 out
+    half_l: gl.constexpr = _o_part_layout(HEAD_DIM)
+    for t in gl.static_range(2):
+        mbarrier.wait(alpha_ready.index(t), n_tiles & 1)
+        mbarrier.wait(pv_done.index(t), (n_tiles - 1) & 1)
+        l_i = lm_smem.index(2 * t).load(vec_l)
+        m_i = lm_smem.index(2 * t + 1).load(vec_l)
+        seen = m_i != -float("inf")
+        inv_l = gl.convert_layout(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), gl.SliceLayout(1, half_l))
+        rows = start_m * (2 * BLOCK_M) + t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, half_l))
+        for h in gl.static_range(4):
+            d = h * (HEAD_DIM // 4) + gl.arange(0, HEAD_DIM // 4, layout=gl.SliceLayout(0, half_l))
+            out = o_tmem.index(t).slice(h * (HEAD_DIM // 4), HEAD_DIM // 4).load(half_l) * gl.expand_dims(inv_l, 1)
+            if P_KIND == P_EXP2_FP8:
+                out = out * gl.expand_dims(gl.load(VS + bhk * HEAD_DIM + d), 0)
+            ptrs = O + (off_bh * Sq + gl.expand_dims(rows, 1)) * HEAD_DIM + gl.expand_dims(d, 0)
+            gl.store(ptrs, out.to(gl.bfloat16), mask=gl.expand_dims(rows < Sq, 1))
+
+
+# ----------------------------------------------------------------------------- kernel
+@gluon.jit
+def _barriers(n: gl.constexpr):
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=1)
+    return bars
+
+
+@gluon.jit
+def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, VS, O, LSE, H, GROUP, Sq, Sk, qk_scale,
+                                HEAD_DIM: gl.constexpr, P_KIND: gl.constexpr):
+    """One CTA: 2 * BLOCK_M query rows of one (batch, head) against every key (non-causal,
+    no key mask). Grid (cdiv(Sq, 2 * BLOCK_M), B * H)."""
+    gl.static_assert(HEAD_DIM == 128)
+    start_m = gl.program_id(0)
+    off_bh = gl.program_id(1)
+    bhk = (off_bh // H) * (H // GROUP) + (off_bh % H) // GROUP
+    n_tiles = gl.cdiv(Sk, BLOCK_N)
+    n_full = Sk // BLOCK_N
+    q_row = off_bh * Sq + start_m * (2 * BLOCK_M)
+    V_COLS: gl.constexpr = v_desc.block_type.shape[1]  # V's columns per key tile (packed FP4: half)
+
+    # -- shared memory: Q's two tiles, the K/V ring, P of each tile, alpha, l and m
+    if P_KIND == P_BF16:
+        STAGES: gl.constexpr = 1
+    else:
+        STAGES: gl.constexpr = 2
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if P_KIND == P_AFFINE_MXFP4:
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // 2], gl.uint8)
+        p_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_M, BLOCK_N // 2], p_layout)
+    elif P_KIND == P_EXP2_FP8:
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], p_layout)
+    else:
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_N], p_layout)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
+    lm_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], vec_smem)
+
+    # -- tensor memory: one S, O_0 and O_1, the scale tiles
+    s_tmem = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], _s_tmem_layout())
+    o_tmem = allocate_tensor_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], _o_tmem_layout(HEAD_DIM))
+    sc_tl: gl.constexpr = TensorMemoryScalesLayout()
+    # (pairs of allocations: Gluon 3.6 has no multi-buffered scale tiles, "Scales don't
+    # currently support multibuffering"; K's and V's by ring slot, Q's and P's by tile)
+    qsc_tmem = (allocate_tensor_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM // 16], sc_tl),
+                allocate_tensor_memory(gl.float8e4nv, [BLOCK_M, HEAD_DIM // 16], sc_tl))
+    ksc_tmem = (allocate_tensor_memory(gl.float8e4nv, [BLOCK_N, HEAD_DIM // 16], sc_tl),
+                allocate_tensor_memory(gl.float8e4nv, [BLOCK_N, HEAD_DIM // 16], sc_tl))
+    vsc_tmem = (allocate_tensor_memory(gl.uint8, [HEAD_DIM, BLOCK_N // 32], sc_tl),
+                allocate_tensor_memory(gl.uint8, [HEAD_DIM, BLOCK_N // 32], sc_tl))
+    psc_tmem = (allocate_tensor_memory(gl.uint8, [BLOCK_M, BLOCK_N // 32], sc_tl),
+                allocate_tensor_memory(gl.uint8, [BLOCK_M, BLOCK_N // 32], sc_tl))
+
+    # -- mbarriers (one arrival completes a phase: a partition's warps arrive through one thread)
+    q_bar = _barriers(1)
+    kv_ready = _barriers(STAGES)
+    kv_empty = _barriers(STAGES)
+    sc_ready = _barriers(STAGES)
+    s_ready = _barriers(2)
+    s_free = _barriers(1)
+    p_ready = _barriers(2)
+    o_ready = _barriers(2)
+    pv_done = _barriers(2)
+    alpha_ready = _barriers(2)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # registers a thread (setmaxnreg) of the worker partitions: softmax of tile 1, the
+    # correction, the MMA and load warps (one warpgroup); the default partition (softmax
+    # of tile 0) gets the rest of the 64K, 512 - (R_SOFTMAX + R_CORRECTION + R_ISSUE).
+    # The least that builds without a spill: the bf16 build's MMA warp holds more
+    # shared-memory descriptors (32 KB tiles), the FP4 builds' correction the scale loads
+    if P_KIND == P_BF16:
+        R_SOFTMAX: gl.constexpr = 184
+        R_CORRECTION: gl.constexpr = 80
+        R_ISSUE: gl.constexpr = 64
+    else:
+        R_SOFTMAX: gl.constexpr = 192
+        R_CORRECTION: gl.constexpr = 80
+        R_ISSUE: gl.constexpr = 48
+    gl.warp_specialize([
+        (_softmax0, (s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free.index(0), p_ready, alpha_ready,
+                     pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)),
+        (_softmax1, (s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free.index(0), p_ready, alpha_ready,
+                     pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)),
+        (_correction_partition, (o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, alpha_smem, lm_smem, kv_empty, sc_ready,
+                                 alpha_ready, o_ready, pv_done, QSC, KSC, VSC, VS, O, off_bh, bhk, start_m, Sq, Sk,
+                                 n_tiles, HEAD_DIM, P_KIND)),
+        (_mma_partition, (q_smem, k_smem, v_smem, p_smem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem, q_bar.index(0),
+                          kv_ready, kv_empty, sc_ready, s_ready, s_free.index(0), p_ready, o_ready, pv_done, n_tiles,
+                          P_KIND)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), kv_ready, kv_empty, q_row,
+                           bhk * Sk, bhk * HEAD_DIM, n_tiles, V_COLS)),
+    ], [4, 4, 1, 1], [R_SOFTMAX, R_CORRECTION, R_ISSUE, R_ISSUE])
