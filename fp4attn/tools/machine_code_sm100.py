@@ -131,6 +131,7 @@ class BlackwellReport:
     sass: str = field(repr=False)
     ttgir: str = field(default="", repr=False)
     num_warps: int = 8
+    gluon: bool = False  # the Gluon pipelined forward (`gluon_partition_loops`)
 
     @property
     def pipelined(self) -> bool:
@@ -195,6 +196,60 @@ class BlackwellReport:
             roles.append(("load", tma[0]))
         return {role: PartitionLoop(role, lp[0], warps[role], lp[1]) for role, lp in roles}
 
+    def gluon_partition_loops(self) -> dict[str, PartitionLoop]:
+        """The tile loops of the Gluon pipelined forward (`forward_gluon`), by role, each
+        run once per key tile for the CTA's two query tiles: "softmax0" and "softmax1"
+        (each query tile's softmax warpgroup: its first loop, the full key tiles without
+        a mask; the second, the tail tile, is not counted), "correction" (the scale tiles
+        into tensor memory and O's rescale), "mma" (the tcgen05 issue) and "load" (TMA).
+        Loops as in `partition_loops` (innermost backward branches of 20 instructions or
+        more before the last EXIT, with no setmaxnreg); the softmax loops are those with
+        MUFU (alpha's ex2), in pairs per partition in program order (the unmasked loop
+        first), the correction the other loop with tensor-memory loads and stores.
+        Warps from the IR: the launch's for the default partition (softmax0), the worker
+        partitions in `gl.warp_specialize`'s order (softmax1, correction, MMA, load)."""
+        ins = self.instructions()
+        at = {a: i for i, (a, _, _) in enumerate(ins)}
+        exits = [i for i, (_, op, _) in enumerate(ins) if op == "EXIT"]
+        spans = []
+        for i, (a, op, operands) in enumerate(ins[:exits[-1] if exits else 0]):
+            m = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
+            if m is None or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
+                continue
+            j = at[int(m.group(1), 16)]
+            if i - j + 1 >= 20 and not any(o.startswith("USETMAXREG") for _, o, _ in ins[j:i + 1]):
+                spans.append((j, i))
+        inner = sorted((j, i) for j, i in spans
+                       if not any(j <= j2 and i2 <= i and (j2, i2) != (j, i) for j2, i2 in spans))
+
+        def ops(span):
+            return [o for _, o, _ in ins[span[0]:span[1] + 1]]
+
+        def regs(span):
+            r = [int(m.group(1), 16) for _, o, rest in ins[:span[0]] if o.startswith("USETMAXREG")
+                 for m in [re.search(r"0x([0-9a-f]+)", rest)] if m]
+            return r[-1] if r else None
+
+        mma = [sp for sp in inner if any(o.startswith("UTC") and "MMA" in o for o in ops(sp))]
+        load = [sp for sp in inner if sp not in mma and any(o.startswith("UTMALDG") for o in ops(sp))]
+        soft = [sp for sp in inner if sp not in mma and any(o.startswith("MUFU") for o in ops(sp))]
+        corr = [sp for sp in inner if sp not in mma + load + soft
+                and any(o.startswith("LDTM") for o in ops(sp)) and any(o.startswith("STTM") for o in ops(sp))]
+        if len(mma) != 1 or len(load) != 1 or len(soft) != 4 or len(corr) != 1:
+            raise ValueError(f"expected one MMA loop, one TMA load loop, four softmax loops and one correction "
+                             f"loop in the Gluon build, found {len(mma)}, {len(load)}, {len(soft)} and {len(corr)}")
+        parts = self.partitions()
+        if [w for w, _ in parts] != [4, 4, 1, 1]:
+            raise ValueError(f"Gluon build: worker partitions of {[w for w, _ in parts]} warps, expected [4, 4, 1, 1]")
+        # the default partition's code follows the workers' in the SASS: its pair is the last
+        full = [soft[2], soft[0]]
+        for sp, tail in ((soft[0], soft[1]), (soft[2], soft[3])):
+            if len(ops(sp)) > len(ops(tail)):
+                raise ValueError("Gluon build: a softmax partition's first loop is longer than its tail loop")
+        roles = [("softmax0", full[0], self.num_warps), ("softmax1", full[1], parts[0][0]),
+                 ("correction", corr[0], parts[1][0]), ("mma", mma[0], parts[2][0]), ("load", load[0], parts[3][0])]
+        return {role: PartitionLoop(role, ops(sp), w, regs(sp)) for role, sp, w in roles}
+
     def count(self, pattern: str) -> int:
         return len(re.findall(pattern, self.sass))
 
@@ -225,9 +280,10 @@ class BlackwellReport:
         raise ValueError("no loop with tensor-core instructions in the SASS")
 
 
-def inspect(kernel, arch: str = "sm_100a") -> BlackwellReport:
+def inspect(kernel, arch: str = "sm_100a", gluon: bool = False) -> BlackwellReport:
     """Registers, spills, shared and tensor memory, MMA kinds and SASS (empty where the
-    bundled cuobjdump cannot read the target) of a compiled kernel."""
+    bundled cuobjdump cannot read the target) of a compiled kernel; gluon: the Gluon
+    pipelined forward (`compile_forward_gluon`)."""
     regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"], arch)
     md = kernel.metadata
     sass = sass_of(kernel.asm["cubin"]) if arch in SASS_ARCHS else ""
@@ -235,7 +291,7 @@ def inspect(kernel, arch: str = "sm_100a") -> BlackwellReport:
     warps = re.search(r'"ttg.num-warps" = (\d+)', ttgir)  # the launch's (metadata counts the partitions' too)
     return BlackwellReport(regs, spill_st + spill_ld, int(md.shared), int(getattr(md, "tmem_size", 0) or 0),
                            mma_kinds(kernel.asm["ptx"]), kernel.asm["ptx"], sass, ttgir,
-                           int(warps.group(1)) if warps else int(md.num_warps))
+                           int(warps.group(1)) if warps else int(md.num_warps), gluon)
 
 
 # ---------------------------------------------------------------------------- training backward
