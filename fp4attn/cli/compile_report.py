@@ -113,6 +113,64 @@ def calibration_report() -> dict:
             "fa4_bf16_measured_tflops": FA4_BF16_TFLOPS, "model_error": round(model / FA4_BF16_TFLOPS - 1, 3)}
 
 
+# the Gluon pipeline with FlashAttention-4's structure (`kernels.blackwell.forward_gluon`:
+# two 128-row query tiles a CTA, load and MMA warps, a softmax warpgroup per tile and a
+# correction warpgroup), D=128 non-causal, not routed: its builds by recipe (P builder)
+GLUON_RECIPES = {"directp-fast": "P_AFFINE_MXFP4", "nvfp4-fp8": "P_EXP2_FP8"}
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_build_report(p_kind: str, calibrate_on: str | None = "gluon") -> dict:
+    """Compile one Gluon pipelined build (`forward_gluon.<p_kind>`) for sm_100a and read
+    it; its prediction calibrated on the bf16 build of the same Gluon pipeline
+    (`gluon_calibration_report`), None: the raw model (the calibration build itself)."""
+    from fp4attn.kernels.blackwell import forward_gluon as fg
+    from fp4attn.tools.cost_model_sm100 import calibrate, predict
+    from fp4attn.tools.machine_code_sm100 import compile_forward_gluon, inspect
+
+    kind = getattr(fg, p_kind).value
+    rep = inspect(compile_forward_gluon(kind), "sm_100a", gluon=True)
+    kinds = {"P_AFFINE_MXFP4": ("fp4", "fp4"), "P_EXP2_FP8": ("fp4", "fp8"), "P_BF16": ("bf16", "bf16")}[p_kind]
+    pred = predict(rep, qk=kinds[0], pv=kinds[1], head_dim=128, block_m=fg.BLOCK_M.value, block_n=fg.BLOCK_N.value)
+    if calibrate_on is not None:
+        pred = calibrate(pred, gluon_calibration_report()["prediction"])
+    return dict(registers=rep.registers, spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes,
+                tmem_columns=rep.tmem_columns, mma_kinds=rep.mma_kinds,
+                tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", rep.ptx)),
+                block_m=fg.BLOCK_M.value, query_tiles=2, warps=fg.NUM_WARPS + 10, pipelined=True, gluon=True,
+                prediction=pred)
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_calibration_report() -> dict:
+    """The cost model on the bf16 build of the Gluon pipeline against FlashAttention-4's
+    BF16 forward: the model's error on this pipeline, and the factor its FP4 builds'
+    `predicted_tflops` are scaled by."""
+    from fp4attn.tools.cost_model_sm100 import FA4_BF16_TFLOPS
+
+    rec = gluon_build_report("P_BF16", None)
+    model = rec["prediction"]["ceiling_tflops"]
+    return {"kernel": "blackwell.forward_gluon (Gluon pipelined, bf16, the calibration build)", "recipe": "bf16",
+            "head_dim": 128, "causal": False, "key_bias": False, "arch": "sm_100a", **rec,
+            "fa4_bf16_measured_tflops": FA4_BF16_TFLOPS, "model_error": round(model / FA4_BF16_TFLOPS - 1, 3)}
+
+
+def gluon_records() -> list[dict]:
+    """The Gluon pipelined builds (not routed), D=128 non-causal, each calibrated on the
+    Gluon bf16 build."""
+    from fp4attn.recipes import PRESETS
+
+    out = []
+    for name, p_kind in GLUON_RECIPES.items():
+        r = PRESETS[name]
+        e = dict(kernel="blackwell.forward_gluon (Gluon pipelined, not routed)", recipe=name, head_dim=128,
+                 causal=False, key_bias=False, qk_fp4=r.qk == "nvfp4", pv_fp4=r.p == "mxfp4",
+                 p_affine=r.p_build == "affine")
+        rec = gluon_build_report(p_kind)
+        out.append({**e, "arch": "sm_100a", **rec, "routed": False, "fp4_block_scaled": fp4_products_ok(e, rec)})
+    return out
+
+
 def routed_backward_builds() -> list[dict]:
     """One entry per routed (training recipe, head dim, causal, kernel) of the Blackwell
     training backward: its dK/dV kernel (P rebuilt as the recipe builds it) and its dQ
@@ -172,9 +230,11 @@ def comparison_builds() -> list[dict]:
             for name, r in PRESETS.items() if name in ("directp", "nvfp4-fp8", "fp8-directp", "fp8")]
 
 
-def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True, comparison: bool = False) -> list[dict]:
+def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True, comparison: bool = False,
+            gluon: bool = False) -> list[dict]:
     """compile-report's records: one per routed build, with its machine-code figures
-    (and `comparison`: the serial builds of `comparison_builds`, `routed` False).
+    (and `comparison`: the serial builds of `comparison_builds`, `routed` False; `gluon`,
+    on sm_100a: the Gluon pipelined builds of `gluon_records`, `routed` False).
     The training backward's gradient products are FP8 (kind::f8f6f4); where a record's
     launch forms the scores from the NVFP4 payload (`qk_fp4`), its `fp4_block_scaled`
     says whether they are the block-scaled FP4 product (kind::mxf4nvf4, e4m3 scales per
@@ -188,6 +248,8 @@ def records(arch: str = "sm_100a", key_bias: bool = True, backward: bool = True,
     for e in comparison_builds() if comparison and arch == "sm_100a" else ():
         rec = build_report(e["qk_fp4"], e["pv_fp4"], False, False, 128, False, arch, SERIAL_BLACKWELL_LAUNCH)
         out.append({**e, "arch": arch, **rec, "routed": False, "fp4_block_scaled": fp4_products_ok(e, rec)})
+    if gluon and arch == "sm_100a":
+        out += gluon_records()
     for e in routed_backward_builds() if backward and arch != "sm_120a" else ():
         rec = backward_report(e["part"], e["p_mode"], e["causal"], e["head_dim"], arch)
         fp4 = fp4_products_ok(e, rec) and not any("kind::f16" in k for k in rec["mma_kinds"])
@@ -200,18 +262,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target to compile for (sm_120a: consumer Blackwell, its forward only)")
     p.add_argument("--no-key-bias", action="store_true", help="skip the key-mask builds (half the compile time)")
     p.add_argument("--comparison", action="store_true", help="also the serial kernel's D=128 builds, not routed")
+    p.add_argument("--no-gluon", action="store_true",
+                   help="skip the Gluon pipelined builds (sm_100a, D=128 non-causal, not routed)")
     p.add_argument("--json", type=Path, default=None, help="write the records as JSON")
 
 
 def main(args: argparse.Namespace) -> None:
-    recs = records(args.arch, key_bias=not args.no_key_bias, comparison=args.comparison)
+    gluon = args.arch == "sm_100a" and not getattr(args, "no_gluon", False)
+    recs = records(args.arch, key_bias=not args.no_key_bias, comparison=args.comparison, gluon=gluon)
     calibration = calibration_report() if args.arch == "sm_100a" else None
+    gluon_calibration = gluon_calibration_report() if gluon else None
     rows = []
-    for r in recs + ([calibration] if calibration else []):
+    for r in recs + ([calibration] if calibration else []) + ([gluon_calibration] if gluon_calibration else []):
         pred = r.get("prediction", {})
         kind = "pipelined" if r.get("pipelined") else "serial" if r["kernel"].startswith("blackwell") else \
             r["kernel"].split(".")[-1]
-        if "calibration" in r["kernel"] or "comparison" in r["kernel"]:
+        if r.get("gluon"):
+            kind = "Gluon pipelined" + (" (calibration)" if "calibration" in r["kernel"] else " (not routed)")
+        elif "calibration" in r["kernel"] or "comparison" in r["kernel"]:
             kind += " (calibration)" if "calibration" in r["kernel"] else " (comparison, not routed)"
         rows.append([kind, r["recipe"], r["head_dim"], "yes" if r["causal"] else "no",
                      "yes" if r["key_bias"] else "no", r["registers"], r["spill_bytes"], r["shared_bytes"],
@@ -231,9 +299,22 @@ def main(args: argparse.Namespace) -> None:
               f"TFLOP/s against FlashAttention-4's measured {calibration['fa4_bf16_measured_tflops']:.0f} "
               f"(error {calibration['model_error']:+.1%}); pred. TFLOP/s = model x "
               f"{calibration['fa4_bf16_measured_tflops'] / calibration['prediction']['ceiling_tflops']:.3f}")
-    bad = [r for r in recs if r["routed"] and (r["spill_bytes"] or r["tmem_columns"] > 512 or
+    if gluon_calibration:
+        g = gluon_calibration
+        print(f"\nGluon calibration: the BF16 build of the Gluon pipeline, model {g['prediction']['ceiling_tflops']} "
+              f"TFLOP/s against FlashAttention-4's measured {g['fa4_bf16_measured_tflops']:.0f} "
+              f"(error {g['model_error']:+.1%}); the Gluon builds' pred. TFLOP/s = model x "
+              f"{g['fa4_bf16_measured_tflops'] / g['prediction']['ceiling_tflops']:.3f}. Per partition, "
+              "instructions a tile loop (issue clocks a 128 x 128 tile):")
+        for r in [x for x in recs if x.get("gluon")] + [g]:
+            parts = r["prediction"]["partitions"]
+            print(f"- {r['recipe']}: " + ", ".join(f"{role} {p['instructions']} ({p['clk_issue_per_tile']})"
+                                                   for role, p in parts.items())
+                  + f"; every partition's issue {r['prediction']['issue_per_element']} a score")
+    bad = [r for r in recs if (r["routed"] or r.get("gluon")) and (r["spill_bytes"] or r["tmem_columns"] > 512 or
                                                r["fp4_block_scaled"] is False)]
-    write_json(args.json, {"arch": args.arch, "records": recs, "calibration": calibration})
+    write_json(args.json, {"arch": args.arch, "records": recs, "calibration": calibration,
+                           "gluon_calibration": gluon_calibration})
     if bad:
         raise SystemExit(f"{len(bad)} build(s) spill, use more than 512 tensor-memory columns or run an FP4 product "
                          f"without a block-scaled FP4 MMA: {[(r['recipe'], r['head_dim'], r['causal']) for r in bad]}")

@@ -74,13 +74,14 @@ from fp4attn.kernels.blackwell.forward_triton import (
     _affine_x2_row_sum,
     _byte_lane_sum,
     _bytes_of_words,
+    _carry,
+    _final_scales,
     _log2_scores_x2,
+    _running_point,
     _split_eight,
 )
 from fp4attn.kernels.common import (
-    P_MODE_MXFP4_AFFINE,
     P_OFFSET_LOG2,
-    affine_reference_point,
     log2_scores,
     max_propagating_nan,
     round_e4m3_cvt,
@@ -245,11 +246,7 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_s
         m_new = gl.maximum(m_i, row_max, propagate_nan=tl.PropagateNan.ALL)
     else:
         m_new = gl.maximum(m_i, gl.reduce(t2, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
-    m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-    m_use = gl.where(m_new == float("inf"), float("nan"), m_use)
-    if P_KIND == P_AFFINE_MXFP4:
-        m_use = affine_reference_point(m_use, P_MODE_MXFP4_AFFINE)
-    alpha = gl.exp2(m_i - m_use)
+    m_use, alpha = _running_point(m_i, m_new, True, P_KIND == P_AFFINE_MXFP4, P_KIND == P_AFFINE_MXFP4)
     if P_KIND == P_AFFINE_MXFP4:
         p, p_sc, p_sum = _affine_mxfp4_x2(t2, bmax, gl.convert_layout(m_use, gl.SliceLayout(1, bmax.type.layout)))
         p_sum = gl.convert_layout(p_sum, m_i.type.layout)
@@ -271,9 +268,7 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_s
     mbarrier.arrive(p_ready.index(t), count=1)
     alpha_smem.index(t).store(alpha)
     mbarrier.arrive(alpha_ready.index(t), count=1)
-    l_i = l_i * alpha + p_sum
-    if P_KIND == P_AFFINE_MXFP4:  # later tiles are measured from m~ (a row that saw no key keeps -inf)
-        m_new = gl.where(m_new == -float("inf"), m_new, m_use)
+    l_i, m_new = _carry(l_i, alpha, p_sum, m_new, m_use, P_KIND == P_AFFINE_MXFP4)
     return m_new, l_i
 
 
@@ -300,11 +295,10 @@ def _softmax_partition(t: gl.constexpr, s_tmem, p_smem, psc_tmem, alpha_smem, lm
                                  s_free, p_ready, alpha_ready, pv_done, True, P_KIND)
     # -- LSE in natural log (FP8 P's 2**8 offset subtracted); l and m to the correction
     # once it has taken the last alpha (PV_t of the last tile waited for its rescale)
-    seen = m_i != -float("inf")
-    lse2 = m_i + gl.log2(gl.where(seen, l_i, 1.0))
     if P_KIND == P_EXP2_FP8:
-        lse2 = lse2 - P_OFFSET_LOG2
-    lse = gl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
+        inv_l, lse = _final_scales(m_i, l_i, P_OFFSET_LOG2)
+    else:
+        inv_l, lse = _final_scales(m_i, l_i, 0.0)
     gl.store(LSE + off_bh * Sq + rows, lse, mask=rows < Sq)
     mbarrier.wait(pv_done.index(t), (n_tiles - 1) & 1)
     lm_smem.index(2 * t).store(l_i)
@@ -420,8 +414,8 @@ def _correction_partition(o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, alpha_smem, lm_s
         mbarrier.wait(pv_done.index(t), (n_tiles - 1) & 1)
         l_i = lm_smem.index(2 * t).load(vec_l)
         m_i = lm_smem.index(2 * t + 1).load(vec_l)
-        seen = m_i != -float("inf")
-        inv_l = gl.convert_layout(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), gl.SliceLayout(1, half_l))
+        inv_l, lse = _final_scales(m_i, l_i, 0.0)  # (the softmax stored the LSE)
+        inv_l = gl.convert_layout(inv_l, gl.SliceLayout(1, half_l))
         rows = start_m * (2 * BLOCK_M) + t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, half_l))
         for h in gl.static_range(4):
             d = h * (HEAD_DIM // 4) + gl.arange(0, HEAD_DIM // 4, layout=gl.SliceLayout(0, half_l))

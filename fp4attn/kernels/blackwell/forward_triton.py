@@ -337,6 +337,43 @@ def _hide_keys(t, key_ok, cols, start_n, offs_m, causal_offset, Sk, CAUSAL: tl.c
 
 
 @triton.jit
+def _running_point(m_i, m_new, ROWS_MAY_BE_EMPTY: tl.constexpr, P_AFFINE: tl.constexpr, PV_FP4: tl.constexpr):
+    """The online softmax's point P is measured from and the rescale factor of the rows'
+    running max m_i -> m_new: (m_use, alpha). A row that saw no key yet (max -inf, where
+    ROWS_MAY_BE_EMPTY) is measured from 0, a +inf max makes its row NaN
+    (reference/forward.py); the affine builders snap the point to their grid."""
+    if ROWS_MAY_BE_EMPTY:  # a row may have seen no key yet
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    m_use = tl.where(m_new == float("inf"), float("nan"), m_use)
+    if P_AFFINE:  # the affine map's reference point: the max snapped to its grid
+        m_use = affine_reference_point(m_use, P_MODE_MXFP4_AFFINE if PV_FP4 else P_MODE_FP8_AFFINE)
+    return m_use, tl.math.exp2(m_i - m_use)
+
+
+@triton.jit
+def _carry(l_i, alpha, p_sum, m_new, m_use, P_AFFINE: tl.constexpr):
+    """The row sum and running max carried to the next tile: l alpha + this tile's sum;
+    the affine builders measure later tiles from m~ (a row that saw no key keeps -inf)."""
+    l_i = l_i * alpha + p_sum
+    if P_AFFINE:
+        m_new = tl.where(m_new == -float("inf"), m_new, m_use)
+    return l_i, m_new
+
+
+@triton.jit
+def _final_scales(m_i, l_i, LSE_OFFSET: tl.constexpr):
+    """The epilogue's (1 / l, LSE in natural log) of rows with running max m_i and sum
+    l_i; LSE_OFFSET (log2 units) is FP8 P's 2**8, which cancels in O / l. NaN rows stay
+    NaN; only rows that saw no key get 1 / l = 0 and LSE -inf."""
+    seen = m_i != -float("inf")
+    inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+    lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - LSE_OFFSET
+    return inv_l, tl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
+
+
+@triton.jit
 def _rescale(acc, alpha, HALVES: tl.constexpr):
     """acc * alpha per row; with HALVES the two column halves separately (the same
     products), so the correction partition holds half a row of O at a time."""
@@ -439,14 +476,7 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         m_new = tl.maximum(m_i, tl.reduce(bmax, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
     else:
         m_new = tl.maximum(m_i, tl.reduce(t, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
-    if MASK or KEY_BIAS or PIPELINED:  # a row may have seen no key yet
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    m_use = tl.where(m_new == float("inf"), float("nan"), m_use)
-    if P_AFFINE:  # the affine map's reference point: the max snapped to its grid
-        m_use = affine_reference_point(m_use, P_MODE_MXFP4_AFFINE if PV_FP4 else P_MODE_FP8_AFFINE)
-    alpha = tl.math.exp2(m_i - m_use)
+    m_use, alpha = _running_point(m_i, m_new, MASK or KEY_BIAS or PIPELINED, P_AFFINE, PV_FP4)
     # V tiles are stored with keys padded by zeros to whole tiles: no mask
     if PV_FP4:
         if P_AFFINE:
@@ -499,9 +529,7 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], p_val, mask=key_ok[None, :])
     if not PIPELINED:  # each tile's PV on a fresh accumulator, added into O in float32
         acc = acc * alpha[:, None] + pv
-    l_i = l_i * alpha + p_sum
-    if P_AFFINE:  # later tiles are measured from m~ (a row that saw no key keeps -inf)
-        m_new = tl.where(m_new == -float("inf"), m_new, m_use)
+    l_i, m_new = _carry(l_i, alpha, p_sum, m_new, m_use, P_AFFINE)
     return acc, l_i, m_new
 
 
@@ -609,16 +637,11 @@ def attn_fwd_sm100_kernel(
     # -- epilogue: 1/l, V's per-channel scale (FP8 V); LSE in natural log (FP8 P's 2**8
     # offset cancels in acc / l and is subtracted from the LSE)
     offs_d = tl.arange(0, HEAD_DIM)
-    seen = m_i != -float("inf")  # NaN rows stay NaN; only rows that saw no key are 0
-    inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+    inv_l, lse = _final_scales(m_i, l_i, 0.0 if PV_FP4 or BF16 else P_OFFSET_LOG2)
     out = acc * inv_l[:, None]
-    if PV_FP4:
-        lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0))
-    else:
+    if not PV_FP4:
         vs = tl.load(VS + (b.to(tl.int64) * (H // GROUP) + hk) * HEAD_DIM + offs_d)
         out = out * vs[None, :]
-        lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - (0.0 if BF16 else P_OFFSET_LOG2)
-    lse = tl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
     o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(o_ptr + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None])
