@@ -1,0 +1,164 @@
+"""The Gluon sm_100a forward with FlashAttention-4's structure (`kernels.blackwell.
+forward_gluon`, not routed) compiles for sm_100a on a machine without a GPU, and its
+machine code has the structure of its design: no spills, tensor memory within 512
+columns, block-scaled FP4 products, the five partitions the cost model reads, the full
+key tiles' softmax loop without a mask, the MMA partition on one warp.
+
+Gluon has no interpreter, so its numerics are held to the reference this way: every
+non-MMA arithmetic step of the kernel is either a `forward_triton` helper the Triton
+kernel calls too (`tests/test_blackwell_interpreter.py` runs that kernel against the
+reference, and its inline PTX through an emulator bit for bit against the interpreter
+path), or inline PTX; the test below checks that each inline-PTX arithmetic block of the
+Gluon kernel is one of the Triton build's (the same text, registers aside), apart from
+the correction's two-wide multiply, whose lanes are the scalar product of the Triton
+kernel's rescale by the PTX ISA. The rest is data movement and the tensor cores'
+products. (Each build compiles once per test session: about 20 s in all.)"""
+
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+
+from fp4attn.cli import compile_report  # noqa: E402
+from fp4attn.kernels.blackwell import forward_gluon as fg  # noqa: E402
+from fp4attn.kernels.blackwell import forward_triton as ft  # noqa: E402
+
+SMEM_PER_CTA = 227 * 1024  # sm_100's largest dynamic shared memory a CTA
+# opcodes of the arithmetic the kernels write as inline PTX; the compiler's own asm
+# (tensor-memory, barrier, fence and copy instructions) moves data and synchronizes
+ARITHMETIC = {"fma", "mul", "add", "sub", "min", "max", "cvt", "prmt", "dp4a", "mad", "ex2", "shl", "shr", "and",
+              "or", "xor", "selp", "setp"}
+MOVEMENT = {"tcgen05", "mbarrier", "fence", "cp", "ld", "st", "bar", "elect"}
+
+
+@pytest.fixture(scope="module")
+def gluon():
+    """The Gluon builds' compile-report records and the calibration record."""
+    return {r["recipe"]: r for r in compile_report.gluon_records()} | {"bf16": compile_report.gluon_calibration_report()}
+
+
+def test_gluon_builds_without_spills_in_512_columns(gluon):
+    for name, r in gluon.items():
+        assert r["spill_bytes"] == 0 and 0 < r["tmem_columns"] <= 512, (name, r["spill_bytes"], r["tmem_columns"])
+        assert r["shared_bytes"] <= SMEM_PER_CTA, (name, r["shared_bytes"])
+        assert r["pipelined"] and r["gluon"] and r["tma_loads"] >= 3, name  # Q, K and V by TMA
+    kinds = {name: " ".join(r["mma_kinds"]) for name, r in gluon.items()}
+    assert "kind::mxf4nvf4.block_scale.scale_vec::4X" in kinds["directp-fast"], kinds
+    assert "kind::mxf4.block_scale.scale_vec::2X" in kinds["directp-fast"], kinds
+    assert "kind::mxf4nvf4.block_scale.scale_vec::4X" in kinds["nvfp4-fp8"] and "kind::f8f6f4" in kinds["nvfp4-fp8"]
+    assert kinds["bf16"] == "tcgen05.mma.cta_group::1.kind::f16", kinds
+    assert all(gluon[n]["fp4_block_scaled"] for n in ("directp-fast", "nvfp4-fp8"))
+
+
+def test_gluon_partitions_as_designed(gluon):
+    """Two softmax warpgroups (one query tile each), a correction warpgroup, one MMA warp
+    and one TMA warp; the softmax's loop over the full key tiles has no per-score mask
+    (at most a few selects a row: the running max's NaN and empty-row rules), and the
+    MMA warp starts each product's accumulator by the MMA's own flag (no zero tile
+    written to tensor memory: no tcgen05.st there)."""
+    for name, r in gluon.items():
+        parts = r["prediction"]["partitions"]
+        assert {role: p["warps"] for role, p in parts.items()} == {
+            "softmax0": 4, "softmax1": 4, "correction": 4, "mma": 1, "load": 1}, (name, parts)
+        assert r["prediction"]["bound"] == "instruction issue", name
+    rep = _report("P_AFFINE_MXFP4")
+    loops = rep.gluon_partition_loops()
+    for role in ("softmax0", "softmax1"):
+        ops = loops[role].opcodes
+        assert sum(o.startswith("FSEL") for o in ops) <= 16, (role, sum(o.startswith("FSEL") for o in ops))
+    assert not any(o.startswith("STTM") for o in loops["mma"].opcodes)
+    assert sum(o.startswith("UTCOMMA") for o in loops["mma"].opcodes) == 8  # 2 QK^T + 2 PV, 2 K-steps of 64 each
+    # directp-fast's softmax: the Triton pipelined kernel's 6.85 a score less its mask
+    assert gluon["directp-fast"]["prediction"]["instructions_per_element"] <= 6.0
+
+
+def _report(p_kind: str):
+    from fp4attn.tools.machine_code_sm100 import compile_forward_gluon, inspect
+
+    return _cached(p_kind, lambda: inspect(compile_forward_gluon(getattr(fg, p_kind).value), "sm_100a", gluon=True))
+
+
+_CACHE: dict = {}
+
+
+def _cached(key, make):
+    if key not in _CACHE:
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def _asm_blocks(ptx: str) -> list[str]:
+    """The inline-PTX blocks of a PTX text, registers and `$n` operands replaced by one
+    placeholder and whitespace collapsed."""
+    blocks = re.findall(r"// begin inline asm\n(.*?)// end inline asm", ptx, flags=re.S)
+    return [_normalized(b) for b in blocks]
+
+
+def _normalized(asm: str) -> str:
+    asm = re.sub(r"%[a-z]+\d+|\$\d+", "R", asm)
+    return " ".join(asm.split())
+
+
+def _opcodes(block: str) -> set[str]:
+    ops = set()
+    for stmt in block.replace("{", ";").replace("}", ";").split(";"):
+        stmt = re.sub(r"^@!?\S+\s+", "", stmt.strip())
+        if stmt and not stmt.startswith(".reg") and not stmt.endswith(":"):
+            ops.add(stmt.split()[0].split(".")[0])
+    return ops
+
+
+def _arithmetic(blocks: list[str]) -> set[str]:
+    return {b for b in blocks if _opcodes(b) & ARITHMETIC and not _opcodes(b) & MOVEMENT}
+
+
+@pytest.mark.parametrize("recipe, p_kind", [("directp-fast", "P_AFFINE_MXFP4"), ("nvfp4-fp8", "P_EXP2_FP8")])
+def test_gluon_arithmetic_asm_is_the_triton_kernels(recipe, p_kind):
+    """Every inline-PTX arithmetic block of the Gluon build is one of the routed Triton
+    pipelined build's (D=128, non-causal), registers aside, except the correction's
+    `mul.rn.f32x2`; for directp-fast the three blocks of the affine MXFP4 builder (the
+    scores two-wide, the eight-key group map, clamp and packing, the dp4a row sum) are
+    all there, the ones the interpreter test runs through its PTX emulator."""
+    from fp4attn.recipes import PRESETS
+    from fp4attn.routing import blackwell_forward_launch
+    from fp4attn.tools.machine_code_sm100 import compile_forward
+
+    r = PRESETS[recipe]
+    launch = blackwell_forward_launch(128, False, False, "sm_100")
+    triton_ptx = _cached(recipe, lambda: compile_forward(
+        r.qk == "nvfp4", r.p == "mxfp4", False, 128, block_m=launch.block_m, num_warps=launch.warps,
+        num_stages=launch.stages, pipelined=launch.pipelined, p_affine=r.p_build == "affine").asm["ptx"])
+    gluon_blocks = _arithmetic(_asm_blocks(_report(p_kind).ptx))
+    triton_blocks = _arithmetic(_asm_blocks(triton_ptx))
+    mul_x2 = _normalized(fg.MUL_X2_PTX.value)
+    assert mul_x2 in gluon_blocks
+    assert gluon_blocks - {mul_x2} <= triton_blocks, gluon_blocks - {mul_x2} - triton_blocks
+    if recipe == "directp-fast":
+        group = _normalized(ft.AFFINE_GROUP_PTX.value)
+        assert group in gluon_blocks and group in triton_blocks
+        for op in ("mul.rn.ftz.f32x2", "dp4a.u32.u32"):  # `_log2_scores_x2`, `_byte_lane_sum`
+            assert any(op in b for b in gluon_blocks), op
+        assert gluon_blocks == triton_blocks | {mul_x2}, gluon_blocks ^ (triton_blocks | {mul_x2})
+
+
+def test_gluon_kernel_calls_the_interpreter_tested_helpers():
+    """The Gluon softmax's arithmetic is the Triton kernel's own functions (the objects
+    themselves, not copies)."""
+    for name in ("_affine_block_constants", "_affine_group_x2", "_affine_x2_row_sum", "_byte_lane_sum",
+                 "_bytes_of_words", "_carry", "_final_scales", "_log2_scores_x2", "_running_point", "_split_eight"):
+        assert getattr(fg, name) is getattr(ft, name), name
+
+
+def test_gluon_pipeline_calibration_is_reported(gluon):
+    """The bf16 build of the Gluon pipeline against FA4's measured BF16 forward: the
+    model's error on this pipeline is reported and within 35% (+28.9% at this commit:
+    the model ignores latency and synchronization), and the FP4 builds' predictions are
+    their ceilings times the same factor."""
+    cal = gluon["bf16"]
+    assert abs(cal["model_error"]) <= 0.35, cal["model_error"]
+    factor = cal["fa4_bf16_measured_tflops"] / cal["prediction"]["ceiling_tflops"]
+    for name in ("directp-fast", "nvfp4-fp8"):
+        pred = gluon[name]["prediction"]
+        assert pred["predicted_tflops"] == round(pred["ceiling_tflops"] * factor), name
+        assert pred["calibration"]["factor"] == round(factor, 3)
