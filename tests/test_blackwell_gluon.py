@@ -145,14 +145,14 @@ def test_gluon_arithmetic_asm_is_the_triton_kernels(recipe, p_kind):
 def test_gluon_kernel_calls_the_interpreter_tested_helpers():
     """The Gluon softmax's arithmetic is the Triton kernel's own functions (the objects
     themselves, not copies)."""
-    for name in ("_affine_block_constants", "_affine_group_x2", "_affine_x2_row_sum", "_byte_lane_sum",
-                 "_bytes_of_words", "_carry", "_final_scales", "_log2_scores_x2", "_running_point", "_split_eight"):
+    for name in ("_affine_block_constants", "_affine_group_x2", "_affine_x2_row_sum", "_byte_lane_sum", "_carry",
+                 "_final_scales", "_log2_scores_x2", "_running_point", "_split_eight"):
         assert getattr(fg, name) is getattr(ft, name), name
 
 
 def test_gluon_pipeline_calibration_is_reported(gluon):
     """The bf16 build of the Gluon pipeline against FA4's measured BF16 forward: the
-    model's error on this pipeline is reported and within 35% (+28.9% at this commit:
+    model's error on this pipeline is reported and within 35% (+31.8% at this commit:
     the model ignores latency and synchronization), and the FP4 builds' predictions are
     their ceilings times the same factor."""
     cal = gluon["bf16"]

@@ -19,30 +19,36 @@ tiles (BLOCK_N = 128) once. Partitions, per key tile j:
                 products: `tcgen05_mma`.
     softmax_t   4 warps for each query tile t (the default partition is tile 0): S_t
                 from tensor memory (one row a thread), the scores, the running max, P and
-                its row sum, P to shared memory (Gluon 3.6's block-scaled MMA reads its A
-                operand from shared memory only) with its E8M0 scales into tensor memory,
-                alpha to the correction. The full key tiles run in a loop with no mask;
-                the tail tile (keys past Sk) in a second loop of at most one tile.
+                its row sum, P and its E8M0 scales into tensor memory (the PV product's A
+                operand, as FA4 keeps P), alpha to the correction. The full key tiles run
+                in a loop with no mask; the tail tile (keys past Sk) in a second loop of
+                at most one tile.
     correction  4 warps: the block scales of Q (once), K_j and V_j into tensor memory
                 (TensorMemoryScalesLayout, from global memory: their rows are narrower
                 than a TMA box's 16 bytes), O_t *= alpha in tensor memory between PV_t's
-                of consecutive tiles, and the epilogue (O / l, bf16, stored).
+                of consecutive tiles (two columns a `mul.rn.f32x2`), and the epilogue
+                (O / l, bf16, stored).
 
 Tensor memory (512 columns): one S buffer of 128 columns shared by the two query tiles
-(QK^T of one tile starts once the other's softmax has read S into registers; P lives in
-shared memory, so S is free as soon as it is read), O_0 and O_1 of 128 columns each, and
-the scale tiles (Q: 2 columns a tile; K: 2 a stage; V and P: 1 each): two S buffers and
-the two O's fill all 512 columns and leave none for the scales.
+(QK^T of one tile starts once the other tile's softmax has read S into registers: P has
+columns of its own, so S is free as soon as it is read), O_0 and O_1 of 128 columns
+each, P_0 and P_1 (16 columns each as MXFP4 codes, 32 as e4m3, 64 as bf16) and the
+scale tiles (Q: 2 columns a tile; K: 2 a stage; V and P: 1 each). Two S buffers and the
+two O's would fill all 512 columns and leave none for P and the scales. Gluon 3.6 has
+no multi-buffered scale tiles ("Scales don't currently support multibuffering"): each
+slot is an allocation of its own, the K/V ring's chosen by a branch.
 
-Numerics: every non-MMA arithmetic step is the Triton kernel's own code
-(`forward_triton`: `_log2_scores_x2`, `_affine_mxfp4_tile` with its inline PTX group
-blocks `_affine_group_x2` and the dp4a/PRMT row sums, `affine_reference_point`, the NaN
-rules of the running max), called from this kernel; under the interpreter the Triton
-kernel runs that code and `tests/test_blackwell_interpreter.py` runs the same inline PTX
-through its emulator bit for bit against the reference path. `tests/test_blackwell_gluon
-.py` checks that this kernel's PTX holds exactly those asm blocks. The rest is data
-movement and the tensor cores' products (float32 sums in the tensor core's order, as the
-pipelined Triton kernel).
+Numerics: every non-MMA arithmetic step is the Triton kernel's own code, called from
+this kernel (`forward_triton`: `_log2_scores_x2`, `_affine_block_constants`, the group
+asm `_affine_group_x2` and the dp4a `_byte_lane_sum`, `_affine_x2_row_sum`,
+`_running_point`, `_carry`, `_final_scales`), or the correction's `mul.rn.f32x2`
+(each lane the scalar `mul.f32` of the Triton kernel's rescale). Under the interpreter
+the Triton kernel runs that code against the reference, and `tests/test_blackwell_
+interpreter.py` its inline PTX through an emulator bit for bit against the interpreter
+path; `tests/test_blackwell_gluon.py` checks that this kernel's inline-PTX arithmetic is
+those blocks and no other. The rest is data movement, layout conversions within a
+thread's row, and the tensor cores' products (float32 sums in the tensor core's order,
+as the pipelined Triton kernel's).
 
 Operands (contiguous, `operands.prepare_operands`'s layouts): Q (B, H, Sq, D/2) NVFP4
 codes, QSC (B, H, Sq, D/16) e4m3; K, KSC likewise at Hkv heads; QS (B, H, Sq), KS (B,
@@ -73,7 +79,6 @@ from fp4attn.kernels.blackwell.forward_triton import (
     _affine_group_x2,
     _affine_x2_row_sum,
     _byte_lane_sum,
-    _bytes_of_words,
     _carry,
     _final_scales,
     _log2_scores_x2,
@@ -106,6 +111,23 @@ def _s_tmem_layout():
 @gluon.constexpr_function
 def _o_tmem_layout(head_dim):
     return TensorMemoryLayout((BLOCK_M, head_dim), col_stride=1)
+
+
+@gluon.constexpr_function
+def _p_dtype(p_kind):
+    return {0: gl.uint8, 1: gl.float8e4nv, 2: gl.bfloat16}[p_kind]
+
+
+@gluon.constexpr_function
+def _p_cols(p_kind):
+    """P's elements a row: MXFP4 codes packed two a byte."""
+    return BLOCK_N // 2 if p_kind == 0 else BLOCK_N
+
+
+@gluon.constexpr_function
+def _p_tmem_layout(p_kind):
+    """P in tensor memory, packed (four bytes or two bf16 a 32-bit column)."""
+    return TensorMemoryLayout((BLOCK_M, _p_cols(p_kind)), col_stride=1)
 
 
 # ------------------------------------------------------------------------------- load
@@ -146,7 +168,7 @@ def _qk(t: gl.constexpr, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready,
 
 
 @gluon.jit
-def _pv(t: gl.constexpr, j, p_smem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty,
+def _pv(t: gl.constexpr, j, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty,
         RELEASE: gl.constexpr, P_KIND: gl.constexpr):
     """O_t += P_t V_j once P_t is built (p_ready) and, past the first tile, O_t rescaled
     (o_ready); the first tile's product starts O_t (use_acc=False). Completion arrives at
@@ -162,17 +184,17 @@ def _pv(t: gl.constexpr, j, p_smem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready,
         bars = [pv_done.index(t)]
     if P_KIND == P_AFFINE_MXFP4:
         if s == 0:
-            tcgen05_mma_scaled(p_smem.index(t), v, o_tmem.index(t), psc_tmem[t], vsc_tmem[0], "e2m1", "e2m1",
+            tcgen05_mma_scaled(p_tmem.index(t), v, o_tmem.index(t), psc_tmem[t], vsc_tmem[0], "e2m1", "e2m1",
                                use_acc=j > 0, mbarriers=bars)
         else:
-            tcgen05_mma_scaled(p_smem.index(t), v, o_tmem.index(t), psc_tmem[t], vsc_tmem[1], "e2m1", "e2m1",
+            tcgen05_mma_scaled(p_tmem.index(t), v, o_tmem.index(t), psc_tmem[t], vsc_tmem[1], "e2m1", "e2m1",
                                use_acc=j > 0, mbarriers=bars)
     else:
-        tcgen05_mma(p_smem.index(t), v, o_tmem.index(t), use_acc=j > 0, mbarriers=bars)
+        tcgen05_mma(p_tmem.index(t), v, o_tmem.index(t), use_acc=j > 0, mbarriers=bars)
 
 
 @gluon.jit
-def _mma_partition(q_smem, k_smem, v_smem, p_smem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem, q_bar,
+def _mma_partition(q_smem, k_smem, v_smem, p_tmem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem, q_bar,
                    kv_ready, kv_empty, sc_ready, s_ready, s_free, p_ready, o_ready, pv_done, n_tiles,
                    P_KIND: gl.constexpr):
     """Per key tile j: QK_0(j), PV_1(j - 1), QK_1(j), PV_0(j), so that each tile's
@@ -189,21 +211,22 @@ def _mma_partition(q_smem, k_smem, v_smem, p_smem, s_tmem, o_tmem, qsc_tmem, ksc
         free_phase ^= (j > 0).to(gl.int32)
         _qk(0, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND)
         if j > 0:
-            _pv(1, j - 1, p_smem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True,
+            _pv(1, j - 1, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True,
                 P_KIND)
         mbarrier.wait(s_free, free_phase)
         free_phase ^= 1
         _qk(1, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND)
-        _pv(0, j, p_smem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, False, P_KIND)
-    _pv(1, n_tiles - 1, p_smem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True, P_KIND)
+        _pv(0, j, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, False, P_KIND)
+    _pv(1, n_tiles - 1, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True, P_KIND)
 
 
 # ---------------------------------------------------------------------------- softmax
 @gluon.jit
 def _affine_mxfp4_x2(t2, bmax, m_ref):
     """`forward_triton._affine_mxfp4_tile`'s X2 path on a (BLOCK_M, BLOCK_N) tile of log2
-    scores t2 with its 32-key block maxima bmax and reference points m_ref: (packed E2M1
-    codes (BLOCK_M, BLOCK_N / 2), E8M0 scales (BLOCK_M, blocks), consistent row sums).
+    scores t2 with its 32-key block maxima bmax and reference points m_ref: (int32 words
+    of the packed E2M1 codes (BLOCK_M, BLOCK_N / 8), byte k of word g keys 8 g + 2 k and
+    8 g + 2 k + 1, low nibble first; E8M0 scales (BLOCK_M, blocks); consistent row sums).
     The arithmetic is that function's helpers (`_affine_block_constants`, the group asm
     `_affine_group_x2`, the dp4a `_byte_lane_sum`, `_affine_x2_row_sum`); what is added
     here are layout conversions Gluon asks for where Triton infers them (each a
@@ -217,11 +240,11 @@ def _affine_mxfp4_x2(t2, bmax, m_ref):
     words, lanes = _affine_group_x2(k0, k1, k2, k3, k4, k5, k6, k7, c_g)
     twice = _byte_lane_sum(gl.sum(gl.reshape(lanes, [BLOCK_M, NB, 4]), axis=2))
     row_sum, scale = _affine_x2_row_sum(gl.convert_layout(twice, e_b.type.layout), e_b, keep)
-    return _bytes_of_words(words), scale, row_sum
+    return words, scale, row_sum
 
 
 @gluon.jit
-def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_smem, psc_tmem, alpha_smem, s_ready,
+def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_tmem, psc_tmem, alpha_smem, s_ready,
                   s_free, p_ready, alpha_ready, pv_done, MASKED: gl.constexpr, P_KIND: gl.constexpr):
     """Tile j of query tile t: `forward_triton._tile`'s softmax, operation for operation
     (the pipelined, non-causal form, without the mask unless MASKED)."""
@@ -260,11 +283,16 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_s
         p = p32.to(gl.bfloat16)
     # P_t's buffer (and scale columns) are free once PV_t(j - 1) has read them
     mbarrier.wait(pv_done.index(t), (j - 1) & 1, pred=j > 0)
-    p_smem.index(t).store(p)
+    if P_KIND == P_AFFINE_MXFP4:  # the code words are P's 32-bit columns (byte k: keys 2k, 2k + 1)
+        words_tl: gl.constexpr = TensorMemoryLayout((BLOCK_M, BLOCK_N // 8), col_stride=1)
+        p_words = p_tmem.index(t)._reinterpret(gl.int32, [BLOCK_M, BLOCK_N // 8], words_tl)
+        p_words.store(gl.convert_layout(p, get_tmem_reg_layout(gl.int32, [BLOCK_M, BLOCK_N // 8], words_tl, 4)))
+    else:
+        p_tmem.index(t).store(gl.convert_layout(p, get_tmem_reg_layout(p.dtype, [BLOCK_M, BLOCK_N],
+                                                                         _p_tmem_layout(P_KIND), 4)))
     if P_KIND == P_AFFINE_MXFP4:
         sc_layout: gl.constexpr = get_tmem_reg_layout(gl.uint8, [BLOCK_M, BLOCK_N // 32], TensorMemoryScalesLayout(), 4)
         psc_tmem[t].store(gl.convert_layout(p_sc, sc_layout))
-    fence_async_shared()
     mbarrier.arrive(p_ready.index(t), count=1)
     alpha_smem.index(t).store(alpha)
     mbarrier.arrive(alpha_ready.index(t), count=1)
@@ -273,7 +301,7 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_s
 
 
 @gluon.jit
-def _softmax_partition(t: gl.constexpr, s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready,
+def _softmax_partition(t: gl.constexpr, s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready,
                        alpha_ready, pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles,
                        P_KIND: gl.constexpr):
     """Query tile t's softmax over every key tile: the full tiles in a loop without a
@@ -288,10 +316,10 @@ def _softmax_partition(t: gl.constexpr, s_tmem, p_smem, psc_tmem, alpha_smem, lm
     m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
     for j in range(0, n_full):
-        m_i, l_i = _softmax_tile(t, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_smem, psc_tmem, alpha_smem, s_ready,
+        m_i, l_i = _softmax_tile(t, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_tmem, psc_tmem, alpha_smem, s_ready,
                                  s_free, p_ready, alpha_ready, pv_done, False, P_KIND)
     for j in range(n_full, n_tiles):
-        m_i, l_i = _softmax_tile(t, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_smem, psc_tmem, alpha_smem, s_ready,
+        m_i, l_i = _softmax_tile(t, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_tmem, psc_tmem, alpha_smem, s_ready,
                                  s_free, p_ready, alpha_ready, pv_done, True, P_KIND)
     # -- LSE in natural log (FP8 P's 2**8 offset subtracted); l and m to the correction
     # once it has taken the last alpha (PV_t of the last tile waited for its rescale)
@@ -307,16 +335,16 @@ def _softmax_partition(t: gl.constexpr, s_tmem, p_smem, psc_tmem, alpha_smem, lm
 
 
 @gluon.jit
-def _softmax0(s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready, pv_done, QS, KS,
+def _softmax0(s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready, pv_done, QS, KS,
               LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND: gl.constexpr):
-    _softmax_partition(0, s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready,
+    _softmax_partition(0, s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready,
                        pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)
 
 
 @gluon.jit
-def _softmax1(s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready, pv_done, QS, KS,
+def _softmax1(s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready, pv_done, QS, KS,
               LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND: gl.constexpr):
-    _softmax_partition(1, s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready,
+    _softmax_partition(1, s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready,
                        pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)
 
 
@@ -450,22 +478,10 @@ def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, V
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]  # V's columns per key tile (packed FP4: half)
 
     # -- shared memory: Q's two tiles, the K/V ring, P of each tile, alpha, l and m
-    if P_KIND == P_BF16:
-        STAGES: gl.constexpr = 1
-    else:
-        STAGES: gl.constexpr = 2
+    STAGES: gl.constexpr = 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    if P_KIND == P_AFFINE_MXFP4:
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N // 2], gl.uint8)
-        p_smem = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_M, BLOCK_N // 2], p_layout)
-    elif P_KIND == P_EXP2_FP8:
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
-        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], p_layout)
-    else:
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_N], p_layout)
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], vec_smem)
     lm_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], vec_smem)
@@ -473,6 +489,9 @@ def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, V
     # -- tensor memory: one S, O_0 and O_1, the scale tiles
     s_tmem = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], _s_tmem_layout())
     o_tmem = allocate_tensor_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], _o_tmem_layout(HEAD_DIM))
+    # P of each query tile, the PV product's A operand from tensor memory (packed: MXFP4
+    # codes 16 columns a tile, e4m3 32, bf16 64)
+    p_tmem = allocate_tensor_memory(_p_dtype(P_KIND), [2, BLOCK_M, _p_cols(P_KIND)], _p_tmem_layout(P_KIND))
     sc_tl: gl.constexpr = TensorMemoryScalesLayout()
     # (pairs of allocations: Gluon 3.6 has no multi-buffered scale tiles, "Scales don't
     # currently support multibuffering"; K's and V's by ring slot, Q's and P's by tile)
@@ -499,30 +518,23 @@ def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, V
     fence_async_shared()
     gl.thread_barrier()
 
-    # registers a thread (setmaxnreg) of the worker partitions: softmax of tile 1, the
-    # correction, the MMA and load warps (one warpgroup); the default partition (softmax
-    # of tile 0) gets the rest of the 64K, 512 - (R_SOFTMAX + R_CORRECTION + R_ISSUE).
-    # The least that builds without a spill: the bf16 build's MMA warp holds more
-    # shared-memory descriptors (32 KB tiles), the FP4 builds' correction the scale loads
-    if P_KIND == P_BF16:
-        R_SOFTMAX: gl.constexpr = 184
-        R_CORRECTION: gl.constexpr = 80
-        R_ISSUE: gl.constexpr = 64
-    else:
-        R_SOFTMAX: gl.constexpr = 192
-        R_CORRECTION: gl.constexpr = 80
-        R_ISSUE: gl.constexpr = 48
+    # registers a thread (setmaxnreg) of the worker partitions: softmax of tile 1 192, the
+    # correction 80, the MMA and load warps (one warpgroup) 48; the default partition
+    # (softmax of tile 0) gets the rest of the 64K, 512 - 192 - 80 - 48 = 192. The least
+    # that builds every P builder without a spill (the correction at 72 spilled 40 bytes
+    # in the bf16 build, its MMA warp at 32 with P in shared memory 56)
     gl.warp_specialize([
-        (_softmax0, (s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free.index(0), p_ready, alpha_ready,
+        (_softmax0, (s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free.index(0), p_ready, alpha_ready,
                      pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)),
-        (_softmax1, (s_tmem, p_smem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free.index(0), p_ready, alpha_ready,
+        (_softmax1, (s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free.index(0), p_ready, alpha_ready,
                      pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)),
         (_correction_partition, (o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, alpha_smem, lm_smem, kv_empty, sc_ready,
                                  alpha_ready, o_ready, pv_done, QSC, KSC, VSC, VS, O, off_bh, bhk, start_m, Sq, Sk,
                                  n_tiles, HEAD_DIM, P_KIND)),
-        (_mma_partition, (q_smem, k_smem, v_smem, p_smem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem, q_bar.index(0),
+        (_mma_partition, (q_smem, k_smem, v_smem, p_tmem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem,
+                          q_bar.index(0),
                           kv_ready, kv_empty, sc_ready, s_ready, s_free.index(0), p_ready, o_ready, pv_done, n_tiles,
                           P_KIND)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), kv_ready, kv_empty, q_row,
                            bhk * Sk, bhk * HEAD_DIM, n_tiles, V_COLS)),
-    ], [4, 4, 1, 1], [R_SOFTMAX, R_CORRECTION, R_ISSUE, R_ISSUE])
+    ], [4, 4, 1, 1], [192, 80, 48, 48])
