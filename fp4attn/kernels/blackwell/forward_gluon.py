@@ -41,8 +41,10 @@ slot is an allocation of its own, the K/V ring's chosen by a branch.
 Numerics: every non-MMA arithmetic step is the Triton kernel's own code, called from
 this kernel (`forward_triton`: `_log2_scores_x2`, `_affine_block_constants`, the group
 asm `_affine_group_x2` and the dp4a `_byte_lane_sum`, `_affine_x2_row_sum`,
-`_running_point`, `_carry`, `_final_scales`), or the correction's `mul.rn.f32x2`
-(each lane the scalar `mul.f32` of the Triton kernel's rescale). Under the interpreter
+`_running_point`, `_carry`, `_final_scales`), or a two-wide form of the Triton kernel's
+scalar float32 operations (the correction's `mul.rn.f32x2`, FP8 P's exponent by
+`sub.rn.f32x2` and `add.rn.f32x2`: each lane rounds as the scalar instruction). FP8 P's
+exp2 is the GPU's approximate ex2, as in the Triton kernel. Under the interpreter
 the Triton kernel runs that code against the reference, and `tests/test_blackwell_
 interpreter.py` its inline PTX through an emulator bit for bit against the interpreter
 path; `tests/test_blackwell_gluon.py` checks that this kernel's inline-PTX arithmetic is
@@ -253,10 +255,8 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_t
     s = s_tmem.load(s_layout)
     mbarrier.arrive(s_free, count=1)  # the S buffer may take the other tile's QK^T
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    if P_KIND == P_AFFINE_MXFP4:
+    if P_KIND != P_BF16:  # (s a) b two keys at a time, each lane rounded as `log2_scores`'s mul_rn
         t2 = _log2_scores_x2(s, gl.expand_dims(a_i, 1), ks)
-    elif P_KIND == P_EXP2_FP8:
-        t2 = log2_scores(s, gl.expand_dims(a_i, 1), ks)
     else:  # the calibration build: one key scale (FA4's forward has none per key)
         t2 = log2_scores(s, gl.expand_dims(a_i, 1), ks)
     if MASKED:
@@ -274,7 +274,7 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_t
         p, p_sc, p_sum = _affine_mxfp4_x2(t2, bmax, gl.convert_layout(m_use, gl.SliceLayout(1, bmax.type.layout)))
         p_sum = gl.convert_layout(p_sum, m_i.type.layout)
     elif P_KIND == P_EXP2_FP8:
-        p32 = round_e4m3_cvt(gl.exp2(t2 - gl.expand_dims(m_use, 1) + P_OFFSET_LOG2))
+        p32 = round_e4m3_cvt(gl.exp2(_sub_add_x2(t2, gl.broadcast(t2, gl.expand_dims(m_use, 1))[1])))
         p_sum = gl.sum(p32, axis=1)
         p = p32.to(gl.float8e4nv)
     else:
@@ -378,6 +378,27 @@ MUL_X2_PTX = gl.constexpr("""{
     mul.rn.f32x2 x2, x2, a2;
     mov.b64 {$0, $1}, x2;
     }""")
+
+
+# FP8 P's exponent (t - m) + 2**8's log2, two keys at a time: `sub.rn.f32x2` and
+# `add.rn.f32x2` (FADD2) round each lane as the scalar `sub.f32` and `add.f32` of the
+# Triton kernel's `t - m_use + P_OFFSET_LOG2` (IEEE, denormals kept)
+SUB_ADD_X2_PTX = gl.constexpr("""{
+    .reg .b64 t2, m2, c2;
+    mov.b64 t2, {$2, $3};
+    mov.b64 m2, {$4, $5};
+    mov.b64 c2, 0x4100000041000000;
+    sub.rn.f32x2 t2, t2, m2;
+    add.rn.f32x2 t2, t2, c2;
+    mov.b64 {$0, $1}, t2;
+    }""")
+
+
+@gluon.jit
+def _sub_add_x2(t, m):
+    """(t - m) + 8 elementwise (float32; 8 = P_OFFSET_LOG2), two lanes a FADD2 each."""
+    gl.static_assert(P_OFFSET_LOG2 == 8)
+    return gl.inline_asm_elementwise(SUB_ADD_X2_PTX, "=r,=r,r,r,r,r", [t, m], dtype=gl.float32, is_pure=True, pack=2)
 
 
 @gluon.jit
