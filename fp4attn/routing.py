@@ -16,9 +16,10 @@ decision a call goes through:
 
 A launch changes speed only, never a value (query rows are independent; the key tile
 is part of the recipe), with one exception named where it is set: `cuda_from_keys` runs
-the `fast_accum` FP8-P recipes on the CUDA C++ kernel from a key count on, whose softmax
-rounds differently (P codes equal to the Gluon kernel's on 99.986% of entries, as the
-`fast_accum` recipes' own tensor-core sums already differ from the reference's).
+a recipe's forward on the CUDA C++ kernel from a key count on, whose softmax rounds
+differently (P codes equal to the Triton kernel's on >= 99.9% of entries: a score's
+float32 rounding on a code boundary, or the exp2 builders' polynomial, moves a code;
+tests/test_cuda_forward.py).
 `override_launch` replaces a launch for the current thread, to measure one against
 another.
 """
@@ -61,10 +62,6 @@ P_MODE_AFFINE_TRAINED = 6
 # affine FP8 P with Recipe.rescale="lazy" (`kernels.common.lazy_reference_point`)
 P_MODE_AFFINE_LAZY = 7
 TRAIN_P_MODES = {**P_MODES, ("fp8", "affine"): P_MODE_AFFINE_TRAINED}
-# and those the CUDA C++ kernel runs (`forward_cuda.Variant.affine_p` for 4 and 7, `lazy_rescale` for 7). Its
-# affine MXFP4 P build (`affine_mx`, P mode 5) is compiled and checked on the CPU and waits for its first GPU run
-# (tests/test_cuda_forward.py::test_p_codes_match_triton_kernel) before a route takes it
-CUDA_P_MODES = (0, 4, 7)
 TRAIN_GRAD_FORMATS = ("e4m3",)
 
 
@@ -106,13 +103,11 @@ class ForwardLaunch:
     (a producer warp and one consumer warpgroup per 64 rows, bit-identical to the
     Triton kernel's pv_add path); ws_overlap: where it issues the next tile's QK^T
     (1: beside PV; 4: before the softmax).
-    cuda_from_keys: the `fast_accum` FP8-P recipes (P mode 0, e4m3 QK^T) on the CUDA C++
-    kernel (`forward_cuda`: FlashAttention-3's schedule, fused softmax) from this many
-    keys on, on CUDA tensors where it can be built (`cuda_forward_available`; 0: never).
-    cuda_affine_from_keys: the same for the affine P recipes (P modes 4, 5 and 7) where it
-    differs (None: cuda_from_keys).
-    cuda_lazy_from_keys: the same for affine FP8 P with `Recipe.rescale="lazy"` (P mode 7)
-    where it differs again (None: cuda_affine_from_keys).
+    cuda_from_keys: (P mode, keys) pairs: the forward of P mode `p_mode` on the CUDA C++
+    kernel (`forward_cuda`: FlashAttention-3's schedule, fused softmax; its builds by P mode
+    in `forward_cuda.P_MODE_BUILDS`) from `keys` keys on, on CUDA tensors where it can be
+    built (`cuda_forward_available`); a P mode not listed never runs there. Inference only:
+    the training forward stays on the kernels its backward rebuilds P like.
     cuda_persistent: the CUDA kernel on a persistent grid (one CTA per SM taking the work
     units in turn; the same results bit for bit) instead of a CTA per unit.
     """
@@ -125,17 +120,12 @@ class ForwardLaunch:
     pv_add: bool = False
     warp_specialized: bool = False
     ws_overlap: int = 1
-    cuda_from_keys: int = 0
-    cuda_affine_from_keys: int | None = None
-    cuda_lazy_from_keys: int | None = None
+    cuda_from_keys: tuple[tuple[int, int], ...] = ()
     cuda_persistent: bool = False
 
     def cuda_keys(self, p_mode: int) -> int:
         """The key count from which P mode `p_mode` runs on the CUDA C++ kernel (0: never)."""
-        if p_mode == 7 and self.cuda_lazy_from_keys is not None:
-            return self.cuda_lazy_from_keys
-        affine = p_mode in (4, 5, 7) and self.cuda_affine_from_keys is not None
-        return self.cuda_affine_from_keys if affine else self.cuda_from_keys
+        return dict(self.cuda_from_keys).get(p_mode, 0)
 
 
 # Keyed by (head dim, QK^T on the FP8 tensor cores, causal). The measurements behind each
@@ -145,21 +135,31 @@ class ForwardLaunch:
 # D=128 on the Gluon kernel, D=64 on the Triton one, TMA causal only), h200-forward-ws-2.txt
 # (the Gluon kernel for FP8 P at D=128), h200-forward-tma.txt and h200-forward-pv-add.txt
 # (bf16 QK^T: TMA and pv_add at D=128; D=64 keeps Triton's promotion).
-# cuda_from_keys: at D=128 the CUDA kernel ran 2-7% faster than the Gluon kernel at 4k keys
-# and level with it (-2 to +1%) at 16k-32k, causal or not (log/h200-forward-cuda-serial.txt,
-# the fresh accumulators; 3-9% faster at 16k-32k in benchmarks/results/
-# h200-forward-cuda-fused-poly.txt); at D=64, three consumers, 0-12% faster than the Triton
-# kernel at 8k and -8 to +3% at 2k (log/h200-forward-cuda-consumers.txt, -serial.txt).
-# cuda_affine_from_keys: affine FP8 P (fp8-affine-fastacc) at D=64 non-causal ran 16-21% faster
-# on the CUDA kernel than on the Triton kernel at 2k-4k keys (0.96x / 1.04x of cuDNN bf16
-# against 0.83x / 0.86x); causal the Triton kernel stayed ahead there (0.90x / 0.92x against
-# 0.82x / 0.89x), and at D=128 the Gluon kernel at 2k (1.04x against 1.02x)
-# (log/h200-affine-bound-2.txt, -2-causal.txt; docs/notes/affine-p.md).
-# cuda_lazy_from_keys: the lazy form (fp8-ktile-affine-lazy-fastacc) ran 14-43% faster on the CUDA
-# kernel than on the Triton/Gluon kernels at 2048-4096 keys, both head dims, causal or not
-# (0.94x against 0.78x of cuDNN bf16 at (16,16,2048,64) causal, 1.18x against 0.97x at
-# (8,16,2048,128); benchmarks/results/log/h200-lazy-rescale/probe-routing*.txt); shorter rows
-# were not measured.
+# cuda_from_keys, by P mode (0 exp2 FP8 P, 4 affine FP8 P, 5 affine MXFP4 P, 7 affine FP8 P
+# rescaled lazily):
+# - e4m3 QK^T (the `fast_accum` recipes), P mode 0: at D=128 the CUDA kernel ran 2-7% faster
+#   than the Gluon kernel at 4k keys and level with it (-2 to +1%) at 16k-32k, causal or not
+#   (log/h200-forward-cuda-serial.txt, the fresh accumulators; 3-9% faster at 16k-32k in
+#   benchmarks/results/h200-forward-cuda-fused-poly.txt); at D=64, three consumers, 0-12%
+#   faster than the Triton kernel at 8k and -8 to +3% at 2k (log/h200-forward-cuda-consumers.txt,
+#   -serial.txt).
+# - P mode 4 (fp8-affine-fastacc) at D=64 non-causal ran 16-21% faster on the CUDA kernel than
+#   on the Triton kernel at 2k-4k keys (0.96x / 1.04x of cuDNN bf16 against 0.83x / 0.86x);
+#   causal the Triton kernel stayed ahead there (0.90x / 0.92x against 0.82x / 0.89x), and at
+#   D=128 the Gluon kernel at 2k (1.04x against 1.02x) (log/h200-affine-bound-2.txt,
+#   -2-causal.txt; docs/notes/affine-p.md).
+# - P mode 7 (fp8-ktile-affine-lazy-fastacc) ran 14-43% faster on the CUDA kernel than on the
+#   Triton/Gluon kernels at 2048-4096 keys, both head dims, causal or not (0.94x against 0.78x of
+#   cuDNN bf16 at (16,16,2048,64) causal, 1.18x against 0.97x at (8,16,2048,128);
+#   log/h200-lazy-rescale/probe-routing*.txt); shorter rows were not measured.
+# - P mode 5 (fp8-directp-fast-fastacc), and bf16 QK^T (the exact recipes: directp-fast,
+#   fp8-directp-fast, fp8-affine, fp8, nvfp4-fp8) in P modes 0, 4 and 5: in P mode 5 the CUDA
+#   kernel ran 1.6-2.2x as fast as the Triton kernel at every measured shape (512-16k keys, both
+#   head dims, causal or not); in modes 0 and 4 1.0-1.2x as fast as the Triton/Gluon kernels
+#   non-causal from 512 keys (D=64) and 1024 (D=128), causal at D=128 from 1024, while causal at
+#   D=64 the Triton kernel stayed ahead at 512-1024 keys (0.76x against 0.66x of cuDNN bf16,
+#   fp8-affine at (32,16,1024,64)), level at 2048, behind at 8192 (0.87x against 0.96x)
+#   (H100, log/h100-cuda-builds/probe-cudabuilds*.txt and probe-short*.txt; docs/notes/affine-p.md).
 # cuda_persistent: non-causal, the persistent grid ran 1-6% faster than a CTA per unit (lazy
 # affine P at D=128: 1.43x against 1.38x of cuDNN bf16 at 4k keys, 1.37x against 1.29x at 2k,
 # 1.49x against 1.48x at 16k; D=64 +1-7%), the exact and exp2 builds alike; causal, 1-6% slower
@@ -167,16 +167,20 @@ class ForwardLaunch:
 # block length over and over there (132 CTAs = 12 x 11 blocks a head), the longest to some
 # (benchmarks/results/log/h200-persistent/persistent-staged*.txt; docs/notes/hopper-cuda-forward.md).
 FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
-    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_from_keys=4096,
-                                      cuda_lazy_from_keys=2048, cuda_persistent=True),
-    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4, cuda_from_keys=4096,
-                                     cuda_lazy_from_keys=2048),
-    (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_from_keys=8192, cuda_affine_from_keys=2048,
-                                     cuda_lazy_from_keys=2048, cuda_persistent=True),
-    (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True, cuda_from_keys=8192, cuda_lazy_from_keys=2048),
+    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_persistent=True,
+                                      cuda_from_keys=((0, 4096), (4, 4096), (5, 1024), (7, 2048))),
+    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4,
+                                     cuda_from_keys=((0, 4096), (4, 4096), (5, 1024), (7, 2048))),
+    (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_persistent=True,
+                                     cuda_from_keys=((0, 8192), (4, 2048), (5, 512), (7, 2048))),
+    (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True,
+                                    cuda_from_keys=((0, 8192), (4, 8192), (5, 512), (7, 2048))),
     **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True,
-                                           ws_overlap=4) for causal in (True, False)},
-    **{(64, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True) for causal in (True, False)},
+                                           ws_overlap=4, cuda_from_keys=((0, 1024), (4, 1024), (5, 1024)),
+                                           cuda_persistent=not causal) for causal in (True, False)},
+    (64, False, False): ForwardLaunch(64, 4, 2, True, tma_kv=True, cuda_persistent=True,
+                                      cuda_from_keys=((0, 512), (4, 512), (5, 512))),
+    (64, False, True): ForwardLaunch(64, 4, 2, True, tma_kv=True, cuda_from_keys=((0, 2048), (4, 2048), (5, 512))),
 }
 
 
@@ -278,11 +282,13 @@ def cuda_forward_available() -> bool:
     return found and cuda is not None and int(cuda.split(".")[0]) >= 13
 
 
-def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: bool) -> bool:
+def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: bool, training: bool = False) -> bool:
     """Whether the forward runs on the CUDA C++ kernel (`ForwardLaunch.cuda_from_keys`; the
-    launch is the table's for the recipe's Q/K: e4m3 for `fast_accum`, else bf16)."""
-    return (launch.cuda_keys(p_mode) > 0 and keys >= launch.cuda_keys(p_mode) and p_mode in CUDA_P_MODES
-            and on_cuda and cuda_forward_available())
+    launch is the table's for the recipe's Q/K: e4m3 for `fast_accum`, else bf16). Never
+    for a training forward (`training`): its backward rebuilds P as the Triton kernels
+    build it."""
+    n = launch.cuda_keys(p_mode)
+    return not training and n > 0 and keys >= n and on_cuda and cuda_forward_available()
 
 
 def backward_launch(head_dim: int) -> BackwardLaunch:
@@ -529,15 +535,15 @@ def hopper_train_unsupported(recipe: Recipe, head_dim: int) -> str | None:
 
 
 def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
-                           on_cuda: bool = True) -> str:
+                           on_cuda: bool = True, training: bool = False) -> str:
     """The Hopper forward kernel that runs the call: the CUDA C++ kernel for the
-    `fast_accum` FP8-P recipes from `cuda_from_keys` keys on; the Gluon warp-specialized
+    P modes and key counts of `cuda_from_keys`; the Gluon warp-specialized
     kernel for FP8 P where the launch asks for it and no key mask is given (its operands
     by TMA, which the fused quantizers' layouts allow); else the Triton kernel."""
     dk = kernel_head_dim(head_dim)
     launch = forward_launch(dk, recipe.fast_accum, causal)
     mode = p_mode(recipe)
-    if use_cuda_forward(launch, mode, keys, on_cuda):
+    if use_cuda_forward(launch, mode, keys, on_cuda, training):
         return "hopper.forward_cuda"
     gluon = launch.warp_specialized and mode in GLUON_P_MODES and mask == "none"
     return "hopper.forward_gluon_ws" if gluon else "hopper.forward_triton"
@@ -545,7 +551,7 @@ def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: st
 
 def _hopper_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
                          on_cuda: bool = True) -> str:
-    fwd = _hopper_forward_kernel(recipe, head_dim, causal, mask, keys, on_cuda)
+    fwd = _hopper_forward_kernel(recipe, head_dim, causal, mask, keys, on_cuda, training=True)
     cfg = backward_launch(kernel_head_dim(head_dim))
     gluon = backward_gluon_kernels(cfg, recipe.qk, p_mode(recipe), cfg.tma)
     dkdv, dq = (f"backward_{'gluon' if g else 'triton'}.{part}" for g, part in zip(gluon, ("dkdv", "dq")))

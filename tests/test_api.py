@@ -524,14 +524,16 @@ def test_training_routes_fp8_qk_to_the_hopper_kernels(monkeypatch):
             hopper_train_attention(x, x, x, recipe, scale=0.125, causal_offset=None)
 
 
-def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):
-    """From `cuda_from_keys` keys the `fast_accum` FP8-P recipes run on the CUDA C++
-    kernel (where NVRTC's bindings are installed, on CUDA tensors), shorter ones and
-    every other recipe stay on the Gluon/Triton kernels; `explain` names the same kernel
+def test_long_forward_routes_to_the_cuda_kernel(monkeypatch):
+    """From `cuda_from_keys` keys of their P mode the recipes it lists run on the CUDA C++
+    kernel (where NVRTC's bindings are installed, on CUDA tensors; never the training
+    forward), shorter ones and every other recipe stay on the Gluon/Triton kernels; every
+    P mode it lists is one the CUDA kernel builds; `explain` names the same kernel
     that `launch_forward` runs. Launches are recorded, not run: no GPU needed."""
     pytest.importorskip("triton")
     from fp4attn.kernels.hopper import forward_cuda
     from fp4attn.kernels.hopper import forward_gluon_ws
+    from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS
     from fp4attn.kernels.hopper import forward_op as hops
     from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 
@@ -555,8 +557,8 @@ def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):
     monkeypatch.setattr(hops, "tma_descriptors", lambda ops: None)
     monkeypatch.setattr(routing, "cuda_forward_available", lambda: True)
     # CPU tensors stand for CUDA ones here
-    monkeypatch.setattr(hops, "use_cuda_forward", lambda cfg, p_mode, keys, on_cuda:
-                        routing.use_cuda_forward(cfg, p_mode, keys, True))
+    monkeypatch.setattr(hops, "use_cuda_forward", lambda cfg, p_mode, keys, on_cuda, training:
+                        routing.use_cuda_forward(cfg, p_mode, keys, True, training))
 
     def launched(d, sk, qk=torch.float8_e4m3fn, p_mode=0, **kw):
         q, k = torch.zeros(1, 2, 3, d, dtype=qk), torch.zeros(1, 2, sk, d, dtype=qk)
@@ -569,20 +571,23 @@ def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):
         return calls[0]
 
     for d, causal in ((64, None), (64, 0), (128, None), (128, 0)):
-        n = routing.FORWARD_LAUNCH[d, True, causal is not None].cuda_from_keys
-        assert n > 0
-        assert launched(d, n, causal_offset=causal) == "cuda"
-        assert launched(d, n - 1, causal_offset=causal) != "cuda"
-        assert launched(d, n, causal_offset=causal, p_mode=1) == "triton"  # Direct-P
-        assert launched(d, n, causal_offset=causal, qk=torch.bfloat16) != "cuda"  # exact QK^T sums
-        assert launched(d, n, causal_offset=causal, write_p=1) == "triton"  # debug tiles
-        # the affine FP8-P recipe (P mode 4) from its own key count
-        na = routing.FORWARD_LAUNCH[d, True, causal is not None].cuda_keys(4)
-        assert launched(d, na, causal_offset=causal, p_mode=4) == "cuda"
-        assert launched(d, na - 1, causal_offset=causal, p_mode=4) != "cuda"
-        assert launched(d, n, causal_offset=causal, p_mode=5) == "triton"  # affine MXFP4 P
-        assert launched(d, n, causal_offset=causal, p_mode=2) == "triton"  # exp2-built MXFP4 P
+        for qk in (torch.float8_e4m3fn, torch.bfloat16):
+            launch = routing.FORWARD_LAUNCH[d, qk == torch.float8_e4m3fn, causal is not None]
+            # each P mode from its own key count: exp2 FP8 P, affine FP8 P, affine MXFP4 P, lazy affine FP8 P
+            for mode in (0, 4, 5, 7):
+                n = launch.cuda_keys(mode)
+                if not n:
+                    assert launched(d, 1 << 16, qk=qk, p_mode=mode, causal_offset=causal) != "cuda"
+                    continue
+                assert launched(d, n, qk=qk, p_mode=mode, causal_offset=causal) == "cuda"
+                assert launched(d, n - 1, qk=qk, p_mode=mode, causal_offset=causal) != "cuda"
+                assert launched(d, n, qk=qk, p_mode=mode, causal_offset=causal, training=True) != "cuda"
+                assert launched(d, n, qk=qk, p_mode=mode, causal_offset=causal, write_p=1) == "triton"  # debug tiles
+            n = launch.cuda_keys(0)
+            assert launched(d, n, qk=qk, causal_offset=causal, p_mode=1) == "triton"  # Direct-P
+            assert launched(d, n, qk=qk, causal_offset=causal, p_mode=2) == "triton"  # exp2-built MXFP4 P
     assert routing.FORWARD_LAUNCH[64, True, False].cuda_keys(4) < routing.FORWARD_LAUNCH[64, True, False].cuda_keys(0)
+    assert {m for launch in routing.FORWARD_LAUNCH.values() for m, _ in launch.cuda_from_keys} <= set(P_MODE_BUILDS)
     assert launched(64, 8192, key_bias=torch.zeros(1, 8192)) == "cuda"  # the CUDA kernel takes a key bias
 
     monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
@@ -590,7 +595,14 @@ def test_long_fast_accum_forward_routes_to_the_cuda_kernel(monkeypatch):
     kw = dict(device=torch.device("cuda"), head_dim=64, causal=False, needs_grad=False, mask="none")
     assert routing.route(rec, keys=8192, **kw).kernel == "hopper.forward_cuda"
     assert routing.route(rec, keys=8191, **kw).kernel == "hopper.forward_triton"
-    assert routing.route(fp4attn.get_recipe("fp8"), keys=8192, **kw).kernel == "hopper.forward_triton"
+    exact = fp4attn.get_recipe("directp-fast")
+    n = routing.FORWARD_LAUNCH[64, False, False].cuda_keys(5)
+    assert routing.route(exact, keys=n, **kw).kernel == "hopper.forward_cuda"
+    assert routing.route(exact, keys=n - 1, **kw).kernel == "hopper.forward_triton"
+    assert routing.route(fp4attn.get_recipe("directp"), keys=8192, **kw).kernel == "hopper.forward_triton"
+    # the training forward stays on the kernels its backward matches
+    train = routing.route(fp4attn.get_recipe("train"), keys=8192, **{**kw, "needs_grad": True}).kernel
+    assert "forward_cuda" not in train, train
     assert routing.route(rec, keys=8192, **{**kw, "device": torch.device("cpu")}).backend == "reference"
     monkeypatch.setattr(routing, "cuda_forward_available", lambda: False)
     assert routing.route(rec, keys=8192, **kw).kernel == "hopper.forward_triton"

@@ -202,12 +202,15 @@ def test_fused_softmax(name, B, H, Hkv, Sq, Sk, D, causal, bias):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8-fastacc", "fp8-directp-fast-fastacc", "directp-fast", "fp8-affine",
+                                  "nvfp4-fp8"])
 @pytest.mark.parametrize("D,causal,Hkv,masked", [(128, False, 2, False), (128, True, 1, True), (64, True, 2, False),
                                                  (64, False, 1, True)])
-def test_routed_through_attention(D, causal, Hkv, masked):
-    """`fp4attn.attention(recipe="fp8-fastacc")` on the CUDA kernel (routed from one key
-    on here): close to the Gluon/Triton kernels' outputs; a NaN in one query row gives
-    NaN in that row only; a batch item's output does not depend on another's values."""
+def test_routed_through_attention(D, causal, Hkv, masked, name):
+    """`fp4attn.attention(recipe=name)` on the CUDA kernel (routed from one key on here,
+    for the recipe's P mode): close to the Gluon/Triton kernels' outputs; a NaN in one
+    query row gives NaN in that row only; a batch item's output does not depend on
+    another's values."""
     import dataclasses
 
     import fp4attn
@@ -221,9 +224,13 @@ def test_routed_through_attention(D, causal, Hkv, masked):
     if masked:
         mask = torch.ones(B, 1, 1, Sk, device="cuda", dtype=torch.bool)
         mask[1, ..., 500:] = False
-    kw = dict(recipe="fp8-fastacc", causal=causal, attn_mask=mask, enable_gqa=Hkv != H)
-    ref = fp4attn.attention(q, k, v, **kw)
-    launch = dataclasses.replace(routing.FORWARD_LAUNCH[D, True, causal], cuda_from_keys=1)
+    recipe = fp4attn.get_recipe(name)
+    kw = dict(recipe=name, causal=causal, attn_mask=mask, enable_gqa=Hkv != H)
+    table = dataclasses.replace(routing.FORWARD_LAUNCH[D, recipe.fast_accum, causal], cuda_from_keys=())
+    with routing.override_launch(forward=table):
+        assert fp4attn.explain(q, k, v, **kw)["kernel"] != "hopper.forward_cuda"
+        ref = fp4attn.attention(q, k, v, **kw)
+    launch = dataclasses.replace(table, cuda_from_keys=((routing.p_mode(recipe), 1),))
     with routing.override_launch(forward=launch):
         assert fp4attn.explain(q, k, v, **kw)["kernel"] == "hopper.forward_cuda"
         out = fp4attn.attention(q, k, v, **kw)
@@ -232,8 +239,13 @@ def test_routed_through_attention(D, causal, Hkv, masked):
         bad[0, 1, 7] = float("nan")
         out_nan = fp4attn.attention(bad, k, v, **kw)
         assert torch.isnan(out_nan[0, 1, 7]).all()
+        # NaN stays in the rows the recipe's quantization shares it with (per-token FP8 Q: the
+        # row; NVFP4 Q's tensor scale: the head), as on the other kernels, and never leaves
+        # the head
+        with routing.override_launch(forward=table):
+            assert torch.equal(torch.isnan(out_nan), torch.isnan(fp4attn.attention(bad, k, v, **kw)))
         rows = torch.ones(B, H, Sq, dtype=torch.bool, device="cuda")
-        rows[0, 1, 7] = False
+        rows[0, 1] = False
         assert not torch.isnan(out_nan[rows]).any()
         other = v.clone()
         other[0] *= 100.0
@@ -379,9 +391,6 @@ def test_p_codes_match_triton_kernel(B, H, Hkv, Sq, Sk, D, causal, bias, name):
     seen = torch.isfinite(ref_lse)
     assert torch.equal(seen, torch.isfinite(lse)), "rows that see no key differ"
     assert (out[~seen] == 0).all()
-    exp2 = mode == 0  # the launcher's polynomial exp2s (test_fused_softmax's bounds)
-    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=1e-2 if exp2 else 1e-3, rtol=0)
-    torch.testing.assert_close(out.float(), ref.float(), atol=4e-2 if exp2 else 2e-2, rtol=1e-2)
     codes = _p_codes_as_rows(dump, Sq, Sk, causal is not None)
     ref_codes = ref_p[:, :, :Sq, :Sk].reshape(B * H, Sq, Sk).to(torch.float8_e4m3fn).view(torch.uint8)
     # tiles a query block skips (causal) keep the buffer's 0xFF: the reference has 0 there
@@ -389,3 +398,15 @@ def test_p_codes_match_triton_kernel(B, H, Hkv, Sq, Sk, D, causal, bias, name):
     assert bool((ref_codes[~valid] == 0).all()), "a skipped tile held a key the row sees"
     same = ((codes == ref_codes) & valid).sum().item() / valid.sum().item()
     assert same >= 0.999, f"P codes identical on {same:.5f} of the entries"
+    # a row's LSE is its running point and the log of its sum of represented P values, its
+    # output that sum's P.V: where the row's codes are the same, only float32 summation
+    # order tells the kernels apart; a code moved on a boundary (or by the exp2 builders'
+    # polynomial) moves them by that code's share, most in short rows (a few 1e-2 of the
+    # output and 1e-2 of the LSE of a causal row of six keys)
+    rows_same = ((codes == ref_codes) | ~valid).all(dim=-1).reshape(B, H, Sq) & seen
+    assert rows_same.sum() >= 0.5 * seen.sum(), f"{rows_same.sum()} of {seen.sum()} rows with every code the same"
+    torch.testing.assert_close(out[rows_same].float(), ref[rows_same].float(), atol=2e-2, rtol=1e-2)
+    exp2 = mode == 0
+    torch.testing.assert_close(out.float(), ref.float(), atol=6e-2 if exp2 else 4e-2, rtol=1e-2)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse[rows_same], ref_lse[rows_same], atol=1e-3, rtol=0)

@@ -47,7 +47,7 @@ def main() -> None:
         off = 0 if args.causal else None
         row = [shape, f"{flops / base * 1e-9:.0f}"]
         # the Triton/Gluon kernel the table runs below `cuda_from_keys` (P mode 4: affine FP8 P)
-        with override_launch(forward=dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=0, cuda_affine_from_keys=None)):
+        with override_launch(forward=dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=())):
             ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=4), return_mode="median")
         row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
         for kw in builds.values():

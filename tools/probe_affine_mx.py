@@ -64,8 +64,7 @@ def main() -> None:
         for _, recipe, mode, kw in builds:
             ops = prepare_operands_fused(q, k, v, recipe)
             if kw is None:
-                table = dataclasses.replace(forward_launch(D, recipe.fast_accum, args.causal), cuda_from_keys=0,
-                                            cuda_affine_from_keys=None, cuda_lazy_from_keys=None)
+                table = dataclasses.replace(forward_launch(D, recipe.fast_accum, args.causal), cuda_from_keys=())
                 with override_launch(forward=table):
                     ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=mode),
                                   return_mode="median")

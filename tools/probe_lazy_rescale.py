@@ -52,7 +52,7 @@ def main() -> None:
             ops = prepare_operands_fused(q, k, v, get_recipe("fp8-ktile-affine-fastacc"))
             row = [shape, f"{sharp:g}", f"{flops / base * 1e-9:.0f}"]
             # the Triton/Gluon kernel the table runs below `cuda_from_keys`: exact (P mode 4), lazy (7)
-            table = dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=0, cuda_affine_from_keys=None)
+            table = dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=())
             for mode in (4, 7):
                 with override_launch(forward=table):
                     ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=mode),

@@ -39,14 +39,16 @@ def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescri
 
 
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
-                   write_p: int = 0, key_bias: torch.Tensor | None = None, sink_tiles: int = 0):
+                   write_p: int = 0, key_bias: torch.Tensor | None = None, sink_tiles: int = 0,
+                   training: bool = False):
     """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
 
     write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
     values; tests, on the Triton kernel). key_bias: (B, Sk) float32 added to the log2
     scores (`key_bias_of_mask`). sink_tiles: with p_mode 3, the first key tiles that
     keep the blocks' top keys apart, the others plain Direct-P (`routing.p_sink_tiles`);
-    0, every tile.
+    0, every tile. training: the training forward, which never takes the CUDA C++ kernel
+    (`routing.use_cuda_forward`).
     """
     if sink_tiles and p_mode != 3:
         raise ValueError(f"launch_forward: sink_tiles={sink_tiles} is for p_mode 3 (p_sink), got p_mode={p_mode}")
@@ -58,7 +60,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
                          f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
     cfg = forward_launch(D, qk_fp8, causal_offset is not None)
-    if use_cuda_forward(cfg, p_mode, Sk, q.is_cuda) and not write_p:
+    if use_cuda_forward(cfg, p_mode, Sk, q.is_cuda, training) and not write_p:
         # the CUDA C++ kernel (FlashAttention-3's schedule) from `cuda_from_keys` keys; where it
         # cannot run the operands (`cuda_unsupported_reason`), the kernels below
         from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS, cuda_unsupported_reason, launch_forward_cuda

@@ -97,7 +97,7 @@ def _train_forward_op(
                          "train through fp4attn::hopper_train_forward_fp8)")
     ops, saved = quantize_for_training(q, k, v, v_fmt, smooth_k, four_over_six)
     out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
-                                 p_mode=TRAIN_P_MODES[(p, p_build)])
+                                 p_mode=TRAIN_P_MODES[(p, p_build)], training=True)
     # the tensor scales (one per head) are views of the per-row scales: copied, so that
     # only one float a head is kept
     return (out, lse, *saved[:4], *(s.clone(memory_format=torch.contiguous_format) for s in saved[4:6]),
@@ -144,7 +144,7 @@ def _train_forward_fp8_op(
                          "'nvfp4' Q/K train through fp4attn::hopper_train_forward)")
     ops, saved = quantize_for_training_fp8(q, k, v, v_fmt)
     out, lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
-                                 p_mode=TRAIN_P_MODES[(p, p_build)])
+                                 p_mode=TRAIN_P_MODES[(p, p_build)], training=True)
     return (out, lse, *saved)
 
 
