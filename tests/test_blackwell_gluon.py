@@ -163,7 +163,7 @@ def test_gluon_kernel_calls_the_interpreter_tested_helpers():
     """The Gluon softmax's arithmetic is the Triton kernel's own functions (the objects
     themselves, not copies)."""
     for name in ("_affine_block_constants", "_affine_group_x2", "_affine_x2_row_sum", "_byte_lane_sum", "_carry",
-                 "_final_scales", "_log2_scores_x2", "_running_point", "_split_eight"):
+                 "_log2_scores_x2", "_running_point", "_split_eight"):
         assert getattr(fg, name) is getattr(ft, name), name
 
 

@@ -41,7 +41,8 @@ slot is an allocation of its own, the K/V ring's chosen by a branch.
 Numerics: every non-MMA arithmetic step is the Triton kernel's own code, called from
 this kernel (`forward_triton`: `_log2_scores_x2`, `_affine_block_constants`, the group
 asm `_affine_group_x2` and the dp4a `_byte_lane_sum`, `_affine_x2_row_sum`,
-`_running_point`, `_carry`, `_final_scales`), or a two-wide form of the Triton kernel's
+`_running_point`, `_carry`; the epilogue's `_final_scales` restates its four operations),
+or a two-wide form of the Triton kernel's
 scalar float32 operations (the correction's `mul.rn.f32x2`, FP8 P's exponent by
 `sub.rn.f32x2` and `add.rn.f32x2`: each lane rounds as the scalar instruction). FP8 P's
 exp2 is the GPU's approximate ex2, as in the Triton kernel. Under the interpreter
@@ -82,7 +83,6 @@ from fp4attn.kernels.blackwell.forward_triton import (
     _affine_x2_row_sum,
     _byte_lane_sum,
     _carry,
-    _final_scales,
     _log2_scores_x2,
     _running_point,
     _split_eight,
@@ -220,6 +220,19 @@ def _mma_partition(q_smem, k_smem, v_smem, p_tmem, s_tmem, o_tmem, qsc_tmem, ksc
         _qk(1, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND)
         _pv(0, j, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, False, P_KIND)
     _pv(1, n_tiles - 1, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True, P_KIND)
+
+
+@gluon.jit
+def _final_scales(m_i, l_i, LSE_OFFSET: gl.constexpr):
+    """The epilogue's (1 / l, LSE in natural log) of rows with running max m_i and sum
+    l_i; LSE_OFFSET (log2 units) is FP8 P's 2**8, which cancels in O / l. NaN rows stay
+    NaN; only rows that saw no key get 1 / l = 0 and LSE -inf. `forward_triton`'s
+    epilogue, operation for operation (not shared: as a function there it changed the
+    Triton build's FP8-P tile loop by 20 instructions)."""
+    seen = m_i != -float("inf")
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+    lse2 = m_i + gl.log2(gl.where(seen, l_i, 1.0)) - LSE_OFFSET
+    return inv_l, gl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
 
 
 # ---------------------------------------------------------------------------- softmax

@@ -363,17 +363,6 @@ def _carry(l_i, alpha, p_sum, m_new, m_use, P_AFFINE: tl.constexpr):
 
 
 @triton.jit
-def _final_scales(m_i, l_i, LSE_OFFSET: tl.constexpr):
-    """The epilogue's (1 / l, LSE in natural log) of rows with running max m_i and sum
-    l_i; LSE_OFFSET (log2 units) is FP8 P's 2**8, which cancels in O / l. NaN rows stay
-    NaN; only rows that saw no key get 1 / l = 0 and LSE -inf."""
-    seen = m_i != -float("inf")
-    inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
-    lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - LSE_OFFSET
-    return inv_l, tl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
-
-
-@triton.jit
 def _rescale(acc, alpha, HALVES: tl.constexpr):
     """acc * alpha per row; with HALVES the two column halves separately (the same
     products), so the correction partition holds half a row of O at a time."""
@@ -637,11 +626,16 @@ def attn_fwd_sm100_kernel(
     # -- epilogue: 1/l, V's per-channel scale (FP8 V); LSE in natural log (FP8 P's 2**8
     # offset cancels in acc / l and is subtracted from the LSE)
     offs_d = tl.arange(0, HEAD_DIM)
-    inv_l, lse = _final_scales(m_i, l_i, 0.0 if PV_FP4 or BF16 else P_OFFSET_LOG2)
+    seen = m_i != -float("inf")  # NaN rows stay NaN; only rows that saw no key are 0
+    inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
-    if not PV_FP4:
+    if PV_FP4:
+        lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0))
+    else:
         vs = tl.load(VS + (b.to(tl.int64) * (H // GROUP) + hk) * HEAD_DIM + offs_d)
         out = out * vs[None, :]
+        lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - (0.0 if BF16 else P_OFFSET_LOG2)
+    lse = tl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
     o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(o_ptr + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None])
