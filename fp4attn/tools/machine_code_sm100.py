@@ -360,11 +360,11 @@ def _gluon_desc_sig(dtype, block: list[int]) -> str:
     return f"tensordesc<{name}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
 
 
-def compile_forward_gluon(p_kind: int, head_dim: int = 128):
+def compile_forward_gluon(p_kind: int, head_dim: int = 128, causal: bool = False):
     """The compiled Gluon pipelined forward (`forward_gluon.attn_fwd_sm100_gluon_kernel`)
     for sm_100a, one P builder (`forward_gluon.P_AFFINE_MXFP4`, `P_EXP2_FP8`, `P_BF16`),
-    pointers and lengths specialized as multiples of 16 (as the JIT does at the bench
-    shapes)."""
+    causal or not, pointers and lengths specialized as multiples of 16 (as the JIT does
+    at the bench shapes)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -381,8 +381,8 @@ def compile_forward_gluon(p_kind: int, head_dim: int = 128):
             _gluon_desc_sig(gl.float8e4nv, [d, bn])
     sig = {"q_desc": q, "k_desc": k, "v_desc": v, "QSC": "*fp8e4nv", "KSC": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32",
            "VSC": "*u8", "VS": "*fp32", "O": "*bf16", "LSE": "*fp32", "H": "i32", "GROUP": "i32", "Sq": "i32",
-           "Sk": "i32", "qk_scale": "fp32"}
-    consts = dict(HEAD_DIM=head_dim, P_KIND=p_kind)
+           "Sk": "i32", "causal_offset": "i32", "qk_scale": "fp32"}
+    consts = dict(HEAD_DIM=head_dim, P_KIND=p_kind, CAUSAL=causal)
     aligned = [n for n, t in sig.items() if t.startswith("*") or n in _LENGTHS]
     src = GluonASTSource(fg.attn_fwd_sm100_gluon_kernel, {**sig, **{c: "constexpr" for c in consts}},
                          constexprs=consts, attrs=_divisibility(sig, aligned))

@@ -83,12 +83,14 @@ from fp4attn.kernels.blackwell.forward_triton import (
     _affine_x2_row_sum,
     _byte_lane_sum,
     _carry,
+    _hide_keys,
     _log2_scores_x2,
     _running_point,
     _split_eight,
 )
 from fp4attn.kernels.common import (
     P_OFFSET_LOG2,
+    key_tile_bounds,
     log2_scores,
     max_propagating_nan,
     round_e4m3_cvt,
@@ -197,29 +199,35 @@ def _pv(t: gl.constexpr, j, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready,
 
 @gluon.jit
 def _mma_partition(q_smem, k_smem, v_smem, p_tmem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem, q_bar,
-                   kv_ready, kv_empty, sc_ready, s_ready, s_free, p_ready, o_ready, pv_done, n_tiles,
+                   kv_ready, kv_empty, sc_ready, s_ready, s_free, p_ready, o_ready, pv_done, n_tiles0, n_tiles,
                    P_KIND: gl.constexpr):
     """Per key tile j: QK_0(j), PV_1(j - 1), QK_1(j), PV_0(j), so that each tile's
-    product runs while the other tile's softmax builds P. A QK^T waits until the other
-    tile's softmax has read the S buffer (s_free, one arrival per read, alternating)."""
+    product runs while the other tile's softmax builds P; tile 0's products only below
+    its n_tiles0 (causal: its last visible key comes 128 rows before tile 1's). Each
+    QK^T after the first waits until the previous one's softmax has read the S buffer
+    (s_free, one arrival per read)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     mbarrier.wait(q_bar, 0)
-    free_phase = 0
+    issued = 0  # QK^T products issued: the S buffer's readers so far
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
         mbarrier.wait(sc_ready.index(s), (j // STAGES) & 1)
-        mbarrier.wait(s_free, free_phase, pred=j > 0)
-        free_phase ^= (j > 0).to(gl.int32)
-        _qk(0, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND)
+        if j < n_tiles0:
+            mbarrier.wait(s_free, (issued + 1) & 1, pred=issued > 0)
+            _qk(0, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND)
+            issued += 1
         if j > 0:
             _pv(1, j - 1, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True,
                 P_KIND)
-        mbarrier.wait(s_free, free_phase)
-        free_phase ^= 1
+        mbarrier.wait(s_free, (issued + 1) & 1, pred=issued > 0)
         _qk(1, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND)
-        _pv(0, j, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, False, P_KIND)
-    _pv(1, n_tiles - 1, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True, P_KIND)
+        issued += 1
+        if j < n_tiles0:
+            _pv(0, j, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, False, P_KIND)
+    if n_tiles > 0:
+        _pv(1, n_tiles - 1, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready, o_ready, pv_done, kv_empty, True,
+            P_KIND)
 
 
 @gluon.jit
@@ -233,6 +241,15 @@ def _final_scales(m_i, l_i, LSE_OFFSET: gl.constexpr):
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
     lse2 = m_i + gl.log2(gl.where(seen, l_i, 1.0)) - LSE_OFFSET
     return inv_l, gl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
+
+
+@gluon.jit
+def _key_tiles(start_m, t: gl.constexpr, Sk, causal_offset, CAUSAL: gl.constexpr):
+    """(full key tiles, key tiles) of the CTA's query tile t (`kernels.common.
+    key_tile_bounds` of its 128 rows): keys below the first bound are visible to every
+    row, those up to the second to some."""
+    full, hi = key_tile_bounds(2 * start_m + t, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
+    return full // BLOCK_N, gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
 
 
 # ---------------------------------------------------------------------------- softmax
@@ -260,7 +277,8 @@ def _affine_mxfp4_x2(t2, bmax, m_ref):
 
 @gluon.jit
 def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_tmem, psc_tmem, alpha_smem, s_ready,
-                  s_free, p_ready, alpha_ready, pv_done, MASKED: gl.constexpr, P_KIND: gl.constexpr):
+                  s_free, p_ready, alpha_ready, pv_done, MASKED: gl.constexpr, P_KIND: gl.constexpr, rows,
+                  causal_offset, CAUSAL: gl.constexpr):
     """Tile j of query tile t: `forward_triton._tile`'s softmax, operation for operation
     (the pipelined, non-causal form, without the mask unless MASKED)."""
     s_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [BLOCK_M, BLOCK_N], _s_tmem_layout(), 4)
@@ -272,8 +290,8 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_t
         t2 = _log2_scores_x2(s, gl.expand_dims(a_i, 1), ks)
     else:  # the calibration build: one key scale (FA4's forward has none per key)
         t2 = log2_scores(s, gl.expand_dims(a_i, 1), ks)
-    if MASKED:
-        t2 = gl.where(gl.expand_dims(cols < Sk, 0), t2, -float("inf"))
+    if MASKED:  # keys past Sk (causal: past each row's last key) to -inf
+        t2 = _hide_keys(t2, cols < Sk, cols, j * BLOCK_N, rows, causal_offset, Sk, CAUSAL, P_KIND == P_AFFINE_MXFP4)
     if P_KIND == P_AFFINE_MXFP4:  # the row max from the 32-key block maxima P needs anyway
         tb = gl.reshape(t2, [BLOCK_M, BLOCK_N // 32, 32])
         bmax = gl.reduce(tb, 2, max_propagating_nan)
@@ -315,11 +333,12 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_t
 
 @gluon.jit
 def _softmax_partition(t: gl.constexpr, s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready,
-                       alpha_ready, pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles,
-                       P_KIND: gl.constexpr):
-    """Query tile t's softmax over every key tile: the full tiles in a loop without a
-    mask, the tail tile (at most one, non-causal) in a second loop with it; then the
-    LSE, and l and m for the correction's epilogue."""
+                       alpha_ready, pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, causal_offset,
+                       CAUSAL: gl.constexpr, P_KIND: gl.constexpr):
+    """Query tile t's softmax over its key tiles: the full tiles (every row sees every
+    key) in a loop without a mask, the others (the tail past Sk; causal: the diagonal)
+    in a second loop with it; then the LSE, and l and m for the correction's epilogue."""
+    n_full, n_tiles = _key_tiles(start_m, t, Sk, causal_offset, CAUSAL)
     s_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [BLOCK_M, BLOCK_N], _s_tmem_layout(), 4)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows = start_m * (2 * BLOCK_M) + t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
@@ -330,10 +349,10 @@ def _softmax_partition(t: gl.constexpr, s_tmem, p_tmem, psc_tmem, alpha_smem, lm
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_l)
     for j in range(0, n_full):
         m_i, l_i = _softmax_tile(t, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_tmem, psc_tmem, alpha_smem, s_ready,
-                                 s_free, p_ready, alpha_ready, pv_done, False, P_KIND)
+                                 s_free, p_ready, alpha_ready, pv_done, False, P_KIND, rows, causal_offset, CAUSAL)
     for j in range(n_full, n_tiles):
         m_i, l_i = _softmax_tile(t, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_tmem, psc_tmem, alpha_smem, s_ready,
-                                 s_free, p_ready, alpha_ready, pv_done, True, P_KIND)
+                                 s_free, p_ready, alpha_ready, pv_done, True, P_KIND, rows, causal_offset, CAUSAL)
     # -- LSE in natural log (FP8 P's 2**8 offset subtracted); l and m to the correction
     # once it has taken the last alpha (PV_t of the last tile waited for its rescale)
     if P_KIND == P_EXP2_FP8:
@@ -341,7 +360,7 @@ def _softmax_partition(t: gl.constexpr, s_tmem, p_tmem, psc_tmem, alpha_smem, lm
     else:
         inv_l, lse = _final_scales(m_i, l_i, 0.0)
     gl.store(LSE + off_bh * Sq + rows, lse, mask=rows < Sq)
-    mbarrier.wait(pv_done.index(t), (n_tiles - 1) & 1)
+    mbarrier.wait(pv_done.index(t), (n_tiles - 1) & 1, pred=n_tiles > 0)
     lm_smem.index(2 * t).store(l_i)
     lm_smem.index(2 * t + 1).store(m_i)
     mbarrier.arrive(alpha_ready.index(t), count=1)
@@ -349,19 +368,31 @@ def _softmax_partition(t: gl.constexpr, s_tmem, p_tmem, psc_tmem, alpha_smem, lm
 
 @gluon.jit
 def _softmax0(s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready, pv_done, QS, KS,
-              LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND: gl.constexpr):
+              LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, causal_offset, CAUSAL: gl.constexpr, P_KIND: gl.constexpr):
     _softmax_partition(0, s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready,
-                       pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)
+                       pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, causal_offset, CAUSAL, P_KIND)
 
 
 @gluon.jit
 def _softmax1(s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready, pv_done, QS, KS,
-              LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND: gl.constexpr):
+              LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, causal_offset, CAUSAL: gl.constexpr, P_KIND: gl.constexpr):
     _softmax_partition(1, s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_ready, alpha_ready,
-                       pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)
+                       pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, causal_offset, CAUSAL, P_KIND)
 
 
 # ------------------------------------------------------------------------- correction
+@gluon.jit
+def _rescale_step(t: gl.constexpr, j, o_tmem, alpha_smem, alpha_ready, pv_done, o_ready, vec_l: gl.constexpr,
+                  HEAD_DIM: gl.constexpr):
+    """O_t *= alpha_t(j) once alpha_t(j) is there and PV_t(j - 1) is done; then PV_t(j)
+    may start."""
+    mbarrier.wait(alpha_ready.index(t), j & 1)
+    mbarrier.wait(pv_done.index(t), (j - 1) & 1)
+    _rescale_o(o_tmem.index(t), alpha_smem.index(t).load(vec_l), HEAD_DIM)
+    mbarrier.arrive(o_ready.index(t), count=1)
+
+
+
 @gluon.jit
 def _scales_to_tmem(ptr, row_stride, col0, rows_ok, dst, N_ROWS: gl.constexpr, N_COLS: gl.constexpr):
     """A (N_ROWS, N_COLS) block-scale tile from global memory (rows of row_stride bytes,
@@ -434,9 +465,11 @@ def _rescale_o(o, alpha, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _correction_partition(o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, alpha_smem, lm_smem, kv_empty, sc_ready, alpha_ready,
-                          o_ready, pv_done, QSC, KSC, VSC, VS, O, off_bh, bhk, start_m, Sq, Sk, n_tiles,
-                          HEAD_DIM: gl.constexpr, P_KIND: gl.constexpr):
+                          o_ready, pv_done, QSC, KSC, VSC, VS, O, off_bh, bhk, start_m, Sq, Sk, causal_offset,
+                          CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, P_KIND: gl.constexpr):
     """The scale tiles into tensor memory, O's rescale between tiles, the epilogue."""
+    n_full0, n_tiles0 = _key_tiles(start_m, 0, Sk, causal_offset, CAUSAL)
+    n_full1, n_tiles = _key_tiles(start_m, 1, Sk, causal_offset, CAUSAL)
     vec_l: gl.constexpr = gl.SliceLayout(1, get_tmem_reg_layout(gl.float32, [BLOCK_M, BLOCK_N], _s_tmem_layout(), 4))
     if P_KIND != P_BF16:  # Q's block scales, once per query tile
         for t in gl.static_range(2):
@@ -462,18 +495,20 @@ def _correction_partition(o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, alpha_smem, lm_s
                 else:
                     _scales_to_tmem(v_sc, skp32, j * (BLOCK_N // 32), HEAD_DIM, vsc_tmem[1], HEAD_DIM, BLOCK_N // 32)
         mbarrier.arrive(sc_ready.index(s), count=1)
-        if j > 0:  # O_t *= alpha_t(j) once PV_t(j - 1) is done
-            for t in gl.static_range(2):
-                mbarrier.wait(alpha_ready.index(t), j & 1)
-                mbarrier.wait(pv_done.index(t), (j - 1) & 1)
-                _rescale_o(o_tmem.index(t), alpha_smem.index(t).load(vec_l), HEAD_DIM)
-                mbarrier.arrive(o_ready.index(t), count=1)
+        if j > 0:  # O_t *= alpha_t(j) once PV_t(j - 1) is done (tile 0: below its n_tiles0)
+            if j < n_tiles0:
+                _rescale_step(0, j, o_tmem, alpha_smem, alpha_ready, pv_done, o_ready, vec_l, HEAD_DIM)
+            _rescale_step(1, j, o_tmem, alpha_smem, alpha_ready, pv_done, o_ready, vec_l, HEAD_DIM)
     # -- epilogue: O / l (0 for a row that saw no key; NaN rows stay NaN), V's
     # per-channel scale (FP8 V), bf16 out
     half_l: gl.constexpr = _o_part_layout(HEAD_DIM)
     for t in gl.static_range(2):
-        mbarrier.wait(alpha_ready.index(t), n_tiles & 1)
-        mbarrier.wait(pv_done.index(t), (n_tiles - 1) & 1)
+        if t == 0:
+            n_t = n_tiles0
+        else:
+            n_t = n_tiles
+        mbarrier.wait(alpha_ready.index(t), n_t & 1)
+        mbarrier.wait(pv_done.index(t), (n_t - 1) & 1, pred=n_t > 0)
         l_i = lm_smem.index(2 * t).load(vec_l)
         m_i = lm_smem.index(2 * t + 1).load(vec_l)
         inv_l, lse = _final_scales(m_i, l_i, 0.0)  # (the softmax stored the LSE)
@@ -481,7 +516,9 @@ def _correction_partition(o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, alpha_smem, lm_s
         rows = start_m * (2 * BLOCK_M) + t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, half_l))
         for h in gl.static_range(4):
             d = h * (HEAD_DIM // 4) + gl.arange(0, HEAD_DIM // 4, layout=gl.SliceLayout(0, half_l))
-            out = o_tmem.index(t).slice(h * (HEAD_DIM // 4), HEAD_DIM // 4).load(half_l) * gl.expand_dims(inv_l, 1)
+            o = o_tmem.index(t).slice(h * (HEAD_DIM // 4), HEAD_DIM // 4).load(half_l)
+            # (a query tile that sees no key has no product in O: its rows are 0)
+            out = gl.where(n_t > 0, o, 0.0) * gl.expand_dims(inv_l, 1)
             if P_KIND == P_EXP2_FP8:
                 out = out * gl.expand_dims(gl.load(VS + bhk * HEAD_DIM + d), 0)
             ptrs = O + (off_bh * Sq + gl.expand_dims(rows, 1)) * HEAD_DIM + gl.expand_dims(d, 0)
@@ -498,16 +535,18 @@ def _barriers(n: gl.constexpr):
 
 
 @gluon.jit
-def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, VS, O, LSE, H, GROUP, Sq, Sk, qk_scale,
-                                HEAD_DIM: gl.constexpr, P_KIND: gl.constexpr):
-    """One CTA: 2 * BLOCK_M query rows of one (batch, head) against every key (non-causal,
-    no key mask). Grid (cdiv(Sq, 2 * BLOCK_M), B * H)."""
+def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, VS, O, LSE, H, GROUP, Sq, Sk,
+                                causal_offset, qk_scale, HEAD_DIM: gl.constexpr, P_KIND: gl.constexpr,
+                                CAUSAL: gl.constexpr = False):
+    """One CTA: 2 * BLOCK_M query rows of one (batch, head) against its visible keys (all,
+    or causal: query i sees keys j <= i + causal_offset; no key mask). Grid (cdiv(Sq, 2 *
+    BLOCK_M), B * H)."""
     gl.static_assert(HEAD_DIM == 128)
     start_m = gl.program_id(0)
     off_bh = gl.program_id(1)
     bhk = (off_bh // H) * (H // GROUP) + (off_bh % H) // GROUP
-    n_tiles = gl.cdiv(Sk, BLOCK_N)
-    n_full = Sk // BLOCK_N
+    n_full0, n_tiles0 = _key_tiles(start_m, 0, Sk, causal_offset, CAUSAL)
+    n_full1, n_tiles = _key_tiles(start_m, 1, Sk, causal_offset, CAUSAL)  # tile 1 sees the most keys
     q_row = off_bh * Sq + start_m * (2 * BLOCK_M)
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]  # V's columns per key tile (packed FP4: half)
 
@@ -559,16 +598,16 @@ def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, V
     # in the bf16 build, its MMA warp at 32 with P in shared memory 56)
     gl.warp_specialize([
         (_softmax0, (s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free.index(0), p_ready, alpha_ready,
-                     pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)),
+                     pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, causal_offset, CAUSAL, P_KIND)),
         (_softmax1, (s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free.index(0), p_ready, alpha_ready,
-                     pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, n_full, n_tiles, P_KIND)),
+                     pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, causal_offset, CAUSAL, P_KIND)),
         (_correction_partition, (o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, alpha_smem, lm_smem, kv_empty, sc_ready,
                                  alpha_ready, o_ready, pv_done, QSC, KSC, VSC, VS, O, off_bh, bhk, start_m, Sq, Sk,
-                                 n_tiles, HEAD_DIM, P_KIND)),
+                                 causal_offset, CAUSAL, HEAD_DIM, P_KIND)),
         (_mma_partition, (q_smem, k_smem, v_smem, p_tmem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem,
                           q_bar.index(0),
-                          kv_ready, kv_empty, sc_ready, s_ready, s_free.index(0), p_ready, o_ready, pv_done, n_tiles,
-                          P_KIND)),
+                          kv_ready, kv_empty, sc_ready, s_ready, s_free.index(0), p_ready, o_ready, pv_done, n_tiles0,
+                          n_tiles, P_KIND)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), kv_ready, kv_empty, q_row,
                            bhk * Sk, bhk * HEAD_DIM, n_tiles, V_COLS)),
-    ], [4, 4, 1, 1], [192, 80, 48, 48])
+    ], [4, 4, 1, 1], [192, 88, 40, 40])
