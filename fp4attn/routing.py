@@ -140,7 +140,7 @@ class ForwardLaunch:
 # - e4m3 QK^T (the `fast_accum` recipes), P mode 0: at D=128 the CUDA kernel ran 2-7% faster
 #   than the Gluon kernel at 4k keys and level with it (-2 to +1%) at 16k-32k, causal or not
 #   (log/h200-forward-cuda-serial.txt, the fresh accumulators; 3-9% faster at 16k-32k in
-#   benchmarks/results/h200-forward-cuda-fused-poly.txt); at D=64, three consumers, 0-12%
+#   log/h200-forward-cuda-fused-poly.txt); at D=64, three consumers, 0-12%
 #   faster than the Triton kernel at 8k and -8 to +3% at 2k (log/h200-forward-cuda-consumers.txt,
 #   -serial.txt).
 # - P mode 4 (fp8-affine-fastacc) at D=64 non-causal ran 16-21% faster on the CUDA kernel than

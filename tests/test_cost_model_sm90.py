@@ -1,7 +1,7 @@
 """The H200 cost model (`tools/cost_model_sm90.py`) reads its figures off the sm_90 SASS
 of the routed Triton forward builds, and the error docs/notes/cost-model-hopper.md
 states for `directp` is the one the model computes against the H200 run in
-benchmarks/results/h200-forward.json (CPU: two builds compiled, no GPU)."""
+benchmarks/results/log/h200-forward-ab7f5f9.json (CPU: two builds compiled, no GPU)."""
 
 import json
 import math
@@ -101,14 +101,14 @@ def _note_row(recipe: str) -> dict:
 
 def test_stated_error_is_the_computed_one(directp):
     # the measured figure, read here from the results file itself
-    rows = [r for r in json.loads((ROOT / "benchmarks/results/h200-forward.json").read_text())
+    rows = [r for r in json.loads((ROOT / "benchmarks/results/log/h200-forward-ab7f5f9.json").read_text())
             if r["impl"] == "directp" and r["D"] == 128 and not r["causal"] and not r["quant_included"]]
     assert len(rows) == 4
     measured = math.exp(sum(math.log(r["tflops"]) for r in rows) / len(rows))
     predicted = cm.predict(directp, PRESETS["directp"])["ceiling_tflops"]
     error = predicted / measured - 1
     source, records = cm.measured_records("directp")
-    assert source == "h200-forward.json"
+    assert source == "log/h200-forward-ab7f5f9.json"
     got = cm.compare(cm.predict(directp, PRESETS["directp"]), records)
     assert got["error"] == pytest.approx(error, abs=5e-4)
     row = _note_row("directp")

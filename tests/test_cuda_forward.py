@@ -138,10 +138,13 @@ def test_unsupported_operands_are_named():
     from fp4attn.kernels.hopper.forward_cuda import cuda_unsupported_reason, launch_forward_cuda
 
     ops = _operands(1, 2, 2, 64, 64, 128)
-    bf16 = type(ops)(ops.q.to(torch.bfloat16), ops.k.to(torch.bfloat16), ops.qs, ops.ks, ops.vt, ops.vs)
-    assert "e4m3 Q/K" in cuda_unsupported_reason(bf16)
-    with pytest.raises(ValueError, match="e4m3 Q/K"):
-        launch_forward_cuda(bf16, scale=1.0, causal_offset=None)
+    # mixed Q/K formats: the kernel multiplies e4m3 by e4m3 or bf16 by bf16
+    mixed = type(ops)(ops.q, ops.k.to(torch.bfloat16), ops.qs, ops.ks, ops.vt, ops.vs)
+    assert "e4m3 Q/K (the fast_accum recipes) or bf16 Q/K" in cuda_unsupported_reason(mixed)
+    with pytest.raises(ValueError, match="got torch.float8_e4m3fn and torch.bfloat16"):
+        launch_forward_cuda(mixed, scale=1.0, causal_offset=None)
+    bf16_v = type(ops)(ops.q, ops.k, ops.qs, ops.ks, ops.vt.to(torch.bfloat16), ops.vs)
+    assert "e4m3 V^T" in cuda_unsupported_reason(bf16_v)
 
 
 FUSED_SHAPES = [  # B, H, Hkv, Sq, Sk, D, causal, key bias
