@@ -120,16 +120,18 @@ GLUON_RECIPES = {"directp-fast": "P_AFFINE_MXFP4", "nvfp4-fp8": "P_EXP2_FP8"}
 
 
 @functools.lru_cache(maxsize=None)
-def gluon_build_report(p_kind: str, calibrate_on: str | None = "gluon") -> dict:
-    """Compile one Gluon pipelined build (`forward_gluon.<p_kind>`) for sm_100a and read
-    it; its prediction calibrated on the bf16 build of the same Gluon pipeline
-    (`gluon_calibration_report`), None: the raw model (the calibration build itself)."""
+def gluon_build_report(p_kind: str, calibrate_on: str | None = "gluon", causal: bool = False) -> dict:
+    """Compile one Gluon pipelined build (`forward_gluon.<p_kind>`, causal or not) for
+    sm_100a and read it; its prediction (per full key tile: the masked tiles' loop, the
+    tail and the causal diagonal, beside it a score) calibrated on the bf16 build of the
+    same Gluon pipeline (`gluon_calibration_report`), None: the raw model (the
+    calibration build itself)."""
     from fp4attn.kernels.blackwell import forward_gluon as fg
     from fp4attn.tools.cost_model_sm100 import calibrate, predict
     from fp4attn.tools.machine_code_sm100 import compile_forward_gluon, inspect
 
     kind = getattr(fg, p_kind).value
-    rep = inspect(compile_forward_gluon(kind), "sm_100a", gluon=True)
+    rep = inspect(compile_forward_gluon(kind, causal=causal), "sm_100a", gluon=True)
     kinds = {"P_AFFINE_MXFP4": ("fp4", "fp4"), "P_EXP2_FP8": ("fp4", "fp8"), "P_BF16": ("bf16", "bf16")}[p_kind]
     pred = predict(rep, qk=kinds[0], pv=kinds[1], head_dim=128, block_m=fg.BLOCK_M.value, block_n=fg.BLOCK_N.value)
     if calibrate_on is not None:
@@ -156,18 +158,19 @@ def gluon_calibration_report() -> dict:
 
 
 def gluon_records() -> list[dict]:
-    """The Gluon pipelined builds (not routed), D=128 non-causal, each calibrated on the
-    Gluon bf16 build."""
+    """The Gluon pipelined builds (not routed), D=128, non-causal and causal, each
+    calibrated on the Gluon bf16 build."""
     from fp4attn.recipes import PRESETS
 
     out = []
     for name, p_kind in GLUON_RECIPES.items():
-        r = PRESETS[name]
-        e = dict(kernel="blackwell.forward_gluon (Gluon pipelined, not routed)", recipe=name, head_dim=128,
-                 causal=False, key_bias=False, qk_fp4=r.qk == "nvfp4", pv_fp4=r.p == "mxfp4",
-                 p_affine=r.p_build == "affine")
-        rec = gluon_build_report(p_kind)
-        out.append({**e, "arch": "sm_100a", **rec, "routed": False, "fp4_block_scaled": fp4_products_ok(e, rec)})
+        for causal in (False, True):
+            r = PRESETS[name]
+            e = dict(kernel="blackwell.forward_gluon (Gluon pipelined, not routed)", recipe=name, head_dim=128,
+                     causal=causal, key_bias=False, qk_fp4=r.qk == "nvfp4", pv_fp4=r.p == "mxfp4",
+                     p_affine=r.p_build == "affine")
+            rec = gluon_build_report(p_kind, causal=causal)
+            out.append({**e, "arch": "sm_100a", **rec, "routed": False, "fp4_block_scaled": fp4_products_ok(e, rec)})
     return out
 
 
@@ -308,9 +311,10 @@ def main(args: argparse.Namespace) -> None:
               "instructions a tile loop (issue clocks a 128 x 128 tile):")
         for r in [x for x in recs if x.get("gluon")] + [g]:
             parts = r["prediction"]["partitions"]
-            print(f"- {r['recipe']}: " + ", ".join(f"{role} {p['instructions']} ({p['clk_issue_per_tile']})"
-                                                   for role, p in parts.items())
-                  + f"; every partition's issue {r['prediction']['issue_per_element']} a score")
+            print(f"- {r['recipe']}{', causal' if r['causal'] else ''}: "
+                  + ", ".join(f"{role} {p['instructions']} ({p['clk_issue_per_tile']})" for role, p in parts.items())
+                  + f"; every partition's issue {r['prediction']['issue_per_element']} a score; the masked tiles' "
+                  f"softmax {r['prediction']['masked_tile_instructions_per_element']} a score")
     bad = [r for r in recs if (r["routed"] or r.get("gluon")) and (r["spill_bytes"] or r["tmem_columns"] > 512 or
                                                r["fp4_block_scaled"] is False)]
     write_json(args.json, {"arch": args.arch, "records": recs, "calibration": calibration,

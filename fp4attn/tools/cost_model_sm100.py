@@ -104,7 +104,10 @@ def predict(report, *, qk: str, pv: str, head_dim: int, block_m: int = 128, bloc
                  for role, lp in loops.items()}
         issue = _issue_clocks([(len(lp.opcodes), lp.warps) for lp in loops.values()], gpu) / tiles
         mufu = sum(sum(o.startswith("MUFU") for o in lp.opcodes) * lp.warps * 32 for lp in loops.values()) / tiles
+        # the masked tiles' loop (the tail past Sk; causal, the diagonal) is not in the
+        # tile's figure: a few tiles of a long sequence; its cost a score beside it
         out.update(partitions=parts, instructions_per_element=round(len(loops["softmax0"].opcodes) / elems, 2),
+                   masked_tile_instructions_per_element=round(len(loops["softmax0"].tail) / elems, 2),
                    query_tiles_per_program=tiles)
     elif report.pipelined:
         loops = report.partition_loops()

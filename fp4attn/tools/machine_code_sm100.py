@@ -116,6 +116,7 @@ class PartitionLoop:
     opcodes: list[str]
     warps: int
     registers: int | None
+    tail: list[str] | None = None  # the Gluon softmax's loop over the masked tiles (tail, diagonal)
 
 
 @dataclass(frozen=True)
@@ -246,9 +247,11 @@ class BlackwellReport:
         for sp, tail in ((soft[0], soft[1]), (soft[2], soft[3])):
             if len(ops(sp)) > len(ops(tail)):
                 raise ValueError("Gluon build: a softmax partition's first loop is longer than its tail loop")
+        tails = {"softmax0": soft[3], "softmax1": soft[1]}
         roles = [("softmax0", full[0], self.num_warps), ("softmax1", full[1], parts[0][0]),
                  ("correction", corr[0], parts[1][0]), ("mma", mma[0], parts[2][0]), ("load", load[0], parts[3][0])]
-        return {role: PartitionLoop(role, ops(sp), w, regs(sp)) for role, sp, w in roles}
+        return {role: PartitionLoop(role, ops(sp), w, regs(sp), ops(tails[role]) if role in tails else None)
+                for role, sp, w in roles}
 
     def count(self, pattern: str) -> int:
         return len(re.findall(pattern, self.sass))
