@@ -50,7 +50,7 @@ def test_selftest_reports_a_hung_case_as_failed(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(selftest, "environment", lambda device: {"gpu": "none", "target": "cpu"})
-    record = dict(recipe="directp", head_dim=64, causal="no", mask="none", direction="forward")
+    record = dict(recipe="directp", head_dim=64, causal="no", mask="none", direction="forward", keys=333)
     monkeypatch.setattr(selftest, "cases", lambda: [("check_forward", ("directp", 64, None, False), record)])
     out = tmp_path / "selftest.json"
     args = argparse.Namespace(json=out, no_timing=True, case_timeout=0.5, no_watchdog=False)
@@ -61,3 +61,23 @@ def test_selftest_reports_a_hung_case_as_failed(monkeypatch, tmp_path, capsys):
     assert rec["status"] == "FAIL" and rec["reason"].startswith("hang: no result after"), rec
     assert {k: rec[k] for k in record} == record
     assert "1 failed" in capsys.readouterr().out
+
+
+def test_selftest_runs_each_recipe_past_its_cuda_key_count():
+    """Every inference recipe that the Hopper routing hands to the CUDA C++ kernel from some
+    key count has a forward case past that count, causal or not, at a length no tile divides;
+    training recipes (whose forward never goes there) and the others keep the short rows."""
+    from fp4attn import routing
+    from fp4attn.recipes import PRESETS
+
+    long = {(a[0], a[1], a[2]): a[4][-1] for fn, a, rec in selftest.cases() if fn == "check_forward" and len(a) == 5}
+    for name, recipe in PRESETS.items():
+        for d in (64, 128):
+            for causal in (None, "bottom_right"):
+                launch = routing.forward_launch(d, recipe.fast_accum, causal is not None)
+                n = launch.cuda_keys(routing.p_mode(recipe)) if recipe.grad is None else 0
+                if n:
+                    assert n < long[name, d, causal] and long[name, d, causal] % 64, (name, d, causal)
+                else:
+                    assert (name, d, causal) not in long
+    assert long["directp-fast", 128, None] > routing.FORWARD_LAUNCH[128, False, False].cuda_keys(5)

@@ -1,6 +1,8 @@
 """`fp4attn selftest`: on the GPU this machine has, run every kernel the routing sends a
-call to, at small awkward shapes, against the reference of the same recipe, time one
-call against SDPA, and print a pass/fail table (about a minute, most of it compiling).
+call to, at small awkward shapes and, for each inference recipe, once past the key count
+from which the Hopper routing takes the CUDA C++ kernel, against the reference of the
+same recipe, time one call against SDPA, and print a pass/fail table (a few minutes, most
+of it compiling).
 
 What passes: the LSE within 1e-3 of the reference on >= 99% of the rows that see a key
 (float32 summation order can move a score across a rounding threshold of P: a few rows
@@ -32,6 +34,9 @@ from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.recipes import PRESETS
 
 SHAPE = (2, 4, 2, 200, 333)  # B, Hq, Hkv (GQA), Sq, Sk: lengths not a multiple of any tile
+# past the key counts from which the Hopper routing hands a recipe to the CUDA C++ kernel
+# (`routing.ForwardLaunch.cuda_from_keys`), by this many keys: still no multiple of a tile
+LONG_EXTRA_KEYS = 77
 TIMING_SHAPE = (4, 16, 4096, 128)  # B, H, S, D
 # a case's limit: the first one includes the worker's start and the first kernel compiles
 CASE_TIMEOUT_S = 300.0
@@ -69,7 +74,7 @@ def check_forward(name: str, d: int, causal: str | None, masked: bool, device, s
     kw = dict(causal=causal or False, recipe=name, enable_gqa=True, attn_mask=mask)
     info = fp4attn.explain(q, k, v, **kw)
     rec = dict(recipe=name, head_dim=d, causal=causal or "no", mask="key" if masked else "none",
-               direction="forward", kernel=info["kernel"])
+               direction="forward", keys=sk, kernel=info["kernel"])
     if info["backend"] != "triton":
         return {**rec, "status": "reference", "reason": info["reason"]}
     out, lse = fp4attn.attention(q, k, v, backend="triton", return_lse=True, **kw)
@@ -100,7 +105,7 @@ def check_backward(name: str, d: int, causal: str, device, shape=SHAPE) -> dict:
     q, k, v = _inputs(b, hq, hkv, sq, sk, d, device, requires_grad=True)
     kw = dict(causal=causal, recipe=name, enable_gqa=True)
     info = fp4attn.explain(q, k, v, **kw)
-    rec = dict(recipe=name, head_dim=d, causal=causal, mask="none", direction="backward", kernel=info["kernel"])
+    rec = dict(recipe=name, head_dim=d, causal=causal, mask="none", direction="backward", keys=sk, kernel=info["kernel"])
     if info["backend"] != "triton":
         return {**rec, "status": "reference", "reason": info["reason"]}
     out, lse = fp4attn.attention(q, k, v, backend="triton", return_lse=True, **kw)
@@ -143,7 +148,11 @@ def time_against_sdpa(device, recipe: str = "directp") -> dict:
 
 def cases() -> list[tuple[str, tuple, dict]]:
     """Every case the selftest runs: (function of this module, its arguments, the
-    record a failure of it is reported under)."""
+    record a failure of it is reported under). Besides the short rows, each inference
+    recipe's forward once past the key count from which the Hopper routing runs it on
+    the CUDA C++ kernel (elsewhere the same kernels at a longer row)."""
+    from fp4attn import routing
+
     out = []
     for name, recipe in PRESETS.items():
         for d in (64, 128):
@@ -151,10 +160,18 @@ def cases() -> list[tuple[str, tuple, dict]]:
             for causal, masked in ((None, False), ("bottom_right", False), (None, True)):
                 out.append(("check_forward", (name, d, causal, masked),
                             dict(recipe=name, head_dim=d, causal=causal or "no", mask="key" if masked else "none",
-                                 direction="forward")))
+                                 direction="forward", keys=SHAPE[-1])))
+            for causal in (None, "bottom_right") if recipe.grad is None else ():
+                n = routing.forward_launch(d, recipe.fast_accum, causal is not None).cuda_keys(routing.p_mode(recipe))
+                if n:
+                    shape = (1, 4, 2, 200, n + LONG_EXTRA_KEYS)
+                    out.append(("check_forward", (name, d, causal, False, shape),
+                                dict(recipe=name, head_dim=d, causal=causal or "no", mask="none", direction="forward",
+                                     keys=shape[-1])))
             if recipe.grad is not None:
                 out.append(("check_backward", (name, d, "bottom_right"),
-                            dict(recipe=name, head_dim=d, causal="bottom_right", mask="none", direction="backward")))
+                            dict(recipe=name, head_dim=d, causal="bottom_right", mask="none", direction="backward",
+                                 keys=SHAPE[-1])))
     return out
 
 
@@ -206,10 +223,11 @@ def main(args: argparse.Namespace) -> dict:
     dog = None if args.no_watchdog else Watchdog(args.case_timeout)
     try:
         recs = [run_case(dog, fn, a, record, "cuda") for fn, a, record in cases()]
-        rows = [[r["recipe"], r["direction"], r["head_dim"], r["causal"], r["mask"], r["kernel"], r["status"],
-                 r.get("reason") or ", ".join(f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float))]
+        rows = [[r["recipe"], r["direction"], r["head_dim"], r["causal"], r["mask"], r["keys"], r["kernel"],
+                 r["status"], r.get("reason") or ", ".join(f"{k} {v:.3g}" for k, v in r.items() if isinstance(v, float))]
                 for r in recs]
-        print(markdown_table(["recipe", "direction", "D", "causal", "mask", "kernel", "status", "figures"], rows))
+        print(markdown_table(["recipe", "direction", "D", "causal", "mask", "keys", "kernel", "status", "figures"],
+                             rows))
         timing = None
         if not args.no_timing:
             timing = run_case(dog, "time_against_sdpa", (), dict(recipe="directp", direction="timing"), "cuda")
