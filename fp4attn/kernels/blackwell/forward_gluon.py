@@ -11,8 +11,9 @@ tiles (BLOCK_N = 128) once. Partitions, per key tile j:
 
     load        1 warp: Q once (both tiles), then K_j and V_j by TMA into a STAGES-deep
                 ring (`cp.async.bulk.tensor`), released by the MMA's completion.
-    mma         1 warp: S = Q_t K_j^T for t = 0, 1 and O_t += P_t V_j, each a single
-                tcgen05 instruction sequence with completion on mbarriers; a fresh S
+    mma         1 warp: S = Q_t K_j^T for t = 0, 1 and O_t += P_t V_j (causal: tile 0's
+                only up to its own last key tile), each a tcgen05 instruction sequence
+                with completion on mbarriers; a fresh S
                 and the first PV take the MMA's own `use_acc=False` (no zero tile).
                 NVFP4 Q/K: `tcgen05_mma_scaled` (kind::mxf4nvf4, e4m3 scales per 16);
                 MXFP4 P.V: `tcgen05_mma_scaled` (kind::mxf4, E8M0 per 32); FP8 and bf16
@@ -20,9 +21,9 @@ tiles (BLOCK_N = 128) once. Partitions, per key tile j:
     softmax_t   4 warps for each query tile t (the default partition is tile 0): S_t
                 from tensor memory (one row a thread), the scores, the running max, P and
                 its row sum, P and its E8M0 scales into tensor memory (the PV product's A
-                operand, as FA4 keeps P), alpha to the correction. The full key tiles run
-                in a loop with no mask; the tail tile (keys past Sk) in a second loop of
-                at most one tile.
+                operand, as FA4 keeps P), alpha to the correction. The full key tiles
+                (every row sees every key) run in a loop with no mask; the others (the
+                tail past Sk; causal, the diagonal) in a second loop with the mask.
     correction  4 warps: the block scales of Q (once), K_j and V_j into tensor memory
                 (TensorMemoryScalesLayout, from global memory: their rows are narrower
                 than a TMA box's 16 bytes), O_t *= alpha in tensor memory between PV_t's
@@ -280,7 +281,7 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_t
                   s_free, p_ready, alpha_ready, pv_done, MASKED: gl.constexpr, P_KIND: gl.constexpr, rows,
                   causal_offset, CAUSAL: gl.constexpr):
     """Tile j of query tile t: `forward_triton._tile`'s softmax, operation for operation
-    (the pipelined, non-causal form, without the mask unless MASKED)."""
+    (the pipelined form, without the mask unless MASKED)."""
     s_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [BLOCK_M, BLOCK_N], _s_tmem_layout(), 4)
     mbarrier.wait(s_ready.index(t), j & 1)
     s = s_tmem.load(s_layout)
