@@ -141,10 +141,52 @@ def cuda_unsupported_reason(k_format: str, v_format: str, head_dim: int, group: 
     return None
 
 
+# FP8 products (`fp4attn.decode(products="fp8")`, reference/decode.py): a build of the
+# CUDA split kernel (QK_FP8) for NVFP4 keys, the group's query rows duplicated per
+# 16-channel block in the mma's 16 rows, so up to 8 query heads a KV head. Built and
+# compiled, not measured: only this option reaches it, nothing routes to it by default.
+FP8_PRODUCTS_MAX_ROWS = 8
+
+
+def fp8_products_unsupported_reason(k_format: str, v_format: str, head_dim: int, group: int, sq: int,
+                                    page_size: int, on_gpu: bool = True) -> str | None:
+    """Why the FP8-products kernel does not take this decode call (None: it does)."""
+    if not on_gpu:
+        return "its kernel is CUDA C++ (the interpreter runs Triton kernels only)"
+    if k_format != "nvfp4":
+        return f"keys {k_format} (its kernel takes nvfp4 keys)"
+    why = cuda_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size)
+    if why is None and group > FP8_PRODUCTS_MAX_ROWS:
+        why = f"{group} query heads a KV head (it takes up to {FP8_PRODUCTS_MAX_ROWS})"
+    if why is None and not NVRTC_IMPORTABLE:
+        why = "cuda-bindings (NVRTC) is not installed"
+    return why
+
+
+def fp8_products_backend(backend: str, k_format: str, v_format: str, head_dim: int, group: int, sq: int,
+                         page_size: int, on_gpu: bool) -> tuple[str, str]:
+    """("triton" (the kernels) or "reference", why) for a products="fp8" call that the
+    kernels could otherwise run: the FP8-products kernel where it takes the call, else
+    the reference ("auto"), or an error (backend="triton")."""
+    why = fp8_products_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size, on_gpu)
+    if why is None:
+        return "triton", "the FP8-products CUDA kernel (products='fp8')"
+    if requested_backend(backend) == "triton":
+        raise ValueError(f"backend='triton' cannot run this products='fp8' call: {why}")
+    return "reference", f"products='fp8': {why}"
+
+
 def split_kernel(k_format: str, v_format: str, head_dim: int, group: int, sq: int, page_size: int,
-                 on_gpu: bool, asked: str = "") -> str:
+                 on_gpu: bool, asked: str = "", products: str = "exact") -> str:
     """"cuda" or "triton": which split kernel runs this decode call (`asked`: a launch's
-    own choice, which must be possible)."""
+    own choice, which must be possible). products="fp8" runs on the CUDA kernel only."""
+    if products == "fp8":
+        why = fp8_products_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size, on_gpu)
+        if why is None and asked == "triton":
+            why = "the Triton kernel has no FP8 products"
+        if why:
+            raise ValueError(f"the FP8-products decode kernel cannot run this call: {why}")
+        return "cuda"
     why = cuda_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size) if on_gpu else \
         "the interpreter runs Triton kernels only"
     if why is None and not NVRTC_IMPORTABLE:

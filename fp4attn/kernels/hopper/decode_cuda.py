@@ -44,25 +44,43 @@ class Variant:
     warps: int = CUDA_WARPS
     stages: int = CUDA_STAGES  # the per-warp ring's key tiles (0: the next tile prefetched in registers)
     ablate: int = 0  # timing-only builds (wrong outputs): 1, no dequantization (tools/probe_decode_bound.py)
+    # the scores by FP8 products (QK_FP8; NVFP4 keys, decode(products="fp8")): 0 no, 1 on the
+    # e4m3 mma.sync, 2 the same products on f16 mma.sync (the e4m3 bytes converted in the source)
+    qk_fp8: int = 0
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DK_FMT={FORMATS[self.k_format]}",
                 f"-DV_FMT={FORMATS[self.v_format]}", f"-DHI_ROWS={int(self.hi_rows)}", f"-DWARPS={self.warps}",
                 f"-DSTAGES={self.stages}", f"-DCOMBINE_WARPS={COMBINE_WARPS}", f"-DSLOT_BYTES={self.slot_bytes()}",
-                f"-DABLATE_DEQUANT={self.ablate}"]
+                f"-DABLATE_DEQUANT={self.ablate}", f"-DQK_FP8={int(self.qk_fp8)}"]
 
     def slot_bytes(self) -> int:
         """A lane's slot of one key tile in the ring (decode_split.cu's `Raw` and `SLOT`):
-        codes, token scales, block-scale rows, in an odd number of 16-byte units."""
+        codes, token scales, block-scale rows (with FP8 products, a key n-tile's rows 2t, 2t +
+        1: twice the key scales), in an odd number of 16-byte units."""
         d, sw = self.head_dim, self.head_dim // 64
+        k_scale_rows = (2 if self.k_format == "nvfp4" else 1) * (2 if self.qk_fp8 else 1)
         words = (2 * _key_words(d, self.k_format) + 4 * _value_words(d, self.v_format) + 8
-                 + (2 if self.k_format == "nvfp4" else 1) * sw + (4 if self.v_format == "nvfp4" else 1) * sw)
+                 + k_scale_rows * sw + (4 if self.v_format == "nvfp4" else 1) * sw)
         units = -(-words // 4)
         return 16 * (units if units % 2 else units + 1)
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory of one CTA: its warps' rings."""
         return self.stages * self.warps * 32 * self.slot_bytes()
+
+
+# the FP8-products build that products="fp8" runs (`Variant.qk_fp8`): the e4m3 mma.sync until
+# a GPU run has measured both forms (tools/probe_decode_bound.py --products fp8:1,fp8:2)
+FP8_PRODUCTS_FORM = 1
+FP8_PRODUCTS_FORMS = (1, 2)
+
+
+def fp8_product_variants(stages: tuple[int, ...] = (0, 2)) -> list[Variant]:
+    """The FP8-products builds (`decode(products="fp8")`): NVFP4 keys, every value format,
+    both head dims, up to 8 query rows, both forms, the ring depths asked for."""
+    return [Variant(d, "nvfp4", vf, False, stages=st, qk_fp8=form) for d in DECODE_HEAD_DIMS for vf in FORMATS
+            for st in stages for form in FP8_PRODUCTS_FORMS]
 
 
 def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:
