@@ -138,10 +138,11 @@ def _p_tmem_layout(p_kind):
 # ------------------------------------------------------------------------------- load
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, q_row, k_row, v_row,
-                    n_tiles, V_COLS: gl.constexpr):
+                    start_m, Sk, causal_offset, CAUSAL: gl.constexpr, V_COLS: gl.constexpr):
     """Q's two tiles once, then K_j and V_j into ring slot j % STAGES once the MMA has
     released it (kv_empty, committed after the slot's last product)."""
     STAGES: gl.constexpr = k_smem.shape[0]
+    n_full, n_tiles = _key_tiles(start_m, 1, Sk, causal_offset, CAUSAL)  # tile 1 sees the most keys
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row + BLOCK_M, 0], q_bar, q_smem.index(1))
@@ -200,20 +201,23 @@ def _pv(t: gl.constexpr, j, p_tmem, v_smem, o_tmem, psc_tmem, vsc_tmem, p_ready,
 
 @gluon.jit
 def _mma_partition(q_smem, k_smem, v_smem, p_tmem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem, q_bar,
-                   kv_ready, kv_empty, sc_ready, s_ready, s_free, p_ready, o_ready, pv_done, n_tiles0, n_tiles,
-                   P_KIND: gl.constexpr):
+                   kv_ready, kv_empty, sc_ready, s_ready, s_free, p_ready, o_ready, pv_done, start_m, Sk,
+                   causal_offset, CAUSAL: gl.constexpr, P_KIND: gl.constexpr):
     """Per key tile j: QK_0(j), PV_1(j - 1), QK_1(j), PV_0(j), so that each tile's
     product runs while the other tile's softmax builds P; tile 0's products only below
     its n_tiles0 (causal: its last visible key comes 128 rows before tile 1's). Each
     QK^T after the first waits until the previous one's softmax has read the S buffer
     (s_free, one arrival per read)."""
     STAGES: gl.constexpr = k_smem.shape[0]
+    n_full0, n_tiles0 = _key_tiles(start_m, 0, Sk, causal_offset, CAUSAL)
+    n_full1, n_tiles = _key_tiles(start_m, 1, Sk, causal_offset, CAUSAL)
     mbarrier.wait(q_bar, 0)
     issued = 0  # QK^T products issued: the S buffer's readers so far
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(kv_ready.index(s), (j // STAGES) & 1)
-        mbarrier.wait(sc_ready.index(s), (j // STAGES) & 1)
+        if P_KIND != P_BF16:  # (the bf16 build has no scale tiles)
+            mbarrier.wait(sc_ready.index(s), (j // STAGES) & 1)
         if j < n_tiles0:
             mbarrier.wait(s_free, (issued + 1) & 1, pred=issued > 0)
             _qk(0, s, q_smem, k_smem, s_tmem, qsc_tmem, ksc_tmem, s_ready, P_KIND)
@@ -383,6 +387,29 @@ def _softmax1(s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free, p_
 
 # ------------------------------------------------------------------------- correction
 @gluon.jit
+def _kv_scales_to_tmem(j, ksc_tmem, vsc_tmem, kv_empty, sc_ready, KSC, VSC, bhk, Sk, HEAD_DIM: gl.constexpr,
+                       P_KIND: gl.constexpr):
+    """Key tile j's K (and MXFP4 V) block scales into tensor-memory slot j % STAGES once
+    the slot's products are done (kv_empty: PV_1 of tile j - STAGES); then sc_ready."""
+    STAGES: gl.constexpr = kv_empty.shape[0]
+    s = j % STAGES
+    mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+    k_sc = KSC + (bhk * Sk + j * BLOCK_N) * (HEAD_DIM // 16)
+    if s == 0:
+        _scales_to_tmem(k_sc, HEAD_DIM // 16, 0, Sk - j * BLOCK_N, ksc_tmem[0], BLOCK_N, HEAD_DIM // 16)
+    else:
+        _scales_to_tmem(k_sc, HEAD_DIM // 16, 0, Sk - j * BLOCK_N, ksc_tmem[1], BLOCK_N, HEAD_DIM // 16)
+    if P_KIND == P_AFFINE_MXFP4:
+        skp32 = gl.cdiv(Sk, BLOCK_N) * (BLOCK_N // 32)  # V scale columns (keys padded to whole tiles)
+        v_sc = VSC + bhk * HEAD_DIM * skp32
+        if s == 0:
+            _scales_to_tmem(v_sc, skp32, j * (BLOCK_N // 32), HEAD_DIM, vsc_tmem[0], HEAD_DIM, BLOCK_N // 32)
+        else:
+            _scales_to_tmem(v_sc, skp32, j * (BLOCK_N // 32), HEAD_DIM, vsc_tmem[1], HEAD_DIM, BLOCK_N // 32)
+    mbarrier.arrive(sc_ready.index(s), count=1)
+
+
+@gluon.jit
 def _rescale_step(t: gl.constexpr, j, o_tmem, alpha_smem, alpha_ready, pv_done, o_ready, vec_l: gl.constexpr,
                   HEAD_DIM: gl.constexpr):
     """O_t *= alpha_t(j) once alpha_t(j) is there and PV_t(j - 1) is done; then PV_t(j)
@@ -477,25 +504,13 @@ def _correction_partition(o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, alpha_smem, lm_s
             q0 = start_m * (2 * BLOCK_M) + t * BLOCK_M
             _scales_to_tmem(QSC + (off_bh * Sq + q0) * (HEAD_DIM // 16), HEAD_DIM // 16, 0, Sq - q0,
                             qsc_tmem[t], BLOCK_M, HEAD_DIM // 16)
-    STAGES: gl.constexpr = kv_empty.shape[0]
-    skp32 = gl.cdiv(Sk, BLOCK_N) * (BLOCK_N // 32)  # V scale columns (keys padded to whole tiles)
+    # the scale tiles one key tile ahead of the rescales: the MMA warp's next QK^T never
+    # waits on a softmax through this partition
+    if P_KIND != P_BF16 and n_tiles > 0:
+        _kv_scales_to_tmem(0, ksc_tmem, vsc_tmem, kv_empty, sc_ready, KSC, VSC, bhk, Sk, HEAD_DIM, P_KIND)
     for j in range(n_tiles):
-        s = j % STAGES
-        if P_KIND != P_BF16:
-            # the K and V scales of tile j into slot s, once the slot's products are done
-            mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            k_sc = KSC + (bhk * Sk + j * BLOCK_N) * (HEAD_DIM // 16)
-            if s == 0:
-                _scales_to_tmem(k_sc, HEAD_DIM // 16, 0, Sk - j * BLOCK_N, ksc_tmem[0], BLOCK_N, HEAD_DIM // 16)
-            else:
-                _scales_to_tmem(k_sc, HEAD_DIM // 16, 0, Sk - j * BLOCK_N, ksc_tmem[1], BLOCK_N, HEAD_DIM // 16)
-            if P_KIND == P_AFFINE_MXFP4:
-                v_sc = VSC + bhk * HEAD_DIM * skp32
-                if s == 0:
-                    _scales_to_tmem(v_sc, skp32, j * (BLOCK_N // 32), HEAD_DIM, vsc_tmem[0], HEAD_DIM, BLOCK_N // 32)
-                else:
-                    _scales_to_tmem(v_sc, skp32, j * (BLOCK_N // 32), HEAD_DIM, vsc_tmem[1], HEAD_DIM, BLOCK_N // 32)
-        mbarrier.arrive(sc_ready.index(s), count=1)
+        if P_KIND != P_BF16 and j + 1 < n_tiles:
+            _kv_scales_to_tmem(j + 1, ksc_tmem, vsc_tmem, kv_empty, sc_ready, KSC, VSC, bhk, Sk, HEAD_DIM, P_KIND)
         if j > 0:  # O_t *= alpha_t(j) once PV_t(j - 1) is done (tile 0: below its n_tiles0)
             if j < n_tiles0:
                 _rescale_step(0, j, o_tmem, alpha_smem, alpha_ready, pv_done, o_ready, vec_l, HEAD_DIM)
@@ -546,8 +561,6 @@ def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, V
     start_m = gl.program_id(0)
     off_bh = gl.program_id(1)
     bhk = (off_bh // H) * (H // GROUP) + (off_bh % H) // GROUP
-    n_full0, n_tiles0 = _key_tiles(start_m, 0, Sk, causal_offset, CAUSAL)
-    n_full1, n_tiles = _key_tiles(start_m, 1, Sk, causal_offset, CAUSAL)  # tile 1 sees the most keys
     q_row = off_bh * Sq + start_m * (2 * BLOCK_M)
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]  # V's columns per key tile (packed FP4: half)
 
@@ -593,10 +606,10 @@ def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, V
     gl.thread_barrier()
 
     # registers a thread (setmaxnreg) of the worker partitions: softmax of tile 1 192, the
-    # correction 80, the MMA and load warps (one warpgroup) 48; the default partition
-    # (softmax of tile 0) gets the rest of the 64K, 512 - 192 - 80 - 48 = 192. The least
-    # that builds every P builder without a spill (the correction at 72 spilled 40 bytes
-    # in the bf16 build, its MMA warp at 32 with P in shared memory 56)
+    # correction 88, the MMA and load warps (one warpgroup) 40; the default partition
+    # (softmax of tile 0) gets the rest of the 64K, 512 - 192 - 88 - 40 = 192. What builds
+    # every build without a spill (the correction spilled at 72 in the bf16 build and at
+    # 80 in the causal directp-fast one; docs/notes/blackwell.md)
     gl.warp_specialize([
         (_softmax0, (s_tmem, p_tmem, psc_tmem, alpha_smem, lm_smem, s_ready, s_free.index(0), p_ready, alpha_ready,
                      pv_done, QS, KS, LSE, off_bh, bhk, start_m, Sq, Sk, qk_scale, causal_offset, CAUSAL, P_KIND)),
@@ -607,8 +620,8 @@ def attn_fwd_sm100_gluon_kernel(q_desc, k_desc, v_desc, QSC, KSC, QS, KS, VSC, V
                                  causal_offset, CAUSAL, HEAD_DIM, P_KIND)),
         (_mma_partition, (q_smem, k_smem, v_smem, p_tmem, s_tmem, o_tmem, qsc_tmem, ksc_tmem, vsc_tmem, psc_tmem,
                           q_bar.index(0),
-                          kv_ready, kv_empty, sc_ready, s_ready, s_free.index(0), p_ready, o_ready, pv_done, n_tiles0,
-                          n_tiles, P_KIND)),
+                          kv_ready, kv_empty, sc_ready, s_ready, s_free.index(0), p_ready, o_ready, pv_done, start_m,
+                          Sk, causal_offset, CAUSAL, P_KIND)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar.index(0), kv_ready, kv_empty, q_row,
-                           bhk * Sk, bhk * HEAD_DIM, n_tiles, V_COLS)),
+                           bhk * Sk, bhk * HEAD_DIM, start_m, Sk, causal_offset, CAUSAL, V_COLS)),
     ], [4, 4, 1, 1], [192, 88, 40, 40])
