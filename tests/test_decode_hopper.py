@@ -237,3 +237,94 @@ def test_the_cuda_split_kernel_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="CUDA decode kernel cannot run"):
         decode_op.hopper_decode(q, cache, scale=0.1, causal=True,
                                 launch=decode_op.decode_routing.DecodeLaunch(128, 4, 2, kernel="cuda"))
+
+
+# decode(products="fp8"): the QK_FP8 builds of the CUDA split kernel against the reference's
+# FP8 products on the same cache (B, Hkv, Hq, D, lengths, page size, key_start)
+FP8_PRODUCT_CASES = [
+    ("nvfp4", 3, 8, 32, 128, (4099, 1, 1000), None, None),  # the targets' group of 4
+    ("fp8", 2, 4, 8, 64, (700, 63), 32, (5, 0)),  # FP8 values, paged, left padding
+    ("nvfp4", 2, 2, 4, 128, (1, 31), 48, (0, 30)),  # a tile's worth and less
+    ("nvfp4", 1, 1, 8, 128, (2049,), 16, None),  # 8 query heads a KV head: every row of the tile's top half
+    ("fp8", 3, 2, 6, 128, (17, 2345, 16), 64, None),  # several lengths, a group of 3
+]
+
+
+@pytest.mark.parametrize("case", FP8_PRODUCT_CASES, ids=lambda c: f"nvfp4-{c[0]}-Hq{c[3]}-D{c[4]}-L{c[5]}-ps{c[6]}")
+@pytest.mark.parametrize("form", (1, 2))
+def test_the_fp8_products_kernel_matches_the_reference(case, form, monkeypatch):
+    """Both forms of the FP8 products (1: the e4m3 mma.sync, 2: f16 mma.sync over the same
+    e4m3 values) through the ring and in registers, with the planned splits and many,
+    against the reference's products="fp8" (the same e4m3 q, the same exact products up
+    to float32 summation order); NaN and Inf in the cache reach the same rows."""
+    from fp4attn.kernels.hopper import decode_cuda
+
+    vf, B, Hkv, Hq, D, lens, ps, start = case
+    cache = _filled("nvfp4", vf, B, Hkv, D, lens, page_size=ps, bad=True)
+    q = torch.randn(B, Hq, 1, D, device="cuda").bfloat16()
+    ks = None if start is None else torch.tensor(start, device="cuda", dtype=torch.int32)
+    want, want_lse = decode(q, cache, key_start=ks, return_lse=True, backend="reference", products="fp8")
+    monkeypatch.setattr(decode_cuda, "FP8_PRODUCTS_FORM", form)
+    got, lse = decode(q, cache, key_start=ks, return_lse=True, products="fp8")
+    _check(got, want, lse, want_lse, (case, form, "routed"))
+    R = decode_op.decode_routing
+    for kernel in ("cuda:2", "cuda:0"):
+        for launch in (R.DecodeLaunch(128, 4, 2, kernel=kernel), R.DecodeLaunch(128, 4, 2, splits=37, kernel=kernel)):
+            got, lse = decode_op.hopper_decode(q, cache, scale=D**-0.5, causal=True, key_start=ks, launch=launch,
+                                               products="fp8")
+            _check(got, want, lse, want_lse, (case, form, launch))
+    # a different recipe from the exact path's, and close to it
+    exact = decode(q, cache, key_start=ks, products="exact").float().nan_to_num()
+    err = (got.float().nan_to_num() - exact).norm() / exact.norm()
+    assert 1e-4 < err < 0.1, float(err)
+
+
+def test_the_fp8_products_kernel_on_every_code_and_scale():
+    """Random bytes in every NVFP4 key slot (all codes, every e4m3 block scale including
+    subnormals, zero and NaN), each token alone in its sequence: the scores, read through
+    the LSE of the one key, are exact up to float32 summation order, and NaN block scales
+    make exactly the reference's rows NaN."""
+    B, H, D, G = 64, 1, 128, 8
+    cache = KVCache(B, H, D, 16, k_format="nvfp4", device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for pool in (cache.k, cache.v):
+        pool.data.copy_(torch.randint(0, 256, pool.data.shape, device="cuda", generator=g, dtype=torch.int32))
+        pool.block_scale.copy_(torch.randint(0, 128, pool.block_scale.shape, device="cuda", generator=g,
+                                             dtype=torch.int32))
+        pool.token_scale.copy_(torch.rand(pool.token_scale.shape, device="cuda", generator=g) + 0.5)
+    cache.k.block_scale[cache.block_table[0, 0], 0, 0, 3] = 0x7F  # a NaN key block scale: sequence 0's token
+    cache.host_lengths = [1] * B
+    cache.lengths.fill_(1)
+    q = torch.randn(B, G, 1, D, device="cuda", generator=g).bfloat16()
+    got, lse = decode(q, cache, return_lse=True, scale=1.0, products="fp8")
+    want, want_lse = decode(q, cache, return_lse=True, scale=1.0, backend="reference", products="fp8")
+    assert torch.equal(torch.isnan(lse), torch.isnan(want_lse)) and torch.isnan(want_lse[0]).all()
+    # float32 summation order: a few ulps of the sum of the products' magnitudes
+    from fp4attn.reference.decode import e4m3_queries
+
+    kb, ks, _, _ = cache.reference_operands()
+    mag = (e4m3_queries(q.float().abs()) @ kb.abs().transpose(-1, -2)).squeeze(-1) * ks  # (B, G, 1) * (B, 1, 1)
+    assert ((lse - want_lse).abs() <= 1e-6 * want_lse.abs() + 2.0 ** -20 * mag.nan_to_num())[~torch.isnan(lse)].all()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.allclose(got.float().nan_to_num(), want.float().nan_to_num(), rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_products_the_kernel_does_not_take_run_on_the_reference_or_raise():
+    """Sq > 1, MXFP4 keys and more than 8 query heads a KV head: "auto" runs the
+    reference's FP8 products (warned once), backend="triton" names why it cannot."""
+    import sys
+
+    from fp4attn.api import ReferenceFallbackWarning
+
+    public = sys.modules["fp4attn.decode"]  # the module (fp4attn.decode is the function)
+
+    for kf, Hq, sq in (("nvfp4", 8, 3), ("mxfp4", 8, 1), ("nvfp4", 32, 1)):
+        cache = _filled(kf, kf, 2, 2, 128, (300, 45), page_size=16)
+        q = torch.randn(2, Hq, sq, 128, device="cuda").bfloat16()
+        want = decode(q, cache, backend="reference", products="fp8")
+        public._warn_once.cache_clear()
+        with pytest.warns(ReferenceFallbackWarning, match="products='fp8'"):
+            got = decode(q, cache, products="fp8")
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        with pytest.raises(ValueError, match="products='fp8'"):
+            decode(q, cache, backend="triton", products="fp8")
