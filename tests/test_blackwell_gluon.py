@@ -172,6 +172,18 @@ def test_gluon_arithmetic_asm_is_the_triton_kernels(recipe, p_kind, causal):
         assert any("cvt.rn.satfinite.e4m3x2.f32" in b and "cvt.rn.f16x2.e4m3x2" in b for b in gluon_blocks)
 
 
+def test_gluon_builds_for_sm103a_without_spills():
+    """B300 (sm_103a): the FP4 builds compile without spills in 512 columns, with the same
+    block-scaled kinds (the bundled cuobjdump cannot read its SASS: no model)."""
+    from fp4attn.tools.machine_code_sm100 import compile_forward_gluon, mma_kinds, ptxas_report
+
+    for p_kind in ("P_AFFINE_MXFP4", "P_EXP2_FP8"):
+        k = compile_forward_gluon(getattr(fg, p_kind).value, arch="sm_103a")
+        regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"], "sm_103a")
+        assert spill_st + spill_ld == 0 and 0 < k.metadata.tmem_size <= 512, (p_kind, spill_st, spill_ld)
+        assert any("kind::mxf4nvf4.block_scale.scale_vec::4X" in m for m in mma_kinds(k.asm["ptx"])), p_kind
+
+
 def test_gluon_kernel_calls_the_interpreter_tested_helpers():
     """The Gluon softmax's arithmetic is the Triton kernel's own functions (the objects
     themselves, not copies)."""

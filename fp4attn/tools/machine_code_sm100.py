@@ -363,9 +363,9 @@ def _gluon_desc_sig(dtype, block: list[int]) -> str:
     return f"tensordesc<{name}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
 
 
-def compile_forward_gluon(p_kind: int, head_dim: int = 128, causal: bool = False):
+def compile_forward_gluon(p_kind: int, head_dim: int = 128, causal: bool = False, arch: str = "sm_100a"):
     """The compiled Gluon pipelined forward (`forward_gluon.attn_fwd_sm100_gluon_kernel`)
-    for sm_100a, one P builder (`forward_gluon.P_AFFINE_MXFP4`, `P_EXP2_FP8`, `P_BF16`),
+    for `arch` (sm_100a, or sm_103a), one P builder (`forward_gluon.P_AFFINE_MXFP4`, `P_EXP2_FP8`, `P_BF16`),
     causal or not, pointers and lengths specialized as multiples of 16 (as the JIT does
     at the bench shapes)."""
     from triton.experimental.gluon import language as gl
@@ -389,4 +389,4 @@ def compile_forward_gluon(p_kind: int, head_dim: int = 128, causal: bool = False
     aligned = [n for n, t in sig.items() if t.startswith("*") or n in _LENGTHS]
     src = GluonASTSource(fg.attn_fwd_sm100_gluon_kernel, {**sig, **{c: "constexpr" for c in consts}},
                          constexprs=consts, attrs=_divisibility(sig, aligned))
-    return triton.compile(src, target=GPUTarget("cuda", 100, 32), options=dict(num_warps=fg.NUM_WARPS))
+    return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32), options=dict(num_warps=fg.NUM_WARPS))
