@@ -6,7 +6,10 @@ instruction kinds in its PTX, whether it is pipelined (warp-specialized), and a 
 prediction from its machine code (`tools.cost_model_sm100`: per partition its issue per
 tile, the tensor-core and MUFU time, the overlap the schedule allows; calibrated on the
 BF16 build of the same pipeline against FlashAttention-4's measured BF16 forward, whose
-record the report carries). Predictions, not measurements."""
+record the report carries). On sm_100a it also compiles the Gluon pipelined forward with
+FlashAttention-4's structure (`kernels.blackwell.forward_gluon`, not routed) and models
+it against the bf16 build of that pipeline (`gluon_records`, `gluon_calibration_report`;
+--no-gluon skips them). Predictions, not measurements."""
 
 from __future__ import annotations
 
@@ -120,22 +123,23 @@ GLUON_RECIPES = {"directp-fast": "P_AFFINE_MXFP4", "nvfp4-fp8": "P_EXP2_FP8"}
 
 
 @functools.lru_cache(maxsize=None)
-def gluon_build_report(p_kind: str, calibrate_on: str | None = "gluon", causal: bool = False) -> dict:
+def gluon_build_report(p_kind: str, calibrate: bool = True, causal: bool = False) -> dict:
     """Compile one Gluon pipelined build (`forward_gluon.<p_kind>`, causal or not) for
     sm_100a and read it; its prediction (per full key tile: the masked tiles' loop, the
     tail and the causal diagonal, beside it a score) calibrated on the bf16 build of the
-    same Gluon pipeline (`gluon_calibration_report`), None: the raw model (the
-    calibration build itself)."""
+    same Gluon pipeline (`gluon_calibration_report`; calibrate False: the raw model, for
+    the calibration build itself)."""
     from fp4attn.kernels.blackwell import forward_gluon as fg
-    from fp4attn.tools.cost_model_sm100 import calibrate, predict
+    from fp4attn.tools.cost_model_sm100 import calibrate as calibrate_prediction
+    from fp4attn.tools.cost_model_sm100 import predict
     from fp4attn.tools.machine_code_sm100 import compile_forward_gluon, inspect
 
     kind = getattr(fg, p_kind).value
     rep = inspect(compile_forward_gluon(kind, causal=causal), "sm_100a", gluon=True)
     kinds = {"P_AFFINE_MXFP4": ("fp4", "fp4"), "P_EXP2_FP8": ("fp4", "fp8"), "P_BF16": ("bf16", "bf16")}[p_kind]
     pred = predict(rep, qk=kinds[0], pv=kinds[1], head_dim=128, block_m=fg.BLOCK_M.value, block_n=fg.BLOCK_N.value)
-    if calibrate_on is not None:
-        pred = calibrate(pred, gluon_calibration_report()["prediction"])
+    if calibrate:
+        pred = calibrate_prediction(pred, gluon_calibration_report()["prediction"])
     return dict(registers=rep.registers, spill_bytes=rep.spill_bytes, shared_bytes=rep.shared_bytes,
                 tmem_columns=rep.tmem_columns, mma_kinds=rep.mma_kinds,
                 tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", rep.ptx)),
@@ -150,7 +154,7 @@ def gluon_calibration_report() -> dict:
     `predicted_tflops` are scaled by."""
     from fp4attn.tools.cost_model_sm100 import FA4_BF16_TFLOPS
 
-    rec = gluon_build_report("P_BF16", None)
+    rec = gluon_build_report("P_BF16", calibrate=False)
     model = rec["prediction"]["ceiling_tflops"]
     return {"kernel": "blackwell.forward_gluon (Gluon pipelined, bf16, the calibration build)", "recipe": "bf16",
             "head_dim": 128, "causal": False, "key_bias": False, "arch": "sm_100a", **rec,
@@ -266,7 +270,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-key-bias", action="store_true", help="skip the key-mask builds (half the compile time)")
     p.add_argument("--comparison", action="store_true", help="also the serial kernel's D=128 builds, not routed")
     p.add_argument("--no-gluon", action="store_true",
-                   help="skip the Gluon pipelined builds (sm_100a, D=128 non-causal, not routed)")
+                   help="skip the Gluon pipelined builds (sm_100a, D=128, not routed)")
     p.add_argument("--json", type=Path, default=None, help="write the records as JSON")
 
 
