@@ -101,10 +101,15 @@ def test_sm90a_emulates_the_e4m3_mma_sync(tmp_path):
     for form in (0, 1, 2):
         _, sass = tool.sass_of(decode_cuda.Variant(128, "nvfp4", "nvfp4", False, stages=2, qk_fp8=form), tmp_path)
         tile = tool.plain_tile(sass)
-        counts[form] = {op: sum(o.startswith(op) for o in tile) for op in ("HMMA.16816.F32", "F2FP.F16.E4M3", "FFMA")}
+        counts[form] = {op: sum(o.startswith(op) for o in tile) for op in ("HMMA.16816.F32", "F2FP.F16.E4M3", "FFMA",
+                                                                             "SEL")}
+        counts[form]["all"] = len(tile)
         assert "QMMA" not in sass and "GMMA" not in sass
     assert counts[1]["HMMA.16816.F32"] == counts[0]["HMMA.16816.F32"] == counts[2]["HMMA.16816.F32"] == 32, counts
     # 8 products a tile (two n-tiles of 4), each its codes' 4 conversions at least
     assert counts[1]["F2FP.F16.E4M3"] >= counts[0]["F2FP.F16.E4M3"] + 32, counts
     # the block scales on the outputs: 4 FFMA a product
     assert counts[1]["FFMA"] - counts[0]["FFMA"] == counts[2]["FFMA"] - counts[0]["FFMA"] == 32, counts
+    # form 2 (routed) is ptxas's emulation written out with q's conversions and row selection
+    # out of the loop: no more SEL than the exact build, fewer instructions than form 1
+    assert counts[2]["SEL"] <= counts[0]["SEL"] and counts[2]["all"] < counts[1]["all"], counts

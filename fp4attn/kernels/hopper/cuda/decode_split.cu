@@ -488,6 +488,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             if constexpr (QK_FP8 == 1) {
                 q8[j][0] = t < 2 ? ev : 0u, q8[j][1] = t < 2 ? 0u : ev;
                 q8[j][2] = t < 2 ? od : 0u, q8[j][3] = t < 2 ? 0u : od;
+                // through an identity shuffle: ptxas would otherwise keep ev, od and t < 2 and redo
+                // the selection in the loop (a SEL each use: 32 a tile in form 2)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) q8[j][r] = __shfl_sync(0xffffffff, q8[j][r], lane);
             } else {
 #pragma unroll
                 for (int k = 0; k < 2; ++k) {
@@ -495,6 +499,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                     e4m3x4(k ? od : ev, f);
                     qh[j][k][0] = t < 2 ? f[0] : 0u, qh[j][k][1] = t < 2 ? 0u : f[0];
                     qh[j][k][2] = t < 2 ? f[1] : 0u, qh[j][k][3] = t < 2 ? 0u : f[1];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)  // an identity shuffle, as q8's
+                        qh[j][k][r] = __shfl_sync(0xffffffff, qh[j][k][r], lane);
                 }
             }
         }
