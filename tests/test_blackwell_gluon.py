@@ -11,7 +11,8 @@ reference, and its inline PTX through an emulator bit for bit against the interp
 path), or inline PTX; the test below checks that each inline-PTX arithmetic block of the
 Gluon kernel is one of the Triton builds' (the same text, registers aside), apart from
 two two-wide forms of the Triton kernel's scalar float32 operations (O's rescale, FP8 P's
-exponent), whose lanes round as the scalar instructions by the PTX ISA. The rest is data
+exponent), whose lanes round as the scalar instructions by the PTX ISA, and FP8 P's
+rounding by the Triton kernel's conversions with the bytes kept. The rest is data
 movement and the tensor cores' products. For nvfp4-fp8, as in the Triton kernel, P's
 exp2 is the GPU's approximate ex2 (its codes can differ from the reference's at e4m3
 rounding ties: the first GPU run's self-test measures it). (Each build compiles once per
@@ -150,14 +151,17 @@ def test_gluon_arithmetic_asm_is_the_triton_kernels(recipe, p_kind, causal):
     pipelined builds' (D=128, non-causal: directp-fast's and nvfp4-fp8's), registers
     aside, or one of the Gluon kernel's two-wide IEEE forms of the Triton kernel's scalar
     float32 operations (`MUL_X2_PTX`: O's rescale; `SUB_ADD_X2_PTX`: FP8 P's exponent),
-    each lane rounded as the scalar instruction by the PTX ISA. directp-fast's blocks are
+    each lane rounded as the scalar instruction by the PTX ISA, or FP8 P's rounding by
+    `round_e4m3_cvt`'s conversions with the e4m3 bytes kept (`E4M3_GROUP4_PTX`: the same
+    instructions, four keys a call). directp-fast's blocks are
     exactly the Triton build's three affine MXFP4 blocks (the scores two-wide, the
     eight-key group map, clamp and packing, the dp4a row sum: the ones the interpreter
     test runs through its PTX emulator) and the rescale's."""
     gluon_blocks = _arithmetic(_asm_blocks(_report(p_kind, causal).ptx))
     mul_x2, sub_add_x2 = _normalized(fg.MUL_X2_PTX.value), _normalized(fg.SUB_ADD_X2_PTX.value)
+    e4m3_group4 = _normalized(fg.E4M3_GROUP4_PTX.value)
     triton_affine = _triton_blocks("directp-fast")
-    allowed = triton_affine | _triton_blocks("nvfp4-fp8") | {mul_x2, sub_add_x2}
+    allowed = triton_affine | _triton_blocks("nvfp4-fp8") | {mul_x2, sub_add_x2, e4m3_group4}
     assert mul_x2 in gluon_blocks
     assert gluon_blocks <= allowed, gluon_blocks - allowed
     scores_x2 = [b for b in triton_affine if "mul.rn.ftz.f32x2" in b]
@@ -167,9 +171,11 @@ def test_gluon_arithmetic_asm_is_the_triton_kernels(recipe, p_kind, causal):
         assert group in gluon_blocks and group in triton_affine
         assert any("dp4a.u32.u32" in b for b in gluon_blocks)  # `_byte_lane_sum`
         assert gluon_blocks == triton_affine | {mul_x2}, gluon_blocks ^ (triton_affine | {mul_x2})
-    else:
-        assert sub_add_x2 in gluon_blocks
-        assert any("cvt.rn.satfinite.e4m3x2.f32" in b and "cvt.rn.f16x2.e4m3x2" in b for b in gluon_blocks)
+    else:  # FP8 P: `round_e4m3_cvt`'s conversions (the Triton build's block), its bytes kept
+        assert sub_add_x2 in gluon_blocks and e4m3_group4 in gluon_blocks
+        triton_cvt = [b for b in _triton_blocks("nvfp4-fp8") if "cvt.rn.f16x2.e4m3x2" in b]
+        assert len(triton_cvt) == 1 and all(op in e4m3_group4 for op in (
+            "cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "cvt.f32.f16")), triton_cvt
 
 
 def test_gluon_builds_for_sm103a_without_spills():

@@ -45,8 +45,10 @@ asm `_affine_group_x2` and the dp4a `_byte_lane_sum`, `_affine_x2_row_sum`,
 `_running_point`, `_carry`; the epilogue's `_final_scales` restates its four operations),
 or a two-wide form of the Triton kernel's
 scalar float32 operations (the correction's `mul.rn.f32x2`, FP8 P's exponent by
-`sub.rn.f32x2` and `add.rn.f32x2`: each lane rounds as the scalar instruction). FP8 P's
-exp2 is the GPU's approximate ex2, as in the Triton kernel. Under the interpreter
+`sub.rn.f32x2` and `add.rn.f32x2`: each lane rounds as the scalar instruction), or FP8
+P's rounding by `round_e4m3_cvt`'s conversions with the e4m3 bytes kept (its row sum
+then adds four keys a group, then the groups: float32 sums in another order, as the
+recipes allow). FP8 P's exp2 is the GPU's approximate ex2, as in the Triton kernel. Under the interpreter
 the Triton kernel runs that code against the reference, and `tests/test_blackwell_
 interpreter.py` its inline PTX through an emulator bit for bit against the interpreter
 path; `tests/test_blackwell_gluon.py` checks that this kernel's inline-PTX arithmetic is
@@ -94,7 +96,6 @@ from fp4attn.kernels.common import (
     key_tile_bounds,
     log2_scores,
     max_propagating_nan,
-    round_e4m3_cvt,
 )
 
 BLOCK_M = gl.constexpr(128)  # one softmax warpgroup's query tile (tcgen05's M); a CTA holds two
@@ -310,19 +311,19 @@ def _softmax_tile(t: gl.constexpr, j, m_i, l_i, a_i, ks, KS_ROW, Sk, s_tmem, p_t
         p, p_sc, p_sum = _affine_mxfp4_x2(t2, bmax, gl.convert_layout(m_use, gl.SliceLayout(1, bmax.type.layout)))
         p_sum = gl.convert_layout(p_sum, m_i.type.layout)
     elif P_KIND == P_EXP2_FP8:
-        p32 = round_e4m3_cvt(gl.exp2(_sub_add_x2(t2, gl.broadcast(t2, gl.expand_dims(m_use, 1))[1])))
-        p_sum = gl.sum(p32, axis=1)
-        p = p32.to(gl.float8e4nv)
+        p, p_sum = _e4m3_p(gl.exp2(_sub_add_x2(t2, gl.broadcast(t2, gl.expand_dims(m_use, 1))[1])))
+        p_sum = gl.convert_layout(p_sum, m_i.type.layout)
     else:
         p32 = gl.exp2(t2 - gl.expand_dims(m_use, 1))
         p_sum = gl.sum(p32, axis=1)
         p = p32.to(gl.bfloat16)
     # P_t's buffer (and scale columns) are free once PV_t(j - 1) has read them
     mbarrier.wait(pv_done.index(t), (j - 1) & 1, pred=j > 0)
-    if P_KIND == P_AFFINE_MXFP4:  # the code words are P's 32-bit columns (byte k: keys 2k, 2k + 1)
-        words_tl: gl.constexpr = TensorMemoryLayout((BLOCK_M, BLOCK_N // 8), col_stride=1)
-        p_words = p_tmem.index(t)._reinterpret(gl.int32, [BLOCK_M, BLOCK_N // 8], words_tl)
-        p_words.store(gl.convert_layout(p, get_tmem_reg_layout(gl.int32, [BLOCK_M, BLOCK_N // 8], words_tl, 4)))
+    if P_KIND != P_BF16:  # the P words are its 32-bit columns (MXFP4: byte k keys 2k, 2k + 1; e4m3: key k)
+        WORDS: gl.constexpr = BLOCK_N // 8 if P_KIND == P_AFFINE_MXFP4 else BLOCK_N // 4
+        words_tl: gl.constexpr = TensorMemoryLayout((BLOCK_M, WORDS), col_stride=1)
+        p_words = p_tmem.index(t)._reinterpret(gl.int32, [BLOCK_M, WORDS], words_tl)
+        p_words.store(gl.convert_layout(p, get_tmem_reg_layout(gl.int32, [BLOCK_M, WORDS], words_tl, 4)))
     else:
         p_tmem.index(t).store(gl.convert_layout(p, get_tmem_reg_layout(p.dtype, [BLOCK_M, BLOCK_N],
                                                                          _p_tmem_layout(P_KIND), 4)))
@@ -464,6 +465,41 @@ SUB_ADD_X2_PTX = gl.constexpr("""{
     add.rn.f32x2 t2, t2, c2;
     mov.b64 {$0, $1}, t2;
     }""")
+
+
+# FP8 P of four consecutive keys from their exp2 values ($5-$8): `round_e4m3_cvt`'s
+# conversions (e4m3 pairs by cvt.rn.satfinite, RNE as the reference's rounding, and their
+# values back through f16x2), the four bytes kept as P's word ($0, key 4g + i in byte i)
+# and the four values ($1-$4) for the row sum: P converted to e4m3 once
+E4M3_GROUP4_PTX = gl.constexpr("""{
+    .reg .b16 p01, p23, f0, f1, f2, f3;
+    .reg .b32 h01, h23;
+    cvt.rn.satfinite.e4m3x2.f32 p01, $6, $5;
+    cvt.rn.satfinite.e4m3x2.f32 p23, $8, $7;
+    mov.b32 $0, {p01, p23};
+    cvt.rn.f16x2.e4m3x2 h01, p01;
+    cvt.rn.f16x2.e4m3x2 h23, p23;
+    mov.b32 {f0, f1}, h01;
+    mov.b32 {f2, f3}, h23;
+    cvt.f32.f16 $1, f0;
+    cvt.f32.f16 $2, f1;
+    cvt.f32.f16 $3, f2;
+    cvt.f32.f16 $4, f3;
+    }""")
+
+
+@gluon.jit
+def _e4m3_p(x):
+    """FP8 P of a (BLOCK_M, BLOCK_N) tile of exp2 values x (already times 2**8): (int32
+    words of four e4m3 bytes, key 4 g + i in byte i of word g; the row sums of the e4m3
+    values, float32, added four keys a group then across the groups)."""
+    x_e, x_o = gl.split(gl.reshape(x, [BLOCK_M, BLOCK_N // 4, 2, 2]))  # key bit 0
+    k0, k2 = gl.split(x_e)  # key bit 1
+    k1, k3 = gl.split(x_o)
+    w, v0, v1, v2, v3 = gl.inline_asm_elementwise(
+        E4M3_GROUP4_PTX, "=r,=r,=r,=r,=r,r,r,r,r", [k0, k1, k2, k3],
+        dtype=(gl.int32, gl.float32, gl.float32, gl.float32, gl.float32), is_pure=True, pack=1)
+    return w, gl.sum((v0 + v1) + (v2 + v3), axis=1)
 
 
 @gluon.jit
