@@ -66,9 +66,10 @@ def test_ring_specs(spec, want):
 
 @pytest.mark.parametrize("variant", decode_cuda.fp8_product_variants(), ids=str)
 def test_the_fp8_product_builds_compile_without_spills(variant, tmp_path, monkeypatch):
-    """decode(products="fp8")'s builds (QK_FP8: the e4m3 mma.sync, and the same products
-    on f16 mma.sync) at both head dims, every value format, in registers and through the
-    ring; the ring slot (twice the key block-scale rows) checked by the build."""
+    """decode(products="fp8")'s builds (QK_FP8: the e4m3 mma.sync, the same products on
+    f16 mma.sync, the exact path's products with q in e4m3) at both head dims, every value
+    format, in registers and through the ring; the ring slot (forms 1 and 2: twice the key
+    block-scale rows) checked by the build."""
     monkeypatch.setenv("FP4ATTN_CACHE_DIR", str(tmp_path))
     build = decode_cuda.compile_source(decode_cuda.SOURCE, decode_cuda.options_for(variant.defines()), str(variant),
                                        announce=False)
@@ -98,7 +99,7 @@ def test_sm90a_emulates_the_e4m3_mma_sync(tmp_path):
     except RuntimeError:
         pytest.skip("no cuobjdump")
     counts = {}
-    for form in (0, 1, 2):
+    for form in (0, 1, 2, 3):
         _, sass = tool.sass_of(decode_cuda.Variant(128, "nvfp4", "nvfp4", False, stages=2, qk_fp8=form), tmp_path)
         tile = tool.plain_tile(sass)
         counts[form] = {op: sum(o.startswith(op) for o in tile) for op in ("HMMA.16816.F32", "F2FP.F16.E4M3", "FFMA",
@@ -113,3 +114,5 @@ def test_sm90a_emulates_the_e4m3_mma_sync(tmp_path):
     # form 2 (routed) is ptxas's emulation written out with q's conversions and row selection
     # out of the loop: no more SEL than the exact build, fewer instructions than form 1
     assert counts[2]["SEL"] <= counts[0]["SEL"] and counts[2]["all"] < counts[1]["all"], counts
+    # form 3 (routed) changes q's prologue only: the exact build's loop
+    assert counts[3] == counts[0], counts

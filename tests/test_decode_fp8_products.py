@@ -159,7 +159,7 @@ def test_fp8_products_reach_the_kernel_only_where_it_runs():
         assert R.split_kernel(*ok.values(), on_gpu=True, products="fp8") == "cuda"
     for bad, word in ((dict(k_format="mxfp4"), "nvfp4 keys"), (dict(v_format="mxfp4"), "formats"),
                       (dict(head_dim=96), "head_dim"), (dict(sq=2), "new query rows"),
-                      (dict(group=16), "up to 8"), (dict(page_size=40), "page size")):
+                      (dict(group=32), "query heads"), (dict(page_size=40), "page size")):
         assert word in R.fp8_products_unsupported_reason(**{**ok, **bad})
         with pytest.raises(ValueError, match="FP8-products decode kernel cannot run"):
             R.split_kernel(*{**ok, **bad}.values(), on_gpu=True, products="fp8")
@@ -171,5 +171,8 @@ def test_fp8_products_reach_the_kernel_only_where_it_runs():
     assert R.fp8_products_backend("auto", **{**ok, "sq": 3}, on_gpu=True)[0] == "reference"
     with pytest.raises(ValueError, match="cannot run this products='fp8' call"):
         R.fp8_products_backend("triton", **{**ok, "sq": 3}, on_gpu=True)
+    # forms 1 and 2 take up to 8 query heads a KV head, form 3 (routed) up to 16
+    assert R.fp8_products_max_rows(1) == R.fp8_products_max_rows(2) == 8 and R.fp8_products_max_rows(3) == 16
+    assert R.FP8_PRODUCTS_FORM in R.FP8_PRODUCTS_FORMS
     # the default never reaches it
     assert R.split_kernel(*ok.values(), on_gpu=True) in ("cuda", "triton")

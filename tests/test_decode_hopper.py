@@ -247,27 +247,29 @@ FP8_PRODUCT_CASES = [
     ("nvfp4", 2, 2, 4, 128, (1, 31), 48, (0, 30)),  # a tile's worth and less
     ("nvfp4", 1, 1, 8, 128, (2049,), 16, None),  # 8 query heads a KV head: every row of the tile's top half
     ("fp8", 3, 2, 6, 128, (17, 2345, 16), 64, None),  # several lengths, a group of 3
+    ("nvfp4", 2, 2, 32, 128, (300, 1777), None, None),  # 16 query heads a KV head: form 3 only
 ]
 
 
 @pytest.mark.parametrize("case", FP8_PRODUCT_CASES, ids=lambda c: f"nvfp4-{c[0]}-Hq{c[3]}-D{c[4]}-L{c[5]}-ps{c[6]}")
-@pytest.mark.parametrize("form", (1, 2))
+@pytest.mark.parametrize("form", (1, 2, 3))
 def test_the_fp8_products_kernel_matches_the_reference(case, form, monkeypatch):
-    """Both forms of the FP8 products (1: the e4m3 mma.sync, 2: f16 mma.sync over the same
-    e4m3 values) through the ring and in registers, with the planned splits and many,
-    against the reference's products="fp8" (the same e4m3 q, the same exact products up
-    to float32 summation order); NaN and Inf in the cache reach the same rows."""
-    from fp4attn.kernels.hopper import decode_cuda
-
+    """Every form of the FP8 products (1: the e4m3 mma.sync, 2: f16 mma.sync over the same
+    e4m3 values, 3: the exact path's products with q in e4m3) through the ring and in
+    registers, with the planned splits and many, against the reference's products="fp8"
+    (the same e4m3 q, the same exact products up to float32 summation order); NaN and Inf
+    in the cache reach the same rows."""
+    R = decode_op.decode_routing
     vf, B, Hkv, Hq, D, lens, ps, start = case
+    if Hq // Hkv > R.fp8_products_max_rows(form):
+        pytest.skip(f"form {form} takes up to {R.fp8_products_max_rows(form)} query heads a KV head")
     cache = _filled("nvfp4", vf, B, Hkv, D, lens, page_size=ps, bad=True)
     q = torch.randn(B, Hq, 1, D, device="cuda").bfloat16()
     ks = None if start is None else torch.tensor(start, device="cuda", dtype=torch.int32)
     want, want_lse = decode(q, cache, key_start=ks, return_lse=True, backend="reference", products="fp8")
-    monkeypatch.setattr(decode_cuda, "FP8_PRODUCTS_FORM", form)
+    monkeypatch.setattr(R, "FP8_PRODUCTS_FORM", form)
     got, lse = decode(q, cache, key_start=ks, return_lse=True, products="fp8")
     _check(got, want, lse, want_lse, (case, form, "routed"))
-    R = decode_op.decode_routing
     for kernel in ("cuda:2", "cuda:0"):
         for launch in (R.DecodeLaunch(128, 4, 2, kernel=kernel), R.DecodeLaunch(128, 4, 2, splits=37, kernel=kernel)):
             got, lse = decode_op.hopper_decode(q, cache, scale=D**-0.5, causal=True, key_start=ks, launch=launch,
@@ -310,7 +312,7 @@ def test_the_fp8_products_kernel_on_every_code_and_scale():
 
 
 def test_fp8_products_the_kernel_does_not_take_run_on_the_reference_or_raise():
-    """Sq > 1, MXFP4 keys and more than 8 query heads a KV head: "auto" runs the
+    """Sq > 1, MXFP4 keys and more than 16 query heads a KV head: "auto" runs the
     reference's FP8 products (warned once), backend="triton" names why it cannot."""
     import sys
 
@@ -318,7 +320,7 @@ def test_fp8_products_the_kernel_does_not_take_run_on_the_reference_or_raise():
 
     public = sys.modules["fp4attn.decode"]  # the module (fp4attn.decode is the function)
 
-    for kf, Hq, sq in (("nvfp4", 8, 3), ("mxfp4", 8, 1), ("nvfp4", 32, 1)):
+    for kf, Hq, sq in (("nvfp4", 8, 3), ("mxfp4", 8, 1), ("nvfp4", 64, 1)):
         cache = _filled(kf, kf, 2, 2, 128, (300, 45), page_size=16)
         q = torch.randn(2, Hq, sq, 128, device="cuda").bfloat16()
         want = decode(q, cache, backend="reference", products="fp8")

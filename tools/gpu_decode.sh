@@ -34,7 +34,7 @@ fi
 if [ "$WHAT" = fp8 ]; then
     timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_decode_hopper.py \
         -k "fp8_products" 2>&1 | tee "$OUT/tests-fp8-products.txt" | tail -15
-    timeout 400 python3 tools/probe_decode_bound.py --formats nvfp4 --stages 0,2 --ablate 0 --products fp8:1,fp8:2 \
+    timeout 400 python3 tools/probe_decode_bound.py --formats nvfp4 --stages 0,2 --ablate 0 --products fp8:1,fp8:2,fp8:3 \
         --shapes "8,32,8,32768,128;1,32,8,131072,128;64,32,8,4096,128" 2>&1 | tee "$OUT/fp8-products.txt" | tail -16
 fi
 if [ "$WHAT" = study ]; then

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.decode_routing import CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_stages, resident_programs
+from fp4attn.decode_routing import (CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, FP8_PRODUCTS_FORMS, cuda_stages,
+                                    resident_programs)
 from fp4attn.kernels.hopper.nvrtc_build import (Build, check, compile_source, driver, load_function,  # noqa: F401
                                                options_for)
 
@@ -45,7 +46,8 @@ class Variant:
     stages: int = CUDA_STAGES  # the per-warp ring's key tiles (0: the next tile prefetched in registers)
     ablate: int = 0  # timing-only builds (wrong outputs): 1, no dequantization (tools/probe_decode_bound.py)
     # the scores by FP8 products (QK_FP8; NVFP4 keys, decode(products="fp8")): 0 no, 1 on the
-    # e4m3 mma.sync, 2 the same products on f16 mma.sync (the e4m3 bytes converted in the source)
+    # e4m3 mma.sync, 2 the same products on f16 mma.sync (the e4m3 bytes converted in the source),
+    # 3 the exact path's f16 products with q rounded to e4m3 (the same numbers)
     qk_fp8: int = 0
 
     def defines(self) -> list[str]:
@@ -59,7 +61,7 @@ class Variant:
         codes, token scales, block-scale rows (with FP8 products, a key n-tile's rows 2t, 2t +
         1: twice the key scales), in an odd number of 16-byte units."""
         d, sw = self.head_dim, self.head_dim // 64
-        k_scale_rows = (2 if self.k_format == "nvfp4" else 1) * (2 if self.qk_fp8 else 1)
+        k_scale_rows = (2 if self.k_format == "nvfp4" else 1) * (2 if self.qk_fp8 in (1, 2) else 1)
         words = (2 * _key_words(d, self.k_format) + 4 * _value_words(d, self.v_format) + 8
                  + k_scale_rows * sw + (4 if self.v_format == "nvfp4" else 1) * sw)
         units = -(-words // 4)
@@ -70,19 +72,12 @@ class Variant:
         return self.stages * self.warps * 32 * self.slot_bytes()
 
 
-# the FP8-products build that products="fp8" runs (`Variant.qk_fp8`): form 2, the f16 mma.sync
-# over the same e4m3 values, whose plain tile counts 63 SASS instructions fewer than the e4m3
-# mma.sync's (ptxas's emulation of it; docs/notes/decode.md), until a GPU run has measured
-# both (tools/probe_decode_bound.py --products fp8:1,fp8:2)
-FP8_PRODUCTS_FORM = 2
-FP8_PRODUCTS_FORMS = (1, 2)
-
-
 def fp8_product_variants(stages: tuple[int, ...] = (0, 2)) -> list[Variant]:
     """The FP8-products builds (`decode(products="fp8")`): NVFP4 keys, every value format,
-    both head dims, up to 8 query rows, both forms, the ring depths asked for."""
-    return [Variant(d, "nvfp4", vf, False, stages=st, qk_fp8=form) for d in DECODE_HEAD_DIMS for vf in FORMATS
-            for st in stages for form in FP8_PRODUCTS_FORMS]
+    both head dims, every form (`decode_routing.FP8_PRODUCTS_FORMS`; form 3 also with 16
+    query rows), the ring depths asked for."""
+    return [Variant(d, "nvfp4", vf, hi, stages=st, qk_fp8=form) for d in DECODE_HEAD_DIMS for vf in FORMATS
+            for st in stages for form in FP8_PRODUCTS_FORMS for hi in ((False, True) if form == 3 else (False,))]
 
 
 def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:

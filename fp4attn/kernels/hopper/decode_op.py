@@ -149,7 +149,8 @@ def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_
 
     B, Hq, Sq, D = qb.shape
     group = Hq // kv_heads
-    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=stages, qk_fp8=decode_cuda.FP8_PRODUCTS_FORM if products == "fp8" else 0)
+    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=stages,
+                                  qk_fp8=decode_routing.FP8_PRODUCTS_FORM if products == "fp8" else 0)
     plan = decode_routing.CUDA_LAUNCH
     if splits:  # warps' splits asked for: whole CTAs of them
         plan = dataclasses.replace(plan, splits=max(1, -(-splits // variant.warps)))

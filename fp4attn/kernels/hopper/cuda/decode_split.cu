@@ -46,7 +46,7 @@
 // The f16 products are why q is rounded to f16: at its row's power-of-two scale that is
 // exact down to 2**-28 of the row's largest element.
 
-// FP8 products (QK_FP8, `decode(products="fp8")`, NVFP4 keys, up to 8 query rows): the
+// FP8 products (QK_FP8 1 and 2, `decode(products="fp8")`, NVFP4 keys, up to 8 query rows): the
 // scores of 8 keys and 32 channels (two NVFP4 blocks) in one mma.m16n8k32 of e4m3
 // operands. The codes are placed as e4m3 bytes (the value times 2**-6, no conversion in
 // this source: on sm_90a ptxas emulates the e4m3 mma.sync with F2FP.F16.E4M3 and
@@ -90,9 +90,11 @@ typedef long long int64_t;
 #define ABLATE_DEQUANT 0  // loaded words fed to the products unconverted, to place the conversion's cost
 #endif
 
-#ifndef QK_FP8  // the scores by FP8 products (NVFP4 keys, up to 8 query rows; see above): 1, on the
-#define QK_FP8 0  // e4m3 mma.sync; 2, the same products on f16 mma.sync with the e4m3 bytes converted
-#endif            // here (ptxas's own emulation of 1, with q's conversion out of the loop)
+#ifndef QK_FP8  // the scores by FP8 products (NVFP4 keys; see above): 1, on the e4m3 mma.sync; 2, the
+#define QK_FP8 0  // same products on f16 mma.sync with the e4m3 bytes converted here (ptxas's own
+#endif            // emulation of 1, q's conversion out of the loop); 3, the exact path's f16 products
+                  // with q rounded to e4m3 in the prologue (the same numbers: e4m3 values and the
+                  // codes times their block scales are exact in f16; up to 16 query rows)
 
 constexpr int D = HEAD_DIM;
 constexpr int KSTEPS = D / 16;  // k steps of the score product
@@ -104,10 +106,13 @@ constexpr int VW = V_FP4 ? D / 64 : D / 32;  // u32 words of one value row a lan
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
 constexpr int TILE = 16;
 static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
-static_assert(!QK_FP8 || (K_FP4 && !HI_ROWS), "FP8 products: NVFP4 keys, up to 8 query rows");
+// forms 1 and 2: the block-separated products of the header (up to 8 query rows)
+constexpr bool QK_FP8_LOOP = QK_FP8 == 1 || QK_FP8 == 2;
+static_assert(!QK_FP8 || (K_FP4 && QK_FP8 <= 3 && !(QK_FP8_LOOP && HI_ROWS)),
+              "FP8 products: NVFP4 keys; forms 1 and 2 up to 8 query rows");
 // words of key block scales a lane holds an n-tile: key g's row, or (FP8 products) the rows
 // of keys 2t, 2t + 1, whose scores the lane's outputs are
-constexpr int KSW = QK_FP8 ? 2 * SW : SW;
+constexpr int KSW = QK_FP8_LOOP ? 2 * SW : SW;
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Params {
@@ -406,7 +411,7 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
         const int row = 8 * nt + g;
-        if constexpr (QK_FP8) {
+        if constexpr (QK_FP8_LOOP) {
 #pragma unroll
             for (int j = 0; j < KW; ++j) {  // product j: the 4 bytes 16 j + 4 t of key g
                 uint32_t(&w)[1] = *reinterpret_cast<uint32_t(*)[1]>(&r.k[nt][j]);
@@ -460,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // (even channels, then odd): {c, c + 2}, {c + 4, c + 6} in rows g or g + 8
     uint32_t qh[QK_FP8 == 2 ? KW : 1][2][4];
     float row_down[2];
-    if constexpr (QK_FP8) {
+    if constexpr (QK_FP8_LOOP) {
         const bool ok = g < p.group;
         const uint16_t* q_row = p.q + ((int64_t)b * p.hq + h * p.group + g) * D;
         auto get = [&](int c) -> float {
@@ -527,18 +532,32 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
-            const int e = min(max(141 - (int)((__float_as_uint(amax) >> 23) & 0xFF), -126), 100);
+            // f16: the row's largest in [2**14, 2**15); QK_FP8 == 3, e4m3: in [2**7, 2**8)
+            // (reference.decode.half_queries, e4m3_queries)
+            const int top = QK_FP8 == 3 ? 134 : 141;
+            const int e = min(max(top - (int)((__float_as_uint(amax) >> 23) & 0xFF), -126), 100);
             up[r] = __uint_as_float((uint32_t)(127 + e) << 23);
             row_down[r] = __uint_as_float((uint32_t)(127 - e) << 23);
         }
+        // two scaled elements as an f16 pair: rounded to f16, or (QK_FP8 == 3) to e4m3, whose
+        // values f16 holds exactly
+        auto pack = [&](float lo, float hi) -> uint32_t {
+            if constexpr (QK_FP8 == 3) {
+                uint32_t f[2];
+                e4m3x4(pack_e4m3x4(lo, hi, 0.0f, 0.0f), f);
+                return f[0];
+            } else {
+                return pack_f16(lo, hi);
+            }
+        };
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const int c0 = q_channel(kk, t, 0), c1 = q_channel(kk, t, 1);
             const int c2 = q_channel(kk, t, 2), c3 = q_channel(kk, t, 3);
-            qa[kk][0] = pack_f16(get(0, c0) * up[0], get(0, c1) * up[0]);
-            qa[kk][1] = pack_f16(get(0, c2) * up[0], get(0, c3) * up[0]);
-            qb[kk][0] = HI_ROWS ? pack_f16(get(1, c0) * up[1], get(1, c1) * up[1]) : 0u;
-            qb[kk][1] = HI_ROWS ? pack_f16(get(1, c2) * up[1], get(1, c3) * up[1]) : 0u;
+            qa[kk][0] = pack(get(0, c0) * up[0], get(0, c1) * up[0]);
+            qa[kk][1] = pack(get(0, c2) * up[0], get(0, c3) * up[0]);
+            qb[kk][0] = HI_ROWS ? pack(get(1, c0) * up[1], get(1, c1) * up[1]) : 0u;
+            qb[kk][1] = HI_ROWS ? pack(get(1, c2) * up[1], get(1, c3) * up[1]) : 0u;
         }
     }
 
@@ -569,7 +588,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-            if constexpr (QK_FP8) {
+            if constexpr (QK_FP8_LOOP) {
                 // the block scales of keys 8 nt + 2t (words 0 .. SW - 1) and + 1 (SW ..), f16 pairs
                 // {block 2j, 2j + 1} (exact), then float32
 #pragma unroll
