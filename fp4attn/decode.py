@@ -109,10 +109,11 @@ def decode(
             scale, the scores the float32 rounding of the exact products of those e4m3
             queries with the keys (`reference.decode.e4m3_queries`); values, P and the
             softmax as "exact". Measured on CPU inputs, q's e4m3 rounding moves the 4-bit
-            caches' relative error by -0.6% to +3% (docs/notes/decode.md). Its kernel
-            (FP8 tensor-core products, NVFP4 keys, one new row a sequence, up to 8 query
-            heads a KV head) is built but not yet measured; other calls run on the
-            reference ("auto") or raise (backend="triton").
+            caches' relative error by -0.6% to +3% (docs/notes/decode.md). Its kernels
+            (NVFP4 keys, one new row a sequence, up to 16 query heads a KV head) are
+            built but not yet measured; on sm_90 the one that runs computes these
+            numbers on the exact path's f16 products (FP8 mma.sync is emulated there).
+            Other calls run on the reference ("auto") or raise (backend="triton").
 
     Returns:
         The output (B, Hq, Sq, D) in q's dtype (and the LSE if `return_lse`). A row that

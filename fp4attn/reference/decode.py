@@ -41,9 +41,10 @@ those e4m3 queries with the keys' block values (E2M1 codes times their block sca
 Every product of an e4m3 element and an E2M1 code is exact in float32, so a kernel that
 sums each block's products in float32 and multiplies each block's partial by its block
 scale reproduces t up to float32 summation order. The rest (integer maxima, P, V) is the
-exact path's. The kernel computes the products on FP8 tensor-core instructions with the
-E2M1 codes placed as e4m3 bytes and the block scales applied to the products' outputs
-(kernels/hopper/cuda/decode_split.cu, QK_FP8; docs/notes/decode.md).
+exact path's. The kernels (kernels/hopper/cuda/decode_split.cu, QK_FP8;
+docs/notes/decode.md) compute them on e4m3 mma.sync with the E2M1 codes placed as e4m3
+bytes and the block scales applied to the products' outputs, or on the exact path's f16
+products, which hold e4m3 values and the codes times their block scales exactly.
 
 The maximum is rounded up to an integer so that a kernel's online softmax, which
 rescales its running sums by 2**(m_old - m_new) whenever the maximum grows, and its
