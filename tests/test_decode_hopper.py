@@ -306,7 +306,9 @@ def test_the_fp8_products_kernel_on_every_code_and_scale():
 
     kb, ks, _, _ = cache.reference_operands()
     mag = (e4m3_queries(q.float().abs()) @ kb.abs().transpose(-1, -2)).squeeze(-1) * ks  # (B, G, 1) * (B, 1, 1)
-    assert ((lse - want_lse).abs() <= 1e-6 * want_lse.abs() + 2.0 ** -20 * mag.nan_to_num())[~torch.isnan(lse)].all()
+    # (and the GPU's ex2 / lg2 approximations, as test_every_code_and_scale_dequantizes_exactly allows)
+    tol = 1e-6 * (1 + want_lse.abs()) + 2.0 ** -20 * mag.nan_to_num()
+    assert ((lse - want_lse).abs() <= tol)[~torch.isnan(lse)].all()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert torch.allclose(got.float().nan_to_num(), want.float().nan_to_num(), rtol=1e-2, atol=1e-2)
 
