@@ -233,8 +233,8 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, fl
     return d;
 }
 
-// m16n8k32 of e4m3 operands, float32 outputs from -0 (x + -0 is x for every x: ptxas then
-// adds nothing to the emulation's outputs, where from +0 it adds +0 to each)
+// m16n8k32 of e4m3 operands, float32 outputs from -0 (x + -0 is x for every x, so the
+// outputs are the products' sums; sm_90a's emulation still adds it, an FADD an output)
 __device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
