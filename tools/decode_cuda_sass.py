@@ -85,10 +85,12 @@ def main() -> None:
             tile = plain_tile(sass)
             c = collections.Counter(op.split(".")[0] for op in tile)
             counts[fp8] = c
-            qmma = sum(" QMMA" in line or "E4M3" in line and "MMA" in line for line in sass.splitlines())
+            native = sum("QMMA" in line or "QGMMA" in line for line in sass.splitlines())
+            emulated = sum("F2FP.F16.E4M3" in line for line in tile)
             print(f"{f'QK_FP8={fp8}' if fp8 else 'exact'} D={args.head_dim} V={args.values} ring={args.stages}: "
                   f"{build.registers(decode_cuda.KERNEL_NAME)} registers, {build.spill_bytes()} bytes spilled, "
-                  f"plain tile {len(tile)} instructions a lane, e4m3 mma in the SASS: {qmma}")
+                  f"plain tile {len(tile)} instructions a lane ({emulated} F2FP.F16.E4M3), native e4m3 mma "
+                  f"(QMMA, QGMMA) in the kernel: {native}")
             print("   " + ", ".join(f"{k} {n}" for k, n in c.most_common(16)))
     if len(counts) == 2:
         a, b = counts[args.fp8], counts[args.against]
