@@ -10,17 +10,24 @@ pytest.importorskip("cuda.bindings.nvrtc")
 from fp4attn.kernels.hopper import decode_cuda  # noqa: E402
 
 
-@pytest.mark.parametrize("variant", decode_cuda.all_variants((0, 2, 3)), ids=str)
-def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
+def _check_build(variant, tmp_path, monkeypatch):
+    """The variant's build: no spills, at most 255 registers, at least two CTAs of four
+    warps an SM with their rings, and through the ring (which keeps the tiles out of
+    registers) 8 warps an SM at least."""
     monkeypatch.setenv("FP4ATTN_CACHE_DIR", str(tmp_path))
     build = decode_cuda.compile_source(decode_cuda.SOURCE, decode_cuda.options_for(variant.defines()), str(variant),
                                        announce=False)
     assert build.spill_bytes() == 0, build.log
-    # at most 255 registers, and at least two CTAs of four warps an SM with their rings
     regs = build.registers(decode_cuda.KERNEL_NAME)
     assert regs is not None and R.resident_programs(regs, variant.warps, variant.shared_bytes()) >= 2, (regs, variant)
-    if variant.stages:  # the ring keeps the tiles out of registers: 8 warps an SM at least
+    if variant.stages:
         assert regs <= 168, regs
+    return build
+
+
+@pytest.mark.parametrize("variant", decode_cuda.all_variants((0, 2, 3)), ids=str)
+def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
+    build = _check_build(variant, tmp_path, monkeypatch)
     assert build.registers(decode_cuda.COMBINE_NAME) is not None
 
 
@@ -70,14 +77,7 @@ def test_the_fp8_product_builds_compile_without_spills(variant, tmp_path, monkey
     f16 mma.sync, the exact path's products with q in e4m3) at both head dims, every value
     format, in registers and through the ring; the ring slot (forms 1 and 2: twice the key
     block-scale rows) checked by the build."""
-    monkeypatch.setenv("FP4ATTN_CACHE_DIR", str(tmp_path))
-    build = decode_cuda.compile_source(decode_cuda.SOURCE, decode_cuda.options_for(variant.defines()), str(variant),
-                                       announce=False)
-    assert build.spill_bytes() == 0, build.log
-    regs = build.registers(decode_cuda.KERNEL_NAME)
-    assert regs is not None and R.resident_programs(regs, variant.warps, variant.shared_bytes()) >= 2, (regs, variant)
-    if variant.stages:
-        assert regs <= 168, regs
+    _check_build(variant, tmp_path, monkeypatch)
 
 
 def test_sm90a_emulates_the_e4m3_mma_sync(tmp_path):

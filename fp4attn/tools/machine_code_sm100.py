@@ -149,6 +149,26 @@ class BlackwellReport:
         pieces = re.split(r"^\s*partition\d+\(", self.ttgir, flags=re.M)[1:]
         return [(int(re.search(r"num_warps\((\d+)\)", body).group(1)), body) for body in pieces]
 
+    @staticmethod
+    def _inner_loops(ins) -> list[tuple[int, int]]:
+        """(first, last) instruction indices of the innermost tile loops, in program order:
+        backward branches before the kernel's last EXIT (after it ptxas puts the retry
+        stubs of mbarrier waits, which branch back into the loops), spanning 20
+        instructions or more (the waits' own spin loops are shorter) and holding no
+        setmaxnreg (the partitions' dispatch)."""
+        at = {a: i for i, (a, _, _) in enumerate(ins)}
+        exits = [i for i, (_, op, _) in enumerate(ins) if op == "EXIT"]
+        spans = []
+        for i, (a, op, operands) in enumerate(ins[:exits[-1] if exits else 0]):
+            m = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
+            if m is None or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
+                continue
+            j = at[int(m.group(1), 16)]
+            if i - j + 1 >= 20 and not any(o.startswith("USETMAXREG") for _, o, _ in ins[j:i + 1]):
+                spans.append((j, i))
+        return sorted((j, i) for j, i in spans
+                      if not any(j <= j2 and i2 <= i and (j2, i2) != (j, i) for j2, i2 in spans))
+
     def partition_loops(self) -> dict[str, PartitionLoop]:
         """The tile loop of each partition of a pipelined build, by role: "mma" (the
         loop issuing tcgen05 MMAs, with the loads Triton leaves beside them: cp.async and
@@ -163,17 +183,7 @@ class BlackwellReport:
         TMA copies and no MMA, the largest remaining worker partition for the
         correction, the launch's warps for the default (softmax) partition."""
         ins = self.instructions()
-        at = {a: i for i, (a, _, _) in enumerate(ins)}
-        exits = [i for i, (_, op, _) in enumerate(ins) if op == "EXIT"]
-        spans = []
-        for i, (a, op, operands) in enumerate(ins[:exits[-1] if exits else 0]):
-            m = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
-            if m is None or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
-                continue
-            j = at[int(m.group(1), 16)]
-            if i - j + 1 >= 20 and not any(o.startswith("USETMAXREG") for _, o, _ in ins[j:i + 1]):
-                spans.append((j, i))
-        inner = [(j, i) for j, i in spans if not any(j <= j2 and i2 <= i and (j2, i2) != (j, i) for j2, i2 in spans)]
+        inner = self._inner_loops(ins)
         loops = []
         for j, i in inner:
             alloc = [int(m.group(1), 16) for _, o, rest in ins[:j] if o.startswith("USETMAXREG.TRY_ALLOC")
@@ -210,18 +220,7 @@ class BlackwellReport:
         Warps from the IR: the launch's for the default partition (softmax0), the worker
         partitions in `gl.warp_specialize`'s order (softmax1, correction, MMA, load)."""
         ins = self.instructions()
-        at = {a: i for i, (a, _, _) in enumerate(ins)}
-        exits = [i for i, (_, op, _) in enumerate(ins) if op == "EXIT"]
-        spans = []
-        for i, (a, op, operands) in enumerate(ins[:exits[-1] if exits else 0]):
-            m = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
-            if m is None or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
-                continue
-            j = at[int(m.group(1), 16)]
-            if i - j + 1 >= 20 and not any(o.startswith("USETMAXREG") for _, o, _ in ins[j:i + 1]):
-                spans.append((j, i))
-        inner = sorted((j, i) for j, i in spans
-                       if not any(j <= j2 and i2 <= i and (j2, i2) != (j, i) for j2, i2 in spans))
+        inner = self._inner_loops(ins)
 
         def ops(span):
             return [o for _, o, _ in ins[span[0]:span[1] + 1]]
