@@ -70,7 +70,7 @@ def test_selftest_runs_each_recipe_past_its_cuda_key_count():
     from fp4attn import routing
     from fp4attn.recipes import PRESETS
 
-    long = {(a[0], a[1], a[2]): a[4][-1] for fn, a, rec in selftest.cases() if fn == "check_forward" and len(a) == 5}
+    long = {(a[0], a[1], a[2]): a[3] for fn, a, rec in selftest.cases() if fn == "check_forward_long"}
     for name, recipe in PRESETS.items():
         for d in (64, 128):
             for causal in (None, "bottom_right"):
@@ -81,3 +81,8 @@ def test_selftest_runs_each_recipe_past_its_cuda_key_count():
                 else:
                     assert (name, d, causal) not in long
     assert long["directp-fast", 128, None] > routing.FORWARD_LAUNCH[128, False, False].cuda_keys(5)
+    # a case runs as the selftest runs it: its arguments, then the device (here the CPU,
+    # where the routing picks the reference)
+    fn, args, rec = next(c for c in selftest.cases() if c[0] == "check_forward_long")
+    got = selftest.run_case(None, fn, args, rec, "cpu")
+    assert got["keys"] == rec["keys"] and got["status"] == "reference"
