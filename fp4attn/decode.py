@@ -13,7 +13,7 @@ from fp4attn import decode_routing
 from fp4attn.api import ReferenceFallbackWarning
 from fp4attn.kvcache import INPUT_DTYPES, KVCache
 from fp4attn.reference import robust
-from fp4attn.reference.decode import FP8_PRODUCT_KEY_FORMATS, P_HALF_FORMATS, PRODUCTS, reference_decode
+from fp4attn.reference.decode import P_HALF_FORMATS, reference_decode
 
 log = logging.getLogger("fp4attn")
 
@@ -72,7 +72,6 @@ def decode(
     key_start: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
-    products: str = "exact",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q's new rows over a KV cache, after appending k and v to it.
 
@@ -102,18 +101,6 @@ def decode(
             reference: a GPU call then warns, `fp4attn.ReferenceFallbackWarning`, once
             per reason; a CPU call logs it), "triton" (an error where the kernels cannot
             run), or "reference". FP4ATTN_BACKEND overrides "auto".
-        products: how the scores q . k are computed. "exact" (the default): q in f16 at
-            its row's power-of-two scale (exact down to 2**-28 of the row's largest
-            element), products exact. "fp8": a recipe of its own for the 4-bit key
-            formats (nvfp4, mxfp4) only: q rounded to e4m3 at its row's power-of-two
-            scale, the scores the float32 rounding of the exact products of those e4m3
-            queries with the keys (`reference.decode.e4m3_queries`); values, P and the
-            softmax as "exact". Measured on CPU inputs, q's e4m3 rounding moves the 4-bit
-            caches' relative error by -0.6% to +3% (docs/notes/decode.md). Its kernels
-            (NVFP4 keys, one new row a sequence, up to 16 query heads a KV head) are
-            built but not yet measured; on sm_90 the one that runs computes these
-            numbers on the exact path's f16 products (FP8 mma.sync is emulated there).
-            Other calls run on the reference ("auto") or raise (backend="triton").
 
     Returns:
         The output (B, Hq, Sq, D) in q's dtype (and the LSE if `return_lse`). A row that
@@ -123,16 +110,7 @@ def decode(
     s = _check(q, cache, scale, key_start)
     if (k is None) != (v is None):
         raise ValueError("decode: pass both k and v to append, or neither")
-    if products not in PRODUCTS:
-        raise ValueError(f"decode: products={products!r}; accepted: {PRODUCTS}")
-    if products == "fp8" and cache.k_format not in FP8_PRODUCT_KEY_FORMATS:
-        raise ValueError(f"decode: products='fp8' takes 4-bit keys {FP8_PRODUCT_KEY_FORMATS}; this cache's keys "
-                         f"are {cache.k_format} (use products='exact')")
     chosen, why = decode_routing.backend_for(q.device, cache.head_dim, backend)
-    if products == "fp8" and chosen == "triton":
-        chosen, why = decode_routing.fp8_products_backend(
-            backend, cache.k_format, cache.v_format, cache.head_dim, q.shape[1] // cache.kv_heads, q.shape[2],
-            cache.page_size, on_gpu=q.is_cuda and not decode_routing.interpreting())
     if k is not None:
         cache.append(k, v, counts)
     out_dtype, q_in, s_in = q.dtype, q, s
@@ -142,7 +120,7 @@ def decode(
     if chosen == "triton":
         from fp4attn.kernels.hopper.decode_op import hopper_decode
 
-        out, lse = hopper_decode(q, cache, scale=s, causal=causal, key_start=key_start, products=products)
+        out, lse = hopper_decode(q, cache, scale=s, causal=causal, key_start=key_start)
         out = out.to(out_dtype)
     else:
         if backend == "auto" and not torch.compiler.is_compiling():
@@ -151,7 +129,7 @@ def decode(
         kb, ks, vb, vs = cache.reference_operands()
         lengths = torch.tensor(cache.host_lengths, device=q.device)
         res = reference_decode(q, kb, ks, vb, vs, lengths, scale=s, causal=causal, key_start=key_start,
-                               p_half=cache.v_format in P_HALF_FORMATS, products=products)
+                               p_half=cache.v_format in P_HALF_FORMATS)
         out, lse = res.out.to(out_dtype), res.lse
     if cache.smooth_k and return_lse:
         # the scores were q . (k - mean): the LSE of q . k is that plus scale * q . mean

@@ -141,64 +141,10 @@ def cuda_unsupported_reason(k_format: str, v_format: str, head_dim: int, group: 
     return None
 
 
-# FP8 products (`fp4attn.decode(products="fp8")`, reference/decode.py): builds of the CUDA
-# split kernel (QK_FP8) for NVFP4 keys, in three forms with the same numbers
-# (docs/notes/decode.md): 1, the e4m3 mma.sync (sm_90a emulates it: F2FP.F16.E4M3 and
-# HMMA.16816), the group's query rows duplicated per 16-channel block in the mma's 16 rows
-# (up to 8 query heads a KV head) and the block scales on the outputs; 2, the same on f16
-# mma.sync; 3, the exact path's f16 products with q rounded to e4m3 (up to 16). Counted
-# a plain 16-key tile at D = 128: form 1 +95 SASS instructions over the exact build, form 2
-# +32, form 3 the exact build's. Form 3 runs until a GPU run measures the three
-# (tools/probe_decode_bound.py --products fp8:1,fp8:2,fp8:3); only this option reaches
-# them, nothing routes to them by default.
-FP8_PRODUCTS_FORMS = (1, 2, 3)
-FP8_PRODUCTS_FORM = 3
-
-
-def fp8_products_max_rows(form: int | None = None) -> int:
-    """Query heads a KV head that the FP8-products form takes (the routed one by default)."""
-    return CUDA_MAX_ROWS if (form or FP8_PRODUCTS_FORM) == 3 else 8
-
-
-def fp8_products_unsupported_reason(k_format: str, v_format: str, head_dim: int, group: int, sq: int,
-                                    page_size: int, on_gpu: bool = True) -> str | None:
-    """Why the FP8-products kernel does not take this decode call (None: it does)."""
-    if not on_gpu:
-        return "its kernel is CUDA C++ (the interpreter runs Triton kernels only)"
-    if k_format != "nvfp4":
-        return f"keys {k_format} (its kernel takes nvfp4 keys)"
-    why = cuda_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size)
-    if why is None and group > fp8_products_max_rows():
-        why = f"{group} query heads a KV head (it takes up to {fp8_products_max_rows()})"
-    if why is None and not NVRTC_IMPORTABLE:
-        why = "cuda-bindings (NVRTC) is not installed"
-    return why
-
-
-def fp8_products_backend(backend: str, k_format: str, v_format: str, head_dim: int, group: int, sq: int,
-                         page_size: int, on_gpu: bool) -> tuple[str, str]:
-    """("triton" (the kernels) or "reference", why) for a products="fp8" call that the
-    kernels could otherwise run: the FP8-products kernel where it takes the call, else
-    the reference ("auto"), or an error (backend="triton")."""
-    why = fp8_products_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size, on_gpu)
-    if why is None:
-        return "triton", "the FP8-products CUDA kernel (products='fp8')"
-    if requested_backend(backend) == "triton":
-        raise ValueError(f"backend='triton' cannot run this products='fp8' call: {why}")
-    return "reference", f"products='fp8': {why}"
-
-
 def split_kernel(k_format: str, v_format: str, head_dim: int, group: int, sq: int, page_size: int,
-                 on_gpu: bool, asked: str = "", products: str = "exact") -> str:
+                 on_gpu: bool, asked: str = "") -> str:
     """"cuda" or "triton": which split kernel runs this decode call (`asked`: a launch's
-    own choice, which must be possible). products="fp8" runs on the CUDA kernel only."""
-    if products == "fp8":
-        why = fp8_products_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size, on_gpu)
-        if why is None and asked == "triton":
-            why = "the Triton kernel has no FP8 products"
-        if why:
-            raise ValueError(f"the FP8-products decode kernel cannot run this call: {why}")
-        return "cuda"
+    own choice, which must be possible)."""
     why = cuda_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size) if on_gpu else \
         "the interpreter runs Triton kernels only"
     if why is None and not NVRTC_IMPORTABLE:

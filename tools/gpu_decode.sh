@@ -3,9 +3,8 @@
 # parallel processes), then the decode benchmark, then where a short call's host time
 # goes; logs and results under $OUT, a short table last. `bound`: what bounds the CUDA
 # kernel (tools/probe_decode_bound.py); `study`: the study GPT trained on the GPU, then its
-# held-out loss through the cache per format; `fp8`: the FP8-products kernel's GPU tests,
-# then both its forms timed beside the exact NVFP4 build (none of these is part of `all`).
-# Usage: [FORMATS=fp8,nvfp4] bash tools/gpu_decode.sh [tests|bench|host|bound|study|fp8|all] [bench shapes] [launches]
+# held-out loss through the cache per format (neither is part of `all`).
+# Usage: [FORMATS=fp8,nvfp4] bash tools/gpu_decode.sh [tests|bench|host|bound|study|all] [bench shapes] [launches]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,12 +29,6 @@ if [ "$WHAT" = host ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = bound ]; then
     timeout 200 python3 tools/probe_decode_bound.py 2>&1 | tee "$OUT/bound.txt" | tail -12
-fi
-if [ "$WHAT" = fp8 ]; then
-    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_decode_hopper.py \
-        -k "fp8_products" 2>&1 | tee "$OUT/tests-fp8-products.txt" | tail -15
-    timeout 400 python3 tools/probe_decode_bound.py --formats nvfp4 --stages 0,2 --ablate 0 --products fp8:1,fp8:2,fp8:3 \
-        --shapes "8,32,8,32768,128;1,32,8,131072,128;64,32,8,4096,128" 2>&1 | tee "$OUT/fp8-products.txt" | tail -16
 fi
 if [ "$WHAT" = study ]; then
     # the CPU study's model and protocol (docs/notes/decode.md), trained and evaluated here;

@@ -3,13 +3,10 @@ build against a timing-only build that feeds the loaded words to the products un
 (`decode_cuda.Variant.ablate`: wrong outputs, the same loads, softmax and products), at
 the routed ring depth and the others asked for (`--stages`), beside SDPA cuDNN bf16 over a bf16
 cache and a device-to-device copy in the same process. Times are CUDA-graph replays (the
-kernels alone). `--products fp8:1,fp8:2,fp8:3` adds, for NVFP4 keys, the FP8-products
-builds (`decode(products="fp8")`; 1 the e4m3 mma.sync, 2 the same products on f16
-mma.sync, 3 the exact path's products with q in e4m3) at the same ring depths, each checked first against the reference's FP8 products on the same
-cache (the output's relative error in the row). A short table last.
+kernels alone). A short table last.
 
     python tools/probe_decode_bound.py [--shapes "8,32,8,32768,128;1,32,8,131072,128"] [--formats nvfp4,fp8]
-        [--stages 0,2] [--ablate 0,1] [--products exact,fp8:1,fp8:2,fp8:3]
+        [--stages 0,2] [--ablate 0,1]
 """
 
 from __future__ import annotations
@@ -27,11 +24,8 @@ def main() -> None:
     p.add_argument("--formats", default="nvfp4,fp8")
     p.add_argument("--stages", default="0,2", help="ring depths besides the routed one (0: registers)")
     p.add_argument("--ablate", default="0,1", help="0: the routed build, 1: no dequantization (timing only)")
-    p.add_argument("--products", default="exact",
-                   help="exact, and fp8:<form> for the FP8-products builds (NVFP4 keys; form 1 e4m3 mma, 2 f16 "
-                        "mma, 3 the exact path's products with q in e4m3)")
     args = p.parse_args()
-    from fp4attn import KVCache, decode, decode_routing
+    from fp4attn import KVCache, decode_routing
     from fp4attn.cli.bench_decode import _sdpa_decode, copy_bandwidth
     from fp4attn.kernels.hopper import decode_cuda
     from fp4attn.kernels.hopper.decode_op import hopper_decode
@@ -54,38 +48,17 @@ def main() -> None:
             nbytes = 2 * B * Hkv * L * format_layout(fmt, D).bytes_per_token()
             routed = decode_routing.cuda_stages(fmt, fmt)
             for stages in dict.fromkeys((routed, *map(decode_routing.parse_cuda_stages, args.stages.split(",")))):
-                launch = dataclasses.replace(decode_routing.decode_launch(fmt, fmt, D), kernel=f"cuda:{stages}")
-                ring = (f"ring {stages}" if stages else "registers") + (" (routed)" if stages == routed else "")
-                for products in args.products.split(","):
-                    if products == "exact" or fmt != "nvfp4":
-                        continue
-                    form = int(products.partition(":")[2] or decode_routing.FP8_PRODUCTS_FORM)
-                    if Hq // Hkv > decode_routing.fp8_products_max_rows(form):
-                        continue
-                    routed_form, decode_routing.FP8_PRODUCTS_FORM = decode_routing.FP8_PRODUCTS_FORM, form
-                    try:
-                        def call():
-                            return hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch,
-                                                 products="fp8")
-
-                        want = decode(q, cache, backend="reference", products="fp8").float()
-                        err = float((call().float() - want).norm() / want.norm())
-                        ms = graph_ms(call)
-                    finally:
-                        decode_routing.FP8_PRODUCTS_FORM = routed_form
-                    mma = {1: "e4m3 mma.sync", 2: "f16 mma.sync", 3: "exact path, q e4m3"}[form]
-                    row = [shape, fmt, f"FP8 products ({mma}; rel. err {err:.1e}), {ring}", f"{ms * 1e3:.1f}",
-                           f"{base / ms:.2f}x", f"{nbytes / (ms * 1e-3) / copy_bps:.2f}"]
-                    rows.append(row)
-                    print(" | ".join(row), flush=True)
                 for ablate in map(int, args.ablate.split(",")):
                     decode_cuda.Variant = functools.partial(routed_variant, ablate=ablate)
+                    launch = dataclasses.replace(decode_routing.decode_launch(fmt, fmt, D), kernel=f"cuda:{stages}")
                     try:
                         ms = graph_ms(lambda: hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch))
                     finally:
                         decode_cuda.Variant = routed_variant
                     build = "no dequantization (timing only)" if ablate else "routed build"
-                    row = [shape, fmt, f"{build}, {ring}", f"{ms * 1e3:.1f}", f"{base / ms:.2f}x",
+                    label = f"{build}, " + (f"ring {stages}" if stages else "registers")
+                    label += " (routed)" if stages == routed else ""
+                    row = [shape, fmt, label, f"{ms * 1e3:.1f}", f"{base / ms:.2f}x",
                            f"{nbytes / (ms * 1e-3) / copy_bps:.2f}"]
                     rows.append(row)
                     print(" | ".join(row), flush=True)

@@ -29,23 +29,6 @@ P at the top of f16's range whatever the token scales are:
 
 (P below 2**15; f16's normal range reaches 2**-28 below the largest term.)
 
-FP8 products (`products="fp8"`, 4-bit keys only: `FP8_PRODUCT_KEY_FORMATS`): a recipe of
-its own, in which q is rounded to e4m3 instead of f16 (`e4m3_queries`: at its row's
-power-of-two scale 2**e, the row's largest element in [2**7, 2**8), so nothing saturates;
-NaN elements ignored in that largest, an element below 2**-9 of the scale rounding as
-e4m3 subnormals do) and the scores are the float32 rounding of the exact dot products of
-those e4m3 queries with the keys' block values (E2M1 codes times their block scales):
-
-    t_ij = f32(sum_d q8_id kb_jd) * (ks_j * scale * log2(e))
-
-Every product of an e4m3 element and an E2M1 code is exact in float32, so a kernel that
-sums each block's products in float32 and multiplies each block's partial by its block
-scale reproduces t up to float32 summation order. The rest (integer maxima, P, V) is the
-exact path's. The kernels (kernels/hopper/cuda/decode_split.cu, QK_FP8;
-docs/notes/decode.md) compute them on e4m3 mma.sync with the E2M1 codes placed as e4m3
-bytes and the block scales applied to the products' outputs, or on the exact path's f16
-products, which hold e4m3 values and the codes times their block scales exactly.
-
 The maximum is rounded up to an integer so that a kernel's online softmax, which
 rescales its running sums by 2**(m_old - m_new) whenever the maximum grows, and its
 split-K combine only ever multiply by powers of two: those commute with the bf16
@@ -99,11 +82,6 @@ def visible_keys(lengths: torch.Tensor, sq: int, n_keys: int, causal: bool,
 P_HALF_SHIFT = 13
 # the value formats whose P is f16 (`p_half`): their values are exact in f16
 P_HALF_FORMATS = ("fp8",)
-# how the scores' products are computed (`reference_decode`'s `products`): "exact", q in
-# f16 (exact down to 2**-28 of its row); "fp8", q in e4m3 (a recipe of its own), for the
-# key formats whose values are E2M1 codes times block scales
-PRODUCTS = ("exact", "fp8")
-FP8_PRODUCT_KEY_FORMATS = ("nvfp4", "mxfp4")
 
 
 def _exponent_field(x: torch.Tensor) -> torch.Tensor:
@@ -120,18 +98,6 @@ def half_queries(qv: torch.Tensor) -> torch.Tensor:
     return (qv * torch.exp2(e)).half().float() * torch.exp2(-e)
 
 
-def e4m3_queries(qv: torch.Tensor) -> torch.Tensor:
-    """q (float32, bf16 values) rounded to e4m3 (round to nearest even, subnormals
-    included) at its row's power-of-two scale 2**e, e = 7 - floor(log2 amax) (the row's
-    largest in [2**7, 2**8): e4m3's largest finite is 448, so nothing saturates), clamped
-    to [-126, 100], and scaled back: what the FP8 products hold (`products="fp8"`). amax
-    ignores NaN elements (a NaN element stays NaN, and its row's scores are NaN anyway);
-    a row of zeros or subnormals takes e from the same rule on its amax's exponent field."""
-    amax = torch.where(torch.isnan(qv), 0.0, qv.abs()).amax(dim=-1, keepdim=True)
-    e = (134 - _exponent_field(amax)).clamp(-126, 100).float()
-    return (qv * torch.exp2(e)).to(torch.float8_e4m3fn).float() * torch.exp2(-e)
-
-
 def split_scales(vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E, mu) with vs = mu * 2**E: a normal float's exponent and its mantissa in [1, 2);
     zeros, subnormals, Inf and NaN keep E = 0 and mu = vs."""
@@ -143,30 +109,20 @@ def split_scales(vs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_decode(q: torch.Tensor, kb: torch.Tensor, ks: torch.Tensor, vb: torch.Tensor, vs: torch.Tensor,
                      lengths: torch.Tensor, *, scale: float, causal: bool = True,
-                     key_start: torch.Tensor | None = None, p_half: bool = False,
-                     products: str = "exact") -> DecodeResult:
+                     key_start: torch.Tensor | None = None, p_half: bool = False) -> DecodeResult:
     """Decode attention of q (B, Hq, Sq, D) over cached keys and values given as block
     values kb, vb (float32 (B, Hkv, N, D), exact in bf16) and token scales ks, vs
     (float32 (B, Hkv, N)), sequence b holding lengths[b] <= N tokens (entries past it
     are never read). key_start (B,): the first key each sequence attends to. p_half:
-    P in f16 with the value scales' exponents split off (FP8 values: module docstring).
-    products: "exact" (q in f16) or "fp8" (q in e4m3, the scores the float32 rounding of
-    exact sums: module docstring; kb must then be E2M1 codes times block scales)."""
-    if products not in PRODUCTS:
-        raise ValueError(f"products={products!r}; accepted: {PRODUCTS}")
+    P in f16 with the value scales' exponents split off (FP8 values: module docstring)."""
     hq, sq = q.shape[1], q.shape[2]
     n = kb.shape[2]
     qv = q.to(torch.bfloat16).float()
-    qv = qv.masked_fill(torch.isinf(qv), float("nan"))
-    qv = e4m3_queries(qv) if products == "fp8" else half_queries(qv)
+    qv = half_queries(qv.masked_fill(torch.isinf(qv), float("nan")))
     vis = visible_keys(lengths.to(q.device), sq, n, causal, key_start)  # (B, 1, Sq, N)
     kb, ks = expand_heads(kb, hq), expand_heads(ks, hq)
     vb, vs = expand_heads(vb, hq), expand_heads(vs, hq)
-    if products == "fp8":  # the exact sums (float64 holds them: e4m3 x E2M1 x block scale), rounded once
-        dots = (qv.double() @ kb.double().transpose(-1, -2)).float()
-    else:
-        dots = qv @ kb.transpose(-1, -2)
-    t = dots * (ks * (scale * LOG2E)).unsqueeze(-2)
+    t = (qv @ kb.transpose(-1, -2)) * (ks * (scale * LOG2E)).unsqueeze(-2)
     t = t.masked_fill(~vis, -math.inf)
     m = torch.ceil(t.amax(dim=-1))
     m_use = torch.where(m == -math.inf, torch.zeros_like(m), m)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.decode_routing import (CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, FP8_PRODUCTS_FORMS, cuda_stages,
-                                    resident_programs)
+from fp4attn.decode_routing import CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_stages, resident_programs
 from fp4attn.kernels.hopper.nvrtc_build import (Build, check, compile_source, driver, load_function,  # noqa: F401
                                                options_for)
 
@@ -45,39 +44,25 @@ class Variant:
     warps: int = CUDA_WARPS
     stages: int = CUDA_STAGES  # the per-warp ring's key tiles (0: the next tile prefetched in registers)
     ablate: int = 0  # timing-only builds (wrong outputs): 1, no dequantization (tools/probe_decode_bound.py)
-    # the scores by FP8 products (QK_FP8; NVFP4 keys, decode(products="fp8")): 0 no, 1 on the
-    # e4m3 mma.sync, 2 the same products on f16 mma.sync (the e4m3 bytes converted in the source),
-    # 3 the exact path's f16 products with q rounded to e4m3 (the same numbers)
-    qk_fp8: int = 0
 
     def defines(self) -> list[str]:
         return [f"-DHEAD_DIM={self.head_dim}", f"-DK_FMT={FORMATS[self.k_format]}",
                 f"-DV_FMT={FORMATS[self.v_format]}", f"-DHI_ROWS={int(self.hi_rows)}", f"-DWARPS={self.warps}",
                 f"-DSTAGES={self.stages}", f"-DCOMBINE_WARPS={COMBINE_WARPS}", f"-DSLOT_BYTES={self.slot_bytes()}",
-                f"-DABLATE_DEQUANT={self.ablate}", f"-DQK_FP8={int(self.qk_fp8)}"]
+                f"-DABLATE_DEQUANT={self.ablate}"]
 
     def slot_bytes(self) -> int:
         """A lane's slot of one key tile in the ring (decode_split.cu's `Raw` and `SLOT`):
-        codes, token scales, block-scale rows (with FP8 products, a key n-tile's rows 2t, 2t +
-        1: twice the key scales), in an odd number of 16-byte units."""
+        codes, token scales, block-scale rows, in an odd number of 16-byte units."""
         d, sw = self.head_dim, self.head_dim // 64
-        k_scale_rows = (2 if self.k_format == "nvfp4" else 1) * (2 if self.qk_fp8 in (1, 2) else 1)
         words = (2 * _key_words(d, self.k_format) + 4 * _value_words(d, self.v_format) + 8
-                 + k_scale_rows * sw + (4 if self.v_format == "nvfp4" else 1) * sw)
+                 + (2 if self.k_format == "nvfp4" else 1) * sw + (4 if self.v_format == "nvfp4" else 1) * sw)
         units = -(-words // 4)
         return 16 * (units if units % 2 else units + 1)
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory of one CTA: its warps' rings."""
         return self.stages * self.warps * 32 * self.slot_bytes()
-
-
-def fp8_product_variants(stages: tuple[int, ...] = (0, 2)) -> list[Variant]:
-    """The FP8-products builds (`decode(products="fp8")`): NVFP4 keys, every value format,
-    both head dims, every form (`decode_routing.FP8_PRODUCTS_FORMS`; form 3 also with 16
-    query rows), the ring depths asked for."""
-    return [Variant(d, "nvfp4", vf, hi, stages=st, qk_fp8=form) for d in DECODE_HEAD_DIMS for vf in FORMATS
-            for st in stages for form in FP8_PRODUCTS_FORMS for hi in ((False, True) if form == 3 else (False,))]
 
 
 def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:

@@ -142,15 +142,14 @@ def _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, 
 
 
 def _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len,
-                scale, splits, stages, out, lse, products="exact"):
-    """The CUDA split kernel (a split a warp, `stages` its ring's tiles; products="fp8":
-    its FP8-products build) and its combine into out and lse."""
+                scale, splits, stages, out, lse):
+    """The CUDA split kernel (a split a warp, `stages` its ring's tiles) and its combine
+    into out and lse."""
     from fp4attn.kernels.hopper import decode_cuda
 
     B, Hq, Sq, D = qb.shape
     group = Hq // kv_heads
-    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=stages,
-                                  qk_fp8=decode_routing.FP8_PRODUCTS_FORM if products == "fp8" else 0)
+    variant = decode_cuda.Variant(D, k_fmt, v_fmt, hi_rows=group > 8, stages=stages)
     plan = decode_routing.CUDA_LAUNCH
     if splits:  # warps' splits asked for: whole CTAs of them
         plan = dataclasses.replace(plan, splits=max(1, -(-splits // variant.warps)))
@@ -170,11 +169,10 @@ def _decode_impl(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.
                  key_start: Optional[torch.Tensor], k_fmt: str, v_fmt: str, page_size: int, kv_heads: int,
                  max_len: int, scale: float, causal: bool, block_n: int = 0, warps: int = 0, stages: int = 0,
                  programs_per_sm: int = 0, asm: int = -1, splits: int = 0,
-                 split_impl: str = "", products: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
+                 split_impl: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """The body of the `fp4attn::decode` op. block_n, warps, stages, programs_per_sm, asm
     (0/1), splits, split_impl ("triton", "cuda" or "cuda:<ring stages>"): a launch other
-    than the routing table's (0, -1 for asm, "": the table's). products: "exact" or
-    "fp8" (the CUDA kernel's FP8-products build, `fp4attn.decode`)."""
+    than the routing table's (0, -1 for asm, "": the table's)."""
     B, Hq, Sq, D = q.shape
     qb = q.to(torch.bfloat16).contiguous()
     group = Hq // kv_heads
@@ -186,14 +184,14 @@ def _decode_impl(q: torch.Tensor, ka: torch.Tensor, ks: torch.Tensor, kt: torch.
                                          split_impl or launch.kernel)
     hw = _on_gpu()
     kernel, _, ring = launch.kernel.partition(":")
-    kernel = decode_routing.split_kernel(k_fmt, v_fmt, D, group, Sq, page_size, hw, kernel, products)
+    kernel = decode_routing.split_kernel(k_fmt, v_fmt, D, group, Sq, page_size, hw, kernel)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     if kernel == "cuda":
         stages = decode_routing.parse_cuda_stages(ring) if ring else \
             decode_routing.cuda_stages(k_fmt, v_fmt)  # "cuda:<ring stages>"
         _cuda_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads,
-                    max_len, scale, launch.splits, stages, out, lse, products)
+                    max_len, scale, launch.splits, stages, out, lse)
         return out, lse
     o_acc, o_ml, n_split = _triton_split(qb, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt,
                                          page_size, kv_heads, max_len, scale, causal, launch, block_m, hw)
@@ -211,22 +209,20 @@ _decode_op = torch.library.custom_op("fp4attn::decode", mutates_args=())(_decode
 
 @_decode_op.register_fake
 def _(q, ka, ks, kt, va, vs, vt, table, lengths, key_start, k_fmt, v_fmt, page_size, kv_heads, max_len, scale,
-      causal, block_n=0, warps=0, stages=0, programs_per_sm=0, asm=-1, splits=0, split_impl="", products="exact"):
+      causal, block_n=0, warps=0, stages=0, programs_per_sm=0, asm=-1, splits=0, split_impl=""):
     B, Hq, Sq, D = q.shape
     return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 def hopper_decode(q: torch.Tensor, cache, *, scale: float, causal: bool, key_start: torch.Tensor | None = None,
-                  launch: decode_routing.DecodeLaunch | None = None,
-                  products: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
+                  launch: decode_routing.DecodeLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of q (B, Hq, Sq, D) over `cache` (checked by `fp4attn.decode`):
     (out in q's dtype, lse float32). `launch`: instead of the routing table's (to
-    measure one against another). products: "exact" or "fp8" (`fp4attn.decode`)."""
+    measure one against another)."""
     ka, ks, kt = pool_tensors(cache.k, q)
     va, vs, vt = pool_tensors(cache.v, q)
     extra = ((launch.block_n, launch.warps, launch.stages, launch.programs_per_sm, int(launch.asm), launch.splits,
               launch.kernel) if launch is not None else (0, 0, 0, 0, -1, 0, ""))
     op = _decode_op if torch.compiler.is_compiling() else _decode_impl
     return op(q, ka, ks, kt, va, vs, vt, cache.block_table, cache.lengths, key_start, cache.k_format,
-              cache.v_format, cache.page_size, cache.kv_heads, cache.max_length(), scale, causal, *extra,
-              products)
+              cache.v_format, cache.page_size, cache.kv_heads, cache.max_length(), scale, causal, *extra)

@@ -46,19 +46,6 @@
 // The f16 products are why q is rounded to f16: at its row's power-of-two scale that is
 // exact down to 2**-28 of the row's largest element.
 
-// FP8 products (QK_FP8 1 and 2, `decode(products="fp8")`, NVFP4 keys, up to 8 query rows): the
-// scores of 8 keys and 32 channels (two NVFP4 blocks) in one mma.m16n8k32 of e4m3
-// operands. The codes are placed as e4m3 bytes (the value times 2**-6, no conversion in
-// this source: on sm_90a ptxas emulates the e4m3 mma.sync with F2FP.F16.E4M3 and
-// HMMA.16816, docs/notes/decode.md), even channels in B's first register, odd in its
-// second. The two blocks are kept apart by the A operand's rows: rows g hold query g on
-// the first block's channels (k positions of lanes t = 0, 1), rows g + 8 the same query
-// on the second block's (lanes t = 2, 3), zeros elsewhere; so lane t reads the 4 bytes
-// 16 j + 4 t of its key for product j, each output is one block's partial dot product,
-// and the lane multiplies it by its key's block scale into the score (float32 FFMA). q
-// is rounded to e4m3 once a split at its row's power-of-two scale
-// (reference.decode.e4m3_queries). V, the softmax and P are the exact path's.
-
 // NVRTC without the toolkit's headers: the few types it needs
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
@@ -90,12 +77,6 @@ typedef long long int64_t;
 #define ABLATE_DEQUANT 0  // loaded words fed to the products unconverted, to place the conversion's cost
 #endif
 
-#ifndef QK_FP8  // the scores by FP8 products (NVFP4 keys; see above): 1, on the e4m3 mma.sync; 2, the
-#define QK_FP8 0  // same products on f16 mma.sync with the e4m3 bytes converted here (ptxas's own
-#endif            // emulation of 1, q's conversion out of the loop); 3, the exact path's f16 products
-                  // with q rounded to e4m3 in the prologue (the same numbers: e4m3 values and the
-                  // codes times their block scales are exact in f16; up to 16 query rows)
-
 constexpr int D = HEAD_DIM;
 constexpr int KSTEPS = D / 16;  // k steps of the score product
 constexpr int NT_O = D / 8;     // n-tiles of the output
@@ -106,13 +87,6 @@ constexpr int VW = V_FP4 ? D / 64 : D / 32;  // u32 words of one value row a lan
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
 constexpr int TILE = 16;
 static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
-// forms 1 and 2: the block-separated products of the header (up to 8 query rows)
-constexpr bool QK_FP8_LOOP = QK_FP8 == 1 || QK_FP8 == 2;
-static_assert(!QK_FP8 || (K_FP4 && QK_FP8 <= 3 && !(QK_FP8_LOOP && HI_ROWS)),
-              "FP8 products: NVFP4 keys; forms 1 and 2 up to 8 query rows");
-// words of key block scales a lane holds an n-tile: key g's row, or (FP8 products) the rows
-// of keys 2t, 2t + 1, whose scores the lane's outputs are
-constexpr int KSW = QK_FP8_LOOP ? 2 * SW : SW;
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Params {
@@ -211,46 +185,6 @@ __device__ __forceinline__ void fp4x8_f16(uint32_t w, uint32_t mult, uint32_t (&
     o[0] = a[0], o[1] = a[1], o[2] = b[0], o[3] = b[1];
 }
 
-// 8 E2M1 codes (nibble k) -> e4m3 bytes of the values x 2**-6: even = nibbles 0, 2, 4, 6,
-// odd = nibbles 1, 3, 5, 7 (the bytes fp4x8_f16 converts)
-__device__ __forceinline__ void fp4x8_e4m3(uint32_t w, uint32_t& even, uint32_t& odd) {
-#if ABLATE_DEQUANT
-    even = w, odd = w >> 4;
-    return;
-#endif
-    even = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
-    odd = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
-}
-
-// 4 floats -> e4m3 bytes 0..3 (round to nearest even, saturating to finite; NaN kept)
-__device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
-    uint32_t d;
-    asm("{\n\t.reg .b16 lo, hi;\n\t"
-        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\tcvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
-        "mov.b32 %0, {lo, hi};\n\t}"
-        : "=r"(d)
-        : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
-    return d;
-}
-
-// m16n8k32 of e4m3 operands, float32 outputs from -0 (x + -0 is x for every x, so the
-// outputs are the products' sums; sm_90a's emulation still adds it, an FADD an output)
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};"
-        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(-0.0f));
-}
-
-__device__ __forceinline__ float2 f16x2_to_float2(uint32_t h) {
-    float lo, hi;
-    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-        : "=f"(lo), "=f"(hi)
-        : "r"(h));
-    return make_float2(lo, hi);
-}
-
 // an NVFP4 key block's f16 multiplier pair {s, s}, s = e4m3 scale x 2**6 (exact, NaN kept)
 __device__ __forceinline__ void fp4_mult_f16(uint32_t two_bytes, uint32_t (&m)[2]) {
     uint32_t h[2];
@@ -346,7 +280,7 @@ struct alignas(16) Raw {
     uint32_t v[4][VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
     float2 kt[2];       // token scales of keys 8 nt + 2t, + 1
     float2 vt[2];       // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
-    uint32_t ksc[K_FP4 ? 2 : 1][KSW];  // the block scales of key g of n-tile nt (NVFP4; QK_FP8: keys 2t, 2t + 1)
+    uint32_t ksc[K_FP4 ? 2 : 1][SW];  // the block scales of key g of n-tile nt (NVFP4)
     uint32_t vsc[V_FP4 ? 4 : 1][SW];
 };
 // a lane's slot in the ring: an odd number of 16-byte units, so a warp's 16-byte reads of
@@ -411,14 +345,7 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
         const int row = 8 * nt + g;
-        if constexpr (QK_FP8_LOOP) {
-#pragma unroll
-            for (int j = 0; j < KW; ++j) {  // product j: the 4 bytes 16 j + 4 t of key g
-                uint32_t(&w)[1] = *reinterpret_cast<uint32_t(*)[1]>(&r.k[nt][j]);
-                fetch_words<MODE, 1>(x.ka + row * K_ROW + 16 * j + 4 * t, w);
-            }
-            fetch_words<MODE, KSW>(x.ks + (8 * nt + 2 * t) * S_ROW, r.ksc[nt]);
-        } else if constexpr (K_FP4) {
+        if constexpr (K_FP4) {
             fetch_words<MODE, KW>(x.ka + row * K_ROW + (D / 8) * t, r.k[nt]);
             fetch_words<MODE, SW>(x.ks + row * S_ROW, r.ksc[nt]);
         } else {
@@ -458,59 +385,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // -- q fragments: an Inf becomes NaN (as the reference), then f16 at the row's scale 2**e
     // (reference.decode.half_queries), 2**-e going into the row's score factor -------------
     uint32_t qa[KSTEPS][2], qb[KSTEPS][2];
-    // QK_FP8: product j's A registers: q at channels 32 j + 8 t + 2 i (i = 0..3), then + 1,
-    // in rows g (lanes t < 2: the first block) or g + 8 (t >= 2: the second), zeros elsewhere
-    uint32_t q8[QK_FP8 == 1 ? KW : 1][4];
-    // QK_FP8 == 2: the same e4m3 values in f16, the A registers of product j's two f16 mma
-    // (even channels, then odd): {c, c + 2}, {c + 4, c + 6} in rows g or g + 8
-    uint32_t qh[QK_FP8 == 2 ? KW : 1][2][4];
     float row_down[2];
-    if constexpr (QK_FP8_LOOP) {
-        const bool ok = g < p.group;
-        const uint16_t* q_row = p.q + ((int64_t)b * p.hq + h * p.group + g) * D;
-        auto get = [&](int c) -> float {
-            uint32_t x = ok ? q_row[c] : 0u;
-            x = (x & 0x7FFF) == 0x7F80 ? 0x7FC0u : x;
-            return __uint_as_float(x << 16);
-        };
-        float amax = 0.0f;
-#pragma unroll
-        for (int j = 0; j < KW; ++j)
-#pragma unroll
-            for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(get(32 * j + 8 * t + c)));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
-        // reference.decode.e4m3_queries: the row's largest in [2**7, 2**8)
-        const int e = min(max(134 - (int)((__float_as_uint(amax) >> 23) & 0xFF), -126), 100);
-        const float up = __uint_as_float((uint32_t)(127 + e) << 23);
-        // 2**-e, and 2**6 for the codes' e4m3 bytes (the values x 2**-6)
-        row_down[0] = row_down[1] = __uint_as_float((uint32_t)(127 - e + 6) << 23);
-#pragma unroll
-        for (int j = 0; j < KW; ++j) {
-            const int c = 32 * j + 8 * t;
-            const uint32_t ev = pack_e4m3x4(get(c) * up, get(c + 2) * up, get(c + 4) * up, get(c + 6) * up);
-            const uint32_t od = pack_e4m3x4(get(c + 1) * up, get(c + 3) * up, get(c + 5) * up, get(c + 7) * up);
-            if constexpr (QK_FP8 == 1) {
-                q8[j][0] = t < 2 ? ev : 0u, q8[j][1] = t < 2 ? 0u : ev;
-                q8[j][2] = t < 2 ? od : 0u, q8[j][3] = t < 2 ? 0u : od;
-                // through an identity shuffle: ptxas would otherwise keep ev, od and t < 2 and redo
-                // the selection in the loop (a SEL each use: 32 a tile in form 2)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) q8[j][r] = __shfl_sync(0xffffffff, q8[j][r], lane);
-            } else {
-#pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    uint32_t f[2];
-                    e4m3x4(k ? od : ev, f);
-                    qh[j][k][0] = t < 2 ? f[0] : 0u, qh[j][k][1] = t < 2 ? 0u : f[0];
-                    qh[j][k][2] = t < 2 ? f[1] : 0u, qh[j][k][3] = t < 2 ? 0u : f[1];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r)  // an identity shuffle, as q8's
-                        qh[j][k][r] = __shfl_sync(0xffffffff, qh[j][k][r], lane);
-                }
-            }
-        }
-    } else {
+    {
         const bool ok[2] = {g < p.group, HI_ROWS && g + 8 < p.group};
         const uint16_t* q_row[2];
         q_row[0] = p.q + ((int64_t)b * p.hq + h * p.group + g) * D;
@@ -532,32 +408,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
-            // f16: the row's largest in [2**14, 2**15); QK_FP8 == 3, e4m3: in [2**7, 2**8)
-            // (reference.decode.half_queries, e4m3_queries)
-            const int top = QK_FP8 == 3 ? 134 : 141;
-            const int e = min(max(top - (int)((__float_as_uint(amax) >> 23) & 0xFF), -126), 100);
+            const int e = min(max(141 - (int)((__float_as_uint(amax) >> 23) & 0xFF), -126), 100);
             up[r] = __uint_as_float((uint32_t)(127 + e) << 23);
             row_down[r] = __uint_as_float((uint32_t)(127 - e) << 23);
         }
-        // two scaled elements as an f16 pair: rounded to f16, or (QK_FP8 == 3) to e4m3, whose
-        // values f16 holds exactly
-        auto pack = [&](float lo, float hi) -> uint32_t {
-            if constexpr (QK_FP8 == 3) {
-                uint32_t f[2];
-                e4m3x4(pack_e4m3x4(lo, hi, 0.0f, 0.0f), f);
-                return f[0];
-            } else {
-                return pack_f16(lo, hi);
-            }
-        };
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const int c0 = q_channel(kk, t, 0), c1 = q_channel(kk, t, 1);
             const int c2 = q_channel(kk, t, 2), c3 = q_channel(kk, t, 3);
-            qa[kk][0] = pack(get(0, c0) * up[0], get(0, c1) * up[0]);
-            qa[kk][1] = pack(get(0, c2) * up[0], get(0, c3) * up[0]);
-            qb[kk][0] = HI_ROWS ? pack(get(1, c0) * up[1], get(1, c1) * up[1]) : 0u;
-            qb[kk][1] = HI_ROWS ? pack(get(1, c2) * up[1], get(1, c3) * up[1]) : 0u;
+            qa[kk][0] = pack_f16(get(0, c0) * up[0], get(0, c1) * up[0]);
+            qa[kk][1] = pack_f16(get(0, c2) * up[0], get(0, c3) * up[0]);
+            qb[kk][0] = HI_ROWS ? pack_f16(get(1, c0) * up[1], get(1, c1) * up[1]) : 0u;
+            qb[kk][1] = HI_ROWS ? pack_f16(get(1, c2) * up[1], get(1, c3) * up[1]) : 0u;
         }
     }
 
@@ -588,30 +450,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-            if constexpr (QK_FP8_LOOP) {
-                // the block scales of keys 8 nt + 2t (words 0 .. SW - 1) and + 1 (SW ..), f16 pairs
-                // {block 2j, 2j + 1} (exact), then float32
-#pragma unroll
-                for (int j = 0; j < KW; ++j) {
-                    uint32_t even, odd;
-                    fp4x8_e4m3(cur.k[nt][j], even, odd);
-                    float c[4];  // rows g: the first block, g + 8: the second; keys 2t, 2t + 1
-                    if constexpr (QK_FP8 == 1) {
-                        mma_e4m3(c, q8[j][0], q8[j][1], q8[j][2], q8[j][3], even, odd);
-                    } else {  // k slots 2t, 2t + 1 | 2t + 8, 2t + 9: bytes 0, 1 | 2, 3 of even, then of odd
-                        uint32_t e[2], o[2];
-                        e4m3x4(even, e), e4m3x4(odd, o);
-                        c[0] = c[1] = c[2] = c[3] = 0.0f;
-                        mma<true>(c, qh[j][0][0], qh[j][0][1], qh[j][0][2], qh[j][0][3], e[0], e[1]);
-                        mma<true>(c, qh[j][1][0], qh[j][1][1], qh[j][1][2], qh[j][1][3], o[0], o[1]);
-                    }
-                    uint32_t h0[2], h1[2];
-                    e4m3x4(cur.ksc[nt][j / 2], h0), e4m3x4(cur.ksc[nt][SW + j / 2], h1);
-                    const float2 s0 = f16x2_to_float2(h0[j % 2]), s1 = f16x2_to_float2(h1[j % 2]);
-                    s[nt][0] = fmaf(c[2], s0.y, fmaf(c[0], s0.x, s[nt][0]));
-                    s[nt][1] = fmaf(c[3], s1.y, fmaf(c[1], s1.x, s[nt][1]));
-                }
-            } else if constexpr (K_FP4) {
+            if constexpr (K_FP4) {
                 uint32_t mult[2];
                 fp4_mult_f16(k_scales(cur, nt, t), mult);
 #pragma unroll
