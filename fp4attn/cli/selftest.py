@@ -9,8 +9,9 @@ What passes: the LSE within 1e-3 of the reference on >= 99% of the rows that see
 move by up to about 0.1), the same rows seeing no key, the output finite and within 2%
 relative L2 of the reference's (bf16 output), and for the training recipes each
 gradient within 2% relative L2 of the reference backward's. The `fast_accum` recipes,
-whose QK^T sums no reference reproduces: the LSE within 2e-2 on >= 95% of the rows,
-the output within 3%. On Blackwell the FP8 Q/K recipes multiply on the FP8 tensor cores
+whose QK^T sums no reference reproduces, and every recipe on the CUDA C++ forward, whose
+fused softmax rounds on its own: the LSE within 2e-2 on >= 95% of the rows, the output
+within 3%. On Blackwell the FP8 Q/K recipes multiply on the FP8 tensor cores
 (`kind::f8f6f4`): the exact ones pass only if those sum in float32, which this checks.
 
 Each case runs in a worker process under a watchdog (`cli/watchdog.py`, `--case-timeout`
@@ -83,8 +84,12 @@ def check_forward(name: str, d: int, causal: str | None, masked: bool, device, s
     seen = torch.isfinite(ref.lse)
     same_seen = bool(torch.equal(seen, torch.isfinite(lse)))
     # fast_accum recipes: the tensor core's own QK^T sums, which the reference does not
-    # reproduce (`Recipe.fast_accum`): about 1% of P codes differ, each moving its row
-    tol, rows, out_tol = (2e-2, 0.95, 3e-2) if PRESETS[name].fast_accum else (1e-3, 0.99, 2e-2)
+    # reproduce (`Recipe.fast_accum`): about 1% of P codes differ, each moving its row; the
+    # CUDA C++ kernel's fused softmax rounds apart from the reference too (its exp2
+    # polynomial, its own score arithmetic: routing's one exception), its P codes held to
+    # the Triton kernel's by tests/test_cuda_forward.py, so it is held here as they are
+    loose = PRESETS[name].fast_accum or info["kernel"] == "hopper.forward_cuda"
+    tol, rows, out_tol = (2e-2, 0.95, 3e-2) if loose else (1e-3, 0.99, 2e-2)
     err = (lse[seen] - ref.lse[seen]).abs()
     close = float((err < tol).float().mean()) if err.numel() else 1.0
     worst = float(err.max()) if err.numel() else 0.0
