@@ -262,6 +262,24 @@ def _dkdv_tiles_fp4(dk, dv, kt, k_sc, v, k_scale, v_s, start_n, offs_n, start_m,
 
 
 @triton.jit
+def _dkdv_step(dk, dv, k, k_sc, v, k_scale, v_s, start_n, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
+               causal_offset, q_scale, Q, QS, QSC, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+               HEAD_DIM: tl.constexpr, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
+               HW_CVT: tl.constexpr, TMA: tl.constexpr, ROW_SCALES: tl.constexpr, QK_FP4: tl.constexpr):
+    """One step of the dK/dV kernel's query loop at start_m: two 64-query tiles with the
+    scores by the FP4 product (QK_FP4, `_dkdv_tiles_fp4`), else one (`_dkdv_tile`)."""
+    if QK_FP4:
+        dk, dv = _dkdv_tiles_fp4(dk, dv, k, k_sc, v, k_scale, v_s, start_n, offs_n, start_m, offs_mb, row_off, hd_off,
+                                 Sq, Sk, causal_offset, q_scale, Q, QSC, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C,
+                                 Q_CS, HEAD_DIM, P_MODE, CAUSAL, MASK, HW_CVT)
+    else:
+        dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
+                            causal_offset, q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
+                            HEAD_DIM, P_MODE, CAUSAL, MASK, HW_CVT, TMA, ROW_SCALES)
+    return dk, dv
+
+
+@triton.jit
 def lse_log2(lse):
     """The forward's LSE in log2 units (rounded alone, never contracted into the
     subtraction that follows), +inf for rows that see no key (LSE -inf), so that their
@@ -330,6 +348,7 @@ def attn_bwd_dkdv_kernel(
         k, k_sc = _nvfp4_token_tile(K, KSC, kv_off, offs_n, key_ok, HEAD_DIM, True)
     else:
         k = _token_tile(K, kv_off, start_n, offs_n, key_ok, HEAD_DIM, False)
+        k_sc = None
     if ROW_SCALES:  # the program's keys' own scales
         k_scale = token_scales(KS, kv_off, offs_n, key_ok, 1.0, 0)
     else:
@@ -356,23 +375,13 @@ def attn_bwd_dkdv_kernel(
         row_off = (b.to(tl.int64) * H + h) * Sq
         hd_off = (b.to(tl.int64) * H + h) * HEAD_DIM
         for start_m in range(lo, mid, STEP):
-            if QK_FP4:
-                dk, dv = _dkdv_tiles_fp4(dk, dv, k, k_sc, v, k_scale, v_s, start_n, offs_n, start_m, offs_mb, row_off,
-                                         hd_off, Sq, Sk, causal_offset, q_scale, Q, QSC, LSE, DELTA, DO_T, DO_TS, DO_C,
-                                         DO_CS, Q_C, Q_CS, HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT)
-            else:
-                dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
-                                    causal_offset, q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
-                                    HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, TMA, ROW_SCALES)
+            dk, dv = _dkdv_step(dk, dv, k, k_sc, v, k_scale, v_s, start_n, offs_n, start_m, offs_mb, row_off, hd_off,
+                                Sq, Sk, causal_offset, q_scale, Q, QS, QSC, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C,
+                                Q_CS, HEAD_DIM, P_MODE, CAUSAL, True, HW_CVT, TMA, ROW_SCALES, QK_FP4)
         for start_m in range(mid, Sq, STEP):
-            if QK_FP4:
-                dk, dv = _dkdv_tiles_fp4(dk, dv, k, k_sc, v, k_scale, v_s, start_n, offs_n, start_m, offs_mb, row_off,
-                                         hd_off, Sq, Sk, causal_offset, q_scale, Q, QSC, LSE, DELTA, DO_T, DO_TS, DO_C,
-                                         DO_CS, Q_C, Q_CS, HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT)
-            else:
-                dk, dv = _dkdv_tile(dk, dv, k, v, k_scale, v_s, offs_n, start_m, offs_mb, row_off, hd_off, Sq, Sk,
-                                    causal_offset, q_scale, Q, QS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C, Q_CS,
-                                    HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, TMA, ROW_SCALES)
+            dk, dv = _dkdv_step(dk, dv, k, k_sc, v, k_scale, v_s, start_n, offs_n, start_m, offs_mb, row_off, hd_off,
+                                Sq, Sk, causal_offset, q_scale, Q, QS, QSC, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, Q_C,
+                                Q_CS, HEAD_DIM, P_MODE, CAUSAL, False, HW_CVT, TMA, ROW_SCALES, QK_FP4)
     out = (kv_off + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
     tl.store(DV + out, (dv * (1.0 / P_OFFSET)).to(DV.dtype.element_ty), mask=key_ok[:, None])
