@@ -17,12 +17,26 @@ produced wrong tiles with Triton 3.6 on the H200
 (docs/notes/hopper-forward.md).
 """
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from fp4attn.formats import constants
 from fp4attn.reference import affine, directp, encoding
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The number of SMs of CUDA device `device` (looked up once per device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
 
 FP8_MIN_AMAX = tl.constexpr(constants.FP8_MIN_AMAX)
 P_EMIN = tl.constexpr(encoding.P_EMIN)

@@ -325,18 +325,18 @@ _QUANTIZER_SIGS = {
                                CAMAX="*i32", MEAN="*fp32", FB="*i8", S="i32"),
     "_nvfp4_decode_kernel": dict(CODES="*u8", BSCALE="*fp8e4nv", Y="*bf16", CT="*fp8e4nv", CS="*fp32",
                                  SCALE="*fp32", CAMAX="*i32", S="i32"),
-    "_v_kernel": dict(V="*bf16", VT="*fp8e4nv", VS="*fp32", SCALE="*fp32", AMAX="*i32", E="*i32", FINITE="*i8",
-                      EMAX="*i32", Y="*fp8e4nv", YS="*fp32", S="i32", S_ROW="i32"),
+    "_v_kernel": dict(V="*bf16", VT="*fp8e4nv", VS="*fp32", SCALE="*fp32", STATS_AT="*i32", Y="*fp8e4nv",
+                      YS="*fp32", WORK="*i32", G="i32", S="i32", S_ROW="i32"),
     # quantize_train_fp8.py: per-token FP8 Q/K in training
     "_fp8_views_kernel": dict(Y8="*fp8e4nv", S_ROW="*fp32", CAMAX="*i32", V="*bf16", CT="*fp8e4nv", CS="*fp32",
                               S="i32"),
 }
 
 
-def compile_quantizer(name: str, **constexprs):
+def compile_quantizer(name: str, num_warps: int = 4, **constexprs):
     """Quantizer kernel `name` of `quantize.py` or `quantize_train_fp8.py` compiled for
-    sm_90 with these constexprs (D = 128 unless given), 4 warps as its launcher runs it;
-    pointers and lengths specialized as multiples of 16."""
+    sm_90 with these constexprs (D = 128 unless given) and `num_warps` as its launcher
+    runs it; pointers and lengths specialized as multiples of 16."""
     from fp4attn.kernels.hopper import quantize, quantize_train_fp8
 
     fn = getattr(quantize, name, None) or getattr(quantize_train_fp8, name)
@@ -348,7 +348,8 @@ def compile_quantizer(name: str, **constexprs):
     # constexprs' names, so builds differing only in which defaulted flag is set shared
     # one cached cubin (HAS_MEAN=True and FOUR_OVER_SIX=True hashed alike)
     defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    return _compile_sm90(fn, sig, {**defaults, "D": 128, **constexprs}, _pointers_and(sig, ("S", "S_ROW")), 4, 1)
+    return _compile_sm90(fn, sig, {**defaults, "D": 128, **constexprs}, _pointers_and(sig, ("S", "S_ROW")), num_warps,
+                         1)
 
 
 def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part: str = "dkdv",

@@ -9,13 +9,13 @@ empty tensor in their place (never read).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import torch
 import triton
 
 from fp4attn import decode_routing
+from fp4attn.kernels.common import sm_count
 from fp4attn.kernels.hopper.decode_triton import decode_combine_kernel, decode_split_kernel
 from fp4attn.kernels.hopper.kvcache_triton import kvcache_append_kernel
 from fp4attn.reference.forward import LOG2E
@@ -31,14 +31,9 @@ def _on_gpu() -> bool:
     return not decode_routing.interpreting()
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _sms(device: torch.device) -> int:
     # under the interpreter (CPU tensors) a nominal count: the split plan is then small
-    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+    return sm_count(device) if device.type == "cuda" else 4
 
 
 def _or_empty(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

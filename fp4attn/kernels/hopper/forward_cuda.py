@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from fp4attn.kernels.common import sm_count
 from fp4attn.kernels.hopper.nvrtc_build import (ARCH, CACHE_ENV, Build, check, compile_source, driver,  # noqa: F401
                                                load_function, nvrtc_version, options_for)
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
@@ -325,10 +326,6 @@ def p_codes_by_slab(p_dump: torch.Tensor, rows: int, causal: bool) -> torch.Tens
     return slabs.reshape(bh, blocks * consumers, tiles, 128, 64)[:, :-(-rows // 64)]
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
                         key_bias: torch.Tensor | None = None, p_dump: torch.Tensor | None = None,
                         affine_p: bool = False, lazy_rescale: bool = False, affine_mx: bool = False,
@@ -395,7 +392,7 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     p.p_dump = p_dump.data_ptr() if p_dump is not None else 0
     p.units = B * H * -(-Sq // variant.block_m)
     # the kernel's __launch_bounds__(THREADS, 1) and shared memory leave one CTA an SM
-    grid = min(p.units, _sm_count(q.device)) if persistent else p.units
+    grid = min(p.units, sm_count(q.device)) if persistent else p.units
 
     fn = _function(variant, q.device)
     drv = driver()

@@ -5,7 +5,7 @@ reductions its scales need: max |x| of each head (NVFP4 Q/K: one tensor scale pe
 (FP8 V, dO) by `_abs_max_kernel`, or fused into a pass that reads the operand
 anyway (`channel_amax=True`; smoothed K's from its channels' extremes in the pass that
 makes its mean, `_key_mean_kernel`), from which the kernels compute the scales themselves;
-MXFP4 V's block exponents and head maximum (`_mx_block_stats_kernel`). Every kernel
+MXFP4 V's head maximum of block exponents (`_v_kernel`, which reads V once). Every kernel
 works on (heads, S, D) tiles of one head, so per-channel maxima are one atomic max per
 channel and program, and nothing here waits for the GPU.
 
@@ -32,7 +32,7 @@ from triton.language.extra import libdevice
 
 from fp4attn.formats import constants
 from fp4attn.formats.constants import MX_BLOCK
-from fp4attn.kernels.common import fp8_scale_inv, round_e4m3, round_e4m3_cvt
+from fp4attn.kernels.common import fp8_scale_inv, round_e4m3, round_e4m3_cvt, sm_count
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, qk_dtype
 from fp4attn.recipes import Recipe
 from fp4attn.reference import encoding
@@ -666,86 +666,105 @@ def _pow2(e):
 
 
 @triton.jit
-def _v_kernel(V, VT, VS, SCALE, AMAX, E, FINITE, EMAX, Y, YS, S, S_ROW, D: tl.constexpr, BLOCK_S: tl.constexpr,
-              MXFP4: tl.constexpr, HAS_SCALE: tl.constexpr, TOKENS: tl.constexpr, HW_CVT: tl.constexpr):
-    """V (S, D) of one head -> e4m3 V^T (D, S) in rows of S_ROW >= S keys and the
-    per-channel scales VS (B*H, D), written by the first program of each head.
+def _mx_exponents(v):
+    """Per 32-key block and channel of a (NB, 32, D) float32 tile: the shared MXFP4
+    exponent of its finite entries (`formats.mx.mx_exponent`, floor rule) and whether all
+    of them are finite, (NB, 1, D)."""
+    a = tl.abs(v)
+    finite = a < float("inf")  # False for +-inf and NaN
+    amax = tl.max(tl.where(finite, a, 0.0), axis=1, keep_dims=True)
+    all_finite = tl.min(finite.to(tl.int32), axis=1, keep_dims=True) != 0
+    positive = amax > 0.0
+    e = tl.where(positive, _floor_log2(tl.where(positive, amax, 1.0)) - E2M1_EMAX, E8M0_EMIN)
+    return tl.minimum(tl.maximum(e, E8M0_EMIN), E8M0_EMAX), all_finite
+
+
+@triton.jit
+def _v_kernel(V, VT, VS, SCALE, STATS_AT, Y, YS, WORK, G, S, S_ROW, D: tl.constexpr, BLOCK_S: tl.constexpr,
+              MXFP4: tl.constexpr, HAS_SCALE: tl.constexpr, TOKENS: tl.constexpr, HW_CVT: tl.constexpr,
+              STATS: tl.constexpr, QUANT: tl.constexpr):
+    """V (S, D) of each head -> e4m3 V^T (D, S) in rows of S_ROW >= S keys (zero past S)
+    and the per-channel scales VS (G, D), written by each head's first block.
+
+    A program takes one block of BLOCK_S keys of one head, in the order of a ticket drawn
+    from WORK[0] (G * cdiv(S_ROW, BLOCK_S) blocks). STATS: the head's statistic from the
+    block into STATS_AT by an atomic max: FP8, each channel's max |v| (G, D), float32
+    bits; MXFP4, the largest exponent of a finite 32-key block (G,), less E8M0_EMIN (so
+    that zeros start it). QUANT: the block's
+    values from the finished statistic. With both, the block stays in registers between
+    them: the program counts itself into WORK[1 + g] and waits until all its head's
+    blocks are counted, so V is read once (a pass for the maxima and a pass for the
+    values read it twice). The tickets make the wait safe: every block of an earlier
+    ticket belongs to a program that is running or done, so a head waits only on
+    programs that run, provided the GPU holds a head's blocks at once (the launcher
+    takes the two-launch form, STATS then QUANT, where a head has more blocks than the
+    GPU has SMs, and under the interpreter, which runs programs one after another).
 
     FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE; the
-    per-channel scales from each channel's max |v| over the sequence (AMAX: (B*H, D)
-    float32 bits) as `formats.fp8.fp8_scales` computes them (`_fp8_channel_scales`).
-    MXFP4: E2M1 of v * 2**-e times 2**(e - c), with E and FINITE the block exponents and
-    finiteness per 32 keys and channel ((B*H, n_blocks, D), `_mx_block_stats_kernel`)
-    and c from the head's largest finite exponent EMAX (`reference.operands.v_window`):
+    per-channel scales from each channel's max |v| as `formats.fp8.fp8_scales` computes
+    them (`_fp8_channel_scales`).
+    MXFP4: E2M1 of v * 2**-e times 2**(e - c), e the block's exponent (`_mx_exponents`)
+    and c from the head's largest finite exponent (`reference.operands.v_window`):
     blocks more than V_WINDOW below it are flushed to +0, non-finite blocks are NaN.
     TOKENS: also the per-token FP8 of V's represented values (V^T's values times VS),
-    Y (B*H, S, D) e4m3 and YS (B*H, S): the training backward's view of V in
+    Y (G, S, D) e4m3 and YS (G, S): the training backward's view of V in
     dP = dO V^T, from the tile already in registers."""
     NB: tl.constexpr = BLOCK_S // 32
-    bh = tl.program_id(1).to(tl.int64)
-    blk = tl.program_id(0) * NB + tl.arange(0, NB)  # 32-key block index
-    s = blk[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
+    n_blocks = tl.cdiv(S_ROW, BLOCK_S)
+    if STATS and QUANT:
+        item = tl.atomic_add(WORK, 1, sem="relaxed")
+    else:
+        item = tl.program_id(0)
+    bh = (item // n_blocks).to(tl.int64)
+    b = item % n_blocks
+    s = b * BLOCK_S + tl.arange(0, NB)[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
     d = tl.arange(0, D)[None, None, :]
     dd = tl.arange(0, D)
     ok = s < S
     v = tl.load(V + bh * S * D + s * D + d, mask=ok, other=0.0).to(tl.float32)
-    if MXFP4:
-        nblocks = tl.cdiv(S, 32)
-        t_off = bh * nblocks * D + blk[:, None, None] * D + d
-        tmask = blk[:, None, None] < nblocks
-        e = tl.load(E + t_off, mask=tmask, other=0)
-        finite = tl.load(FINITE + t_off, mask=tmask, other=1) != 0
-        e_max = tl.load(EMAX + bh)
-        c = tl.minimum(tl.maximum(e_max - V_TOP, -126), 126)
-        osc = _pow2(tl.minimum(tl.maximum(e - c, -149), 127))
-        osc = tl.where(finite & (e < e_max - V_WINDOW), 0.0, osc)
-        osc = tl.where(finite, osc, float("nan"))
-        y = v * _pow2(-tl.minimum(tl.maximum(e, -127), 127))
-        mag = _e2m1_value(tl.abs(y))
-        out = _with_sign_of(mag, y) * osc
-        out = tl.where(osc == 0.0, 0.0, out)  # a flushed block is +0, as the reference's masked_fill
-        vs = tl.full([D], 0.0, tl.float32) + _pow2(c)
-    else:
-        vs, inv = _fp8_channel_scales(AMAX + bh * D, SCALE, D, HAS_SCALE)
-        if HAS_SCALE:
-            v = v * tl.load(SCALE)
-        out = _e4m3_signed(v * inv[None, None, :], HW_CVT)
-    if tl.program_id(0) == 0:
-        tl.store(VS + bh * D + dd, vs)
-    tl.store(VT + bh * D * S_ROW + d * S_ROW + s, out.to(tl.float8e4nv), mask=ok)
-    if TOKENS:
-        # the represented values exactly as the reference's (one float32 product)
-        y, ys = _fp8_per_row(out * vs[None, None, :], 2, HW_CVT)
-        tl.store(YS + bh * S + blk[:, None] * 32 + tl.arange(0, 32)[None, :], ys, mask=tl.reshape(ok, [NB, 32]))
-        tl.store(Y + bh * S * D + s * D + d, y.to(tl.float8e4nv), mask=ok)
-
-
-@triton.jit
-def _mx_block_stats_kernel(V, E, FINITE, EMAX, S, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Per 32-key block and channel of V (S, D) of one head: the shared MXFP4 exponent of
-    its finite entries (`formats.mx.mx_exponent`, floor rule) and whether all of them
-    are finite, as (n_blocks, D) tables, and into EMAX (B*H,) the head's largest
-    exponent of a finite block (an atomic max, so the order of programs cannot matter).
-    Reads V once in its own layout."""
-    NB: tl.constexpr = BLOCK_S // 32
-    bh = tl.program_id(1).to(tl.int64)
-    blk = tl.program_id(0) * NB + tl.arange(0, NB)
-    s = blk[:, None, None] * 32 + tl.arange(0, 32)[None, :, None]
-    d = tl.arange(0, D)[None, None, :]
-    v = tl.load(V + bh * S * D + s * D + d, mask=s < S, other=0.0).to(tl.float32)
-    a = tl.abs(v)
-    finite = a < float("inf")  # False for +-inf and NaN
-    amax = tl.max(tl.where(finite, a, 0.0), axis=1)
-    all_finite = tl.min(finite.to(tl.int32), axis=1) != 0
-    positive = amax > 0.0
-    e = tl.where(positive, _floor_log2(tl.where(positive, amax, 1.0)) - E2M1_EMAX, E8M0_EMIN)
-    e = tl.minimum(tl.maximum(e, E8M0_EMIN), E8M0_EMAX)
-    nblocks = tl.cdiv(S, 32)
-    off = bh * nblocks * D + blk[:, None] * D + tl.arange(0, D)[None, :]
-    ok = blk[:, None] < nblocks
-    tl.store(E + off, e, mask=ok)
-    tl.store(FINITE + off, all_finite.to(tl.int8), mask=ok)
-    tl.atomic_max(EMAX + bh, tl.max(tl.max(tl.where(all_finite & ok, e, E8M0_EMIN), axis=1), axis=0), sem="relaxed")
+    if STATS:
+        if MXFP4:
+            e, finite = _mx_exponents(v)
+            top = tl.max(tl.max(tl.max(tl.where(finite, e, E8M0_EMIN), axis=2), axis=1), axis=0)
+            tl.atomic_max(STATS_AT + bh, top - E8M0_EMIN, sem="relaxed")
+        else:
+            _channel_amax_flush(STATS_AT + bh * D, tl.reshape(_abs_bits(v), [BLOCK_S, D]), D)
+        if QUANT:
+            # the count follows every thread's atomics (the barrier, then a release), and
+            # the reads of the statistic follow the count (acquire; `.cg`: from L2)
+            tl.debug_barrier()
+            tl.atomic_add(WORK + 1 + bh, 1, sem="release")
+            counted = tl.atomic_add(WORK + 1 + bh, 0, sem="acquire")
+            while counted < n_blocks:
+                counted = tl.atomic_add(WORK + 1 + bh, 0, sem="acquire")
+    if QUANT:
+        if MXFP4:
+            e, finite = _mx_exponents(v)  # again: fewer registers held through the wait
+            e_max = tl.load(STATS_AT + bh, cache_modifier=".cg") + E8M0_EMIN
+            c = tl.minimum(tl.maximum(e_max - V_TOP, -126), 126)
+            osc = _pow2(tl.minimum(tl.maximum(e - c, -149), 127))
+            osc = tl.where(finite & (e < e_max - V_WINDOW), 0.0, osc)
+            osc = tl.where(finite, osc, float("nan"))
+            y = v * _pow2(-tl.minimum(tl.maximum(e, -127), 127))
+            mag = _e2m1_value(tl.abs(y))
+            out = _with_sign_of(mag, y) * osc
+            out = tl.where(osc == 0.0, 0.0, out)  # a flushed block is +0, as the reference's masked_fill
+            vs = tl.full([D], 0.0, tl.float32) + _pow2(c)
+        else:
+            vs, inv = _fp8_channel_scales(STATS_AT + bh * D, SCALE, D, HAS_SCALE)
+            if HAS_SCALE:
+                v = v * tl.load(SCALE)
+            out = _e4m3_signed(v * inv[None, None, :], HW_CVT)
+        if b == 0:
+            tl.store(VS + bh * D + dd, vs)
+        out = tl.where(ok, out, 0.0)  # the rows' padding past S (a NaN block's too) is zero
+        tl.store(VT + bh * D * S_ROW + d * S_ROW + s, out.to(tl.float8e4nv), mask=s < S_ROW)
+        if TOKENS:
+            # the represented values exactly as the reference's (one float32 product)
+            y, ys = _fp8_per_row(out * vs[None, None, :], 2, HW_CVT)
+            tok = b * BLOCK_S + tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :]
+            tl.store(YS + bh * S + tok, ys, mask=tok < S)
+            tl.store(Y + bh * S * D + s * D + d, y.to(tl.float8e4nv), mask=ok)
 
 
 def _hw_cvt() -> bool:
@@ -945,8 +964,13 @@ def _per_head(scale: torch.Tensor, G: int, S: int) -> torch.Tensor:
     return scale.reshape(G).float().contiguous()
 
 
+# warps a program of `_v_kernel`: MXFP4's one-pass form holds 138 registers a thread with
+# 4 (its 64-key block, the exponents, the window), 73 with 8
+V_WARPS = {"fp8": 4, "mxfp4": 8}
+
+
 def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, pad_keys_to: int = 1,
-                 channel_amax: torch.Tensor | None = None, tokens: bool = False):
+                 channel_amax: torch.Tensor | None = None, tokens: bool = False, one_pass: bool | None = None):
     """V (B, H, S, D) as e4m3 V^T (B, H, D, S) and its per-channel scale (B, H, D): FP8 per
     channel, or MXFP4 inside its e4m3 window (`reference.operands.quantize_v`).
 
@@ -961,38 +985,50 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     computed here otherwise.
     `tokens`: also the per-token FP8 of V's represented values (V^T's values times the
     scales), (B, H, S, D) e4m3 and (B, H, S): the training backward's view of V, made
-    from the tile in registers instead of a pass over V^T."""
+    from the tile in registers instead of a pass over V^T.
+    `one_pass`: whether V is read once (its statistic and values in one launch,
+    `_v_kernel`) or twice (two launches; the same bytes); None: once where that is safe
+    (on the GPU, a head of at most as many 64-key blocks as the GPU has SMs)."""
     if (scale is not None or channel_amax is not None) and fmt != "fp8":
         raise ValueError(f"quantize_v_t: `scale` and `channel_amax` are for fmt='fp8' only, got fmt={fmt!r}")
     if not isinstance(pad_keys_to, int) or pad_keys_to < 1:
         raise ValueError(f"quantize_v_t: pad_keys_to must be a positive int (1: no padding), got {pad_keys_to!r}")
     B, H, S, D = v.shape
+    G = B * H
     vc = v.contiguous()
     s_row = _cdiv(S, pad_keys_to) * pad_keys_to
     vt = torch.empty((B, H, D, s_row), device=v.device, dtype=torch.float8_e4m3fn)
-    if s_row > S:
-        vt[..., S:].zero_()
     vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
     y = torch.empty((B, H, S, D) if tokens else 0, device=v.device, dtype=torch.float8_e4m3fn)
     ys = torch.empty((B, H, S) if tokens else 0, device=v.device, dtype=torch.float32)
-    none = vs  # pointer arguments the other format's path does not read
     # keys per program: 64 (80 registers on sm_90 at D = 128); 32 with the per-token
     # view, which at 64 took 167
     block_s = 32 if tokens else 64
-    grid = (_cdiv(S, block_s), B * H)
-    if fmt == "fp8":
-        amax = channel_amax.contiguous() if channel_amax is not None else abs_max_bits(vc, per_channel=True)
-        _v_kernel[grid](vc, vt, vs, scale if scale is not None else none, amax, none, none, none, y, ys, S, s_row,
-                        D=D, BLOCK_S=block_s, MXFP4=False, HAS_SCALE=scale is not None, TOKENS=tokens,
-                        HW_CVT=_hw_cvt(), num_warps=4)
+    n_blocks = _cdiv(s_row, block_s)
+    # the statistic (FP8: G x D maxima; MXFP4: G exponents) and the tickets and counts
+    # of the one-pass form, in one buffer of zeros
+    n_stats = G * D if fmt == "fp8" else G
+    work = torch.zeros(n_stats + 1 + G, device=v.device, dtype=torch.int32)
+    stats, tickets = work[:n_stats], work[n_stats:]
+    if channel_amax is not None:
+        stats = channel_amax.contiguous()
+    args = (vc, vt, vs, scale if scale is not None else vs, stats, y, ys, tickets, G, S, s_row)
+    consts = dict(D=D, BLOCK_S=block_s, MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, TOKENS=tokens,
+                  HW_CVT=_hw_cvt(), num_warps=V_WARPS[fmt])
+    safe = _hw_cvt() and v.is_cuda and n_blocks <= sm_count(v.device)
+    if one_pass is None:
+        one_pass = safe
+    elif one_pass and not safe:
+        raise ValueError(f"quantize_v_t: one_pass needs the GPU and at most one {block_s}-key block per SM a head "
+                         f"({n_blocks} blocks here)")
+    if channel_amax is not None:
+        passes = [dict(STATS=False, QUANT=True)]
+    elif one_pass:
+        passes = [dict(STATS=True, QUANT=True)]  # V read once (`_v_kernel`)
     else:
-        n_blocks = _cdiv(S, MX_BLOCK)
-        e = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int32)
-        finite = torch.empty((B, H, n_blocks, D), device=v.device, dtype=torch.int8)
-        e_max = torch.full((B * H,), constants.E8M0_EMIN, device=v.device, dtype=torch.int32)
-        _mx_block_stats_kernel[(_cdiv(S, 64), B * H)](vc, e, finite, e_max, S, D=D, BLOCK_S=64, num_warps=4)
-        _v_kernel[grid](vc, vt, vs, none, none, e, finite, e_max, y, ys, S, s_row, D=D, BLOCK_S=block_s,
-                        MXFP4=True, HAS_SCALE=False, TOKENS=tokens, HW_CVT=_hw_cvt(), num_warps=4)
+        passes = [dict(STATS=True, QUANT=False), dict(STATS=False, QUANT=True)]
+    for flags in passes:
+        _v_kernel[(G * n_blocks,)](*args, **consts, **flags)
     out = ((vt[..., :S] if s_row > S else vt), vs)
     return out + (y, ys) if tokens else out
 
