@@ -396,9 +396,6 @@ def test_backward_descriptors_read_whole_tiles_of_one_head():
     ("_nvfp4_rows_kernel", dict(BLOCK_R=16, BLOCKS=8, PACKED=True, CHANNEL_AMAX=True)),
     ("_nvfp4_decode_kernel", dict(BLOCK_S=16, CHANNELS=True, HW_CVT=True)),
     ("_v_kernel", dict(BLOCK_S=32, MXFP4=False, HAS_SCALE=False, TOKENS=True, HW_CVT=True, STATS=True, QUANT=True)),
-    ("_v_kernel", dict(BLOCK_S=64, MXFP4=False, HAS_SCALE=False, TOKENS=False, HW_CVT=True, STATS=True, QUANT=True)),
-    ("_v_kernel", dict(BLOCK_S=64, MXFP4=True, HAS_SCALE=False, TOKENS=False, HW_CVT=True, STATS=True, QUANT=True,
-                       num_warps=8)),
     ("_fp8_rows_kernel", dict(BLOCK_R=16, BLOCKS=8, WITH_DOT=False, CHANNEL_AMAX=True, HW_CVT=True, SAVED=True)),
     ("_fp8_views_kernel", dict(BLOCK_S=16, HW_CVT=True)),
 ])
@@ -426,6 +423,24 @@ def test_quantizer_builds_keep_their_measured_form(name, consts):
         assert r.count(r"\bREDG\.E\.MAX") > 0, name
     if consts.get("HW_CVT"):
         assert r.count(r"F2FP\.SATFINITE\.E4M3") > 0, name
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_v_read_once_builds(fmt, d):
+    """The forward's V quantizer as `quantize_v_t` launches it (`V_PROGRAM`), V read once:
+    no spill, one ticket (ATOMG), one release of the head's count (MEMBAR before its
+    REDG), the head's statistic by relaxed reductions, e4m3 by the packed conversion."""
+    from fp4attn.kernels.hopper.quantize import V_PROGRAM
+    from fp4attn.tools.machine_code import compile_quantizer, inspect
+
+    keys, warps = V_PROGRAM[d]
+    r = inspect(compile_quantizer("_v_kernel", num_warps=warps, D=d, BLOCK_S=keys, MXFP4=fmt == "mxfp4",
+                                  HAS_SCALE=False, TOKENS=False, HW_CVT=True, STATS=True, QUANT=True))
+    assert r.stack == 0, r.stack
+    assert r.count(r"MEMBAR") == 1 and r.count(r"\bATOMG\b") == 1
+    assert r.count(r"\bREDG\.E\.MAX") > 0
+    assert r.count(r"F2FP\.SATFINITE\.E4M3") > 0
 
 
 def test_tile_path_drops_only_the_arithmetic_a_full_tile_branches_around():

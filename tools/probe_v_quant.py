@@ -1,8 +1,10 @@
-"""V's quantization read once or twice (`quantize_v_t(one_pass=...)`, `_v_kernel`): each
-form's bytes against the other's, then device time (median of `triton.testing.do_bench`)
-of V alone at two warp counts a program, and of the whole operand quantization of the
-fastest inference preset with V read once against read twice, beside a bf16 copy of V
-(read + write) at each shape. Prints Markdown tables.
+"""The FP8 inference quantizers' launch shapes, device time (median of
+`triton.testing.do_bench`) beside a bf16 copy of one operand (read + write) at each shape:
+V read once or twice (`quantize_v_t(one_pass=...)`, `_v_kernel`) at several keys and warps
+a program (`V_PROGRAM`), both V formats, each form's bytes checked against the other's;
+per-row FP8 Q (`_fp8_rows_kernel`) at several rows and warps a program; K with a scale
+per key tile (`_fp8_tiles_kernel`) at several warps; then the whole operand quantization
+of the fastest inference preset as routed. Prints Markdown tables.
 
     python tools/probe_v_quant.py [--shapes "8,16,4096,128;16,16,2048,64"]
 """
@@ -13,6 +15,7 @@ import torch
 import triton
 
 from fp4attn.kernels.hopper import quantize as qz
+from fp4attn.kernels.hopper.operands import BLOCK_N
 from fp4attn.recipes import PRESETS
 
 ap = argparse.ArgumentParser()
@@ -30,41 +33,43 @@ def same(a, b):
 
 
 recipe = PRESETS[args.recipe]
-v_rows, op_rows = [], []
+routed = dict(qz.V_PROGRAM)
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+rows = []
 for shape in args.shapes.split(";"):
     B, H, S, D = (int(s) for s in shape.split(","))
+    G = B * H
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     copy = bench(lambda: v.clone())
-    once_ok = -(-S // 64) <= torch.cuda.get_device_properties(0).multi_processor_count
+    rows.append((shape, "bf16 copy (read + write)", copy))
     for fmt in ("fp8", "mxfp4"):
-        times = {}
-        for warps in (4, 8):
-            qz.V_WARPS[fmt] = warps
-            for one in ((True, False) if once_ok else (False,)):
-                times[warps, one] = bench(lambda: qz.quantize_v_t(v, fmt, pad_keys_to=128, one_pass=one))
-        if once_ok:
-            assert same(qz.quantize_v_t(v, fmt, pad_keys_to=128, one_pass=True),
-                        qz.quantize_v_t(v, fmt, pad_keys_to=128, one_pass=False)), (shape, fmt)
-        qz.V_WARPS.update(fp8=4, mxfp4=8)
-        v_rows.append((shape, fmt, copy, times))
-    whole = {}
-    for one in (True, False) if once_ok else (False,):
-        real = qz.quantize_v_t
+        for keys, warps in ((64, 4), (128, 4), (128, 8), (32, 4)):
+            qz.V_PROGRAM[D] = (keys, warps)
+            forms = (True, False) if -(-S // keys) <= sms else (False,)
+            for one in forms:
+                t = bench(lambda: qz.quantize_v_t(v, fmt, pad_keys_to=BLOCK_N, one_pass=one))
+                rows.append((shape, f"V {fmt}, {keys} keys, {warps} warps, read {'once' if one else 'twice'}", t))
+            if len(forms) == 2:
+                assert same(qz.quantize_v_t(v, fmt, pad_keys_to=BLOCK_N, one_pass=True),
+                            qz.quantize_v_t(v, fmt, pad_keys_to=BLOCK_N, one_pass=False)), (shape, fmt, keys)
+        qz.V_PROGRAM.update(routed)
+    x3 = q.reshape(G, S, D)
+    y = torch.empty(x3.shape, device="cuda", dtype=torch.float8_e4m3fn)
+    sc = torch.empty((G, S), device="cuda", dtype=torch.float32)
+    none = torch.empty(0, device="cuda", dtype=torch.float32)
+    camax = torch.empty(0, device="cuda", dtype=torch.int32)
+    for block_r, blocks, warps in ((16, 1, 4), (32, 1, 4), (64, 1, 4), (64, 1, 8), (128, 1, 8), (16, 4, 4), (32, 4, 4)):
+        grid = (-(-S // (block_r * blocks)), G)
+        f = lambda: qz._fp8_rows_kernel[grid](x3, y, sc, x3, none, camax, S, D=D, BLOCK_R=block_r, BLOCKS=blocks,
+                                              WITH_DOT=False, CHANNEL_AMAX=False, HW_CVT=True, num_warps=warps)
+        rows.append((shape, f"Q per row, {block_r} rows x {blocks} blocks, {warps} warps", bench(f)))
+    for warps in (4, 8, 16):
+        f = lambda: qz._fp8_tiles_kernel[(-(-S // BLOCK_N), G)](x3, y, sc, S, D=D, TILE=BLOCK_N, HW_CVT=True,
+                                                                num_warps=warps)
+        rows.append((shape, f"K per tile, {warps} warps", bench(f)))
+    rows.append((shape, f"{args.recipe} operands as routed", bench(lambda: qz.prepare_operands_fused(q, k, v, recipe))))
 
-        def forced(*a, one=one, **kw):
-            return real(*a, **kw, one_pass=one)
-        qz.quantize_v_t = forced
-        whole[one] = bench(lambda: qz.prepare_operands_fused(q, k, v, recipe))
-        qz.quantize_v_t = real
-    op_rows.append((shape, copy, whole))
-
-print("\n| shape | V format | bf16 copy of V (ms) | once, 4 warps | twice, 4 warps | once, 8 warps | twice, 8 warps |")
-print("|---|---|---|---|---|---|---|")
-for shape, fmt, copy, t in v_rows:
-    cell = lambda key: f"{t[key]:.4f}" if key in t else "-"
-    print(f"| {shape} | {fmt} | {copy:.4f} | {cell((4, True))} | {cell((4, False))} | {cell((8, True))} | "
-          f"{cell((8, False))} |")
-print(f"\n| shape | bf16 copy of V (ms) | {args.recipe} operands, V once (ms) | V twice (ms) |")
-print("|---|---|---|---|")
-for shape, copy, w in op_rows:
-    print(f"| {shape} | {copy:.4f} | {w.get(True, float('nan')):.4f} | {w[False]:.4f} |")
+print("\n| shape | what | ms |")
+print("|---|---|---|")
+for shape, what, t in rows:
+    print(f"| {shape} | {what} | {t:.4f} |")

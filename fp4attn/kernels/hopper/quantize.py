@@ -964,9 +964,12 @@ def _per_head(scale: torch.Tensor, G: int, S: int) -> torch.Tensor:
     return scale.reshape(G).float().contiguous()
 
 
-# warps a program of `_v_kernel`: MXFP4's one-pass form holds 138 registers a thread with
-# 4 (its 64-key block, the exponents, the window), 73 with 8
-V_WARPS = {"fp8": 4, "mxfp4": 8}
+# keys and warps a program of `_v_kernel` by head dim (the per-token view: 32 keys, 4
+# warps; at 64 keys it took 167 registers). H100, V read once at (8, 16, 4096, 128)
+# (tools/probe_v_quant.py, log/h100-v-read-once/): FP8 0.101 ms with 128 keys and 4 warps
+# (154 registers), 0.116 with 64, 0.133 with 128 keys and 8 warps (a bf16 copy of V: 0.094);
+# MXFP4 0.193, 0.313, 0.354; read twice, 0.126 to 0.142 (FP8) and 0.215 to 0.360 (MXFP4)
+V_PROGRAM = {64: (128, 4), 128: (128, 4)}
 
 
 def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, pad_keys_to: int = 1,
@@ -988,7 +991,8 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     from the tile in registers instead of a pass over V^T.
     `one_pass`: whether V is read once (its statistic and values in one launch,
     `_v_kernel`) or twice (two launches; the same bytes); None: once where that is safe
-    (on the GPU, a head of at most as many 64-key blocks as the GPU has SMs)."""
+    (on the GPU, a head of at most as many blocks of a program's keys as the GPU has
+    SMs)."""
     if (scale is not None or channel_amax is not None) and fmt != "fp8":
         raise ValueError(f"quantize_v_t: `scale` and `channel_amax` are for fmt='fp8' only, got fmt={fmt!r}")
     if not isinstance(pad_keys_to, int) or pad_keys_to < 1:
@@ -1001,9 +1005,7 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
     y = torch.empty((B, H, S, D) if tokens else 0, device=v.device, dtype=torch.float8_e4m3fn)
     ys = torch.empty((B, H, S) if tokens else 0, device=v.device, dtype=torch.float32)
-    # keys per program: 64 (80 registers on sm_90 at D = 128); 32 with the per-token
-    # view, which at 64 took 167
-    block_s = 32 if tokens else 64
+    block_s, warps = (32, 4) if tokens else V_PROGRAM.get(D, (64, 4))
     n_blocks = _cdiv(s_row, block_s)
     # the statistic (FP8: G x D maxima; MXFP4: G exponents) and the tickets and counts
     # of the one-pass form, in one buffer of zeros
@@ -1014,7 +1016,7 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
         stats = channel_amax.contiguous()
     args = (vc, vt, vs, scale if scale is not None else vs, stats, y, ys, tickets, G, S, s_row)
     consts = dict(D=D, BLOCK_S=block_s, MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, TOKENS=tokens,
-                  HW_CVT=_hw_cvt(), num_warps=V_WARPS[fmt])
+                  HW_CVT=_hw_cvt(), num_warps=warps)
     safe = _hw_cvt() and v.is_cuda and n_blocks <= sm_count(v.device)
     if one_pass is None:
         one_pass = safe
