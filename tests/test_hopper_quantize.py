@@ -42,21 +42,21 @@ def test_fused_quantizers_match_reference(recipe, s, d):
 
 
 @pytest.mark.parametrize("fmt,tokens", [("fp8", False), ("mxfp4", False), ("fp8", True)])
-@pytest.mark.parametrize("s,d", [(1, 64), (200, 128), (4096, 128), (16896, 64)])
+@pytest.mark.parametrize("s,d", [(1, 64), (200, 128), (4096, 128), (8448, 64)])
 @pytest.mark.parametrize("special", ["none", "nan", "inf"])
 def test_v_read_once_is_v_read_twice(fmt, tokens, s, d, special):
     """`quantize_v_t`'s one-launch form (each head's statistic and values from one read,
     its blocks waiting on the head's count) writes the two-launch form's bytes: several
-    heads, padded rows, a head of 132 blocks (16896 keys at D=64: the most an H200 takes
+    heads, padded rows, a head of 66 blocks (8448 keys: the most a GPU of 132 SMs takes
     in one pass), non-finite values in one head only."""
-    from fp4attn.kernels.hopper.quantize import V_PROGRAM, quantize_v_t
+    from fp4attn.kernels.hopper.quantize import ONE_PASS_BLOCKS_PER_SM, V_PROGRAM, quantize_v_t
 
     v = torch.randn(3, 5, s, d, device="cuda", dtype=torch.bfloat16) * 3
     v[1, 2, : s // 3] *= 2.0**-20
     if special != "none":
         v[2, 1, s // 2, d // 3] = float(special)
     blocks = -(-s // (32 if tokens else V_PROGRAM[d][0]))
-    if blocks > torch.cuda.get_device_properties(0).multi_processor_count:
+    if blocks > ONE_PASS_BLOCKS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count:
         pytest.skip("more blocks a head than this GPU has SMs: the two-launch form only")
     once = quantize_v_t(v, fmt, pad_keys_to=128, tokens=tokens, one_pass=True)
     twice = quantize_v_t(v, fmt, pad_keys_to=128, tokens=tokens, one_pass=False)

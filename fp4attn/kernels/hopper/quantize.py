@@ -696,9 +696,9 @@ def _v_kernel(V, VT, VS, SCALE, STATS_AT, Y, YS, WORK, G, S, S_ROW, D: tl.conste
     blocks are counted, so V is read once (a pass for the maxima and a pass for the
     values read it twice). The tickets make the wait safe: every block of an earlier
     ticket belongs to a program that is running or done, so a head waits only on
-    programs that run, provided the GPU holds a head's blocks at once (the launcher
-    takes the two-launch form, STATS then QUANT, where a head has more blocks than the
-    GPU has SMs, and under the interpreter, which runs programs one after another).
+    programs that run, provided the GPU holds a head's blocks at once (`ONE_PASS_BLOCKS_PER_SM`;
+    the launcher takes the two-launch form, STATS then QUANT, for longer heads, and under
+    the interpreter, which runs programs one after another).
 
     FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE; the
     per-channel scales from each channel's max |v| as `formats.fp8.fp8_scales` computes
@@ -970,6 +970,11 @@ def _per_head(scale: torch.Tensor, G: int, S: int) -> torch.Tensor:
 # (154 registers), 0.116 with 64, 0.133 with 128 keys and 8 warps (a bf16 copy of V: 0.094);
 # MXFP4 0.193, 0.313, 0.354; read twice, 0.126 to 0.142 (FP8) and 0.215 to 0.360 (MXFP4)
 V_PROGRAM = {64: (128, 4), 128: (128, 4)}
+# V read once waits on its head's blocks, so they must be resident together: a head of at
+# most half a block per SM (8448 keys on 132 SMs) is safe even while up to three other
+# such launches run on other streams (an SM holds two to three of these programs: a stuck
+# set of launches would need each of them to hold fewer than a head's blocks)
+ONE_PASS_BLOCKS_PER_SM = 0.5
 
 
 def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, pad_keys_to: int = 1,
@@ -991,8 +996,8 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     from the tile in registers instead of a pass over V^T.
     `one_pass`: whether V is read once (its statistic and values in one launch,
     `_v_kernel`) or twice (two launches; the same bytes); None: once where that is safe
-    (on the GPU, a head of at most as many blocks of a program's keys as the GPU has
-    SMs)."""
+    (on the GPU, a head of at most `ONE_PASS_BLOCKS_PER_SM` blocks of a program's keys
+    per SM)."""
     if (scale is not None or channel_amax is not None) and fmt != "fp8":
         raise ValueError(f"quantize_v_t: `scale` and `channel_amax` are for fmt='fp8' only, got fmt={fmt!r}")
     if not isinstance(pad_keys_to, int) or pad_keys_to < 1:
@@ -1017,12 +1022,12 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     args = (vc, vt, vs, scale if scale is not None else vs, stats, y, ys, tickets, G, S, s_row)
     consts = dict(D=D, BLOCK_S=block_s, MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, TOKENS=tokens,
                   HW_CVT=_hw_cvt(), num_warps=warps)
-    safe = _hw_cvt() and v.is_cuda and n_blocks <= sm_count(v.device)
+    safe = _hw_cvt() and v.is_cuda and n_blocks <= ONE_PASS_BLOCKS_PER_SM * sm_count(v.device)
     if one_pass is None:
         one_pass = safe
     elif one_pass and not safe:
-        raise ValueError(f"quantize_v_t: one_pass needs the GPU and at most one {block_s}-key block per SM a head "
-                         f"({n_blocks} blocks here)")
+        raise ValueError(f"quantize_v_t: one_pass needs the GPU and at most {ONE_PASS_BLOCKS_PER_SM} {block_s}-key "
+                         f"block(s) a head per SM ({n_blocks} blocks a head here)")
     if channel_amax is not None:
         passes = [dict(STATS=False, QUANT=True)]
     elif one_pass:
