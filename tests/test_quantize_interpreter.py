@@ -151,6 +151,34 @@ SCRIPT = SPEEDUPS + textwrap.dedent('''
 ''')
 
 
+ONE_PASS_SCRIPT = SPEEDUPS + textwrap.dedent('''
+    import torch
+    from fp4attn.kernels.hopper.quantize import quantize_v_t
+
+    # V read once (`_v_kernel` with STATS and QUANT: the ticket, the head's count, the
+    # statistic read back, MXFP4's exponents computed again) against the two-launch form,
+    # on heads of one block (which never wait, so the interpreter can run them in turn)
+    g = torch.Generator().manual_seed(1)
+    for fmt, tokens, S in (("fp8", False, 100), ("mxfp4", False, 128), ("fp8", True, 27)):
+        v = torch.randn(2, 3, S, 64, generator=g).bfloat16() * 3
+        v[0, 1, : S // 2] *= 2.0**-20
+        v[1, 2, S // 3, 5] = float("nan")
+        v[1, 0, 1, 7] = float("inf")
+        pad = 32 if tokens else 128  # one block of the program's keys a head, padding included
+        once = quantize_v_t(v, fmt, pad_keys_to=pad, tokens=tokens, one_pass=True)
+        twice = quantize_v_t(v, fmt, pad_keys_to=pad, tokens=tokens, one_pass=False)
+        for a, b in zip(once, twice):
+            x, y = a.float(), b.float()
+            nan = torch.isnan(x)
+            assert torch.equal(nan, torch.isnan(y)) and torch.equal(x[~nan], y[~nan]), (fmt, tokens)
+    print("ok")
+''')
+
+
+def test_v_read_once_under_the_interpreter():
+    run_under_interpreter(ONE_PASS_SCRIPT, timeout=600)
+
+
 def test_fused_quantizers_under_the_interpreter():
     run_under_interpreter(SCRIPT, timeout=900)
 

@@ -996,8 +996,8 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     from the tile in registers instead of a pass over V^T.
     `one_pass`: whether V is read once (its statistic and values in one launch,
     `_v_kernel`) or twice (two launches; the same bytes); None: once where that is safe
-    (on the GPU, a head of at most `ONE_PASS_BLOCKS_PER_SM` blocks of a program's keys
-    per SM)."""
+    (a head of one block of a program's keys; on the GPU, of at most
+    `ONE_PASS_BLOCKS_PER_SM` such blocks per SM)."""
     if (scale is not None or channel_amax is not None) and fmt != "fp8":
         raise ValueError(f"quantize_v_t: `scale` and `channel_amax` are for fmt='fp8' only, got fmt={fmt!r}")
     if not isinstance(pad_keys_to, int) or pad_keys_to < 1:
@@ -1022,12 +1022,13 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     args = (vc, vt, vs, scale if scale is not None else vs, stats, y, ys, tickets, G, S, s_row)
     consts = dict(D=D, BLOCK_S=block_s, MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, TOKENS=tokens,
                   HW_CVT=_hw_cvt(), num_warps=warps)
-    safe = _hw_cvt() and v.is_cuda and n_blocks <= ONE_PASS_BLOCKS_PER_SM * sm_count(v.device)
+    # a head of one block never waits (and so runs under the interpreter too)
+    resident = n_blocks == 1 or (_hw_cvt() and v.is_cuda and n_blocks <= ONE_PASS_BLOCKS_PER_SM * sm_count(v.device))
     if one_pass is None:
-        one_pass = safe
-    elif one_pass and not safe:
-        raise ValueError(f"quantize_v_t: one_pass needs the GPU and at most {ONE_PASS_BLOCKS_PER_SM} {block_s}-key "
-                         f"block(s) a head per SM ({n_blocks} blocks a head here)")
+        one_pass = resident
+    elif one_pass and not resident:
+        raise ValueError(f"quantize_v_t: one_pass needs a head of one {block_s}-key block, or the GPU and at most "
+                         f"{ONE_PASS_BLOCKS_PER_SM} such blocks a head per SM ({n_blocks} blocks a head here)")
     if channel_amax is not None:
         passes = [dict(STATS=False, QUANT=True)]
     elif one_pass:
