@@ -690,15 +690,15 @@ def _v_kernel(V, VT, VS, SCALE, STATS_AT, Y, YS, WORK, G, S, S_ROW, D: tl.conste
     from WORK[0] (G * cdiv(S_ROW, BLOCK_S) blocks). STATS: the head's statistic from the
     block into STATS_AT by an atomic max: FP8, each channel's max |v| (G, D), float32
     bits; MXFP4, the largest exponent of a finite 32-key block (G,), less E8M0_EMIN (so
-    that zeros start it). QUANT: the block's
-    values from the finished statistic. With both, the block stays in registers between
-    them: the program counts itself into WORK[1 + g] and waits until all its head's
-    blocks are counted, so V is read once (a pass for the maxima and a pass for the
-    values read it twice). The tickets make the wait safe: every block of an earlier
-    ticket belongs to a program that is running or done, so a head waits only on
-    programs that run, provided the GPU holds a head's blocks at once (`ONE_PASS_BLOCKS_PER_SM`;
-    the launcher takes the two-launch form, STATS then QUANT, for longer heads, and under
-    the interpreter, which runs programs one after another).
+    that zeros start it). QUANT: the block's values from the finished statistic. With
+    both, the block stays in registers between them: the program counts itself into
+    WORK[1 + g] and waits until all its head's blocks are counted, so V is read once (a
+    pass for the maxima and a pass for the values read it twice). The tickets make the
+    wait safe: every block of an earlier ticket belongs to a program that is running or
+    done, so a head waits only on programs that run, provided the GPU holds a head's
+    blocks at once (`ONE_PASS_BLOCKS_PER_SM`). Longer heads take two launches, STATS then
+    QUANT, as do heads of more than one block under the interpreter, which runs programs
+    one after another.
 
     FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE; the
     per-channel scales from each channel's max |v| as `formats.fp8.fp8_scales` computes
@@ -731,7 +731,8 @@ def _v_kernel(V, VT, VS, SCALE, STATS_AT, Y, YS, WORK, G, S, S_ROW, D: tl.conste
             _channel_amax_flush(STATS_AT + bh * D, tl.reshape(_abs_bits(v), [BLOCK_S, D]), D)
         if QUANT:
             # the count follows every thread's atomics (the barrier, then a release), and
-            # the reads of the statistic follow the count (acquire; `.cg`: from L2)
+            # the reads of the statistic follow the count (acquire, which also drops the
+            # L1's lines; MXFP4's one word is read `.cg`, from L2, besides)
             tl.debug_barrier()
             tl.atomic_add(WORK + 1 + bh, 1, sem="release")
             counted = tl.atomic_add(WORK + 1 + bh, 0, sem="acquire")
