@@ -24,11 +24,11 @@
 #   PART=affine    the affine P builders: their GPU tests and the CUDA kernel's, then
 #                  `fp4attn bench` of the affine presets beside the exact builders'
 #                  (CAUSAL=no|yes|both, default both; SHAPES as `bench --shapes`)
-#   PART=cudabuilds  the CUDA forward's builds no route takes yet (affine MXFP4 P, bf16 Q/K for
-#                  the exact recipes): their P codes against the Triton kernel's, then
-#                  tools/probe_affine_mx.py --exact, non-causal and causal, beside the kernels
-#                  they would replace (docs/notes/affine-p.md, "Affine MXFP4 P and the exact
-#                  recipes on the CUDA kernel"); about 6 minutes
+#   PART=cudabuilds  the CUDA forward's affine MXFP4 P and bf16 Q/K (exact recipes) builds:
+#                  their P codes against the Triton kernel's, then tools/probe_affine_mx.py
+#                  --exact, non-causal and causal, beside the Triton/Gluon kernels they took
+#                  over from (docs/notes/affine-p.md, "Affine MXFP4 P and the exact recipes on
+#                  the CUDA kernel"); about 6 minutes
 #   OUT=results PART=tests bash tools/gpu_suite.sh      (PART=all runs every part)
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -1005,24 +1005,9 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
         raise ValueError(f"quantize_v_t: pad_keys_to must be a positive int (1: no padding), got {pad_keys_to!r}")
     B, H, S, D = v.shape
     G = B * H
-    vc = v.contiguous()
     s_row = _cdiv(S, pad_keys_to) * pad_keys_to
-    vt = torch.empty((B, H, D, s_row), device=v.device, dtype=torch.float8_e4m3fn)
-    vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
-    y = torch.empty((B, H, S, D) if tokens else 0, device=v.device, dtype=torch.float8_e4m3fn)
-    ys = torch.empty((B, H, S) if tokens else 0, device=v.device, dtype=torch.float32)
     block_s, warps = (32, 4) if tokens else V_PROGRAM.get(D, (64, 4))
     n_blocks = _cdiv(s_row, block_s)
-    # the statistic (FP8: G x D maxima; MXFP4: G exponents) and the tickets and counts
-    # of the one-pass form, in one buffer of zeros
-    n_stats = G * D if fmt == "fp8" else G
-    work = torch.zeros(n_stats + 1 + G, device=v.device, dtype=torch.int32)
-    stats, tickets = work[:n_stats], work[n_stats:]
-    if channel_amax is not None:
-        stats = channel_amax.contiguous()
-    args = (vc, vt, vs, scale if scale is not None else vs, stats, y, ys, tickets, G, S, s_row)
-    consts = dict(D=D, BLOCK_S=block_s, MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, TOKENS=tokens,
-                  HW_CVT=_hw_cvt(), num_warps=warps)
     # a head of one block never waits (and so runs under the interpreter too)
     resident = n_blocks == 1 or (_hw_cvt() and v.is_cuda and n_blocks <= ONE_PASS_BLOCKS_PER_SM * sm_count(v.device))
     if one_pass is None:
@@ -1030,12 +1015,27 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     elif one_pass and not resident:
         raise ValueError(f"quantize_v_t: one_pass needs a head of one {block_s}-key block, or the GPU and at most "
                          f"{ONE_PASS_BLOCKS_PER_SM} such blocks a head per SM ({n_blocks} blocks a head here)")
-    if channel_amax is not None:
+    vc = v.contiguous()
+    vt = torch.empty((B, H, D, s_row), device=v.device, dtype=torch.float8_e4m3fn)
+    vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
+    y = torch.empty((B, H, S, D) if tokens else 0, device=v.device, dtype=torch.float8_e4m3fn)
+    ys = torch.empty((B, H, S) if tokens else 0, device=v.device, dtype=torch.float32)
+    if channel_amax is not None:  # the statistic given: the values alone
+        stats = tickets = channel_amax.contiguous()  # (no tickets read)
         passes = [dict(STATS=False, QUANT=True)]
-    elif one_pass:
-        passes = [dict(STATS=True, QUANT=True)]  # V read once (`_v_kernel`)
     else:
-        passes = [dict(STATS=True, QUANT=False), dict(STATS=False, QUANT=True)]
+        # the statistic (FP8: G x D maxima; MXFP4: G exponents) and the one-launch form's
+        # tickets and counts, in one buffer of zeros
+        n_stats = G * D if fmt == "fp8" else G
+        work = torch.zeros(n_stats + 1 + G, device=v.device, dtype=torch.int32)
+        stats, tickets = work[:n_stats], work[n_stats:]
+        if one_pass:
+            passes = [dict(STATS=True, QUANT=True)]  # V read once (`_v_kernel`)
+        else:
+            passes = [dict(STATS=True, QUANT=False), dict(STATS=False, QUANT=True)]
+    args = (vc, vt, vs, scale if scale is not None else vs, stats, y, ys, tickets, G, S, s_row)
+    consts = dict(D=D, BLOCK_S=block_s, MXFP4=fmt == "mxfp4", HAS_SCALE=scale is not None, TOKENS=tokens,
+                  HW_CVT=_hw_cvt(), num_warps=warps)
     for flags in passes:
         _v_kernel[(G * n_blocks,)](*args, **consts, **flags)
     out = ((vt[..., :S] if s_row > S else vt), vs)
