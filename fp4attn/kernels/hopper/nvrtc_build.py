@@ -88,7 +88,10 @@ def compile_source(source_path: Path, options: list[str], label: str, *, use_cac
     """The cubin of `source_path` built with `options`, from the disk cache or by NVRTC."""
     rtc = nvrtc()
     source = source_path.read_bytes()
-    key = hashlib.sha256(source + "\0".join(options).encode() + repr(nvrtc_version()).encode())
+    # the shared headers beside the source (`#include "ptx.cuh"`) are part of what is built
+    headers = b"".join(h.name.encode() + h.read_bytes() for h in sorted(source_path.parent.glob("*.cuh")))
+    key = hashlib.sha256(source + headers + "\0".join(options).encode() + repr(nvrtc_version()).encode())
+    options = [*options, f"--include-path={source_path.parent}"]  # after the key: not tied to the install path
     path = cache_dir() / f"{source_path.stem}-{key.hexdigest()[:24]}.cubin"
     if use_cache and path.exists():
         log_path = path.with_suffix(".log")

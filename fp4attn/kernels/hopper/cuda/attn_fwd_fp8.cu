@@ -158,9 +158,8 @@
 #define DUMP_P 0  // 1: a checking build that also writes every tile's P codes to p.p_dump
 #endif
 
-typedef unsigned int uint32_t;
-typedef unsigned long long uint64_t;
-typedef unsigned short uint16_t;
+#include "ptx.cuh"
+#include "wgmma.cuh"
 
 #define BLOCK_M (64 * CONSUMERS)  // query rows per CTA: one consumer warpgroup per 64 rows (wgmma's M)
 #define BLOCK_N 128  // keys per tile: part of the recipes' numerics (the online softmax's steps)
@@ -203,10 +202,6 @@ typedef unsigned short uint16_t;
 #define O_ROW_BYTES (2 * HEAD_DIM + 16)
 #define O_STAGE_BYTES (64 * O_ROW_BYTES)
 
-struct __align__(64) TensorMap {
-    uint64_t opaque[16];
-};
-
 // one kernel parameter, passed by value (the tensor maps must live in parameter space)
 struct Params {
     TensorMap q_map;   // Q as (B*H*Sq rows, row bytes), boxes of (BLOCK_M rows, one chunk)
@@ -227,61 +222,6 @@ struct Params {
 // forward_cuda._Params fills these bytes from Python (it asserts the same size)
 static_assert(sizeof(Params) == 640, "Params changed: update forward_cuda._Params to the same layout");
 
-// -------------------------------------------------------------------- PTX wrappers
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    uint32_t a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// Spins until the barrier's phase `parity` has completed. (No trap on a wait that never
-// ends: a __trap() on this path made ptxas allocate the consumers' registers at the
-// kernel's entry cap of 168 instead of setmaxnreg's 240, serializing every wgmma, C7512.)
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
-
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TensorMap* map, int c0, int c1, uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, int c0, int c1, int c2, int c3,
-                                            uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3, %4, %5}], [%6];"
-        ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
-}
-
-template <uint32_t ID>
-__device__ __forceinline__ void named_sync(uint32_t threads) {
-    asm volatile("bar.sync %0, %1;" ::"n"(ID), "r"(threads) : "memory");
-}
-
-template <uint32_t ID>
-__device__ __forceinline__ void named_arrive(uint32_t threads) {
-    asm volatile("bar.arrive %0, %1;" ::"n"(ID), "r"(threads) : "memory");
-}
-
 // The consumers' turn-taking barriers, round robin: barrier 1 + c for consumer c (threads
 // 128 (c + 1) ..): tid / 128 is one's own, tid / 128 % CONSUMERS + 1 the next one's. The id
 // is derived from %tid.x inside the asm, so no register holds it across the loop (held
@@ -295,68 +235,6 @@ __device__ __forceinline__ void other_turn_give() {
     asm volatile("{ .reg .u32 t; mov.u32 t, %%tid.x; shr.u32 t, t, 7; rem.u32 t, t, %1; add.u32 t, t, 1; bar.arrive t, %0; }"
                  ::"n"(256), "n"(CONSUMERS) : "memory");
 }
-
-// wgmma shared-memory descriptor of a K-major tile whose rows are one swizzle span long
-// (8-row core matrices 8 * row bytes apart); `layout` 1: 128-byte swizzle, 2: 64-byte
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t layout, uint32_t row_bytes) {
-    uint64_t d = (uint64_t)((addr & 0x3FFFF) >> 4);
-    d |= (uint64_t)1 << 16;                          // leading offset: unused for swizzled K-major
-    d |= (uint64_t)((8 * row_bytes) >> 4) << 32;     // stride between 8-row core matrices
-    d |= (uint64_t)layout << 62;
-    return d;
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-// keeps the compiler from moving reads or writes of an accumulator across a wgmma
-// issue or wait (the tensor core writes it asynchronously)
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-// ftz: the non-ftz form adds a range test and two fix-up multiplies per element; it
-// differs only where 2**x is below 2**-126, which P's e4m3 rounding takes to 0 anyway
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// a float2 from shared memory by its shared-window address (a generic pointer took two
-// registers and a generic load, which waited on the long scoreboard)
-__device__ __forceinline__ float2 lds_f2(uint32_t addr) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
-    return v;
-}
-
-__device__ __forceinline__ float lg2(float x) {
-    float y;
-    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// float32 operations the compiler must neither fuse nor reorder (each rounds as the
-// reference does): products and sums rounded to nearest, a sum rounded down (AFFINE_MX's
-// floor), a maximum that keeps NaN (AFFINE_MX's block and row maxima)
-#define F32_OP(NAME, OP)                                                   \
-    __device__ __forceinline__ float NAME(float a, float b) {              \
-        float y;                                                           \
-        asm(OP " %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));                 \
-        return y;                                                          \
-    }
-F32_OP(fmul_rn, "mul.rn.f32")
-F32_OP(fadd_rn, "add.rn.f32")
-F32_OP(fadd_rm, "add.rm.f32")
-F32_OP(fmax_nan, "max.NaN.f32")
-#undef F32_OP
 
 // exp2 on the FMA units (EXP_POLY, FlashAttention-4's trick), for x <= 8.5: x = j + f with
 // j = rint(x) (the 1.5 * 2**23 addition) and f in [-0.5, 0.5], 2**f by a degree-3 minimax
@@ -372,21 +250,6 @@ __device__ __forceinline__ float ex2_poly(float x) {
     p = __fmaf_rn(p, f, 0.9999279379844666f);
     const float y = __uint_as_float(__float_as_uint(p) + (__float_as_uint(j) << 23));
     return x != x ? x : y;
-}
-
-// (lo, hi) -> e4m3x2 (lo in the low byte), round to nearest even, saturating; and the two
-// represented values back as float32 (exact: e4m3 -> f16 -> f32)
-__device__ __forceinline__ uint32_t to_e4m3x2(float lo, float hi, float& vlo, float& vhi) {
-    uint32_t packed;
-    asm("{ .reg .b16 e, l16, h16; .reg .b32 h2;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 e, %4, %3;\n"
-        "cvt.rn.f16x2.e4m3x2 h2, e;\n"
-        "mov.b32 {l16, h16}, h2;\n"
-        "cvt.f32.f16 %1, l16;\n"
-        "cvt.f32.f16 %2, h16;\n"
-        "cvt.u32.u16 %0, e; }"
-        : "=r"(packed), "=f"(vlo), "=f"(vhi) : "f"(lo), "f"(hi));
-    return packed;
 }
 
 // The sum of the four e4m3 codes of a packed word w (all non-negative), as float32 times
@@ -408,16 +271,6 @@ __device__ __forceinline__ void sum_e4m3x4(uint32_t w, float& acc0, float& acc1)
         : "=f"(e0), "=f"(e1), "=f"(o0), "=f"(o1) : "r"(even), "r"(odd));
     acc0 += e0 + e1;
     acc1 += o0 + o1;
-}
-
-// the recipe's P codes of two exp2 results (no row-sum values: ROWSUM_INT sums the codes)
-__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
-    uint32_t packed;
-    asm("{ .reg .b16 e;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 e, %2, %1;\n"
-        "cvt.u32.u16 %0, e; }"
-        : "=r"(packed) : "f"(lo), "f"(hi));
-    return packed;
 }
 
 // The affine map's e4m3 bytes of two scores w (the low one first, in the low two bytes of
@@ -461,34 +314,6 @@ __device__ __forceinline__ uint32_t affine_e4m3x2_top(float s0, float s1, float 
     return r;
 }
 
-__device__ __forceinline__ uint32_t prmt_lo_halves(uint32_t lo, uint32_t hi) {
-    uint32_t r;
-    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(lo), "r"(hi));
-    return r;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
-    return r;
-}
-
-// -------------------------------------------------------------------- wgmma
-// The accumulator operands, spelled out once: "+f" (read and written: the product is added)
-// or "=f" (written only: a fresh product, so that no value of the accumulator's last use is
-// kept alive, nor a register shared with what died before it)
-#define WGMMA_RW(x) "+f"(x)
-#define WGMMA_WO(x) "=f"(x)
-#define WGMMA_D8(F, i) F(d[i]), F(d[i + 1]), F(d[i + 2]), F(d[i + 3]), F(d[i + 4]), F(d[i + 5]), F(d[i + 6]), F(d[i + 7])
-#define WGMMA_D32(F) WGMMA_D8(F, 0), WGMMA_D8(F, 8), WGMMA_D8(F, 16), WGMMA_D8(F, 24)
-#define WGMMA_D64(F) WGMMA_D32(F), WGMMA_D8(F, 32), WGMMA_D8(F, 40), WGMMA_D8(F, 48), WGMMA_D8(F, 56)
-#define WGMMA_D36(F) WGMMA_D32(F), F(d[32]), F(d[33]), F(d[34]), F(d[35])
-#define WGMMA_D68(F) WGMMA_D64(F), F(d[64]), F(d[65]), F(d[66]), F(d[67])
-#define WGMMA_R32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
-                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define WGMMA_R64 WGMMA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47," \
-                  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-
 // QK^T: m64n128k32 (e4m3) or m64n128k16 (bf16, with its transpose immediates: both
 // K-major) from shared memory (A = Q, B = K); FRESH: d = A B, else d += A B
 #if QK_BF16
@@ -509,27 +334,6 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, u
 #undef WGMMA_SS_N128
 }
 
-// PV: m64nNk32 with A (P) from registers and B (V^T) from shared memory, FRESH as above; the
-// operand numbers after the N / 2 accumulator registers: A's four, B's descriptor, scale-d
-#define WGMMA_RS(NAME, N, REGS, DLIST, A, B, SCALE_D)                                                   \
-    template <bool FRESH>                                                                               \
-    __device__ __forceinline__ void NAME(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {  \
-        if constexpr (FRESH)                                                                            \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                            \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" REGS "}, {" A "}, " B \
-                         ", p, 1, 1;\n}\n"                                                              \
-                         : DLIST(WGMMA_WO) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0)); \
-        else                                                                                            \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                            \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" REGS "}, {" A "}, " B \
-                         ", p, 1, 1;\n}\n"                                                              \
-                         : DLIST(WGMMA_RW) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
-    }
-WGMMA_RS(wgmma_rs_n128, 128, WGMMA_R64, WGMMA_D64, "%64, %65, %66, %67", "%68", "%69")
-WGMMA_RS(wgmma_rs_n136, 136, WGMMA_R64 ", %64, %65, %66, %67", WGMMA_D68, "%68, %69, %70, %71", "%72", "%73")
-WGMMA_RS(wgmma_rs_n64, 64, WGMMA_R32, WGMMA_D32, "%32, %33, %34, %35", "%36", "%37")
-WGMMA_RS(wgmma_rs_n72, 72, WGMMA_R32 ", %32, %33, %34, %35", WGMMA_D36, "%36, %37, %38, %39", "%40", "%41")
-#undef WGMMA_RS
 
 #if HEAD_DIM == 128 && FUSED_SOFTMAX
 #define wgmma_pv wgmma_rs_n136
