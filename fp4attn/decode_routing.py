@@ -24,6 +24,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
+from fp4attn import routing
 from fp4attn.routing import TARGET_ENV, interpreting, requested_backend, target_of
 
 DECODE_HEAD_DIMS = (64, 128)
@@ -147,8 +148,8 @@ def split_kernel(k_format: str, v_format: str, head_dim: int, group: int, sq: in
     own choice, which must be possible)."""
     why = cuda_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size) if on_gpu else \
         "the interpreter runs Triton kernels only"
-    if why is None and not NVRTC_IMPORTABLE:
-        why = "cuda-bindings (NVRTC) is not installed"
+    if why is None:
+        why = routing.cuda_kernels_unavailable()  # the probe every CUDA C++ kernel shares
     if asked == "cuda" and why:
         raise ValueError(f"the CUDA decode kernel cannot run this call: {why}")
     if asked == "triton" or why:
@@ -189,10 +190,6 @@ def split_plan(launch: DecodeLaunch, max_len: int, programs: int, sms: int, resi
 
 # looked up once at import: torch.compile cannot trace importlib's spec search
 TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
-try:
-    NVRTC_IMPORTABLE = importlib.util.find_spec("cuda.bindings") is not None
-except ModuleNotFoundError:  # no `cuda` package at all
-    NVRTC_IMPORTABLE = False
 
 
 def unsupported_reason(device, head_dim: int) -> str | None:

@@ -31,8 +31,10 @@ import contextvars
 import functools
 import importlib.util
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fp4attn.recipes import Recipe, robust_fields, robust_unsupported_reason
 
@@ -106,7 +108,7 @@ class ForwardLaunch:
     cuda_from_keys: (P mode, keys) pairs: the forward of P mode `p_mode` on the CUDA C++
     kernel (`forward_cuda`: FlashAttention-3's schedule, fused softmax; its builds by P mode
     in `forward_cuda.P_MODE_BUILDS`) from `keys` keys on, on CUDA tensors where it can be
-    built (`cuda_forward_available`); a P mode not listed never runs there. Inference only:
+    built (`cuda_kernels_unavailable`); a P mode not listed never runs there. Inference only:
     the training forward stays on the kernels its backward rebuilds P like.
     cuda_persistent: the CUDA kernel on a persistent grid (one CTA per SM taking the work
     units in turn; the same results bit for bit) instead of a CTA per unit.
@@ -267,19 +269,52 @@ def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
     return _FORWARD_OVERRIDE.get() or FORWARD_LAUNCH[head_dim, qk_fp8, causal]
 
 
+# The CUDA C++ kernels' sources, compiled by NVRTC at first use (the wheel ships them:
+# pyproject's package-data, tests/test_packaging.py)
+CUDA_SOURCE_DIR = Path(__file__).resolve().parent / "kernels" / "hopper" / "cuda"
+CUDA_SOURCES = ("attn_fwd_fp8.cu", "decode_split.cu")  # forward_cuda.SOURCE, decode_cuda.SOURCE
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def missing_cuda_sources() -> list[str]:
+    """The CUDA C++ sources, and the headers they include by quoted name, that are not
+    installed under `CUDA_SOURCE_DIR`."""
+    missing, seen, todo = [], set(), list(CUDA_SOURCES)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = CUDA_SOURCE_DIR / name
+        if not path.is_file():
+            missing.append(name)
+            continue
+        todo += _QUOTED_INCLUDE.findall(path.read_text(errors="replace"))
+    return sorted(missing)
+
+
 @functools.lru_cache(maxsize=1)
-def cuda_forward_available() -> bool:
-    """Whether the CUDA C++ forward can be built and loaded here: NVRTC's Python bindings
-    (cuda-bindings, the `cuda` extra) are installed, and torch is a CUDA 13 build (NVRTC
-    13's cubins need a CUDA 13 driver, which such a torch already requires)."""
+def cuda_kernels_unavailable() -> str | None:
+    """Why the CUDA C++ kernels (the forward and decode's split kernel) cannot be built and
+    loaded here, None where they can: the one probe each of their routes asks. They need
+    NVRTC's Python bindings (cuda-bindings, the `cuda` extra), a CUDA 13 torch (NVRTC 13's
+    cubins need a CUDA 13 driver, which such a torch already requires), and their sources
+    (`missing_cuda_sources`)."""
     import torch
 
     try:
         found = importlib.util.find_spec("cuda.bindings") is not None
-    except (ImportError, ValueError):
-        return False
+    except (ImportError, ValueError):  # no `cuda` package at all
+        found = False
+    if not found:
+        return "cuda-bindings (NVRTC) is not installed"
     cuda = torch.version.cuda
-    return found and cuda is not None and int(cuda.split(".")[0]) >= 13
+    if cuda is None or int(cuda.split(".")[0]) < 13:
+        return f"torch is not a CUDA 13 build (CUDA {cuda}), which NVRTC 13's kernels need"
+    missing = missing_cuda_sources()
+    if missing:
+        return f"the kernel sources are not installed ({', '.join(missing)} missing in {CUDA_SOURCE_DIR})"
+    return None
 
 
 def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: bool, training: bool = False) -> bool:
@@ -288,7 +323,7 @@ def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: boo
     for a training forward (`training`): its backward rebuilds P as the Triton kernels
     build it."""
     n = launch.cuda_keys(p_mode)
-    return not training and n > 0 and keys >= n and on_cuda and cuda_forward_available()
+    return not training and n > 0 and keys >= n and on_cuda and cuda_kernels_unavailable() is None
 
 
 def backward_launch(head_dim: int) -> BackwardLaunch:

@@ -558,7 +558,7 @@ def test_long_forward_routes_to_the_cuda_kernel(monkeypatch):
     monkeypatch.setattr(forward_cuda, "launch_forward_cuda", record("cuda"))
     monkeypatch.setattr(forward_cuda, "cuda_unsupported_reason", lambda ops, **kw: None)
     monkeypatch.setattr(hops, "tma_descriptors", lambda ops: None)
-    monkeypatch.setattr(routing, "cuda_forward_available", lambda: True)
+    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: None)
     # CPU tensors stand for CUDA ones here
     monkeypatch.setattr(hops, "use_cuda_forward", lambda cfg, p_mode, keys, on_cuda, training:
                         routing.use_cuda_forward(cfg, p_mode, keys, True, training))
@@ -607,5 +607,5 @@ def test_long_forward_routes_to_the_cuda_kernel(monkeypatch):
     train = routing.route(fp4attn.get_recipe("train"), keys=8192, **{**kw, "needs_grad": True}).kernel
     assert "forward_cuda" not in train, train
     assert routing.route(rec, keys=8192, **{**kw, "device": torch.device("cpu")}).backend == "reference"
-    monkeypatch.setattr(routing, "cuda_forward_available", lambda: False)
+    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: "not here")
     assert routing.route(rec, keys=8192, **kw).kernel == "hopper.forward_triton"

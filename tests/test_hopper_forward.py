@@ -258,7 +258,7 @@ def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, overlap, l
     from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
     from fp4attn.routing import P_MODES
 
-    monkeypatch.setattr(routing, "cuda_forward_available", lambda: False)
+    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: "not here")
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 

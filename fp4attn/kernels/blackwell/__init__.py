@@ -1,0 +1,1 @@
+"""The sm_100/103 and sm_120/121 (Blackwell) kernels and their launchers."""
