@@ -66,3 +66,24 @@ WGMMA_RS(wgmma_rs_n136, 136, WGMMA_R64 ", %64, %65, %66, %67", WGMMA_D68, "%68, 
 WGMMA_RS(wgmma_rs_n64, 64, WGMMA_R32, WGMMA_D32, "%32, %33, %34, %35", "%36", "%37")
 WGMMA_RS(wgmma_rs_n72, 72, WGMMA_R32 ", %32, %33, %34, %35", WGMMA_D36, "%36, %37, %38, %39", "%40", "%41")
 // (WGMMA_RS stays defined: each kernel instantiates the widths it needs)
+
+// m64nNkK with both operands from shared memory (K-major descriptors); TYPES the instruction's
+// shape and types ("m64n64k16.f32.bf16.bf16"), TAIL what follows the scale immediates (bf16's
+// transpose immediates ", 0, 0"; none for e4m3); FRESH as above
+#define WGMMA_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WGMMA_D16(F) WGMMA_D8(F, 0), WGMMA_D8(F, 8)
+#define WGMMA_SS(NAME, TYPES, TAIL, N, REGS, DLIST, A, B, SCALE_D)                                        \
+    template <bool FRESH>                                                                                 \
+    __device__ __forceinline__ void NAME(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {          \
+        if constexpr (FRESH)                                                                              \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                              \
+                         "wgmma.mma_async.sync.aligned." TYPES " {" REGS "}, " A ", " B ", p, 1, 1" TAIL ";\n}\n" \
+                         : DLIST(WGMMA_WO) : "l"(desc_a), "l"(desc_b), "r"(0));                          \
+        else                                                                                              \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                              \
+                         "wgmma.mma_async.sync.aligned." TYPES " {" REGS "}, " A ", " B ", p, 1, 1" TAIL ";\n}\n" \
+                         : DLIST(WGMMA_RW) : "l"(desc_a), "l"(desc_b), "r"(1));                          \
+    }
+WGMMA_SS(wgmma_ss_bf16_n64, "m64n64k16.f32.bf16.bf16", ", 0, 0", 64, WGMMA_R32, WGMMA_D32, "%32", "%33", "%34")
+WGMMA_SS(wgmma_ss_e4m3_n64, "m64n64k32.f32.e4m3.e4m3", "", 64, WGMMA_R32, WGMMA_D32, "%32", "%33", "%34")
+WGMMA_SS(wgmma_ss_e4m3_n32, "m64n32k32.f32.e4m3.e4m3", "", 32, WGMMA_R16, WGMMA_D16, "%16", "%17", "%18")
