@@ -47,8 +47,15 @@ def check(args) -> int:
     import torch
     import triton
 
-    from fp4attn.kernels.hopper.forward_cuda import (CONSUMERS, EXACT_VARIANTS, MEASURED, launch_forward_cuda,
-                                                     nvrtc_version, p_codes_by_slab, p_dump_buffer)
+    from fp4attn.kernels.hopper.forward_cuda import (
+        CONSUMERS,
+        EXACT_VARIANTS,
+        MEASURED,
+        launch_forward_cuda,
+        nvrtc_version,
+        p_codes_by_slab,
+        p_dump_buffer,
+    )
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe

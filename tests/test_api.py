@@ -169,7 +169,6 @@ def test_padded_head_dims_reproduce_the_unpadded_recipe(monkeypatch):
     kernel op replaced by the reference at the padded dim, the result must equal the
     reference at the original dim: padding is exact in every recipe."""
     pytest.importorskip("triton")
-    import fp4attn.api as api
     from fp4attn.reference import reference_forward
 
     seen = []
@@ -285,8 +284,15 @@ def test_launch_override_is_typed_scoped_and_thread_local():
     launch types."""
     import threading
 
-    from fp4attn.routing import (BACKWARD_LAUNCH, FORWARD_LAUNCH, BackwardLaunch, ForwardLaunch, backward_launch,
-                                 forward_launch, override_launch)
+    from fp4attn.routing import (
+        BACKWARD_LAUNCH,
+        FORWARD_LAUNCH,
+        BackwardLaunch,
+        ForwardLaunch,
+        backward_launch,
+        forward_launch,
+        override_launch,
+    )
 
     for key, cfg in FORWARD_LAUNCH.items():
         assert forward_launch(*key) == cfg
@@ -534,10 +540,9 @@ def test_long_forward_routes_to_the_cuda_kernel(monkeypatch):
     P mode it lists is one the CUDA kernel builds; `explain` names the same kernel
     that `launch_forward` runs. Launches are recorded, not run: no GPU needed."""
     pytest.importorskip("triton")
-    from fp4attn.kernels.hopper import forward_cuda
-    from fp4attn.kernels.hopper import forward_gluon_ws
-    from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS
+    from fp4attn.kernels.hopper import forward_cuda, forward_gluon_ws
     from fp4attn.kernels.hopper import forward_op as hops
+    from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS
     from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 
     calls = []

@@ -169,8 +169,13 @@ def test_fused_softmax(name, B, H, Hkv, Sq, Sk, D, causal, bias):
     the launcher's polynomial exp2s, and with two or three consumer warpgroups: P codes equal to
     the recipe's arithmetic on >= 99.9% of entries, outputs within bf16 rounding, the same
     rows empty."""
-    from fp4attn.kernels.hopper.forward_cuda import (CONSUMERS, MEASURED, launch_forward_cuda, p_codes_by_slab,
-                                                     p_dump_buffer)
+    from fp4attn.kernels.hopper.forward_cuda import (
+        CONSUMERS,
+        MEASURED,
+        launch_forward_cuda,
+        p_codes_by_slab,
+        p_dump_buffer,
+    )
 
     ops = _operands(B, H, Hkv, Sq, Sk, D, seed=5)
     offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
@@ -315,7 +320,12 @@ def test_persistent_grid_equals_one_cta_per_unit(B, H, Hkv, Sq, Sk, D, causal, b
     """A persistent grid (one CTA per SM taking work units in turn, the rings and turns running
     on from unit to unit) computes every unit as a CTA of its own does: outputs, LSE and P
     codes equal bit for bit."""
-    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, P_MODE_BUILDS, launch_forward_cuda, p_dump_buffer
+    from fp4attn.kernels.hopper.forward_cuda import (
+        CONSUMERS,
+        P_MODE_BUILDS,
+        launch_forward_cuda,
+        p_dump_buffer,
+    )
 
     ops = _operands(B, H, Hkv, Sq, Sk, D, seed=7)
     offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
@@ -362,7 +372,12 @@ def test_p_codes_match_triton_kernel(B, H, Hkv, Sq, Sk, D, causal, bias, name):
     softmax's, the same rows empty."""
     import dataclasses
 
-    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, P_MODE_BUILDS, launch_forward_cuda, p_dump_buffer
+    from fp4attn.kernels.hopper.forward_cuda import (
+        CONSUMERS,
+        P_MODE_BUILDS,
+        launch_forward_cuda,
+        p_dump_buffer,
+    )
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe

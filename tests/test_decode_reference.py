@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4attn import KVCache, decode
-from fp4attn.reference.decode import (P_HALF_SHIFT, half_queries, reference_decode, split_scales,
-                                      visible_keys)
+from fp4attn.reference.decode import P_HALF_SHIFT, half_queries, reference_decode, split_scales, visible_keys
 from fp4attn.reference.forward import LOG2E
 
 

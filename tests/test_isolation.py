@@ -8,7 +8,6 @@ import torch
 
 from fp4attn.api import attention
 from fp4attn.formats import quantize_nvfp4
-from fp4attn.recipes import PRESETS
 
 INFERENCE = ("directp", "nvfp4-fp8", "fp8", "nvfp4-fp8-robust", "directp-robust")
 TRAINING = ("train", "train-mxfp4pv", "train-robust")

@@ -128,8 +128,8 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     and ptxas serialized the wgmmas (C7511)."""
     import re
 
-    from fp4attn.tools.machine_code import compile_forward_ws, inspect, ptxas_messages
     from fp4attn.routing import forward_launch
+    from fp4attn.tools.machine_code import compile_forward_ws, inspect, ptxas_messages
 
     kernel = compile_forward_ws(qk_fp8, p_mode, causal, 128, overlap=forward_launch(128, qk_fp8, causal).ws_overlap)
     report = ptxas_messages(kernel)
@@ -164,8 +164,8 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
     longer than the NVFP4 build's (measured: dK/dV 1.6-6.4% shorter, its query-head select
     gone; dQ 2.1-2.4% longer); stack 0-40 bytes against NVFP4's 0-64
     (docs/notes/hopper-train.md, "`train-fp8` on the Gluon backward")."""
-    from fp4attn.tools.machine_code import compile_backward_gluon, inspect, ptxas_messages
     from fp4attn.routing import BACKWARD_LAUNCH
+    from fp4attn.tools.machine_code import compile_backward_gluon, inspect, ptxas_messages
 
     cfg = BACKWARD_LAUNCH[head_dim]
     assert cfg.dkdv_gluon and cfg.dq_gluon and cfg.tma
@@ -344,8 +344,8 @@ def test_tma_descriptors_cover_each_head_and_need_padded_vt():
     contiguous."""
     import dataclasses
 
-    from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
     from fp4attn.kernels.hopper.forward_op import tma_descriptors
+    from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 
     B, H, Sk, D = 2, 3, 200, 64
     k = torch.zeros(B, H, Sk, D, dtype=torch.bfloat16)

@@ -10,8 +10,7 @@ from fp4attn.api import attention
 from fp4attn.cli.accuracy import exact_attention, make_inputs
 from fp4attn.metrics import error_metrics
 from fp4attn.recipes import PRESETS, Recipe
-from fp4attn.reference import reference_forward
-from fp4attn.reference import robust
+from fp4attn.reference import reference_forward, robust
 from fp4attn.reference.directp import build_p
 
 

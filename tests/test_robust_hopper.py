@@ -63,8 +63,8 @@ def test_training_gradients_of_an_item_are_bit_identical_whatever_the_others_hol
 @pytest.mark.parametrize("recipe", ["nvfp4-fp8", "directp", "fp8-directp", "fp8"])
 @pytest.mark.parametrize("case", ["nan-q", "nan-k", "inf-q", "overflow", "nan-mask"])
 def test_nan_rows_are_the_references(recipe, case):
-    from fp4attn.reference import reference_forward
     from fp4attn.recipes import get_recipe
+    from fp4attn.reference import reference_forward
 
     q, k, v = _inputs(2, shape=(2, 2, 192, 128), hkv=2)
     mask = None

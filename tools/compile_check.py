@@ -21,6 +21,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+from fp4attn.kernels.hopper.operands import BLOCK_N
+from fp4attn.routing import BACKWARD_LAUNCH, forward_launch
 from fp4attn.tools.machine_code import (
     compile_backward,
     compile_backward_gluon,
@@ -29,8 +31,6 @@ from fp4attn.tools.machine_code import (
     inspect_forward,
     per_element,
 )
-from fp4attn.kernels.hopper.operands import BLOCK_N
-from fp4attn.routing import BACKWARD_LAUNCH, forward_launch
 
 
 def backward_table():

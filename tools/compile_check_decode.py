@@ -46,8 +46,8 @@ def main() -> None:
     bn, w, st = (map(int, args.launch.split(",")) if args.launch else
                  (DEFAULT_LAUNCH.block_n, DEFAULT_LAUNCH.warps, DEFAULT_LAUNCH.stages))
     bytes_per_cycle = COPY_BPS / SMS / CLOCK
-    print(f"| format | rows | launch | regs | stack | smem KB | loop instr/thread | warp instr / key-head "
-          f"| issue cycles | memory cycles | largest |")
+    print("| format | rows | launch | regs | stack | smem KB | loop instr/thread | warp instr / key-head "
+          "| issue cycles | memory cycles | largest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for fmt in args.formats.split(","):
         kernel = build(fmt, args.rows, bn, w, st)

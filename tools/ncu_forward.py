@@ -11,10 +11,10 @@ import sys
 
 import torch
 
-from fp4attn.routing import P_MODES
 from fp4attn.kernels.hopper.forward_op import launch_forward
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import PRESETS
+from fp4attn.routing import P_MODES
 
 recipe = PRESETS[sys.argv[1]]
 B, H, S, D = (int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "8,16,4096,128").split(","))

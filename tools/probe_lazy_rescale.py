@@ -24,9 +24,9 @@ def main() -> None:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--sharp", type=float, default=6.25, help="logit sharpness of the second input kind")
     args = p.parse_args()
-    from triton.testing import do_bench
-
     import dataclasses
+
+    from triton.testing import do_bench
 
     from fp4attn.cli.output import markdown_table
     from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda

@@ -12,13 +12,14 @@ With --train-shape also every kernel of one whole causal `train` forward+backwar
 """
 
 import argparse
+
 import torch
 import triton
 
-from fp4attn.tools.benchmark import device_kernels
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.kernels.hopper.train_op import backward_operands, quantize_for_training
 from fp4attn.recipes import PRESETS
+from fp4attn.tools.benchmark import device_kernels
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="8,16,4096,128")

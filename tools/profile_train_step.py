@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 import fp4attn
-from fp4attn.tools.benchmark import device_kernels, host_ms
 from fp4attn.cli.bench_train import model_step
+from fp4attn.tools.benchmark import device_kernels, host_ms
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="1,16,4096,128")

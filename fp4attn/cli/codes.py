@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.cli.accuracy import CASES, format_table, make_inputs, run_accuracy
+from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.recipes import PRESETS
 from fp4attn.reference import directp_classify, exp2_mxfp4_classify
 from fp4attn.reference.forward import log2_scores

@@ -21,9 +21,9 @@ from pathlib import Path
 from fp4attn.cli.output import markdown_table, write_json
 from fp4attn.recipes import PRESETS
 from fp4attn.routing import (
+    BLACKWELL_BACKWARD_LAUNCH,
     KEY_TILE,
     P_MODES,
-    BLACKWELL_BACKWARD_LAUNCH,
     SERIAL_BLACKWELL_LAUNCH,
     BlackwellLaunch,
     blackwell_forward_launch,
@@ -64,7 +64,7 @@ def _launch(pv_fp4: bool, p_affine: bool, causal: bool, head_dim: int, key_bias:
     return blackwell_forward_launch(head_dim, causal, key_bias, TARGET_OF_ARCH[arch])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_report(qk_fp4: bool, pv_fp4: bool, p_affine: bool, causal: bool, head_dim: int, key_bias: bool,
                  arch: str, launch=None, bf16: bool = False) -> dict:
     """Compile one build at its routed launch (or `launch`) and read its machine code;
@@ -122,7 +122,7 @@ def calibration_report() -> dict:
 GLUON_RECIPES = {"directp-fast": "P_AFFINE_MXFP4", "nvfp4-fp8": "P_EXP2_FP8"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gluon_build_report(p_kind: str, calibrate: bool = True, causal: bool = False) -> dict:
     """Compile one Gluon pipelined build (`forward_gluon.<p_kind>`, causal or not) for
     sm_100a and read it; its prediction (per full key tile: the masked tiles' loop, the
@@ -197,7 +197,7 @@ def routed_backward_builds() -> list[dict]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def backward_report(part: str, p_mode: int, causal: bool, head_dim: int, arch: str) -> dict:
     """Compile one training backward build at its Blackwell launch and read it."""
     from fp4attn.tools.machine_code_sm100 import compile_backward, inspect

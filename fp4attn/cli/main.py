@@ -13,7 +13,17 @@ import logging
 
 import torch
 
-from fp4attn.cli import accuracy, bench, blackwell_report, codes, compile_report, eval, report, selftest, study
+from fp4attn.cli import (
+    accuracy,
+    bench,
+    blackwell_report,
+    codes,
+    compile_report,
+    eval,
+    report,
+    selftest,
+    study,
+)
 
 COMMANDS = {
     "report": (report, "the main job: accuracy of every recipe and the Direct-P study"),

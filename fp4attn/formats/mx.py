@@ -21,7 +21,15 @@ import torch
 from fp4attn.formats.blocks import BlockLayout, from_blocks, nonfinite_blocks, to_blocks
 from fp4attn.formats.checks import check_block_input
 from fp4attn.formats.constants import E2M1_EMAX, E8M0_BIAS, E8M0_EMAX, E8M0_EMIN, E8M0_NAN, MX_BLOCK
-from fp4attn.formats.minifloat import decode_e2m1, decode_e8m0, encode_e2m1, floor_log2, pack_e2m1, pow2, unpack_e2m1
+from fp4attn.formats.minifloat import (
+    decode_e2m1,
+    decode_e8m0,
+    encode_e2m1,
+    floor_log2,
+    pack_e2m1,
+    pow2,
+    unpack_e2m1,
+)
 
 SCALE_RULES = ("floor", "rceil")
 

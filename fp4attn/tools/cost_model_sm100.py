@@ -30,7 +30,6 @@ builds' `predicted_tflops` are scaled by.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 # FlashAttention-4's BF16 forward on a B200, D=128, non-causal (published: 1613 TFLOP/s,

@@ -82,7 +82,7 @@ def routed_kernel(recipe: Recipe, keys: int) -> str:
         return routing._hopper_forward_kernel(recipe, HEAD_DIM, False, "none", keys, True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(fast_accum: bool, p_mode: int, sink_tiles: int) -> TritonBuild:
     kernel = machine_code.compile_forward(fast_accum, p_mode, False, HEAD_DIM, sink_tiles=sink_tiles)
     return TritonBuild(machine_code.inspect(kernel), kernel.metadata.num_warps, kernel.metadata.shared)

@@ -227,8 +227,8 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
     `routing.BackwardLaunch`; default: the one `routing` gives at this head dim),
     sequence lengths specialized as multiples of 16 unless `lengths_div16` is False;
     `row_scales`: per-token Q/K scales (FP8 Q/K, ROW_SCALES), as `train-fp8` runs it."""
-    from fp4attn.routing import BACKWARD_LAUNCH
     from fp4attn.reference.backward import DS_BLOCK
+    from fp4attn.routing import BACKWARD_LAUNCH
 
     cfg = config or BACKWARD_LAUNCH[head_dim]
 

@@ -64,7 +64,6 @@ bf16: Q, K (B, H, S, D), V^T (B, Hkv, D, Skp). The TMA descriptors cover 2-D vie
 (B*H*Sq, D/2 or D), K (B*Hkv*Sk, D/2 or D), V (B*Hkv*D, Skp/2 or Skp).
 """
 
-import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

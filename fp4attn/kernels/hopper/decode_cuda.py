@@ -17,8 +17,14 @@ from pathlib import Path
 import torch
 
 from fp4attn.decode_routing import CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_stages, resident_programs
-from fp4attn.kernels.hopper.nvrtc_build import (Build, check, compile_source, driver, load_function,  # noqa: F401
-                                               options_for)
+from fp4attn.kernels.hopper.nvrtc_build import (  # noqa: F401
+    Build,
+    check,
+    compile_source,
+    driver,
+    load_function,
+    options_for,
+)
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_split.cu"
 KERNEL_NAME, COMBINE_NAME = "decode_split", "decode_combine"

@@ -18,12 +18,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, padded_vt_rows, tma_loadable
 from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-from fp4attn.recipes import Recipe, robust_unsupported_reason
-from fp4attn.routing import (GLUON_P_MODES, HOPPER_ROBUST_FIELDS, forward_launch, hopper_robust_unsupported,
-                             use_cuda_forward)
-from fp4attn.routing import p_mode as _p_mode
-from fp4attn.routing import p_sink_tiles
+from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
+from fp4attn.routing import (
+    GLUON_P_MODES,
+    forward_launch,
+    hopper_robust_unsupported,
+    p_sink_tiles,
+    use_cuda_forward,
+)
+from fp4attn.routing import p_mode as _p_mode
+
 
 def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """Host-built TMA descriptors of K, (B*Hkv*Sk, D) in tiles of (BLOCK_N, D), and of
@@ -63,7 +68,11 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     if use_cuda_forward(cfg, p_mode, Sk, q.is_cuda, training) and not write_p:
         # the CUDA C++ kernel (FlashAttention-3's schedule) from `cuda_from_keys` keys; where it
         # cannot run the operands (`cuda_unsupported_reason`), the kernels below
-        from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS, cuda_unsupported_reason, launch_forward_cuda
+        from fp4attn.kernels.hopper.forward_cuda import (
+            P_MODE_BUILDS,
+            cuda_unsupported_reason,
+            launch_forward_cuda,
+        )
 
         if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
             out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,

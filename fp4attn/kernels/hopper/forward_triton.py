@@ -42,8 +42,13 @@ The reference (`fp4attn.reference.forward`) defines every value this kernel comp
 import triton
 import triton.language as tl
 
-from fp4attn.kernels.common import (P_OFFSET_LOG2, P_OFFSET_LOG2_LAZY, key_tile_bounds, log2_scores,
-                                    online_softmax_p)
+from fp4attn.kernels.common import (
+    P_OFFSET_LOG2,
+    P_OFFSET_LOG2_LAZY,
+    key_tile_bounds,
+    log2_scores,
+    online_softmax_p,
+)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.language.extra import libdevice  # noqa: F401  (the helpers' IEEE forms)
 
 from fp4attn.formats import constants
-from fp4attn.kernels.hopper.decode_triton import BF16, FP8, MXFP4, NVFP4, _rows_of
+from fp4attn.kernels.hopper.decode_triton import BF16, FP8, NVFP4, _rows_of
 from fp4attn.kernels.hopper.quantize import (
     ONE_SIXTH,
     _abs_bits,

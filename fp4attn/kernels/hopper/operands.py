@@ -20,7 +20,6 @@ from fp4attn.formats import E4M3, quantize_fp8, round_to_format
 from fp4attn.formats.minifloat import pow2
 from fp4attn.recipes import Recipe
 from fp4attn.reference.operands import quantize_qk, quantize_v_mxfp4
-
 from fp4attn.routing import KEY_TILE as BLOCK_N  # the forward's key tile (routing.KEY_TILE)
 
 

@@ -31,7 +31,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fp4attn.formats import constants
-from fp4attn.formats.constants import MX_BLOCK
 from fp4attn.kernels.common import fp8_scale_inv, round_e4m3, round_e4m3_cvt, sm_count
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, qk_dtype
 from fp4attn.recipes import Recipe
