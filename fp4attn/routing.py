@@ -222,6 +222,10 @@ class BackwardLaunch:
     dq_maxnreg: int | None = None
     qk_fp4_dq: bool = False
     qk_fp4_dkdv: bool = False
+    # the CUDA C++ backward (`backward_cuda.py`: dK, dV and dQ in one FlashAttention-3-style pass)
+    # where it takes the operands (`use_cuda_backward`); off in the table: slower than the Gluon
+    # kernels as measured (docs/notes/hopper-train.md, "A CUDA C++ backward")
+    cuda: bool = False
 
 
 # Keyed by head dim; the fastest variants of causal (4,16,4096,128) and (8,16,4096,64),
@@ -272,7 +276,7 @@ def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
 # The CUDA C++ kernels' sources, compiled by NVRTC at first use (the wheel ships them:
 # pyproject's package-data, tests/test_packaging.py)
 CUDA_SOURCE_DIR = Path(__file__).resolve().parent / "kernels" / "hopper" / "cuda"
-CUDA_SOURCES = ("attn_fwd_fp8.cu", "decode_split.cu")  # forward_cuda.SOURCE, decode_cuda.SOURCE
+CUDA_SOURCES = ("attn_fwd_fp8.cu", "attn_bwd_fp8.cu", "decode_split.cu")  # forward_cuda, backward_cuda, decode_cuda
 _QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
@@ -347,6 +351,15 @@ def backward_gluon_kernels(launch: BackwardLaunch, qk: str, p_mode: int, tma: bo
     ok = tma and launch.hw_cvt and qk in GLUON_BACKWARD_QK
     # the Gluon dQ kernel builds P by exp2: not the trained affine P
     return launch.dkdv_gluon and ok and p_mode == 0, launch.dq_gluon and ok and p_mode != P_MODE_AFFINE_TRAINED
+
+
+def use_cuda_backward(launch: BackwardLaunch, qk: str, p_mode: int, head_dim: int, sq: int, sk: int,
+                      on_cuda: bool) -> bool:
+    """Whether the backward runs on the CUDA C++ kernel (`BackwardLaunch.cuda`): per-token FP8
+    Q/K with FP8 P from exp2 (`train-fp8`), head dim 64 or 128, Sq a multiple of 64 (dS's
+    scale block) and Sk of 128 (a CTA's keys), on a GPU where the CUDA kernels build."""
+    return (launch.cuda and qk == "fp8" and p_mode == 0 and head_dim in (64, 128) and sq % 64 == 0
+            and sk % 128 == 0 and sq > 0 and on_cuda and cuda_kernels_unavailable() is None)
 
 
 # ---------------------------------------------------------------------------- Blackwell (sm_100)

@@ -2,7 +2,10 @@
 backward on the same operands, and both timed beside SDPA cuDNN bf16 (and cuDNN FP8, where the
 nvidia-cudnn-frontend package imports) in one process. GPU only.
 
-    python tools/check_backward_cuda.py [--out DIR] [--quick]
+    python tools/check_backward_cuda.py [--out DIR] [--quick] [--ncu-one]
+
+(The timing probes of docs/notes/hopper-train.md, "A CUDA C++ backward", were builds of the
+kernel at commit 637bfa6 with -DPROBE=1..3.)
 """
 
 from __future__ import annotations
@@ -113,50 +116,16 @@ def _saved(q, k, v, scale):
     return _saved_cache[key]
 
 
-_PROBE = [0]
-_defines, _fn = backward_cuda.Variant.defines, backward_cuda._function
-
-
-def _with_probe():
-    """Timing probes of the kernel (-DPROBE=n: 1 no dQ, 2 dQ products without the reduce-add, 3
-    dV/dK halves issued together), built under a key of their own."""
-    backward_cuda.Variant.defines = lambda self: _defines(self) + [f"-DPROBE={_PROBE[0]}"]
-    backward_cuda._function = lambda variant, device: backward_cuda.load_function(
-        ("backward", variant, _PROBE[0]), lambda: backward_cuda.compile_variant(variant), backward_cuda.KERNEL_NAME,
-        device, variant.shared_bytes())
-
-
-def probes(log):
-    _with_probe()
-    for shape in ((4, 16, 4096, 128), (8, 16, 4096, 64)):
-        B, H, S, D = shape
-        ops, lse, scale, _ = operands(B, H, H, S, S, D, 0, True)
-        row = {"shape": list(shape)}
-        for pr in (0, 1, 2, 3):
-            _PROBE[0] = pr
-            row[f"probe{pr}_ms"] = bench_ms(lambda: backward_cuda.launch_backward_cuda(ops, lse, 0, True, scale))
-        log.append(row)
-        print("probes", json.dumps(row), flush=True)
-    _PROBE[0] = 0
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--probes", action="store_true")
     ap.add_argument("--ncu-one", action="store_true", help="one launch at (4,16,4096,128) causal, for ncu")
     args = ap.parse_args()
     if args.ncu_one:
         ops, lse, scale, _ = operands(4, 16, 16, 4096, 4096, 128, 0, True)
         backward_cuda.launch_backward_cuda(ops, lse, 0, True, scale)
         torch.cuda.synchronize()
-        return 0
-    if args.probes:
-        pl = []
-        probes(pl)
-        with open(f"{args.out}/probes.json", "w") as f:
-            json.dump(pl, f, indent=1)
         return 0
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     t0 = time.time()

@@ -46,7 +46,13 @@ from fp4attn.reference.forward import LOG2E
 # the outlier-robust fields the NVFP4 training kernels apply (`routing.HOPPER_TRAIN_ROBUST_FIELDS`; the
 # Blackwell training, which keeps the same payload, takes them from here)
 from fp4attn.routing import HOPPER_TRAIN_ROBUST_FIELDS as TRAIN_ROBUST_FIELDS
-from fp4attn.routing import TRAIN_P_MODES, backward_gluon_kernels, backward_launch, hopper_train_unsupported
+from fp4attn.routing import (
+    TRAIN_P_MODES,
+    backward_gluon_kernels,
+    backward_launch,
+    hopper_train_unsupported,
+    use_cuda_backward,
+)
 
 
 def quantize_for_training(q, k, v, v_fmt: str, smooth_k: bool = False,
@@ -329,13 +335,17 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     Hkv, Sk = kv.shape[1], kv.shape[2]
     lse = lse.contiguous()
     cfg = backward_launch(D)
+    off = causal_offset if causal else 0
+    p_mode = TRAIN_P_MODES[(p, p_build)]
+    row_scales = ops.row_scales
+    if use_cuda_backward(cfg, "fp8" if row_scales else "nvfp4", p_mode, D, Sq, Sk, qv.is_cuda):
+        from fp4attn.kernels.hopper.backward_cuda import launch_backward_cuda
+
+        return launch_backward_cuda(ops, lse, off, causal, scale, dtypes)
     dq_fp4, dkdv_fp4 = _scores_fp4(cfg, ops, nvfp4)
     dq = torch.empty((B, H, Sq, D), device=qv.device, dtype=dtypes[0])
     dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[1])
     dv = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[2])
-    off = causal_offset if causal else 0
-    p_mode = TRAIN_P_MODES[(p, p_build)]
-    row_scales = ops.row_scales
     tma = cfg.tma and tiles_tma_loadable(qv, do_t, do_c, q_c, kv, v_t, k_c)
     dkdv_gluon, dq_gluon = backward_gluon_kernels(cfg, "fp8" if row_scales else "nvfp4", p_mode, tma)
     # the Triton kernels' TMA descriptors only where one of them runs; the Gluon

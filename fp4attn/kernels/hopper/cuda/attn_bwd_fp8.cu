@@ -49,9 +49,6 @@
 #endif
 
 #define STAGES 2
-#ifndef PROBE
-#define PROBE 0  // timing probes: 1 no dQ at all, 2 dQ products without the reduce-add, 3 dV/dK halves issued together
-#endif
 #define BLOCK_N 128  // keys per CTA: two consumer warpgroups of 64
 #define BLOCK_M 64   // queries per tile: part of the recipe (dS's per-64 scales)
 #define THREADS 384
@@ -465,55 +462,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
         // channel scales: a fresh product per 64 columns of D, added in float32
         const uint64_t doc_desc = smem_desc(ST_DOC(sm, st), 2, 64);
         const uint64_t qc_desc = smem_desc(ST_QC(sm, st), 2, 64);
-#if PROBE == 3
-        {
-            float ta[32], tb[32];
-            wgmma_fence();
-            wgmma_rs_n64<true>(ta, pa[0], doc_desc);
-            wgmma_rs_n64<false>(ta, pa[1], doc_desc + 2);
-#if HEAD_DIM == 128
-            wgmma_rs_n64<true>(tb, pa[0], doc_desc + ((64 * 64) >> 4));
-            wgmma_rs_n64<false>(tb, pa[1], doc_desc + ((64 * 64) >> 4) + 2);
-#endif
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(ta);
-            fence_regs(tb);
-#pragma unroll
-            for (int hh = 0; hh < HEAD_DIM / 64; ++hh)
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                const float2 cs = lds_f2(ST_NUM(sm, st) + 4 * (NUM_DOCS + 64 * hh + 8 * jj + 2 * q4));
-#pragma unroll
-                for (int row = 0; row < 2; ++row) {
-                    dv[32 * hh + 4 * jj + 2 * row] += (hh ? tb : ta)[4 * jj + 2 * row] * cs.x;
-                    dv[32 * hh + 4 * jj + 2 * row + 1] += (hh ? tb : ta)[4 * jj + 2 * row + 1] * cs.y;
-                }
-            }
-            wgmma_fence();
-            wgmma_rs_n64<true>(ta, dsa[0], qc_desc);
-            wgmma_rs_n64<false>(ta, dsa[1], qc_desc + 2);
-#if HEAD_DIM == 128
-            wgmma_rs_n64<true>(tb, dsa[0], qc_desc + ((64 * 64) >> 4));
-            wgmma_rs_n64<false>(tb, dsa[1], qc_desc + ((64 * 64) >> 4) + 2);
-#endif
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(ta);
-            fence_regs(tb);
-#pragma unroll
-            for (int hh = 0; hh < HEAD_DIM / 64; ++hh)
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                const float2 cs = lds_f2(ST_NUM(sm, st) + 4 * (NUM_QCS + 64 * hh + 8 * jj + 2 * q4));
-#pragma unroll
-                for (int row = 0; row < 2; ++row) {
-                    dk[32 * hh + 4 * jj + 2 * row] += fmul_rn((hh ? tb : ta)[4 * jj + 2 * row], k_scale[row]) * cs.x;
-                    dk[32 * hh + 4 * jj + 2 * row + 1] += fmul_rn((hh ? tb : ta)[4 * jj + 2 * row + 1], k_scale[row]) * cs.y;
-                }
-            }
-        }
-#else
 #pragma unroll
         for (int hh = 0; hh < HEAD_DIM / 64; ++hh) {
             float tmp[32];
@@ -552,14 +500,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
                 }
             }
         }
-#endif
         // the stage is read (Q, dO_t, dO_c, Q_c, the numbers): hand it back
         __syncwarp();
         if (lane == 0) mbar_arrive(sm.empty + 8 * st);
 
         // -- dQ's partial over the CTA's 128 keys, this consumer's half of D: each 64-key block
         // of dS on a fresh accumulator times its scales per query
-#if PROBE != 1
         bar_sync(3, 256);  // both consumers' dS bytes and scales are in shared memory
         {
             float qa[DQ_N / 2], qb[DQ_N / 2];
@@ -590,9 +536,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
                 sb[row] = dsq[64 + r + 8 * row];
             }
             // the staging buffer is free once the last bulk reduce has read it
-#if PROBE == 2
-            if (sa[0] == 12345.0f && sb[1] == 12345.0f) dk[0] += qa[0] + qb[1] + qa[DQ_N / 2 - 1] + qb[DQ_N / 2 - 1];
-#else
             if (t128 == 0) bulk_wait_read();
             bar_sync(1 + cw, 128);
             const uint32_t stage = sm.dqs + cw * DQS_BYTES;
@@ -610,9 +553,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
             bar_sync(1 + cw, 128);
             if (t128 == 0)
                 bulk_reduce_add_f32(p.dq_accum + (((long long)bh * n_tiles + t) * 2 + cw) * (64 * DQ_N), stage, DQS_BYTES);
-#endif
         }
-#endif
     }
     if (t128 == 0) bulk_wait_all();
 
