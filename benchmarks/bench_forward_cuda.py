@@ -227,7 +227,8 @@ def timings(args) -> int:
             "cuda": lambda: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset),
             "cuda_recipe": lambda: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset,
                                                        **MEASURED["recipe"]),
-            **{f"cuda_{name}": (lambda kw=_variant_args(name): launch_forward_cuda(
+            # each closure binds its variant's arguments as a default, evaluated once here
+            **{f"cuda_{name}": (lambda kw=_variant_args(name): launch_forward_cuda(  # noqa: B008
                 ops, scale=D ** -0.5, causal_offset=offset, **kw)) for name in extras},
         }
         if not args.no_quant:

@@ -28,7 +28,8 @@ AFFINE = ["fp8-affine", "fp8-affine-fastacc", "directp-fast", "fp8-directp-fast"
     (2, 2, 1, 700, 3000, 64, "bottom_right")])
 def test_routed_kernels_match_the_reference(name, b, hq, hkv, sq, sk, d, causal):
     g = torch.Generator(device="cuda").manual_seed(sk)
-    mk = lambda h, s: torch.randn(b, h, s, d, device="cuda", generator=g).bfloat16()
+    def mk(h, s):
+        return torch.randn(b, h, s, d, device="cuda", generator=g).bfloat16()
     q, k, v = mk(hq, sq), mk(hkv, sk), mk(hkv, sk)
     r = PRESETS[name]
     out, lse = fp4attn.attention(q, k, v, recipe=name, causal=causal, enable_gqa=True, return_lse=True)

@@ -28,7 +28,8 @@ RECIPES = ["train", "train-mxfp4pv", "train-fp8", "train-affine"]
 
 
 def _inputs(b, hq, hkv, sq, sk, d, dtype=torch.bfloat16):
-    mk = lambda h, s: torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
+    def mk(h, s):
+        return torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
     return mk(hq, sq), mk(hkv, sk), mk(hkv, sk)
 
 

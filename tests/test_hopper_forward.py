@@ -31,7 +31,8 @@ P_VARIANTS = [PRESETS["fp8-directp"].with_(p_build="exp2", name="fp8-mxfp4-exp2"
 
 
 def _qkv(b, hq, hkv, sq, sk, d):
-    mk = lambda h, s: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+    def mk(h, s):
+        return torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
     return mk(hq, sq), mk(hkv, sk), mk(hkv, sk)
 
 

@@ -83,7 +83,7 @@ def test_contiguous_and_paged_layouts_hold_the_same_tokens(fmt):
     B, H, D = 3, 2, 64
     flat = KVCache(B, H, D, 100, k_format=fmt)
     paged = KVCache(B, H, D, 100, k_format=fmt, page_size=16, num_pages=20)
-    for step, (s_new, counts) in enumerate(((23, [23, 5, 0]), (1, None), (40, [40, 17, 33]))):
+    for s_new, counts in ((23, [23, 5, 0]), (1, None), (40, [40, 17, 33])):
         k, v = (torch.randn(B, H, s_new, D, generator=g) for _ in range(2))
         flat.append(k, v, counts)
         paged.append(k, v, counts)

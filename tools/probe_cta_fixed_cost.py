@@ -75,7 +75,7 @@ def main() -> None:
                     print(f"{name}: outputs {'equal' if same else 'DIFFER'} to one CTA per unit", flush=True)
             table.append(row)
             print(" | ".join(row), flush=True)
-            del q, k, v, ops
+            q = k = v = ops = None  # freed (the closures above keep the names bound)
         print("| keys | cuDNN bf16 us | " + " | ".join(f"{n} us" for n in builds) + " |\n|" + "---|" * (2 + len(builds)))
         for r in table:
             print("| " + " | ".join(r) + " |")

@@ -62,7 +62,7 @@ def main() -> None:
                            f"{nbytes / (ms * 1e-3) / copy_bps:.2f}"]
                     rows.append(row)
                     print(" | ".join(row), flush=True)
-        del k, v
+        k = v = None  # freed (the closures above keep the names bound)
         torch.cuda.empty_cache()
     head = ["B,Hq,Hkv,L,D", "format", "build", "graph us", "vs SDPA cuDNN bf16", "of copy"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

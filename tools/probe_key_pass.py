@@ -39,8 +39,9 @@ sumsq = torch.zeros(G, device="cuda", dtype=torch.float64)
 mean = torch.zeros(G * D, device="cuda", dtype=torch.float32)
 grid, block = qz._row_grid(S, G, qz.CHANNEL_BLOCKS, most=32)
 for name, kw in [("amax (paper Q/K)", {}), ("amax + sum sq, prefetch (robust Q)", dict(SUM_SQ=True))]:
-    f = lambda kw=kw: qz._abs_max_kernel[grid](k3, amax, mean, sumsq, S, D=D, BLOCK_S=block, BLOCKS=qz.CHANNEL_BLOCKS,
-                                               PER_CHANNEL=False, num_warps=4, **kw)
+    def f(kw=kw):
+        return qz._abs_max_kernel[grid](k3, amax, mean, sumsq, S, D=D, BLOCK_S=block, BLOCKS=qz.CHANNEL_BLOCKS,
+                                        PER_CHANNEL=False, num_warps=4, **kw)
     rows.append((name, bench(f)))
 
 # the whole key pass as robust_qk_operands runs it (mean, extremes, sums of squares, choice)
@@ -69,9 +70,10 @@ amax_k = qz.abs_max_bits(k3, per_channel=False)
 fbk = torch.zeros(G, device="cuda", dtype=torch.int8)
 for f46, robust_k, blocks in ((False, False, 1), (False, False, 8), (True, True, 1), (True, True, 8), (True, False, 8)):
     gr, blk = qz._row_grid(S, G, blocks)
-    f = lambda: qz._nvfp4_rows_kernel[gr](k3, y, amax_k, sdec, y, y, amax_k, mean, fbk, S, D=D, BLOCK_R=blk,
-                                          BLOCKS=blocks, PACKED=False, CHANNEL_AMAX=False, HAS_MEAN=robust_k,
-                                          FOUR_OVER_SIX=f46, FALLBACK=robust_k, HW_CVT=True, num_warps=4)
+    def f():
+        return qz._nvfp4_rows_kernel[gr](k3, y, amax_k, sdec, y, y, amax_k, mean, fbk, S, D=D, BLOCK_R=blk,
+                                         BLOCKS=blocks, PACKED=False, CHANNEL_AMAX=False, HAS_MEAN=robust_k,
+                                         FOUR_OVER_SIX=f46, FALLBACK=robust_k, HW_CVT=True, num_warps=4)
     rows.append((f"nvfp4 rows{' 4-or-6' if f46 else ''}{' + mean + fallback' if robust_k else ''}, "
                  f"{blk} rows x {blocks} blocks{' (prefetch)' if blocks > 1 else ''}", bench(f)))
 
@@ -85,9 +87,10 @@ camax = torch.zeros(G * D, device="cuda", dtype=torch.int32)
 for f46, rows_a_block in ((False, 16), (True, 16), (True, 8)):
     blocks = qz.CHANNEL_BLOCKS * 16 // rows_a_block
     gr, blk = qz._row_grid(S, G, blocks, most=rows_a_block)
-    f = lambda: qz._nvfp4_rows_kernel[gr](k3, y, amax_k, sdec, codes, bscale, camax, mean, fbk, S, D=D, BLOCK_R=blk,
-                                          BLOCKS=blocks, PACKED=True, CHANNEL_AMAX=True, HAS_MEAN=f46,
-                                          FOUR_OVER_SIX=f46, FALLBACK=False, HW_CVT=True, num_warps=4)
+    def f():
+        return qz._nvfp4_rows_kernel[gr](k3, y, amax_k, sdec, codes, bscale, camax, mean, fbk, S, D=D, BLOCK_R=blk,
+                                         BLOCKS=blocks, PACKED=True, CHANNEL_AMAX=True, HAS_MEAN=f46,
+                                         FOUR_OVER_SIX=f46, FALLBACK=False, HW_CVT=True, num_warps=4)
     rows.append((f"training nvfp4 rows{' 4-or-6 + mean' if f46 else ''} (packed, channel maxima), "
                  f"{blk} rows x {blocks} blocks", bench(f)))
 
@@ -100,7 +103,8 @@ for name, ms in rows:
 print("\n| quantization of | device ms (sum of kernels) | host-seen ms (do_bench) | launch ms a call (no sync) | kernels |")
 print("|---|---|---|---|---|")
 for r in ("nvfp4-fp8", "nvfp4-fp8-robust"):
-    call = lambda r=r: qz.prepare_operands_fused(q, k, v, PRESETS[r], scale=D**-0.5)
+    def call(r=r):
+        return qz.prepare_operands_fused(q, k, v, PRESETS[r], scale=D**-0.5)
     host = bench(call)
     kern = device_kernels(call)
     torch.cuda.synchronize()

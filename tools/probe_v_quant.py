@@ -60,12 +60,14 @@ for shape in args.shapes.split(";"):
     camax = torch.empty(0, device="cuda", dtype=torch.int32)
     for block_r, blocks, warps in ((16, 1, 4), (32, 1, 4), (64, 1, 4), (64, 1, 8), (128, 1, 8), (16, 4, 4), (32, 4, 4)):
         grid = (-(-S // (block_r * blocks)), G)
-        f = lambda: qz._fp8_rows_kernel[grid](x3, y, sc, x3, none, camax, S, D=D, BLOCK_R=block_r, BLOCKS=blocks,
-                                              WITH_DOT=False, CHANNEL_AMAX=False, HW_CVT=True, num_warps=warps)
+        def f():
+            return qz._fp8_rows_kernel[grid](x3, y, sc, x3, none, camax, S, D=D, BLOCK_R=block_r, BLOCKS=blocks,
+                                             WITH_DOT=False, CHANNEL_AMAX=False, HW_CVT=True, num_warps=warps)
         rows.append((shape, f"Q per row, {block_r} rows x {blocks} blocks, {warps} warps", bench(f)))
     for warps in (4, 8, 16):
-        f = lambda: qz._fp8_tiles_kernel[(-(-S // BLOCK_N), G)](x3, y, sc, S, D=D, TILE=BLOCK_N, HW_CVT=True,
-                                                                num_warps=warps)
+        def f():
+            return qz._fp8_tiles_kernel[(-(-S // BLOCK_N), G)](x3, y, sc, S, D=D, TILE=BLOCK_N, HW_CVT=True,
+                                                               num_warps=warps)
         rows.append((shape, f"K per tile, {warps} warps", bench(f)))
     rows.append((shape, f"{args.recipe} operands as routed", bench(lambda: qz.prepare_operands_fused(q, k, v, recipe))))
 

@@ -134,7 +134,7 @@ for r in recipes:
     print("| function | calls a call | own ms | cumulative ms |")
     print("|---|---|---|---|")
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])
-    for (file, line, name), (cc, nc, tt, ct, _) in rows[:args.top]:
+    for (file, line, name), (_cc, nc, tt, ct, _) in rows[:args.top]:
         if name == "synchronize" or "synchronize" in name:
             continue
         print(f"| {file.split('/')[-1]}:{line} {name} | {nc / 20:g} | {tt / 20 * 1e3:.3f} | {ct / 20 * 1e3:.3f} |")

@@ -19,6 +19,12 @@ import triton.language as tl
 
 import fp4attn
 from fp4attn.cli.bench_train import model_step
+from fp4attn.kernels.hopper import backward_gluon as bp
+from fp4attn.kernels.hopper import train_op
+from fp4attn.kernels.hopper.forward_op import launch_forward
+from fp4attn.kernels.hopper.quantize import quantize_qk_nvfp4, quantize_v_t
+from fp4attn.recipes import PRESETS
+from fp4attn.routing import backward_launch
 from fp4attn.tools.benchmark import device_kernels, host_ms
 
 ap = argparse.ArgumentParser()
@@ -42,13 +48,16 @@ def _empty_kernel(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, X: tl.constexp
 
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-step = lambda: torch.autograd.grad(fp4attn.attention(q, k, v, recipe="train", causal=True), (q, k, v), dout)
+def step():
+    return torch.autograd.grad(fp4attn.attention(q, k, v, recipe="train", causal=True), (q, k, v), dout)
 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-    sdpa = lambda: torch.autograd.grad(
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), dout)
+    def sdpa():
+        return torch.autograd.grad(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), dout)
     sdpa_host = host_ms(sdpa)
 ptrs = [torch.empty(64, device="cuda") for _ in range(8)]
-empty = lambda: _empty_kernel[(1,)](*ptrs, *range(8), X=1)
+def empty():
+    return _empty_kernel[(1,)](*ptrs, *range(8), X=1)
 
 dev, launches = device_ms(step)
 wall = triton.testing.do_bench(step, warmup=5, rep=50, return_mode="median")
@@ -64,11 +73,6 @@ prof.disable()
 torch.cuda.synchronize()
 # the host time of each layer of the call: the custom ops against their bodies, and the
 # bodies' parts (quantizers, kernel launches)
-from fp4attn.kernels.hopper import train_op
-from fp4attn.kernels.hopper.forward_op import launch_forward
-from fp4attn.recipes import PRESETS
-from fp4attn.routing import backward_launch
-
 r = PRESETS["train"]
 fargs = (q, k, v, r.qk, r.p, r.p_build, r.v, 0, True, D**-0.5)
 saved = torch.ops.fp4attn.hopper_train_forward(*fargs)
@@ -86,9 +90,6 @@ parts = {
     "  its kernel launches (launch_backward)": lambda: train_op.launch_backward(ops_b, saved[1], r.p, r.p_build, 0,
                                                                                 True, D**-0.5),
 }
-from fp4attn.kernels.hopper import backward_gluon as bp
-from fp4attn.kernels.hopper.quantize import quantize_qk_nvfp4, quantize_v_t
-
 out0 = fp4attn.attention(q, k, v, recipe="train", causal=True)
 gops = {n: getattr(ops_b, n) for n in ("q", "k", "do_t", "v_t", "do_c", "q_c", "k_c")}
 descs = bp.descriptors(**gops)

@@ -81,7 +81,7 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     src.random_()
     ms = time_ms(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # freed (the closure above keeps the names bound)
     torch.cuda.empty_cache()
     return 2 * COPY_BYTES / (ms * 1e-3)
 
@@ -182,7 +182,8 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
             for launch in [None] + list(launches):
                 if not _launch_runs(launch, fmt, D, Hq // Hkv, cache.page_size):
                     continue
-                call = (lambda launch=launch: hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch))
+                def call(launch=launch):
+                    return hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch)
                 ms, g_ms = time_ms(call), graph_ms(call)
                 name = "table" if launch is None else f"{launch.block_n},{launch.warps},{launch.stages}," \
                     f"{launch.programs_per_sm},{int(launch.asm)},{launch.splits}" if not launch.kernel else launch.kernel
@@ -198,7 +199,7 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
 
             timed.append(dict(impl=f"append-{fmt}", format=fmt, launch="table", ms=time_ms(append_one),
                               graph_ms=None, bytes=B * cache.bytes_per_token(), cos=None))
-            del cache
+            cache = None  # freed (the closures above keep the name bound)
             torch.cuda.empty_cache()
         base = min(t["ms"] for t in timed if t["impl"].startswith("sdpa"))
         g_base = min(t["graph_ms"] for t in timed if t["impl"].startswith("sdpa"))
@@ -210,7 +211,7 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
                             "bw_TBps": bps / 1e12, "bw_frac_copy": bps / copy_bps,
                             "graph_speedup_vs_sdpa": g_base / t["graph_ms"] if decode_row else None,
                             "graph_bw_frac_copy": g_bps / copy_bps if decode_row else None})
-        del k, v
+        k = v = None  # freed
         torch.cuda.empty_cache()
         write_json(partial, records)
     return records
