@@ -5,6 +5,12 @@ whole training step of a ~1B-parameter GPT with each attention.
 Each recipe's gradients are checked against the reference backward on a (1, 2)-head
 slice before timing. TFLOP/s count the forward's causal FLOPs times 3.5 (backward =
 2.5 forwards), as the baselines in facts are counted.
+
+cuDNN's FP8 forward+backward (`cudnn-fp8`: per-tensor e4m3, dP scaled from its measured
+amax, kernels alone) is timed beside them when the `nvidia-cudnn-frontend` package is
+installed, after its gradients are checked against bf16 SDPA's; its record is written
+either way, with a note that says whether it ran and why not (no kernel at head dim 64
+on Hopper, for one).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from fp4attn.cli.output import markdown_table, write_json
-from fp4attn.tools.benchmark import parse_shapes, sdpa, time_ms, visible_pairs
+from fp4attn.tools.benchmark import parse_shapes, sdpa, time_cudnn_fp8_train, time_ms, visible_pairs
 
 TRAIN_SHAPES = [(4, 16, 4096, 128), (2, 16, 8192, 128), (1, 32, 16384, 128), (8, 16, 4096, 64)]
 TRAIN_RECIPES = ["train", "train-robust", "train-fp8"]
@@ -49,14 +55,16 @@ def check_gradients(recipe: str, q, k, v, dout) -> float:
     return cos
 
 
-def run_train_bench(shapes, recipes, partial: Path | None = None) -> list[dict]:
-
+def run_train_bench(shapes, recipes, partial: Path | None = None, device: str = "cuda") -> list[dict]:
+    """Records of every implementation on every shape (causal forward+backward), SDPA
+    cuDNN bf16 first: its time is the speedups' base. `partial` gets the records written
+    after each shape."""
     records = []
     for B, H, S, D in tqdm(shapes, desc="bench --backward", unit="shape"):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(B, H, S, D, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
                    for _ in range(3))
-        dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dout = torch.randn(B, H, S, D, device=device, dtype=torch.bfloat16, generator=gen)
         flops = 3.5 * 4 * B * H * D * visible_pairs(S, S, True)
         timed, checks = {}, {}
         for impl in ["sdpa-cudnn", "sdpa-flash"] + list(recipes):
@@ -71,10 +79,26 @@ def run_train_bench(shapes, recipes, partial: Path | None = None) -> list[dict]:
             if impl in checks:
                 rec["grad_cos_vs_reference"] = checks[impl]
             records.append(rec)
+        ms, note = time_cudnn_fp8_train(q, k, v, True, dout)
+        records.append(dict(impl="cudnn-fp8", B=B, H=H, S=S, D=D, causal=True, ms_fwd_bwd=ms,
+                            tflops=None if ms is None else flops / ms * 1e-9,
+                            speedup_vs_cudnn_bf16=None if ms is None else base / ms, note=note))
 
         torch.cuda.empty_cache()
         write_json(partial, records)
     return records
+
+
+def format_train_table(records: list[dict]) -> str:
+    """A row per (shape, implementation); an implementation that was not timed (cuDNN FP8
+    without the package or without a kernel) shows "-" and its note says why."""
+    def cell(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    rows = [[f"{r['B']},{r['H']},{r['S']},{r['D']}", r["impl"], cell(r["ms_fwd_bwd"], ".2f"), cell(r["tflops"], ".0f"),
+             "-" if r["speedup_vs_cudnn_bf16"] is None else f"{r['speedup_vs_cudnn_bf16']:.2f}x", r.get("note", "")]
+            for r in records]
+    return markdown_table(["B,H,S,D", "impl", "ms", "TFLOP/s", "speedup", "note"], rows)
 
 
 def model_step(recipes, *, layers=20, dim=2048, heads=16, seq=4096, batch=1, steps=12,
@@ -125,10 +149,8 @@ def main(args) -> list[dict]:
     recipes = args.recipes.split(",") if args.recipes else TRAIN_RECIPES
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     records = run_train_bench(shapes, recipes, partial=args.json)
-    rows = [[f"{r['B']},{r['H']},{r['S']},{r['D']}", r["impl"], f"{r['ms_fwd_bwd']:.2f}", f"{r['tflops']:.0f}",
-             f"{r['speedup_vs_cudnn_bf16']:.2f}x"] for r in records]
     print("causal forward+backward (speedup vs SDPA cuDNN bf16, same run)")
-    print(markdown_table(["B,H,S,D", "impl", "ms", "TFLOP/s", "speedup"], rows))
+    print(format_train_table(records))
     if args.model_step:
         steps = model_step(recipes, compile_mode=args.model_step_compile)
         records += steps

@@ -100,8 +100,8 @@ def sdpa(backend_name: str):
 def time_cudnn_fp8(q, k, v, causal: bool) -> tuple[float | None, str]:
     """(ms, note) of cuDNN's FP8 SDPA on these inputs, after checking its output against
     bf16 SDPA; (None, why) if the package is missing or the graph fails."""
-    from fp4attn.tools import cudnn_fp8
     from fp4attn.metrics import error_metrics
+    from fp4attn.tools import cudnn_fp8
 
     if not cudnn_fp8.available():
         return None, "not run: the nvidia-cudnn-frontend package is not installed"
@@ -113,5 +113,37 @@ def time_cudnn_fp8(q, k, v, causal: bool) -> tuple[float | None, str]:
         if not cos > 0.99:
             return None, f"not timed: its output disagrees with bf16 SDPA (cos {cos:.4f})"
         return time_ms(att.run), f"checked (cos {cos:.4f} to bf16 SDPA), e4m3 in and out"
+    except Exception as e:  # an unsupported graph is a result to report, not a crash
+        return None, f"failed: {type(e).__name__}: {str(e)[:200]}"
+
+
+def time_cudnn_fp8_train(q, k, v, causal: bool, dout=None) -> tuple[float | None, str]:
+    """(ms, note) of cuDNN's FP8 attention forward+backward (kernels alone, e4m3 inputs
+    quantized beforehand) on these inputs, after checking its dQ/dK/dV against bf16 SDPA
+    autograd on a (1, 2)-head slice (smallest cosine > 0.98); (None, why) if the package
+    is missing, cuDNN has no kernel for the shape, the gradients disagree or anything
+    fails. dout: the output gradient (a seeded normal one if None)."""
+    from fp4attn.metrics import error_metrics
+    from fp4attn.tools import cudnn_fp8
+
+    if not cudnn_fp8.available():
+        return None, "not run: the nvidia-cudnn-frontend package is not installed"
+    try:
+        if dout is None:
+            gen = torch.Generator(device=q.device).manual_seed(1)
+            dout = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=gen)
+        att = cudnn_fp8.CudnnFP8Training(q, k, v, dout, causal)
+        sl = (slice(0, 1), slice(0, 2))
+        ins = [t[sl].detach().requires_grad_() for t in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*ins, is_causal=causal)
+        want = torch.autograd.grad(out, ins, dout[sl])
+        coss = [error_metrics(g[sl], w)["cos"] for g, w in zip(att.grads(), want)]
+        got = " ".join(f"{n} {c:.4f}" for n, c in zip(("dQ", "dK", "dV"), coss))
+        if not min(coss) > 0.98:
+            return None, f"not timed: its gradients disagree with bf16 SDPA ({got})"
+        ms = time_ms(att.run)
+        return ms, f"checked (grad cos to bf16 SDPA: {got}), e4m3 in and out, dP scaled from its amax"
+    except cudnn_fp8.NoKernel as e:
+        return None, f"no kernel: {e}"
     except Exception as e:  # an unsupported graph is a result to report, not a crash
         return None, f"failed: {type(e).__name__}: {str(e)[:200]}"
