@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
-import logging
 import math
 import warnings
 
 import torch
 
 from fp4attn import routing
+from fp4attn._logging import log_once
 from fp4attn.recipes import PRESETS, Recipe, get_recipe
 from fp4attn.reference.backward import reference_backward, refuse_double_backward
 from fp4attn.reference.forward import ForwardResult, key_bias_of_mask, reference_forward
 from fp4attn.reference.masks import causal_offset, key_mask_view, normalize_causal
 from fp4attn.reference.operands import QKOperand
-
-log = logging.getLogger("fp4attn")
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BACKENDS = routing.BACKENDS
@@ -111,11 +108,6 @@ def _mask_kind(attn_mask) -> tuple[str, torch.Tensor | None]:
     return ("other", None) if key_mask is None else ("key", key_mask)
 
 
-@functools.lru_cache(maxsize=64)
-def _log_once(message: str) -> None:
-    log.info(message)
-
-
 class ReferenceFallbackWarning(UserWarning):
     """A GPU call that `backend="auto"` ran on the (slow) reference: the message says
     why and what would run it on the kernels."""
@@ -192,7 +184,7 @@ def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, ne
             r = routing.Route("reference", "reference", r.target, f"Triton is not importable ({e})")
     if r.backend == "reference" and requested == "auto" and not torch.compiler.is_compiling():
         # logging is a side effect a compiled graph cannot hold
-        _log_once(f"recipe {recipe.name!r} runs on the reference backend: {r.reason}")
+        log_once(f"recipe {recipe.name!r} runs on the reference backend: {r.reason}")
     return r, key_mask
 
 

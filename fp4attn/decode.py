@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import warnings
 
 import torch
 
 from fp4attn import decode_routing
+from fp4attn._logging import log_once
 from fp4attn.api import ReferenceFallbackWarning
 from fp4attn.kvcache import INPUT_DTYPES, KVCache
 from fp4attn.reference import robust
 from fp4attn.reference.decode import P_HALF_FORMATS, reference_decode
-
-log = logging.getLogger("fp4attn")
 
 MAX_QUERY_ROWS = 16  # new tokens per sequence and step the decode path is built for (speculative decoding)
 
@@ -25,11 +23,6 @@ def _warn_once(message: str) -> None:
     """A GPU call that backend="auto" runs on the reference: warned once per reason, as
     `fp4attn.attention` warns (`ReferenceFallbackWarning`); on the CPU it is logged."""
     warnings.warn(message, ReferenceFallbackWarning, stacklevel=4)
-
-
-@functools.lru_cache(maxsize=16)
-def _log_once(message: str) -> None:
-    log.info(message)
 
 
 def _check(q, cache, scale, key_start) -> float:
@@ -125,7 +118,7 @@ def decode(
     else:
         if backend == "auto" and not torch.compiler.is_compiling():
             message = f"fp4attn.decode runs on the reference backend (pure PyTorch, far slower than the kernels): {why}"
-            (_warn_once if q.is_cuda else _log_once)(message)
+            (_warn_once if q.is_cuda else log_once)(message)
         kb, ks, vb, vs = cache.reference_operands()
         lengths = torch.tensor(cache.host_lengths, device=q.device)
         res = reference_decode(q, kb, ks, vb, vs, lengths, scale=s, causal=causal, key_start=key_start,

@@ -24,8 +24,6 @@ a call that raises leaves the cache as it was.
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 from dataclasses import dataclass
 
@@ -42,8 +40,6 @@ from fp4attn.reference.kvcache import (
     quantize_tokens,
     token_values,
 )
-
-log = logging.getLogger("fp4attn")
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONTIGUOUS_ROUND = 256  # the contiguous layout's capacity, rounded up (max_len stays the limit)
@@ -405,11 +401,6 @@ class KVCache:
         inspection (decode never makes this copy)."""
         kb, ks, vb, vs = self.reference_operands()
         return kb * ks[..., None], vb * vs[..., None]
-
-
-@functools.lru_cache(maxsize=16)
-def _log_once(message: str) -> None:
-    log.info(message)
 
 
 __all__ = ["KVCache", "check_format"]
