@@ -25,7 +25,6 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 @pytest.mark.skipif(not NVRTC, reason="cuda-bindings (NVRTC) not installed")
 def test_every_variant_compiles(tmp_path, monkeypatch):
     from fp4attn.kernels.hopper import backward_cuda
-
     from fp4attn.kernels.hopper.nvrtc_build import CACHE_ENV
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # a fresh build, not a cached one
@@ -65,7 +64,10 @@ def _operands(B, H, Hkv, Sq, Sk, D, off, causal, nan_at=None):
     from fp4attn.kernels.hopper import train_op
 
     g = torch.Generator(device="cuda").manual_seed(B * 1000 + Sq + D)
-    mk = lambda h, s: torch.randn(B, h, s, D, device="cuda", generator=g).bfloat16()
+
+    def mk(h, s):
+        return torch.randn(B, h, s, D, device="cuda", generator=g).bfloat16()
+
     q, k, v, dout = mk(H, Sq), mk(Hkv, Sk), mk(Hkv, Sk), mk(H, Sq)
     if nan_at is not None:
         k[nan_at] = float("nan")
@@ -136,3 +138,26 @@ def test_routed_through_attention(D):
     for a, b in zip(grads(dataclasses.replace(table, cuda=True)), grads(table)):
         assert torch.isfinite(a).all()
         assert (a - b).norm() <= 1e-2 * b.norm()  # bf16 gradients of the same float32 sums
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("recipe", ["train-fp8", "train"])
+@pytest.mark.parametrize("D, causal, Hkv", [(128, True, 2), (64, False, 4), (64, True, 1)])
+def test_training_forward_on_cuda_is_the_gluon_kernels(monkeypatch, recipe, D, causal, Hkv):
+    """The training forward in CUDA_TRAINING_BUILD gives the Gluon kernel's output and LSE bit for
+    bit (the same arithmetic; the backward rebuilds P from that LSE)."""
+    import fp4attn
+    from fp4attn.recipes import PRESETS
+
+    g = torch.Generator(device="cuda").manual_seed(D + Hkv)
+    q = torch.randn(2, 4, 1024, D, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(2, Hkv, 1536, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))  # the training forward (it keeps the backward's operands)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(routing, "CUDA_TRAINING_FORWARD", on)
+        runs.append(fp4attn.attention(q, k, v, causal="bottom_right" if causal else None, enable_gqa=True,
+                                      recipe=PRESETS[recipe], return_lse=True))
+    for a, b in zip(*runs):
+        assert torch.equal(a.detach(), b.detach())

@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 
 from fp4attn.kernels.hopper.forward_cuda import _tensor_map
-from fp4attn.kernels.hopper.nvrtc_build import Build, check, compile_source, driver, load_function, options_for
+from fp4attn.kernels.hopper.nvrtc_build import (
+    Build,
+    check,
+    compile_source,
+    driver,
+    load_function,
+    options_for,
+)
 from fp4attn.reference.backward import DS_BLOCK
 from fp4attn.reference.forward import LOG2E
 
@@ -141,8 +148,10 @@ def launch_backward_cuda(ops, lse: torch.Tensor, causal_offset: int, causal: boo
     p = _Params()
     rq, re = 2 * D, D  # bytes of a bf16 and an e4m3 row
     rows_q, rows_k = B * H * Sq, B * Hkv * Sk
-    perm = lambda base, rb, box0, swz: _tensor_map(base, [rb, 2, 4, rows_q // 16], [rb, 4 * rb, 16 * rb],
-                                                   [box0, 2, 4, BLOCK_M // 16], swz)
+
+    def perm(base, rb, box0, swz):  # a query tile in two permuted boxes (the kernel's header)
+        return _tensor_map(base, [rb, 2, 4, rows_q // 16], [rb, 4 * rb, 16 * rb], [box0, 2, 4, BLOCK_M // 16], swz)
+
     maps = {
         # the permuted query tiles: row 32 h + 8 a + 2 q + b of a tile holds query 16 a + 4 q + 2 h + b
         "q_map0": perm(qv.data_ptr(), rq, 128, 128), "q_map1": perm(qv.data_ptr() + 2 * rq, rq, 128, 128),

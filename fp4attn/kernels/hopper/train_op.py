@@ -30,8 +30,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, operand_tile
-from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 from fp4attn.kernels.hopper.forward_op import launch_forward
+from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 from fp4attn.kernels.hopper.quantize import (
     decode_nvfp4_rows,
     key_mean,
@@ -43,9 +43,9 @@ from fp4attn.kernels.hopper.quantize_train_fp8 import fp8_qk_views, quantize_qk_
 from fp4attn.recipes import Recipe
 from fp4attn.reference.backward import DS_BLOCK, refuse_double_backward
 from fp4attn.reference.forward import LOG2E
+
 # the outlier-robust fields the NVFP4 training kernels apply (`routing.HOPPER_TRAIN_ROBUST_FIELDS`; the
 # Blackwell training, which keeps the same payload, takes them from here)
-from fp4attn.routing import HOPPER_TRAIN_ROBUST_FIELDS as TRAIN_ROBUST_FIELDS
 from fp4attn.routing import (
     TRAIN_P_MODES,
     backward_gluon_kernels,

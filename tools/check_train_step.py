@@ -1,0 +1,82 @@
+"""One process on a Hopper GPU: the causal train-fp8 step (forward+backward, quantization
+included) with its training forward on the Gluon kernel or the CUDA kernel
+(routing.CUDA_TRAINING_FORWARD) and its backward on the Gluon kernels or the CUDA kernel
+(BackwardLaunch.cuda), against SDPA cuDNN bf16 forward+backward in the same run.
+
+    python tools/check_train_step.py [--out DIR] [--shapes B,H,S,D ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fp4attn
+from fp4attn import routing
+
+
+def bench_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--shapes", nargs="*", default=["4,16,4096,128", "2,16,8192,128", "1,32,16384,128",
+                                                     "8,16,4096,64"])
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    rows = []
+    for text in args.shapes:
+        B, H, S, D = map(int, text.split(","))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", generator=g).bfloat16() for _ in range(4))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+
+        def ours():
+            fp4attn.attention(q, k, v, is_causal=True, recipe="train-fp8").backward(dout)
+
+        row = {"shape": [B, H, S, D], "sdpa_cudnn_ms": bench_ms(sdpa)}
+        table = routing.backward_launch(D)
+        for fwd_cuda in (False, True):
+            for bwd_cuda in (False, True):
+                routing.CUDA_TRAINING_FORWARD = fwd_cuda
+                with routing.override_launch(backward=dataclasses.replace(table, cuda=bwd_cuda)):
+                    ms = bench_ms(ours)
+                key = f"fwd_{'cuda' if fwd_cuda else 'gluon'}_bwd_{'cuda' if bwd_cuda else 'gluon'}"
+                row[key + "_ms"] = ms
+                row[key + "_x"] = row["sdpa_cudnn_ms"] / ms
+        routing.CUDA_TRAINING_FORWARD = False
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(f"{args.out}/train_step.json", "w") as f:
+        json.dump(rows, f, indent=1)
+    print("\n| shape | cuDNN bf16 ms | fwd Gluon, bwd Gluon | fwd CUDA, bwd Gluon | fwd Gluon, bwd CUDA | fwd CUDA, bwd CUDA |")
+    for r in rows:
+        cells = [f"{r[k + '_ms']:.3f} ({r[k + '_x']:.2f}x)" for k in
+                 ("fwd_gluon_bwd_gluon", "fwd_cuda_bwd_gluon", "fwd_gluon_bwd_cuda", "fwd_cuda_bwd_cuda")]
+        print(f"| {r['shape']} | {r['sdpa_cudnn_ms']:.3f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
