@@ -18,8 +18,7 @@ import fp4attn
 from fp4attn.formats.minifloat import decode_ue4m3
 from fp4attn.recipes import PRESETS, Recipe
 from fp4attn.reference import reference_forward
-from fp4attn.reference.affine import (K_FP8_F32, affine_fp8_bytes, affine_mxfp4_codes, build_p_affine,
-                                      snap_max)
+from fp4attn.reference.affine import K_FP8_F32, affine_fp8_bytes, affine_mxfp4_codes, build_p_affine, snap_max
 from fp4attn.reference.encoding import P_EMIN
 
 
@@ -210,8 +209,9 @@ def test_attention_runs_the_presets_on_the_reference():
 
 def test_k_tile_scales_are_one_fp8_block_per_tile():
     """`Recipe.k_scale="tile"`: one e4m3 scale per 128 keys of a (batch, head), the tile's
-    values quantized as one `quantize_fp8` block (a short last tile too), NaN confined to
-    its tile; the per-token form is unchanged."""
+    values quantized as one `quantize_fp8` block (a short last tile too); a NaN is a NaN
+    element of its key, the tile's scale that of its finite values; the per-token form is
+    unchanged."""
     from fp4attn.formats import quantize_fp8
     from fp4attn.reference.operands import quantize_qk
 
@@ -225,7 +225,11 @@ def test_k_tile_scales_are_one_fp8_block_per_tile():
         n = blk.shape[-1] // 64
         assert torch.equal(op.values[b, h, j0:j0 + n], q.data.float().reshape(n, 64))
         assert bool((op.scale[b, h, j0:j0 + n] == q.scale.reshape(())).all())
-    assert bool(torch.isnan(op.scale[1, 0, 128:256]).all()) and bool(torch.isfinite(op.scale[1, 0, :128]).all())
+    assert bool(torch.isfinite(op.scale).all())
+    zeroed = quantize_qk(x.nan_to_num(nan=0.0), "fp8", tile=128)
+    assert torch.equal(op.scale, zeroed.scale)
+    assert torch.equal(torch.isnan(op.values), torch.isnan(x))
+    assert torch.equal(op.values.nan_to_num(nan=0.0), zeroed.values)
     per_token = quantize_qk(x, "fp8").scale.nan_to_num(nan=-1.0)
     assert torch.equal(per_token, quantize_fp8(x, dim=-1, block=None, fmt="e4m3").scale.nan_to_num(nan=-1.0))
     with pytest.raises(ValueError, match="k_scale='tile'.*qk='fp8'"):

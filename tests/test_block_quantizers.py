@@ -118,12 +118,33 @@ def test_nvfp4_edge_cases():
     x = torch.randn(2, 32)
     x[1, 16:] = 0
     assert torch.equal(quantize_nvfp4(x).dequantize()[1, 16:], torch.zeros(16))
-    x[0, 3] = float("inf")
-    q = quantize_nvfp4(x)
-    assert q.global_scale.item() == 1.0 and q.scale[0, 0].item() == 448.0
-    assert q.dequantize()[0, 3].item() == 6 * 448.0
-    x[0, 3] = float("nan")
-    assert bool(torch.isnan(quantize_nvfp4(x).dequantize()).all())
+    # NaN and +-Inf: the statistics of the finite values, the non-finite element's block
+    # alone NaN (scale 0x7F, codes 0), every other byte that of x with it set to 0
+    zeroed = x.clone()
+    zeroed[0, 3] = 0.0
+    want = quantize_nvfp4(zeroed)
+    for value in (float("inf"), -float("inf"), float("nan")):
+        x[0, 3] = value
+        for f46 in (False, True):
+            q = quantize_nvfp4(x, four_over_six=f46)
+            w = quantize_nvfp4(zeroed, four_over_six=f46)
+            assert torch.equal(q.global_scale, w.global_scale)
+            assert q.scale.view(torch.uint8)[0, 0].item() == 0x7F
+            assert torch.equal(q.scale.view(torch.uint8)[:, 1:], w.scale.view(torch.uint8)[:, 1:])
+            assert torch.equal(q.scale.view(torch.uint8)[1], w.scale.view(torch.uint8)[1])
+            assert not q.data[0, :8].any() and torch.equal(q.data[:, 8:], w.data[:, 8:])
+            assert torch.equal(q.data[1], w.data[1])
+            v = q.dequantize()
+            assert bool(torch.isnan(v[0, :16]).all()) and bool(torch.isfinite(v[0, 16:]).all())
+            assert bool(torch.isfinite(v[1]).all())
+    assert torch.equal(want.global_scale, quantize_nvfp4(zeroed).global_scale)
+    # per-slice tensor scales: a slice's non-finite values move no other slice, nor its own scale
+    y = torch.randn(3, 4, 32)
+    base = quantize_nvfp4(y, scale_dims=1)
+    y[1, 2, 5] = float("inf")
+    q = quantize_nvfp4(y, scale_dims=1)
+    assert torch.equal(q.global_scale, base.global_scale)
+    assert torch.equal(q.data[0], base.data[0]) and torch.equal(q.data[2], base.data[2])
 
 
 def test_nvfp4_block_values_exact_in_bf16():
@@ -146,6 +167,25 @@ def test_fp8_block_quantizer(fmt, fmax, dtype):
         want = nearest_even((xb * (fmax / amax)[..., None]).double().numpy(), E4M3_GRID)
         np.testing.assert_array_equal(q.data.double().numpy(), want)
     assert float(((q.dequantize() - x.float()).abs() / amax.repeat_interleave(32, -1)).max()) < 2**-2
+
+
+def test_fp8_finite_scale():
+    """finite_scale: the scale of the block's finite values, each NaN or +-Inf a NaN
+    element (0x7F), the same bytes as the default for finite blocks."""
+    x = torch.randn(3, 64)
+    base = quantize_fp8(x, dim=-1)
+    assert torch.equal(quantize_fp8(x, dim=-1, finite_scale=True).data.view(torch.uint8),
+                       base.data.view(torch.uint8))
+    x[1, 5], x[2, 7], x[2, 9] = float("inf"), float("nan"), -float("inf")
+    for fmt in ("e4m3", "e5m2"):
+        q = quantize_fp8(x, dim=-1, fmt=fmt, finite_scale=True)
+        zeroed = torch.where(torch.isfinite(x), x, 0.0)
+        w = quantize_fp8(zeroed, dim=-1, fmt=fmt)
+        assert torch.equal(q.scale, w.scale)
+        bad = ~torch.isfinite(x).reshape(q.data.shape)
+        assert bool((q.data.view(torch.uint8)[bad] == 0x7F).all())
+        assert torch.equal(q.data.view(torch.uint8)[~bad], w.data.view(torch.uint8)[~bad])
+        assert torch.equal(torch.isnan(q.dequantize()), ~torch.isfinite(x))
 
 
 def test_fp8_edge_blocks_and_per_channel():

@@ -9,6 +9,9 @@ matrix product.
 Edge blocks (stated and tested): an all-zero block, or one whose amax is below
 FP8_MIN_AMAX = 2**-112 (its inverse scale would overflow float32), gets scale 1 and
 zero elements; a block holding NaN or +-Inf gets scale NaN and dequantizes to NaN.
+With `finite_scale=True` (for a block that spans many tokens: V's channels, K's tiles)
+the scale is that of the block's finite elements instead, and each NaN or +-Inf is
+stored as NaN (0x7F in either format): only that element dequantizes to NaN.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def fp8_scales(amax: torch.Tensor, nonfinite: torch.Tensor, fmt: str = "e4m3") -
     return scale, inv
 
 
-def quantize_fp8(x: torch.Tensor, dim: int = -1, block: int | None = None, fmt: str = "e4m3") -> FP8Tensor:
+def quantize_fp8(x: torch.Tensor, dim: int = -1, block: int | None = None, fmt: str = "e4m3",
+                 finite_scale: bool = False) -> FP8Tensor:
     """Quantize `x` to FP8 with one float32 scale per `block` elements along `dim`.
 
     Args:
@@ -60,11 +64,20 @@ def quantize_fp8(x: torch.Tensor, dim: int = -1, block: int | None = None, fmt: 
         dim: the dim cut into blocks.
         block: elements per scale; None for one scale over the whole dim.
         fmt: "e4m3" (max 448) or "e5m2" (max 57344).
+        finite_scale: each block's scale from its finite elements, and its NaN and +-Inf
+            elements stored as NaN (a non-finite element spoils itself, not its block);
+            False: a block holding one gets the NaN scale. The same bytes for finite x.
     """
     check_block_input("quantize_fp8", x, dim)
     if fmt not in FP8_MAX:
         raise ValueError(f"unknown fp8 format {fmt!r}; accepted: {tuple(FP8_MAX)}")
     xb, layout = to_blocks(x, dim, block)
+    if finite_scale:
+        finite = torch.isfinite(xb)
+        scale, inv = fp8_scales(torch.where(finite, xb.abs(), 0.0).amax(dim=-1),
+                                torch.zeros(xb.shape[:-1], dtype=torch.bool, device=xb.device), fmt)
+        data = encode_fp8(torch.where(finite, xb * inv.unsqueeze(-1), float("nan")), fmt)
+        return FP8Tensor(data, scale, layout)
     scale, inv = fp8_scales(xb.abs().amax(dim=-1), nonfinite_blocks(xb), fmt)
     data = encode_fp8(xb * inv.unsqueeze(-1), fmt)
     return FP8Tensor(data, scale, layout)

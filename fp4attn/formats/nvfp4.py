@@ -15,11 +15,13 @@ Edge cases, as that order makes them (stated and tested):
 - all-zero tensor: S_enc = FP32_MAX (448*6/0 = Inf, clamped), every block scale 0, every
   element 0, and it dequantizes to zeros;
 - all-zero block in a non-zero tensor: block scale 0, elements 0;
-- +-Inf: amax is Inf so S_enc = 0, replaced by 1; the Inf's block scale saturates to
-  448 and the Inf itself to +-6;
-- NaN: the tensor amax is NaN, so every block scale is NaN (E4M3 0x7F) and the whole
-  tensor (or, with `scale_dims`, the whole slice sharing its tensor scale) dequantizes
-  to NaN.
+- NaN and +-Inf (where this departs from TransformerEngine, whose NaN amax spreads NaN
+  over the whole tensor and whose Inf saturates to a finite 6 * 448): amax(|x|), the
+  tensor's and each block's, is taken over the finite elements, and a block holding a
+  NaN or an Inf gets the NaN block scale (E4M3 0x7F) and codes 0. Only that block
+  dequantizes to NaN; every other block's bytes are those of the same tensor with the
+  non-finite elements set to 0. Finite tensors are quantized exactly as
+  TransformerEngine quantizes them.
 
 "Tensor" is whatever shares one tensor scale: the whole input by default, as
 TransformerEngine quantizes a weight or activation; `scale_dims=n` gives each index of
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4attn.formats.blocks import BlockLayout, from_blocks, to_blocks
+from fp4attn.formats.blocks import BlockLayout, from_blocks, nonfinite_blocks, to_blocks
 from fp4attn.formats.checks import check_block_input
 from fp4attn.formats.constants import E2M1_MAX, E4M3_MAX, FP32_MAX, NVFP4_BLOCK
 from fp4attn.formats.minifloat import decode_e2m1, encode_e2m1, encode_fp8, exact_div, pack_e2m1, unpack_e2m1
@@ -95,6 +97,9 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1, scale_dims: int = 0, four_ove
         raise ValueError(f"quantize_nvfp4: scale_dims={scale_dims} must be in [0, x.ndim) and leave the blocked "
                          f"dim after the scaled ones; got x.ndim={ndim}, dim={dim}")
     xb, layout = to_blocks(x, dim, NVFP4_BLOCK)
+    # statistics over the finite elements; a block holding a NaN or an Inf is NaN alone
+    bad = nonfinite_blocks(xb).unsqueeze(-1)
+    xb = torch.where(torch.isfinite(xb), xb, torch.zeros_like(xb))
     if scale_dims:
         # the blocked layout keeps the leading dims in place: reduce everything after them
         amax = xb.abs().flatten(scale_dims).amax(-1).reshape(*xb.shape[:scale_dims], *(1,) * (xb.ndim - scale_dims))
@@ -108,6 +113,8 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1, scale_dims: int = 0, four_ove
         d4, codes4 = _blocks_scaled_to(xb, block_amax, s_enc, s_dec, 4.0)
         better = _block_error(xb, d4, codes4, s_enc) < _block_error(xb, d, codes, s_enc)
         d, codes = torch.where(better, d4, d), torch.where(better, codes4, codes)
+    d = torch.where(bad, encode_fp8(torch.full_like(block_amax, float("nan")), "e4m3"), d)
+    codes = codes.masked_fill(bad, 0)
     return NVFP4Tensor(pack_e2m1(codes.flatten(-2)), d.squeeze(-1), s_dec, layout)
 
 

@@ -25,10 +25,17 @@ attention they define in real arithmetic.
 Non-finite values (the rules every backend follows):
 - every scale is computed per (batch, head) at the widest, so nothing in one (batch,
   head) changes another's result;
-- a NaN or Inf in q, k or v, a NaN in a float mask, or a score that overflows, gives
-  NaN in the output rows that depend on it (a NaN score makes its row's running max,
-  and with it the row, NaN; a NaN or Inf in an operand's scale block reaches every
-  score or value that block feeds, at most its (batch, head)); the LSE is NaN there;
+- every statistic (NVFP4's tensor amax, FP8 V's channel and K's tile maxima, the robust
+  means, sums of squares and maxima) is taken over the finite values, and a NaN or Inf
+  spoils only its own scale block: NVFP4 Q/K's 16 channels of one token, FP8 Q/K's
+  token, MXFP4 V's 32 keys of one channel, and for FP8 V (one scale per channel) and
+  FP8 K per tile (one scale per key tile) the element alone;
+- so a NaN or Inf in q gives NaN in its row (and LSE NaN there); in k, in the rows that
+  attend to its key (the score is NaN, and with it the row's running maximum); in v, in
+  the channels it spoils of the rows that attend to its key (to a key of its MXFP4
+  block): a key that a row does not attend to (masked: its log2 score is -inf) never
+  reaches it, whatever its value holds (P is 0 there, and 0 x NaN is kept out of P V);
+  a NaN in a float mask, or a score that overflows, gives NaN in its row;
 - a row that sees no key (fully masked) is 0 with LSE -inf, as SDPA in torch >= 2.13.
 """
 
@@ -138,6 +145,11 @@ def reference_forward(
     p_all = torch.zeros((B, H, Sq, Sk), device=q.device) if return_p else None
     bias = log2_bias(attn_mask, Sk, bn)
     last_key = Sk if offset is None else min(Sk, Sq + offset)  # keys past it are hidden from every row
+    # V's non-finite entries (B, Hkv, Sk, D), kept out of P V: a row's P is 0 on keys it
+    # does not attend to, and 0 x NaN would make it NaN; they are put back into exactly
+    # the (row, channel) entries of the rows that attend to them
+    v_bad = ~torch.isfinite(v_rep)
+    v_nan = torch.zeros((B, H, Sq, Dv), dtype=torch.bool, device=q.device)
     for j0 in range(0, last_key, bn):  # a kernel skips tiles the causal mask hides entirely
         t = masked_log2_scores(q_op, k_op, scale, offset, bias, j0, bn)
         m_new = torch.maximum(m, t.amax(dim=-1))
@@ -161,7 +173,9 @@ def reference_forward(
             p_all[..., j0 : j0 + bn] = p[..., : min(bn, Sk - j0)]
         l = alpha * l + (p if recipe.consistent_norm else torch.exp2(x)).sum(dim=-1)
         v_tile = F.pad(expand_heads(v_rep[..., j0 : j0 + bn, :], H), (0, 0, 0, j0 + bn - min(Sk, j0 + bn)))
-        acc = alpha.unsqueeze(-1) * acc + p @ v_tile
+        bad = F.pad(expand_heads(v_bad[..., j0 : j0 + bn, :], H), (0, 0, 0, j0 + bn - min(Sk, j0 + bn)))
+        v_nan |= ((t != -math.inf).float() @ bad.float()) > 0
+        acc = alpha.unsqueeze(-1) * acc + p @ v_tile.masked_fill(bad, 0.0)
         # the running point every later tile is measured from (m itself, or the affine
         # builders' snapped m~, which stays -inf for a row that has seen no key)
         m = torch.where(m_new == -math.inf, m_new, m_use)
@@ -169,7 +183,7 @@ def reference_forward(
     # a row that saw a key has l > 0 (its maximum's P is 1) or NaN; only unseen rows are 0
     seen = m != -math.inf
     safe_l = torch.where(seen, l, torch.ones_like(l))
-    out = torch.where(seen.unsqueeze(-1), acc / safe_l.unsqueeze(-1), 0.0)
+    out = torch.where(seen.unsqueeze(-1), acc / safe_l.unsqueeze(-1), 0.0).masked_fill(v_nan, math.nan)
     lse = torch.where(seen, (m + torch.log2(safe_l)) * LN2, -math.inf)
     if v_mean is not None:
         mean = expand_heads(v_mean, H)
@@ -198,7 +212,7 @@ def robust_qk(q: torch.Tensor, k: torch.Tensor, recipe: Recipe,
     if mean is not None and recipe.rotate_qk is None:
         # smoothed K's sums of squares from K's float64 sums per channel (the pass over
         # K that makes its mean makes them too, `robust.smoothed_sum_sq`)
-        sq_q = qf.double().square().sum(dim=(-2, -1))
+        sq_q = robust.finite_or_zero(qf.float()).double().square().sum(dim=(-2, -1))
         sq_k = robust.smoothed_sum_sq(*robust.key_sums(k), mean, k.shape[-2])
         spread = robust.logit_std_of_sums(sq_q, expand_heads(sq_k, hq), q.shape[-2], k.shape[-2], q.shape[-1],
                                           scale)  # (B, Hq)

@@ -39,11 +39,13 @@ def _inf_to_nan(x: torch.Tensor) -> torch.Tensor:
 def quantize_fp8_tiles(x: torch.Tensor, tile: int) -> QKOperand:
     """FP8 e4m3 of x (B, H, S, D) with one scale per `tile` tokens of each (batch, head)
     (`Recipe.k_scale="tile"`): `formats.quantize_fp8` of each tile's tile x D values as
-    one block (a tile past S holds only the tokens there), the scale repeated per token."""
+    one block (a tile past S holds only the tokens there), the scale repeated per token.
+    The scale is the tile's finite values' (`finite_scale`): a NaN or Inf is a NaN
+    element, whose key alone has NaN scores."""
     B, H, S, D = x.shape
     n = -(-S // tile)
     xt = torch.nn.functional.pad(x, (0, 0, 0, n * tile - S)).reshape(B, H, n, tile * D)
-    q = quantize_fp8(xt, dim=-1, block=None, fmt="e4m3")  # data (B, H, n, 1, tile * D)
+    q = quantize_fp8(xt, dim=-1, block=None, fmt="e4m3", finite_scale=True)  # data (B, H, n, 1, tile * D)
     values = q.data.float().reshape(B, H, n * tile, D)[..., :S, :]
     scale = q.scale.reshape(B, H, n, 1).repeat_interleave(tile, dim=2)[..., :S, :]
     return QKOperand(values, scale)
@@ -54,16 +56,14 @@ def quantize_qk(x: torch.Tensor, fmt: str, four_over_six: bool = False, tile: in
     scale per `tile` tokens instead of per token (`quantize_fp8_tiles`).
 
     NVFP4 has one tensor scale per (batch, head) (`quantize_nvfp4(scale_dims=2)`): no
-    item's values move another's codes. A head holding NaN or +-Inf gets the tensor
-    scale NaN (TransformerEngine would saturate an Inf to 6 * 448, a finite value):
-    its scores, and the rows that read them, come out NaN. `four_over_six`: NVFP4
-    blocks scaled to 4 or 6 (`quantize_nvfp4`).
+    item's values move another's codes. The tensor scale is that of the head's finite
+    values, and a NaN or +-Inf makes its block of 16 NaN (`formats.nvfp4`): the scores
+    of its token, and the rows that read them, come out NaN, no other.
+    `four_over_six`: NVFP4 blocks scaled to 4 or 6 (`quantize_nvfp4`).
     """
     if fmt == "nvfp4":
         q = quantize_nvfp4(x, dim=-1, scale_dims=2, four_over_six=four_over_six)
         s_dec = q.global_scale.reshape(*x.shape[:2], 1, 1)
-        finite = torch.isfinite(x).flatten(2).all(-1).reshape(s_dec.shape)
-        s_dec = torch.where(finite, s_dec, torch.full_like(s_dec, float("nan")))
         return QKOperand(from_blocks(q.block_values(), q.layout), s_dec, q)
     if fmt == "fp8" and tile:
         return quantize_fp8_tiles(x, tile)
@@ -109,12 +109,14 @@ def quantize_v(v: torch.Tensor, fmt: str) -> torch.Tensor:
     """V's represented values (fp32, (B, H, S, D)) in `fmt` ("mxfp4", "fp8" or "bf16").
 
     MXFP4 blocks run along the sequence (the PV contraction dim), 32 keys per block,
-    inside the e4m3 window of `encoding.V_WINDOW`. FP8 has one scale per channel.
+    inside the e4m3 window of `encoding.V_WINDOW` (a NaN or Inf makes its block NaN). FP8
+    has one scale per channel, that of the channel's finite values; a NaN or Inf is a
+    NaN element (`quantize_fp8(finite_scale=True)`).
     """
     if fmt == "mxfp4":
         return quantize_v_mxfp4(v)[0]
     if fmt == "fp8":
-        return quantize_fp8(v, dim=-2, block=None, fmt="e4m3").dequantize()
+        return quantize_fp8(v, dim=-2, block=None, fmt="e4m3", finite_scale=True).dequantize()
     if fmt == "bf16":
         return _inf_to_nan(v.to(torch.bfloat16).float())
     raise ValueError(f"unknown V format {fmt!r}")

@@ -25,6 +25,10 @@ The means are float64 sums of the inputs (exact, so that any order gives the sam
 for bf16 inputs whose channel spans less than 2**(45 - log2 S) in magnitude), divided by
 the key count and rounded to bf16, then subtracted in float32 (one rounding).
 
+Every statistic here (means, sums of squares) counts a NaN or an Inf as 0: a non-finite
+value then reaches only the scores and rows that read it (a key's NaN stays in its own
+key after the mean is subtracted), never its whole channel or head.
+
 The Q/K fallback's statistic of smoothed K (`smoothed_sum_sq`) is made from the same
 pass's float64 per-channel sums of k and k**2, sum_t (k - m)**2 = sum k**2 - 2 m sum k +
 S m**2, not from the squares of the float32 values k - m: the kernels then read K once for
@@ -95,11 +99,16 @@ def rotation_scale(d: int) -> float:
     return 1.0 / hadamard_block(d)
 
 
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """x with its NaN and +-Inf entries set to 0, as every statistic here counts them."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
 def key_mean(x: torch.Tensor) -> torch.Tensor:
     """Mean over the keys (dim -2) of x (B, H, S, D), per (batch, head, channel): float64
-    sum / S, rounded to bf16, as float32 (B, H, 1, D). NaN or Inf in a channel gives a
-    non-finite mean there, which the subtraction carries into that channel."""
-    s = x.float().sum(dim=-2, keepdim=True, dtype=torch.float64) / x.shape[-2]
+    sum / S, rounded to bf16, as float32 (B, H, 1, D). A NaN or Inf counts as 0 (the
+    subtraction leaves it in its own key)."""
+    s = finite_or_zero(x.float()).sum(dim=-2, keepdim=True, dtype=torch.float64) / x.shape[-2]
     return s.to(torch.bfloat16).float()
 
 
@@ -109,8 +118,9 @@ def key_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sums in any order give the same bits) for bf16 channels whose nonzero values span
     less than 2**(45 - log2 S) in magnitude, the sums of squares (16 significant bits a
     square) for a span below 2**((37 - log2 S) / 2) (2**12.5 at S = 4096); beyond that
-    the last bits of a sum of squares can depend on the order of the adds."""
-    x = x.float().double()
+    the last bits of a sum of squares can depend on the order of the adds. A NaN or Inf
+    counts as 0."""
+    x = finite_or_zero(x.float()).double()
     return x.sum(dim=-2), x.square().sum(dim=-2)
 
 
@@ -137,7 +147,7 @@ def smoothed_sum_sq(sums: torch.Tensor, sums_sq: torch.Tensor, mean: torch.Tenso
     m) m for a bf16 m and s < 2**31), clamped at 0 (NaN kept: the cancellation can leave
     a channel whose keys all equal its mean a few ulps below), then `pairwise_sum` over
     the channels. The statistic the Q/K fallback takes for smoothed K (`logit_std_of_sums`):
-    one pass over K gives its inputs with the mean's sums; a NaN or Inf in K gives NaN."""
+    one pass over K gives its inputs with the mean's sums (a NaN or Inf counting as 0)."""
     m = mean.reshape(sums.shape).double()
     t = (sums_sq - (2.0 * m) * sums) + (s * m) * m
     return pairwise_sum(t.clamp_min(0.0))
@@ -153,9 +163,9 @@ def logit_std(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     mean |k|^2 / D) (the standard deviation of q . k * scale for directions that are
     unrelated), float64 (B, H). The Q/K quantization error of the scores grows with
     it (docs/notes/robust-numerics.md). K at its own heads; GQA heads are expanded by
-    the caller."""
-    sq_q = q.double().square().sum(dim=(-2, -1))
-    sq_k = k.double().square().sum(dim=(-2, -1))
+    the caller. A NaN or Inf counts as 0."""
+    sq_q = finite_or_zero(q.float()).double().square().sum(dim=(-2, -1))
+    sq_k = finite_or_zero(k.float()).double().square().sum(dim=(-2, -1))
     return logit_std_of_sums(sq_q, sq_k, q.shape[-2], k.shape[-2], q.shape[-1], scale)
 
 
