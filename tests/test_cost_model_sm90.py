@@ -1,4 +1,4 @@
-"""The H200 cost model (`tools/cost_model_sm90.py`) reads its figures off the sm_90 SASS
+"""The H200 cost model (`dev/cost_model_sm90.py`) reads its figures off the sm_90 SASS
 of the routed Triton forward builds, and the error docs/notes/cost-model-hopper.md
 states for `directp` is the one the model computes against the H200 run in
 benchmarks/results/log/h200-forward-ab7f5f9.json (CPU: two builds compiled, no GPU)."""
@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+from dev import cost_model_sm90 as cm  # noqa: E402
 from fp4attn.recipes import PRESETS  # noqa: E402
-from fp4attn.tools import cost_model_sm90 as cm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTE = ROOT / "docs" / "notes" / "cost-model-hopper.md"

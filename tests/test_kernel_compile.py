@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from fp4attn.tools.machine_code import inspect_backward, inspect_forward  # noqa: E402
+from dev.machine_code import inspect_backward, inspect_forward  # noqa: E402
 
 
 @pytest.mark.parametrize("p_mode,max_ex2", [(0, None), (1, 8)])
@@ -26,7 +26,7 @@ def test_tile_loop_instruction_profile():
     """The unmasked tile loop, per score element: one exp2 for FP8 P, none for Direct-P
     (its exps are per block and per row, outside the element work), and a total in the
     range the instruction budget of docs/notes/hopper-forward.md was measured at."""
-    from fp4attn.tools.machine_code import per_element
+    from dev.machine_code import per_element
 
     for p_mode, lo, hi in ((0, 10, 25), (1, 20, 40)):
         n, ops = per_element(inspect_forward(True, p_mode, False, 128).tile_loop(), 64)
@@ -44,7 +44,7 @@ def test_sink_tiles_leave_the_steady_loop_plain_directp(causal):
     nothing spills."""
     from collections import Counter
 
-    from fp4attn.tools.machine_code import per_element
+    from dev.machine_code import per_element
 
     plain = inspect_forward(False, 1, causal, 128)
     sink = inspect_forward(False, 3, causal, 128, sink_tiles=1)
@@ -92,7 +92,7 @@ def test_gluon_forward_builds_every_p_mode_and_head_dim(qk_fp8, p_mode, causal, 
     """The warp-specialized Gluon forward also builds for sm_90 where it is not routed
     (Direct-P, D=64): wgmma on the tensor cores, TMA loads into shared memory, and the
     same P builder (no exp per element for Direct-P)."""
-    from fp4attn.tools.machine_code import inspect_forward_ws
+    from dev.machine_code import inspect_forward_ws
 
     r = inspect_forward_ws(qk_fp8, p_mode, causal, head_dim)
     assert r.count(r"QGMMA") > 0 and (qk_fp8 or r.count(r"HGMMA") > 0)
@@ -107,7 +107,7 @@ def test_bf16_qk_forward_chains_its_wgmmas(p_mode, causal):
     """At D=128 the bf16-QK^T forward adds each tile's PV into O itself (pv_add): with
     Triton's max_num_imprecise_acc promotion instead, ptxas serialized every wgmma of
     the kernel (C7514), each of QK^T's eight waiting for the one before."""
-    from fp4attn.tools.machine_code import compile_forward, inspect, ptxas_messages
+    from dev.machine_code import compile_forward, inspect, ptxas_messages
 
     kernel = compile_forward(False, p_mode, causal, 128)
     assert "C7514" not in ptxas_messages(kernel)
@@ -128,8 +128,8 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     and ptxas serialized the wgmmas (C7511)."""
     import re
 
+    from dev.machine_code import compile_forward_ws, inspect, ptxas_messages
     from fp4attn.routing import forward_launch
-    from fp4attn.tools.machine_code import compile_forward_ws, inspect, ptxas_messages
 
     kernel = compile_forward_ws(qk_fp8, p_mode, causal, 128, overlap=forward_launch(128, qk_fp8, causal).ws_overlap)
     report = ptxas_messages(kernel)
@@ -164,8 +164,8 @@ def test_gluon_backward_kernels_chain_their_wgmmas_and_share_an_sm(head_dim, cau
     longer than the NVFP4 build's (measured: dK/dV 1.6-6.4% shorter, its query-head select
     gone; dQ 2.1-2.4% longer); stack 0-40 bytes against NVFP4's 0-64
     (docs/notes/hopper-train.md, "`train-fp8` on the Gluon backward")."""
+    from dev.machine_code import compile_backward_gluon, inspect, ptxas_messages
     from fp4attn.routing import BACKWARD_LAUNCH
-    from fp4attn.tools.machine_code import compile_backward_gluon, inspect, ptxas_messages
 
     cfg = BACKWARD_LAUNCH[head_dim]
     assert cfg.dkdv_gluon and cfg.dq_gluon and cfg.tma
@@ -407,7 +407,7 @@ def test_quantizer_builds_keep_their_measured_form(name, consts):
     took up to 167), and e4m3 by the packed conversion (`F2FP`) where they round to it
     (the bit arithmetic made the V pass instruction-bound). docs/notes/hopper-train.md,
     "Quantizers of the training step"."""
-    from fp4attn.tools.machine_code import compile_quantizer, inspect
+    from dev.machine_code import compile_quantizer, inspect
 
     r = inspect(compile_quantizer(name, **consts))
     assert r.stack == 0, (name, r.stack)
@@ -431,8 +431,8 @@ def test_v_read_once_builds(fmt, d):
     """The forward's V quantizer as `quantize_v_t` launches it (`V_PROGRAM`), V read once:
     no spill, one ticket (ATOMG), one release of the head's count (MEMBAR before its
     REDG), the head's statistic by relaxed reductions, e4m3 by the packed conversion."""
+    from dev.machine_code import compile_quantizer, inspect
     from fp4attn.kernels.hopper.quantize import V_PROGRAM
-    from fp4attn.tools.machine_code import compile_quantizer, inspect
 
     keys, warps = V_PROGRAM[d]
     r = inspect(compile_quantizer("_v_kernel", num_warps=warps, D=d, BLOCK_S=keys, MXFP4=fmt == "mxfp4",
@@ -447,7 +447,7 @@ def test_tile_path_drops_only_the_arithmetic_a_full_tile_branches_around():
     """`KernelReport.path`: a loop's forward branch around compares and selects (a
     mask) is left out of a full tile's path; one around a tensor-core instruction (the
     next tile's product, issued on every tile but the last) is kept, as is the loop."""
-    from fp4attn.tools.machine_code import KernelReport
+    from dev.machine_code import KernelReport
 
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -501,8 +501,8 @@ def test_gluon_kernels_publish_their_mbarriers_before_using_them(kernel):
     inits and its first waits). Every mbarrier is invalidated before the program ends."""
     import re
 
+    from dev.machine_code import compile_backward_gluon, compile_forward_ws
     from fp4attn.routing import BACKWARD_LAUNCH, forward_launch
-    from fp4attn.tools.machine_code import compile_backward_gluon, compile_forward_ws
 
     if kernel == "forward_ws":
         ptx = compile_forward_ws(False, 0, True, 128, overlap=forward_launch(128, False, True).ws_overlap).asm["ptx"]

@@ -414,8 +414,8 @@ def test_robust_passes_build_for_sm90(kernel, D, choice):
     beside each), one acq_rel count a program, and the choice's float64 arithmetic
     IEEE-rounded as torch's (div.rn, sqrt.rn, the `_rn` forms; no approximate or
     contracted operation)."""
+    from dev.machine_code import _compile_sm90, _pointers_and, inspect
     from fp4attn.kernels.hopper import quantize as qz
-    from fp4attn.tools.machine_code import _compile_sm90, _pointers_and, inspect
 
     choice_sig = dict(COUNT="*i32", SQ_Q="*fp64", FB_Q="*i8", FB_K="*i8", S_Q="i32", D_STAT="i32", GROUP="i32",
                       SCALE="fp64", LIMIT="fp64")

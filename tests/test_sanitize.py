@@ -50,8 +50,8 @@ def test_routed_kernels_are_sanitizer_clean(tool):
 def _dispatch_loads() -> set[int]:
     """The SASS offsets of the worker warps' dispatch-byte loads in the routed
     warp-specialized forward builds (`machine_code.warp_specialize_dispatch`)."""
+    from dev.machine_code import _cuobjdump, compile_forward_ws, warp_specialize_dispatch
     from fp4attn.routing import forward_launch
-    from fp4attn.tools.machine_code import _cuobjdump, compile_forward_ws, warp_specialize_dispatch
 
     loads = set()
     for qk_fp8 in (True, False):
@@ -86,8 +86,8 @@ def test_racecheck_reports_are_the_warp_specialize_dispatch():
     where the reported writes are. So these hazards are the dispatch protocol, ordered by
     named barrier 1, not a race of the kernel's barriers."""
     pytest.importorskip("triton")
+    from dev.machine_code import _cuobjdump, compile_forward_ws, warp_specialize_dispatch
     from fp4attn.routing import forward_launch
-    from fp4attn.tools.machine_code import _cuobjdump, compile_forward_ws, warp_specialize_dispatch
 
     log = (ROOT / "benchmarks/results/h200-sanitize.txt").read_text()
     reads = {int(x, 16) for x in re.findall(r"Read access at attn_fwd_ws_kernel\+0x([0-9a-f]+)", log)}

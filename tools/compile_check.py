@@ -19,11 +19,14 @@ element of the 64 x 64 score tile for one warpgroup, 32 per thread).
 import argparse
 import dataclasses
 import re
+import sys
 from pathlib import Path
 
 from fp4attn.kernels.hopper.operands import BLOCK_N
 from fp4attn.routing import BACKWARD_LAUNCH, forward_launch
-from fp4attn.tools.machine_code import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/
+from dev.machine_code import (  # noqa: E402
     compile_backward,
     compile_backward_gluon,
     compile_forward_ws,

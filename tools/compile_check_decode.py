@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
+from pathlib import Path
 
 from fp4attn.decode_routing import DEFAULT_LAUNCH
 from fp4attn.kernels.hopper.decode_op import FORMAT_CODES
 from fp4attn.kernels.hopper.decode_triton import decode_split_kernel
 from fp4attn.reference.kvcache import format_layout
-from fp4attn.tools.machine_code import _compile_sm90, inspect
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/
+from dev.machine_code import _compile_sm90, inspect  # noqa: E402
 
 COPY_BPS, SMS, CLOCK = 4.27e12, 132, 1.98e9
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
+from dev import machine_code
 from fp4attn import routing
 from fp4attn.recipes import PRESETS, Recipe
-from fp4attn.tools import machine_code
 from fp4attn.tools.cost_model_sm100 import GPU
 from fp4attn.tools.cost_model_sm100 import predict as _predict
 
@@ -44,7 +44,7 @@ H200 = GPU("H200", SMS, CLOCK_HZ, (("bf16", round(989.4e12 / (SMS * CLOCK_HZ))),
                                    ("fp8", round(1978.9e12 / (SMS * CLOCK_HZ)))))
 NCU_CLOCK_HZ = 1.78e9  # sm__cycles_elapsed.avg.per_second, log/h200-forward-ncu-ws.txt
 HEAD_DIM = 128
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 # the H200 forward runs (benchmarks/results/README.md); a recipe's figures come from the
 # first file that has it
 # the grid measured with the Triton kernels this model reads: from 72cc83a the CUDA C++ kernel runs
