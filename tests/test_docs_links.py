@@ -1,6 +1,8 @@
-"""The documents' links resolve, and benchmarks/results/ is laid out as its README says:
-the top level holds the files README.md, docs/performance.md and docs/accuracy.md cite,
-log/ the experiment logs, and the README lists every file of both."""
+"""The documents' links resolve, the repository paths that README.md and docs/*.md write
+in code spans exist (docs/notes/, the lab notebooks, may name files as they were), and
+benchmarks/results/ is laid out as its README says: the top level holds the files
+README.md, docs/performance.md and docs/accuracy.md cite, log/ the experiment logs, and the
+README lists every file of both."""
 
 import re
 from pathlib import Path
@@ -15,6 +17,13 @@ CURRENT_DOCS = [ROOT / "README.md", ROOT / "docs" / "performance.md", ROOT / "do
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 # a path into the results folder written out in prose, a code span or a comment
 RESULTS_PATH = re.compile(r"benchmarks/results/[\w./*{},-]*")
+# the current documents, whose code spans must name paths that exist
+TOP_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+# a word of a code span that is a repository path: from the root (`fp4attn/api.py`,
+# `tests/...`, `tools/x.py`) or inside the package (`reference/forward.py`)
+REPO_PATH = re.compile(r"(?:fp4attn|tests|tools|scripts|benchmarks|dev|docs|\.ci)/[\w./*-]*")
+PACKAGE_PATH = re.compile(r"(?:kernels|reference|formats|cli|integrations|study|data)/[\w./*-]*")
 
 
 def relative_links(text: str) -> list[str]:
@@ -32,6 +41,40 @@ def expand_braces(text: str) -> str:
     """`h200-x-{1,2}.json` written out as `h200-x-1.json h200-x-2.json`."""
     return re.sub(r"([\w.-]*)\{([\w,]+)\}([\w.-]*)",
                   lambda m: " ".join(m[1] + alt + m[3] for alt in m[2].split(",")), text)
+
+
+def code_span_paths(text: str) -> list[str]:
+    """The repository paths (from the root) that a markdown text's code spans name; a span
+    followed by "at <commit>" names a file as it was then and is left out."""
+    paths = []
+    for m in CODE_SPAN.finditer(text):
+        if re.match(r" at [0-9a-f]{7}", text[m.end():]):
+            continue
+        for word in m.group(1).split():
+            word = word.strip("()[],;:'\"").rstrip(".")
+            if REPO_PATH.fullmatch(word):
+                paths.append(word)
+            elif PACKAGE_PATH.fullmatch(word):
+                paths.append(f"fp4attn/{word}")
+    return paths
+
+
+def _exists(path: str) -> bool:
+    return any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()
+
+
+def test_code_span_paths_parse():
+    text = ("`fp4attn/api.py`, `python tools/x.py --y`, `reference/forward.py`, `attention(q)`, "
+            "`kernels/hopper/cuda/*.cu`, `scripts/old.py` at 1234abc, `tests/`, ```bash\nls\n```")
+    assert code_span_paths(text) == ["fp4attn/api.py", "tools/x.py", "fp4attn/reference/forward.py",
+                                     "fp4attn/kernels/hopper/cuda/*.cu", "tests/"]
+
+
+@pytest.mark.parametrize("doc", TOP_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_code_span_path_exists(doc):
+    missing = [p for p in code_span_paths(doc.read_text()) if not _exists(p)]
+    assert not missing, (f"{doc.relative_to(ROOT)} names, in code spans, paths that do not exist: {missing} "
+                         "(a file as it was: write \"at <commit>\" after the span)")
 
 
 def test_relative_links_parse_as_markdown_does():
