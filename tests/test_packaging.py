@@ -104,3 +104,12 @@ def test_forward_and_decode_ask_the_same_probe(monkeypatch):
     assert not routing.use_cuda_forward(launch, 0, keys, on_cuda=True)
     with pytest.raises(ValueError, match="not here"):
         decode_routing.split_kernel(*args, on_gpu=True, asked="cuda")
+
+
+def test_every_routed_launcher_imports():
+    """A launcher that fails to import sends its route to the reference (api._route reads
+    the ImportError as Triton missing): each one the routing names imports."""
+    pytest.importorskip("triton")
+    for family in routing.KERNEL_FAMILIES:
+        module, name = family.launcher.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), family.launcher

@@ -166,8 +166,8 @@ def test_hopper_kernels_refuse_robust_fields_they_do_not_apply():
     """A robust field the kernels lack is a reason (for the routing) and an error at the
     launcher, never another recipe's numbers."""
     from fp4attn.kernels.hopper.forward_op import hopper_robust_unsupported
-    from fp4attn.kernels.hopper.train_op import TRAIN_ROBUST_FIELDS
     from fp4attn.recipes import PRESETS, robust_unsupported_reason
+    from fp4attn.routing import HOPPER_TRAIN_ROBUST_FIELDS as TRAIN_ROBUST_FIELDS
 
     assert hopper_robust_unsupported(PRESETS["nvfp4-fp8-robust"]) is None
     assert hopper_robust_unsupported(PRESETS["directp-robust"]) is None

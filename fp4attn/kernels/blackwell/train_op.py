@@ -25,7 +25,6 @@ from fp4attn import routing
 from fp4attn.kernels.blackwell.forward_op import launch_forward
 from fp4attn.kernels.blackwell.operands import BlackwellOperands, quantize_v_mxfp4_packed
 from fp4attn.kernels.hopper.train_op import (
-    TRAIN_ROBUST_FIELDS,
     backward_operands,
     launch_backward,
     quantize_for_training,
@@ -35,6 +34,9 @@ from fp4attn.kernels.hopper.train_op import (
     train_forward_fake,
 )
 from fp4attn.recipes import Recipe, robust_unsupported_reason
+
+# the outlier-robust fields the training kernels apply: the Hopper training's, whose payload this one keeps
+TRAIN_ROBUST_FIELDS = routing.HOPPER_TRAIN_ROBUST_FIELDS
 
 
 @torch.library.custom_op("fp4attn::blackwell_train_forward", mutates_args=())
