@@ -121,7 +121,8 @@ def test_forward_error_is_the_formats(name, causal):
     exact_build = r.with_(p_build="directp" if r.p == "mxfp4" else "exp2")
     ref, base = (reference_forward(q, k, v, x, scale=0.125, causal=causal) for x in (r, exact_build))
     want = reference_forward(q, k, v, PRESETS["bf16"], scale=0.125, causal=causal)
-    err = lambda a: float((a.out - want.out).norm() / want.out.norm())
+    def err(a):
+        return float((a.out - want.out).norm() / want.out.norm())
     # measured here: FP8 1.0-1.1x the exp2 form's error; the E2M1 map 1.4-1.5x Direct-P's
     # (its subnormal codes are off the log-linear line: code 1 stands for 2**-0.5, is 0.5)
     assert err(ref) < (1.2 if r.p == "fp8" else 1.6) * err(base) + 1e-3, (err(ref), err(base))
@@ -129,7 +130,8 @@ def test_forward_error_is_the_formats(name, causal):
     # the LSE sums the represented values, which the E2M1 map biases low (its codes 0
     # and 1 fall short of the exponential): measured 2.5-3x Direct-P's largest LSE error
     # here, 1-1.2x for the FP8 map
-    lse_err = lambda a: float((a.lse - want.lse).abs().max())
+    def lse_err(a):
+        return float((a.lse - want.lse).abs().max())
     assert lse_err(ref) < (1.5 if r.p == "fp8" else 4.0) * lse_err(base) + 0.02, (lse_err(ref), lse_err(base))
 
 
@@ -159,7 +161,8 @@ def test_lazy_point_moves_only_when_a_byte_would_not_fit():
 
     m = snap_max(torch.tensor([3.0]), "fp8", k=K_FP8_LAZY_F32)
     edge = np.float32((126.5 - K_FP8_LAZY_F32) / 8.0 + float(m))
-    byte = lambda x: float((8.0 * torch.tensor(x) + ((K_FP8_LAZY_F32 - 8.0 * m) + MAGIC)) - MAGIC)
+    def byte(x):
+        return float((8.0 * torch.tensor(x) + ((K_FP8_LAZY_F32 - 8.0 * m) + MAGIC)) - MAGIC)
     assert byte(edge) == 126.0 and byte(np.nextafter(edge, np.float32(np.inf))) == 127.0  # the tie, to even
     rows = [[float(edge), -math.inf], [float(np.nextafter(edge, np.float32(np.inf))), 0.0], [1e30, 0.0],
             [float("nan"), 0.0], [-math.inf, -math.inf], [float(m) - 500.0, -1e30]]
@@ -189,14 +192,16 @@ def test_lazy_rescale_is_exact_rescale_within_the_format(causal):
     lazy = PRESETS["fp8-ktile-affine-lazy-fastacc"].with_(fast_accum=False)
     a, b = (reference_forward(q, k, v, r, scale=0.125, causal=causal) for r in (lazy, lazy.with_(rescale="exact")))
     want = reference_forward(q, k, v, PRESETS["bf16"], scale=0.125, causal=causal)
-    err = lambda x: float((x.out - want.out).norm() / want.out.norm())
+    def err(x):
+        return float((x.out - want.out).norm() / want.out.norm())
     assert err(a) < 1.05 * err(b) + 1e-4, (err(a), err(b))
     assert float((a.out - b.out).norm() / b.out.norm()) < 0.5 * err(b)
     # the LSE sums the represented values: moved by the log-linear grid's error (up to
     # 0.086 in log2 a value) wherever a row's point differs from its maximum
     seen = torch.isfinite(b.lse)
     assert torch.equal(seen, torch.isfinite(a.lse))
-    lse_err = lambda x: float((x.lse - want.lse)[seen].abs().max())
+    def lse_err(x):
+        return float((x.lse - want.lse)[seen].abs().max())
     assert lse_err(a) < 1.5 * lse_err(b) + 0.02, (lse_err(a), lse_err(b))
 
 
