@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 import functools
 import importlib.util
 import os
@@ -48,21 +49,39 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 # the numerics), and the fused quantizers pad V^T's rows to a multiple of it
 KEY_TILE = 128
 HOPPER_HEAD_DIMS = (64, 128)
-# the forward kernels' P builders, by (Recipe.p, Recipe.p_build): the P_MODE constexpr
-P_MODES = {("fp8", "exp2"): 0, ("mxfp4", "directp"): 1, ("mxfp4", "exp2"): 2, ("fp8", "affine"): 4,
-           ("mxfp4", "affine"): 5}
+
+
+class PMode(enum.IntEnum):
+    """How a kernel builds P: the P_MODE constexpr the launchers pass to the Triton and
+    Gluon kernels (which compare it with `kernels.common`'s P_* constants, these values),
+    and the key of the CUDA forward's builds (`forward_cuda.P_MODE_BUILDS`)."""
+
+    FP8_EXP2 = 0  # FP8 P from exp2
+    MXFP4_DIRECTP = 1  # MXFP4 P classified straight from the log-score (Direct-P)
+    MXFP4_EXP2 = 2  # MXFP4 P from exp2
+    MXFP4_DIRECTP_SINK = 3  # Direct-P, each block's top key apart in the first key tiles (Recipe.p_sink)
+    FP8_AFFINE = 4  # FP8 P read off one affine map of the log-score, no exp (reference/affine.py)
+    MXFP4_AFFINE = 5  # MXFP4 P off the affine map
+    FP8_AFFINE_TRAINED = 6  # affine FP8 P measured from the integer grid, rebuilt so by the backward
+    FP8_AFFINE_LAZY = 7  # affine FP8 P whose row point moves only when a byte would not fit (rescale="lazy")
+
+
+# the forward kernels' P builders, by (Recipe.p, Recipe.p_build)
+P_MODES = {("fp8", "exp2"): PMode.FP8_EXP2, ("mxfp4", "directp"): PMode.MXFP4_DIRECTP,
+           ("mxfp4", "exp2"): PMode.MXFP4_EXP2, ("fp8", "affine"): PMode.FP8_AFFINE,
+           ("mxfp4", "affine"): PMode.MXFP4_AFFINE}
 # the P modes the Gluon warp-specialized kernel runs: FP8 P from exp2 and from the affine map
 # (reference/affine.py). Affine MXFP4 P (5) ran there at the Triton kernel's speed (0.558x
 # against 0.559x of cuDNN bf16, D=128 geomean, benchmarks/results/log/h200-forward-affine-mx-gluon.json):
 # MXFP4 P stays on the Triton kernel
-GLUON_P_MODES = (0, 4, 7)
+GLUON_P_MODES = (PMode.FP8_EXP2, PMode.FP8_AFFINE, PMode.FP8_AFFINE_LAZY)
 # the training kernels' P modes: as P_MODES, but a trained affine FP8 P measures its codes
 # from the integer grid (P_MODE 6: `kernels.common.affine_reference_point`), from which the
 # backward rebuilds them given the LSE (`reference.affine.snap_max`, `reference.backward`);
 # the Triton kernels build it (forward and backward), not the Gluon, CUDA or sm_100 ones
-P_MODE_AFFINE_TRAINED = 6
+P_MODE_AFFINE_TRAINED = PMode.FP8_AFFINE_TRAINED
 # affine FP8 P with Recipe.rescale="lazy" (`kernels.common.lazy_reference_point`)
-P_MODE_AFFINE_LAZY = 7
+P_MODE_AFFINE_LAZY = PMode.FP8_AFFINE_LAZY
 TRAIN_P_MODES = {**P_MODES, ("fp8", "affine"): P_MODE_AFFINE_TRAINED}
 TRAIN_GRAD_FORMATS = ("e4m3",)
 
@@ -498,7 +517,7 @@ HOPPER_TRAIN_ROBUST_FIELDS = ("smooth_k", "qk_four_over_six")
 # operands carry: the NVFP4 payload those above; per-token FP8 (`train-fp8`) none (its
 # quantizers subtract no mean)
 HOPPER_TRAIN_QK = {"nvfp4": HOPPER_TRAIN_ROBUST_FIELDS, "fp8": ()}
-P_MODE_DIRECTP_SINK = 3
+P_MODE_DIRECTP_SINK = PMode.MXFP4_DIRECTP_SINK
 
 
 def trained_affine(recipe: Recipe) -> bool:
@@ -507,9 +526,10 @@ def trained_affine(recipe: Recipe) -> bool:
     return recipe.p_build == "affine" and recipe.p == "fp8" and recipe.grad is not None
 
 
-def p_mode(recipe: Recipe) -> int:
-    """The forward kernels' P_MODE for `recipe` (`P_MODES`, 3 for p_sink's Direct-P, 6 for
-    the trained affine FP8 P)."""
+def p_mode(recipe: Recipe) -> PMode:
+    """The forward kernels' P_MODE for `recipe` (`P_MODES`; MXFP4_DIRECTP_SINK for p_sink's
+    Direct-P, FP8_AFFINE_TRAINED for the trained affine FP8 P, FP8_AFFINE_LAZY for lazy
+    rescaling)."""
     if trained_affine(recipe):
         return P_MODE_AFFINE_TRAINED
     if recipe.rescale == "lazy":

@@ -26,6 +26,7 @@ from triton.language.extra import libdevice
 
 from fp4attn.formats import constants
 from fp4attn.reference import affine, directp, encoding
+from fp4attn.routing import PMode
 
 
 @functools.cache
@@ -53,10 +54,15 @@ T_5 = tl.constexpr(directp.DIRECTP_THRESHOLDS[6])  # y >= log2(5): code 7 (6.0)
 # FP8 map's offset; P modes 4 (FP8) and 5 (MXFP4) of `online_softmax_p`
 AFFINE_MAGIC = tl.constexpr(affine.MAGIC)
 AFFINE_K_FP8 = tl.constexpr(affine.K_FP8_F32)
-P_MODE_FP8_AFFINE = tl.constexpr(4)
-P_MODE_MXFP4_AFFINE = tl.constexpr(5)
+# the P builders (`routing.PMode`) as the kernels' constexprs: a P_MODE is compared with these
+P_MODE_FP8_EXP2 = tl.constexpr(PMode.FP8_EXP2.value)
+P_MODE_MXFP4_DIRECTP = tl.constexpr(PMode.MXFP4_DIRECTP.value)
+P_MODE_MXFP4_DIRECTP_SINK = tl.constexpr(PMode.MXFP4_DIRECTP_SINK.value)
+P_MODE_FP8_AFFINE = tl.constexpr(PMode.FP8_AFFINE.value)  # the affine builders: this mode and those above it
+P_MODE_MXFP4_AFFINE = tl.constexpr(PMode.MXFP4_AFFINE.value)
+P_MODE_FP8_AFFINE_TRAINED = tl.constexpr(PMode.FP8_AFFINE_TRAINED.value)
 # affine FP8 P with Recipe.rescale="lazy" (its own offset, reference/affine.K_FP8_LAZY)
-P_MODE_FP8_AFFINE_LAZY = tl.constexpr(7)
+P_MODE_FP8_AFFINE_LAZY = tl.constexpr(PMode.FP8_AFFINE_LAZY.value)
 AFFINE_K_FP8_LAZY = tl.constexpr(affine.K_FP8_LAZY_F32)
 P_OFFSET_LOG2_LAZY = tl.constexpr(affine.P_OFFSET_LOG2_LAZY)  # its bytes are P times 2**5
 AFFINE_FP8_MAX_BYTE = tl.constexpr(affine.FP8_MAX_BYTE)
@@ -283,14 +289,14 @@ def p_mxfp4_directp_sink(x, KEY_AXIS: tl.constexpr, key_block=None, HW_CVT: tl.c
 
 @triton.jit
 def build_p_tile(x, P_MODE: tl.constexpr, KEY_AXIS: tl.constexpr, key_block=None, HW_CVT: tl.constexpr = False):
-    """P by the recipe's builder: 0 FP8 from exp2, 1 MXFP4 by Direct-P, 2 MXFP4 from
-    exp2, 3 MXFP4 by Direct-P with the blocks' top keys apart (`Recipe.p_sink`) (the
-    P_MODE of the kernels); key_block as in `_block_max_32`."""
-    if P_MODE == 0:
+    """P by the recipe's builder (the kernels' P_MODE, `routing.PMode`): FP8 from exp2,
+    MXFP4 by Direct-P, MXFP4 from exp2, MXFP4 by Direct-P with the blocks' top keys apart
+    (`Recipe.p_sink`); key_block as in `_block_max_32`."""
+    if P_MODE == P_MODE_FP8_EXP2:
         p = p_fp8_exp2(x)
-    elif P_MODE == 1:
+    elif P_MODE == P_MODE_MXFP4_DIRECTP:
         p = p_mxfp4_directp(x, KEY_AXIS, key_block)
-    elif P_MODE == 3:
+    elif P_MODE == P_MODE_MXFP4_DIRECTP_SINK:
         p = p_mxfp4_directp_sink(x, KEY_AXIS, key_block, HW_CVT)
     else:
         p = p_mxfp4_exp2(x, KEY_AXIS, key_block)
@@ -303,13 +309,13 @@ def affine_reference_point(m, P_MODE: tl.constexpr):
     `reference.affine.snap_max`, operation for operation (float32, IEEE rounding). P_MODE
     6 (trained affine FP8 P) snaps to the integers: the backward rebuilds these codes from
     the LSE (`p_fp8_affine_rebuilt`)."""
-    if P_MODE == 4:
+    if P_MODE == P_MODE_FP8_AFFINE:
         c = (AFFINE_K_FP8 - m * 8.0) + AFFINE_MAGIC
         m_ref = (AFFINE_K_FP8 - (c - AFFINE_MAGIC)) * 0.125
-    elif P_MODE == 7:
+    elif P_MODE == P_MODE_FP8_AFFINE_LAZY:
         c = (AFFINE_K_FP8_LAZY - m * 8.0) + AFFINE_MAGIC
         m_ref = (AFFINE_K_FP8_LAZY - (c - AFFINE_MAGIC)) * 0.125
-    elif P_MODE == 6:
+    elif P_MODE == P_MODE_FP8_AFFINE_TRAINED:
         m_ref = tl.math.ceil(m)
     else:
         m_ref = tl.math.ceil(m * 2.0) * 0.5
@@ -478,19 +484,19 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
     else:
         m_use = m_new
     m_use = tl.where(m_new == float("inf"), float("nan"), m_use)
-    if P_MODE >= 4:
+    if P_MODE >= P_MODE_FP8_AFFINE:
         # the affine builders (P from t, no exp): the reference point is m snapped to the
         # map's grid, and that is what later tiles are measured from (the row keeps -inf
         # until it sees a key)
-        if P_MODE == 7:
+        if P_MODE == P_MODE_FP8_AFFINE_LAZY:
             # rescale="lazy": the row's point stays while the tile's bytes fit above it
             m_use = lazy_reference_point(t, m_i, m_use)
         else:
             m_use = affine_reference_point(m_use, P_MODE)
         alpha = tl.math.exp2(m_i - m_use)
-        if P_MODE == 7:
+        if P_MODE == P_MODE_FP8_AFFINE_LAZY:
             p, row_sum = p_fp8_affine(t, m_use, P_HW_CVT, AFFINE_K_FP8_LAZY)
-        elif P_MODE == 4 or P_MODE == 6:
+        elif P_MODE == P_MODE_FP8_AFFINE or P_MODE == P_MODE_FP8_AFFINE_TRAINED:
             p, row_sum = p_fp8_affine(t, m_use, P_HW_CVT)
         else:
             p = p_mxfp4_affine(t, m_use, key_block)
@@ -500,7 +506,7 @@ def online_softmax_p(t, m_i, l_i, P_MODE: tl.constexpr, P_HW_CVT: tl.constexpr, 
     else:
         alpha = tl.math.exp2(m_i - m_use)
         x = t - tl.expand_dims(m_use, 1)
-        if P_MODE == 0 and P_HW_CVT:
+        if P_MODE == P_MODE_FP8_EXP2 and P_HW_CVT:
             p = round_e4m3_cvt(tl.math.exp2(x + P_OFFSET_LOG2))
         else:
             p = build_p_tile(x, P_MODE, 1, key_block, P_HW_CVT)

@@ -27,7 +27,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fp4attn.kernels.common import P_OFFSET_LOG2, P_OFFSET_LOG2_LAZY, log2_scores, online_softmax_p
+from fp4attn.kernels.common import (
+    P_MODE_FP8_AFFINE_LAZY,
+    P_OFFSET_LOG2,
+    P_OFFSET_LOG2_LAZY,
+    log2_scores,
+    online_softmax_p,
+)
 from fp4attn.kernels.hopper.gluon_common import (
     barriers,
     barriers_ready,
@@ -139,7 +145,7 @@ def _epilogue(acc, m_i, l_i, VS, O, LSE, off_bh, bhk, start_m, Sq, o_layout: gl.
               BLOCK_M: gl.constexpr, P_MODE: gl.constexpr):
     """forward.py's epilogue: V's per-channel scale and 1/l on O, the LSE in natural log
     (P's offset, 2**8 or P mode 7's 2**5, subtracted)."""
-    p_offset: gl.constexpr = P_OFFSET_LOG2_LAZY if P_MODE == 7 else P_OFFSET_LOG2
+    p_offset: gl.constexpr = P_OFFSET_LOG2_LAZY if P_MODE == P_MODE_FP8_AFFINE_LAZY else P_OFFSET_LOG2
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     l_o = gl.convert_layout(l_i, row_o)

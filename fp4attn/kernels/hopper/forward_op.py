@@ -23,6 +23,7 @@ from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (th
 from fp4attn.routing import (
     CUDA_TRAINING_BUILD,
     GLUON_P_MODES,
+    PMode,
     forward_launch,
     hopper_robust_unsupported,
     p_sink_tiles,
@@ -56,7 +57,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     0, every tile. training: the training forward, on the CUDA C++ kernel in the build of the
     Gluon kernel's arithmetic where routed (`routing.use_cuda_forward`, CUDA_TRAINING_BUILD).
     """
-    if sink_tiles and p_mode != 3:
+    if sink_tiles and p_mode != PMode.MXFP4_DIRECTP_SINK:
         raise ValueError(f"launch_forward: sink_tiles={sink_tiles} is for p_mode 3 (p_sink), got p_mode={p_mode}")
     q, k = ops.q, ops.k
     B, H, Sq, D = q.shape

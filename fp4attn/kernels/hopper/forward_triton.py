@@ -43,6 +43,8 @@ import triton
 import triton.language as tl
 
 from fp4attn.kernels.common import (
+    P_MODE_FP8_AFFINE_LAZY,
+    P_MODE_MXFP4_DIRECTP_SINK,
     P_OFFSET_LOG2,
     P_OFFSET_LOG2_LAZY,
     key_tile_bounds,
@@ -152,7 +154,7 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     full, hi = key_tile_bounds(start_m, Sk, causal_offset, CAUSAL, BLOCK_M, BLOCK_N)
-    if P_MODE == 3 and SINK_TILES > 0:
+    if P_MODE == P_MODE_MXFP4_DIRECTP_SINK and SINK_TILES > 0:
         # p_sink on the first key tiles only (attention sinks are the first tokens): they
         # run here, peeled, so that the loops below carry plain Direct-P's instructions.
         # Every program visits its tiles from key 0 upward, causal or not, so these come
@@ -188,7 +190,7 @@ def attn_fwd_kernel(
 
     # -- epilogue: V's per-channel scale and 1/l; LSE in natural log (the 2**8 P
     # offset, 2**5 for P mode 7, cancels in acc / l and is subtracted from the LSE)
-    p_offset: tl.constexpr = P_OFFSET_LOG2_LAZY if P_MODE == 7 else P_OFFSET_LOG2
+    p_offset: tl.constexpr = P_OFFSET_LOG2_LAZY if P_MODE == P_MODE_FP8_AFFINE_LAZY else P_OFFSET_LOG2
     seen = l_i != 0.0  # 0 only for a row that saw no key; NaN (a NaN row) stays NaN
     vs = tl.load(VS + (b.to(tl.int64) * (H // GROUP) + hk) * HEAD_DIM + offs_d)
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
