@@ -10,6 +10,7 @@ import torch
 
 from fp4attn import routing
 from fp4attn._logging import log_once
+from fp4attn.kvcache import KVCache
 from fp4attn.recipes import PRESETS, Recipe, get_recipe
 from fp4attn.reference.backward import reference_backward, refuse_double_backward
 from fp4attn.reference.forward import ForwardResult, key_bias_of_mask, reference_forward
@@ -207,8 +208,8 @@ def _launcher(spec: str):
 
 def explain(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: torch.Tensor | KVCache,
+    value: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool | None = None,
@@ -228,7 +229,16 @@ def explain(
     function that would run), "recipe" (its name), "needs_grad". Works on any device;
     `needs_grad` defaults to whether any of q, k, v requires grad. Arguments are
     `attention`'s (less `return_lse`), validated as `attention` validates them.
+
+    `explain(q, cache)`, a `fp4attn.KVCache` in the key's place: what `fp4attn.decode(q,
+X
     """
+    if isinstance(key, KVCache):
+        from fp4attn.decode import explain_decode
+
+        return explain_decode(query, key, backend=backend)
+    if value is None:
+        raise TypeError("explain: value is required (or a fp4attn.KVCache in the key's place, for decode)")
     q, k, v = query, key, value
     rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal, dropout_p)
     _resolve_scale(scale, q.shape[-1])

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from fp4attn import decode_routing
+from fp4attn import decode_routing, routing
 from fp4attn._logging import log_once
 from fp4attn.api import ReferenceFallbackWarning
 from fp4attn.kvcache import INPUT_DTYPES, KVCache
@@ -51,6 +51,37 @@ def _check(q, cache, scale, key_start) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"decode: scale must be a positive finite number or None, got {scale!r}")
     return float(scale)
+
+
+def explain_decode(q: torch.Tensor, cache: KVCache, *, backend: str = "auto") -> dict:
+    """What `fp4attn.decode(q, cache)` would run, and why, without running it (also
+    `fp4attn.explain(q, cache)`): a plain dict with "backend" ("triton" or "reference"),
+    "kernel" ("hopper.decode_cuda" or "hopper.decode_triton", the split kernel, or
+    "reference"), "target", "reason", "launcher", "formats" (K/V) and, on the kernels,
+    "launch" (the split kernel's tile, warps and pipeline stages)."""
+    _check(q, cache, None, None)
+    chosen, why = decode_routing.backend_for(q.device, cache.head_dim, backend)
+    out = {"backend": chosen, "kernel": "reference", "target": routing.target_of(q.device), "reason": why,
+           "launcher": None, "formats": f"{cache.k_format}/{cache.v_format}"}
+    if chosen != "triton":
+        return out
+    b, hq, sq, d = q.shape
+    group = hq // cache.kv_heads
+    on_gpu = not routing.interpreting()
+    not_cuda = decode_routing.cuda_split_unavailable(cache.k_format, cache.v_format, d, group, sq, cache.page_size,
+                                                     on_gpu)
+    if not_cuda is None:
+        cl = decode_routing.CUDA_LAUNCH
+        launch = {"block_n": cl.block_n, "warps": cl.warps, "stages": decode_routing.cuda_stages(cache.k_format,
+                                                                                                cache.v_format)}
+        kernel, split = "cuda", "the CUDA C++ split kernel"
+    else:
+        lw = decode_routing.decode_launch(cache.k_format, cache.v_format, d, decode_routing.block_m_for(group * sq))
+        launch = {"block_n": lw.block_n, "warps": lw.warps, "stages": lw.stages}
+        kernel, split = "triton", f"the Triton split kernel (not the CUDA C++ one: {not_cuda})"
+    out.update(kernel=f"hopper.decode_{kernel}", reason=f"{why}; {split}", launch=launch,
+               launcher="fp4attn.kernels.hopper.decode_op:hopper_decode")
+    return out
 
 
 def decode(

@@ -77,6 +77,12 @@ SPLIT_OVERHEAD_TILES = 1.0
 MAX_SPLITS = 256
 
 
+def block_m_for(rows: int) -> int:
+    """Query rows a split-kernel program takes (a power of two from MIN_BLOCK_M to
+    MAX_BLOCK_M) for `rows` rows a KV head (GQA group x new tokens)."""
+    return min(MAX_BLOCK_M, max(MIN_BLOCK_M, 1 << (max(rows, 1) - 1).bit_length()))
+
+
 def decode_launch(k_format: str, v_format: str, head_dim: int, block_m: int = MIN_BLOCK_M) -> DecodeLaunch:
     """The split kernel's launch for these formats, head dim and rows a program."""
     if (k_format, v_format, head_dim) in DECODE_LAUNCH:
@@ -142,14 +148,21 @@ def cuda_unsupported_reason(k_format: str, v_format: str, head_dim: int, group: 
     return None
 
 
-def split_kernel(k_format: str, v_format: str, head_dim: int, group: int, sq: int, page_size: int,
-                 on_gpu: bool, asked: str = "") -> str:
-    """"cuda" or "triton": which split kernel runs this decode call (`asked`: a launch's
-    own choice, which must be possible)."""
+def cuda_split_unavailable(k_format: str, v_format: str, head_dim: int, group: int, sq: int, page_size: int,
+                           on_gpu: bool) -> str | None:
+    """Why the CUDA split kernel does not run this decode call (None: it does)."""
     why = cuda_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size) if on_gpu else \
         "the interpreter runs Triton kernels only"
     if why is None:
         why = routing.cuda_kernels_unavailable()  # the probe every CUDA C++ kernel shares
+    return why
+
+
+def split_kernel(k_format: str, v_format: str, head_dim: int, group: int, sq: int, page_size: int,
+                 on_gpu: bool, asked: str = "") -> str:
+    """"cuda" or "triton": which split kernel runs this decode call (`asked`: a launch's
+    own choice, which must be possible)."""
+    why = cuda_split_unavailable(k_format, v_format, head_dim, group, sq, page_size, on_gpu)
     if asked == "cuda" and why:
         raise ValueError(f"the CUDA decode kernel cannot run this call: {why}")
     if asked == "triton" or why:

@@ -40,3 +40,44 @@ def test_every_split_holds_keys_and_together_they_cover_the_sequence(max_len, pr
         assert (splits - 1) * per < max(max_len, 1) <= splits * per  # none empty, none missing
         if splits > 1:
             assert per // launch.block_n >= launch.min_split_tiles
+
+
+def test_explain_says_what_decode_runs(monkeypatch):
+    """`fp4attn.explain(q, cache)`: the reference where the kernels cannot run, else the split
+    kernel `decode_routing.split_kernel` picks (the CUDA C++ one where it takes the call and
+    builds), with the launch the op uses."""
+    import torch
+
+    import fp4attn
+    from fp4attn import decode_routing, routing
+
+    cache = fp4attn.KVCache(2, 2, 128, 256, k_format="fp8")
+    q = torch.randn(2, 8, 1, 128)
+    cpu = fp4attn.explain(q, cache)
+    assert cpu["backend"] == "reference" and cpu["kernel"] == "reference" and "cpu" in cpu["reason"]
+    assert fp4attn.explain(q, cache, backend="reference")["reason"] == "backend='reference' was asked for"
+    with pytest.raises(TypeError, match="value is required"):
+        fp4attn.explain(q, q)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
+    triton = fp4attn.explain(q, cache)
+    assert triton["kernel"] == "hopper.decode_triton" and "interpreter" in triton["reason"], triton
+    assert triton["launcher"] == "fp4attn.kernels.hopper.decode_op:hopper_decode"
+    launch = decode_routing.decode_launch("fp8", "fp8", 128, decode_routing.block_m_for(4))
+    assert triton["launch"] == {"block_n": launch.block_n, "warps": launch.warps, "stages": launch.stages}
+    # on a GPU where the CUDA kernels build: the CUDA split kernel for one new row of FP8 keys
+    monkeypatch.setattr(routing, "interpreting", lambda: False)
+    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: None)
+    cuda = fp4attn.explain(q, cache)
+    assert cuda["kernel"] == "hopper.decode_cuda", cuda
+    assert decode_routing.split_kernel("fp8", "fp8", 128, 4, 1, cache.page_size, True) == "cuda"
+    two_rows = fp4attn.explain(torch.randn(2, 8, 2, 128), cache)
+    assert two_rows["kernel"] == "hopper.decode_triton" and "2 new query rows" in two_rows["reason"], two_rows
+
+
+def test_block_m_is_the_next_power_of_two_within_bounds():
+    from fp4attn.decode_routing import MAX_BLOCK_M, MIN_BLOCK_M, block_m_for
+
+    assert [block_m_for(r) for r in (1, 4, 5, 8, 9, 33, 64, 65, 1000)] == [MIN_BLOCK_M, 4, 8, 8, 16, 64, 64,
+                                                                          MAX_BLOCK_M, MAX_BLOCK_M]

@@ -83,7 +83,7 @@ def hopper_append(cache, k: torch.Tensor, v: torch.Tensor, counts: list[int] | N
 
 # ----------------------------------------------------------------------------- decode
 def _block_m(rows: int) -> int:
-    return min(decode_routing.MAX_BLOCK_M, max(decode_routing.MIN_BLOCK_M, triton.next_power_of_2(rows)))
+    return decode_routing.block_m_for(rows)
 
 
 _RESIDENT: dict[tuple, int] = {}  # (constexprs, warps, stages, device index): programs an SM holds
