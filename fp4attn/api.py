@@ -231,7 +231,7 @@ def explain(
     `attention`'s (less `return_lse`), validated as `attention` validates them.
 
     `explain(q, cache)`, a `fp4attn.KVCache` in the key's place: what `fp4attn.decode(q,
-X
+    cache)` would run (`explain_decode` of fp4attn/decode.py; `backend` as decode's).
     """
     if isinstance(key, KVCache):
         from fp4attn.decode import explain_decode
