@@ -7,41 +7,19 @@ import subprocess
 import sys
 import textwrap
 
-# What the kernels need from Triton 3.6's interpreter and it lacks, put in place before
-# they are imported: it holds scalars as 1-element arrays and converts them with int(),
-# which NumPy >= 2.3 refuses for arrays of one dimension (loop bounds); it has no
-# libdevice.mul_rn, add_rn, sub_rn (NumPy's plain operations round the same, once each:
-# nothing is contracted there). Its bf16 dot is also wrong: scripts hand the kernels
-# float32 copies of bf16 values.
+# What the kernels need from Triton 3.6's interpreter and it lacks (loop bounds under
+# NumPy >= 2.3, libdevice's rounded operations, bf16 dots, e4m3 NaN casts) is put in place
+# by the package itself under TRITON_INTERPRET=1 (`fp4attn.kernels.interpreter_compat`,
+# applied when `fp4attn.kernels` is imported); the scripts import it first.
 KERNEL_PATCHES = textwrap.dedent('''
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
     from triton.runtime import interpreter
 
-    _patch_tensor = interpreter._patch_lang_tensor
+    from fp4attn.kernels import interpreter_compat
 
-    def _patch_with_index(tensor, scope):
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = _patch_with_index
-
-    @triton.jit
-    def _mul(a, b):
-        return a * b
-
-    @triton.jit
-    def _add(a, b):
-        return a + b
-
-    @triton.jit
-    def _sub(a, b):
-        return a - b
-
-    libdevice.mul_rn = _mul
-    libdevice.add_rn = _add
-    libdevice.sub_rn = _sub
+    assert interpreter_compat.apply()
 ''')
 
 # Two of the interpreter's costs that buy nothing, cut without changing what it
