@@ -88,7 +88,7 @@ def test_packed_nvfp4_payload_is_the_reference_bytes(s, d, special):
     values, ts, codes, bscale = quantize_qk_nvfp4(x, packed=True)
     assert torch.equal(codes, ref.data)
     assert torch.equal(bscale.view(torch.uint8), ref.scale.view(torch.uint8))
-    # the kernels' scale: the head's, NaN for a head holding an Inf (reference.operands)
+    # the kernels' scale: the head's, from its finite values (reference.operands)
     want_ts = quantize_qk(x, "nvfp4").scale.expand(*x.shape[:-1], 1)[..., 0]
     assert torch.equal(torch.isnan(ts), torch.isnan(want_ts))
     assert torch.equal(ts.nan_to_num().view(torch.int32), want_ts.nan_to_num().view(torch.int32))
@@ -202,8 +202,8 @@ def test_fp8_training_quantizers_are_the_reference_bytes(s, d, special):
 def test_backward_operand_views_carry_non_finite_values(special, qk):
     """A NaN or Inf in dO, Q or V reaches the views as it reaches the reference's: the
     channel maxima recorded by atomics (float32 bits, NaN above Inf) give that channel
-    a NaN scale, and the token's per-token scale is NaN (an Inf in Q through its head's
-    NaN NVFP4 tensor scale, or its own NaN FP8 scale)."""
+    a NaN scale, and the token's per-token scale is NaN (an Inf in Q through its NVFP4
+    block's NaN scale, or its own NaN FP8 scale)."""
     from fp4attn.formats import quantize_fp8
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
@@ -219,7 +219,7 @@ def test_backward_operand_views_carry_non_finite_values(special, qk):
         f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
         scale, want = getattr(got, name + "s"), f.scale.squeeze(-1)
         assert torch.equal(torch.isnan(want), torch.isnan(scale)), name
-        # an Inf in Q makes its (batch, head)'s NVFP4 tensor scale, or its token's FP8 scale, NaN: the views carry it
+        # an Inf in Q makes its NVFP4 block's scale, or its token's FP8 scale, NaN: the views carry it
         assert bool(torch.isnan(scale).any()), name
         keep = ~torch.isnan(want)
         assert torch.equal(want[keep], scale[keep]), name

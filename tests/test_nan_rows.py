@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+import fp4attn
 from fp4attn.api import attention
 from fp4attn.recipes import PRESETS
 
@@ -104,3 +105,54 @@ def test_negative_inf_and_rows_that_see_no_key(recipe, where):
     check(recipe, where, -math.inf, "bottom_right", pos=(0, 1, 3, 60))
     # Sq > Sk bottom-right: the first rows see no key and stay 0, whatever q holds
     check(recipe, where, math.nan, "bottom_right", pos=(1, 0, 2, 9), sq=SK + 20)
+
+
+GPU_RECIPES = [name for name, r in PRESETS.items() if r.grad is None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+@pytest.mark.parametrize("head_dim,sq,sk", [(128, 300, 2100), (64, 700, 600)])
+def test_nonfinite_rows_on_the_gpu(recipe, head_dim, sq, sk):
+    """The routed kernels on the GPU (the Triton, Gluon and CUDA C++ forwards and the
+    fused quantizers), as under the interpreter (tests/test_nan_rows_interpreter.py): q's
+    and k's NaN rows, output and LSE, exactly the reference's; v's in channel c only, the
+    reference's rows and at most rows whose query tile reads its key tile; every other
+    entry bit for bit the kernel's output with a 0 in the spoiled place."""
+    import warnings
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, sq, head_dim, generator=g).bfloat16().cuda()
+    k, v = (torch.randn(1, 2, sk, head_dim, generator=g).bfloat16().cuda() for _ in range(2))
+    pos = {"q": (0, 3, sq // 3, 5), "k": (0, 1, sk // 2, 9), "v": (0, 0, sk - 170, 33)}
+    for where, p in pos.items():
+        {"q": q, "k": k, "v": v}[where][p] = 0.0
+    for causal in (None, "top_left", "bottom_right"):
+        kw = dict(recipe=recipe, causal=causal, enable_gqa=True, return_lse=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fp4attn.ReferenceFallbackWarning)
+            base, base_lse = attention(q, k, v, **kw)
+        for where, value in (("q", math.inf), ("k", math.nan), ("v", math.nan), ("v", -math.inf)):
+            case = (recipe, head_dim, causal, where, value)
+            args = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+            args[where][pos[where]] = value
+            out, lse = attention(args["q"], args["k"], args["v"], **kw)
+            ref = attention(*(t.cpu() for t in args.values()), backend="reference", **kw)
+            want, want_lse = torch.isnan(ref[0]), torch.isnan(ref[1])
+            got, got_lse = torch.isnan(out).cpu(), torch.isnan(lse).cpu()
+            if where == "v":
+                c, j = pos["v"][3], pos["v"][2]
+                offset = {None: None, "top_left": 0, "bottom_right": sk - sq}[causal]
+                # rows that see only keys more than 256 before j's key tile: no query tile
+                # of theirs reads it
+                far = torch.zeros(sq, dtype=torch.bool) if offset is None else \
+                    torch.arange(sq) + offset < j // 128 * 128 - 256
+                extra = got & ~want
+                assert bool((got | ~want).all()), case
+                assert not extra[..., :c].any() and not extra[..., c + 1:].any(), case
+                assert not got[..., far, :].any() and not got_lse.any(), case
+            else:
+                assert torch.equal(got, want) and torch.equal(got_lse, want_lse), case
+            assert torch.equal(_bits(out)[~got.cuda()], _bits(base)[~got.cuda()]), case
+            keep = ~got_lse.cuda()
+            assert torch.equal(lse[keep].view(torch.int32), base_lse[keep].view(torch.int32)), case

@@ -13,7 +13,9 @@ token's D values at a time:
     "nvfp4"  `quantize_nvfp4(x, dim=-1, scale_dims=1)`: E2M1 codes packed two a byte
              (element 2i in the low nibble), one E4M3 scale per 16 channels and the
              token's float32 tensor scale S_dec = amax / (448 * 6) (TransformerEngine's
-             rule with the token as the tensor); a token holding NaN or Inf gets S_dec NaN
+             rule with the token as the tensor, over its finite values; a block holding
+             a NaN or Inf gets the NaN scale 0x7F and codes 0); a token holding NaN or
+             Inf gets S_dec NaN
     "mxfp4"  `quantize_mxfp4(x, dim=-1)`: E2M1 codes, one E8M0 scale per 32 channels
              (OCP floor rule); a block holding NaN or Inf gets the NaN scale 0xFF
 

@@ -83,8 +83,9 @@ def quantize_v_mxfp4_packed(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_v_fp8_t(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 V with one scale per channel: (V^T (B, H, D, Skp) e4m3, scales (B, H, D))."""
-    q = quantize_fp8(v, dim=-2, block=None, fmt="e4m3")  # data (B, H, D, 1, S)
+    """FP8 V with one scale per channel, that of its finite values (a NaN or Inf a NaN
+    element, `reference.operands.quantize_v`): (V^T (B, H, D, Skp) e4m3, scales (B, H, D))."""
+    q = quantize_fp8(v, dim=-2, block=None, fmt="e4m3", finite_scale=True)  # data (B, H, D, 1, S)
     vt = q.data.squeeze(-2)
     vt = F.pad(vt.view(torch.uint8), (0, -vt.shape[-1] % BLOCK_N)).view(torch.float8_e4m3fn)
     return vt.contiguous(), q.scale.squeeze(-1).float().contiguous()

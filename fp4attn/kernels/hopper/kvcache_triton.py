@@ -42,21 +42,24 @@ def _packed(code, T: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _store_nvfp4(x, rows, ok, A, S, TS, T: tl.constexpr, D: tl.constexpr, HW: tl.constexpr):
     """NVFP4 of each row of x (T, D) float32 with the row as the tensor: TransformerEngine's
-    rule (`formats.nvfp4`) with amax the row's max |x|; the token scale S_dec, NaN for a
+    rule (`formats.nvfp4`) with amax the max |x| of the row's finite values, a block
+    holding a NaN or Inf NaN (scale 0x7F, codes 0); the token scale S_dec, NaN for a
     row holding NaN or Inf (`reference.kvcache`)."""
-    amax = tl.max(_abs_bits(x), axis=1).to(tl.float32, bitcast=True)  # NaN above Inf
+    bits = _abs_bits(x)
+    finite = tl.max(bits, axis=1) < 0x7F800000  # NaN and Inf above the largest finite
+    amax = tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1).to(tl.float32, bitcast=True)
     one = tl.full(amax.shape, 1.0, tl.float32)
     s_enc = tl.minimum(tl.div_rn(one * 2688.0, amax), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
     s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
     s_dec = tl.div_rn(one, s_enc)
     mult = s_enc * ONE_SIXTH
-    finite = amax < float("inf")  # False for Inf and NaN
     xb = tl.reshape(x, [T, D // 16, 16])
     ax = tl.abs(xb)
     d, enc = _nvfp4_block_scale(tl.max(ax, axis=2), mult[:, None], s_dec[:, None], HW)
+    d = tl.where(tl.max(tl.reshape(bits, [T, D // 16, 16]), axis=2) < 0x7F800000, d, float("nan"))
     mag = _e2m1_value(ax * enc[:, :, None])
     code = _e2m1_code(mag) | tl.where(xb.to(tl.int32, bitcast=True) < 0, 8, 0)
-    code = tl.where((d != d)[:, :, None], 0, code)  # a NaN row's elements: code 0, the scale carries it
+    code = tl.where((d != d)[:, :, None], 0, code)  # a NaN block's elements: code 0, the scale carries it
     okc = ok[:, None]
     tl.store(A + rows[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :], _packed(tl.reshape(code, [T, D]), T, D),
              mask=okc)

@@ -56,7 +56,7 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
     qv, qs = _qk(q, recipe)
     kv, ks = _qk(k, recipe, BLOCK_N if recipe.k_scale == "tile" else 0)
     if recipe.v == "fp8":
-        vq = quantize_fp8(v, dim=-2, block=None, fmt="e4m3")  # data (B, H, D, 1, S)
+        vq = quantize_fp8(v, dim=-2, block=None, fmt="e4m3", finite_scale=True)  # data (B, H, D, 1, S)
         vt, vs = vq.data.squeeze(-2), vq.scale.squeeze(-1)
     else:  # mxfp4: E2M1 x 2**(e - c) is an exact e4m3 value inside the window
         values, c = quantize_v_mxfp4(v)

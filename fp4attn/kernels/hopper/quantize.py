@@ -11,7 +11,11 @@ channel and program, and nothing here waits for the GPU.
 
 Maxima are kept as the int32 bits of |x| in float32: non-negative floats order as their
 bits, NaN above +Inf, so `tl.atomic_max` over them is max |x| with NaN propagating,
-`x.float().abs().max()` exactly, in any program order.
+`x.float().abs().max()` exactly, in any program order. The forward's statistics (NVFP4
+Q/K's tensor amax, the robust means, extremes and sums, FP8 V's channel maxima, FP8 K's
+tile maxima) are taken over the finite values (a NaN or Inf counting as 0), and a NaN or
+Inf spoils only its own scale block or element (`reference.forward`, "Non-finite
+values").
 
 Each reproduces the reference quantizer bit for bit (`kernels/hopper/operands.py`
 builds the same tensors from `fp4attn.formats`; tests compare them with
@@ -31,7 +35,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fp4attn.formats import constants
-from fp4attn.kernels.common import fp8_scale_inv, round_e4m3, round_e4m3_cvt, sm_count
+from fp4attn.kernels.common import fp8_scale_inv, max_propagating_nan, round_e4m3, round_e4m3_cvt, sm_count
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, qk_dtype
 from fp4attn.recipes import Recipe
 from fp4attn.reference import encoding
@@ -144,7 +148,8 @@ def _fallback_choice(sq_k, g, SQ_Q, FB_Q, FB_K, S, S_Q, D_STAT, GROUP, GROUP_P2:
 def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS: tl.constexpr,
                     PER_CHANNEL: tl.constexpr, HAS_MEAN: tl.constexpr = False, SUM_SQ: tl.constexpr = False,
                     CHOICE: tl.constexpr = False, COUNT=None, SQ_Q=None, FB_Q=None, FB_K=None, S_Q=1, D_STAT=1,
-                    GROUP=1, GROUP_P2: tl.constexpr = 1, SCALE: tl.float64 = 1.0, LIMIT: tl.float64 = 1.0):
+                    GROUP=1, GROUP_P2: tl.constexpr = 1, SCALE: tl.float64 = 1.0, LIMIT: tl.float64 = 1.0,
+                    FINITE: tl.constexpr = False):
     """max |x| of X (G, S, D) as float32 bits, BLOCKS blocks of BLOCK_S rows a program:
     per head and channel into AMAX (G, D), or per head into AMAX (G,); AMAX starts at 0
     (+0.0). HAS_MEAN: of x - MEAN (G, D) (float32, one rounding: `robust.smooth`).
@@ -154,6 +159,8 @@ def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.conste
     float32 values carry up to 24 bits: at S = 4096 the order of the adds, the atomics'
     order too, can show in the sums' last bits, which moves the fallback choice only for
     a spread within about 1e-15 of its threshold).
+    FINITE: of the finite values only (a NaN or Inf counts as 0, in the sums of squares
+    too), as the NVFP4 tensor scale and the robust statistics take them.
     CHOICE (K, with SUM_SQ, after the pass over Q that summed SQ_Q): the last program of
     each head (COUNT (G,) int32 zeros) makes the head's fallback choice
     (`_fallback_choice`: FB_K, FB_Q) from the finished sums: no launch of its own."""
@@ -180,6 +187,8 @@ def _abs_max_kernel(X, AMAX, MEAN, SUMSQ, S, D: tl.constexpr, BLOCK_S: tl.conste
             x = _row_block(X, g, S, i, BLOCK_S, BLOCKS, D).to(tl.float32)
         if HAS_MEAN:
             x = tl.where(ok, x - tl.load(MEAN + g * D + tl.arange(0, D))[None, :], 0.0)
+        if FINITE:
+            x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
         run = tl.maximum(run, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
         if SUM_SQ:
             x64 = x.to(tl.float64)
@@ -282,11 +291,13 @@ def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.conste
     `abs_max_bits(x, mean=...)` gives it without a second pass over X: x - mean is one
     float32 rounding, which is monotonic in x, so over the keys max fl(x - m) = fl(max x
     - m) and min fl(x - m) = fl(min x - m), and max |x - m| is the larger magnitude of
-    the two (-0 and +0 give the same |.|). A NaN in a channel makes its sum, so its mean
-    and both differences NaN, whatever its max and min hold; an Inf makes the mean
-    +-Inf or NaN and the differences NaN or Inf as the reference's are (Inf - Inf is
-    NaN, finite - Inf is -Inf); the max over channels is an integer max of |.|'s bits
-    (NaN above Inf), so NaN propagates.
+    the two (-0 and +0 give the same |.|). Every statistic is of the finite values: a NaN
+    or Inf counts as 0 in the sums (`robust.key_mean`) and is left out of the extremes,
+    and a non-finite difference out of the amax (the NVFP4 amax of the finite values of
+    x - mean): a channel with no finite value, or whose mean rounds to Inf, adds nothing.
+    (Where x - mean overflows for a finite x and mean, both of magnitude near float32's
+    largest, the reference leaves out only the keys that overflow; here the extreme's
+    difference goes, and the amax can fall short of the reference's.)
     CHOICE (with STATS, after the pass over Q that summed SQ_Q): also each channel's
     float64 sum of x**2 (SUMSQ (G, D) zeros), from which the last program makes
     `robust.smoothed_sum_sq` (every operation rounded once: IEEE `_rn` forms, which are
@@ -308,16 +319,21 @@ def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.conste
     for i in range(whole):
         x = nxt.to(tl.float32)
         nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D)
-        acc, sq, hi, lo = _key_block_stats(x, x, x, acc, sq, hi, lo, FOLD, H, D, STATS, CHOICE)
+        # a NaN or Inf: 0 in the sums, out of the extremes (-Inf and +Inf in them)
+        fin = tl.abs(x) < float("inf")
+        acc, sq, hi, lo = _key_block_stats(tl.where(fin, x, 0.0), tl.where(fin, x, float("-inf")),
+                                           tl.where(fin, x, float("inf")), acc, sq, hi, lo, FOLD, H, D, STATS, CHOICE)
     for i in range(whole, BLOCKS):
         s, _ = _block_rows(g, S, i, BLOCK_S, BLOCKS)
         ok = (s < S)[:, None]
         x = nxt.to(tl.float32)
         nxt = _row_block(X, g, S, i + 1, BLOCK_S, BLOCKS, D)
-        # rows past S: -Inf and +Inf, which no row of the head can be outranked by; a
-        # NaN's place in these is irrelevant (its channel's mean is NaN)
-        acc, sq, hi, lo = _key_block_stats(x, tl.where(ok, x, float("-inf")), tl.where(ok, x, float("inf")), acc, sq,
-                                           hi, lo, FOLD, H, D, STATS, CHOICE)
+        # rows past S (zeros) and non-finite values: -Inf and +Inf in the extremes, which
+        # no finite value of the head can be outranked by
+        fin = tl.abs(x) < float("inf")
+        use = ok & fin
+        acc, sq, hi, lo = _key_block_stats(tl.where(fin, x, 0.0), tl.where(use, x, float("-inf")),
+                                           tl.where(use, x, float("inf")), acc, sq, hi, lo, FOLD, H, D, STATS, CHOICE)
     dd = g * D + tl.arange(0, D)
     tl.atomic_add(SUM + dd, tl.sum(acc, axis=0), sem="relaxed")
     if STATS:
@@ -335,7 +351,10 @@ def _key_mean_kernel(X, SUM, COUNT, MEAN, S, D: tl.constexpr, BLOCK_S: tl.conste
             e = EXT + g * 2 * D + tl.arange(0, D)
             top = _from_ordered_bits(tl.load(e, cache_modifier=".cg"))
             bottom = _from_ordered_bits(~tl.load(e + D, cache_modifier=".cg"))
-            amax = tl.maximum(_abs_bits(top - m), _abs_bits(bottom - m))
+            # of the finite differences only: a channel without a finite value (top -Inf),
+            # or whose mean rounded to Inf, adds nothing
+            hi_d, lo_d = _abs_bits(top - m), _abs_bits(bottom - m)
+            amax = tl.maximum(tl.where(hi_d < 0x7F800000, hi_d, 0), tl.where(lo_d < 0x7F800000, lo_d, 0))
             tl.store(AMAX + g, tl.max(amax, axis=0))
             if CHOICE:
                 m64 = m.to(tl.float64)
@@ -444,20 +463,20 @@ def _fp8_rows_kernel(X, Y, S_OUT, O, DOT, CAMAX, S, D: tl.constexpr, BLOCK_R: tl
 def _fp8_tiles_kernel(X, Y, S_OUT, S, D: tl.constexpr, TILE: tl.constexpr, HW_CVT: tl.constexpr):
     """FP8 of X (G, S, D) with one scale per TILE rows (`reference.operands.quantize_fp8_tiles`):
     a program per (tile, head), its TILE x D values one block of `_fp8_per_row`'s
-    arithmetic (amax over the whole tile; rows past S count as zeros), the scale stored
-    for each of its rows into S_OUT (G, S), the values as Y's dtype."""
+    arithmetic (amax over the whole tile's finite values; rows past S count as zeros), the
+    scale stored for each of its rows into S_OUT (G, S), the values as Y's dtype, a NaN or
+    Inf as NaN (`formats.quantize_fp8(finite_scale=True)`)."""
     g = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
     ok = (rows < S)[:, None]
     offs = (g * S + rows)[:, None] * D + tl.arange(0, D)[None, :]
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
     # `_fp8_per_row`'s arithmetic with the tile as the block: the maxima over both axes
-    bad = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    amax = tl.where(bad, float("nan"), amax)
+    bits = _abs_bits(x)  # NaN and Inf (bits at or above Inf's) count as 0
+    amax = tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1), axis=0).to(tl.float32, bitcast=True)
     scale, inv = fp8_scale_inv(amax)
-    scale = tl.where(bad | (amax == float("inf")), float("nan"), scale)
-    y = _e4m3_signed(x * inv, HW_CVT)
+    # NaN and Inf stored as NaN: x - x is +0 for a finite x, NaN otherwise (`_v_kernel`)
+    y = _e4m3_signed(x * inv - (x - x), HW_CVT)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
     tl.store(S_OUT + g * S + rows, tl.zeros([TILE], tl.float32) + scale, mask=rows < S)
 
@@ -469,14 +488,13 @@ def _nvfp4_tensor_scales(AMAX):
     computes them (TransformerEngine's rule): S_enc = min(448 * 6 / amax, FP32_MAX), 1
     where that is 0; decode 1 / S_enc; multiplier S_enc * (1 / 6). Every operation is a
     single IEEE-rounded one (no product meets an add, so nothing is contracted into an
-    FMA). The scale the kernels read is NaN for a head holding an Inf (as
-    `reference.operands.quantize_qk`), whose values TransformerEngine's rule saturates."""
+    FMA). amax is that of the head's finite values (`abs_max_bits(..., finite=True)`)."""
     amax = tl.load(AMAX).to(tl.float32, bitcast=True)
     one = tl.full(amax.shape, 1.0, tl.float32)
     s_enc = tl.minimum(tl.div_rn(one * 2688.0, amax), FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
     s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
     s_dec = tl.div_rn(one, s_enc)
-    return s_enc * ONE_SIXTH, s_dec, tl.where(amax == float("inf"), float("nan"), s_dec), s_enc
+    return s_enc * ONE_SIXTH, s_dec, s_dec, s_enc
 
 
 @triton.jit
@@ -507,8 +525,8 @@ def _nvfp4_block_scale(amax_b, mult, s_dec, HW_CVT: tl.constexpr):
     hardware's saturating conversion where HW_CVT (`_e4m3_signed`: 448 and NaN as the
     clamp gives them; the bit arithmetic was 2.5 instructions an element of the 4-or-6
     pass, whose two threads a block both round its two candidates)."""
-    # a NaN anywhere in the head makes its tensor scale NaN, and with it every block scale
-    # (torch's clamp propagates NaN; tl.minimum must be told to)
+    # a NaN block maximum gives a NaN scale (torch's clamp propagates NaN; tl.minimum
+    # must be told to)
     nan_ok: tl.constexpr = tl.PropagateNan.ALL
     d = tl.minimum(amax_b * mult, FP32_MAX, propagate_nan=nan_ok)
     if HW_CVT:
@@ -536,8 +554,9 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
                        FALLBACK: tl.constexpr = False, HW_CVT: tl.constexpr = True):
     """NVFP4 grid values (E2M1 x E4M3 block scale, without the tensor scale) of X (G, S,
     D) as bf16, in TransformerEngine's operation order (formats/nvfp4.py), each head's
-    tensor scale from its max |x| at AMAX (G,); SDEC (G, S) gets the head's decode scale
-    (NaN for a head holding an Inf) in every row's slot. With PACKED also the payload
+    tensor scale from its finite values' max |x| at AMAX (G,), a block holding a NaN or
+    Inf NaN (scale 0x7F, codes 0); SDEC (G, S) gets the head's decode scale in every
+    row's slot. With PACKED also the payload
     as `quantize_nvfp4` stores it: CODES (G, S, D / 2) uint8, two E2M1 codes a byte,
     element 2i in the low nibble; BSCALE (G, S, D / 16) the e4m3 block scales. With
     CHANNEL_AMAX also each head's per-channel max |grid value| into CAMAX (G, D)
@@ -584,7 +603,9 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
             # on magnitudes: |x * enc| is |x| * enc exactly (rounding is symmetric), and
             # the sign goes back on at the end
             ax = tl.abs(x)
-            amax_b = tl.max(ax, axis=2)
+            # NaN or Inf in a block makes its maximum NaN or Inf, and the block NaN (its
+            # scale; the codes are 0): a finite block's maximum is the plain one
+            amax_b = tl.reduce(ax, 2, max_propagating_nan)
             d, enc = _nvfp4_block_scale(amax_b, mult, s_dec, HW_CVT)
             mag = _e2m1_value(ax * enc[:, :, None])
             if FOUR_OVER_SIX:
@@ -601,6 +622,7 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
                 better = err4 < tl.max(tl.abs(mag * d[:, :, None] - t), axis=2)
                 d = tl.where(better, d4, d)
                 mag = tl.where(better[:, :, None], mag4, mag)
+            d = tl.where(amax_b < float("inf"), d, float("nan"))
             # the signed E2M1 value times d, as from y = x * enc: y has x's sign (enc > 0),
             # or is NaN only where d is (a NaN head)
             val = _signed(mag, x) * d[:, :, None]
@@ -608,8 +630,8 @@ def _nvfp4_rows_kernel(X, Y, AMAX, SDEC, CODES, BSCALE, CAMAX, MEAN, FB, S, D: t
             if CHANNEL_AMAX:
                 run = _abs_bits_max(run, tl.reshape(val, [BLOCK_R, D]), (s < S)[:, None])
             if PACKED:
-                # a NaN element (the elements of a NaN head: d is NaN) gets code 0 (E2M1
-                # has no NaN; the block scale carries it)
+                # the elements of a NaN block (d is NaN) get code 0 (E2M1 has no NaN;
+                # the block scale carries it)
                 code = _e2m1_code(mag) | tl.where(x.to(tl.int32, bitcast=True) < 0, 8, 0)
                 code = tl.where((d != d)[:, :, None], 0, code)
                 lo, hi = tl.split(tl.reshape(code, [BLOCK_R, D // 2, 2]))
@@ -699,9 +721,10 @@ def _v_kernel(V, VT, VS, SCALE, STATS_AT, Y, YS, WORK, G, S, S_ROW, D: tl.conste
     QUANT, as do heads of more than one block under the interpreter, which runs programs
     one after another.
 
-    FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE; the
-    per-channel scales from each channel's max |v| as `formats.fp8.fp8_scales` computes
-    them (`_fp8_channel_scales`).
+    FP8: e4m3(v * inv[d]), with v first multiplied by the scalar SCALE if HAS_SCALE, a NaN
+    or Inf stored as NaN; the per-channel scales from each channel's max |v| over its
+    finite values (STATS; given maxima are used as they are) as `formats.fp8.fp8_scales`
+    computes them (`_fp8_channel_scales`): `formats.quantize_fp8(finite_scale=True)`.
     MXFP4: E2M1 of v * 2**-e times 2**(e - c), e the block's exponent (`_mx_exponents`)
     and c from the head's largest finite exponent (`reference.operands.v_window`):
     blocks more than V_WINDOW below it are flushed to +0, non-finite blocks are NaN.
@@ -727,7 +750,9 @@ def _v_kernel(V, VT, VS, SCALE, STATS_AT, Y, YS, WORK, G, S, S_ROW, D: tl.conste
             top = tl.max(tl.max(tl.max(tl.where(finite, e, E8M0_EMIN), axis=2), axis=1), axis=0)
             tl.atomic_max(STATS_AT + bh, top - E8M0_EMIN, sem="relaxed")
         else:
-            _channel_amax_flush(STATS_AT + bh * D, tl.reshape(_abs_bits(v), [BLOCK_S, D]), D)
+            # of the finite values: NaN and Inf (bits at or above Inf's) count as 0
+            bits = _abs_bits(v)
+            _channel_amax_flush(STATS_AT + bh * D, tl.reshape(tl.where(bits < 0x7F800000, bits, 0), [BLOCK_S, D]), D)
         if QUANT:
             # the count follows every thread's atomics (the barrier, then a release), and
             # the reads of the statistic follow the count (acquire, which also drops the
@@ -754,7 +779,9 @@ def _v_kernel(V, VT, VS, SCALE, STATS_AT, Y, YS, WORK, G, S, S_ROW, D: tl.conste
             vs, inv = _fp8_channel_scales(STATS_AT + bh * D, SCALE, D, HAS_SCALE)
             if HAS_SCALE:
                 v = v * tl.load(SCALE)
-            out = _e4m3_signed(v * inv[None, None, :], HW_CVT)
+            # NaN and Inf as NaN: v - v is +0 for a finite v (x - +0 is x, -0 included) and NaN
+            # for NaN or Inf (no select held across the conversion)
+            out = _e4m3_signed(v * inv[None, None, :] - (v - v), HW_CVT)
         if b == 0:
             tl.store(VS + bh * D + dd, vs)
         out = tl.where(ok, out, 0.0)  # the rows' padding past S (a NaN block's too) is zero
@@ -807,12 +834,14 @@ CHANNEL_BLOCKS = 8
 
 
 def abs_max_bits(x: torch.Tensor, per_channel: bool, out: torch.Tensor | None = None,
-                 mean: torch.Tensor | None = None, sum_sq: torch.Tensor | None = None) -> torch.Tensor:
+                 mean: torch.Tensor | None = None, sum_sq: torch.Tensor | None = None,
+                 finite: bool = False) -> torch.Tensor:
     """max |x| as the int32 bits of a float32, NaN if x holds one: per head and channel
     of x (..., S, D) as (..., D) (`per_channel`), or per head as (...,); into `out`
     (int32 zeros of G * D or G elements, G the product of the leading dims) if given.
     `mean` (G * D float32): of x - mean per head and channel. `sum_sq` (G float64
-    zeros): also each head's float64 sum of squares added into it."""
+    zeros): also each head's float64 sum of squares added into it. `finite`: of the
+    finite values only (a NaN or Inf counting as 0), the sums of squares too."""
     x3 = _heads(x)
     G, S, D = x3.shape
     amax = torch.zeros((G, D) if per_channel else (G,), device=x.device, dtype=torch.int32) if out is None else out
@@ -820,7 +849,7 @@ def abs_max_bits(x: torch.Tensor, per_channel: bool, out: torch.Tensor | None = 
     none = amax  # pointer arguments the call does not read
     _abs_max_kernel[grid](x3, amax, mean if mean is not None else none, sum_sq if sum_sq is not None else none, S,
                           D=D, BLOCK_S=block, BLOCKS=CHANNEL_BLOCKS, PER_CHANNEL=per_channel,
-                          HAS_MEAN=mean is not None, SUM_SQ=sum_sq is not None, num_warps=4)
+                          HAS_MEAN=mean is not None, SUM_SQ=sum_sq is not None, FINITE=finite, num_warps=4)
     return amax.view(*x.shape[:-2], D) if per_channel else amax.view(x.shape[:-2])
 
 
@@ -870,7 +899,8 @@ def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool 
     """NVFP4 of x (..., S, D) along D with one tensor scale per head, that is per index
     of the leading dims (`formats.quantize_nvfp4(x, scale_dims=x.ndim - 2)`): (bf16 grid
     values without the tensor scale, the head's tensor decode scale broadcast to (...,
-    S), NaN for a head holding an Inf as `reference.operands.quantize_qk`); with
+    S), from the head's finite values, a block holding a NaN or Inf NaN, as
+    `reference.operands.quantize_qk`); with
     `packed` also the payload, (codes (..., S, D / 2) uint8, block scales (..., S, D /
     16) float8_e4m3fn), byte for byte that `quantize_nvfp4`'s data and scale; with
     `channel_amax` also max |grid value| per head and channel (..., D) as float32 bits (what `decode_nvfp4_rows(..., channels_scale=...)` needs).
@@ -878,8 +908,8 @@ def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool 
     The outlier-robust forms (`reference.forward.robust_qk`): `mean` (..., 1, D) float32
     is subtracted first (K smoothing); `four_over_six` picks 4 or 6 per block; `fallback`
     (bool or int8 0/1, one per head) quantizes those heads per token to FP8 instead (inference only:
-    not with `packed` or `channel_amax`). `amax`: the heads' max |x - mean| bits from
-    `abs_max_bits`, if already computed."""
+    not with `packed` or `channel_amax`). `amax`: the heads' max |x - mean| bits over
+    the finite values from `abs_max_bits(..., finite=True)`, if already computed."""
     if fallback is not None and (packed or channel_amax):
         raise ValueError("quantize_qk_nvfp4: the FP8 fallback heads have no NVFP4 payload (packed, channel_amax)")
     x3 = _heads(x)
@@ -891,7 +921,7 @@ def quantize_qk_nvfp4(x: torch.Tensor, packed: bool = False, channel_amax: bool 
     zeros = torch.zeros(n_camax + (G if amax is None else 0), device=x.device, dtype=torch.int32)
     camax = zeros[:n_camax]
     if amax is None:  # the row kernel computes the tensor scales from it
-        amax = abs_max_bits(x3, per_channel=False, out=zeros[n_camax:], mean=mean3)
+        amax = abs_max_bits(x3, per_channel=False, out=zeros[n_camax:], mean=mean3, finite=True)
     amax = amax.reshape(G).contiguous()
     y = torch.empty(x3.shape, device=x.device, dtype=torch.bfloat16)
     s_dec = torch.empty((G, S), device=x.device, dtype=torch.float32)
@@ -1155,7 +1185,7 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
     zeros = _zero_views(q.device, (Gq if choice else 0, f64), (Gq, i32), (Gk if choice and not smooth else 0, f64),
                         (0 if smooth else Gk, i32), (Gk if choice and not smooth else 0, i32), *key_work)
     sq_q, amax_q, sq_k, amax_k, count = zeros[:5]
-    abs_max_bits(q, per_channel=False, out=amax_q, sum_sq=sq_q if choice else None)
+    abs_max_bits(q, per_channel=False, out=amax_q, sum_sq=sq_q if choice else None, finite=True)
     fb_q = fb_k = mean = None
     if choice:
         fb = torch.empty(Gq + Gk, device=q.device, dtype=torch.int8)
@@ -1172,9 +1202,9 @@ def robust_qk_operands(q: torch.Tensor, k: torch.Tensor, recipe: Recipe, scale: 
         grid, block = _row_grid(Sk, Gk, CHANNEL_BLOCKS, most=32)
         _abs_max_kernel[grid](k3, amax_k, amax_k, sq_k, Sk, D=D, BLOCK_S=block, BLOCKS=CHANNEL_BLOCKS,
                               PER_CHANNEL=False, HAS_MEAN=False, SUM_SQ=True, CHOICE=True, COUNT=count,
-                              **args, num_warps=4)
+                              FINITE=True, **args, num_warps=4)
     else:
-        abs_max_bits(k3, per_channel=False, out=amax_k)
+        abs_max_bits(k3, per_channel=False, out=amax_k, finite=True)
     f46 = recipe.qk_four_over_six
     qv, qs = quantize_qk_nvfp4(q, four_over_six=f46, fallback=fb_q, amax=amax_q)
     kv, ks = quantize_qk_nvfp4(k, mean=mean, four_over_six=f46, fallback=fb_k, amax=amax_k)
