@@ -11,7 +11,7 @@ import torch
 from fp4attn import routing
 from fp4attn._logging import log_once
 from fp4attn.kvcache import KVCache
-from fp4attn.recipes import PRESETS, Recipe, get_recipe
+from fp4attn.recipes import DEFAULT_RECIPE, PRESETS, Recipe, get_recipe
 from fp4attn.reference.backward import reference_backward, refuse_double_backward
 from fp4attn.reference.forward import ForwardResult, key_bias_of_mask, reference_forward
 from fp4attn.reference.masks import causal_offset, key_mask_view, normalize_causal
@@ -216,7 +216,7 @@ def explain(
     *,
     scale: float | None = None,
     causal: bool | str | None = None,
-    recipe: str | Recipe = "directp",
+    recipe: str | Recipe = DEFAULT_RECIPE,
     enable_gqa: bool = False,
     backend: str = "auto",
     needs_grad: bool | None = None,
@@ -300,7 +300,7 @@ def attention(
     *,
     scale: float | None = None,
     causal: bool | str | None = None,
-    recipe: str | Recipe = "directp",
+    recipe: str | Recipe = DEFAULT_RECIPE,
     enable_gqa: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
@@ -331,10 +331,12 @@ def attention(
             query i sees keys j <= i); "bottom_right" (FlashAttention's: query i sees
             j <= i + Sk - Sq).
         scale: softmax scale; None means 1 / sqrt(D).
-        recipe: a preset name ("directp", "nvfp4-fp8", "fp8-directp", "fp8", "train",
-            "train-mxfp4pv", "bf16", and "fp8-directp-fastacc", "fp8-fastacc": QK^T
-            summed on the FP8 tensor cores, faster on Hopper and not exact, see
-            `Recipe.fast_accum`) or a `fp4attn.Recipe`.
+        recipe: a preset name (`fp4attn.PRESETS`: "fp8", "nvfp4-fp8-robust", "directp",
+            "train", ...; the "-fastacc" ones sum QK^T on the FP8 tensor cores, faster
+            and not exact, see `Recipe.fast_accum`) or a `fp4attn.Recipe`. The default,
+            `fp4attn.DEFAULT_RECIPE` ("fp8-affine-fastacc"), keeps FP8's accuracy on
+            real activations and has kernels on every GPU target (`recipes.DEFAULT_RECIPE`
+            says why); it is inference-only.
         enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention).
         return_lse: also return the log-sum-exp, float32 (B, Hq, Sq), natural log of
             the softmax denominator of the scaled scores; -inf for rows seeing no key.

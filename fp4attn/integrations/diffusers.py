@@ -10,13 +10,13 @@ Processors that compute attention without SDPA are unaffected.
 from __future__ import annotations
 
 from fp4attn.integrations.sdpa import patch_sdpa
-from fp4attn.recipes import Recipe, get_recipe
+from fp4attn.recipes import DEFAULT_RECIPE, Recipe, get_recipe
 
 
 class FP4AttnProcessor:
     """A diffusers attention processor that runs `inner` with fp4attn's SDPA."""
 
-    def __init__(self, inner, recipe: str | Recipe = "directp"):
+    def __init__(self, inner, recipe: str | Recipe = DEFAULT_RECIPE):
         self.inner = inner
         self.recipe = get_recipe(recipe)
 
@@ -25,7 +25,7 @@ class FP4AttnProcessor:
             return self.inner(attn, *args, **kwargs)
 
 
-def use_fp4attn(pipe_or_model, recipe: str | Recipe = "directp"):
+def use_fp4attn(pipe_or_model, recipe: str | Recipe = DEFAULT_RECIPE):
     """Install `FP4AttnProcessor` on every attention module of a pipeline's denoiser
     (`transformer` or `unet`) or of a model; returns the model changed."""
     model = pipe_or_model

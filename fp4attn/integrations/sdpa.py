@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from fp4attn.api import DTYPES, HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, attention
-from fp4attn.recipes import Recipe, get_recipe
+from fp4attn.recipes import DEFAULT_RECIPE, Recipe, get_recipe
 
 
 def _unsupported(query, key, value, attn_mask, dropout_p, is_causal) -> str | None:
@@ -67,7 +67,7 @@ class _SDPAMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def patch_sdpa(recipe: str | Recipe = "directp", backend: str = "auto"):
+def patch_sdpa(recipe: str | Recipe = DEFAULT_RECIPE, backend: str = "auto"):
     """Within the block, `F.scaled_dot_product_attention` runs fp4attn in `recipe`, in
     the thread that entered the block only; blocks nest (the innermost one decides).
 

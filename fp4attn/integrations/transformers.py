@@ -2,7 +2,8 @@
 
 After `register()`, `model.set_attn_implementation("fp4attn")` or
 `from_pretrained(..., attn_implementation="fp4attn-fp8")` runs the model's attention
-through fp4attn: "fp4attn" uses the `directp` recipe and "fp4attn-<preset>" any preset.
+through fp4attn: "fp4attn" uses the default recipe (`fp4attn.DEFAULT_RECIPE`) and
+"fp4attn-<preset>" any preset.
 Each name is registered with SDPA's mask function as well, so padded batches keep
 their mask (transformers 5 builds masks per implementation name).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from fp4attn.api import attention
-from fp4attn.recipes import PRESETS, Recipe, get_recipe
+from fp4attn.recipes import DEFAULT_RECIPE, PRESETS, Recipe, get_recipe
 
 DEFAULT_NAME = "fp4attn"
 
@@ -44,7 +45,7 @@ def register() -> tuple[str, ...]:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    names = {DEFAULT_NAME: "directp", **{f"{DEFAULT_NAME}-{p}": p for p in PRESETS}}
+    names = {DEFAULT_NAME: DEFAULT_RECIPE, **{f"{DEFAULT_NAME}-{p}": p for p in PRESETS}}
     for name, preset in names.items():
         AttentionInterface.register(name, make_attention_forward(preset))
         AttentionMaskInterface.register(name, sdpa_mask)
