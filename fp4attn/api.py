@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import warnings
@@ -11,7 +12,7 @@ import torch
 from fp4attn import routing
 from fp4attn._logging import log_once
 from fp4attn.kvcache import KVCache
-from fp4attn.recipes import DEFAULT_RECIPE, PRESETS, Recipe, get_recipe
+from fp4attn.recipes import DEFAULT_RECIPE, PRESETS, Recipe, get_recipe, inference_only_message
 from fp4attn.reference.backward import reference_backward, refuse_double_backward
 from fp4attn.reference.forward import ForwardResult, key_bias_of_mask, reference_forward
 from fp4attn.reference.masks import causal_offset, key_mask_view, normalize_causal
@@ -243,8 +244,27 @@ def explain(
     rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal, dropout_p)
     _resolve_scale(scale, q.shape[-1])
     grad = requires_grad if needs_grad is None else bool(needs_grad)
-    r, _ = _route(backend, q, rec, mode, grad, attn_mask, k.shape[-2])
-    return {**r.as_dict(), "recipe": rec.name, "needs_grad": grad}
+    # an inference-only recipe runs its forward as without gradients; its backward raises
+    r, _ = _route(backend, q, rec, mode, grad and rec.grad is not None, attn_mask, k.shape[-2])
+    out = {**r.as_dict(), "recipe": rec.name, "needs_grad": grad}
+    if grad and rec.grad is None:
+        out["reason"] = f"{out['reason']}; a backward through it raises: {inference_only_message(rec)}"
+    return out
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """The output of an inference-only recipe's forward, attached to the inputs that
+    require grad so that a backward through it raises `inference_only_message` instead
+    of leaving them without a gradient."""
+
+    @staticmethod
+    def forward(ctx, out, recipe: Recipe, *inputs):
+        ctx.recipe = recipe
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(inference_only_message(ctx.recipe))
 
 
 class _ReferenceAttention(torch.autograd.Function):
@@ -356,21 +376,31 @@ def attention(
     Returns:
         The output (B, Hq, Sq, D) in q's dtype, and the LSE if `return_lse`.
 
-    Gradients flow for recipes with a backward (`recipe.grad` not None: "train",
-    "train-robust", "train-mxfp4pv", "train-fp8", "bf16"), to q, k, v and to a float
-    attn_mask that requires grad (on the reference); other recipes raise on backward,
-    and so does a second derivative (create_graph=True).
+    Gradients flow for recipes with a backward (`recipe.grad` not None:
+    `recipes.training_presets()`, "train", "train-robust", ..., "bf16"), to q, k, v and to a
+    float attn_mask that requires grad (on the reference). An inference-only recipe runs
+    its forward kernels whether or not the inputs require grad, and a backward through
+    its output raises, naming the training presets; so does a second derivative
+    (create_graph=True).
     """
     q, k, v = query, key, value
     rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal, dropout_p)
     s = _resolve_scale(scale, q.shape[-1])
-    needs_grad = torch.is_grad_enabled() and requires_grad
+    # an inference-only recipe whose inputs require grad (a model in eval mode outside
+    # torch.no_grad()) runs its forward kernels as without gradients; only a backward
+    # through its output raises (`_InferenceOnly`)
+    inference_only = torch.is_grad_enabled() and requires_grad and rec.grad is None
+    needs_grad = torch.is_grad_enabled() and requires_grad and not inference_only
     r, key_mask = _route(backend, q, rec, mode, needs_grad, attn_mask, k.shape[-2])
     if (r.backend == "reference" and (q.is_cuda or routing.interpreting()) and not torch.compiler.is_compiling()
             and routing.requested_backend(backend) == "auto"):
         _warn_reference(q, rec, mode, needs_grad, attn_mask, k.shape[-2], r)
-    if r.backend == "triton":
-        out, lse = _kernel_attention(r, q, k, v, rec, mode, s, key_mask, needs_grad)
-    else:
-        out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, attn_mask)
+    with torch.no_grad() if inference_only else contextlib.nullcontext():
+        if r.backend == "triton":
+            out, lse = _kernel_attention(r, q, k, v, rec, mode, s, key_mask, needs_grad)
+        else:
+            out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, attn_mask)
+    if inference_only:
+        inputs = [t for t in (q, k, v, attn_mask) if t is not None and t.requires_grad]
+        out = _InferenceOnly.apply(out, rec, *inputs)
     return (out, lse) if return_lse else out

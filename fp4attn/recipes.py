@@ -276,6 +276,18 @@ PRESETS: dict[str, Recipe] = {
 DEFAULT_RECIPE = "fp8-affine-fastacc"
 
 
+def training_presets() -> list[str]:
+    """The presets with a backward (`Recipe.grad` not None), in the table's order."""
+    return [name for name, r in PRESETS.items() if r.grad is not None]
+
+
+def inference_only_message(recipe: Recipe) -> str:
+    """What a backward through inference-only `recipe` says: which presets train."""
+    return (f"recipe {recipe.name!r} is inference-only (Recipe.grad=None): it has no backward. Train with a "
+            f"recipe that has one ({', '.join(map(repr, training_presets()))}, or a fp4attn.Recipe with grad "
+            "set), or run the forward under torch.no_grad()")
+
+
 def preset_names(on_kernels: bool) -> list[str]:
     """The presets worth running where they run: all of them on the Hopper kernels; on
     the reference, without the fast-accumulation ones, which it computes exactly, as

@@ -229,8 +229,9 @@ def test_auto_backend_trains_on_the_kernels(recipe, monkeypatch):
     q, k, v = _inputs(1, 2, 2, 128, 128, 128)
     fp4attn.attention(q, k, v, recipe=recipe, causal=True).sum().backward()
     assert calls == [recipe == "train-fp8"]  # per-token Q/K scales for FP8 Q/K
-    with pytest.raises(ValueError, match="inference-only"):
-        fp4attn.attention(q, k, v, recipe="fp8", backend="triton")
+    out = fp4attn.attention(q, k, v, recipe="fp8", backend="triton")  # an inference recipe: its forward kernels
+    with pytest.raises(RuntimeError, match="inference-only"):
+        out.sum().backward()
 
 
 @pytest.mark.parametrize("recipe", ["train", "train-fp8"])

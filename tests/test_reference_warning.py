@@ -43,8 +43,8 @@ CASES = [
     (lambda: fp4attn.attention(_x(), _x(), _x(), recipe="fp8", attn_mask=CAUSAL_MASK), "not a key mask",
      "a key mask (broadcastable as (B, 1, 1, Sk)"),
     (lambda: fp4attn.attention(_x(), _x(), _x(), recipe="bf16"), "Q/K format 'bf16'", "recipe 'directp', "),
-    (lambda: fp4attn.attention(_x(grad=True), _x(), _x(), recipe="directp"), "inference-only",
-     "no gradients (torch.no_grad()"),
+    (lambda: fp4attn.attention(_x(grad=True), _x(), _x(), recipe="train", attn_mask=torch.ones(1, 1, 1, 16, dtype=torch.bool)),
+     "attn_mask with a backward", "no gradients (torch.no_grad()"),
 ]
 
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from fp4attn.formats import E4M3, quantize_fp8, round_to_format
 from fp4attn.formats.constants import MX_BLOCK
-from fp4attn.recipes import Recipe
+from fp4attn.recipes import Recipe, inference_only_message
 from fp4attn.reference import robust
 from fp4attn.reference.affine import build_p_affine
 from fp4attn.reference.directp import build_p
@@ -97,8 +97,7 @@ def reference_backward(
     additive score bias gets dS = P * (dP - delta) in natural units, summed over the
     dims the mask broadcasts along."""
     if recipe.grad is None:
-        raise RuntimeError(f"recipe {recipe.name!r} is inference-only (grad=None); "
-                           "train with 'train', 'train-mxfp4pv' or 'bf16'")
+        raise RuntimeError(inference_only_message(recipe))
     g = recipe.grad
     a = "bf16" if g == "bf16" else "e4m3"
     hq, hkv = fwd.q.values.shape[1], fwd.k.values.shape[1]
