@@ -340,22 +340,14 @@ def cuda_kernels_unavailable() -> str | None:
     return None
 
 
-# The training forward on the CUDA C++ kernel, in the build whose arithmetic is the Gluon and
-# Triton kernels' operation for operation (CUDA_TRAINING_BUILD: exp2 by MUFU, the row sums of P
-# as represented, each tile's PV added in float32), so that its output and LSE are theirs and
-# the backward's P rebuilt from that LSE is the forward's (docs/notes/hopper-train.md, "The
-# training forward on the CUDA kernel")
-CUDA_TRAINING_FORWARD = False
-CUDA_TRAINING_BUILD = {"fused_softmax": False, "exp_poly": 0, "consumers": 2}
-
-
 def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: bool, training: bool = False) -> bool:
     """Whether the forward runs on the CUDA C++ kernel (`ForwardLaunch.cuda_from_keys`; the
-    launch is the table's for the recipe's Q/K: e4m3 for `fast_accum`, else bf16). A training
-    forward (`training`) only where CUDA_TRAINING_FORWARD, in CUDA_TRAINING_BUILD."""
+    launch is the table's for the recipe's Q/K: e4m3 for `fast_accum`, else bf16). Never for
+    a training forward (`training`): its backward rebuilds P as the Triton kernels build it
+    (the CUDA kernel's build of their arithmetic measured no faster for training:
+    docs/notes/hopper-cuda-backward.md)."""
     n = launch.cuda_keys(p_mode)
-    return ((CUDA_TRAINING_FORWARD or not training) and n > 0 and keys >= n and on_cuda
-            and cuda_kernels_unavailable() is None)
+    return not training and n > 0 and keys >= n and on_cuda and cuda_kernels_unavailable() is None
 
 
 def backward_launch(head_dim: int) -> BackwardLaunch:

@@ -139,25 +139,3 @@ def test_routed_through_attention(D):
         assert torch.isfinite(a).all()
         assert (a - b).norm() <= 1e-2 * b.norm()  # bf16 gradients of the same float32 sums
 
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("recipe", ["train-fp8", "train"])
-@pytest.mark.parametrize("D, causal, Hkv", [(128, True, 2), (64, False, 4), (64, True, 1)])
-def test_training_forward_on_cuda_is_the_gluon_kernels(monkeypatch, recipe, D, causal, Hkv):
-    """The training forward in CUDA_TRAINING_BUILD gives the Gluon kernel's output and LSE bit for
-    bit (the same arithmetic; the backward rebuilds P from that LSE)."""
-    import fp4attn
-    from fp4attn.recipes import PRESETS
-
-    g = torch.Generator(device="cuda").manual_seed(D + Hkv)
-    q = torch.randn(2, 4, 1024, D, device="cuda", generator=g).bfloat16()
-    k, v = (torch.randn(2, Hkv, 1536, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))  # the training forward (it keeps the backward's operands)
-    runs = []
-    for on in (False, True):
-        monkeypatch.setattr(routing, "CUDA_TRAINING_FORWARD", on)
-        runs.append(fp4attn.attention(q, k, v, causal="bottom_right" if causal else None, enable_gqa=True,
-                                      recipe=PRESETS[recipe], return_lse=True))
-    for a, b in zip(*runs):
-        assert torch.equal(a.detach(), b.detach())

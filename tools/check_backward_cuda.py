@@ -120,7 +120,37 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ncu-one", action="store_true", help="one launch at (4,16,4096,128) causal, for ncu")
+    ap.add_argument("--ab-source", help="another version of attn_bwd_fp8.cu (its headers beside it), timed "
+                    "beside the package's in the same process")
     args = ap.parse_args()
+    if args.ab_source:
+        from pathlib import Path
+
+        from fp4attn.kernels.hopper import nvrtc_build
+
+        def other(variant, device):
+            return nvrtc_build.load_function(
+                ("backward-ab", variant), lambda: nvrtc_build.compile_source(
+                    Path(args.ab_source), nvrtc_build.options_for(variant.defines()), "the other backward"),
+                backward_cuda.KERNEL_NAME, device, variant.shared_bytes() + 8704)
+        rows = []
+        for shape in ((4, 16, 4096, 128), (8, 16, 4096, 64), (2, 16, 8192, 128)):
+            B, H, S, D = shape
+            ops, lse, scale, _ = operands(B, H, H, S, S, D, 0, True)
+            run = lambda: backward_cuda.launch_backward_cuda(ops, lse, 0, True, scale)  # noqa: E731
+            row = {"shape": list(shape), "package_ms": bench_ms(run),
+                   "gluon_ms": bench_ms(lambda: train_op.launch_backward(ops, lse, "fp8", "exp2", 0, True, scale))}
+            mine = backward_cuda._function
+            backward_cuda._function = other
+            try:
+                row["other_ms"] = bench_ms(run)
+            finally:
+                backward_cuda._function = mine
+            rows.append(row)
+            print("ab", json.dumps(row), flush=True)
+        with open(f"{args.out}/ab.json", "w") as f:
+            json.dump(rows, f, indent=1)
+        return 0
     if args.ncu_one:
         ops, lse, scale, _ = operands(4, 16, 16, 4096, 4096, 128, 0, True)
         backward_cuda.launch_backward_cuda(ops, lse, 0, True, scale)

@@ -37,6 +37,8 @@ BLOCK_N = 128  # keys per CTA (two consumer warpgroups of 64)
 BLOCK_M = DS_BLOCK  # queries per tile: dS's scale block
 THREADS = 384
 STAGES = 2
+DS_BUFS = 3  # dS tiles in flight (the kernel's DS_BUFS)
+DQ_PAD = 4  # floats after each staged dQ row (the kernel's DQS_ROW)
 
 
 @dataclass(frozen=True)
@@ -51,13 +53,13 @@ class Variant:
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory, as the kernel's SMEM_BYTES: K (bf16), V, K_c, the stage ring
-        (Q bf16, dO_t, dO_c, Q_c, the per-tile numbers rounded to 1 KiB), two dS tiles, the
+        (Q bf16, dO_t, dO_c, Q_c, the per-tile numbers rounded to 1 KiB), DS_BUFS dS tiles, the
         consumers' dQ staging, the dS maxima and scales, the barriers, 1 KiB of alignment."""
         d = self.head_dim
         num = -(-(4 * BLOCK_M + 2 * d) * 4 // 1024) * 1024
         stage = BLOCK_M * 2 * d + 3 * BLOCK_M * d + num
-        return (1024 + BLOCK_N * 2 * d + 2 * BLOCK_N * d + STAGES * stage + 2 * BLOCK_M * BLOCK_N
-                + 2 * BLOCK_M * (d // 2) * 4 + 2 * 2 * 4 * 64 * 4 + 2 * 2 * 64 * 4 + 64)
+        return (1024 + BLOCK_N * 2 * d + 2 * BLOCK_N * d + STAGES * stage + DS_BUFS * BLOCK_M * BLOCK_N
+                + 2 * BLOCK_M * (d // 2 + DQ_PAD) * 4 + 2 * 2 * 4 * 64 * 4 + DS_BUFS * 2 * 64 * 4 + 64)
 
 
 def all_variants() -> list[Variant]:
@@ -141,7 +143,8 @@ def launch_backward_cuda(ops, lse: torch.Tensor, causal_offset: int, causal: boo
 
     dev = qv.device
     variant = Variant(D, causal)
-    dq_accum = torch.zeros((B * H, Sq // BLOCK_M, 2, BLOCK_M, D // 2), device=dev, dtype=f32)
+    # the kernel's staging rows: D / 2 floats and 4 of padding (shared-memory banks)
+    dq_accum = torch.zeros((B * H, Sq // BLOCK_M, 2, BLOCK_M, D // 2 + DQ_PAD), device=dev, dtype=f32)
     dk = torch.empty((B, Hkv, Sk, D), device=dev, dtype=f32)
     dv = torch.empty((B, Hkv, Sk, D), device=dev, dtype=f32)
 
@@ -179,7 +182,8 @@ def launch_backward_cuda(ops, lse: torch.Tensor, causal_offset: int, causal: boo
                               ctypes.addressof(args), 0)[0], None), "cuLaunchKernel")
     # dQ: the workspace's (tile, half, row, column) blocks in (query, head dim) order, times K_c's
     # channel scales (of each query head's K/V head) and the softmax scale
-    dq = dq_accum.view(B, H, Sq // BLOCK_M, 2, BLOCK_M, D // 2).permute(0, 1, 2, 4, 3, 5).reshape(B, H, Sq, D)
+    dq = dq_accum[..., :D // 2].reshape(B, H, Sq // BLOCK_M, 2, BLOCK_M, D // 2).permute(0, 1, 2, 4, 3, 5)
+    dq = dq.reshape(B, H, Sq, D)
     k_cs_q = k_cs.repeat_interleave(H // Hkv, dim=1) if Hkv != H else k_cs
     dq = (dq * k_cs_q[:, :, None, :] * scale).to(dtypes[0])
     return dq, dk.to(dtypes[1]), dv.to(dtypes[2])

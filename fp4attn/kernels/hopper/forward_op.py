@@ -21,7 +21,6 @@ from fp4attn.kernels.hopper.quantize import prepare_operands_fused
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
 from fp4attn.routing import (
-    CUDA_TRAINING_BUILD,
     GLUON_P_MODES,
     PMode,
     forward_launch,
@@ -54,8 +53,8 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     values; tests, on the Triton kernel). key_bias: (B, Sk) float32 added to the log2
     scores (`key_bias_of_mask`). sink_tiles: with p_mode 3, the first key tiles that
     keep the blocks' top keys apart, the others plain Direct-P (`routing.p_sink_tiles`);
-    0, every tile. training: the training forward, on the CUDA C++ kernel in the build of the
-    Gluon kernel's arithmetic where routed (`routing.use_cuda_forward`, CUDA_TRAINING_BUILD).
+    0, every tile. training: the training forward, which never takes the CUDA C++ kernel
+    (`routing.use_cuda_forward`).
     """
     if sink_tiles and p_mode != PMode.MXFP4_DIRECTP_SINK:
         raise ValueError(f"launch_forward: sink_tiles={sink_tiles} is for p_mode 3 (p_sink), got p_mode={p_mode}")
@@ -77,9 +76,8 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         )
 
         if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
-            build = {**P_MODE_BUILDS[p_mode], **(CUDA_TRAINING_BUILD if training else {})}
             out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
-                                           persistent=cfg.cuda_persistent, **build)
+                                           persistent=cfg.cuda_persistent, **P_MODE_BUILDS[p_mode])
             return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
     # the Gluon kernel below takes FP8 P (p_mode 0, 4 and 7) only, the CUDA kernel above affine MXFP4 P (5) too: the
     # other MXFP4 P builders (P_MODE 1, 2; 3 and its sink_tiles) run on the Triton kernel

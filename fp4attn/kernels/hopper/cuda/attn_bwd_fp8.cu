@@ -23,10 +23,13 @@
 // of K, V and K_c once and of each tile's Q, dO_t, dO_c, Q_c and per-query numbers into a
 // STAGES-deep ring. Per tile each consumer issues S^T = K Q^T and dP^T = V dO_t^T together, builds
 // P, P_r and dS in registers, the FP8 views of dS for dK (in registers) and for dQ (in shared
-// memory, transposed), then the dV and dK products, and, once both warpgroups' dS is in shared
-// memory, its half of the head dim of dQ's partial product over the CTA's 128 keys, which it adds
-// to a float32 workspace by a bulk reduce-add (FlashAttention-3's dQ accumulation: one pass, no
-// second recomputation of S and dP); a small kernel after scales the workspace into dQ.
+// memory, transposed), then the dV and dK products, and then its half of the head dim of dQ's
+// partial product over the CTA's 128 keys, which it adds to a float32 workspace by a bulk
+// reduce-add (FlashAttention-3's dQ accumulation: one pass, no second recomputation of S and dP);
+// the launcher scales the workspace into dQ after. dQ needs both consumers' dS: consumer 1 takes
+// the tile it just finished, consumer 0 the one before, each waiting only for the other's arrival
+// on that tile's barrier (three dS buffers), so that the two need not meet at every tile and one's
+// products can run while the other's softmax work does.
 //
 // The K-major layouts FP8 wgmma needs: P^T and dS^T (the A operands of dV and dK) stay in
 // registers: the S^T accumulator holds query pairs {2q, 2q+1} of every 8 columns where the 8-bit
@@ -79,10 +82,16 @@
 #define NUM_BYTES (((NUM_FLOATS * 4) + 1023) / 1024 * 1024)
 #define STAGE_BYTES (Q_BYTES + DOT_BYTES + 2 * DOC_BYTES + NUM_BYTES)
 #define DS_BYTES (BLOCK_M * BLOCK_N)  // dS (64 queries x 128 keys, e4m3, 128B swizzle)
+// dS tiles in flight: consumer 0 reads tile g's while both write g + 1's and consumer 1 may still read g - 1's
+#define DS_BUFS 3
+#define DS_BAR 4  // named barriers DS_BAR + DS_BUFS c + buffer: consumer c's dS of a tile is written
 #define DQ_N (HEAD_DIM / 2)            // dQ's columns per consumer
-#define DQS_BYTES (BLOCK_M * DQ_N * 4)  // a consumer's staged float32 dQ partial
-#define SMEM_BYTES (1024 + K_BYTES + V_BYTES + KC_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES + 2 * DQS_BYTES \
-                    + 2 * 2 * 4 * 64 * 4 + 2 * 2 * 64 * 4 + 64)
+// a consumer's staged float32 dQ partial: rows of DQ_N floats and 4 of padding, so that the 8 rows
+// a warp's float2 stores touch fall in distinct banks (the workspace keeps the padding: one bulk copy)
+#define DQS_ROW (DQ_N + 4)
+#define DQS_BYTES (BLOCK_M * DQS_ROW * 4)
+#define SMEM_BYTES (1024 + K_BYTES + V_BYTES + KC_BYTES + STAGES * STAGE_BYTES + DS_BUFS * DS_BYTES + 2 * DQS_BYTES \
+                    + 2 * 2 * 4 * 64 * 4 + DS_BUFS * 2 * 64 * 4 + 64)
 
 struct Params {
     TensorMap q_map0, q_map1;      // Q bf16 (row bytes, 2, 4, rows / 16) from rows 0 and 2: the permuted halves
@@ -100,7 +109,7 @@ struct Params {
     const float* qcs;              // (B, H, D) Q_c's channel scales
     const float* ks;               // (B, Hkv, Sk) K's token scales
     const float* vts;              // (B, Hkv, Sk) V_t's token scales
-    float* dq_accum;               // (B*H, Sq / 64, 2, 64, D / 2) float32, zeroed
+    float* dq_accum;               // (B*H, Sq / 64, 2, 64, D / 2 + 4) float32, zeroed
     float* dk;                     // (B, Hkv, Sk, D) float32
     float* dv;                     // (B, Hkv, Sk, D) float32
     int H, group, Sq, Sk, causal_offset;
@@ -112,8 +121,8 @@ static_assert(sizeof(Params) == 1280, "Params changed: update backward_cuda._Par
 
 struct Smem {
     uint32_t k, v, kc, stage, ds, dqs;
-    float* amax;   // [parity][consumer][warp][64]: each warp's column maxima of dS (dQ's view)
-    float* dsq;    // [parity][consumer][64]: dQ's dS scales per query (natural order)
+    uint32_t amax;  // float [parity][consumer][warp][64]: each warp's column maxima of dS (dQ's view)
+    uint32_t dsq;   // float [buffer][consumer][64]: dQ's dS scales per query (natural order)
     uint32_t kv_full, full, empty;  // barriers (8 bytes apart)
 };
 
@@ -125,11 +134,11 @@ __device__ __forceinline__ Smem carve(unsigned char* raw) {
     s.kc = s.v + V_BYTES;
     s.stage = s.kc + KC_BYTES;
     s.ds = s.stage + STAGES * STAGE_BYTES;
-    s.dqs = s.ds + 2 * DS_BYTES;
-    unsigned char* rest = base + (K_BYTES + V_BYTES + KC_BYTES + STAGES * STAGE_BYTES + 2 * DS_BYTES + 2 * DQS_BYTES);
-    s.amax = (float*)rest;
-    s.dsq = s.amax + 2 * 2 * 4 * 64;
-    const uint32_t bars = smem_addr(s.dsq + 2 * 2 * 64);
+    s.dqs = s.ds + DS_BUFS * DS_BYTES;
+    unsigned char* rest = base + (K_BYTES + V_BYTES + KC_BYTES + STAGES * STAGE_BYTES + DS_BUFS * DS_BYTES + 2 * DQS_BYTES);
+    s.amax = smem_addr(rest);
+    s.dsq = s.amax + 4 * (2 * 2 * 4 * 64);
+    const uint32_t bars = s.dsq + 4 * (DS_BUFS * 2 * 64);
     s.kv_full = bars;
     s.full = bars + 8;
     s.empty = s.full + 8 * STAGES;
@@ -169,8 +178,22 @@ __device__ __forceinline__ void bar_sync(uint32_t id, uint32_t threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+__device__ __forceinline__ void bar_arrive(uint32_t id, uint32_t threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ void sts_u8(uint32_t addr, uint32_t v) {
     asm volatile("st.shared.u8 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void sts_f32(uint32_t addr, float x) {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
+}
+
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+    float x;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
+    return x;
 }
 
 __device__ __forceinline__ void sts_f2(uint32_t addr, float x, float y) {
@@ -188,6 +211,21 @@ __device__ __forceinline__ void fp8_scale_inv(float amax, float& scale, float& i
 // The query (0..63, natural order) of accumulator column 8 j + 2 q + b of a permuted tile
 __device__ __forceinline__ int query_of(int j, int q, int b) { return 16 * (j & 3) + 4 * q + 2 * (j >> 2) + b; }
 
+// One step of the column maxima's butterfly: of cm[0 .. 2W), a lane with `bit` set keeps the
+// upper half and sends the lower to its partner (lane ^ bit), which keeps the lower; each ends
+// with the maxima of its half in cm[0 .. W). (W a template argument: with the steps in a loop of
+// a run-time W, the compiler kept cm in local memory.)
+template <int W>
+__device__ __forceinline__ void butterfly_max(float (&cm)[16], int lane, int bit) {
+    const bool upper = lane & bit;
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+        const float keep = upper ? cm[k + W] : cm[k];
+        const float send = upper ? cm[k] : cm[k + W];
+        cm[k] = fmax_nan(keep, __shfl_xor_sync(0xffffffffu, send, bit));
+    }
+}
+
 // The 8-bit A fragments (P^T or dS^T, m64k32 twice) of values v (an m64n64 accumulator of the
 // permuted tile, each already scaled) rounded to e4m3: fragment kk's registers hold queries
 // 32 kk + 4 q .. 4 q + 3 (rows r, r + 8) and 32 kk + 16 + 4 q .. (rows r, r + 8)
@@ -203,6 +241,63 @@ __device__ __forceinline__ void a_fragments(const float (&v)[32], uint32_t (&a)[
                                                      e4m3x2(v[4 * j_hi + 2 * i], v[4 * j_hi + 2 * i + 1]));
         }
     }
+}
+
+// dQ's partial of tile g over the CTA's 128 keys, this consumer's half of D (each 64-key block of
+// dS on a fresh accumulator, times its scales per query), added to the workspace by a bulk
+// reduce-add. Waits until the other consumer's dS of the tile is in shared memory (its arrival
+// on its barrier for the tile's buffer).
+__device__ __forceinline__ void dq_tile(const Params& p, const Smem& sm, int g, int cw, int r, int q4, int t128,
+                                        int n_tiles, int t_lo, int hkv, int b, uint64_t kc_desc) {
+    const int h = hkv * p.group + g / (n_tiles - t_lo), t = t_lo + g % (n_tiles - t_lo);
+    const int bh = b * p.H + h, buf = g % DS_BUFS;
+    bar_sync(DS_BAR + DS_BUFS * (1 - cw) + buf, 256);  // the other consumer's dS of tile g
+    bar_sync(1 + cw, 128);                              // and this consumer's own
+    float qa[DQ_N / 2], qb[DQ_N / 2];
+    const uint64_t ds_desc = smem_desc(sm.ds + buf * DS_BYTES, 1, 128);
+    wgmma_fence();
+#if HEAD_DIM == 128
+    wgmma_ss_e4m3_n64<true>(qa, ds_desc, kc_desc);
+    wgmma_ss_e4m3_n64<false>(qa, ds_desc + 2, kc_desc + 2);
+    wgmma_commit();
+    wgmma_ss_e4m3_n64<true>(qb, ds_desc + 4, kc_desc + 4);
+    wgmma_ss_e4m3_n64<false>(qb, ds_desc + 6, kc_desc + 6);
+#else
+    wgmma_ss_e4m3_n32<true>(qa, ds_desc, kc_desc);
+    wgmma_ss_e4m3_n32<false>(qa, ds_desc + 2, kc_desc + 2);
+    wgmma_commit();
+    wgmma_ss_e4m3_n32<true>(qb, ds_desc + 4, kc_desc + 4);
+    wgmma_ss_e4m3_n32<false>(qb, ds_desc + 6, kc_desc + 6);
+#endif
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(qa);
+    fence_regs(qb);
+    const uint32_t dsq = sm.dsq + 4 * buf * 2 * 64;
+    float sa[2], sb[2];
+#pragma unroll
+    for (int row = 0; row < 2; ++row) {
+        sa[row] = lds_f32(dsq + 4 * (r + 8 * row));
+        sb[row] = lds_f32(dsq + 4 * (64 + r + 8 * row));
+    }
+    // the staging buffer is free once the last bulk reduce has read it
+    if (t128 == 0) bulk_wait_read();
+    bar_sync(1 + cw, 128);
+    const uint32_t stage = sm.dqs + cw * DQS_BYTES;
+#pragma unroll
+    for (int jj = 0; jj < DQ_N / 8; ++jj) {
+#pragma unroll
+        for (int row = 0; row < 2; ++row) {
+            const int i = 4 * jj + 2 * row;
+            const float x0 = fmul_rn(qa[i], sa[row]) + fmul_rn(qb[i], sb[row]);
+            const float x1 = fmul_rn(qa[i + 1], sa[row]) + fmul_rn(qb[i + 1], sb[row]);
+            sts_f2(stage + 4 * ((r + 8 * row) * DQS_ROW + 8 * jj + 2 * q4), x0, x1);
+        }
+    }
+    fence_async_shared();
+    bar_sync(1 + cw, 128);
+    if (t128 == 0)
+        bulk_reduce_add_f32(p.dq_accum + (((long long)bh * n_tiles + t) * 2 + cw) * (64 * DQS_ROW), stage, DQS_BYTES);
 }
 
 // -------------------------------------------------------------------- the kernel
@@ -298,8 +393,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
     mbar_wait(sm.kv_full, 0);
 
     for (int g = 0; g < walk; ++g) {
-        const int h = hkv * p.group + g / (n_tiles - t_lo), t = t_lo + g % (n_tiles - t_lo);
-        const int bh = b * p.H + h, st = g % STAGES, par = g & 1;
+        const int t = t_lo + g % (n_tiles - t_lo);
+        const int st = g % STAGES, par = g & 1, buf = g % DS_BUFS;
         mbar_wait(sm.full + 8 * st, (g / STAGES) & 1);
 
         // -- S^T = K Q^T (bf16) and dP^T = V dO_t^T (e4m3), issued together
@@ -407,24 +502,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
 #pragma unroll
                 for (int bb = 0; bb < 2; ++bb)
                     cm[2 * j + bb] = fmax_nan(fabsf(dp[4 * j + bb]), fabsf(dp[4 * j + 2 + bb]));
-#pragma unroll
-            for (int w = 8, bit = 16; w >= 2; w /= 2, bit /= 2) {
-                const bool upper = lane & bit;
-#pragma unroll
-                for (int k = 0; k < w; ++k) {
-                    const float keep = upper ? cm[k + w] : cm[k];
-                    const float send = upper ? cm[k] : cm[k + w];
-                    cm[k] = fmax_nan(keep, __shfl_xor_sync(0xffffffffu, send, bit));
-                }
-            }
+            butterfly_max<8>(cm, lane, 16);
+            butterfly_max<4>(cm, lane, 8);
+            butterfly_max<2>(cm, lane, 4);
             const int jc = lane >> 2;  // the column pair 8 jc + 2 q + {0, 1}
-            float* amax = sm.amax + ((par * 2 + cw) * 4) * 64;
-            *(float2*)(amax + warp * 64 + 8 * jc + 2 * q4) = make_float2(cm[0], cm[1]);
+            const uint32_t amax = sm.amax + 4 * (((par * 2 + cw) * 4) * 64 + 8 * jc + 2 * q4);
+            sts_f2(amax + 4 * 64 * warp, cm[0], cm[1]);
             bar_sync(1 + cw, 128);
             float m0 = cm[0], m1 = cm[1];
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const float2 o = *(const float2*)(amax + w * 64 + 8 * jc + 2 * q4);
+                const float2 o = lds_f2(amax + 4 * 64 * w);
                 m0 = fmax_nan(m0, o.x);
                 m1 = fmax_nan(m1, o.y);
             }
@@ -432,30 +520,38 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
             fp8_scale_inv(m0, sc0, inv0);
             fp8_scale_inv(m1, sc1, inv1);
             if (warp == 0) {  // dQ's scales by natural query, for both consumers' dQ products
-                float* dsq = sm.dsq + (par * 2 + cw) * 64;
-                dsq[query_of(jc, q4, 0)] = sc0;
-                dsq[query_of(jc, q4, 1)] = sc1;
+                const uint32_t dsq = sm.dsq + 4 * (buf * 2 + cw) * 64;
+                sts_f32(dsq + 4 * query_of(jc, q4, 0), sc0);
+                sts_f32(dsq + 4 * query_of(jc, q4, 1), sc1);
             }
-            // the dS bytes of dQ's view, written transposed: row = query, 128 keys a row, 128B swizzle
-            const uint32_t ds_tile = sm.ds + par * DS_BYTES;
+            // the dS bytes of dQ's view, written transposed: row = query m, 128 keys a row, 128B
+            // swizzle (16-byte chunk key / 16 ^ m % 8). The thread's keys are 64 cw + r (+ 8): chunk
+            // 4 cw + warp, byte lane / 4 (+ 8); its queries m = 16 (j & 3) + (4 q + 2 (j >> 2) + bb), so
+            // each (j >> 2, bb) has one base address and j & 3 and the row move it by constants
+            const uint32_t ds_tile = sm.ds + buf * DS_BYTES;
+            uint32_t base[2][2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                for (int bb = 0; bb < 2; ++bb) {
+                    const int mlo = 4 * q4 + 2 * hh + bb;
+                    base[hh][bb] = ds_tile + mlo * 128 + (((4 * cw + warp) ^ (mlo & 7)) << 4) + (lane >> 2);
+                }
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const int src = (j << 2) | q4;
                 const float i0 = __shfl_sync(0xffffffffu, inv0, src), i1 = __shfl_sync(0xffffffffu, inv1, src);
 #pragma unroll
                 for (int bb = 0; bb < 2; ++bb) {
-                    const int m = query_of(j, q4, bb);
                     const float iv = bb ? i1 : i0;
                     const uint32_t two = e4m3x2(dp[4 * j + bb] * iv, dp[4 * j + 2 + bb] * iv);  // rows r, r + 8
-#pragma unroll
-                    for (int row = 0; row < 2; ++row) {
-                        const int key = 64 * cw + r + 8 * row;
-                        const uint32_t addr = ds_tile + m * 128 + ((((key >> 4) ^ (m & 7))) << 4) + (key & 15);
-                        sts_u8(addr, (two >> (8 * row)) & 0xFF);
-                    }
+                    const uint32_t addr = base[j >> 2][bb] + 2048 * (j & 3);
+                    sts_u8(addr, two & 0xFF);
+                    sts_u8(addr + 8, (two >> 8) & 0xFF);
                 }
             }
             fence_async_shared();
+            bar_arrive(DS_BAR + DS_BUFS * cw + buf, 256);  // this consumer's dS of the tile is written
         }
 
         // -- dV += (P_r^T dO_c) * dO_c's channel scales, dK += ((dS_g^T Q_c) * k_scale) * Q_c's
@@ -504,57 +600,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
         __syncwarp();
         if (lane == 0) mbar_arrive(sm.empty + 8 * st);
 
-        // -- dQ's partial over the CTA's 128 keys, this consumer's half of D: each 64-key block
-        // of dS on a fresh accumulator times its scales per query
-        bar_sync(3, 256);  // both consumers' dS bytes and scales are in shared memory
-        {
-            float qa[DQ_N / 2], qb[DQ_N / 2];
-            const uint64_t ds_desc = smem_desc(sm.ds + par * DS_BYTES, 1, 128);
-            wgmma_fence();
-#if HEAD_DIM == 128
-            wgmma_ss_e4m3_n64<true>(qa, ds_desc, kc_desc);
-            wgmma_ss_e4m3_n64<false>(qa, ds_desc + 2, kc_desc + 2);
-            wgmma_commit();
-            wgmma_ss_e4m3_n64<true>(qb, ds_desc + 4, kc_desc + 4);
-            wgmma_ss_e4m3_n64<false>(qb, ds_desc + 6, kc_desc + 6);
-#else
-            wgmma_ss_e4m3_n32<true>(qa, ds_desc, kc_desc);
-            wgmma_ss_e4m3_n32<false>(qa, ds_desc + 2, kc_desc + 2);
-            wgmma_commit();
-            wgmma_ss_e4m3_n32<true>(qb, ds_desc + 4, kc_desc + 4);
-            wgmma_ss_e4m3_n32<false>(qb, ds_desc + 6, kc_desc + 6);
-#endif
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(qa);
-            fence_regs(qb);
-            const float* dsq = sm.dsq + par * 2 * 64;
-            float sa[2], sb[2];
-#pragma unroll
-            for (int row = 0; row < 2; ++row) {
-                sa[row] = dsq[r + 8 * row];
-                sb[row] = dsq[64 + r + 8 * row];
-            }
-            // the staging buffer is free once the last bulk reduce has read it
-            if (t128 == 0) bulk_wait_read();
-            bar_sync(1 + cw, 128);
-            const uint32_t stage = sm.dqs + cw * DQS_BYTES;
-#pragma unroll
-            for (int jj = 0; jj < DQ_N / 8; ++jj) {
-#pragma unroll
-                for (int row = 0; row < 2; ++row) {
-                    const int i = 4 * jj + 2 * row;
-                    const float x0 = fmul_rn(qa[i], sa[row]) + fmul_rn(qb[i], sb[row]);
-                    const float x1 = fmul_rn(qa[i + 1], sa[row]) + fmul_rn(qb[i + 1], sb[row]);
-                    sts_f2(stage + 4 * ((r + 8 * row) * DQ_N + 8 * jj + 2 * q4), x0, x1);
-                }
-            }
-            fence_async_shared();
-            bar_sync(1 + cw, 128);
-            if (t128 == 0)
-                bulk_reduce_add_f32(p.dq_accum + (((long long)bh * n_tiles + t) * 2 + cw) * (64 * DQ_N), stage, DQS_BYTES);
-        }
+        // dQ: consumer 1 of this tile, consumer 0 of the last one, so that the two need not meet
+        // at every tile (each waits only for the other's dS of the tile it multiplies)
+        if (g - 1 + cw >= 0) dq_tile(p, sm, g - 1 + cw, cw, r, q4, t128, n_tiles, t_lo, hkv, b, kc_desc);
     }
+    // consumer 0 runs each tile's dQ one tile late: the last one after the walk
+    if (cw == 0 && walk > 0) dq_tile(p, sm, walk - 1, cw, r, q4, t128, n_tiles, t_lo, hkv, b, kc_desc);
     if (t128 == 0) bulk_wait_all();
 
     // -- dK (times the softmax scale) and dV out, float32
