@@ -18,11 +18,22 @@ from fp4attn.reference.forward import ForwardResult, key_bias_of_mask, reference
 from fp4attn.reference.masks import causal_offset, key_mask_view, normalize_causal
 from fp4attn.reference.operands import QKOperand
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: on the reference
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BACKENDS = routing.BACKENDS
 BACKEND_ENV = routing.BACKEND_ENV  # overrides backend="auto"
 HEAD_DIM_MULTIPLE = 16  # NVFP4 blocks of 16 run along the head dim
 MAX_HEAD_DIM = 256
+
+
+def _heads_shape(t: torch.Tensor) -> tuple[int, int, int]:
+    """(heads, seq, head_dim) of an SDPA input (N..., H, L, E); a 2-D (L, E) is one head."""
+    return (1, *t.shape) if t.ndim == 2 else tuple(t.shape[-3:])
+
+
+def _leading(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """The batch dims N... of SDPA's (N..., H, L, E) layout, q's, k's and v's broadcast."""
+    return tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> None:
@@ -31,30 +42,53 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: boo
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; accepted: {DTYPES}")
-        if t.ndim != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim) as in SDPA; got shape {tuple(t.shape)}")
+        if t.ndim < 2:
+            raise ValueError(f"{name} must be (N..., heads, seq, head_dim) as in SDPA (at least (seq, head_dim)); "
+                             f"got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    (b, hq, sq, d), (bk, hkv, sk, dk) = q.shape, k.shape
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)} (same head dim as q); got {tuple(v.shape)}")
-    if bk != b or dk != d:
-        raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in batch and head_dim")
-    if sq == 0 or sk == 0 or b == 0 or hq == 0 or hkv == 0:
-        raise ValueError(f"empty attention: q {tuple(q.shape)}, k {tuple(k.shape)}; accepted: at least one batch "
-                         "item, head and token in q and in k/v")
-    if d == 0 or d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {d} is not supported; accepted: multiples of {HEAD_DIM_MULTIPLE} "
-                         f"from {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}")
-    if hq % hkv:
+    (hq, _, d), (hkv, sk, dk), (hv, sv, _) = _heads_shape(q), _heads_shape(k), _heads_shape(v)
+    try:
+        _leading(q, k, v)
+    except RuntimeError:
+        raise ValueError(f"the batch dims of q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} (all but "
+                         "the last three) do not broadcast") from None
+    if (hv, sv) != (hkv, sk):
+        raise ValueError(f"v {tuple(v.shape)} must have k's heads and keys {(hkv, sk)}; its head dim may differ")
+    if dk != d:
+        raise ValueError(f"k {tuple(k.shape)} must have q's head_dim {d}")
+    if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} is not supported; accepted: multiples of {HEAD_DIM_MULTIPLE} up to "
+                         f"{MAX_HEAD_DIM} (and 0)")
+    if hkv == 0 and hq or hkv and hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({hkv})")
     if hq != hkv and not enable_gqa:
         raise ValueError(f"q has {hq} heads and k/v {hkv}: pass enable_gqa=True for grouped-query attention")
 
 
-def _validate_mask(attn_mask, q: torch.Tensor, sk: int) -> None:
+def _as_4d(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    """An SDPA input (N..., H, L, E) as (B, H, L, E), B the product of the batch dims
+    `lead` it broadcasts to (a view where it can be, as for every 4-D call)."""
+    if t.ndim == 4 and tuple(t.shape[:1]) == lead:
+        return t
+    t = t.unsqueeze(0) if t.ndim == 2 else t
+    t = t.expand(*lead, *t.shape[-3:])
+    return t.reshape(math.prod(lead), *t.shape[-3:])
+
+
+def _mask_as_4d(attn_mask: torch.Tensor | None, lead: tuple[int, ...]) -> torch.Tensor | None:
+    """An attn_mask broadcastable to (N..., Hq, L, S) as one broadcastable to (B, Hq, L, S)."""
+    if attn_mask is None or attn_mask.ndim <= 3 or (attn_mask.ndim == 4 and len(lead) == 1):
+        return attn_mask
+    if all(s == 1 for s in attn_mask.shape[:-3]):
+        return attn_mask.reshape(attn_mask.shape[-3:])
+    m = attn_mask.expand(*lead, *attn_mask.shape[-3:])
+    return m.reshape(math.prod(lead), *m.shape[-3:])
+
+
+def _validate_mask(attn_mask, q: torch.Tensor, sk: int, lead: tuple[int, ...]) -> None:
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
@@ -64,14 +98,14 @@ def _validate_mask(attn_mask, q: torch.Tensor, sk: int) -> None:
                         "dtype (added to the scores)")
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}")
-    target = (q.shape[0], q.shape[1], q.shape[2], sk)
+    target = (*lead, *_heads_shape(q)[:2], sk)
     try:
-        torch.broadcast_shapes(attn_mask.shape, target)
-        ok = attn_mask.ndim <= 4
+        ok = torch.broadcast_shapes(attn_mask.shape, target) == target
     except RuntimeError:
         ok = False
     if not ok:
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, Hq, Sq, Sk) = {target}")
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (N..., Hq, Sq, Sk) = "
+                         f"{target}")
 
 
 def _causal_argument(causal, is_causal):
@@ -124,6 +158,8 @@ def _kernel_hint(q: torch.Tensor, rec: Recipe, mode: str | None, needs_grad: boo
     the mask, the head dim, the recipe) that `routing.route` accepts."""
     if r.reason.startswith("Triton is not importable"):
         return "installing Triton would run it on the kernels"
+    if r.reason in REFERENCE_ONLY_HINTS:
+        return REFERENCE_ONLY_HINTS[r.reason]
     targets = sorted({t for f in routing.KERNEL_FAMILIES for t in f.targets}, key=lambda t: int(t[3:]))
     if not any(r.target in f.targets for f in routing.KERNEL_FAMILIES):
         return f"the kernels are built for {', '.join(targets)}"
@@ -164,11 +200,19 @@ def _warn_reference(q, rec: Recipe, mode, needs_grad: bool, attn_mask, keys: int
                   ReferenceFallbackWarning, stacklevel=3)
 
 
+# calls only the reference takes, whatever the recipe: (reason, what would run the kernels)
+FLOAT64_REASON = "float64 inputs (the kernels read bf16, fp16 or fp32)"
+VALUE_DIM_REASON = "a value head dim unlike the query/key one (the kernels take one head dim)"
+REFERENCE_ONLY_HINTS = {FLOAT64_REASON: "inputs in bfloat16, float16 or float32 would run on the kernels",
+                        VALUE_DIM_REASON: "values with the queries' head dim would run on the kernels"}
+
+
 def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, needs_grad: bool,
-           attn_mask, keys: int) -> tuple[routing.Route, torch.Tensor | None]:
+           attn_mask, keys: int, value_dim: int | None = None) -> tuple[routing.Route, torch.Tensor | None]:
     """The call's route (`fp4attn.routing`) and the attn_mask as a key mask for the
     kernels, or None. The mask's content is looked at once, and not at all when the
-    reference was asked for."""
+    reference was asked for. float64 inputs and a value head dim `value_dim` unlike q's
+    go to the reference."""
     requested = routing.requested_backend(backend)
     if attn_mask is not None and requested == "reference":
         kind, key_mask = "other", None
@@ -176,6 +220,12 @@ def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, ne
         kind, key_mask = _mask_kind(attn_mask)
     r = routing.route(recipe, device=q.device, head_dim=q.shape[-1], causal=causal is not None,
                       needs_grad=needs_grad, mask=kind, backend=requested, keys=keys)
+    only = FLOAT64_REASON if q.dtype not in KERNEL_DTYPES else (
+        VALUE_DIM_REASON if value_dim not in (None, q.shape[-1]) else None)
+    if only is not None and r.backend != "reference":
+        if requested == "triton":
+            raise ValueError(f"backend='triton' cannot run this call: {only}")
+        r = routing.Route("reference", "reference", r.target, only)
     if r.backend != "reference":
         try:
             _launcher(r.family.launcher)
@@ -198,7 +248,7 @@ def _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal=None,
     mode = normalize_causal(_causal_argument(causal, is_causal))
     _check_dropout(dropout_p)
     _validate(q, k, v, enable_gqa)
-    _validate_mask(attn_mask, q, k.shape[-2])
+    _validate_mask(attn_mask, q, k.shape[-2], _leading(q, k, v))
     return rec, mode, any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
 
 
@@ -240,16 +290,41 @@ def explain(
         return explain_decode(query, key, backend=backend)
     if value is None:
         raise TypeError("explain: value is required (or a fp4attn.KVCache in the key's place, for decode)")
-    q, k, v = query, key, value
-    rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal, dropout_p)
-    _resolve_scale(scale, q.shape[-1])
+    rec, mode, requires_grad = _checked(query, key, value, attn_mask, causal, recipe, enable_gqa, is_causal,
+                                        dropout_p)
+    _resolve_scale(scale, query.shape[-1] or 1)
+    q, k, v, attn_mask, _ = _sdpa_as_4d(query, key, value, attn_mask)
     grad = requires_grad if needs_grad is None else bool(needs_grad)
     # an inference-only recipe runs its forward as without gradients; its backward raises
-    r, _ = _route(backend, q, rec, mode, grad and rec.grad is not None, attn_mask, k.shape[-2])
+    r, _ = _route(backend, q, rec, mode, grad and rec.grad is not None, attn_mask, k.shape[-2], v.shape[-1])
     out = {**r.as_dict(), "recipe": rec.name, "needs_grad": grad}
     if grad and rec.grad is None:
         out["reason"] = f"{out['reason']}; a backward through it raises: {inference_only_message(rec)}"
     return out
+
+
+def _sdpa_as_4d(q, k, v, attn_mask):
+    """SDPA's layout (N..., H, L, E), any number of batch dims (3-D: (H, L, E), 2-D:
+    (L, E)), as fp4attn's (B, H, L, E) with the batch dims flattened (broadcast first),
+    the attn_mask to match; with the shape the output takes back (N..., Hq, L, Ev)."""
+    lead = _leading(q, k, v)
+    q4, k4, v4 = (_as_4d(t, lead) for t in (q, k, v))
+    out_shape = (*lead, *q4.shape[1:3], v4.shape[-1]) if q.ndim > 2 else (q.shape[0], v4.shape[-1])
+    return q4, k4, v4, _mask_as_4d(attn_mask, lead), out_shape
+
+
+class _Zeros(torch.autograd.Function):
+    """The output of an attention without work (no query row, key, head or value
+    channel, as SDPA gives it: zeros), with zero gradients for its inputs."""
+
+    @staticmethod
+    def forward(ctx, shape, like, *inputs):
+        ctx.specs = [(t.shape, t.dtype, t.device) for t in inputs]
+        return like.new_zeros(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.specs))
 
 
 class _InferenceOnly(torch.autograd.Function):
@@ -383,24 +458,41 @@ def attention(
     its output raises, naming the training presets; so does a second derivative
     (create_graph=True).
     """
-    q, k, v = query, key, value
-    rec, mode, requires_grad = _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal, dropout_p)
-    s = _resolve_scale(scale, q.shape[-1])
+    rec, mode, requires_grad = _checked(query, key, value, attn_mask, causal, recipe, enable_gqa, is_causal,
+                                        dropout_p)
+    s = _resolve_scale(scale, query.shape[-1] or 1)
+    q, k, v, mask, out_shape = _sdpa_as_4d(query, key, value, attn_mask)
+    grad_inputs = [t for t in (query, key, value, attn_mask) if t is not None and t.requires_grad]
+    if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[2], v.shape[-1]):
+        # no query row, head, key or value channel: SDPA's zeros (a row that sees no key
+        # is 0 here too), the LSE -inf
+        lse = torch.full(out_shape[:-1], -math.inf, device=q.device)
+        if torch.is_grad_enabled() and grad_inputs:
+            out = _Zeros.apply(out_shape, query, *grad_inputs)
+        else:
+            out = query.new_zeros(out_shape)
+        return (out, lse) if return_lse else out
+    if q.shape[-1] == 0:
+        # no query/key channel: every score is 0 (SDPA's uniform softmax): 16 zero channels
+        # give the same scores, and the scale no longer matters
+        q, k = (torch.nn.functional.pad(t, (0, HEAD_DIM_MULTIPLE)) for t in (q, k))
     # an inference-only recipe whose inputs require grad (a model in eval mode outside
     # torch.no_grad()) runs its forward kernels as without gradients; only a backward
     # through its output raises (`_InferenceOnly`)
     inference_only = torch.is_grad_enabled() and requires_grad and rec.grad is None
     needs_grad = torch.is_grad_enabled() and requires_grad and not inference_only
-    r, key_mask = _route(backend, q, rec, mode, needs_grad, attn_mask, k.shape[-2])
+    r, key_mask = _route(backend, q, rec, mode, needs_grad, mask, k.shape[-2], v.shape[-1])
     if (r.backend == "reference" and (q.is_cuda or routing.interpreting()) and not torch.compiler.is_compiling()
             and routing.requested_backend(backend) == "auto"):
-        _warn_reference(q, rec, mode, needs_grad, attn_mask, k.shape[-2], r)
+        _warn_reference(q, rec, mode, needs_grad, mask, k.shape[-2], r)
+    if q.dtype not in KERNEL_DTYPES:  # float64: the recipes quantize its float32 rounding
+        q, k, v = q.float(), k.float(), v.float()
     with torch.no_grad() if inference_only else contextlib.nullcontext():
         if r.backend == "triton":
             out, lse = _kernel_attention(r, q, k, v, rec, mode, s, key_mask, needs_grad)
         else:
-            out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, attn_mask)
+            out, lse = _ReferenceAttention.apply(q, k, v, rec, mode, s, mask)
     if inference_only:
-        inputs = [t for t in (q, k, v, attn_mask) if t is not None and t.requires_grad]
-        out = _InferenceOnly.apply(out, rec, *inputs)
+        out = _InferenceOnly.apply(out, rec, *grad_inputs)
+    out, lse = out.to(query.dtype).reshape(out_shape), lse.reshape(out_shape[:-1])
     return (out, lse) if return_lse else out

@@ -6,7 +6,8 @@ thread, or code after the block, keeps PyTorch's SDPA), and blocks nest, the inn
 deciding. `torch.nn.functional.scaled_dot_product_attention` itself is never replaced.
 
 Calls fp4attn cannot honour go to PyTorch's own SDPA, visibly: one warning per reason
-(dropout, 3-D inputs, a head dim fp4attn does not take, ...), never silently.
+(dropout, a head dim fp4attn does not take, ...: what `fp4attn.attention` refuses),
+never silently.
 """
 
 from __future__ import annotations
@@ -14,26 +15,23 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from fp4attn.api import DTYPES, HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, attention
+from fp4attn.api import _checked, attention
 from fp4attn.recipes import DEFAULT_RECIPE, Recipe, get_recipe
 
 
-def _unsupported(query, key, value, attn_mask, dropout_p, is_causal) -> str | None:
+def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, recipe) -> str | None:
+    """Why fp4attn cannot run this SDPA call (what `fp4attn.attention` would refuse), or None."""
     if dropout_p:
         return f"dropout_p={dropout_p} (fp4attn has no attention dropout)"
-    if not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (query, key, value)):
-        return "inputs that are not 4-D (batch, heads, seq, head_dim)"
-    if query.dtype not in DTYPES or not (query.dtype == key.dtype == value.dtype):
-        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}"
-    d = query.shape[-1]
-    if d % HEAD_DIM_MULTIPLE or d > MAX_HEAD_DIM or value.shape != key.shape:
-        return f"head_dim {d} with value shape {tuple(value.shape)}"
     if attn_mask is not None and is_causal:
         return "attn_mask together with is_causal"
+    try:
+        _checked(query, key, value, attn_mask, None, recipe, enable_gqa, bool(is_causal))
+    except (TypeError, ValueError) as e:
+        return str(e)
     return None
 
 
@@ -55,7 +53,7 @@ class _SDPAMode(TorchFunctionMode):
 
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):
-        reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal)
+        reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, self.recipe)
         if reason is not None:
             if reason not in self.warned:
                 self.warned.add(reason)

@@ -118,7 +118,7 @@ def reference_backward(
 
     dq = torch.empty(q_a.shape, device=q_a.device)
     dk = torch.zeros(*q_a.shape[:2], sk, q_a.shape[-1], device=q_a.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(*q_a.shape[:2], sk, v_a.shape[-1], device=q_a.device)  # V's head dim may differ
     step = max(DS_BLOCK, QUERY_CHUNK // DS_BLOCK * DS_BLOCK)
     if mask_grad:
         mask_shape = (1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape)
