@@ -129,14 +129,23 @@ def decode(
     Returns:
         The output (B, Hq, Sq, D) in q's dtype (and the LSE if `return_lse`). A row that
         sees no key is 0 (LSE -inf). A NaN or Inf in an appended token reaches only
-        the rows that read it (`reference.decode`).
+        the rows that read it (`reference.decode`). A call that raises leaves the cache
+        as it was (the append taken back).
     """
     s = _check(q, cache, scale, key_start)
     if (k is None) != (v is None):
         raise ValueError("decode: pass both k and v to append, or neither")
     chosen, why = decode_routing.backend_for(q.device, cache.head_dim, backend)
-    if k is not None:
-        cache.append(k, v, counts)
+    undo = cache._append(k, v, counts) if k is not None else None
+    try:
+        return _attend(q, cache, s, causal, key_start, return_lse, backend, chosen, why)
+    except BaseException:
+        cache._undo(undo)  # a failed decode leaves the cache as it was
+        raise
+
+
+def _attend(q, cache, s, causal, key_start, return_lse, backend, chosen, why):
+    """`decode` after its append: the new rows over the cache."""
     out_dtype, q_in, s_in = q.dtype, q, s
     if cache.rotate_k:  # q' . k' = block * (q . k): the scale divided by the block (exact)
         q = robust.rotate(q)

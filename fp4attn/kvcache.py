@@ -33,7 +33,7 @@ from fp4attn import decode_routing
 from fp4attn.reference import robust
 from fp4attn.reference.kvcache import (
     CACHE_FORMATS,
-    HEAD_DIM_MULTIPLE,
+    HEAD_DIM_MULTIPLES,
     TokenPayload,
     check_format,
     format_layout,
@@ -85,6 +85,19 @@ def _check_int(name: str, value, low: int) -> int:
     return value
 
 
+def check_head_dim(what: str, head_dim, k_format: str, v_format: str) -> None:
+    """Raise ValueError unless a cache of these formats can store `head_dim`: whole
+    blocks of each 4-bit format (`HEAD_DIM_MULTIPLES`), the message naming each format's
+    multiple."""
+    formats = dict.fromkeys((k_format, v_format))
+    multiple = max(HEAD_DIM_MULTIPLES[f] for f in formats)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % multiple:
+        need = ", ".join(f"{f}: {'any' if HEAD_DIM_MULTIPLES[f] == 1 else f'a multiple of {HEAD_DIM_MULTIPLES[f]}'}"
+                         for f in formats)
+        raise ValueError(f"{what}: head_dim={head_dim!r} with k_format={k_format!r}, v_format={v_format!r}; "
+                         f"accepted: a positive head dim, whole blocks of each format ({need})")
+
+
 class KVCache:
     """A quantized K/V cache of one attention layer, preallocated for `max_len` tokens
     per sequence.
@@ -92,7 +105,9 @@ class KVCache:
     Args:
         batch: sequences the cache holds.
         kv_heads: K/V heads (queries may have a multiple of it: GQA).
-        head_dim: a multiple of 32 (whole MXFP4 blocks; the Hopper kernels take 64 and 128).
+        head_dim: any for bf16 and fp8, a multiple of 16 with an nvfp4 and of 32 with an
+            mxfp4 K or V (whole blocks: `reference.kvcache.HEAD_DIM_MULTIPLES`); the Hopper
+            decode kernels take 64 and 128, the reference every other.
         max_len: the most tokens a sequence may hold.
         k_format, v_format: "bf16", "fp8" (e4m3, a float32 scale per token), "nvfp4"
             (E2M1, an E4M3 scale per 16 channels and a float32 scale per token) or
@@ -127,13 +142,11 @@ class KVCache:
         _check_int("batch", batch, 1)
         _check_int("kv_heads", kv_heads, 1)
         _check_int("max_len", max_len, 1)
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % HEAD_DIM_MULTIPLE:
-            raise ValueError(f"KVCache: head_dim={head_dim!r}; accepted: a positive multiple of {HEAD_DIM_MULTIPLE} "
-                             "(whole MXFP4 blocks)")
         v_format = k_format if v_format is None else v_format
         for name, fmt in (("k_format", k_format), ("v_format", v_format)):
             if fmt not in CACHE_FORMATS:
                 raise ValueError(f"KVCache: {name}={fmt!r}; accepted: {CACHE_FORMATS}")
+        check_head_dim("KVCache", head_dim, k_format, v_format)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" names the current device; tensors made on it report "cuda:<index>", which
@@ -198,30 +211,58 @@ class KVCache:
 
         Raises ValueError/TypeError, and changes nothing, when the shapes, dtypes or
         devices do not match the cache or a sequence would exceed max_len (or the
-        paged pool has too few free pages).
+        paged pool has too few free pages); an error while writing leaves the cache as
+        it was too (its lengths and pages).
         """
+        self._append(k, v, counts)
+
+    def _append(self, k, v, counts) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """`append`; returns what `_undo` needs to take it back (None: nothing appended)."""
         counts = self._check_append(k, v, counts)
         if not any(counts):
-            return
+            return None
         new_pages = self._pages_for(counts)  # may raise: before anything is written
         if self.smooth_k:
             k = self._smoothed(k, counts)
         if self.rotate_k:
             k = robust.rotate(k)
         starts = list(self.host_lengths)
+        undo = (starts, new_pages)
         self._commit_pages(new_pages)
-        backend = decode_routing.append_backend(self.device, self.head_dim)
-        if backend == "triton":
-            from fp4attn.kernels.hopper.decode_op import hopper_append
+        try:
+            backend = decode_routing.append_backend(self.device, self.head_dim)
+            if backend == "triton":
+                from fp4attn.kernels.hopper.decode_op import hopper_append
 
-            uniform = all(c == k.shape[2] for c in counts)
-            hopper_append(self, k, v, None if uniform else counts)
-        else:
-            self._append_reference(k, v, counts, starts)
+                uniform = all(c == k.shape[2] for c in counts)
+                hopper_append(self, k, v, None if uniform else counts)
+            else:
+                self._append_reference(k, v, counts, starts)
+        except BaseException:
+            self._undo(undo)
+            raise
         for b, c in enumerate(counts):
             self.host_lengths[b] += c
         if backend != "triton":
             self.lengths.copy_(torch.tensor(self.host_lengths, dtype=torch.int32))
+        return undo
+
+    def _undo(self, undo: tuple[list[int], list[tuple[int, int]]] | None) -> None:
+        """Take an `_append` back: the lengths before it, its new pages back to the free
+        list (the bytes it wrote past those lengths are never read). A sequence it had
+        started keeps the K mean it set, which its next first append sets again."""
+        if undo is None:
+            return
+        starts, pages = undo
+        for b, i in reversed(pages):
+            page = int(self._host_table[b, i])
+            self._host_table[b, i] = -1
+            self._owner[page] = -1
+            self._free.append(page)
+        if pages:
+            self._sync_table()
+        self.host_lengths[:] = starts
+        self.lengths.copy_(torch.tensor(starts, dtype=torch.int32))
 
     def _smoothed(self, k: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """k less each sequence's fixed mean, which a sequence's first append sets from

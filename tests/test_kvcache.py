@@ -170,7 +170,7 @@ def test_assign_pages_checks_the_pages_and_shares_a_prefix():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(head_dim=48), "multiple of 32"), (dict(k_format="int4"), "accepted"), (dict(max_len=0), "max_len"),
+    (dict(head_dim=40), "multiple of 16"), (dict(k_format="int4"), "accepted"), (dict(max_len=0), "max_len"),
     (dict(num_pages=4), "pass page_size"), (dict(page_size=0), "page_size"),
 ])
 def test_bad_cache_arguments_are_refused(kwargs, message):

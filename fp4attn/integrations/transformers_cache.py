@@ -28,7 +28,8 @@ import functools
 import torch
 
 from fp4attn.decode import decode
-from fp4attn.kvcache import KVCache
+from fp4attn.kvcache import KVCache, check_head_dim
+from fp4attn.reference.kvcache import CACHE_FORMATS
 
 NAME = "fp4attn-cache"
 _CACHE_ATTR = "_fp4attn_kvcache"  # set on the key states a layer's update returns
@@ -98,10 +99,19 @@ def FP4AttnCache(config, max_cache_len: int, k_format: str = "nvfp4", v_format: 
     `config` (a model config; its text config for multimodal models), each holding up
     to `max_cache_len` tokens per sequence in `k_format` / `v_format` ("bf16", "fp8",
     "nvfp4", "mxfp4"; see `fp4attn.KVCache`). Use it with the "fp4attn-cache" attention
-    implementation (`register`)."""
+    implementation (`register`). The formats, `max_cache_len` and the config's head dim
+    (whole blocks of a 4-bit format: `fp4attn.KVCache`) are checked here, before any
+    generation."""
     Cache, _ = _cache_classes()
     layer = _layer_class()
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name, fmt in (("k_format", k_format), ("v_format", v_format or k_format)):
+        if fmt not in CACHE_FORMATS:
+            raise ValueError(f"FP4AttnCache: {name}={fmt!r}; accepted: {CACHE_FORMATS}")
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(f"FP4AttnCache: max_cache_len={max_cache_len!r}; accepted: a positive int")
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    check_head_dim("FP4AttnCache", head_dim, k_format, v_format or k_format)
     layers = [layer(max_cache_len, k_format, v_format, page_size) for _ in range(text.num_hidden_layers)]
     cache = Cache(layers=layers)
     cache.fp4attn_formats = (k_format, v_format or k_format)

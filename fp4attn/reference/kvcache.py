@@ -42,8 +42,17 @@ from fp4attn.formats.constants import E8M0_BIAS, E8M0_NAN, MX_BLOCK, NVFP4_BLOCK
 from fp4attn.formats.minifloat import decode_e2m1, decode_e8m0, decode_ue4m3, unpack_e2m1
 
 CACHE_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
-# the head dims every format can store: whole MXFP4 blocks, and the kernels' tiles
-HEAD_DIM_MULTIPLE = MX_BLOCK
+# the head dims each format stores: the 4-bit ones in whole blocks (NVFP4 16 channels,
+# MXFP4 32), bf16 and FP8 (one scale per token) any; the decode kernels take 64 and 128
+HEAD_DIM_MULTIPLES = {"bf16": 1, "fp8": 1, "nvfp4": NVFP4_BLOCK, "mxfp4": MX_BLOCK}
+HEAD_DIM_MULTIPLE = MX_BLOCK  # the multiple every format stores
+
+
+def head_dim_multiple(*formats: str) -> int:
+    """The multiple of the head dim a cache holding K and V in `formats` needs."""
+    for fmt in formats:
+        check_format(fmt)
+    return max(HEAD_DIM_MULTIPLES[fmt] for fmt in formats)
 # MXFP4 blocks more than this many binades below their token's largest block are zeroed
 # (module docstring): the decode kernels hold a block as E2M1 x 2**(e - e_token) in bf16,
 # whose normal range ends 126 binades below 1 (the E2M1 half needs one more)
@@ -66,7 +75,7 @@ class FormatLayout:
 
 
 def format_layout(fmt: str, head_dim: int) -> FormatLayout:
-    """The storage of `fmt` at `head_dim` (a multiple of 32)."""
+    """The storage of `fmt` at `head_dim` (a multiple of `HEAD_DIM_MULTIPLES[fmt]`)."""
     check_format(fmt)
     if fmt == "bf16":
         return FormatLayout(head_dim, torch.bfloat16, 0, False, 0)
