@@ -209,7 +209,8 @@ def unsupported_reason(device, head_dim: int) -> str | None:
     """Why the Hopper kernels cannot run a cache of this head dim on `device` (None: they can)."""
     device_type = device if isinstance(device, str) else device.type
     if device_type != "cuda" and not interpreting():
-        return f"the cache is on {device_type} (the kernels need CUDA, or TRITON_INTERPRET=1 with {TARGET_ENV})"
+        return (f"the cache is on {device_type} (the kernels need CUDA, or TRITON_INTERPRET=1 with {TARGET_ENV}=sm_90: "
+                "the Hopper Triton kernels under the interpreter, slowly)")
     target = target_of(device)
     if target not in DECODE_TARGETS:
         return f"no decode kernels are built for target {target}"

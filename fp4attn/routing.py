@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import enum
 import functools
 import importlib.util
@@ -287,9 +288,19 @@ def override_launch(*, forward: ForwardLaunch | None = None, backward: BackwardL
                 item[0].reset(item[1])
 
 
+# Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) the Triton kernels in the
+# forms it runs: no inline PTX (the packed e4m3 conversion), TMA, Gluon or CUDA C++ kernel
+# (`kernels.interpreter_compat` gives it the rest); the same numbers, slowly
+INTERPRETER_FORWARD_LAUNCH = ForwardLaunch(64, 4, 2)
+
+
 def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
-    """The Hopper forward's launch for this kernel head dim, QK^T format and masking."""
-    return _FORWARD_OVERRIDE.get() or FORWARD_LAUNCH[head_dim, qk_fp8, causal]
+    """The Hopper forward's launch for this kernel head dim, QK^T format and masking
+    (under the interpreter, INTERPRETER_FORWARD_LAUNCH unless overridden)."""
+    override = _FORWARD_OVERRIDE.get()
+    if override is not None:
+        return override
+    return INTERPRETER_FORWARD_LAUNCH if interpreting() else FORWARD_LAUNCH[head_dim, qk_fp8, causal]
 
 
 # The CUDA C++ kernels' sources, compiled by NVRTC at first use (the wheel ships them:
@@ -351,8 +362,13 @@ def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: boo
 
 
 def backward_launch(head_dim: int) -> BackwardLaunch:
-    """The Hopper backward's launch at this kernel head dim."""
-    return _BACKWARD_OVERRIDE.get() or BACKWARD_LAUNCH[head_dim]
+    """The Hopper backward's launch at this kernel head dim (under the interpreter, its
+    float32 rounding instead of the PTX conversion, unless overridden)."""
+    override = _BACKWARD_OVERRIDE.get()
+    if override is not None:
+        return override
+    launch = BACKWARD_LAUNCH[head_dim]
+    return dataclasses.replace(launch, hw_cvt=False, cuda=False) if interpreting() else launch
 
 
 # The Q/K formats whose backward the Gluon kernels run: NVFP4 (one tensor scale per head
@@ -797,7 +813,8 @@ def route(recipe: Recipe, *, device, head_dim: int, causal: bool, needs_grad: bo
     device_type = device if isinstance(device, str) else device.type
     reasons = []
     if device_type != "cuda" and not interpreting():
-        reasons.append(f"inputs on {device_type} (kernels need CUDA, or TRITON_INTERPRET=1 with {TARGET_ENV})")
+        reasons.append(f"inputs on {device_type} (kernels need CUDA, or TRITON_INTERPRET=1 with {TARGET_ENV}=sm_90: "
+                       "the Hopper Triton kernels under the interpreter, slowly)")
     else:
         families = [f for f in KERNEL_FAMILIES if target in f.targets and f.train == needs_grad]
         if not families:
