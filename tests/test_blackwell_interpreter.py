@@ -460,7 +460,7 @@ def test_selftest_without_a_gpu_says_so_and_exits_2(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         selftest.main(argparse.Namespace(json=None, no_timing=False))
     assert e.value.code == 2
-    assert "no CUDA GPU" in capsys.readouterr().out
+    assert "no CUDA GPU" in capsys.readouterr().err
 
 
 TRAIN = BLACKWELL_PATCHES + textwrap.dedent('''

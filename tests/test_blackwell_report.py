@@ -17,7 +17,7 @@ def test_without_a_gpu_it_says_so_and_exits_2(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
         blackwell_report.main(argparse.Namespace(out=tmp_path / "r", quick=True, case_timeout=None))
-    assert e.value.code == 2 and "no CUDA GPU" in capsys.readouterr().out
+    assert e.value.code == 2 and "no CUDA GPU" in capsys.readouterr().err
 
 
 def test_it_writes_every_part_and_one_archive(monkeypatch, tmp_path):

@@ -235,17 +235,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", help="comma-separated presets (default: every preset; on the reference, "
                    "without the -fastacc ones, which it computes as their exact forms)")
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, from {CASES}")
-    p.add_argument("-B", type=int, default=1)
-    p.add_argument("-H", type=int, default=4)
-    p.add_argument("-S", type=int, default=1024)
-    p.add_argument("-D", type=int, default=128)
-    p.add_argument("--causal", action="store_true")
+    p.add_argument("-B", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("-H", type=int, default=4, help="heads (default 4)")
+    p.add_argument("-S", type=int, default=1024, help="sequence length, queries and keys (default 1024)")
+    p.add_argument("-D", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--causal", action="store_true", help="causal attention (SDPA's is_causal)")
     p.add_argument("--both-causal", action="store_true", help="run each case non-causal and causal")
     p.add_argument("--ablation", action="store_true",
                    help="instead of --recipes: the paper presets with each robust field alone, and the robust presets")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the inputs and kernels run: cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--backend", default="auto", help="fp4attn.attention's backend: auto, triton or reference "
+                   "(default auto)")
     p.add_argument("--backward", action="store_true",
                    help="gradients instead: cos of dQ, dK, dV of the training recipes vs float64 autograd")
     p.add_argument("--inputs", default=None,

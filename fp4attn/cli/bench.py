@@ -5,7 +5,7 @@ as a ratio). `--backward` times training instead (`fp4attn/cli/bench_train.py`).
 Each recipe is checked once per shape against the reference (on a 1-batch, 2-head
 slice of the same inputs) before it is timed. cuDNN's FP8 SDPA (`cudnn-fp8`, e4m3 in
 and out) joins the baselines when the `nvidia-cudnn-frontend` package is installed
-(`fp4attn/cli/cudnn_fp8.py`); whether it ran, and why not, is printed. Times are medians of
+(`fp4attn/tools/cudnn_fp8.py`); whether it ran, and why not, is printed. Times are medians of
 `triton.testing.do_bench`; TFLOP/s count 4 * B * H * D * (visible query-key pairs),
 so causal runs count exactly the unmasked half. `--decode` times decode attention
 over a quantized KV cache instead (`fp4attn/cli/bench_decode.py`).
@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from fp4attn.cli import bench_decode
-from fp4attn.cli.output import markdown_table, write_json
+from fp4attn.cli.output import exit_no_gpu, markdown_table, write_json
 from fp4attn.tools.benchmark import parse_shapes, sdpa, time_cudnn_fp8, time_ms, visible_pairs
 
 SHAPES = [(8, 16, 4096, 128), (2, 16, 16384, 128), (1, 24, 32768, 128), (1, 12, 32768, 128),
@@ -161,10 +161,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-step-compile", metavar="MODE", choices=COMPILE_MODES,
                    help=f"run the model step's GPT under torch.compile(mode=MODE), one of {', '.join(COMPILE_MODES)} "
                    "(reduce-overhead: CUDA graphs)")
-    p.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES))
+    p.add_argument("--causal", default="both", choices=tuple(CAUSAL_MODES),
+                   help="time causal calls, non-causal ones or both (default both)")
     p.add_argument("--variants", action="store_true", help="also time fp8-directp with exp2-built MXFP4 P")
     p.add_argument("--json", type=Path, help="default results/h200-forward.json (h200-train.json with --backward)")
-    p.add_argument("--png", type=Path)
+    p.add_argument("--png", type=Path, help="the plot (default: the --json path with .png)")
     bench_decode.add_arguments(p)
 
 
@@ -172,7 +173,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     from fp4attn.recipes import PRESETS
 
     if not torch.cuda.is_available():
-        raise SystemExit("fp4attn bench needs a CUDA GPU")
+        exit_no_gpu("bench", "it times the kernels on a CUDA GPU")
     if args.decode:
         args.json = args.json or Path("results/h200-decode.json")
         return bench_decode.main(args)

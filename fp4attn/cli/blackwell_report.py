@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.cli.output import write_json
+from fp4attn.cli.output import exit_no_gpu, write_json
 
 QUICK_SHAPES = [(8, 16, 4096, 128), (16, 16, 2048, 64)]
 # the compile-report architecture of each Blackwell compute capability
@@ -106,8 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
-        print("fp4attn blackwell-report: no CUDA GPU found; run it on the Blackwell machine")
-        raise SystemExit(2)
+        exit_no_gpu("blackwell-report", "run it on the Blackwell machine")
     from fp4attn.cli import bench_blackwell, compile_report, selftest
 
     out = args.out

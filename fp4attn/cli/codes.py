@@ -50,13 +50,13 @@ def ablation_recipes():
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-B", type=int, default=1)
-    p.add_argument("-H", type=int, default=4)
-    p.add_argument("-S", type=int, default=1024)
-    p.add_argument("-D", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", type=Path)
+    p.add_argument("-B", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("-H", type=int, default=4, help="heads (default 4)")
+    p.add_argument("-S", type=int, default=1024, help="sequence length, queries and keys (default 1024)")
+    p.add_argument("-D", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the inputs and kernels run: cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--json", type=Path, help="also write the results here as JSON")
 
 
 def main(args: argparse.Namespace) -> dict:

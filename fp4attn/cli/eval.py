@@ -140,12 +140,12 @@ def _pinned_backend(backend: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", choices=["minilm"])
+    p.add_argument("model", choices=["minilm"], help="the model: minilm (all-MiniLM-L6-v2, the 'eval' extra)")
     p.add_argument("--recipes", help="comma-separated presets (default: every preset; on the reference, "
                    "without the -fastacc ones, which it computes as their exact forms)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the inputs and kernels run: cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--limit", type=int, help="use only the first N sentences")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="also write the records here as JSON")
     p.add_argument("--model-path", type=Path, help="a saved copy of the model (default: the installed package)")
     p.add_argument("--unpadded", action="store_true",
                    help="batch sentences of equal token count, so no attention mask is passed (padded "

@@ -1,9 +1,10 @@
 """The `fp4attn` command: one subcommand per module of this package.
 
 A bad value (a ValueError from the command or the library) ends the command with one
-line on stderr and exit status 2, as argparse does for a bad option; a missing
+line on stderr and exit status 2, as argparse does for a bad option, and so does a
+command that needs a CUDA GPU and finds none (`output.NO_GPU_STATUS`); a missing
 optional package with one line naming the extra that installs it and exit status 1.
-Anything else is a bug and keeps its traceback.
+Anything else is a bug and keeps its traceback. `fp4attn --version` prints the version.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 
 import torch
 
+import fp4attn
 from fp4attn.cli import (
     accuracy,
     bench,
@@ -58,6 +60,7 @@ def check_device(device: str | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="fp4attn", description="FP4 FlashAttention tools")
+    parser.add_argument("--version", action="version", version=f"fp4attn {fp4attn.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))

@@ -18,7 +18,7 @@ Each case runs in a worker process under a watchdog (`cli/watchdog.py`, `--case-
 seconds a case): a kernel that hangs or crashes its process is a failed row saying so,
 and the next case runs in a fresh process.
 
-Exit status: 0 all passed; 1 a case failed; 2 no CUDA GPU (nothing was tested: on a
+Exit status: 0 all passed; 1 a case failed; 2 no CUDA GPU (`output.NO_GPU_STATUS`, as for bench: on a
 CPU machine `fp4attn compile-report` and the test suite are the checks).
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.cli.output import markdown_table, write_json
+from fp4attn.cli.output import exit_no_gpu, markdown_table, write_json
 from fp4attn.recipes import PRESETS
 
 SHAPE = (2, 4, 2, 200, 333)  # B, Hq, Hkv (GQA), Sq, Sk: lengths not a multiple of any tile
@@ -222,9 +222,7 @@ def environment(device) -> dict:
 
 def main(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
-        print("fp4attn selftest: no CUDA GPU found, nothing tested (on a CPU machine the checks are "
-              "`fp4attn compile-report` and the test suite)")
-        raise SystemExit(2)
+        exit_no_gpu("selftest", "on a CPU machine the checks are `fp4attn compile-report` and the test suite")
     from fp4attn.cli.watchdog import Watchdog
 
     env = environment(torch.device("cuda"))
