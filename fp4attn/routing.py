@@ -244,7 +244,7 @@ class BackwardLaunch:
     qk_fp4_dkdv: bool = False
     # the CUDA C++ backward (`backward_cuda.py`: dK, dV and dQ in one FlashAttention-3-style pass)
     # where it takes the operands (`use_cuda_backward`); off in the table: slower than the Gluon
-    # kernels as measured (docs/notes/hopper-train.md, "A CUDA C++ backward")
+    # kernels as measured (docs/notes/hopper-cuda-backward.md)
     cuda: bool = False
 
 
