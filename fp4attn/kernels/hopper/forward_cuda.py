@@ -28,8 +28,17 @@ from pathlib import Path
 import torch
 
 from fp4attn.kernels.common import sm_count
-from fp4attn.kernels.hopper.nvrtc_build import (ARCH, CACHE_ENV, Build, check, compile_source, driver,  # noqa: F401
-                                               load_function, nvrtc_version, options_for)
+from fp4attn.kernels.hopper.nvrtc_build import (  # noqa: F401
+    ARCH,
+    CACHE_ENV,
+    Build,
+    check,
+    compile_source,
+    driver,
+    load_function,
+    nvrtc_version,
+    options_for,
+)
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 
 SOURCE = Path(__file__).with_name("cuda") / "attn_fwd_fp8.cu"
