@@ -17,22 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fp4attn
 from fp4attn import routing
-
-
-def bench_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2]
+from tools.check_backward_cuda import bench_ms
 
 
 def main():

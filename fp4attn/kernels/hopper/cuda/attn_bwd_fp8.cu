@@ -243,6 +243,36 @@ __device__ __forceinline__ void a_fragments(const float (&v)[32], uint32_t (&a)[
     }
 }
 
+// acc += (A B) (times ROW_SCALE's per-row scales) times the channel scales at cs: a fresh product
+// per 64 columns of D (m64n64k32 twice: the tile's 64 queries), added in float32. A: the 8-bit
+// fragments of P^T or dS^T; B: the tile's channel-major view (D rows of 64 query bytes, 64B swizzle).
+template <bool ROW_SCALE>
+__device__ __forceinline__ void add_fresh_product(float (&acc)[HEAD_DIM / 2], const uint32_t (&a)[2][4], uint64_t desc,
+                                                  uint32_t cs, int q4, const float (&row_scale)[2]) {
+#pragma unroll
+    for (int hh = 0; hh < HEAD_DIM / 64; ++hh) {
+        float tmp[32];
+        wgmma_fence();
+        wgmma_rs_n64<true>(tmp, a[0], desc + hh * ((64 * 64) >> 4));
+        wgmma_rs_n64<false>(tmp, a[1], desc + hh * ((64 * 64) >> 4) + 2);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(tmp);
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+            const float2 c = lds_f2(cs + 4 * (64 * hh + 8 * jj + 2 * q4));
+#pragma unroll
+            for (int row = 0; row < 2; ++row) {
+                const int i = 4 * jj + 2 * row;
+                const float x0 = ROW_SCALE ? fmul_rn(tmp[i], row_scale[row]) : tmp[i];
+                const float x1 = ROW_SCALE ? fmul_rn(tmp[i + 1], row_scale[row]) : tmp[i + 1];
+                acc[32 * hh + i] += x0 * c.x;
+                acc[32 * hh + i + 1] += x1 * c.y;
+            }
+        }
+    }
+}
+
 // dQ's partial of tile g over the CTA's 128 keys, this consumer's half of D (each 64-key block of
 // dS on a fresh accumulator, times its scales per query), added to the workspace by a bulk
 // reduce-add. Waits until the other consumer's dS of the tile is in shared memory (its arrival
@@ -560,44 +590,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
         // channel scales: a fresh product per 64 columns of D, added in float32
         const uint64_t doc_desc = smem_desc(ST_DOC(sm, st), 2, 64);
         const uint64_t qc_desc = smem_desc(ST_QC(sm, st), 2, 64);
-#pragma unroll
-        for (int hh = 0; hh < HEAD_DIM / 64; ++hh) {
-            float tmp[32];
-            wgmma_fence();
-            wgmma_rs_n64<true>(tmp, pa[0], doc_desc + hh * ((64 * 64) >> 4));
-            wgmma_rs_n64<false>(tmp, pa[1], doc_desc + hh * ((64 * 64) >> 4) + 2);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(tmp);
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                const float2 cs = lds_f2(ST_NUM(sm, st) + 4 * (NUM_DOCS + 64 * hh + 8 * jj + 2 * q4));
-#pragma unroll
-                for (int row = 0; row < 2; ++row) {
-                    dv[32 * hh + 4 * jj + 2 * row] += tmp[4 * jj + 2 * row] * cs.x;
-                    dv[32 * hh + 4 * jj + 2 * row + 1] += tmp[4 * jj + 2 * row + 1] * cs.y;
-                }
-            }
-        }
-#pragma unroll
-        for (int hh = 0; hh < HEAD_DIM / 64; ++hh) {
-            float tmp[32];
-            wgmma_fence();
-            wgmma_rs_n64<true>(tmp, dsa[0], qc_desc + hh * ((64 * 64) >> 4));
-            wgmma_rs_n64<false>(tmp, dsa[1], qc_desc + hh * ((64 * 64) >> 4) + 2);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(tmp);
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-                const float2 cs = lds_f2(ST_NUM(sm, st) + 4 * (NUM_QCS + 64 * hh + 8 * jj + 2 * q4));
-#pragma unroll
-                for (int row = 0; row < 2; ++row) {
-                    dk[32 * hh + 4 * jj + 2 * row] += fmul_rn(tmp[4 * jj + 2 * row], k_scale[row]) * cs.x;
-                    dk[32 * hh + 4 * jj + 2 * row + 1] += fmul_rn(tmp[4 * jj + 2 * row + 1], k_scale[row]) * cs.y;
-                }
-            }
-        }
+        add_fresh_product<false>(dv, pa, doc_desc, ST_NUM(sm, st) + 4 * NUM_DOCS, q4, k_scale);
+        add_fresh_product<true>(dk, dsa, qc_desc, ST_NUM(sm, st) + 4 * NUM_QCS, q4, k_scale);
         // the stage is read (Q, dO_t, dO_c, Q_c, the numbers): hand it back
         __syncwarp();
         if (lane == 0) mbar_arrive(sm.empty + 8 * st);
