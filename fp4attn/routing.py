@@ -288,19 +288,26 @@ def override_launch(*, forward: ForwardLaunch | None = None, backward: BackwardL
                 item[0].reset(item[1])
 
 
-# Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) the Triton kernels in the
-# forms it runs: no inline PTX (the packed e4m3 conversion), TMA, Gluon or CUDA C++ kernel
-# (`kernels.interpreter_compat` gives it the rest); the same numbers, slowly
+# Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) the kernels run the Triton
+# forms it can: no inline PTX (the packed e4m3 conversion), TMA, Gluon or CUDA C++ kernel
+# (`kernels.interpreter_compat` gives it the rest); the same numbers, slowly. The routes are
+# still named by the table's launches (`table_forward_launch`), as on the GPU: the
+# interpreter stands in for an H200 (`explain`, tools/sanitize_driver.py --list)
 INTERPRETER_FORWARD_LAUNCH = ForwardLaunch(64, 4, 2)
 
 
+def table_forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
+    """The Hopper forward's launch on the GPU for this kernel head dim, QK^T format and
+    masking (the table's, or `override_launch`'s)."""
+    return _FORWARD_OVERRIDE.get() or FORWARD_LAUNCH[head_dim, qk_fp8, causal]
+
+
 def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
-    """The Hopper forward's launch for this kernel head dim, QK^T format and masking
-    (under the interpreter, INTERPRETER_FORWARD_LAUNCH unless overridden)."""
-    override = _FORWARD_OVERRIDE.get()
-    if override is not None:
-        return override
-    return INTERPRETER_FORWARD_LAUNCH if interpreting() else FORWARD_LAUNCH[head_dim, qk_fp8, causal]
+    """The launch the Hopper forward runs: `table_forward_launch`, or under the
+    interpreter INTERPRETER_FORWARD_LAUNCH unless overridden."""
+    if interpreting() and _FORWARD_OVERRIDE.get() is None:
+        return INTERPRETER_FORWARD_LAUNCH
+    return table_forward_launch(head_dim, qk_fp8, causal)
 
 
 # The CUDA C++ kernels' sources, compiled by NVRTC at first use (the wheel ships them:
@@ -361,14 +368,18 @@ def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: boo
     return not training and n > 0 and keys >= n and on_cuda and cuda_kernels_unavailable() is None
 
 
+def table_backward_launch(head_dim: int) -> BackwardLaunch:
+    """The Hopper backward's launch on the GPU at this kernel head dim."""
+    return _BACKWARD_OVERRIDE.get() or BACKWARD_LAUNCH[head_dim]
+
+
 def backward_launch(head_dim: int) -> BackwardLaunch:
-    """The Hopper backward's launch at this kernel head dim (under the interpreter, its
-    float32 rounding instead of the PTX conversion, unless overridden)."""
-    override = _BACKWARD_OVERRIDE.get()
-    if override is not None:
-        return override
-    launch = BACKWARD_LAUNCH[head_dim]
-    return dataclasses.replace(launch, hw_cvt=False, cuda=False) if interpreting() else launch
+    """The launch the Hopper backward runs: `table_backward_launch`, or under the
+    interpreter its float32 rounding instead of the PTX conversion unless overridden."""
+    launch = table_backward_launch(head_dim)
+    if interpreting() and _BACKWARD_OVERRIDE.get() is None:
+        return dataclasses.replace(launch, hw_cvt=False, cuda=False)
+    return launch
 
 
 # The Q/K formats whose backward the Gluon kernels run: NVFP4 (one tensor scale per head
@@ -626,7 +637,7 @@ def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: st
     kernel for FP8 P where the launch asks for it and no key mask is given (its operands
     by TMA, which the fused quantizers' layouts allow); else the Triton kernel."""
     dk = kernel_head_dim(head_dim)
-    launch = forward_launch(dk, recipe.fast_accum, causal)
+    launch = table_forward_launch(dk, recipe.fast_accum, causal)
     mode = p_mode(recipe)
     if use_cuda_forward(launch, mode, keys, on_cuda, training):
         return "hopper.forward_cuda"
@@ -637,7 +648,7 @@ def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: st
 def _hopper_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
                          on_cuda: bool = True) -> str:
     fwd = _hopper_forward_kernel(recipe, head_dim, causal, mask, keys, on_cuda, training=True)
-    cfg = backward_launch(kernel_head_dim(head_dim))
+    cfg = table_backward_launch(kernel_head_dim(head_dim))
     gluon = backward_gluon_kernels(cfg, recipe.qk, p_mode(recipe), cfg.tma)
     dkdv, dq = (f"backward_{'gluon' if g else 'triton'}.{part}" for g, part in zip(gluon, ("dkdv", "dq")))
     where = " (Gluon where the lengths are whole 64-token tiles)" if any(gluon) else ""

@@ -55,18 +55,24 @@ def test_following_the_hint_runs_the_kernels_under_the_interpreter():
     run_under_interpreter(SCRIPT, timeout=600)
 
 
-def test_the_gpu_routes_keep_their_kernels(monkeypatch):
-    """Outside the interpreter the launch table's kernels are named (a CUDA device,
-    FP4ATTN_TARGET=sm_90, no GPU needed): the Gluon backward for FP8 Q/K where the lengths
-    are whole tiles; under it, the Triton kernels the interpreter runs."""
+def test_the_interpreter_runs_safe_launches_and_names_the_gpus(monkeypatch):
+    """Under the interpreter the routes keep the GPU's kernel names (it stands in for an
+    H200: `explain`, tools/sanitize_driver.py --list), while the launches the kernels
+    run are the forms it can run: no PTX conversion, TMA or Gluon kernel."""
     from fp4attn import routing
     from fp4attn.recipes import PRESETS
 
     monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
     monkeypatch.delenv(routing.INTERPRET_ENV, raising=False)
-    call = dict(device=torch.device("cuda"), head_dim=64, causal=True, needs_grad=True, mask="none", keys=256)
+    call = dict(device=torch.device("cuda"), head_dim=128, causal=True, needs_grad=True, mask="none", keys=256)
     gpu = routing.route(PRESETS["train-fp8"], **call).kernel
     assert "hopper.backward_gluon.dkdv + hopper.backward_gluon.dq (Gluon where the lengths" in gpu, gpu
+    assert routing.forward_launch(128, False, True) == routing.FORWARD_LAUNCH[128, False, True]
+    assert routing.backward_launch(128).hw_cvt
     monkeypatch.setenv(routing.INTERPRET_ENV, "1")
-    interp = routing.route(PRESETS["train-fp8"], **call).kernel
-    assert interp == "hopper.forward_triton + hopper.backward_triton.dkdv + hopper.backward_triton.dq", interp
+    assert routing.route(PRESETS["train-fp8"], **call).kernel == gpu
+    assert routing.forward_launch(128, False, True) == routing.INTERPRETER_FORWARD_LAUNCH
+    assert not routing.backward_launch(128).hw_cvt
+    other = routing.ForwardLaunch(128, 8, 2)
+    with routing.override_launch(forward=other):
+        assert routing.forward_launch(128, False, True) == other
