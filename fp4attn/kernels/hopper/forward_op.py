@@ -117,21 +117,29 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
     return out, lse, dbg if write_p else dbg[:0]
 
 
+def op_recipe(*, fallback_logit_std: float = 0.0, grad: str = "", **fields) -> Recipe:
+    """The `Recipe` the forward op rebuilds from its flat arguments: fallback_logit_std 0 is no
+    Q/K fallback, grad "" none."""
+    if fallback_logit_std:
+        fields.update(qk_fallback="fp8", qk_fallback_logit_std=fallback_logit_std)
+    return Recipe(**fields, grad=grad or None)
+
+
 @torch.library.custom_op("fp4attn::hopper_attention", mutates_args=())
 def _hopper_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str, fast_accum: bool,
     causal_offset: int, causal: bool, scale: float, write_p: int, key_bias: Optional[torch.Tensor],
     smooth_k: bool = False, four_over_six: bool = False, fallback_logit_std: float = 0.0, p_sink: bool = False,
-    p_sink_keys: int = 0, head_dim: int = 0, k_scale: str = "token", rescale: str = "exact",
+    p_sink_keys: int = 0, head_dim: int = 0, k_scale: str = "token", rescale: str = "exact", grad: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The robust fields the kernels apply (`HOPPER_ROBUST_FIELDS`): fallback_logit_std
     0 is no Q/K fallback; head_dim the caller's head dim where q and k are zero-padded
     (0: theirs), which the fallback's statistic divides by; k_scale and rescale
-    `Recipe.k_scale` and `Recipe.rescale`."""
-    recipe = Recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum, smooth_k=smooth_k,
-                    qk_four_over_six=four_over_six, p_sink=p_sink, p_sink_keys=p_sink_keys, k_scale=k_scale,
-                    rescale=rescale,
-                    **(dict(qk_fallback="fp8", qk_fallback_logit_std=fallback_logit_std) if fallback_logit_std else {}))
+    `Recipe.k_scale` and `Recipe.rescale`; grad `Recipe.grad` ("" for None), which decides the
+    trained affine P (a training recipe's forward without gradients builds its P as with them)."""
+    recipe = op_recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum, smooth_k=smooth_k,
+                       qk_four_over_six=four_over_six, p_sink=p_sink, p_sink_keys=p_sink_keys, k_scale=k_scale,
+                       rescale=rescale, fallback_logit_std=fallback_logit_std, grad=grad)
     ops = prepare_operands_fused(q, k, v, recipe, scale=scale, head_dim=head_dim or None)
     return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
                           p_mode=_p_mode(recipe), write_p=write_p, key_bias=key_bias, sink_tiles=p_sink_tiles(recipe))
@@ -140,7 +148,7 @@ def _hopper_attention_op(
 @_hopper_attention_op.register_fake
 def _(q, k, v, qk, p, p_build, v_fmt, fast_accum, causal_offset, causal, scale, write_p, key_bias, smooth_k=False,
       four_over_six=False, fallback_logit_std=0.0, p_sink=False, p_sink_keys=0, head_dim=0, k_scale="token",
-      rescale="exact"):
+      rescale="exact", grad=""):
     B, H, Sq, D = q.shape
     block_m = forward_launch(D, fast_accum, causal).block_m
     sq_pad = math.ceil(Sq / block_m) * block_m
@@ -163,4 +171,4 @@ def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: in
                                 causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias,
                                 recipe.smooth_k, recipe.qk_four_over_six,
                                 recipe.qk_fallback_logit_std if recipe.qk_fallback else 0.0, recipe.p_sink,
-                                recipe.p_sink_keys, head_dim or 0, recipe.k_scale, recipe.rescale)
+                                recipe.p_sink_keys, head_dim or 0, recipe.k_scale, recipe.rescale, recipe.grad or "")
