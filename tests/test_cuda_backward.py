@@ -139,3 +139,16 @@ def test_routed_through_attention(D):
         assert torch.isfinite(a).all()
         assert (a - b).norm() <= 1e-2 * b.norm()  # bf16 gradients of the same float32 sums
 
+
+
+def test_operands_it_cannot_run_are_named():
+    from fp4attn.kernels.hopper import backward_cuda
+
+    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)
+    assert "CUDA tensors" in backward_cuda.unsupported_reason(q, k, True, 0)
+    if HOPPER:
+        qc, kc = q.cuda(), k.cuda()
+        assert "train-fp8" in backward_cuda.unsupported_reason(qc, kc, False, 0)
+        assert "head dims" in backward_cuda.unsupported_reason(qc[..., :96], kc[..., :96], True, 0)
+        assert "multiple of 128" in backward_cuda.unsupported_reason(qc, kc[:, :, :96], True, 0)
