@@ -138,9 +138,19 @@ def test_nvfp4_edge_cases():
             assert bool(torch.isnan(v[0, :16]).all()) and bool(torch.isfinite(v[0, 16:]).all())
             assert bool(torch.isfinite(v[1]).all())
     assert torch.equal(want.global_scale, quantize_nvfp4(zeroed).global_scale)
-    # per-slice tensor scales: a slice's non-finite values move no other slice, nor its own scale
-    y = torch.randn(3, 4, 32)
+    # per-slice tensor scales: a slice's non-finite value moves no other slice, and its own scale
+    # is that of the slice with the value set to 0 (its statistic is over the finite values)
+    y = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(0))
+    y[1, 2, 5] = 0.0
     base = quantize_nvfp4(y, scale_dims=1)
+    for seed in range(8):  # the replaced element as the slice's largest too
+        z = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(seed))
+        at_max = z[1].abs().argmax()
+        zeroed_z = z.clone()
+        zeroed_z[1].view(-1)[at_max] = 0.0
+        z[1].view(-1)[at_max] = float("inf")
+        assert torch.equal(quantize_nvfp4(z, scale_dims=1).global_scale,
+                           quantize_nvfp4(zeroed_z, scale_dims=1).global_scale)
     y[1, 2, 5] = float("inf")
     q = quantize_nvfp4(y, scale_dims=1)
     assert torch.equal(q.global_scale, base.global_scale)
