@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.kernels.hopper.forward_cuda import _tensor_map
 from fp4attn.kernels.hopper.nvrtc_build import (
     Build,
     check,
@@ -26,6 +25,7 @@ from fp4attn.kernels.hopper.nvrtc_build import (
     driver,
     load_function,
     options_for,
+    tensor_map,
 )
 from fp4attn.reference.backward import DS_BLOCK
 from fp4attn.reference.forward import LOG2E
@@ -153,17 +153,17 @@ def launch_backward_cuda(ops, lse: torch.Tensor, causal_offset: int, causal: boo
     rows_q, rows_k = B * H * Sq, B * Hkv * Sk
 
     def perm(base, rb, box0, swz):  # a query tile in two permuted boxes (the kernel's header)
-        return _tensor_map(base, [rb, 2, 4, rows_q // 16], [rb, 4 * rb, 16 * rb], [box0, 2, 4, BLOCK_M // 16], swz)
+        return tensor_map(base, [rb, 2, 4, rows_q // 16], [rb, 4 * rb, 16 * rb], [box0, 2, 4, BLOCK_M // 16], swz)
 
     maps = {
         # the permuted query tiles: row 32 h + 8 a + 2 q + b of a tile holds query 16 a + 4 q + 2 h + b
         "q_map0": perm(qv.data_ptr(), rq, 128, 128), "q_map1": perm(qv.data_ptr() + 2 * rq, rq, 128, 128),
         "dot_map0": perm(do_t.data_ptr(), re, re, re), "dot_map1": perm(do_t.data_ptr() + 2 * re, re, re, re),
-        "doc_map": _tensor_map(do_c.data_ptr(), [Sq, B * H * D], [Sq], [BLOCK_M, D], 64),
-        "qc_map": _tensor_map(q_c.data_ptr(), [Sq, B * H * D], [Sq], [BLOCK_M, D], 64),
-        "k_map": _tensor_map(kv.data_ptr(), [rq, rows_k], [rq], [128, BLOCK_N], 128),
-        "v_map": _tensor_map(v_t.data_ptr(), [re, rows_k], [re], [re, BLOCK_N], re),
-        "kc_map": _tensor_map(k_c.data_ptr(), [Sk, B * Hkv * D], [Sk], [BLOCK_N, D], 128),
+        "doc_map": tensor_map(do_c.data_ptr(), [Sq, B * H * D], [Sq], [BLOCK_M, D], 64),
+        "qc_map": tensor_map(q_c.data_ptr(), [Sq, B * H * D], [Sq], [BLOCK_M, D], 64),
+        "k_map": tensor_map(kv.data_ptr(), [rq, rows_k], [rq], [128, BLOCK_N], 128),
+        "v_map": tensor_map(v_t.data_ptr(), [re, rows_k], [re], [re, BLOCK_N], re),
+        "kc_map": tensor_map(k_c.data_ptr(), [Sk, B * Hkv * D], [Sk], [BLOCK_N, D], 128),
     }
     for name, data in maps.items():
         ctypes.memmove(ctypes.addressof(getattr(p, name)), data, 128)

@@ -38,6 +38,7 @@ from fp4attn.kernels.hopper.nvrtc_build import (  # noqa: F401
     load_function,
     nvrtc_version,
     options_for,
+    tensor_map,
 )
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 
@@ -222,23 +223,6 @@ def _function(variant: Variant, device: torch.device):
                          variant.shared_bytes())
 
 
-def _tensor_map(base: int, dims: list[int], strides: list[int], box: list[int], swizzle_bytes: int) -> bytes:
-    """A TMA descriptor of uint8 elements (dims innermost first, strides in bytes of
-    dims 1..), as the 128 bytes the kernel's TensorMap holds."""
-    drv = driver()
-    swizzle = {64: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
-               128: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle_bytes]
-    tmap = check(drv.cuTensorMapEncodeTiled(
-        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, len(dims), base,
-        [drv.cuuint64_t(x) for x in dims], [drv.cuuint64_t(x) for x in strides],
-        [drv.cuuint32_t(x) for x in box], [drv.cuuint32_t(1)] * len(dims),
-        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-        f"cuTensorMapEncodeTiled(dims={dims}, box={box})")
-    return ctypes.string_at(tmap.getPtr(), 128)
-
-
 class _Params(ctypes.Structure):
     # the kernel's `Params`: four 64-byte aligned tensor maps, pointers, ints, the scale;
     # padded to the C++ struct's size (a multiple of its 64-byte alignment)
@@ -381,13 +365,13 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     k_rows = k.shape[0] * k.shape[1] * k.shape[2]
     p = _Params()
     maps = (
-        _tensor_map(q.data_ptr(), [rb, B * H * Sq], [rb], [chunk, variant.block_m], chunk),
+        tensor_map(q.data_ptr(), [rb, B * H * Sq], [rb], [chunk, variant.block_m], chunk),
         # K's rows permuted per 16 keys (see the kernel's header): keys 16n + 4q + 2h + b
         # land in row 64h + 8n + 2q + b of the tile, one box per h (and chunk)
-        _tensor_map(k.data_ptr(), [rb, 2, 4, k_rows // 16], [rb, 4 * rb, 16 * rb], [chunk, 2, 4, 8], chunk),
-        _tensor_map(k.data_ptr() + 2 * rb, [rb, 2, 4, k_rows // 16], [rb, 4 * rb, 16 * rb], [chunk, 2, 4, 8],
+        tensor_map(k.data_ptr(), [rb, 2, 4, k_rows // 16], [rb, 4 * rb, 16 * rb], [chunk, 2, 4, 8], chunk),
+        tensor_map(k.data_ptr() + 2 * rb, [rb, 2, 4, k_rows // 16], [rb, 4 * rb, 16 * rb], [chunk, 2, 4, 8],
                     chunk),
-        _tensor_map(vt.data_ptr(), [Sk, B * Hkv * D], [vt_row], [BLOCK_N, D], 128),
+        tensor_map(vt.data_ptr(), [Sk, B * Hkv * D], [vt_row], [BLOCK_N, D], 128),
     )
     for name, data in zip(("q_map", "k_map0", "k_map1", "v_map"), maps):
         ctypes.memmove(ctypes.addressof(getattr(p, name)), data, 128)

@@ -7,6 +7,7 @@ also runs without a GPU (the CPU compile checks); loading and launching need one
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import re
@@ -152,3 +153,20 @@ def load_function(key, build, name: str, device: torch.device, dynamic_shared: i
                     check((drv.cuFuncSetAttribute(fn, attr, dynamic_shared)[0], None), "cuFuncSetAttribute")
             _functions[(index, key)] = fn
     return fn
+
+
+def tensor_map(base: int, dims: list[int], strides: list[int], box: list[int], swizzle_bytes: int) -> bytes:
+    """A TMA descriptor (cuTensorMapEncodeTiled) of uint8 elements (dims innermost first, strides in bytes of
+    dims 1..), as the 128 bytes the kernel's TensorMap holds."""
+    drv = driver()
+    swizzle = {64: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+               128: drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B}[swizzle_bytes]
+    tmap = check(drv.cuTensorMapEncodeTiled(
+        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, len(dims), base,
+        [drv.cuuint64_t(x) for x in dims], [drv.cuuint64_t(x) for x in strides],
+        [drv.cuuint32_t(x) for x in box], [drv.cuuint32_t(1)] * len(dims),
+        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        f"cuTensorMapEncodeTiled(dims={dims}, box={box})")
+    return ctypes.string_at(tmap.getPtr(), 128)

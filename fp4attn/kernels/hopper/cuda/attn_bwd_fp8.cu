@@ -209,6 +209,12 @@ __device__ __forceinline__ void fp8_scale_inv(float amax, float& scale, float& i
     inv = zero ? 1.0f : __fdiv_rn(448.0f, amax);
 }
 
+// The forward's LSE in log2 units (rounded alone), +inf for a row that saw no key (LSE -inf), so
+// that its P is 0 with no test per score (backward_triton.lse_log2)
+__device__ __forceinline__ float lse_log2(float lse) {
+    return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : fmul_rn(lse, LOG2E_F);
+}
+
 // The query (0..63, natural order) of accumulator column 8 j + 2 q + b of a permuted tile
 __device__ __forceinline__ int query_of(int j, int q, int b) { return 16 * (j & 3) + 4 * q + 2 * (j >> 2) + b; }
 
@@ -459,8 +465,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
             const int m = query_of(j, q4, 0);
             const float2 l = lds_f2(num_addr + 4 * (NUM_LSE + m));
             const float2 qq = lds_f2(num_addr + 4 * (NUM_QS + m));
-            const float lse2[2] = {l.x == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : fmul_rn(l.x, LOG2E_F),
-                                   l.y == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : fmul_rn(l.y, LOG2E_F)};
+            const float lse2[2] = {lse_log2(l.x), lse_log2(l.y)};
             const float qsc[2] = {fmul_rn(qq.x, p.qk_scale), fmul_rn(qq.y, p.qk_scale)};
 #pragma unroll
             for (int row = 0; row < 2; ++row) {
