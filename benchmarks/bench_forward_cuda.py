@@ -149,7 +149,7 @@ def long_rows(args) -> int:
     error against exact float64 attention of the bf16 inputs on 256 query rows, beside the
     recipe build's (fp32 sums across tiles). A build whose error exceeds the recipe build's by
     more than 10% fails (O summed across tiles on the tensor cores measured 0.63 against 0.053:
-    docs/notes/hopper-cuda-forward.md)."""
+    docs/notes/hopper-forward.md)."""
     import torch
 
     from fp4attn.kernels.hopper.forward_cuda import MEASURED, launch_forward_cuda

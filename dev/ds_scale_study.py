@@ -1,6 +1,6 @@
 """How `train-fp8`'s gradients change when dS's FP8 views take scales that a tiled kernel knows
 before its tile loop (so that dK and dV could accumulate inside the tensor cores across tiles,
-docs/notes/hopper-cuda-backward.md), against the recipe's scale per row and 64-element block.
+docs/notes/hopper-train.md), against the recipe's scale per row and 64-element block.
 CPU, the reference backward, cosine of dQ, dK, dV to float64 autograd.
 
     python dev/ds_scale_study.py [--cases gaussian,offset,sharp,channels] [--json PATH]

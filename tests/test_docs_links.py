@@ -1,8 +1,13 @@
-"""The documents' links resolve, the repository paths that README.md and docs/*.md write
-in code spans exist (docs/notes/, the lab notebooks, may name files as they were), and
+"""The documents' links resolve (a #fragment into a markdown file to one of its headings),
+the repository paths that README.md, docs/*.md and the design notes docs/notes/*.md write in
+code spans exist, every docs/...md path written out in the code or the documents exists, and
 benchmarks/results/ is laid out as its README says: the top level holds the files
 README.md, docs/performance.md and docs/accuracy.md cite, log/ the experiment logs, and the
-README lists every file of both."""
+README lists every file of both.
+
+docs/notes/archive/ holds the lab notebooks, kept verbatim: their links are checked like
+every document's, but not their code spans nor the docs paths they write, because they
+describe the code as it was when each section was written (files since moved or removed)."""
 
 import re
 from pathlib import Path
@@ -17,8 +22,12 @@ CURRENT_DOCS = [ROOT / "README.md", ROOT / "docs" / "performance.md", ROOT / "do
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 # a path into the results folder written out in prose, a code span or a comment
 RESULTS_PATH = re.compile(r"benchmarks/results/[\w./*{},-]*")
-# the current documents, whose code spans must name paths that exist
-TOP_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# the current documents, whose code spans must name paths that exist: README.md, docs/*.md
+# and the design notes; not docs/notes/archive/ (verbatim notebooks of past code)
+ARCHIVE = ROOT / "docs" / "notes" / "archive"
+TOP_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "notes").glob("*.md"))]
+# a document's path written out in prose, a code span or a comment
+DOCS_PATH = re.compile(r"docs/[\w./-]*\.md")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 # a word of a code span that is a repository path: from the root (`fp4attn/api.py`,
 # `tests/...`, `tools/x.py`) or inside the package (`reference/forward.py`)
@@ -29,12 +38,34 @@ PACKAGE_PATH = re.compile(r"(?:kernels|reference|formats|cli|integrations|study|
 def relative_links(text: str) -> list[str]:
     """The link targets of a markdown text that name a file of this repository (no URL,
     no mail address, no anchor within the page), without their #fragment."""
-    targets = []
-    for target in LINK.findall(text):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+    return [target.split("#", 1)[0] for target in _file_links(text)]
+
+
+def _file_links(text: str) -> list[str]:
+    """The link targets of a markdown text that name a file of this repository, with their
+    #fragment."""
+    return [t for t in LINK.findall(text) if not (re.match(r"[a-z][a-z0-9+.-]*:", t) or t.startswith("#"))]
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a markdown text's headings: the heading's text as rendered
+    (links by their text, code spans without backticks), lower case, every character but
+    letters, digits, "_", "-" and spaces removed, spaces as "-"; a repeated anchor gets
+    "-1", "-2", ..."""
+    anchors, seen = set(), {}
+    fenced = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6} (.*)", line)
+        if not m:
             continue
-        targets.append(target.split("#", 1)[0])
-    return targets
+        rendered = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1)).replace("`", "")
+        slug = re.sub(r"[^\w\- ]", "", rendered.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
 
 
 def expand_braces(text: str) -> str:
@@ -84,10 +115,37 @@ def test_relative_links_parse_as_markdown_does():
     assert expand_braces("(`h200-r-{1,2}.json`)") == "(`h200-r-1.json h200-r-2.json`)"
 
 
+def test_heading_anchors_are_githubs():
+    text = ("# Title\n## Odd lengths: V^T loaded (found, fixed)\n### `train-fp8` on the [notes](a.md)\n"
+            "## CUDA C++ with PTX\n## Consumer (sm_120 / sm_121)\n## Key masks\n## Key masks\n```\n## not a heading\n```")
+    assert heading_anchors(text) == {"title", "odd-lengths-vt-loaded-found-fixed", "train-fp8-on-the-notes",
+                                     "cuda-c-with-ptx", "consumer-sm_120--sm_121", "key-masks", "key-masks-1"}
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(doc):
     missing = [t for t in relative_links(doc.read_text()) if not (doc.parent / t).exists()]
     assert not missing, f"{doc.relative_to(ROOT)} links to files that do not exist: {missing}"
+    # a #fragment into a markdown file names one of its headings (the notes' history links
+    # point at the notebooks' sections)
+    stale = []
+    for target in _file_links(doc.read_text()):
+        path, _, fragment = target.partition("#")
+        if fragment and path.endswith(".md") and fragment not in heading_anchors((doc.parent / path).read_text()):
+            stale.append(target)
+    assert not stale, f"{doc.relative_to(ROOT)} links to headings that do not exist: {stale}"
+
+
+def test_every_docs_path_written_out_exists():
+    """`docs/...md` written as text in the code, the scripts, the tests and the current
+    documents names a file that exists: a moved or merged note leaves no stale path behind.
+    (The archived notebooks may name notes as they were.)"""
+    sources = [d for d in DOCS if ARCHIVE not in d.parents]
+    sources += sorted(p for d in ("fp4attn", "tools", "tests", "scripts", "dev", "benchmarks") for p in (ROOT / d).rglob("*")
+                      if p.suffix in (".py", ".sh", ".md", ".cu", ".cuh") and p.name != "test_docs_links.py")
+    stale = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in sources
+             for m in DOCS_PATH.finditer(path.read_text()) if not (ROOT / m.group(0)).exists()]
+    assert not stale, stale
 
 
 def test_every_results_path_written_out_exists():

@@ -4,7 +4,7 @@ nvidia-cudnn-frontend package imports) in one process. GPU only.
 
     python tools/check_backward_cuda.py [--out DIR] [--quick] [--ncu-one]
 
-(The timing probes of docs/notes/hopper-cuda-backward.md were builds of the
+(The timing probes of docs/notes/hopper-train.md were builds of the
 kernel at commit 637bfa6 with -DPROBE=1..3.)
 """
 

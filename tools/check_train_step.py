@@ -1,7 +1,7 @@
 """One process on a Hopper GPU: the causal train-fp8 step (forward+backward, quantization
 included) with its backward on the Gluon kernels or the CUDA kernel (BackwardLaunch.cuda),
 against SDPA cuDNN bf16 forward+backward in the same run. (At 49caccb it also took the training
-forward on the CUDA kernel: measured no faster, docs/notes/hopper-cuda-backward.md.)
+forward on the CUDA kernel: measured no faster, docs/notes/hopper-train.md.)
 
     python tools/check_train_step.py [--out DIR] [--shapes B,H,S,D ...]
 """

@@ -1,6 +1,6 @@
 """The Hopper FP8 attention forward in CUDA C++ (`cuda/attn_fwd_fp8.cu`): FlashAttention-3's
 schedule (a TMA producer warpgroup, two consumer warpgroups taking turns on the tensor
-cores, setmaxnreg), which Triton 3.6 cannot express (docs/notes/hopper-cuda-forward.md).
+cores, setmaxnreg), which Triton 3.6 cannot express (docs/notes/hopper-forward.md).
 
 Built at first use by NVRTC through `cuda-bindings` (no CUDA toolkit needed), one cubin
 per variant (head dim, causal, key bias, stages), cached on disk under
@@ -134,7 +134,7 @@ class Variant:
 
 
 # K/V^T ring depth per (head dim, causal): depths 2, 3 and 4 ran within 2% of each other
-# (benchmarks/results/log/h200-forward-cuda-variants.txt, run A; docs/notes/hopper-cuda-forward.md)
+# (benchmarks/results/log/h200-forward-cuda-variants.txt, run A; docs/notes/hopper-forward.md)
 STAGES = {(128, False): 2, (128, True): 2, (64, False): 2, (64, True): 2}
 # the row sums' e4m3 -> f16 on the integer units per (head dim, causal): bit-identical results;
 # at D=128 7-9% faster non-causal, 0.4-1.8% causal, at D=64 0 to -1% (noise)
