@@ -187,7 +187,7 @@ class ForwardLaunch:
 # 1.49x against 1.48x at 16k; D=64 +1-7%), the exact and exp2 builds alike; causal, 1-6% slower
 # at D=128 and 30% at (16,16,2048,64): the static schedule hands CTA c the units of one query
 # block length over and over there (132 CTAs = 12 x 11 blocks a head), the longest to some
-# (benchmarks/results/log/h200-persistent/persistent-staged*.txt; docs/notes/hopper-cuda-forward.md).
+# (benchmarks/results/log/h200-persistent/persistent-staged*.txt; docs/notes/hopper-forward.md).
 FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
     (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_persistent=True,
                                       cuda_from_keys=((0, 4096), (4, 4096), (5, 1024), (7, 2048))),
@@ -244,7 +244,7 @@ class BackwardLaunch:
     qk_fp4_dkdv: bool = False
     # the CUDA C++ backward (`backward_cuda.py`: dK, dV and dQ in one FlashAttention-3-style pass)
     # where it takes the operands (`use_cuda_backward`); off in the table: slower than the Gluon
-    # kernels as measured (docs/notes/hopper-cuda-backward.md)
+    # kernels as measured (docs/notes/hopper-train.md)
     cuda: bool = False
 
 
@@ -363,7 +363,7 @@ def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: boo
     launch is the table's for the recipe's Q/K: e4m3 for `fast_accum`, else bf16). Never for
     a training forward (`training`): its backward rebuilds P as the Triton kernels build it
     (the CUDA kernel's build of their arithmetic measured no faster for training:
-    docs/notes/hopper-cuda-backward.md)."""
+    docs/notes/hopper-train.md)."""
     n = launch.cuda_keys(p_mode)
     return not training and n > 0 and keys >= n and on_cuda and cuda_kernels_unavailable() is None
 

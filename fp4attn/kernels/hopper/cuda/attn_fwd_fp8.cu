@@ -52,7 +52,7 @@
 // tensor core's FP8 accumulation as for P V itself: the fast_accum recipes' sums). Variants
 // measured and removed (an OVERLAP that ran the softmax over the warpgroup's own PV,
 // EXP_FOLD; exp2 in f16x2; O summed across key tiles by the PV products, which the FP8
-// tensor cores' accumulation loses) are in docs/notes/hopper-cuda-forward.md.
+// tensor cores' accumulation loses) are in docs/notes/hopper-forward.md.
 //
 // AFFINE_P (with FUSED_SOFTMAX): FP8 P by the affine map of reference/affine.py, no exp2:
 // the row's reference point m~ is the max snapped to the map's grid, C = (K - 8 m~) + MAGIC
