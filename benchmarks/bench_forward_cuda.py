@@ -4,10 +4,10 @@ on a Hopper GPU, in one process run:
 1. correctness of every variant once (head dim 64/128, causal or not) against the routed
    Triton/Gluon kernel on the same prepared operands: max |out - ref|, the fraction of
    bit-identical bf16 outputs, max |lse - ref|; each softmax variant of --variants
-   (forward_cuda.MEASURED) and the launcher's build against the build of the recipe's
-   arithmetic (`MEASURED["recipe"]`, itself checked against the Triton/Gluon kernel):
-   outputs and LSE, and the fraction of P codes identical to its (from builds that write
-   them);
+   (dev/forward_cuda_check.MEASURED) and the launcher's build against the checking build of
+   the recipe's arithmetic (`MEASURED["recipe"]`, itself checked against the Triton/Gluon
+   kernel): outputs and LSE, and the fraction of P codes identical to its (from the
+   checking builds that write them);
 2. timings (median of triton.testing.do_bench, TFLOP/s = 4 B H Sq Sk D / t, half for
    causal): SDPA's cuDNN bf16, `fp4attn.attention(..., recipe="fp8-fastacc")` as routed
    today (quantization included), the Triton/Gluon kernel alone, the CUDA kernel alone
@@ -28,6 +28,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/ (the checking build)
 
 SHAPES = [  # B, H, S, D, causal
     *[(b, h, s, 128, c) for c in (False, True) for b, h, s in ((8, 16, 4096), (2, 16, 16384), (1, 24, 32768),
@@ -47,15 +50,14 @@ def check(args) -> int:
     import torch
     import triton
 
-    from fp4attn.kernels.hopper.forward_cuda import (
-        CONSUMERS,
+    from dev.forward_cuda_check import (
         EXACT_VARIANTS,
         MEASURED,
-        launch_forward_cuda,
-        nvrtc_version,
+        launch_checking,
         p_codes_by_slab,
         p_dump_buffer,
     )
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, nvrtc_version
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -74,7 +76,7 @@ def check(args) -> int:
         label = f"B={B} H={H} Sq={Sq} Sk={Sk} D={D} causal={causal}"
         try:
             t0 = time.time()
-            out, lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, **MEASURED["recipe"])
+            out, lse = launch_checking(ops, scale=D ** -0.5, causal_offset=offset, **MEASURED["recipe"])
             torch.cuda.synchronize()
             t1 = time.time()
         except Exception as e:
@@ -97,11 +99,11 @@ def check(args) -> int:
         base_p = None
         if Sq >= 1024:  # P codes of the recipe's arithmetic, to compare the variants' with
             base_p = p_dump_buffer(ops, consumers["recipe"])
-            launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=base_p, **MEASURED["recipe"])
+            launch_checking(ops, scale=D ** -0.5, causal_offset=offset, p_dump=base_p, **MEASURED["recipe"])
         for name in variants:
             try:
                 kw = MEASURED.get(name, {})
-                v_out, v_lse = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, **kw)
+                v_out, v_lse = launch_checking(ops, scale=D ** -0.5, causal_offset=offset, **kw)
                 v_same = (v_out == out).float().mean().item()
                 v_dlse = (v_lse[seen] - lse[seen]).abs().max().item() if seen.any() else 0.0
                 text = f"  {name}: identical to the recipe build={v_same:.6f} max|dlse|={v_dlse:.3g}"
@@ -114,7 +116,7 @@ def check(args) -> int:
                     v_ok = v_same >= 0.9 and v_dlse < lse_bar and (v_out.float() - out.float()).abs().max().item() < 3e-2
                 if base_p is not None:
                     v_p = p_dump_buffer(ops, consumers[name])
-                    launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset, p_dump=v_p, **kw)
+                    launch_checking(ops, scale=D ** -0.5, causal_offset=offset, p_dump=v_p, **kw)
                     b_p, v_p = p_codes_by_slab(base_p, Sq, causal), p_codes_by_slab(v_p, Sq, causal)
                     valid = b_p != 0xFF
                     eq = (v_p == b_p) & valid
@@ -152,7 +154,7 @@ def long_rows(args) -> int:
     docs/notes/hopper-forward.md)."""
     import torch
 
-    from fp4attn.kernels.hopper.forward_cuda import MEASURED, launch_forward_cuda
+    from dev.forward_cuda_check import MEASURED, launch_checking
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
 
@@ -167,7 +169,7 @@ def long_rows(args) -> int:
         errs = {}
         for name in names:
             kw = MEASURED.get(name, {})
-            out, _ = launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=None, **kw)
+            out, _ = launch_checking(ops, scale=D ** -0.5, causal_offset=None, **kw)
             d = out[:, :, rows].double() - exact
             errs[name] = (d.norm() / exact.norm()).item()
         line = " ".join(f"{n}={e:.5f}" for n, e in errs.items())
@@ -179,10 +181,10 @@ def long_rows(args) -> int:
 
 
 def _variant_args(name: str) -> dict:
-    """launch_forward_cuda's keyword arguments for a --variants name: s<N> (ring depth N),
+    """launch_checking's keyword arguments for a --variants name: s<N> (ring depth N),
     ablate (no softmax: the ceiling, wrong outputs), or a softmax variant of
-    forward_cuda.MEASURED."""
-    from fp4attn.kernels.hopper.forward_cuda import MEASURED
+    dev/forward_cuda_check.MEASURED."""
+    from dev.forward_cuda_check import MEASURED
 
     if name in MEASURED:
         return dict(MEASURED[name])
@@ -200,7 +202,8 @@ def timings(args) -> int:
     from triton.testing import do_bench
 
     import fp4attn
-    from fp4attn.kernels.hopper.forward_cuda import MEASURED, launch_forward_cuda
+    from dev.forward_cuda_check import MEASURED, launch_checking
+    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -225,10 +228,10 @@ def timings(args) -> int:
             "routed_fp8fa": lambda: fp4attn.attention(q, k, v, recipe="fp8-fastacc", causal=causal),
             "triton_kernel": lambda: launch_forward(ops, scale=D ** -0.5, causal_offset=offset, p_mode=0),
             "cuda": lambda: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset),
-            "cuda_recipe": lambda: launch_forward_cuda(ops, scale=D ** -0.5, causal_offset=offset,
-                                                       **MEASURED["recipe"]),
+            "cuda_recipe": lambda: launch_checking(ops, scale=D ** -0.5, causal_offset=offset,
+                                                   **MEASURED["recipe"]),
             # each closure binds its variant's arguments as a default, evaluated once here
-            **{f"cuda_{name}": (lambda kw=_variant_args(name): launch_forward_cuda(  # noqa: B008
+            **{f"cuda_{name}": (lambda kw=_variant_args(name): launch_checking(  # noqa: B008
                 ops, scale=D ** -0.5, causal_offset=offset, **kw)) for name in extras},
         }
         if not args.no_quant:
@@ -265,7 +268,7 @@ def main() -> int:
     parser.add_argument("--variants", default="",
                         help="CUDA kernel variants to time beside the table's launch: s<N> (ring depth), "
                              "ablate (no softmax: the ceiling, wrong outputs), softmax variants "
-                             "(forward_cuda.MEASURED, e.g. cvt, isum; also checked), e.g. cvt,s3")
+                             "(dev/forward_cuda_check.MEASURED, e.g. cvt, fused; also checked), e.g. cvt,s3")
     parser.add_argument("--quick", action="store_true", help="five shapes instead of twelve")
     parser.add_argument("--no-quant", action="store_true", help="no cuda+quant column")
     parser.add_argument("--check-timeout", type=float, default=120)

@@ -1,16 +1,21 @@
-"""The CUDA C++ Hopper forward (fp4attn/kernels/hopper/forward_cuda.py).
+"""The CUDA C++ Hopper forward (fp4attn/kernels/hopper/forward_cuda.py) and its checking
+build (dev/cuda/attn_fwd_fp8_check.cu, dev/forward_cuda_check.py).
 
 CPU: every variant the launcher can pick compiles for sm_90a with NVRTC, without
-local-memory spills and with ptxas keeping the wgmmas pipelined.
-GPU (Hopper): the build of the recipe's arithmetic (`MEASURED["recipe"]`) against the
-Triton/Gluon kernel on the same prepared operands: the arithmetic is the same, so nearly
+local-memory spills and with ptxas keeping the wgmmas pipelined; so do the checking build's
+switches and measured variants; the production source reads only `Variant`'s switches.
+GPU (Hopper): the checking build of the recipe's arithmetic (`MEASURED["recipe"]`) against
+the Triton/Gluon kernel on the same prepared operands: the arithmetic is the same, so nearly
 every bf16 output is bit-identical (the float32 sums differ in order only) and the LSE
 agrees to float32 rounding; both row-sum conversions (ROWSUM_INT), and their bit-identity
 to each other; the launcher's build (fused softmax, polynomial exp2) and the fused
-softmax alone against that build, P code by P code.
+softmax alone against that build, P code by P code (the checking build's P dumps).
 """
 
+import dataclasses
 import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,18 +42,42 @@ def test_every_variant_compiles_without_spills(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not NVRTC, reason="cuda-bindings (NVRTC) not installed")
-def test_measured_softmax_variants_compile(tmp_path, monkeypatch):
+def test_checking_build_compiles(tmp_path, monkeypatch):
+    """The checking build (outside the package) compiles from the production headers: each of
+    its switches once, and the measured softmax variants."""
+    from dev import forward_cuda_check as check
     from fp4attn.kernels.hopper import forward_cuda
 
     monkeypatch.setenv(forward_cuda.CACHE_ENV, str(tmp_path))
-    for variant in forward_cuda.measured_variants():
-        if (variant.head_dim, variant.causal) not in ((128, False), (64, True)):
-            continue
-        build = forward_cuda.compile_variant(variant, announce=False)
+    measured = [v for v in check.measured_variants() if (v.head_dim, v.causal) in ((128, False), (64, True))]
+    for variant in check.checking_variants() + measured:
+        production = variant.production()
+        build = (forward_cuda.compile_variant(production, announce=False) if production is not None
+                 else check.compile_check_variant(variant, announce=False))
         # the affine-P causal build at head dim 128: 4 bytes stored and reloaded (measured)
         assert build.spill_bytes() <= (320 if variant.consumers == 3 else 8 if variant.affine_p else 0), \
             f"{variant}: ptxas spilled to local memory:\n{build.log}"
         assert not build.serialized_wgmma(), f"{variant}: ptxas serialized the wgmmas:\n{build.log}"
+
+
+def test_production_source_reads_only_the_variants_switches():
+    """The production kernel's -D switches are `Variant`'s fields, and none of the checking
+    build's switches appears in its source or headers (they live in dev/cuda/)."""
+    from dev.forward_cuda_check import CheckVariant
+    from fp4attn.kernels.hopper import forward_cuda
+
+    def names(variant_type):
+        return {f.metadata["define"] for f in dataclasses.fields(variant_type)}
+
+    production = names(forward_cuda.Variant)
+    source = forward_cuda.SOURCE.read_text()
+    assert set(re.findall(r"^#ifndef (\w+)", source, re.MULTILINE)) == production
+    checking = names(CheckVariant) - production
+    assert checking
+    cuda = Path(forward_cuda.SOURCE).parent
+    for path in [forward_cuda.SOURCE, *cuda.glob("*_fwd.cuh"), cuda / "p_build.cuh", cuda / "named_barrier.cuh"]:
+        text = path.read_text()
+        assert not [n for n in checking if re.search(rf"\b{n}\b", text)], path.name
 
 
 def _operands(B, H, Hkv, Sq, Sk, D, seed=0):
@@ -63,13 +92,13 @@ def _operands(B, H, Hkv, Sq, Sk, D, seed=0):
 
 
 def _compare(ops, causal_offset, key_bias=None, **variant):
-    from fp4attn.kernels.hopper.forward_cuda import MEASURED, launch_forward_cuda
+    from dev.forward_cuda_check import MEASURED, launch_checking
     from fp4attn.kernels.hopper.forward_op import launch_forward
 
     D = ops.q.shape[-1]
     scale = D ** -0.5
-    out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
-                                   **{**MEASURED["recipe"], **variant})
+    out, lse = launch_checking(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
+                               **{**MEASURED["recipe"], **variant})
     ref, ref_lse, _ = launch_forward(ops, scale=scale, causal_offset=causal_offset, p_mode=0,
                                      key_bias=key_bias)
     torch.cuda.synchronize()
@@ -111,13 +140,13 @@ def test_matches_triton_kernels(B, H, Hkv, Sq, Sk, D, causal, rowsum_int):
 @pytest.mark.parametrize("D,causal", [(128, False), (64, True)])
 def test_rowsum_int_is_bit_identical(D, causal):
     """The row sums' conversion on the integer units changes no bit of the results."""
-    from fp4attn.kernels.hopper.forward_cuda import MEASURED, launch_forward_cuda
+    from dev.forward_cuda_check import MEASURED, launch_checking
 
     ops = _operands(2, 4, 2, 777, 1500, D, seed=3)
     offset = 0 if causal else None
     kw = dict(scale=D ** -0.5, causal_offset=offset, **MEASURED["recipe"])
-    out0, lse0 = launch_forward_cuda(ops, rowsum_int=False, **kw)
-    out1, lse1 = launch_forward_cuda(ops, rowsum_int=True, **kw)
+    out0, lse0 = launch_checking(ops, rowsum_int=False, **kw)
+    out1, lse1 = launch_checking(ops, rowsum_int=True, **kw)
     assert torch.equal(out0, out1)
     assert torch.equal(lse0, lse1)
 
@@ -169,13 +198,8 @@ def test_fused_softmax(name, B, H, Hkv, Sq, Sk, D, causal, bias):
     the launcher's polynomial exp2s, and with two or three consumer warpgroups: P codes equal to
     the recipe's arithmetic on >= 99.9% of entries, outputs within bf16 rounding, the same
     rows empty."""
-    from fp4attn.kernels.hopper.forward_cuda import (
-        CONSUMERS,
-        MEASURED,
-        launch_forward_cuda,
-        p_codes_by_slab,
-        p_dump_buffer,
-    )
+    from dev.forward_cuda_check import MEASURED, launch_checking, p_codes_by_slab, p_dump_buffer
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS
 
     ops = _operands(B, H, Hkv, Sq, Sk, D, seed=5)
     offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
@@ -190,8 +214,8 @@ def test_fused_softmax(name, B, H, Hkv, Sq, Sk, D, causal, bias):
     variant = FUSED_VARIANTS[name]
     base_p = p_dump_buffer(ops, MEASURED["recipe"]["consumers"])
     fused_p = p_dump_buffer(ops, variant.get("consumers", CONSUMERS[D, causal is not None]))
-    out, lse = launch_forward_cuda(ops, p_dump=base_p, **MEASURED["recipe"], **kw)
-    f_out, f_lse = launch_forward_cuda(ops, p_dump=fused_p, **variant, **kw)
+    out, lse = launch_checking(ops, p_dump=base_p, **MEASURED["recipe"], **kw)
+    f_out, f_lse = launch_checking(ops, p_dump=fused_p, **variant, **kw)
     torch.cuda.synchronize()
     seen = torch.isfinite(lse)
     assert torch.equal(seen, torch.isfinite(f_lse))
@@ -219,8 +243,6 @@ def test_routed_through_attention(D, causal, Hkv, masked, name):
     for the recipe's P mode): close to the Gluon/Triton kernels' outputs; a NaN in one
     query row gives NaN in that row only; a batch item's output does not depend on
     another's values."""
-    import dataclasses
-
     import fp4attn
     from fp4attn import routing
 
@@ -286,7 +308,7 @@ def test_p_codes_by_slab_aligns_builds(causal):
     """P dumps of builds with 2 and 3 consumers per CTA land in one layout: each entry of a
     64-row slab's thread carries its slab number, computed from either build's grid (causal
     grids run the query blocks last to first)."""
-    from fp4attn.kernels.hopper.forward_cuda import p_codes_by_slab
+    from dev.forward_cuda_check import p_codes_by_slab
 
     Sq, tiles = 500, 3
     layouts = []
@@ -320,19 +342,15 @@ def test_persistent_grid_equals_one_cta_per_unit(B, H, Hkv, Sq, Sk, D, causal, b
     """A persistent grid (one CTA per SM taking work units in turn, the rings and turns running
     on from unit to unit) computes every unit as a CTA of its own does: outputs, LSE and P
     codes equal bit for bit."""
-    from fp4attn.kernels.hopper.forward_cuda import (
-        CONSUMERS,
-        P_MODE_BUILDS,
-        launch_forward_cuda,
-        p_dump_buffer,
-    )
+    from dev.forward_cuda_check import launch_checking, p_dump_buffer
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, P_MODE_BUILDS
 
     ops = _operands(B, H, Hkv, Sq, Sk, D, seed=7)
     offset = None if causal is None else (0 if causal == "top_left" else Sk - Sq)
     kw = dict(scale=D ** -0.5, causal_offset=offset, **P_MODE_BUILDS[{"exp2": 0, "affine": 4, "lazy": 7}[build]])
     dumps = [p_dump_buffer(ops, CONSUMERS[D, causal is not None]) for _ in range(2)]
-    one = launch_forward_cuda(ops, p_dump=dumps[0], **kw)
-    persistent = launch_forward_cuda(ops, p_dump=dumps[1], persistent=True, **kw)
+    one = launch_checking(ops, p_dump=dumps[0], **kw)
+    persistent = launch_checking(ops, p_dump=dumps[1], persistent=True, **kw)
     torch.cuda.synchronize()
     assert torch.equal(one[0], persistent[0])
     assert torch.equal(one[1], persistent[1])
@@ -343,7 +361,7 @@ def _p_codes_as_rows(p_dump: torch.Tensor, rows: int, keys: int, causal: bool) -
     """A `p_dump_buffer` as (B*H, rows, keys) bytes: word (cc, 2 half + i) of consumer thread t
     holds row 16 (t // 32) + (t % 32) // 4 + 8 i of its slab and keys 32 cc + 16 half +
     4 (t % 4) + (0..3) of its tile (the PV product's A fragment)."""
-    from fp4attn.kernels.hopper.forward_cuda import p_codes_by_slab
+    from dev.forward_cuda_check import p_codes_by_slab
 
     slabs = p_codes_by_slab(p_dump, rows, causal)  # (BH, slabs, tiles, 128, 64)
     bh, n_slabs, tiles = slabs.shape[:3]
@@ -370,14 +388,8 @@ def test_p_codes_match_triton_kernel(B, H, Hkv, Sq, Sk, D, causal, bias, name):
     tensor cores; a code differs where a score's rounding sits on a boundary, or where the
     polynomial exp2 of the exp2 builds moves it), outputs and LSE as close as the fused
     softmax's, the same rows empty."""
-    import dataclasses
-
-    from fp4attn.kernels.hopper.forward_cuda import (
-        CONSUMERS,
-        P_MODE_BUILDS,
-        launch_forward_cuda,
-        p_dump_buffer,
-    )
+    from dev.forward_cuda_check import launch_checking, p_dump_buffer
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, P_MODE_BUILDS
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -401,8 +413,8 @@ def test_p_codes_match_triton_kernel(B, H, Hkv, Sq, Sk, D, causal, bias, name):
         key_bias = torch.where(keep, 0.0, -float("inf")).float()
     scale = D ** -0.5
     dump = p_dump_buffer(ops, CONSUMERS[D, causal is not None])
-    out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=offset, key_bias=key_bias, p_dump=dump,
-                                   **P_MODE_BUILDS[mode])
+    out, lse = launch_checking(ops, scale=scale, causal_offset=offset, key_bias=key_bias, p_dump=dump,
+                               **P_MODE_BUILDS[mode])
     ref, ref_lse, ref_p = launch_forward(ops, scale=scale, causal_offset=offset, p_mode=mode, write_p=1,
                                          key_bias=key_bias)
     torch.cuda.synchronize()

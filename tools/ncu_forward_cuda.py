@@ -9,19 +9,21 @@ then the profiled one (`--launch-skip 2 --launch-count 1`), on the bench operand
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
-from fp4attn.kernels.hopper.forward_cuda import MEASURED, launch_forward_cuda
-from fp4attn.kernels.hopper.quantize import prepare_operands_fused
-from fp4attn.recipes import PRESETS
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/ (the checking build)
+
+from dev.forward_cuda_check import MEASURED, launch_checking  # noqa: E402
+from fp4attn.kernels.hopper.quantize import prepare_operands_fused  # noqa: E402
+from fp4attn.recipes import PRESETS  # noqa: E402
 
 B, H, S, D = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "2,16,16384,128").split(","))
 causal = "causal" in sys.argv[2:]
-fused = "fused" in sys.argv[2:]  # the launcher's build; else the recipe's arithmetic
+fused = "fused" in sys.argv[2:]  # the launcher's build; else the checking build of the recipe's arithmetic
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 ops = prepare_operands_fused(q, k, v, PRESETS["fp8-fastacc"])
 for _ in range(3):
-    launch_forward_cuda(ops, scale=D**-0.5, causal_offset=0 if causal else None,
-                        **({} if fused else MEASURED["recipe"]))
+    launch_checking(ops, scale=D**-0.5, causal_offset=0 if causal else None, **({} if fused else MEASURED["recipe"]))
 torch.cuda.synchronize()

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/ (the checking build)
 
 
 def main() -> None:
@@ -30,7 +34,8 @@ def main() -> None:
     args = p.parse_args()
     from triton.testing import do_bench
 
-    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, launch_forward_cuda
+    from dev.forward_cuda_check import launch_checking
+    from fp4attn.kernels.hopper.forward_cuda import CONSUMERS
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
     from fp4attn.tools.benchmark import sdpa
@@ -63,7 +68,7 @@ def main() -> None:
             outs = {}
             for name, kw in builds.items():
                 bias = torch.zeros((B, sk), device="cuda") if args.key_bias else None
-                run = lambda: launch_forward_cuda(ops, scale=D**-0.5, causal_offset=off, key_bias=bias, **kw)  # noqa: E731
+                run = lambda: launch_checking(ops, scale=D**-0.5, causal_offset=off, key_bias=bias, **kw)  # noqa: E731
                 outs[name] = run()
                 ms = do_bench(run, return_mode="median")
                 fits[name].append((sk / 128, ms * 1e3 / waves))

@@ -14,8 +14,12 @@ a short table last.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/ (the checking build)
 
 
 def main() -> None:
@@ -28,8 +32,8 @@ def main() -> None:
 
     from triton.testing import do_bench
 
+    from dev.forward_cuda_check import launch_checking
     from fp4attn.cli.output import markdown_table
-    from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.quantize import prepare_operands_fused
     from fp4attn.recipes import get_recipe
@@ -59,7 +63,7 @@ def main() -> None:
                                   return_mode="median")
                 row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
             for kw in builds.values():
-                ms = do_bench(lambda: launch_forward_cuda(ops, scale=D**-0.5, causal_offset=off, **kw),
+                ms = do_bench(lambda: launch_checking(ops, scale=D**-0.5, causal_offset=off, **kw),
                               return_mode="median")
                 row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
             rows.append(row)

@@ -1,21 +1,26 @@
-"""The Hopper FP8 attention forward in CUDA C++ (`cuda/attn_fwd_fp8.cu`): FlashAttention-3's
-schedule (a TMA producer warpgroup, two consumer warpgroups taking turns on the tensor
-cores, setmaxnreg), which Triton 3.6 cannot express (docs/notes/hopper-forward.md).
+"""The Hopper FP8 attention forward in CUDA C++ (`cuda/attn_fwd_fp8.cu` and the headers it
+includes, by role: `cuda/kernel_fwd.cuh` the roles and schedule, `cuda/mainloop_fwd.cuh` the
+loads and products, `cuda/softmax_fwd.cuh` and `cuda/p_build.cuh` the online softmax and the
+P builders, `cuda/epilogue_fwd.cuh` the output): FlashAttention-3's schedule (a TMA producer
+warpgroup, two consumer warpgroups taking turns on the tensor cores, setmaxnreg), which
+Triton 3.6 cannot express (docs/notes/hopper-forward.md).
 
 Built at first use by NVRTC through `cuda-bindings` (no CUDA toolkit needed), one cubin
-per variant (head dim, causal, key bias, stages), cached on disk under
-$FP4ATTN_CACHE_DIR or ~/.cache/fp4attn, keyed by the source, the options and NVRTC's
-version; a build prints one line. `compile_variant` also runs without a GPU (the CPU
-compile check); launching needs one.
+per variant (`Variant`: head dim, causal, key bias, P builder, ...; its fields name the
+kernel's -D switches), cached on disk under $FP4ATTN_CACHE_DIR or ~/.cache/fp4attn, keyed
+by the source, the options and NVRTC's version; a build prints one line. `compile_variant`
+also runs without a GPU (the CPU compile check); launching needs one.
 
 Numerics: the `fast_accum` recipes (e4m3 Q/K) and, with `Variant.qk_bf16`, the exact ones
 (bf16 Q/K, whose e4m3 or NVFP4 values bf16 holds exactly); P as FP8 from exp2, FP8 or MXFP4
-from the affine map (`affine_p`, `affine_mx`). The launcher's build (`SOFTMAX`) does
-FlashAttention-3's per-score work, with the row sums of P from the PV product and a
-quarter of the exp2s by a polynomial: P codes equal to the recipe's on 99.986% of entries
-(the issue's bar is 99.9%), outputs within bf16 rounding. `MEASURED["recipe"]` builds the
+from the affine map (`affine_p`, `affine_mx`). The kernel does FlashAttention-3's
+per-score work, with the row sums of P from the PV product and a quarter of the exp2s by a
+polynomial (`EXP_POLY`): P codes equal to the recipe's on 99.986% of entries (the bar is
+99.9%), outputs within bf16 rounding. A checking build beside it, outside the package
+(dev/cuda/attn_fwd_fp8_check.cu, launched by dev/forward_cuda_check.py), computes the
 Gluon kernel's arithmetic (forward_gluon_ws.attn_fwd_ws_kernel) operation for operation,
-measured bit-identical to it (benchmarks/results/log/h200-forward-cuda.txt).
+measured bit-identical to it (benchmarks/results/log/h200-forward-cuda.txt), and writes P's
+codes for the tests that hold the kernel to the Triton kernel's.
 """
 
 from __future__ import annotations
@@ -48,51 +53,41 @@ HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 
 
+def define(name: str, default=dataclasses.MISSING):
+    """A `Variant` field that is the kernel's compile-time switch `name` (-Dname=value)."""
+    return dataclasses.field(default=default, metadata={"define": name})
+
+
 @dataclass(frozen=True)
 class Variant:
-    """One compiled form of the kernel (speed and masking only; the arithmetic is the same)."""
+    """One compiled form of the kernel: each field one of the kernel's -D switches
+    (`defines`); speed, masking and the P builder (the recipe's P mode)."""
 
-    head_dim: int
-    causal: bool
-    key_bias: bool = False
-    stages: int = 2
-    ablate_softmax: bool = False  # timing only: no softmax, wrong outputs (the kernel's ceiling)
-    rowsum_int: bool = False  # the row sums' e4m3 -> f16 on the integer units (bit-identical)
-    # one FMA per score into exp2 and the row sums from the PV product (the kernel's header):
-    # P codes equal to the others' but for rounding, l with the tensor core's FP8 sums
-    fused_softmax: bool = False
-    exp_poly: int = 0  # fused_softmax only: column groups (of 16) whose exp2 is a polynomial on the FMA units
-    # fused_softmax only: FP8 P by the affine map (reference/affine.py; the affine FP8-P
-    # recipes): one FMA and one max per score, no exp2
-    affine_p: bool = False
-    # affine_p timing builds (wrong outputs): 1 without the key-scale product, 2 also without
-    # the row maximum (docs/notes/affine-p.md places the softmax's cost with them)
-    affine_ablate: int = 0
+    head_dim: int = define("HEAD_DIM")
+    causal: bool = define("CAUSAL")
+    key_bias: bool = define("KEY_BIAS", False)
+    stages: int = define("STAGES", 2)  # the K/V^T ring's depth
+    exp_poly: int = define("EXP_POLY", 0)  # column groups (of 16) whose exp2 is a polynomial on the FMA units
+    # FP8 P by the affine map (reference/affine.py; the affine FP8-P recipes): one FMA and one
+    # max per score, no exp2
+    affine_p: bool = define("AFFINE_P", False)
     # affine_p only: Recipe.rescale="lazy" (P mode 7): the rows' points move only when a byte
     # would not fit, so P is built without waiting for the tile's maximum
-    lazy_rescale: bool = False
+    lazy_rescale: bool = define("LAZY_RESCALE", False)
     # affine_p only: MXFP4 P by the affine map (P mode 5): per 32-key block its exponent and
-    # a lookup of the block's e4m3 bytes, each score's code from one FMA (the kernel's header)
-    affine_mx: bool = False
-    # affine_mx with K per key and no key bias: codes read off subnormal FMA results, no
-    # subtraction a score (the kernel's header); False, the subtraction (measured beside)
-    mx_subnormal: bool = True
-    # fused_softmax only: K's scales one per key tile (`Recipe.k_scale="tile"`), folded into
-    # the rows' factors once per tile instead of a product per score
-    key_tile_scale: bool = False
+    # a lookup of the block's e4m3 bytes, each score's code from one FMA (cuda/p_build.cuh)
+    affine_mx: bool = define("AFFINE_MX", False)
+    # K's scales one per key tile (`Recipe.k_scale="tile"`), folded into the rows' factors once
+    # per tile instead of a product per score
+    key_tile_scale: bool = define("KEY_TILE_SCALE", False)
     # Q and K in bf16, QK^T on the bf16 tensor cores (the exact recipes' operands); False: e4m3
     # on the FP8 tensor cores (the fast_accum recipes')
-    qk_bf16: bool = False
+    qk_bf16: bool = define("QK_BF16", False)
     # consumer warpgroups of 64 query rows per CTA: 3 gives each scheduler a third softmax warp
     # to interleave, in 160 registers per thread (head dim 64 only: 128 would spill)
-    consumers: int = 2
-    dump_p: bool = False  # checking only: every tile's P codes written to a buffer
-    ablate_epilogue: bool = False  # timing only: no epilogue, no outputs (what a unit's end costs)
+    consumers: int = define("CONSUMERS", 2)
 
     def __post_init__(self):
-        if (self.affine_p or self.key_tile_scale) and not self.fused_softmax:
-            raise ValueError("Variant: affine_p and key_tile_scale are forms of the fused softmax; they need "
-                             "fused_softmax=True")
         if self.lazy_rescale and not self.affine_p:
             raise ValueError("Variant: lazy_rescale is a form of the affine FP8 P; it needs affine_p=True")
         if self.affine_mx and (not self.affine_p or self.lazy_rescale):
@@ -111,24 +106,22 @@ class Variant:
     def threads(self) -> int:
         return 128 * (self.consumers + 1)
 
+    @property
+    def rowsum_by_pv(self) -> bool:
+        """The row sums of P from the PV product (8 rows of ones after each V^T stage)."""
+        return True
+
     def defines(self) -> list[str]:
-        return [f"-DHEAD_DIM={self.head_dim}", f"-DCAUSAL={int(self.causal)}",
-                f"-DKEY_BIAS={int(self.key_bias)}", f"-DSTAGES={self.stages}",
-                f"-DABLATE_SOFTMAX={int(self.ablate_softmax)}", f"-DROWSUM_INT={int(self.rowsum_int)}",
-                f"-DFUSED_SOFTMAX={int(self.fused_softmax)}", f"-DEXP_POLY={self.exp_poly}",
-                f"-DCONSUMERS={self.consumers}", f"-DDUMP_P={int(self.dump_p)}", f"-DAFFINE_P={int(self.affine_p)}",
-                f"-DAFFINE_ABLATE={self.affine_ablate}", f"-DKEY_TILE_SCALE={int(self.key_tile_scale)}",
-                f"-DLAZY_RESCALE={int(self.lazy_rescale)}", f"-DAFFINE_MX={int(self.affine_mx)}",
-                f"-DMX_SUBNORMAL_OK={int(self.mx_subnormal)}", f"-DQK_BF16={int(self.qk_bf16)}",
-                f"-DABLATE_EPILOGUE={int(self.ablate_epilogue)}"]
+        """The kernel's -D switches, one a field."""
+        return [f"-D{f.metadata['define']}={int(getattr(self, f.name))}" for f in dataclasses.fields(self)]
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory: Q's two buffers, the K and V^T rings, the consumers' output
         stages (64 rows of 2 * d + 16 bytes each), the key scales and bias, the mbarriers, and
-        1024 bytes to align the tiles for the 128-byte swizzle (with fused_softmax, 8 rows of
-        ones after each V^T stage)."""
+        1024 bytes to align the tiles for the 128-byte swizzle (8 rows of ones after each V^T
+        stage: the row sums' columns of the PV product)."""
         d, qk = self.head_dim, self.head_dim * (2 if self.qk_bf16 else 1)  # qk: bytes of a Q or K row
-        tiles = 2 * self.block_m * qk + self.stages * (BLOCK_N * (qk + d) + (8 * BLOCK_N if self.fused_softmax else 0))
+        tiles = 2 * self.block_m * qk + self.stages * (BLOCK_N * (qk + d) + (8 * BLOCK_N if self.rowsum_by_pv else 0))
         tiles += self.consumers * 64 * (2 * d + 16)
         return 1024 + tiles + 2 * self.stages * BLOCK_N * 4 + (4 + 5 * self.stages) * 8
 
@@ -136,18 +129,13 @@ class Variant:
 # K/V^T ring depth per (head dim, causal): depths 2, 3 and 4 ran within 2% of each other
 # (benchmarks/results/log/h200-forward-cuda-variants.txt, run A; docs/notes/hopper-forward.md)
 STAGES = {(128, False): 2, (128, True): 2, (64, False): 2, (64, True): 2}
-# the row sums' e4m3 -> f16 on the integer units per (head dim, causal): bit-identical results;
-# at D=128 7-9% faster non-causal, 0.4-1.8% causal, at D=64 0 to -1% (noise)
-# (benchmarks/results/log/h200-forward-cuda-softmax.txt, cuda against cuda_isum)
-ROWSUM_INT = {(128, False): True, (128, True): True, (64, False): False, (64, True): False}
 
 
-# the softmax the launcher builds: FlashAttention-3's per-score work with the row sums from
-# the PV product (fused_softmax) and a quarter of the exp2s by polynomial (exp_poly=4):
-# P codes 99.986% equal to the recipe's arithmetic, 2-9% faster than the fused softmax
-# alone and 7-21% faster than the recipe's arithmetic at every measured shape
+# of the 16 column groups of the exp2 builds' P, those whose exp2 is a polynomial on the FMA
+# units: P codes 99.986% equal to the recipe's arithmetic, 2-9% faster than every exp2 by
+# MUFU and 7-21% faster than the recipe's arithmetic at every measured shape
 # (benchmarks/results/log/h200-forward-cuda-fused-poly.txt)
-SOFTMAX = {"fused_softmax": True, "exp_poly": 4}
+EXP_POLY = 4
 
 
 # consumer warpgroups per CTA: three at head dim 64 (192 query rows; a third softmax warp per
@@ -163,38 +151,15 @@ def variant_for(head_dim: int, causal: bool, key_bias: bool = False, affine_p: b
     key_tile_scale: K's scales one per key tile (`KernelOperands.k_tile_scales`);
     lazy_rescale: `Recipe.rescale="lazy"` (with affine_p); affine_mx: MXFP4 P by the affine
     map (with affine_p); qk_bf16: bf16 Q/K (the exact recipes)."""
-    softmax = (dict(SOFTMAX, exp_poly=0, affine_p=True, lazy_rescale=lazy_rescale, affine_mx=affine_mx) if affine_p
-               else SOFTMAX)
-    return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal],
-                   rowsum_int=ROWSUM_INT[head_dim, causal], consumers=CONSUMERS[head_dim, causal],
-                   key_tile_scale=key_tile_scale, qk_bf16=qk_bf16, **softmax)
+    return Variant(head_dim, causal, key_bias, STAGES[head_dim, causal], exp_poly=0 if affine_p else EXP_POLY,
+                   affine_p=affine_p, lazy_rescale=lazy_rescale, affine_mx=affine_mx,
+                   key_tile_scale=key_tile_scale, qk_bf16=qk_bf16, consumers=CONSUMERS[head_dim, causal])
 
 
 # the launcher's build fields of each P mode the kernel builds (routing.P_MODES): exp2 FP8 P,
 # affine FP8 P, affine MXFP4 P, affine FP8 P rescaled lazily (`launch_forward_cuda(**...)`)
 P_MODE_BUILDS: dict[int, dict[str, bool]] = {0: {}, 4: {"affine_p": True}, 5: {"affine_p": True, "affine_mx": True},
                                              7: {"affine_p": True, "lazy_rescale": True}}
-
-
-def measured_variants() -> list[Variant]:
-    """The softmax variants built for measurement beside the launcher's (compile-checked too)."""
-    return [dataclasses.replace(variant_for(d, c), **kw) for d in HEAD_DIMS for c in (False, True)
-            for kw in MEASURED.values()]
-
-
-# the softmax variants measured beside the launcher's (benchmarks/bench_forward_cuda.py
-# --variants; Variant fields over the table's); exp2 in f16x2 was measured and removed
-# (benchmarks/results/log/h200-forward-cuda-softmax.txt, commit 0702b95)
-MEASURED = {
-    # the recipe's arithmetic operation for operation: bit-identical to the Gluon kernel
-    # (the checking script's base), row sums converted on the integer units at D=128
-    "recipe": {"fused_softmax": False, "exp_poly": 0, "consumers": 2},
-    "cvt": {"fused_softmax": False, "exp_poly": 0, "rowsum_int": False, "consumers": 2},  # row sums by cvt: bit-identical
-    "fused": {"exp_poly": 0, "consumers": 2},  # the fused softmax, every exp2 by MUFU
-    "fpoly8": {"exp_poly": 8},  # half of the exp2s by polynomial
-    "c2": {"consumers": 2},  # two consumer warpgroups at head dim 64 too (the launcher's take three)
-}
-EXACT_VARIANTS = ("recipe", "cvt")  # bit-identical to each other and to the Gluon kernel, or wrong
 
 
 def all_variants() -> list[Variant]:
@@ -223,9 +188,9 @@ def _function(variant: Variant, device: torch.device):
                          variant.shared_bytes())
 
 
-class _Params(ctypes.Structure):
-    # the kernel's `Params`: four 64-byte aligned tensor maps, pointers, ints, the scale;
-    # padded to the C++ struct's size (a multiple of its 64-byte alignment)
+class Params(ctypes.Structure):
+    # the kernel's `Params` (cuda/params_fwd.cuh): four 64-byte aligned tensor maps, pointers,
+    # ints, the scale; padded to the C++ struct's size (a multiple of its 64-byte alignment)
     _fields_ = [("q_map", ctypes.c_uint8 * 128), ("k_map0", ctypes.c_uint8 * 128),
                 ("k_map1", ctypes.c_uint8 * 128), ("v_map", ctypes.c_uint8 * 128),
                 ("qs", ctypes.c_uint64), ("ks", ctypes.c_uint64), ("vs", ctypes.c_uint64),
@@ -233,11 +198,10 @@ class _Params(ctypes.Structure):
                 ("H", ctypes.c_int32), ("group", ctypes.c_int32), ("Sq", ctypes.c_int32),
                 ("Sk", ctypes.c_int32), ("causal_offset", ctypes.c_int32),
                 ("k_rows_per_head", ctypes.c_int32), ("qk_scale", ctypes.c_float), ("units", ctypes.c_int32),
-                ("p_dump", ctypes.c_uint64),  # at 592 (8-byte aligned, as in C++)
-                ("_pad", ctypes.c_uint8 * 40)]
+                ("_pad", ctypes.c_uint8 * 48)]
 
 
-assert ctypes.sizeof(_Params) == 640 and _Params.p_dump.offset == 592
+assert ctypes.sizeof(Params) == 640 and Params.units.offset == 588
 
 
 def cuda_unsupported_reason(ops: KernelOperands, *, causal_offset: int | None = None,
@@ -292,67 +256,24 @@ def _vt_rows(ops: KernelOperands) -> tuple[torch.Tensor, int]:
     return padded, row
 
 
-def _p_dump_shape(ops: KernelOperands, consumers: int) -> tuple[int, ...]:
-    """(B*H, query blocks, key tiles, consumer threads, 64): a P dump of a build with
-    `consumers` consumer warpgroups (64 query rows and 128 threads each)."""
-    B, H, Sq, _ = ops.q.shape
-    return (B * H, -(-Sq // (64 * consumers)), -(-ops.k.shape[2] // BLOCK_N), 128 * consumers, 64)
+@dataclass
+class Launch:
+    """One launch's parameter and grid, and the tensors it writes (`prepare_launch`)."""
+
+    params: Params
+    grid: int
+    out: torch.Tensor  # (B, H, Sq, D) bf16
+    lse: torch.Tensor  # (B, H, Sq) float32
+    operands: tuple[torch.Tensor, ...]  # what the parameter points into, held until the launch is queued
 
 
-def p_dump_buffer(ops: KernelOperands, consumers: int) -> torch.Tensor:
-    """A buffer for `launch_forward_cuda(p_dump=...)` of a build with `consumers` consumer
-    warpgroups: (B*H, query blocks, key tiles, consumer threads, 64) uint8 filled with 0xFF
-    (never a P code: tiles a block skips keep it)."""
-    return torch.full(_p_dump_shape(ops, consumers), 0xFF, dtype=torch.uint8, device=ops.q.device)
-
-
-def p_codes_by_slab(p_dump: torch.Tensor, rows: int, causal: bool) -> torch.Tensor:
-    """A `p_dump_buffer` of any build as (B*H, 64-row slabs, key tiles, 128 threads, 64): the
-    same layout whatever the consumers per CTA, so that two builds' P codes compare entry for
-    entry; `rows` (Sq) bounds the slabs. The dump is by CTA, and causal grids run the query
-    blocks last to first."""
-    bh, blocks, tiles, threads, _ = p_dump.shape
-    consumers = threads // 128
-    if causal:
-        p_dump = p_dump.flip(1)
-    slabs = p_dump.view(bh, blocks, tiles, consumers, 128, 64).permute(0, 1, 3, 2, 4, 5)
-    return slabs.reshape(bh, blocks * consumers, tiles, 128, 64)[:, :-(-rows // 64)]
-
-
-def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
-                        key_bias: torch.Tensor | None = None, p_dump: torch.Tensor | None = None,
-                        affine_p: bool = False, lazy_rescale: bool = False, affine_mx: bool = False,
-                        persistent: bool = False, **variant):
-    """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
-    (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
-    (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
-    To measure: `variant`, `Variant` fields in place of the table's (stages, ablate_softmax,
-    rowsum_int, fused_softmax, exp_poly; `MEASURED`); p_dump, a `p_dump_buffer` that
-    receives every tile's P codes. affine_p: FP8 P by the affine map (P mode 4) instead of
-    exp2 (P mode 0), lazy_rescale with it `Recipe.rescale="lazy"` (P mode 7), affine_mx with
-    it MXFP4 P by the affine map (P mode 5; V^T holds MXFP4 V as `operands.prepare_operands`);
-    `ops.k_tile_scales` picks the build that folds K's per-tile scale into the rows'
-    factors. persistent: one CTA per SM, each taking work units (query blocks of a head)
-    in turn, instead of one CTA per unit (the same arithmetic, unit for unit)."""
-    fields = {f.name for f in dataclasses.fields(Variant)} - {"head_dim", "causal", "key_bias", "dump_p", "affine_p",
-                                                             "key_tile_scale", "lazy_rescale", "affine_mx", "qk_bf16"}
-    unknown = sorted(set(variant) - fields)
-    if unknown:
-        raise ValueError(f"launch_forward_cuda: unknown variant fields {unknown}; accepted: {sorted(fields)}")
-    reason = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
-    if reason:
-        raise ValueError(f"launch_forward_cuda: {reason}")
+def prepare_launch(ops: KernelOperands, variant: Variant, *, scale: float, causal_offset: int | None,
+                   key_bias: torch.Tensor | None, persistent: bool) -> Launch:
+    """The kernel parameter of a launch of `variant` on these operands, its grid (one CTA per
+    work unit, or per SM with `persistent`), and the outputs it writes."""
     q = ops.q.contiguous()
     B, H, Sq, D = q.shape
     Hkv, Sk = ops.k.shape[1], ops.k.shape[2]
-    variant = dataclasses.replace(variant_for(D, causal_offset is not None, key_bias is not None, affine_p,
-                                              ops.k_tile_scales, lazy_rescale, affine_mx,
-                                              ops.q.dtype == torch.bfloat16), **variant,
-                                  dump_p=p_dump is not None)
-    if p_dump is not None:
-        need = _p_dump_shape(ops, variant.consumers)
-        if p_dump.dtype != torch.uint8 or tuple(p_dump.shape) != need or not p_dump.is_contiguous():
-            raise ValueError(f"launch_forward_cuda: p_dump must be contiguous uint8 {need} (p_dump_buffer)")
     k = _k_rows(ops.k)
     vt, vt_row = _vt_rows(ops)
     qs, ks, vs = ops.qs.float().contiguous(), ops.ks.float().contiguous(), ops.vs.float().contiguous()
@@ -363,10 +284,10 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     rb = D * q.element_size()  # bytes of a Q or K row; the tiles are loaded in chunks of one swizzle span
     chunk = min(rb, 128)
     k_rows = k.shape[0] * k.shape[1] * k.shape[2]
-    p = _Params()
+    p = Params()
     maps = (
         tensor_map(q.data_ptr(), [rb, B * H * Sq], [rb], [chunk, variant.block_m], chunk),
-        # K's rows permuted per 16 keys (see the kernel's header): keys 16n + 4q + 2h + b
+        # K's rows permuted per 16 keys (see cuda/kernel_fwd.cuh): keys 16n + 4q + 2h + b
         # land in row 64h + 8n + 2q + b of the tile, one box per h (and chunk)
         tensor_map(k.data_ptr(), [rb, 2, 4, k_rows // 16], [rb, 4 * rb, 16 * rb], [chunk, 2, 4, 8], chunk),
         tensor_map(k.data_ptr() + 2 * rb, [rb, 2, 4, k_rows // 16], [rb, 4 * rb, 16 * rb], [chunk, 2, 4, 8],
@@ -382,16 +303,48 @@ def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int
     p.causal_offset = causal_offset or 0
     p.k_rows_per_head = k.shape[2]
     p.qk_scale = scale * LOG2E
-    p.p_dump = p_dump.data_ptr() if p_dump is not None else 0
     p.units = B * H * -(-Sq // variant.block_m)
     # the kernel's __launch_bounds__(THREADS, 1) and shared memory leave one CTA an SM
     grid = min(p.units, sm_count(q.device)) if persistent else p.units
+    return Launch(p, grid, out, lse, (q, k, vt, qs, ks, vs, *([kb] if kb is not None else [])))
 
-    fn = _function(variant, q.device)
+
+def launch_kernel(fn, params: ctypes.Structure, variant: Variant, grid: int, device: torch.device) -> None:
+    """Queue the loaded kernel `fn` on torch's current stream with `params` (the kernel's one
+    parameter, by value)."""
     drv = driver()
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
-    stream = drv.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    stream = drv.CUstream(torch.cuda.current_stream(device).cuda_stream)
     check((drv.cuLaunchKernel(fn, grid, 1, 1, variant.threads, 1, 1,
                                variant.shared_bytes(), stream,
                                ctypes.addressof(args), 0)[0], None), "cuLaunchKernel")
-    return out, lse
+
+
+def launch_forward_cuda(ops: KernelOperands, *, scale: float, causal_offset: int | None,
+                        key_bias: torch.Tensor | None = None, affine_p: bool = False, lazy_rescale: bool = False,
+                        affine_mx: bool = False, persistent: bool = False, **variant):
+    """Run the CUDA kernel on prepared operands (`KernelOperands`, e4m3 Q/K/V^T): (out bf16
+    (B, H, Sq, D), lse float32 (B, H, Sq)). causal_offset: query i sees keys j <= i + offset
+    (None: no causal mask); key_bias: (B, Sk) float32 log2-unit bias (`key_bias_of_mask`).
+    To measure: `variant`, `Variant` fields in place of the table's (stages, exp_poly,
+    consumers). affine_p: FP8 P by the affine map (P mode 4) instead of exp2 (P mode 0),
+    lazy_rescale with it `Recipe.rescale="lazy"` (P mode 7), affine_mx with it MXFP4 P by the
+    affine map (P mode 5; V^T holds MXFP4 V as `operands.prepare_operands`);
+    `ops.k_tile_scales` picks the build that folds K's per-tile scale into the rows'
+    factors. persistent: one CTA per SM, each taking work units (query blocks of a head)
+    in turn, instead of one CTA per unit (the same arithmetic, unit for unit)."""
+    fields = {"stages", "exp_poly", "consumers"}
+    unknown = sorted(set(variant) - fields)
+    if unknown:
+        raise ValueError(f"launch_forward_cuda: unknown variant fields {unknown}; accepted: {sorted(fields)}")
+    reason = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
+    if reason:
+        raise ValueError(f"launch_forward_cuda: {reason}")
+    D = ops.q.shape[-1]
+    built = dataclasses.replace(variant_for(D, causal_offset is not None, key_bias is not None, affine_p,
+                                            ops.k_tile_scales, lazy_rescale, affine_mx,
+                                            ops.q.dtype == torch.bfloat16), **variant)
+    launch = prepare_launch(ops, built, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
+                            persistent=persistent)
+    launch_kernel(_function(built, ops.q.device), launch.params, built, launch.grid, ops.q.device)
+    return launch.out, launch.lse
