@@ -59,7 +59,7 @@ def check(args) -> int:
     )
     from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, nvrtc_version
     from fp4attn.kernels.hopper.forward_op import launch_forward
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
@@ -155,7 +155,7 @@ def long_rows(args) -> int:
     import torch
 
     from dev.forward_cuda_check import MEASURED, launch_checking
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
 
     bad = 0
@@ -205,7 +205,7 @@ def timings(args) -> int:
     from dev.forward_cuda_check import MEASURED, launch_checking
     from fp4attn.kernels.hopper.forward_cuda import launch_forward_cuda
     from fp4attn.kernels.hopper.forward_op import launch_forward
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
 
     recipe = get_recipe("fp8-fastacc")

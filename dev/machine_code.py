@@ -317,7 +317,7 @@ def inspect_backward(*args, **kwargs) -> KernelReport:
     return inspect(compile_backward(*args, **kwargs))
 
 
-# the quantizers' pointer signatures (kernels/hopper/quantize.py), bf16 input, D = 128
+# the quantizers' pointer signatures (kernels/quantize/), bf16 input, D = 128
 _QUANTIZER_SIGS = {
     "_abs_max_kernel": dict(X="*bf16", AMAX="*i32", MEAN="*fp32", SUMSQ="*fp64", S="i32"),
     "_fp8_rows_kernel": dict(X="*bf16", Y="*fp8e4nv", S_OUT="*fp32", O="*bf16", DOT="*fp32", CAMAX="*i32", S="i32"),
@@ -327,19 +327,19 @@ _QUANTIZER_SIGS = {
                                  SCALE="*fp32", CAMAX="*i32", S="i32"),
     "_v_kernel": dict(V="*bf16", VT="*fp8e4nv", VS="*fp32", SCALE="*fp32", STATS_AT="*i32", Y="*fp8e4nv",
                       YS="*fp32", WORK="*i32", G="i32", S="i32", S_ROW="i32"),
-    # quantize_train_fp8.py: per-token FP8 Q/K in training
+    # fp8_train.py: per-token FP8 Q/K in training
     "_fp8_views_kernel": dict(Y8="*fp8e4nv", S_ROW="*fp32", CAMAX="*i32", V="*bf16", CT="*fp8e4nv", CS="*fp32",
                               S="i32"),
 }
 
 
 def compile_quantizer(name: str, num_warps: int = 4, **constexprs):
-    """Quantizer kernel `name` of `quantize.py` or `quantize_train_fp8.py` compiled for
+    """Quantizer kernel `name` of `kernels/quantize/` compiled for
     sm_90 with these constexprs (D = 128 unless given) and `num_warps` as its launcher
     runs it; pointers and lengths specialized as multiples of 16."""
-    from fp4attn.kernels.hopper import quantize, quantize_train_fp8
+    from fp4attn.kernels.quantize import fp8, fp8_train, nvfp4, statistics, v_operand
 
-    fn = getattr(quantize, name, None) or getattr(quantize_train_fp8, name)
+    fn = next(getattr(m, name) for m in (statistics, fp8, nvfp4, v_operand, fp8_train) if hasattr(m, name))
     sig = _QUANTIZER_SIGS[name]
     if name == "_fp8_rows_kernel" and constexprs.get("SAVED"):
         # the training forward's form: bf16 values for the forward kernel, e4m3 bytes kept

@@ -316,7 +316,7 @@ def test_launch_override_is_typed_scoped_and_thread_local():
 
 def test_quantize_v_t_rejects_a_scale_for_mxfp4():
     pytest.importorskip("triton")
-    from fp4attn.kernels.hopper.quantize import quantize_v_t
+    from fp4attn.kernels.quantize.v_operand import quantize_v_t
 
     with pytest.raises(ValueError, match="fmt='fp8' only"):
         quantize_v_t(torch.zeros(1, 1, 32, 64), "mxfp4", scale=torch.ones(1))
@@ -349,7 +349,7 @@ def test_gpu_test_timeout_names_what_it_accepts():
 
 def test_quantize_qk_fp8_rejects_other_output_dtypes():
     pytest.importorskip("triton")
-    from fp4attn.kernels.hopper.quantize import quantize_qk_fp8
+    from fp4attn.kernels.quantize.fp8 import quantize_qk_fp8
 
     for bad in (torch.float16, torch.float32, torch.float8_e5m2):
         with pytest.raises(ValueError, match="dtype float8_e4m3fn or bfloat16"):

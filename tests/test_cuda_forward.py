@@ -81,7 +81,7 @@ def test_production_source_reads_only_the_variants_switches():
 
 
 def _operands(B, H, Hkv, Sq, Sk, D, seed=0):
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -391,7 +391,7 @@ def test_p_codes_match_triton_kernel(B, H, Hkv, Sq, Sk, D, causal, bias, name):
     from dev.forward_cuda_check import launch_checking, p_dump_buffer
     from fp4attn.kernels.hopper.forward_cuda import CONSUMERS, P_MODE_BUILDS
     from fp4attn.kernels.hopper.forward_op import launch_forward
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
     from fp4attn.routing import p_mode
 

@@ -19,8 +19,8 @@ SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
     import dataclasses
 
     from fp4attn.kernels.hopper.forward_op import launch_forward
-    from fp4attn.kernels.hopper.operands import BLOCK_N
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused, quantize_v_t
+    from fp4attn.kernels.hopper.operands import BLOCK_N, prepare_operands_fused
+    from fp4attn.kernels.quantize.v_operand import quantize_v_t
     from fp4attn.recipes import PRESETS
     from fp4attn.routing import P_MODES, ForwardLaunch, override_launch
 
@@ -78,7 +78,7 @@ NUMERICS = KERNEL_PATCHES + textwrap.dedent('''
     # the Triton kernel with pointer loads, and with TMA and PV added in float32 (the
     # formulations the interpreter runs: e4m3 by bit arithmetic, no Gluon)
     LAUNCHES = (ForwardLaunch(64, 4, 2), ForwardLaunch(64, 4, 2, tma_kv=True, pv_add=True))
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.metrics import error_metrics
     from fp4attn.recipes import PRESETS
     from fp4attn.reference import reference_forward

@@ -261,7 +261,7 @@ def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, overlap, l
 
     monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: "not here")
     from fp4attn.kernels.hopper.forward_op import launch_forward
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
 
     r = PRESETS[recipe]
     for b, hq, hkv, sq, sk, d in ((1, 2, 2, 1, 3, 128), (2, 4, 2, 113, 239, 128), (1, 3, 1, 1023, 1023, 64),

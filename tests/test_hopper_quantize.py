@@ -25,8 +25,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int]:
 @pytest.mark.parametrize("recipe", ["fp8", "fp8-fastacc", "fp8-directp", "nvfp4-fp8", "directp"])
 @pytest.mark.parametrize("s,d", [(1, 64), (113, 128), (1000, 64), (4096, 128)])
 def test_fused_quantizers_match_reference(recipe, s, d):
-    from fp4attn.kernels.hopper.operands import prepare_operands
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands, prepare_operands_fused
 
     q, k, v = (torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(3))
     v[0, 0, : s // 2] *= 2.0**-18  # MXFP4 V: blocks below the head's window
@@ -49,7 +48,7 @@ def test_v_read_once_is_v_read_twice(fmt, tokens, s, d, special):
     its blocks waiting on the head's count) writes the two-launch form's bytes: several
     heads, padded rows, a head of 66 blocks (8448 keys: the most a GPU of 132 SMs takes
     in one pass), non-finite values in one head only."""
-    from fp4attn.kernels.hopper.quantize import ONE_PASS_BLOCKS_PER_SM, V_PROGRAM, quantize_v_t
+    from fp4attn.kernels.quantize.v_operand import ONE_PASS_BLOCKS_PER_SM, V_PROGRAM, quantize_v_t
 
     v = torch.randn(3, 5, s, d, device="cuda", dtype=torch.bfloat16) * 3
     v[1, 2, : s // 3] *= 2.0**-20
@@ -75,7 +74,7 @@ def test_packed_nvfp4_payload_is_the_reference_bytes(s, d, special):
     views, -0 codes, NaN scales and all), and decoding them gives back the grid values
     the forward kernel multiplied, bit for bit."""
     from fp4attn.formats.nvfp4 import quantize_nvfp4
-    from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows, quantize_qk_nvfp4
+    from fp4attn.kernels.quantize.nvfp4 import decode_nvfp4_rows, quantize_qk_nvfp4
     from fp4attn.reference.operands import quantize_qk
 
     x = torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4
@@ -120,7 +119,7 @@ def test_backward_operand_views_match_reference(s, d, v_fmt, qk):
     values and the dequantized Q/K (NVFP4, or per-token FP8 for `train-fp8`), scale for
     scale, with Q/K's grid values (and, for FP8 Q/K, the per-token scales as saved)."""
     from fp4attn.formats import quantize_fp8
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
     q, k, v, dout = (torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(4))
@@ -158,7 +157,7 @@ def test_backward_operand_views_match_reference(s, d, v_fmt, qk):
 @pytest.mark.parametrize("s,d", [(1, 64), (113, 128), (1000, 64), (4096, 128)])
 @pytest.mark.parametrize("special", ["none", "nan", "inf"])
 def test_fp8_training_quantizers_are_the_reference_bytes(s, d, special):
-    """`train-fp8`'s quantizers (kernels/hopper/quantize_train_fp8.py), byte for byte
+    """`train-fp8`'s quantizers (kernels/quantize/fp8_train.py), byte for byte
     (uint8 views; -0 included; NaN where the reference has NaN): the forward's pass
     keeps Q/K as `formats.quantize_fp8(x, dim=-1)`'s e4m3 bytes and row scales, gives
     the forward kernel the same values as bf16, and records each channel's max
@@ -166,7 +165,7 @@ def test_fp8_training_quantizers_are_the_reference_bytes(s, d, special):
     view of the represented values, `quantize_fp8(values x scales, dim=-2)`'s bytes
     and scales."""
     from fp4attn.formats import quantize_fp8
-    from fp4attn.kernels.hopper.quantize_train_fp8 import fp8_qk_views, quantize_qk_fp8_saved
+    from fp4attn.kernels.quantize.fp8_train import fp8_qk_views, quantize_qk_fp8_saved
     from fp4attn.reference.operands import quantize_qk
 
     def same_bytes(a, b, name):

@@ -287,7 +287,7 @@ def test_packed_nvfp4_entry_points_reject_bad_input():
     names the Q/K format it trains and the op that trains the other; the FP8 Q/K views
     pass names what it takes. All before any kernel runs."""
     import fp4attn.kernels.hopper.train_op  # noqa: F401  (registers the ops)
-    from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows
+    from fp4attn.kernels.quantize.nvfp4 import decode_nvfp4_rows
 
     codes = torch.zeros(4, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"codes \(\.\.\., D/2\) uint8 and block scales"):
@@ -303,7 +303,7 @@ def test_packed_nvfp4_entry_points_reject_bad_input():
     with pytest.raises(ValueError, match="Q/K format 'fp8'.*'nvfp4'.*hopper_train_forward_fp8"):
         torch.ops.fp4attn.hopper_train_forward(q, q, q, "fp8", "fp8", "exp2", "fp8", 0, True, 0.125)
     # and the FP8 Q/K ops and their views name theirs
-    from fp4attn.kernels.hopper.quantize_train_fp8 import fp8_qk_views
+    from fp4attn.kernels.quantize.fp8_train import fp8_qk_views
 
     with pytest.raises(ValueError, match="Q/K format 'nvfp4'.*per-token 'fp8'.*hopper_train_forward\\)"):
         torch.ops.fp4attn.hopper_train_forward_fp8(q, q, q, "nvfp4", "fp8", "exp2", "fp8", 0, True, 0.125)
@@ -432,7 +432,7 @@ def test_v_read_once_builds(fmt, d):
     no spill, one ticket (ATOMG), one release of the head's count (MEMBAR before its
     REDG), the head's statistic by relaxed reductions, e4m3 by the packed conversion."""
     from dev.machine_code import compile_quantizer, inspect
-    from fp4attn.kernels.hopper.quantize import V_PROGRAM
+    from fp4attn.kernels.quantize.v_operand import V_PROGRAM
 
     keys, warps = V_PROGRAM[d]
     r = inspect(compile_quantizer("_v_kernel", num_warps=warps, D=d, BLOCK_S=keys, MXFP4=fmt == "mxfp4",

@@ -17,7 +17,7 @@ SCRIPT = KERNEL_PATCHES + textwrap.dedent('''
     import torch
     from fp4attn.routing import P_MODES
     from fp4attn.kernels.hopper.forward_op import launch_forward
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import PRESETS
     from fp4attn.reference import reference_forward
     from fp4attn.routing import ForwardLaunch, override_launch

@@ -300,7 +300,7 @@ def test_affine_builders_under_the_interpreter():
 TILE_SCRIPT = textwrap.dedent('''
     import torch
 
-    from fp4attn.kernels.hopper.quantize import quantize_k_fp8_tiles
+    from fp4attn.kernels.quantize.fp8 import quantize_k_fp8_tiles
     from fp4attn.reference.operands import quantize_qk
 
     g = torch.Generator().manual_seed(0)

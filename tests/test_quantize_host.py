@@ -5,7 +5,7 @@ import pytest
 
 def test_grid_helpers_equal_tritons():
     triton = pytest.importorskip("triton")
-    from fp4attn.kernels.hopper.quantize import _cdiv, _next_pow2
+    from fp4attn.kernels.quantize.rows import _cdiv, _next_pow2
 
     for n in range(1, 5000, 7):
         assert _next_pow2(n) == triton.next_power_of_2(n), n

@@ -15,8 +15,7 @@ pytest.importorskip("triton")
 SCRIPT = SPEEDUPS + textwrap.dedent('''
     import torch
     from fp4attn.formats import quantize_fp8
-    from fp4attn.kernels.hopper.operands import prepare_operands
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands, prepare_operands_fused
     from fp4attn.kernels.hopper.train_op import (backward_operands, backward_operands_fp8, quantize_for_training,
                                                   quantize_for_training_fp8)
     from fp4attn.recipes import PRESETS
@@ -103,7 +102,7 @@ SCRIPT = SPEEDUPS + textwrap.dedent('''
     # the training forward's packed NVFP4 Q/K: codes as `quantize_nvfp4` packs them, the
     # decode giving back the grid values bit for bit (-0 included)
     from fp4attn.formats.nvfp4 import quantize_nvfp4
-    from fp4attn.kernels.hopper.quantize import decode_nvfp4_rows, quantize_qk_nvfp4
+    from fp4attn.kernels.quantize.nvfp4 import decode_nvfp4_rows, quantize_qk_nvfp4
     x = q.clone()
     x[0, 1, 5, 3] = -0.0
     x[1, 0, 2, :16] *= 2.0**-20
@@ -115,7 +114,7 @@ SCRIPT = SPEEDUPS + textwrap.dedent('''
     # the tensor and channel scales the kernels compute from the maxima of |x|:
     # all-zero (S_enc clamped to FP32_MAX, a subnormal decode scale), Inf (S_enc 1), NaN
     # (NaN scales), fp16 and fp32 inputs, and FP8 V with the training's scalar factor
-    from fp4attn.kernels.hopper.quantize import quantize_v_t
+    from fp4attn.kernels.quantize.v_operand import quantize_v_t
     for case in ("zero", "inf", "nan", "fp16", "fp32"):
         x = q.clone()
         if case == "zero":
@@ -153,7 +152,7 @@ SCRIPT = SPEEDUPS + textwrap.dedent('''
 
 ONE_PASS_SCRIPT = SPEEDUPS + textwrap.dedent('''
     import torch
-    from fp4attn.kernels.hopper.quantize import quantize_v_t
+    from fp4attn.kernels.quantize.v_operand import quantize_v_t
 
     # V read once (`_v_kernel` with STATS and QUANT: the ticket, the head's count, the
     # statistic read back, MXFP4's exponents computed again) against the two-launch form,
@@ -188,7 +187,7 @@ E2M1_SCRIPT = SPEEDUPS + textwrap.dedent('''
     import triton
     import triton.language as tl
     from fp4attn.formats import decode_e2m1, encode_e2m1
-    from fp4attn.kernels.hopper import quantize as qz
+    from fp4attn.kernels.quantize import elements as qz
 
     @triton.jit
     def e2m1(X, V, C, N, BLOCK: tl.constexpr):

@@ -108,7 +108,7 @@ def test_robust_quantizers_are_the_reference_on_the_gpu():
 def test_key_mean_kernel_is_the_reference_on_the_gpu():
     """`key_mean` bit for bit against `robust.key_mean` (the interpreter test's cases, and
     a bench-sized K: 8 programs a head adding float64 sums in whatever order they run)."""
-    from fp4attn.kernels.hopper.quantize import key_mean
+    from fp4attn.kernels.quantize.statistics import key_mean
     from fp4attn.reference import robust
 
     exec(compile(KEY_MEAN_SCRIPT, "key_mean_script", "exec"), {"DEVICE": "cuda"})

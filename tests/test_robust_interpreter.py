@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent('''
 import torch
-from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+from fp4attn.kernels.hopper.operands import prepare_operands_fused
 from fp4attn.recipes import PRESETS
 from fp4attn.reference.forward import robust_qk
 
@@ -43,7 +43,8 @@ for name in ("nvfp4-fp8-robust", "train-robust"):
 # the training's packed payload (train-robust: smoothing and 4-or-6 scales) is
 # `formats.quantize_nvfp4`'s bytes of the smoothed K
 from fp4attn.formats import quantize_nvfp4
-from fp4attn.kernels.hopper.quantize import key_mean, quantize_qk_nvfp4
+from fp4attn.kernels.quantize.nvfp4 import quantize_qk_nvfp4
+from fp4attn.kernels.quantize.statistics import key_mean
 from fp4attn.reference import robust
 mean = key_mean(k)
 _, _, codes, bscale, _ = quantize_qk_nvfp4(k, packed=True, channel_amax=True, mean=mean, four_over_six=True)
@@ -71,7 +72,7 @@ FORWARD = textwrap.dedent('''
     from fp4attn.cli.accuracy import make_inputs
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.routing import p_mode as _p_mode
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import PRESETS
     from fp4attn.reference import reference_forward
     from fp4attn.routing import ForwardLaunch, override_launch
@@ -102,7 +103,7 @@ SINK_TILES = textwrap.dedent('''
     import dataclasses
     import torch
     from fp4attn.kernels.hopper.forward_op import launch_forward
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import PRESETS
     from fp4attn.reference import reference_forward
     from fp4attn.reference.masks import causal_offset
@@ -182,8 +183,10 @@ KEY_MEAN_PROLOGUE = textwrap.dedent('''
     import math
     import torch
     from fp4attn.cli.accuracy import make_inputs
-    from fp4attn.kernels.hopper import quantize
-    from fp4attn.kernels.hopper.quantize import abs_max_bits, key_mean, robust_qk_operands
+    from fp4attn.kernels.quantize import robust as quantize
+    from fp4attn.kernels.quantize import statistics
+    from fp4attn.kernels.quantize.robust import robust_qk_operands
+    from fp4attn.kernels.quantize.statistics import abs_max_bits, key_mean
     from fp4attn.recipes import PRESETS
     from fp4attn.reference import robust
     from fp4attn.reference.forward import expand_heads, robust_qk
@@ -254,7 +257,7 @@ FALLBACK_CHOICE = textwrap.dedent('''
     # passes (`quantize_qk_nvfp4`, three quarters of each call; their payloads under the
     # fallback are test_robust_quantizers_are_the_reference_under_the_interpreter's) are
     # stood in for until the count of passes at the end
-    from fp4attn.kernels.hopper.quantize import quantize_qk_nvfp4
+    from fp4attn.kernels.quantize.nvfp4 import quantize_qk_nvfp4
     if DEVICE == "cpu":
         quantize.quantize_qk_nvfp4 = lambda *args, **kwargs: (None, None)
 
@@ -360,7 +363,7 @@ FALLBACK_CHOICE = textwrap.dedent('''
     # pass (`_abs_max_kernel`) over Q only (the quantizing passes real again)
     quantize.quantize_qk_nvfp4 = quantize_qk_nvfp4
     launches = []
-    kernel = quantize._abs_max_kernel
+    kernel = statistics._abs_max_kernel
 
     class Counted:
         def __getitem__(self, grid):
@@ -369,7 +372,7 @@ FALLBACK_CHOICE = textwrap.dedent('''
                 return kernel[grid](x, *args, **kwargs)
             return run
 
-    quantize._abs_max_kernel = Counted()
+    statistics._abs_max_kernel = Counted()
     try:
         q = torch.randn(1, 4, 40, 64, generator=g).bfloat16().to(DEVICE)
         k = torch.randn(1, 2, 50, 64, generator=g).bfloat16().to(DEVICE)
@@ -381,7 +384,7 @@ FALLBACK_CHOICE = textwrap.dedent('''
         robust_qk_operands(q, k, PRESETS["nvfp4-fp8-robust"].with_(smooth_k=False), 0.125)
         assert launches == [(4, 40, 64), (2, 50, 64)], launches
     finally:
-        quantize._abs_max_kernel = kernel
+        statistics._abs_max_kernel = kernel
 ''')
 
 # both parts in one script, as the GPU test runs them (test_robust_hopper.py)
@@ -417,7 +420,7 @@ def test_robust_passes_build_for_sm90(kernel, D, choice):
     IEEE-rounded as torch's (div.rn, sqrt.rn, the `_rn` forms; no approximate or
     contracted operation)."""
     from dev.machine_code import _compile_sm90, _pointers_and, inspect
-    from fp4attn.kernels.hopper import quantize as qz
+    from fp4attn.kernels.quantize import statistics as qz
 
     choice_sig = dict(COUNT="*i32", SQ_Q="*fp64", FB_Q="*i8", FB_K="*i8", S_Q="i32", D_STAT="i32", GROUP="i32",
                       SCALE="fp64", LIMIT="fp64")
@@ -459,7 +462,7 @@ def test_head_dim_beyond_the_padded_inputs_is_refused():
     import torch
 
     from fp4attn.kernels.blackwell.operands import prepare_operands
-    from fp4attn.kernels.hopper.quantize import robust_qk_operands
+    from fp4attn.kernels.quantize.robust import robust_qk_operands
     from fp4attn.recipes import PRESETS
 
     q = k = v = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)

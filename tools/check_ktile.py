@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from fp4attn.kernels.hopper.quantize import quantize_k_fp8_tiles
+from fp4attn.kernels.quantize.fp8 import quantize_k_fp8_tiles
 from fp4attn.reference.operands import quantize_qk
 
 bad = 0

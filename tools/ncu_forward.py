@@ -12,7 +12,7 @@ import sys
 import torch
 
 from fp4attn.kernels.hopper.forward_op import launch_forward
-from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+from fp4attn.kernels.hopper.operands import prepare_operands_fused
 from fp4attn.recipes import PRESETS
 from fp4attn.routing import P_MODES
 

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/ (the checking build)
 
 from dev.forward_cuda_check import MEASURED, launch_checking  # noqa: E402
-from fp4attn.kernels.hopper.quantize import prepare_operands_fused  # noqa: E402
+from fp4attn.kernels.hopper.operands import prepare_operands_fused  # noqa: E402
 from fp4attn.recipes import PRESETS  # noqa: E402
 
 B, H, S, D = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "2,16,16384,128").split(","))

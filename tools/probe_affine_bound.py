@@ -30,7 +30,7 @@ def main() -> None:
 
     from dev.forward_cuda_check import launch_checking
     from fp4attn.kernels.hopper.forward_op import launch_forward
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
     from fp4attn.routing import forward_launch, override_launch
     from fp4attn.tools.benchmark import sdpa

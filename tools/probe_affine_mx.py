@@ -36,7 +36,7 @@ def main() -> None:
     from fp4attn.cli.output import markdown_table
     from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS
     from fp4attn.kernels.hopper.forward_op import launch_forward
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
     from fp4attn.routing import forward_launch, override_launch
     from fp4attn.tools.benchmark import sdpa

@@ -16,7 +16,9 @@ import time
 import torch
 import triton
 
-from fp4attn.kernels.hopper import quantize as qz
+from fp4attn.kernels.hopper.operands import prepare_operands_fused
+from fp4attn.kernels.quantize import nvfp4
+from fp4attn.kernels.quantize import statistics as qz
 from fp4attn.recipes import PRESETS
 from fp4attn.tools.benchmark import device_kernels
 
@@ -71,9 +73,9 @@ fbk = torch.zeros(G, device="cuda", dtype=torch.int8)
 for f46, robust_k, blocks in ((False, False, 1), (False, False, 8), (True, True, 1), (True, True, 8), (True, False, 8)):
     gr, blk = qz._row_grid(S, G, blocks)
     def f():
-        return qz._nvfp4_rows_kernel[gr](k3, y, amax_k, sdec, y, y, amax_k, mean, fbk, S, D=D, BLOCK_R=blk,
-                                         BLOCKS=blocks, PACKED=False, CHANNEL_AMAX=False, HAS_MEAN=robust_k,
-                                         FOUR_OVER_SIX=f46, FALLBACK=robust_k, HW_CVT=True, num_warps=4)
+        return nvfp4._nvfp4_rows_kernel[gr](k3, y, amax_k, sdec, y, y, amax_k, mean, fbk, S, D=D, BLOCK_R=blk,
+                                            BLOCKS=blocks, PACKED=False, CHANNEL_AMAX=False, HAS_MEAN=robust_k,
+                                            FOUR_OVER_SIX=f46, FALLBACK=robust_k, HW_CVT=True, num_warps=4)
     rows.append((f"nvfp4 rows{' 4-or-6' if f46 else ''}{' + mean + fallback' if robust_k else ''}, "
                  f"{blk} rows x {blocks} blocks{' (prefetch)' if blocks > 1 else ''}", bench(f)))
 
@@ -88,9 +90,9 @@ for f46, rows_a_block in ((False, 16), (True, 16), (True, 8)):
     blocks = qz.CHANNEL_BLOCKS * 16 // rows_a_block
     gr, blk = qz._row_grid(S, G, blocks, most=rows_a_block)
     def f():
-        return qz._nvfp4_rows_kernel[gr](k3, y, amax_k, sdec, codes, bscale, camax, mean, fbk, S, D=D, BLOCK_R=blk,
-                                         BLOCKS=blocks, PACKED=True, CHANNEL_AMAX=True, HAS_MEAN=f46,
-                                         FOUR_OVER_SIX=f46, FALLBACK=False, HW_CVT=True, num_warps=4)
+        return nvfp4._nvfp4_rows_kernel[gr](k3, y, amax_k, sdec, codes, bscale, camax, mean, fbk, S, D=D,
+                                            BLOCK_R=blk, BLOCKS=blocks, PACKED=True, CHANNEL_AMAX=True, HAS_MEAN=f46,
+                                            FOUR_OVER_SIX=f46, FALLBACK=False, HW_CVT=True, num_warps=4)
     rows.append((f"training nvfp4 rows{' 4-or-6 + mean' if f46 else ''} (packed, channel maxima), "
                  f"{blk} rows x {blocks} blocks", bench(f)))
 
@@ -104,7 +106,7 @@ print("\n| quantization of | device ms (sum of kernels) | host-seen ms (do_bench
 print("|---|---|---|---|---|")
 for r in ("nvfp4-fp8", "nvfp4-fp8-robust"):
     def call(r=r):
-        return qz.prepare_operands_fused(q, k, v, PRESETS[r], scale=D**-0.5)
+        return prepare_operands_fused(q, k, v, PRESETS[r], scale=D**-0.5)
     host = bench(call)
     kern = device_kernels(call)
     torch.cuda.synchronize()

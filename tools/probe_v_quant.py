@@ -14,8 +14,8 @@ import argparse
 import torch
 import triton
 
-from fp4attn.kernels.hopper import quantize as qz
-from fp4attn.kernels.hopper.operands import BLOCK_N
+from fp4attn.kernels.hopper.operands import BLOCK_N, prepare_operands_fused
+from fp4attn.kernels.quantize import fp8, v_operand
 from fp4attn.recipes import PRESETS
 
 ap = argparse.ArgumentParser()
@@ -33,7 +33,7 @@ def same(a, b):
 
 
 recipe = PRESETS[args.recipe]
-routed = dict(qz.V_PROGRAM)
+routed = dict(v_operand.V_PROGRAM)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 rows = []
 for shape in args.shapes.split(";"):
@@ -44,15 +44,15 @@ for shape in args.shapes.split(";"):
     rows.append((shape, "bf16 copy (read + write)", copy))
     for fmt in ("fp8", "mxfp4"):
         for keys, warps in ((64, 4), (128, 4), (128, 8), (32, 4)):
-            qz.V_PROGRAM[D] = (keys, warps)
+            v_operand.V_PROGRAM[D] = (keys, warps)
             forms = (True, False) if -(-S // keys) <= sms else (False,)
             for one in forms:
-                t = bench(lambda: qz.quantize_v_t(v, fmt, pad_keys_to=BLOCK_N, one_pass=one))
+                t = bench(lambda: v_operand.quantize_v_t(v, fmt, pad_keys_to=BLOCK_N, one_pass=one))
                 rows.append((shape, f"V {fmt}, {keys} keys, {warps} warps, read {'once' if one else 'twice'}", t))
             if len(forms) == 2:
-                assert same(qz.quantize_v_t(v, fmt, pad_keys_to=BLOCK_N, one_pass=True),
-                            qz.quantize_v_t(v, fmt, pad_keys_to=BLOCK_N, one_pass=False)), (shape, fmt, keys)
-        qz.V_PROGRAM.update(routed)
+                assert same(v_operand.quantize_v_t(v, fmt, pad_keys_to=BLOCK_N, one_pass=True),
+                            v_operand.quantize_v_t(v, fmt, pad_keys_to=BLOCK_N, one_pass=False)), (shape, fmt, keys)
+        v_operand.V_PROGRAM.update(routed)
     x3 = q.reshape(G, S, D)
     y = torch.empty(x3.shape, device="cuda", dtype=torch.float8_e4m3fn)
     sc = torch.empty((G, S), device="cuda", dtype=torch.float32)
@@ -61,15 +61,15 @@ for shape in args.shapes.split(";"):
     for block_r, blocks, warps in ((16, 1, 4), (32, 1, 4), (64, 1, 4), (64, 1, 8), (128, 1, 8), (16, 4, 4), (32, 4, 4)):
         grid = (-(-S // (block_r * blocks)), G)
         def f():
-            return qz._fp8_rows_kernel[grid](x3, y, sc, x3, none, camax, S, D=D, BLOCK_R=block_r, BLOCKS=blocks,
-                                             WITH_DOT=False, CHANNEL_AMAX=False, HW_CVT=True, num_warps=warps)
+            return fp8._fp8_rows_kernel[grid](x3, y, sc, x3, none, camax, S, D=D, BLOCK_R=block_r, BLOCKS=blocks,
+                                              WITH_DOT=False, CHANNEL_AMAX=False, HW_CVT=True, num_warps=warps)
         rows.append((shape, f"Q per row, {block_r} rows x {blocks} blocks, {warps} warps", bench(f)))
     for warps in (4, 8, 16):
         def f():
-            return qz._fp8_tiles_kernel[(-(-S // BLOCK_N), G)](x3, y, sc, S, D=D, TILE=BLOCK_N, HW_CVT=True,
-                                                               num_warps=warps)
+            return fp8._fp8_tiles_kernel[(-(-S // BLOCK_N), G)](x3, y, sc, S, D=D, TILE=BLOCK_N, HW_CVT=True,
+                                                                num_warps=warps)
         rows.append((shape, f"K per tile, {warps} warps", bench(f)))
-    rows.append((shape, f"{args.recipe} operands as routed", bench(lambda: qz.prepare_operands_fused(q, k, v, recipe))))
+    rows.append((shape, f"{args.recipe} operands as routed", bench(lambda: prepare_operands_fused(q, k, v, recipe))))
 
 print("\n| shape | what | ms |")
 print("|---|---|---|")

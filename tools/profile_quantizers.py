@@ -16,7 +16,7 @@ import argparse
 import torch
 import triton
 
-from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+from fp4attn.kernels.hopper.operands import prepare_operands_fused
 from fp4attn.kernels.hopper.train_op import backward_operands, quantize_for_training
 from fp4attn.recipes import PRESETS
 from fp4attn.tools.benchmark import device_kernels

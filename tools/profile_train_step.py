@@ -22,7 +22,8 @@ from fp4attn.cli.bench_train import model_step
 from fp4attn.kernels.hopper import backward_gluon as bp
 from fp4attn.kernels.hopper import train_op
 from fp4attn.kernels.hopper.forward_op import launch_forward
-from fp4attn.kernels.hopper.quantize import quantize_qk_nvfp4, quantize_v_t
+from fp4attn.kernels.quantize.nvfp4 import quantize_qk_nvfp4
+from fp4attn.kernels.quantize.v_operand import quantize_v_t
 from fp4attn.recipes import PRESETS
 from fp4attn.routing import backward_launch
 from fp4attn.tools.benchmark import device_kernels, host_ms

@@ -53,7 +53,7 @@ def run_bench(shapes, recipes, causal_modes, variants: dict | None = None, parti
     """Time every implementation on every (shape, causal); `partial` gets the records
     written after each shape, so a cut-short run keeps what it measured."""
     from fp4attn.kernels.hopper.forward_op import hopper_attention, launch_forward
-    from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+    from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
     from fp4attn.routing import p_mode, p_sink_tiles
 

@@ -46,7 +46,7 @@ it; every other tile runs unmasked.
 import triton
 import triton.language as tl
 
-from fp4attn.kernels.hopper.quantize import _e2m1_magnitude, _pow2, _round_bf16
+from fp4attn.kernels.quantize.elements import _e2m1_magnitude, _pow2, _round_bf16
 
 # format codes (the K_FMT / V_FMT constexprs), as `decode_op.FORMAT_CODES`
 BF16: tl.constexpr = tl.constexpr(0)

@@ -16,8 +16,13 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
-from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands, padded_vt_rows, tma_loadable
-from fp4attn.kernels.hopper.quantize import prepare_operands_fused
+from fp4attn.kernels.hopper.operands import (
+    BLOCK_N,
+    KernelOperands,
+    padded_vt_rows,
+    prepare_operands_fused,
+    tma_loadable,
+)
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
 from fp4attn.routing import (

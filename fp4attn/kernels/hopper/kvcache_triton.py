@@ -5,7 +5,7 @@ rows once, quantizes each row on its own (every scale is the token's: nothing wa
 other tokens or other programs) and writes the payloads at the tokens' places in the
 pool, found through the block table from the sequence's length before the append. The
 bytes are the reference's (`reference.kvcache.quantize_tokens`), by the same operation
-order as the prefill quantizers (`kernels/hopper/quantize.py`, whose helpers these are):
+order as the prefill quantizers (`kernels/quantize/`, whose helpers these are):
 divisions `div_rn`, values rounded to the e4m3 and E2M1 grids before an exact cast.
 """
 
@@ -15,17 +15,16 @@ from triton.language.extra import libdevice  # noqa: F401  (the helpers' IEEE fo
 
 from fp4attn.formats import constants
 from fp4attn.kernels.hopper.decode_triton import BF16, FP8, NVFP4, _rows_of
-from fp4attn.kernels.hopper.quantize import (
-    ONE_SIXTH,
+from fp4attn.kernels.quantize.elements import (
     _abs_bits,
     _e2m1_code,
     _e2m1_value,
     _floor_log2,
-    _fp8_per_row,
-    _nvfp4_block_scale,
     _pow2,
     _round_bf16,
 )
+from fp4attn.kernels.quantize.fp8 import _fp8_per_row
+from fp4attn.kernels.quantize.nvfp4 import ONE_SIXTH, _nvfp4_block_scale
 from fp4attn.reference.kvcache import MX_WINDOW as _MX_WINDOW
 
 FP32_MAX = tl.constexpr(constants.FP32_MAX)

@@ -1,5 +1,7 @@
-"""Q, K and V in the layouts the Hopper forward kernel reads, from the reference
-quantizers (so the codes and scales are the reference's by construction).
+"""Q, K and V in the layouts the Hopper forward kernels read: from the reference
+quantizers (`prepare_operands`: the codes and scales are the reference's by
+construction), or from the fused Triton quantizers of `kernels/quantize/`
+(`prepare_operands_fused`: the same tensors, bit for bit, which the forward runs on).
 
     q, k    (B, H, S, D) bf16: NVFP4 grid values, or FP8 recipes' e4m3 values (exact in
             bf16, so QK^T runs on the bf16 tensor cores and sums in float32); e4m3 for
@@ -12,12 +14,17 @@ quantizers (so the codes and scales are the reference's by construction).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from fp4attn.formats import E4M3, quantize_fp8, round_to_format
 from fp4attn.formats.minifloat import pow2
+from fp4attn.kernels.quantize.fp8 import quantize_k_fp8_tiles, quantize_qk_fp8
+from fp4attn.kernels.quantize.nvfp4 import quantize_qk_nvfp4
+from fp4attn.kernels.quantize.robust import FUSED_ROBUST_FIELDS, robust_qk_operands
+from fp4attn.kernels.quantize.v_operand import quantize_v_t
 from fp4attn.recipes import Recipe
 from fp4attn.reference.operands import quantize_qk, quantize_v_mxfp4
 from fp4attn.routing import KEY_TILE as BLOCK_N  # the forward's key tile (routing.KEY_TILE)
@@ -64,6 +71,31 @@ def prepare_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: 
         vs = pow2(c)[..., None].expand(*c.shape, v.shape[-1])
     return KernelOperands(qv, kv, qs, ks, vt.contiguous(), vs.float().contiguous(),
                           k_tile_scales=recipe.k_scale == "tile")
+
+
+def prepare_operands_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: Recipe,
+                           scale: float | None = None, head_dim: int | None = None) -> KernelOperands:
+    """The same tensors as `prepare_operands`, from the fused quantizers; for a recipe
+    with outlier-robust fields (only FUSED_ROBUST_FIELDS; `qk_fallback` needs the softmax
+    `scale`, and for zero-padded inputs the caller's `head_dim`: `robust_qk_operands`)
+    those of `reference.forward.robust_qk`. `Recipe.p_sink` is the forward's (P_MODE 3);
+    the other robust fields are refused, never dropped."""
+    other = [f for f in ("rotate_qk", "smooth_v") if getattr(recipe, f)]
+    if other:
+        raise ValueError(f"prepare_operands_fused: {', '.join(other)} are not applied by the fused quantizers")
+    if any(getattr(recipe, f) not in (False, None) for f in FUSED_ROBUST_FIELDS):
+        qv, qs, kv, ks, _ = robust_qk_operands(q, k, recipe, scale, head_dim)
+        vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=BLOCK_N)
+        return KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True)
+    if recipe.qk == "fp8":
+        qk = functools.partial(quantize_qk_fp8, dtype=qk_dtype(recipe))
+    else:
+        qk = quantize_qk_nvfp4
+    qv, qs = qk(q)
+    tiles = recipe.k_scale == "tile"
+    kv, ks = quantize_k_fp8_tiles(k, BLOCK_N, qk_dtype(recipe)) if tiles else qk(k)
+    vt, vs = quantize_v_t(v, recipe.v, pad_keys_to=BLOCK_N)
+    return KernelOperands(qv, kv, qs, ks, vt, vs, vt_keys_padded=True, k_tile_scales=tiles)
 
 
 def tma_loadable(ops: KernelOperands) -> bool:

@@ -32,14 +32,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, operand_tile
 from fp4attn.kernels.hopper.forward_op import launch_forward
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
-from fp4attn.kernels.hopper.quantize import (
-    decode_nvfp4_rows,
-    key_mean,
-    quantize_qk_fp8,
-    quantize_qk_nvfp4,
-    quantize_v_t,
-)
-from fp4attn.kernels.hopper.quantize_train_fp8 import fp8_qk_views, quantize_qk_fp8_saved
+from fp4attn.kernels.quantize.fp8 import quantize_qk_fp8
+from fp4attn.kernels.quantize.fp8_train import fp8_qk_views, quantize_qk_fp8_saved
+from fp4attn.kernels.quantize.nvfp4 import decode_nvfp4_rows, quantize_qk_nvfp4
+from fp4attn.kernels.quantize.statistics import key_mean
+from fp4attn.kernels.quantize.v_operand import quantize_v_t
 from fp4attn.recipes import Recipe
 from fp4attn.reference.backward import DS_BLOCK, refuse_double_backward
 from fp4attn.reference.forward import LOG2E

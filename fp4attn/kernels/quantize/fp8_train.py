@@ -1,6 +1,6 @@
 """The quantizers of per-token FP8 Q/K in training (`train-fp8`): two passes over each of
 Q and K, one in the forward and one before the backward, as the NVFP4 recipes' quantizing
-pass and payload decode (`quantize.py`) are for `train`.
+pass and payload decode (`nvfp4.py`) are for `train`.
 
 Forward (`quantize_qk_fp8_saved`), one pass over x: the per-token e4m3 view
 (`formats.quantize_fp8(x, dim=-1)`: one float32 scale per row), written twice, as bf16
@@ -27,16 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4attn.kernels.hopper.quantize import (
-    CHANNEL_BLOCKS,
-    _block_rows,
-    _e4m3_signed,
-    _fp8_channel_scales,
-    _fp8_rows_kernel,
-    _heads,
-    _hw_cvt,
-    _row_grid,
-)
+from fp4attn.kernels.quantize.elements import _e4m3_signed, _hw_cvt
+from fp4attn.kernels.quantize.fp8 import _fp8_channel_scales, _fp8_rows_kernel
+from fp4attn.kernels.quantize.rows import CHANNEL_BLOCKS, _block_rows, _heads, _row_grid
 
 
 @triton.jit
