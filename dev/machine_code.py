@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from fp4attn.kernels.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
 
 _POINTERS = ("Q", "K", "QS", "KS", "VT", "VS", "O", "LSE", "P_DBG", "KB")

@@ -58,8 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fp4attn.kernels.common import log2_scores
-from fp4attn.kernels.hopper.backward_triton import (
+from fp4attn.kernels.backward_triton import (
     P_OFFSET,
     causal_query_tiles,
     e4m3_rows,
@@ -67,6 +66,7 @@ from fp4attn.kernels.hopper.backward_triton import (
     operand_tile,
     p_r,
 )
+from fp4attn.kernels.common import log2_scores
 from fp4attn.kernels.hopper.gluon_common import (
     barriers,
     barriers_ready,

@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, operand_tile
+from fp4attn.kernels.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, operand_tile
 from fp4attn.kernels.hopper.forward_op import launch_forward
 from fp4attn.kernels.hopper.operands import BLOCK_N, KernelOperands
 from fp4attn.kernels.quantize.fp8 import quantize_qk_fp8

@@ -1,4 +1,6 @@
-"""Attention backward for Hopper (sm_90) of the training recipes.
+"""Attention backward of the training recipes in Triton, built for Hopper (sm_90; the
+Hopper training runs it where its Gluon kernels do not, `hopper.train_op`) and for
+Blackwell (`blackwell.train_op`, with QK_FP4 below).
 
 P is rebuilt from the forward's saved Q/K and its LSE; no score tile from the forward
 is kept. Q and K arrive as bf16 values, exact for both training formats (NVFP4's grid
