@@ -277,7 +277,10 @@ def explain(
     Returns a plain dict: "backend" ("triton" or "reference"), "kernel" (the kernels'
     names, or "reference"), "target" ("sm_90", "sm_100", ..., or "cpu"; the
     FP4ATTN_TARGET environment variable overrides it), "reason", "launcher" (the
-    function that would run), "recipe" (its name), "needs_grad". Works on any device;
+    function that would run), "recipe" (its name), "needs_grad"; on the Hopper kernels
+    also "plan": for each kernel the plan its launcher executes (`routing.ForwardPlan`,
+    `routing.BackwardPlan`: kernel, P mode, launch variant, why), the backward's for
+    lengths that are whole tiles. Works on any device;
     `needs_grad` defaults to whether any of q, k, v requires grad. Arguments are
     `attention`'s (less `return_lse`), validated as `attention` validates them.
 

@@ -12,7 +12,12 @@ decision a call goes through:
                 the first family whose target matches and which accepts the recipe,
                 head dim and mask runs the call, else the reference
     launch      the launch shape of that family's kernel (`FORWARD_LAUNCH`,
-                `BACKWARD_LAUNCH`), each entry traced to a committed measurement
+                `BACKWARD_LAUNCH`), each entry with a one-line reason and its
+                measurements in the family's note (docs/notes/)
+    plan        on Hopper, the kernel that runs the call and its variant, decided
+                once from the call's data (`hopper_forward_plan`,
+                `hopper_backward_plan`): `explain` reports it, the launchers
+                execute it and decide nothing
 
 A launch changes speed only, never a value (query rows are independent; the key tile
 is part of the recipe), with one exception named where it is set: `cuda_from_keys` runs
@@ -72,9 +77,8 @@ P_MODES = {("fp8", "exp2"): PMode.FP8_EXP2, ("mxfp4", "directp"): PMode.MXFP4_DI
            ("mxfp4", "exp2"): PMode.MXFP4_EXP2, ("fp8", "affine"): PMode.FP8_AFFINE,
            ("mxfp4", "affine"): PMode.MXFP4_AFFINE}
 # the P modes the Gluon warp-specialized kernel runs: FP8 P from exp2 and from the affine map
-# (reference/affine.py). Affine MXFP4 P (5) ran there at the Triton kernel's speed (0.558x
-# against 0.559x of cuDNN bf16, D=128 geomean, benchmarks/results/log/h200-forward-affine-mx-gluon.json):
-# MXFP4 P stays on the Triton kernel
+# (reference/affine.py); MXFP4 P ran there no faster than on the Triton kernel
+# (docs/notes/hopper-forward.md)
 GLUON_P_MODES = (PMode.FP8_EXP2, PMode.FP8_AFFINE, PMode.FP8_AFFINE_LAZY)
 # the training kernels' P modes: as P_MODES, but a trained affine FP8 P measures its codes
 # from the integer grid (P_MODE 6: `kernels.common.affine_reference_point`), from which the
@@ -112,6 +116,34 @@ def interpreting() -> bool:
 
 
 # ---------------------------------------------------------------------------- launches
+class WSOverlap(enum.IntEnum):
+    """Where the Gluon warp-specialized forward issues the next tile's QK^T (its OVERLAP
+    constexpr, `forward_gluon_ws._ws_consumer`); one wait retires it with PV either way.
+
+    BESIDE_PV: right after PV_j, so the tensor cores run the two back to back (S_{j+1},
+        PV_j and O live together; no softmax temporaries beside them).
+    BEFORE_SOFTMAX: before tile j's softmax, which then hides it (S_j, S_{j+1} and O live
+        together through the softmax): faster where QK^T is long (bf16 QK^T, causal).
+    """
+
+    BESIDE_PV = 1
+    BEFORE_SOFTMAX = 4
+
+
+class DkdvStaged(enum.IntEnum):
+    """How a tile's numbers (LSE, delta, dO's token scales, the channel scales) reach the
+    Gluon dK/dV kernel's wgmma layouts (its STAGED constexpr, `backward_gluon.py`).
+
+    TOGETHER: stored to shared memory together at the top of the tile and loaded from there
+        (one CTA barrier for all of them).
+    ASYNC_AHEAD: copied asynchronously into two-stage shared buffers a tile ahead (no
+        registers held across the tile's products).
+    """
+
+    TOGETHER = 1
+    ASYNC_AHEAD = 2
+
+
 @dataclass(frozen=True)
 class ForwardLaunch:
     """Launch shape and code variant of the Hopper forward; speed only.
@@ -124,7 +156,7 @@ class ForwardLaunch:
     warp_specialized: FP8 P on the Gluon kernel `forward_gluon_ws.attn_fwd_ws_kernel`
     (a producer warp and one consumer warpgroup per 64 rows, bit-identical to the
     Triton kernel's pv_add path); ws_overlap: where it issues the next tile's QK^T
-    (1: beside PV; 4: before the softmax).
+    (`WSOverlap`).
     cuda_from_keys: (P mode, keys) pairs: the forward of P mode `p_mode` on the CUDA C++
     kernel (`forward_cuda`: FlashAttention-3's schedule, fused softmax; its builds by P mode
     in `forward_cuda.P_MODE_BUILDS`) from `keys` keys on, on CUDA tensors where it can be
@@ -141,68 +173,64 @@ class ForwardLaunch:
     tma_kv: bool = False
     pv_add: bool = False
     warp_specialized: bool = False
-    ws_overlap: int = 1
-    cuda_from_keys: tuple[tuple[int, int], ...] = ()
+    ws_overlap: WSOverlap = WSOverlap.BESIDE_PV
+    cuda_from_keys: tuple[tuple[PMode, int], ...] = ()
     cuda_persistent: bool = False
+
+    def __post_init__(self):
+        # the variant codes as their enums (a plain 4 or (0, 4096) reads the same), checked here
+        object.__setattr__(self, "ws_overlap", WSOverlap(self.ws_overlap))
+        object.__setattr__(self, "cuda_from_keys", tuple((PMode(m), int(n)) for m, n in self.cuda_from_keys))
 
     def cuda_keys(self, p_mode: int) -> int:
         """The key count from which P mode `p_mode` runs on the CUDA C++ kernel (0: never)."""
         return dict(self.cuda_from_keys).get(p_mode, 0)
 
 
-# Keyed by (head dim, QK^T on the FP8 tensor cores, causal). The measurements behind each
-# choice (TFLOP/s per variant and shape, H200) are in docs/notes/hopper-forward.md; the
-# result files, in benchmarks/results/log/: h200-forward-ws-overlap4.txt (ws_overlap per
-# case), h200-forward-fastacc.txt and h200-forward-d64-fastacc.txt (FP8 tensor-core QK^T,
-# D=128 on the Gluon kernel, D=64 on the Triton one, TMA causal only), h200-forward-ws-2.txt
-# (the Gluon kernel for FP8 P at D=128), h200-forward-tma.txt and h200-forward-pv-add.txt
-# (bf16 QK^T: TMA and pv_add at D=128; D=64 keeps Triton's promotion).
-# cuda_from_keys, by P mode (0 exp2 FP8 P, 4 affine FP8 P, 5 affine MXFP4 P, 7 affine FP8 P
-# rescaled lazily):
-# - e4m3 QK^T (the `fast_accum` recipes), P mode 0: at D=128 the CUDA kernel ran 2-7% faster
-#   than the Gluon kernel at 4k keys and level with it (-2 to +1%) at 16k-32k, causal or not
-#   (log/h200-forward-cuda-serial.txt, the fresh accumulators; 3-9% faster at 16k-32k in
-#   log/h200-forward-cuda-fused-poly.txt); at D=64, three consumers, 0-12%
-#   faster than the Triton kernel at 8k and -8 to +3% at 2k (log/h200-forward-cuda-consumers.txt,
-#   -serial.txt).
-# - P mode 4 (fp8-affine-fastacc) at D=64 non-causal ran 16-21% faster on the CUDA kernel than
-#   on the Triton kernel at 2k-4k keys (0.96x / 1.04x of cuDNN bf16 against 0.83x / 0.86x);
-#   causal the Triton kernel stayed ahead there (0.90x / 0.92x against 0.82x / 0.89x), and at
-#   D=128 the Gluon kernel at 2k (1.04x against 1.02x) (log/h200-affine-bound-2.txt,
-#   -2-causal.txt; docs/notes/affine-p.md).
-# - P mode 7 (fp8-ktile-affine-lazy-fastacc) ran 14-43% faster on the CUDA kernel than on the
-#   Triton/Gluon kernels at 2048-4096 keys, both head dims, causal or not (0.94x against 0.78x of
-#   cuDNN bf16 at (16,16,2048,64) causal, 1.18x against 0.97x at (8,16,2048,128);
-#   log/h200-lazy-rescale/probe-routing*.txt); shorter rows were not measured.
-# - P mode 5 (fp8-directp-fast-fastacc), and bf16 QK^T (the exact recipes: directp-fast,
-#   fp8-directp-fast, fp8-affine, fp8, nvfp4-fp8) in P modes 0, 4 and 5: in P mode 5 the CUDA
-#   kernel ran 1.6-2.2x as fast as the Triton kernel at every measured shape (512-16k keys, both
-#   head dims, causal or not); in modes 0 and 4 1.0-1.2x as fast as the Triton/Gluon kernels
-#   non-causal from 512 keys (D=64) and 1024 (D=128), causal at D=128 from 1024, while causal at
-#   D=64 the Triton kernel stayed ahead at 512-1024 keys (0.76x against 0.66x of cuDNN bf16,
-#   fp8-affine at (32,16,1024,64)), level at 2048, behind at 8192 (0.87x against 0.96x)
-#   (H100, log/h100-cuda-builds/probe-cudabuilds*.txt and probe-short*.txt; docs/notes/affine-p.md).
-# cuda_persistent: non-causal, the persistent grid ran 1-6% faster than a CTA per unit (lazy
-# affine P at D=128: 1.43x against 1.38x of cuDNN bf16 at 4k keys, 1.37x against 1.29x at 2k,
-# 1.49x against 1.48x at 16k; D=64 +1-7%), the exact and exp2 builds alike; causal, 1-6% slower
-# at D=128 and 30% at (16,16,2048,64): the static schedule hands CTA c the units of one query
-# block length over and over there (132 CTAs = 12 x 11 blocks a head), the longest to some
-# (benchmarks/results/log/h200-persistent/persistent-staged*.txt; docs/notes/hopper-forward.md).
+# Keyed by (kernel head dim, QK^T on the FP8 tensor cores: the `fast_accum` recipes, causal).
+# One line each on why; the measurements (H200 unless said, against cuDNN bf16 in the same
+# run) and their result files are in docs/notes/hopper-forward.md, "What runs today, and why".
 FORWARD_LAUNCH: dict[tuple[int, bool, bool], ForwardLaunch] = {
-    (128, True, False): ForwardLaunch(64, 4, 2, True, warp_specialized=True, cuda_persistent=True,
-                                      cuda_from_keys=((0, 4096), (4, 4096), (5, 1024), (7, 2048))),
-    (128, True, True): ForwardLaunch(64, 4, 2, True, warp_specialized=True, ws_overlap=4,
-                                     cuda_from_keys=((0, 4096), (4, 4096), (5, 1024), (7, 2048))),
-    (64, True, False): ForwardLaunch(64, 4, 3, True, cuda_persistent=True,
-                                     cuda_from_keys=((0, 8192), (4, 2048), (5, 512), (7, 2048))),
-    (64, True, True): ForwardLaunch(64, 4, 3, True, tma_kv=True,
-                                    cuda_from_keys=((0, 8192), (4, 8192), (5, 512), (7, 2048))),
-    **{(128, False, causal): ForwardLaunch(64, 4, 2, True, tma_kv=True, pv_add=True, warp_specialized=True,
-                                           ws_overlap=4, cuda_from_keys=((0, 1024), (4, 1024), (5, 1024)),
-                                           cuda_persistent=not causal) for causal in (True, False)},
-    (64, False, False): ForwardLaunch(64, 4, 2, True, tma_kv=True, cuda_persistent=True,
-                                      cuda_from_keys=((0, 512), (4, 512), (5, 512))),
-    (64, False, True): ForwardLaunch(64, 4, 2, True, tma_kv=True, cuda_from_keys=((0, 2048), (4, 2048), (5, 512))),
+    # Gluon unpromoted (616-656 against Triton's 450-505 TFLOP/s); the next QK^T beside PV (before the
+    # softmax lost 7-8% here); CUDA from 1-4k keys by P mode; persistent grid (+1-6% non-causal)
+    (128, True, False): ForwardLaunch(
+        block_m=64, warps=4, stages=2, p_hw_cvt=True, warp_specialized=True, cuda_persistent=True,
+        cuda_from_keys=((PMode.FP8_EXP2, 4096), (PMode.FP8_AFFINE, 4096), (PMode.MXFP4_AFFINE, 1024),
+                        (PMode.FP8_AFFINE_LAZY, 2048))),
+    # as above, the next QK^T before the softmax (+3-5% causal); a CTA a unit (persistent lost 1-6% causal)
+    (128, True, True): ForwardLaunch(
+        block_m=64, warps=4, stages=2, p_hw_cvt=True, warp_specialized=True, ws_overlap=WSOverlap.BEFORE_SOFTMAX,
+        cuda_from_keys=((PMode.FP8_EXP2, 4096), (PMode.FP8_AFFINE, 4096), (PMode.MXFP4_AFFINE, 1024),
+                        (PMode.FP8_AFFINE_LAZY, 2048))),
+    # Triton, three programs an SM (the Gluon kernel ran 364 against 392 TFLOP/s); CUDA from 8k keys for exp2
+    # FP8 P (0-12% faster), 2k for affine FP8 P (+16-21%), 512 for affine MXFP4 P (1.6-2.2x)
+    (64, True, False): ForwardLaunch(
+        block_m=64, warps=4, stages=3, p_hw_cvt=True, cuda_persistent=True,
+        cuda_from_keys=((PMode.FP8_EXP2, 8192), (PMode.FP8_AFFINE, 2048), (PMode.MXFP4_AFFINE, 512),
+                        (PMode.FP8_AFFINE_LAZY, 2048))),
+    # Triton with K and V^T by TMA (+11% causal); causal, affine FP8 P stays on Triton below 8k keys (it
+    # led the CUDA kernel at 2-4k)
+    (64, True, True): ForwardLaunch(
+        block_m=64, warps=4, stages=3, p_hw_cvt=True, tma_kv=True,
+        cuda_from_keys=((PMode.FP8_EXP2, 8192), (PMode.FP8_AFFINE, 8192), (PMode.MXFP4_AFFINE, 512),
+                        (PMode.FP8_AFFINE_LAZY, 2048))),
+    # bf16 QK^T at D=128: Gluon for FP8 P, the next QK^T before the softmax (+4-8% causal); the Triton
+    # kernel (MXFP4 P, key masks) with TMA (+21%) and pv_add (+7-9%); CUDA from 1k keys (1.0-1.2x);
+    # persistent where non-causal
+    **{(128, False, causal): ForwardLaunch(
+        block_m=64, warps=4, stages=2, p_hw_cvt=True, tma_kv=True, pv_add=True, warp_specialized=True,
+        ws_overlap=WSOverlap.BEFORE_SOFTMAX, cuda_persistent=not causal,
+        cuda_from_keys=((PMode.FP8_EXP2, 1024), (PMode.FP8_AFFINE, 1024), (PMode.MXFP4_AFFINE, 1024)))
+       for causal in (True, False)},
+    # bf16 QK^T at D=64: Triton, K and V^T by TMA; CUDA from 512 keys (1.0-1.2x non-causal); persistent
+    (64, False, False): ForwardLaunch(
+        block_m=64, warps=4, stages=2, p_hw_cvt=True, tma_kv=True, cuda_persistent=True,
+        cuda_from_keys=((PMode.FP8_EXP2, 512), (PMode.FP8_AFFINE, 512), (PMode.MXFP4_AFFINE, 512))),
+    # causal: Triton ahead of CUDA at 512-1024 keys in exp2 and affine FP8 P (level at 2048); affine
+    # MXFP4 P from 512
+    (64, False, True): ForwardLaunch(
+        block_m=64, warps=4, stages=2, p_hw_cvt=True, tma_kv=True,
+        cuda_from_keys=((PMode.FP8_EXP2, 2048), (PMode.FP8_AFFINE, 2048), (PMode.MXFP4_AFFINE, 512))),
 }
 
 
@@ -216,14 +244,15 @@ class BackwardLaunch:
     tma: the loops' operand tiles by TMA where the lengths are whole tiles.
     dkdv_gluon / dq_gluon: dK/dV and dQ by the Gluon kernels (`backward_gluon.py`)
     where the lengths are whole tiles and P is FP8 (dK/dV). dkdv_in_flight: dK/dV half
-    products in flight at once. dkdv_staged: a tile's numbers (LSE, delta, scales)
-    moved through shared memory together (1), or copied asynchronously into two-stage
-    buffers a tile ahead (2). *_maxnreg: register caps of the Gluon
+    products in flight at once (1 or 2). dkdv_staged: how a tile's numbers reach the
+    dK/dV kernel's layouts (`DkdvStaged`). *_maxnreg: register caps of the Gluon
     kernels' 4-warp programs (None: ptxas's choice).
     qk_fp4_dq (Blackwell): the Triton dQ kernel's S by the block-scaled FP4 product of
     the saved NVFP4 payloads (its QK_FP4; needs block_m_dq = 128), not a bf16 product.
     qk_fp4_dkdv (Blackwell): likewise the Triton dK/dV kernel's scores (its QK_FP4: S of
     two 64-query tiles at once, P^T taken from it), not a bf16 S^T.
+    cuda: the CUDA C++ backward (`backward_cuda.py`: dK, dV and dQ in one
+    FlashAttention-3-style pass) where it takes the operands (`use_cuda_backward`).
     """
 
     block_n_dkdv: int = 128
@@ -236,29 +265,32 @@ class BackwardLaunch:
     tma: bool = False
     dkdv_gluon: bool = False
     dkdv_in_flight: int = 1
-    dkdv_staged: int = 1
+    dkdv_staged: DkdvStaged = DkdvStaged.TOGETHER
     dq_gluon: bool = False
     dkdv_maxnreg: int | None = None
     dq_maxnreg: int | None = None
     qk_fp4_dq: bool = False
     qk_fp4_dkdv: bool = False
-    # the CUDA C++ backward (`backward_cuda.py`: dK, dV and dQ in one FlashAttention-3-style pass)
-    # where it takes the operands (`use_cuda_backward`); off in the table: slower than the Gluon
-    # kernels as measured (docs/notes/hopper-train.md)
     cuda: bool = False
 
+    def __post_init__(self):
+        object.__setattr__(self, "dkdv_staged", DkdvStaged(self.dkdv_staged))  # a plain 1 or 2 reads the same
 
-# Keyed by head dim; the fastest variants of causal (4,16,4096,128) and (8,16,4096,64),
-# backward ms on the H200, docs/notes/hopper-train.md; files in benchmarks/results/log/: the
-# Gluon dK/dV kernel (h200-backward-dkdv-gluon-2.txt), its numbers staged
-# (h200-backward-dkdv-staged.txt) or copied asynchronously at D=128
-# (h200-backward-dkdv-async-numbers.txt), the Gluon dQ (h200-backward-dq-gluon.txt),
-# register caps at D=64 (h200-backward-gluon-maxnreg.txt).
+
+# Keyed by kernel head dim: the fastest variants at causal (4,16,4096,128) and (8,16,4096,64).
+# One line each on why; the measurements (backward ms, H200) and their result files are in
+# docs/notes/hopper-train.md, "What runs today, and why". The CUDA C++ backward is off in
+# both: slower than the Gluon kernels as measured (docs/notes/hopper-train.md).
 BACKWARD_LAUNCH: dict[int, BackwardLaunch] = {
+    # Gluon dK/dV (1.69 against Triton's 2.21 ms) with the numbers staged together (1.68 -> 1.47) and two
+    # half products in flight (+4%); Gluon dQ; both capped at 168 registers, three programs an SM
     64: BackwardLaunch(block_n_dkdv=64, warps_dkdv=4, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
-                       dkdv_in_flight=2, dkdv_staged=1, dq_gluon=True, dkdv_maxnreg=168, dq_maxnreg=168),
-    128: BackwardLaunch(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True, dkdv_staged=2,
-                        dq_gluon=True),
+                       dkdv_in_flight=2, dkdv_staged=DkdvStaged.TOGETHER, dq_gluon=True, dkdv_maxnreg=168,
+                       dq_maxnreg=168),
+    # Gluon dK/dV (1.33 against 2.98 ms) with the numbers copied a tile ahead (1.294 -> 1.250: in registers
+    # they spilled); Gluon dQ (0.90 -> 0.78)
+    128: BackwardLaunch(block_n_dkdv=64, block_m_dq=64, warps_dq=4, tma=True, dkdv_gluon=True,
+                        dkdv_staged=DkdvStaged.ASYNC_AHEAD, dq_gluon=True),
 }
 
 _FORWARD_OVERRIDE: contextvars.ContextVar[ForwardLaunch | None] = contextvars.ContextVar("forward_launch",
@@ -302,10 +334,11 @@ def table_forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLa
     return _FORWARD_OVERRIDE.get() or FORWARD_LAUNCH[head_dim, qk_fp8, causal]
 
 
-def forward_launch(head_dim: int, qk_fp8: bool, causal: bool) -> ForwardLaunch:
+def forward_launch(head_dim: int, qk_fp8: bool, causal: bool, interpreter: bool | None = None) -> ForwardLaunch:
     """The launch the Hopper forward runs: `table_forward_launch`, or under the
-    interpreter INTERPRETER_FORWARD_LAUNCH unless overridden."""
-    if interpreting() and _FORWARD_OVERRIDE.get() is None:
+    interpreter (`interpreter`; None: `interpreting()`) INTERPRETER_FORWARD_LAUNCH unless
+    overridden."""
+    if (interpreting() if interpreter is None else interpreter) and _FORWARD_OVERRIDE.get() is None:
         return INTERPRETER_FORWARD_LAUNCH
     return table_forward_launch(head_dim, qk_fp8, causal)
 
@@ -358,14 +391,57 @@ def cuda_kernels_unavailable() -> str | None:
     return None
 
 
+def _cuda_forward_refusal(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: bool, training: bool = False,
+                          queries: int | None = None, write_p: bool = False,
+                          unavailable: str | None = None) -> str | None:
+    """Why the forward does not run on the CUDA C++ kernel, or None where it does: the P
+    mode's key count in `cuda_from_keys` reached, not a training forward, no debug tiles,
+    at least one query row, CUDA tensors where the CUDA kernels build (`unavailable`: the
+    probe's answer, `cuda_kernels_unavailable`)."""
+    n = launch.cuda_keys(p_mode)
+    if training:
+        return "a training forward, whose backward rebuilds P as the Triton and Gluon kernels build it"
+    if not n:
+        return f"P mode {_mode_name(p_mode)} is not in the launch's cuda_from_keys"
+    if keys < n:
+        return f"{keys} keys, below the launch's {n} for P mode {_mode_name(p_mode)}"
+    if write_p:
+        return "write_p (the P tiles are the Triton kernel's)"
+    if queries is not None and queries < 1:
+        return "no query rows"
+    if not on_cuda:
+        return "not CUDA tensors"
+    return unavailable
+
+
 def use_cuda_forward(launch: ForwardLaunch, p_mode: int, keys: int, on_cuda: bool, training: bool = False) -> bool:
     """Whether the forward runs on the CUDA C++ kernel (`ForwardLaunch.cuda_from_keys`; the
     launch is the table's for the recipe's Q/K: e4m3 for `fast_accum`, else bf16). Never for
     a training forward (`training`): its backward rebuilds P as the Triton kernels build it
     (the CUDA kernel's build of their arithmetic measured no faster for training:
-    docs/notes/hopper-train.md)."""
-    n = launch.cuda_keys(p_mode)
-    return not training and n > 0 and keys >= n and on_cuda and cuda_kernels_unavailable() is None
+    docs/notes/hopper-train.md). `hopper_forward_plan`'s rule."""
+    # the probe asked last, only where all else holds
+    return _cuda_forward_refusal(launch, p_mode, keys, on_cuda, training) is None and cuda_kernels_unavailable() is None
+
+
+def _gluon_forward_refusal(launch: ForwardLaunch, p_mode: int, write_p: bool, key_bias: bool, kv_tma: bool,
+                           q_contiguous: bool) -> str | None:
+    """Why the forward does not run on the Gluon warp-specialized kernel, or None where it
+    does: a warp-specialized launch, FP8 P (GLUON_P_MODES), no debug tiles or key bias, Q
+    contiguous and K, V^T loadable by TMA (the fused quantizers' layouts are)."""
+    if not launch.warp_specialized:
+        return "the launch is not warp-specialized"
+    if p_mode not in GLUON_P_MODES:
+        return f"P mode {_mode_name(p_mode)} (the Gluon kernel builds {', '.join(m.name for m in GLUON_P_MODES)})"
+    if write_p:
+        return "write_p (the Gluon kernel writes no P tiles)"
+    if key_bias:
+        return "a key bias (the Gluon kernel takes none)"
+    if not kv_tma:
+        return "K or V^T not loadable by TMA"
+    if not q_contiguous:
+        return "Q not contiguous"
+    return None
 
 
 def table_backward_launch(head_dim: int) -> BackwardLaunch:
@@ -373,20 +449,39 @@ def table_backward_launch(head_dim: int) -> BackwardLaunch:
     return _BACKWARD_OVERRIDE.get() or BACKWARD_LAUNCH[head_dim]
 
 
-def backward_launch(head_dim: int) -> BackwardLaunch:
+def backward_launch(head_dim: int, interpreter: bool | None = None) -> BackwardLaunch:
     """The launch the Hopper backward runs: `table_backward_launch`, or under the
-    interpreter its float32 rounding instead of the PTX conversion unless overridden."""
+    interpreter (`interpreter`; None: `interpreting()`) its float32 rounding instead of the
+    PTX conversion and no CUDA C++ kernel, unless overridden."""
     launch = table_backward_launch(head_dim)
-    if interpreting() and _BACKWARD_OVERRIDE.get() is None:
+    if (interpreting() if interpreter is None else interpreter) and _BACKWARD_OVERRIDE.get() is None:
         return dataclasses.replace(launch, hw_cvt=False, cuda=False)
     return launch
 
 
 # The Q/K formats whose backward the Gluon kernels run: NVFP4 (one tensor scale per head
 # for Q and for K) and per-token FP8 (`train-fp8`, a scale per query and per key: the
-# kernels' ROW_SCALES form, as the Triton kernels'; docs/notes/hopper-train.md, "`train-fp8`
-# on the Gluon backward"). Lengths that are not whole tiles run the Triton kernels.
+# kernels' ROW_SCALES form, as the Triton kernels'; docs/notes/hopper-train.md). Lengths
+# that are not whole tiles run the Triton kernels.
 GLUON_BACKWARD_QK = ("nvfp4", "fp8")
+
+
+def _gluon_backward_refusals(launch: BackwardLaunch, qk: str, p_mode: int, tma: bool) -> tuple[str | None, str | None]:
+    """(dK/dV, dQ): why each does not run on its Gluon kernel, or None where it does."""
+    if not tma:
+        common = "tiles not by TMA (a launch without tma, or lengths that are not whole 64-token tiles)"
+    elif not launch.hw_cvt:
+        common = "e4m3 rounded by bit arithmetic (hw_cvt off)"
+    else:
+        common = None if qk in GLUON_BACKWARD_QK else f"Q/K format {qk!r}"
+    dkdv = ("the launch's dkdv_gluon is off" if not launch.dkdv_gluon else common
+            or (None if p_mode == PMode.FP8_EXP2 else f"P mode {_mode_name(p_mode)} (the Gluon dK/dV kernel builds "
+                                                     "FP8 P from exp2)"))
+    # the Gluon dQ kernel builds P by exp2: not the trained affine P
+    dq = ("the launch's dq_gluon is off" if not launch.dq_gluon else common
+          or (None if p_mode != P_MODE_AFFINE_TRAINED else "the trained affine P (the Gluon dQ kernel builds P "
+                                                           "by exp2)"))
+    return dkdv, dq
 
 
 def backward_gluon_kernels(launch: BackwardLaunch, qk: str, p_mode: int, tma: bool) -> tuple[bool, bool]:
@@ -394,19 +489,237 @@ def backward_gluon_kernels(launch: BackwardLaunch, qk: str, p_mode: int, tma: bo
     launch asks for it (`dkdv_gluon`, `dq_gluon`), the loops' tiles arrive by TMA (`tma`:
     the launch's, with both lengths whole 64-token tiles), e4m3 is rounded by the
     hardware's conversion (`hw_cvt`), the Q/K format is one of GLUON_BACKWARD_QK and, for
-    dK/dV, P is FP8 from exp2 (P mode 0), for dQ not the trained affine P (6)."""
-    ok = tma and launch.hw_cvt and qk in GLUON_BACKWARD_QK
-    # the Gluon dQ kernel builds P by exp2: not the trained affine P
-    return launch.dkdv_gluon and ok and p_mode == 0, launch.dq_gluon and ok and p_mode != P_MODE_AFFINE_TRAINED
+    dK/dV, P is FP8 from exp2 (P mode 0), for dQ not the trained affine P (6).
+    `hopper_backward_plan`'s rule."""
+    dkdv, dq = _gluon_backward_refusals(launch, qk, p_mode, tma)
+    return dkdv is None, dq is None
+
+
+def _cuda_backward_refusal(launch: BackwardLaunch, qk: str, p_mode: int, head_dim: int, sq: int | None,
+                           sk: int | None, on_cuda: bool, unavailable: str | None = None) -> str | None:
+    """Why the backward does not run on the CUDA C++ kernel, or None where it does (see
+    `use_cuda_backward`); lengths None: not known, taken as whole tiles; `unavailable`:
+    the probe's answer."""
+    if not launch.cuda:
+        return "the launch's cuda is off"
+    if qk != "fp8" or p_mode != PMode.FP8_EXP2:
+        return "not per-token FP8 Q/K with FP8 P from exp2"
+    if head_dim not in (64, 128):
+        return f"head dim {head_dim}"
+    if sq is not None and (sq % 64 or sq <= 0):
+        return f"{sq} queries (whole 64-row tiles, dS's scale block)"
+    if sk is not None and sk % 128:
+        return f"{sk} keys (whole 128-key blocks, a CTA's)"
+    if not on_cuda:
+        return "not CUDA tensors"
+    return unavailable
 
 
 def use_cuda_backward(launch: BackwardLaunch, qk: str, p_mode: int, head_dim: int, sq: int, sk: int,
                       on_cuda: bool) -> bool:
     """Whether the backward runs on the CUDA C++ kernel (`BackwardLaunch.cuda`): per-token FP8
     Q/K with FP8 P from exp2 (`train-fp8`), head dim 64 or 128, Sq a multiple of 64 (dS's
-    scale block) and Sk of 128 (a CTA's keys), on a GPU where the CUDA kernels build."""
-    return (launch.cuda and qk == "fp8" and p_mode == 0 and head_dim in (64, 128) and sq % 64 == 0
-            and sk % 128 == 0 and sq > 0 and on_cuda and cuda_kernels_unavailable() is None)
+    scale block) and Sk of 128 (a CTA's keys), on a GPU where the CUDA kernels build.
+    `hopper_backward_plan`'s rule."""
+    # the probe asked last, only where all else holds
+    return (_cuda_backward_refusal(launch, qk, p_mode, head_dim, sq, sk, on_cuda) is None
+            and cuda_kernels_unavailable() is None)
+
+
+def _mode_name(p_mode: int) -> str:
+    try:
+        return PMode(p_mode).name
+    except ValueError:
+        return str(p_mode)
+
+
+# ---------------------------------------------------------------------------- plans
+class ForwardKernel(enum.StrEnum):
+    """The Hopper forward kernels a `ForwardPlan` names."""
+
+    CUDA = "cuda"  # forward_cuda.launch_forward_cuda: the CUDA C++ kernel
+    GLUON_WS = "gluon_ws"  # forward_gluon_ws.launch_forward_ws: the Gluon warp-specialized kernel
+    TRITON = "triton"  # forward_triton.attn_fwd_kernel
+
+
+class BackwardKernel(enum.StrEnum):
+    """The Hopper backward kernels a `BackwardPlan` names, for dK/dV and for dQ."""
+
+    CUDA = "cuda"  # backward_cuda.launch_backward_cuda: dK, dV and dQ in one pass
+    GLUON = "gluon"  # backward_gluon.launch_dkdv_gluon, launch_dq_gluon
+    TRITON = "triton"  # backward_triton.attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """What the Hopper forward runs for one call, decided once (`hopper_forward_plan`):
+    `explain` reports it, `forward_op.launch_forward` executes it and nothing else.
+
+    kernel: which kernel; launch: the launch it runs with (the table's entry, the
+    interpreter's or `override_launch`'s); p_mode; the call's causal, key_bias, write_p
+    and training, which the launcher checks a given plan against; tma_kv (Triton): K and
+    V^T by TMA, the launch's where the operands allow it; stages (Triton): the launch's,
+    at most 2 with write_p (its debug tile goes through shared memory); reason: one line
+    on why this kernel."""
+
+    kernel: ForwardKernel
+    launch: ForwardLaunch
+    p_mode: PMode
+    causal: bool
+    key_bias: bool
+    write_p: bool
+    training: bool
+    tma_kv: bool
+    stages: int
+    reason: str
+
+    @property
+    def name(self) -> str:
+        """The kernel's name as `explain` reports it: "hopper.forward_cuda", ..."""
+        return f"hopper.forward_{self.kernel.value}"
+
+    def variant(self) -> dict:
+        """The launch and flags the kernel runs with."""
+        launch = self.launch
+        if self.kernel is ForwardKernel.CUDA:
+            return {"persistent": launch.cuda_persistent}
+        if self.kernel is ForwardKernel.GLUON_WS:
+            return {"stages": launch.stages, "ws_overlap": launch.ws_overlap.name, "p_hw_cvt": launch.p_hw_cvt}
+        return {"block_m": launch.block_m, "warps": launch.warps, "stages": self.stages, "p_hw_cvt": launch.p_hw_cvt,
+                "tma_kv": self.tma_kv, "pv_add": launch.pv_add}
+
+    def as_dict(self) -> dict:
+        return {"kernel": self.name, "p_mode": self.p_mode.name, **self.variant(), "reason": self.reason}
+
+
+def hopper_forward_plan(*, head_dim: int, qk_fp8: bool, p_mode: int, causal: bool, keys: int,
+                        queries: int | None = None, key_bias: bool = False, write_p: bool = False,
+                        training: bool = False, on_cuda: bool = True, kv_tma: bool = True,
+                        q_contiguous: bool = True, interpreter: bool = False) -> ForwardPlan:
+    """The Hopper forward's plan for a call described by data: the kernel head dim (64,
+    128), Q/K in e4m3 (`qk_fp8`: the `fast_accum` recipes) or bf16, the P mode, causal, the
+    key and query counts (queries None: at least one), a key bias, debug tiles
+    (`write_p`), a training forward, CUDA tensors, K and V^T loadable by TMA and Q
+    contiguous (as the fused quantizers make them; `operands.tma_loadable`), the Triton
+    interpreter. In order: the CUDA C++ kernel where the launch's `cuda_from_keys` reaches
+    (`use_cuda_forward`), the Gluon warp-specialized kernel where the launch asks for it
+    and the call allows it, else the Triton kernel."""
+    # a pure function of these, the launch override and the probe's answer: made once for
+    # each distinct call (host time at every launch)
+    return _hopper_forward_plan(head_dim, qk_fp8, p_mode, causal, keys, queries, key_bias, write_p, training,
+                                on_cuda, kv_tma, q_contiguous, interpreter, _FORWARD_OVERRIDE.get(),
+                                cuda_kernels_unavailable() if on_cuda else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hopper_forward_plan(head_dim, qk_fp8, p_mode, causal, keys, queries, key_bias, write_p, training, on_cuda,
+                         kv_tma, q_contiguous, interpreter, override, unavailable) -> ForwardPlan:
+    launch = forward_launch(head_dim, qk_fp8, causal, interpreter)  # `override` is its part of the cache key
+    mode = PMode(p_mode)
+    call = dict(launch=launch, p_mode=mode, causal=causal, key_bias=key_bias, write_p=write_p, training=training)
+    not_cuda = _cuda_forward_refusal(launch, mode, keys, on_cuda, training, queries, write_p, unavailable)
+    if not_cuda is None:
+        return ForwardPlan(ForwardKernel.CUDA, **call, tma_kv=False, stages=launch.stages,
+                           reason=f"P mode {mode.name} from {launch.cuda_keys(mode)} keys (cuda_from_keys)")
+    not_gluon = _gluon_forward_refusal(launch, mode, write_p, key_bias, kv_tma, q_contiguous)
+    if not_gluon is None:
+        return ForwardPlan(ForwardKernel.GLUON_WS, **call, tma_kv=False, stages=launch.stages,
+                           reason=f"FP8 P on a warp-specialized launch; not the CUDA C++ kernel: {not_cuda}")
+    return ForwardPlan(ForwardKernel.TRITON, **call, tma_kv=launch.tma_kv and kv_tma,
+                       stages=min(launch.stages, 2) if write_p else launch.stages,
+                       reason=f"not the CUDA C++ kernel: {not_cuda}; not the Gluon one: {not_gluon}")
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """What the Hopper backward runs for one call, decided once (`hopper_backward_plan`):
+    `explain` reports it, `train_op.launch_backward` executes it and nothing else.
+
+    dkdv, dq: the kernel of each (both CUDA for the CUDA C++ backward, which computes
+    them in one pass); launch: the launch they run with; p_mode; row_scales: per-token Q/K
+    scales (FP8 Q/K: the kernels' ROW_SCALES form); tma: the loops' tiles by TMA (the
+    launch's where the lengths are whole 64-token tiles and the operands contiguous);
+    lengths_known: False where the plan was made without the lengths (explain's: the
+    kernels of whole tiles, which `name` says); reason: one line on why."""
+
+    dkdv: BackwardKernel
+    dq: BackwardKernel
+    launch: BackwardLaunch
+    p_mode: PMode
+    row_scales: bool
+    tma: bool
+    lengths_known: bool
+    reason: str
+
+    @property
+    def triton_descriptors(self) -> bool:
+        """Whether the Triton kernels read their tiles by TMA descriptors: the plan's TMA
+        where one of them runs (the Gluon kernels build their own, once for both)."""
+        return self.tma and not (self.dkdv is BackwardKernel.GLUON and self.dq is BackwardKernel.GLUON)
+
+    @property
+    def name(self) -> str:
+        """The kernels' names as `explain` reports them."""
+        if self.dkdv is BackwardKernel.CUDA:
+            where = " (where the queries are whole 64-row tiles and the keys 128-key blocks)"
+            return "hopper.backward_cuda" + ("" if self.lengths_known else where)
+        gluon = BackwardKernel.GLUON in (self.dkdv, self.dq)
+        where = " (Gluon where the lengths are whole 64-token tiles)" if gluon and not self.lengths_known else ""
+        return f"hopper.backward_{self.dkdv.value}.dkdv + hopper.backward_{self.dq.value}.dq{where}"
+
+    def variant(self) -> dict:
+        """The launch and flags the kernels run with."""
+        launch = self.launch
+        if self.dkdv is BackwardKernel.CUDA:
+            return {}
+        out = {"tma": self.tma, "hw_cvt": launch.hw_cvt, "row_scales": self.row_scales}
+        if self.dkdv is BackwardKernel.GLUON:
+            out.update(dkdv_in_flight=launch.dkdv_in_flight, dkdv_staged=launch.dkdv_staged.name,
+                       dkdv_maxnreg=launch.dkdv_maxnreg)
+        else:
+            out.update(block_n_dkdv=launch.block_n_dkdv, warps_dkdv=launch.warps_dkdv, stages_dkdv=launch.stages_dkdv)
+        if self.dq is BackwardKernel.GLUON:
+            out.update(dq_maxnreg=launch.dq_maxnreg)
+        else:
+            out.update(block_m_dq=launch.block_m_dq, warps_dq=launch.warps_dq, stages_dq=launch.stages_dq)
+        return out
+
+    def as_dict(self) -> dict:
+        return {"kernel": self.name, "p_mode": self.p_mode.name, **self.variant(), "reason": self.reason}
+
+
+def hopper_backward_plan(*, head_dim: int, qk: str, p_mode: int, queries: int | None = None,
+                         keys: int | None = None, on_cuda: bool = True, tiles_tma: bool = True,
+                         interpreter: bool = False) -> BackwardPlan:
+    """The Hopper backward's plan for a call described by data: the kernel head dim, the
+    Q/K format ("nvfp4": a scale per head, "fp8": per token), the training P mode, the
+    query and key counts (None: not known, taken as whole tiles, and the plan's name says
+    so), CUDA tensors, whether the loops' tiles can arrive by TMA (`train_op.
+    tiles_tma_loadable`: whole 64-token tiles, contiguous and aligned), the Triton
+    interpreter. The CUDA C++ backward where the launch asks for it and it takes the call
+    (`use_cuda_backward`); else dK/dV and dQ each on its Gluon kernel where the launch
+    and the call allow it (`backward_gluon_kernels`), else on its Triton kernel."""
+    return _hopper_backward_plan(head_dim, qk, p_mode, queries, keys, on_cuda, tiles_tma, interpreter,
+                                 _BACKWARD_OVERRIDE.get(), cuda_kernels_unavailable() if on_cuda else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hopper_backward_plan(head_dim, qk, p_mode, queries, keys, on_cuda, tiles_tma, interpreter, override,
+                          unavailable) -> BackwardPlan:
+    launch = backward_launch(head_dim, interpreter)  # `override` is its part of the cache key
+    mode = PMode(p_mode)
+    known = queries is not None and keys is not None
+    call = dict(launch=launch, p_mode=mode, row_scales=qk == "fp8", lengths_known=known)
+    not_cuda = _cuda_backward_refusal(launch, qk, mode, head_dim, queries, keys, on_cuda, unavailable)
+    if not_cuda is None:
+        return BackwardPlan(BackwardKernel.CUDA, BackwardKernel.CUDA, **call, tma=False,
+                            reason="the launch's cuda, per-token FP8 Q/K with FP8 P from exp2")
+    tma = launch.tma and tiles_tma
+    not_dkdv, not_dq = _gluon_backward_refusals(launch, qk, mode, tma)
+    kernel = {None: BackwardKernel.GLUON}
+    why = "; ".join(f"{part} on Triton: {no}" for part, no in (("dK/dV", not_dkdv), ("dQ", not_dq)) if no)
+    return BackwardPlan(kernel.get(not_dkdv, BackwardKernel.TRITON), kernel.get(not_dq, BackwardKernel.TRITON),
+                        **call, tma=tma, reason=why or "both on their Gluon kernels")
 
 
 # ---------------------------------------------------------------------------- Blackwell (sm_100)
@@ -630,29 +943,48 @@ def hopper_train_unsupported(recipe: Recipe, head_dim: int) -> str | None:
     return hopper_forward_unsupported(recipe, head_dim)
 
 
+def hopper_forward_route_plan(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
+                              on_cuda: bool = True, training: bool = False) -> ForwardPlan:
+    """`hopper_forward_plan` of a routed call: the recipe's Q/K dtype (`fast_accum`: e4m3)
+    and P mode, a key mask as the key bias, the operands as the fused quantizers make them
+    (TMA-loadable, contiguous), the GPU's launch (under the interpreter too, which stands
+    in for an H200 here)."""
+    return hopper_forward_plan(head_dim=kernel_head_dim(head_dim), qk_fp8=recipe.fast_accum, p_mode=p_mode(recipe),
+                               causal=causal, keys=keys, key_bias=mask == "key", training=training, on_cuda=on_cuda)
+
+
+def hopper_backward_route_plan(recipe: Recipe, head_dim: int, on_cuda: bool = True) -> BackwardPlan:
+    """`hopper_backward_plan` of a routed training call: lengths not known (the route
+    takes none), so the kernels of whole tiles, with the GPU's launch."""
+    return hopper_backward_plan(head_dim=kernel_head_dim(head_dim), qk=recipe.qk, p_mode=p_mode(recipe),
+                                on_cuda=on_cuda)
+
+
+def _hopper_forward_plans(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
+                          on_cuda: bool = True) -> tuple[ForwardPlan]:
+    return (hopper_forward_route_plan(recipe, head_dim, causal, mask, keys, on_cuda),)
+
+
+def _hopper_train_plans(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
+                        on_cuda: bool = True) -> tuple[ForwardPlan, BackwardPlan]:
+    return (hopper_forward_route_plan(recipe, head_dim, causal, mask, keys, on_cuda, training=True),
+            hopper_backward_route_plan(recipe, head_dim, on_cuda))
+
+
+def _plan_names(plans) -> str:
+    return " + ".join(p.name for p in plans)
+
+
 def _hopper_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
-                           on_cuda: bool = True, training: bool = False) -> str:
-    """The Hopper forward kernel that runs the call: the CUDA C++ kernel for the
-    P modes and key counts of `cuda_from_keys`; the Gluon warp-specialized
-    kernel for FP8 P where the launch asks for it and no key mask is given (its operands
-    by TMA, which the fused quantizers' layouts allow); else the Triton kernel."""
-    dk = kernel_head_dim(head_dim)
-    launch = table_forward_launch(dk, recipe.fast_accum, causal)
-    mode = p_mode(recipe)
-    if use_cuda_forward(launch, mode, keys, on_cuda, training):
-        return "hopper.forward_cuda"
-    gluon = launch.warp_specialized and mode in GLUON_P_MODES and mask == "none"
-    return "hopper.forward_gluon_ws" if gluon else "hopper.forward_triton"
+                           on_cuda: bool = True) -> str:
+    """The Hopper forward kernel that runs the call (`hopper_forward_route_plan`)."""
+    return _plan_names(_hopper_forward_plans(recipe, head_dim, causal, mask, keys, on_cuda))
 
 
 def _hopper_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
                          on_cuda: bool = True) -> str:
-    fwd = _hopper_forward_kernel(recipe, head_dim, causal, mask, keys, on_cuda, training=True)
-    cfg = table_backward_launch(kernel_head_dim(head_dim))
-    gluon = backward_gluon_kernels(cfg, recipe.qk, p_mode(recipe), cfg.tma)
-    dkdv, dq = (f"backward_{'gluon' if g else 'triton'}.{part}" for g, part in zip(gluon, ("dkdv", "dq")))
-    where = " (Gluon where the lengths are whole 64-token tiles)" if any(gluon) else ""
-    return f"{fwd} + hopper.{dkdv} + hopper.{dq}{where}"
+    """The Hopper training kernels that run the call: the forward's, then the backward's."""
+    return _plan_names(_hopper_train_plans(recipe, head_dim, causal, mask, keys, on_cuda))
 
 
 @dataclass(frozen=True)
@@ -660,8 +992,10 @@ class KernelFamily:
     """Kernels of one target and direction. `masks` are the mask kinds they take ("none",
     "key" for a key-padding mask; never "other"); `unsupported(recipe, head_dim, mask)`
     says why they cannot run a call with one of those, or None; `kernel(recipe, head_dim,
-    causal, mask, keys, on_cuda)` names what runs; `launcher` is the "module:function" the
-    api calls."""
+    causal, mask, keys, on_cuda)` names what runs; `plans`, with the same arguments, the
+    plans that decide it, where the family has them (Hopper: `ForwardPlan`,
+    `BackwardPlan`), which the route carries; `launcher` is the "module:function" the api
+    calls."""
 
     name: str
     targets: tuple[str, ...]
@@ -670,6 +1004,7 @@ class KernelFamily:
     kernel: Callable[[Recipe, int, bool, str, int, bool], str]
     launcher: str
     masks: tuple[str, ...] = field(default=("none", "key"))
+    plans: Callable[[Recipe, int, bool, str, int, bool], tuple] | None = None
 
 
 def _mask_unsupported(family: KernelFamily, mask: str) -> str | None:
@@ -768,9 +1103,11 @@ def _blackwell_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask:
 # In order: the first family whose target matches and that accepts the call runs it.
 KERNEL_FAMILIES: list[KernelFamily] = [
     KernelFamily("hopper-train", ("sm_90",), True, lambda r, d, m: hopper_train_unsupported(r, d),
-                 _hopper_train_kernel, "fp4attn.kernels.hopper.train_op:hopper_train_attention", ("none",)),
+                 _hopper_train_kernel, "fp4attn.kernels.hopper.train_op:hopper_train_attention", ("none",),
+                 plans=_hopper_train_plans),
     KernelFamily("hopper-forward", ("sm_90",), False, lambda r, d, m: hopper_forward_unsupported(r, d),
-                 _hopper_forward_kernel, "fp4attn.kernels.hopper.forward_op:hopper_attention"),
+                 _hopper_forward_kernel, "fp4attn.kernels.hopper.forward_op:hopper_attention",
+                 plans=_hopper_forward_plans),
     KernelFamily("blackwell-train", BLACKWELL_TARGETS, True, blackwell_train_unsupported,
                  _blackwell_train_kernel, "fp4attn.kernels.blackwell.train_op:blackwell_train_attention", ("none",)),
     KernelFamily("blackwell-forward", BLACKWELL_TARGETS, False, blackwell_forward_unsupported,
@@ -785,18 +1122,23 @@ KERNEL_FAMILIES: list[KernelFamily] = [
 @dataclass(frozen=True)
 class Route:
     """What a call runs: `backend` ("triton" or "reference"), `kernel` (the kernels'
-    names, or "reference"), `target`, `reason` (why this backend), and the `family`
-    whose launcher the api calls (None on the reference)."""
+    names, or "reference"), `target`, `reason` (why this backend), the `family`
+    whose launcher the api calls (None on the reference), and the `plans` that named
+    the kernels, where the family has them (Hopper's: each kernel's variant and why)."""
 
     backend: str
     kernel: str
     target: str
     reason: str
     family: KernelFamily | None = None
+    plans: tuple = ()
 
     def as_dict(self) -> dict:
-        return {"backend": self.backend, "kernel": self.kernel, "target": self.target, "reason": self.reason,
-                "launcher": self.family.launcher if self.family else None}
+        out = {"backend": self.backend, "kernel": self.kernel, "target": self.target, "reason": self.reason,
+               "launcher": self.family.launcher if self.family else None}
+        if self.plans:
+            out["plan"] = [p.as_dict() for p in self.plans]
+        return out
 
 
 def requested_backend(backend: str) -> str:
@@ -834,9 +1176,11 @@ def route(recipe: Recipe, *, device, head_dim: int, causal: bool, needs_grad: bo
         for fam in families:
             why = _mask_unsupported(fam, mask) or fam.unsupported(recipe, head_dim, mask)
             if why is None:
-                return Route("triton", fam.kernel(recipe, head_dim, causal, mask, keys, device_type == "cuda"), target,
+                args = (recipe, head_dim, causal, mask, keys, device_type == "cuda")
+                plans = fam.plans(*args) if fam.plans else ()
+                return Route("triton", _plan_names(plans) if plans else fam.kernel(*args), target,
                              f"{fam.name} kernels run recipe {recipe.name!r} at head_dim {head_dim} on {target}",
-                             fam)
+                             fam, plans)
             reasons.append(f"a backward is needed and {why}" if needs_grad else why)
     reason = "; ".join(reasons)
     if backend == "triton":
