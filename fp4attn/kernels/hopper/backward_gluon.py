@@ -75,9 +75,13 @@ from fp4attn.kernels.hopper.gluon_common import (
     wgmma_layout,
 )
 from fp4attn.reference.backward import DS_BLOCK
+from fp4attn.routing import DkdvStaged
 
 BLOCK = DS_BLOCK  # keys per program (wgmma's M) and queries per tile (dS's scale block, the recipe's)
 STAGES = gl.constexpr(2)
+# the dK/dV kernel's STAGED: how a tile's numbers reach its wgmma layouts (`routing.DkdvStaged`)
+STAGED_TOGETHER = gl.constexpr(DkdvStaged.TOGETHER.value)
+STAGED_ASYNC_AHEAD = gl.constexpr(DkdvStaged.ASYNC_AHEAD.value)
 
 
 @gluon.constexpr_function
@@ -169,10 +173,10 @@ def _copy_query_numbers(i, n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA, DO_C
 def _number_buffers(STAGED: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr, ROW_SCALES: gl.constexpr):
     """The seven number buffers (per query: LSE, dO token scales, delta; per channel:
     dO_c's and Q_c's scales by half of D), and with ROW_SCALES an eighth (the queries'
-    own scales): one each (STAGED 1), or a two-stage ring each that asynchronous copies
-    fill a tile ahead (2)."""
+    own scales): one each (STAGED TOGETHER), or a two-stage ring each that asynchronous
+    copies fill a tile ahead (ASYNC_AHEAD)."""
     layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # (of each stage)
-    stages: gl.constexpr = STAGES if STAGED == 2 else 1
+    stages: gl.constexpr = STAGES if STAGED == STAGED_ASYNC_AHEAD else 1
     bufs = (_float_buffer(stages, BLOCK_M, layout), _float_buffer(stages, BLOCK_M, layout),
             _float_buffer(stages, BLOCK_M, layout), _float_buffer(stages, HALF, layout),
             _float_buffer(stages, HALF, layout), _float_buffer(stages, HALF, layout),
@@ -226,7 +230,8 @@ def attn_bwd_dkdv_pipelined_kernel(
     QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
     H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = 1, ROW_SCALES: gl.constexpr = False,
+    IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = DkdvStaged.TOGETHER.value,
+    ROW_SCALES: gl.constexpr = False,
 ):
     """Operands as `backward.attn_bwd_dkdv_kernel` reads them, the tiles by TMA:
     q_desc (B*H*Sq, D) bf16 and do_t_desc (B*H*Sq, D) e4m3 in (BLOCK_M, D) tiles,
@@ -240,10 +245,10 @@ def attn_bwd_dkdv_pipelined_kernel(
     while the previous is added (two temporaries).
 
     A tile's per-query numbers (log2 LSE, dO's token scales, delta) and channel scales
-    reach the wgmma layouts through shared memory: STAGED 1 loads them into registers a
-    tile ahead and stores all seven together at the top of the tile (two CTA barriers per
-    tile, where a layout change each took fourteen). STAGED 2 copies them asynchronously
-    (cp.async) into two-stage buffers a tile ahead instead: with the registers at their
+    reach the wgmma layouts through shared memory: STAGED TOGETHER loads them into
+    registers a tile ahead and stores all seven together at the top of the tile (two CTA
+    barriers per tile, where a layout change each took fourteen). ASYNC_AHEAD copies them
+    asynchronously (cp.async) into two-stage buffers a tile ahead instead: with the registers at their
     limit, ptxas spilled the loaded numbers right after their loads, and each spill store
     waited out the global load (docs/notes/hopper-train.md, "A tile's numbers staged
     together" and the ncu profile after it).
@@ -252,13 +257,13 @@ def attn_bwd_dkdv_pipelined_kernel(
     ROW_SCALES QS (B, H, Sq) / KS (B, Hkv, Sk), per-token FP8 Q/K's scales (the Triton
     kernel's ROW_SCALES): the program's key scales are loaded once, in the layout of
     S^T's rows, and a tile's query scales are an eighth per-query number, a tile ahead
-    (STAGED 1 stores them times scale * log2 e with the others, STAGED 2 copies them and
+    (TOGETHER stores them times scale * log2 e with the others, ASYNC_AHEAD copies them and
     multiplies after the read: the same rounded product)."""
     gl.static_assert(BLOCK_N == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_M == 64)  # dS's scale block along the queries (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
     gl.static_assert(IN_FLIGHT == 1 or IN_FLIGHT == 2)
-    gl.static_assert(STAGED == 1 or STAGED == 2)
+    gl.static_assert(STAGED == STAGED_TOGETHER or STAGED == STAGED_ASYNC_AHEAD)
     HALF: gl.constexpr = HEAD_DIM // 2
     # S^T (bf16 products) and dP^T (e4m3) share their registers, keys x queries; dK and
     # dV halves (and each tile's products) keys x D/2
@@ -305,7 +310,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     _load_query_tile(0, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
                      q_smem, do_t_smem, do_c_smem, q_c_smem, ready, n_tiles > 0, HEAD_DIM, BLOCK_M)
     # tile 0's numbers (a program without tiles reads the last query tile's, unused)
-    if STAGED == 2:
+    if STAGED == STAGED_ASYNC_AHEAD:
         _copy_query_numbers(0, gl.maximum(n_m, 1), gl.minimum(lo, Sq - BLOCK_M), b, hk, H, GROUP, Sq, LSE, DO_TS,
                             DELTA, DO_CS, Q_CS, QS, bufs, 0, HEAD_DIM, BLOCK_M, ROW_SCALES)
     else:
@@ -349,7 +354,7 @@ def attn_bwd_dkdv_pipelined_kernel(
         dpt_tok = _product(v_smem, do_t_smem.index(stage), dp_zero)
         _load_query_tile(i + 1, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
                          q_smem, do_t_smem, do_c_smem, q_c_smem, ready, i + 1 < n_tiles, HEAD_DIM, BLOCK_M)
-        if STAGED == 2:
+        if STAGED == STAGED_ASYNC_AHEAD:
             # tile i+1's numbers into the other stage; tile i's, copied a tile ago, are in
             _copy_query_numbers(gl.minimum(i + 1, n_tiles - 1), n_m, lo, b, hk, H, GROUP, Sq, LSE, DO_TS, DELTA,
                                 DO_CS, Q_CS, QS, bufs, (i + 1) % STAGES, HEAD_DIM, BLOCK_M, ROW_SCALES)
@@ -380,7 +385,7 @@ def attn_bwd_dkdv_pipelined_kernel(
         if ROW_SCALES:
             # tile i's queries' own scales times scale * log2 e (the Triton kernel's
             # token_scales(QS, .., q_scale, 1)), one per column of S^T; the keys' per row
-            if STAGED == 2:
+            if STAGED == STAGED_ASYNC_AHEAD:
                 q_scale = _number(qs_s.index(stage), queries_t, 0) * qk_scale
             else:
                 q_scale = _number(qs_s, queries_t, 0)
@@ -393,7 +398,7 @@ def attn_bwd_dkdv_pipelined_kernel(
             visible = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m, 0) + causal_offset
             tt = gl.where(visible, tt, -float("inf"))
         if ROW_SCALES:  # the log2 LSE read here: with it read before the scores, ptxas spilled more
-            if STAGED == 2:
+            if STAGED == STAGED_ASYNC_AHEAD:
                 lse2 = gl.expand_dims(lse_log2(lse_b.load(queries_t)), 0)
             else:
                 lse2 = _number(lse_s, queries_t, 0)
@@ -428,12 +433,12 @@ def attn_bwd_dkdv_pipelined_kernel(
             dk0 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs0_b, dims_g, 0)
             tok = _product(ds_g, q_c_tile.slice(HALF, HALF), g_zero)
             dk1 += warpgroup_mma_wait(0, deps=[tok]) * ds_s * _number(q_cs1_b, dims_g, 0)
-        if STAGED != 2:
+        if STAGED != STAGED_ASYNC_AHEAD:
             lse, do_s, delta, do_cs0, do_cs1, q_cs0, q_cs1 = nxt[0:7]
             if ROW_SCALES:
                 qsc = nxt[7]
 
-    if STAGED == 2:
+    if STAGED == STAGED_ASYNC_AHEAD:
         async_copy.wait_group(0)  # the last copy (a repeat of the last tile's numbers)
     invalidate(kv_bar, 1)
     invalidate(ready, STAGES)
@@ -625,7 +630,7 @@ def descriptors(**operands) -> dict:
 
 def launch_dkdv_gluon(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv, causal_offset: int,
                           causal: bool, scale: float, in_flight: int = 1, maxnreg: int | None = None,
-                          staged: int = 1, row_scales: bool = False):
+                          staged: int = DkdvStaged.TOGETHER, row_scales: bool = False):
     """Run the dK/dV kernel into dk, dv (B, Hkv, Sk, D) from `train_op.backward_operands`'s
     views, their tiles by `descs` (`descriptors` of q, k, do_t, do_c, v_t, q_c); Sq and Sk
     multiples of BLOCK. `row_scales`: qs (B, H, Sq) and ks (B, Hkv, Sk) are per-token FP8
@@ -634,15 +639,16 @@ def launch_dkdv_gluon(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, d
 
     if in_flight not in (1, 2):
         raise ValueError(f"Gluon dK/dV kernel: in_flight={in_flight!r}; IN_FLIGHT is 1 or 2 (half products in flight)")
-    if staged not in (1, 2):
+    if staged not in tuple(DkdvStaged):
         raise ValueError(f"Gluon dK/dV kernel: staged={staged!r}; STAGED is 1 or 2 (how a tile's numbers reach "
-                         "its layouts)")
+                         "its layouts: routing.DkdvStaged)")
     B, Hkv, Sk, D = dk.shape
     H, Sq = lse.shape[1], lse.shape[2]
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
         *(descs[n] for n in ("q", "k", "do_t", "do_c", "v_t", "q_c")), qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs,
         dk, dv, H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
-        CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=staged, ROW_SCALES=row_scales, num_warps=4, maxnreg=maxnreg)
+        CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=DkdvStaged(staged).value, ROW_SCALES=row_scales, num_warps=4,
+        maxnreg=maxnreg)
 
 
 def launch_dq_gluon(descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, causal_offset: int, causal: bool,

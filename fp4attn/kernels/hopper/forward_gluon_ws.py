@@ -42,6 +42,7 @@ from fp4attn.kernels.hopper.gluon_common import (
     wgmma_layout,
 )
 from fp4attn.kernels.hopper.operands import BLOCK_N, padded_vt_rows, tma_loadable
+from fp4attn.routing import WSOverlap
 
 BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
 # Registers are handed out per warpgroup (setmaxnreg) from the program's pool, maxnreg x
@@ -49,7 +50,8 @@ BLOCK_M = 64  # one warpgroup's wgmma rows; BLOCK_N is the recipes' key tile
 # (the consumer at 232, the producer warp at 24)
 WS_WARPS = 4
 WS_MAXNREG = 128
-OVERLAPS = (1, 4)  # `attn_fwd_ws_kernel`'s OVERLAP values
+# `attn_fwd_ws_kernel`'s OVERLAP: where the next tile's QK^T is issued (`routing.WSOverlap`)
+OVERLAP_BEFORE_SOFTMAX = gl.constexpr(WSOverlap.BEFORE_SOFTMAX.value)
 
 
 @gluon.constexpr_function
@@ -205,10 +207,10 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
                  P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr, OVERLAP: gl.constexpr):
     """The program's BLOCK_M query rows on BLOCK_M // 16 warps: per tile QK^T, the
     softmax, PV on a fresh accumulator added to O in float32 (the Triton kernel's
-    `PV_ADD` arithmetic), then the epilogue. OVERLAP 1: QK^T of tile j+1 is issued right
-    after PV_j and one wait retires both, so the tensor cores run them back to back
-    (S_{j+1}, PV_j and O live together, 192 registers, no softmax temporaries); 4: QK^T of
-    tile j+1 is issued before tile j's softmax (S_j, S_{j+1} and O live together through
+    `PV_ADD` arithmetic), then the epilogue. OVERLAP BESIDE_PV: QK^T of tile j+1 is issued
+    right after PV_j and one wait retires both, so the tensor cores run them back to back
+    (S_{j+1}, PV_j and O live together, 192 registers, no softmax temporaries);
+    BEFORE_SOFTMAX: QK^T of tile j+1 is issued before tile j's softmax (S_j, S_{j+1} and O live together through
     the softmax) and one wait after PV_j retires both. Waiting for PV_j alone instead makes
     ptxas serialize every wgmma of the kernel (C7514; docs/notes/hopper-forward.md, "The
     next QK^T beside PV").
@@ -241,7 +243,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
         s = warpgroup_mma_wait(0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(stage), count=1)  # QK_j has read K_j
         b_j = gl.convert_layout(kb, col_s)
-        if OVERLAP == 4:
+        if OVERLAP == OVERLAP_BEFORE_SOFTMAX:
             # QK^T of the next tile runs during this tile's softmax; issued on every tile
             # (the last one repeats its own, unused): under a branch, the token's merge
             # made ptxas wait for it before the softmax (C7517)
@@ -251,7 +253,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
                                             s_layout, p_layout, P_MODE, P_HW_CVT, CAUSAL, BLOCK_N)
         mbarrier.wait(v_ready.index(stage), (j // stages) & 1)
         pv_tok = warpgroup_mma(p8, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        if OVERLAP == 4:
+        if OVERLAP == OVERLAP_BEFORE_SOFTMAX:
             pv = warpgroup_mma_wait(0, deps=[pv_tok])  # and QK_{j+1}, issued before it
         else:
             if j + 1 < n_tiles:
@@ -268,7 +270,7 @@ def attn_fwd_ws_kernel(
     H, GROUP, Sq, Sk, causal_offset, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr,
-    STAGES: gl.constexpr = 2, OVERLAP: gl.constexpr = 1,
+    STAGES: gl.constexpr = 2, OVERLAP: gl.constexpr = WSOverlap.BESIDE_PV.value,
 ):
     """Warp-specialized forward: a producer warp keeps `STAGES`-deep K and V^T rings
     full; the consumer warpgroup (the default partition, BLOCK_M = 64 rows) never issues a
@@ -306,20 +308,20 @@ def attn_fwd_ws_kernel(
 
 
 def launch_forward_ws(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt: bool = True, stages: int = 2,
-                      overlap: int = 1):
+                      overlap: int = WSOverlap.BESIDE_PV):
     """Run `attn_fwd_ws_kernel` on prepared operands (`KernelOperands`, contiguous):
     (out bf16, lse fp32), as `forward_op.launch_forward` without its debug outputs, with
-    `stages`-deep K/V rings and its OVERLAP flag `overlap`. O is added in float32 per
-    tile, as the Triton kernel's at D=128 (`pv_add`); e4m3 QK^T is not promoted (the
-    `fast_accum` recipes). e4m3 Q/K may also be given as bf16 (exact): their QK^T then
+    `stages`-deep K/V rings and its OVERLAP flag `overlap` (a `routing.WSOverlap`). O is
+    added in float32 per tile, as the Triton kernel's at D=128 (`pv_add`); e4m3 QK^T is
+    not promoted (the `fast_accum` recipes). e4m3 Q/K may also be given as bf16 (exact): their QK^T then
     runs on the bf16 tensor cores."""
     import torch
 
     from fp4attn.reference.forward import LOG2E
 
-    if overlap not in OVERLAPS:
+    if overlap not in tuple(WSOverlap):
         raise ValueError(f"warp-specialized forward: overlap={overlap!r}; OVERLAP is 1 or 4 (where the next tile's "
-                         "QK^T is issued)")
+                         "QK^T is issued: routing.WSOverlap)")
     q, k, vt = ops.q, ops.k, ops.vt
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -339,7 +341,8 @@ def launch_forward_ws(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt
     descs = (tma_descriptor(q2, [BLOCK_M, D]), tma_descriptor(k2, [BLOCK_N, D]), tma_descriptor(v2, [D, BLOCK_N]))
     attn_fwd_ws_kernel[grid](*descs, ops.qs, ops.ks, ops.vs, out, lse, H, H // Hkv, Sq, Sk, causal_offset or 0,
                              scale * LOG2E, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                             QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=p_mode, CAUSAL=causal_offset is not None,
-                             P_HW_CVT=p_hw_cvt, STAGES=stages, OVERLAP=overlap, num_warps=WS_WARPS,
+                             QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=int(p_mode),
+                             CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt, STAGES=stages,
+                             OVERLAP=WSOverlap(overlap).value, num_warps=WS_WARPS,
                              maxnreg=WS_MAXNREG)
     return out, lse
