@@ -26,12 +26,14 @@ from fp4attn.kernels.hopper.operands import (
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
 from fp4attn.routing import (
-    GLUON_P_MODES,
+    ForwardKernel,
+    ForwardPlan,
     PMode,
     forward_launch,
+    hopper_forward_plan,
     hopper_robust_unsupported,
+    interpreting,
     p_sink_tiles,
-    use_cuda_forward,
 )
 from fp4attn.routing import p_mode as _p_mode
 
@@ -49,52 +51,94 @@ def tma_descriptors(ops: KernelOperands) -> tuple[TensorDescriptor, TensorDescri
             TensorDescriptor(vt2, list(vt2.shape), [vt2.shape[1], 1], [D, BLOCK_N]))
 
 
+def forward_plan(ops: KernelOperands, *, causal_offset: int | None, p_mode: int, write_p: int = 0,
+                 key_bias: torch.Tensor | None = None, training: bool = False) -> ForwardPlan:
+    """The routing's plan for a forward on these operands (`routing.hopper_forward_plan`
+    of their head dim, Q/K dtype, lengths, device and layout, and of the call)."""
+    q, k = ops.q, ops.k
+    return hopper_forward_plan(head_dim=q.shape[3], qk_fp8=q.dtype == torch.float8_e4m3fn, p_mode=p_mode,
+                               causal=causal_offset is not None, keys=k.shape[2], queries=q.shape[2],
+                               key_bias=key_bias is not None, write_p=bool(write_p), training=training,
+                               on_cuda=q.is_cuda, kv_tma=tma_loadable(ops), q_contiguous=q.is_contiguous(),
+                               interpreter=interpreting())
+
+
 def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | None, p_mode: int,
                    write_p: int = 0, key_bias: torch.Tensor | None = None, sink_tiles: int = 0,
-                   training: bool = False):
-    """Run the kernel on prepared operands: (out bf16, lse fp32, debug fp32 or empty).
+                   training: bool = False, plan: ForwardPlan | None = None):
+    """Run the kernel the plan names on prepared operands: (out bf16, lse fp32, debug
+    fp32 or empty).
 
     write_p: 0 nothing extra; 1 also every P tile's values (times 2**8, exact e4m3
     values; tests, on the Triton kernel). key_bias: (B, Sk) float32 added to the log2
     scores (`key_bias_of_mask`). sink_tiles: with p_mode 3, the first key tiles that
     keep the blocks' top keys apart, the others plain Direct-P (`routing.p_sink_tiles`);
-    0, every tile. training: the training forward, which never takes the CUDA C++ kernel
-    (`routing.use_cuda_forward`).
+    0, every tile. training: the training forward, which never takes the CUDA C++ kernel.
+    plan: the `routing.ForwardPlan` to run (tests, measurements: one kernel forced);
+    by default `forward_plan` of these operands. A plan is executed as it says: one
+    made for another call (P mode, masking, debug tiles, key bias, training), or a CUDA
+    C++ plan on operands that kernel cannot run, raises.
     """
     if sink_tiles and p_mode != PMode.MXFP4_DIRECTP_SINK:
         raise ValueError(f"launch_forward: sink_tiles={sink_tiles} is for p_mode 3 (p_sink), got p_mode={p_mode}")
-    q, k = ops.q, ops.k
-    B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    qk_fp8 = q.dtype == torch.float8_e4m3fn
     if ops.vt_keys_padded and ops.vt.stride(2) % BLOCK_N:
         raise ValueError(f"launch_forward: V^T marked as padded to whole key tiles, but its rows hold "
                          f"{ops.vt.stride(2)} keys, not a multiple of {BLOCK_N}")
-    cfg = forward_launch(D, qk_fp8, causal_offset is not None)
-    if use_cuda_forward(cfg, p_mode, Sk, q.is_cuda, training) and not write_p:
-        # the CUDA C++ kernel (FlashAttention-3's schedule) from `cuda_from_keys` keys; where it
-        # cannot run the operands (`cuda_unsupported_reason`), the kernels below
-        from fp4attn.kernels.hopper.forward_cuda import (
-            P_MODE_BUILDS,
-            cuda_unsupported_reason,
-            launch_forward_cuda,
-        )
+    if plan is None:
+        plan = forward_plan(ops, causal_offset=causal_offset, p_mode=p_mode, write_p=write_p, key_bias=key_bias,
+                            training=training)
+    else:
+        planned = (int(plan.p_mode), plan.causal, plan.write_p, plan.key_bias, plan.training)
+        given = (int(p_mode), causal_offset is not None, bool(write_p), key_bias is not None, training)
+        if planned != given:
+            raise ValueError(f"launch_forward: the plan is for another call: (p_mode, causal, write_p, key_bias, "
+                             f"training) {planned}, this call's {given}")
+    if plan.kernel is ForwardKernel.CUDA:
+        return _run_cuda(plan, ops, scale, causal_offset, key_bias)
+    if plan.kernel is ForwardKernel.GLUON_WS:
+        return _run_gluon_ws(plan, ops, scale, causal_offset)
+    return _run_triton(plan, ops, scale, causal_offset, write_p, key_bias, sink_tiles)
 
-        if cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias) is None:
-            out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
-                                           persistent=cfg.cuda_persistent, **P_MODE_BUILDS[p_mode])
-            return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
-    # the Gluon kernel below takes FP8 P (p_mode 0, 4 and 7) only, the CUDA kernel above affine MXFP4 P (5) too: the
-    # other MXFP4 P builders (P_MODE 1, 2; 3 and its sink_tiles) run on the Triton kernel
-    if (cfg.warp_specialized and p_mode in GLUON_P_MODES and not write_p and key_bias is None and tma_loadable(ops)
-            and q.is_contiguous()):
-        # the Gluon kernel: the Triton kernel's arithmetic (pv_add), no debug tiles or key
-        # bias (imported here: only this path needs Triton's Gluon frontend)
-        from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
 
-        out, lse = launch_forward_ws(ops, scale=scale, causal_offset=causal_offset, p_mode=p_mode,
-                                     p_hw_cvt=cfg.p_hw_cvt, stages=cfg.stages, overlap=cfg.ws_overlap)
-        return out, lse, torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
+def _no_debug(q: torch.Tensor) -> torch.Tensor:
+    return torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
+
+
+def _run_cuda(plan: ForwardPlan, ops: KernelOperands, scale: float, causal_offset: int | None, key_bias):
+    """The CUDA C++ kernel (FlashAttention-3's schedule), its build by P mode
+    (`forward_cuda.P_MODE_BUILDS`); imported here: only this path needs NVRTC."""
+    from fp4attn.kernels.hopper.forward_cuda import (
+        P_MODE_BUILDS,
+        cuda_unsupported_reason,
+        launch_forward_cuda,
+    )
+
+    why = cuda_unsupported_reason(ops, causal_offset=causal_offset, key_bias=key_bias)
+    if why is not None:
+        raise ValueError(f"launch_forward: the plan runs the CUDA C++ kernel, which cannot run these operands: {why}")
+    out, lse = launch_forward_cuda(ops, scale=scale, causal_offset=causal_offset, key_bias=key_bias,
+                                   persistent=plan.launch.cuda_persistent, **P_MODE_BUILDS[plan.p_mode])
+    return out, lse, _no_debug(ops.q)
+
+
+def _run_gluon_ws(plan: ForwardPlan, ops: KernelOperands, scale: float, causal_offset: int | None):
+    """The Gluon warp-specialized kernel: the Triton kernel's arithmetic (pv_add), no debug
+    tiles or key bias (imported here: only this path needs Triton's Gluon frontend)."""
+    from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
+
+    launch = plan.launch
+    out, lse = launch_forward_ws(ops, scale=scale, causal_offset=causal_offset, p_mode=plan.p_mode,
+                                 p_hw_cvt=launch.p_hw_cvt, stages=launch.stages, overlap=launch.ws_overlap)
+    return out, lse, _no_debug(ops.q)
+
+
+def _run_triton(plan: ForwardPlan, ops: KernelOperands, scale: float, causal_offset: int | None, write_p: int,
+                key_bias, sink_tiles: int):
+    """The Triton kernel, every P mode, with debug tiles and a key bias where asked."""
+    q, k = ops.q, ops.k
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    cfg = plan.launch
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
@@ -103,9 +147,12 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
            torch.empty((1, 1, 1, 1), device=q.device, dtype=torch.float32))
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
     kb = key_bias.contiguous() if key_bias is not None else lse  # never read without KEY_BIAS
-    descs = tma_descriptors(ops) if cfg.tma_kv else None
+    descs = tma_descriptors(ops) if plan.tma_kv else (None, None)
+    if descs is None:
+        raise ValueError("launch_forward: the plan reads K and V^T by TMA, which these operands do not allow "
+                         "(operands.tma_loadable)")
     attn_fwd_kernel[grid](
-        q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg, kb, *(descs or (None, None)),
+        q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg, kb, *descs,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         ops.vt.stride(0), ops.vt.stride(1), ops.vt.stride(2),
@@ -113,11 +160,10 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
         dbg.stride(0), dbg.stride(1), dbg.stride(2),
         H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
-        QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal_offset is not None,
+        QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=int(plan.p_mode), CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
-        VT_PADDED=ops.vt_keys_padded, TMA_KV=descs is not None, PV_ADD=cfg.pv_add, SINK_TILES=sink_tiles,
-        # the debug tile goes through shared memory: one stage less keeps it in 227 KB
-        num_warps=cfg.warps, num_stages=min(cfg.stages, 2) if write_p else cfg.stages,
+        VT_PADDED=ops.vt_keys_padded, TMA_KV=plan.tma_kv, PV_ADD=cfg.pv_add, SINK_TILES=sink_tiles,
+        num_warps=cfg.warps, num_stages=plan.stages,
     )
     return out, lse, dbg if write_p else dbg[:0]
 

@@ -45,10 +45,11 @@ from fp4attn.reference.forward import LOG2E
 # Blackwell training, which keeps the same payload, takes them from here)
 from fp4attn.routing import (
     TRAIN_P_MODES,
-    backward_gluon_kernels,
-    backward_launch,
+    BackwardKernel,
+    BackwardPlan,
+    hopper_backward_plan,
     hopper_train_unsupported,
-    use_cuda_backward,
+    interpreting,
 )
 
 
@@ -318,36 +319,55 @@ def _scores_fp4(cfg, ops: BackwardOperands, nvfp4) -> tuple[dict, dict]:
     return (dict(args) if cfg.qk_fp4_dq else {}), (dict(args) if cfg.qk_fp4_dkdv else {})
 
 
+def backward_plan(ops: BackwardOperands, p_mode: int) -> BackwardPlan:
+    """The routing's plan for a backward on these operands (`routing.hopper_backward_plan`
+    of their head dim, Q/K scales, lengths, device and layout, and of the P mode)."""
+    qv, kv = ops.q, ops.k
+    return hopper_backward_plan(head_dim=qv.shape[3], qk="fp8" if ops.row_scales else "nvfp4", p_mode=p_mode,
+                                queries=qv.shape[2], keys=kv.shape[2], on_cuda=qv.is_cuda,
+                                tiles_tma=tiles_tma_loadable(qv, ops.do_t, ops.do_c, ops.q_c, kv, ops.v_t, ops.k_c),
+                                interpreter=interpreting())
+
+
 def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causal, scale,
-                    dtypes=(torch.float32,) * 3, nvfp4: tuple[torch.Tensor, ...] | None = None):
-    """Run the dkdv and dq kernels on the backward's operands: (dq, dk, dv), float32
-    sums stored in `dtypes`. Per-token Q/K scales (`BackwardOperands.row_scales`) run
-    the kernels' ROW_SCALES form: the Gluon kernels' where the launch and the lengths
-    allow them, as for NVFP4 (`routing.backward_gluon_kernels`), else the Triton ones'.
-    `nvfp4`: Q's and K's saved NVFP4 payload (codes and block scales), which a launch
-    with `qk_fp4_dq` or `qk_fp4_dkdv` (Blackwell's) multiplies for that kernel's scores
-    instead of their grid values (the same products, exact either way)."""
+                    dtypes=(torch.float32,) * 3, nvfp4: tuple[torch.Tensor, ...] | None = None,
+                    plan: BackwardPlan | None = None):
+    """Run the dkdv and dq kernels the plan names on the backward's operands: (dq, dk, dv),
+    float32 sums stored in `dtypes`. Per-token Q/K scales (`BackwardOperands.row_scales`)
+    run the kernels' ROW_SCALES form. `nvfp4`: Q's and K's saved NVFP4 payload (codes and
+    block scales), which a launch with `qk_fp4_dq` or `qk_fp4_dkdv` (Blackwell's)
+    multiplies for that kernel's scores instead of their grid values (the same products,
+    exact either way). `plan`: the `routing.BackwardPlan` to run (tests, measurements);
+    by default `backward_plan` of these operands; one made for another P mode or Q/K
+    scales raises."""
     qv, kv, qs, ks, do_t, do_ts, do_c, do_cs, v_t, v_ts, q_c, q_cs, k_c, k_cs, delta = ops
     B, H, Sq, D = qv.shape
     Hkv, Sk = kv.shape[1], kv.shape[2]
     lse = lse.contiguous()
-    cfg = backward_launch(D)
     off = causal_offset if causal else 0
     p_mode = TRAIN_P_MODES[(p, p_build)]
     row_scales = ops.row_scales
-    if use_cuda_backward(cfg, "fp8" if row_scales else "nvfp4", p_mode, D, Sq, Sk, qv.is_cuda):
+    if plan is None:
+        plan = backward_plan(ops, p_mode)
+    elif (plan.p_mode, plan.row_scales) != (p_mode, row_scales):
+        raise ValueError(f"launch_backward: the plan is for another call: (p_mode, row_scales) "
+                         f"{(int(plan.p_mode), plan.row_scales)}, this call's {(int(p_mode), row_scales)}")
+    elif plan.tma and not tiles_tma_loadable(qv, do_t, do_c, q_c, kv, v_t, k_c):
+        raise ValueError("launch_backward: the plan reads the tiles by TMA, which these operands do not allow "
+                         "(tiles_tma_loadable: whole 64-token tiles, contiguous, aligned)")
+    if plan.dkdv is BackwardKernel.CUDA:
         from fp4attn.kernels.hopper.backward_cuda import launch_backward_cuda
 
         return launch_backward_cuda(ops, lse, off, causal, scale, dtypes)
+    cfg = plan.launch
     dq_fp4, dkdv_fp4 = _scores_fp4(cfg, ops, nvfp4)
     dq = torch.empty((B, H, Sq, D), device=qv.device, dtype=dtypes[0])
     dk = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[1])
     dv = torch.empty((B, Hkv, Sk, D), device=qv.device, dtype=dtypes[2])
-    tma = cfg.tma and tiles_tma_loadable(qv, do_t, do_c, q_c, kv, v_t, k_c)
-    dkdv_gluon, dq_gluon = backward_gluon_kernels(cfg, "fp8" if row_scales else "nvfp4", p_mode, tma)
+    dkdv_gluon, dq_gluon = plan.dkdv is BackwardKernel.GLUON, plan.dq is BackwardKernel.GLUON
     # the Triton kernels' TMA descriptors only where one of them runs; the Gluon
     # kernels' once for both (each costs host time at every call)
-    descs = backward_descriptors(qv, do_t, do_c, q_c, kv, v_t, k_c) if tma and not (dkdv_gluon and dq_gluon) else None
+    descs = backward_descriptors(qv, do_t, do_c, q_c, kv, v_t, k_c) if plan.triton_descriptors else None
     tiles = descs or dict(Q=qv, DO_T=do_t, DO_C=do_c, Q_C=q_c, K=kv, V_T=v_t, K_C=k_c)
     if dkdv_gluon or dq_gluon:
         from fp4attn.kernels.hopper import backward_gluon
@@ -360,20 +380,20 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
         gluon_descs = backward_gluon.descriptors(**gluon_ops)
     if dkdv_gluon:
         backward_gluon.launch_dkdv_gluon(gluon_descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, dv,
-                                                 off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg,
-                                                 cfg.dkdv_staged, row_scales=row_scales)
+                                         off, causal, scale, cfg.dkdv_in_flight, cfg.dkdv_maxnreg,
+                                         cfg.dkdv_staged, row_scales=row_scales)
     else:
         # the scores from Q's and K's NVFP4 payload (QK_FP4) or from their grid values
         q_s, k_s = (dkdv_fp4.pop("Q"), dkdv_fp4.pop("K")) if dkdv_fp4 else (tiles["Q"], kv)
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
             q_s, k_s, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
             q_cs, dk, dv, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
-            HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
+            HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=int(plan.p_mode), CAUSAL=causal,
             HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, num_warps=cfg.warps_dkdv,
             num_stages=cfg.stages_dkdv, **dkdv_fp4)
     if dq_gluon:
         backward_gluon.launch_dq_gluon(gluon_descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, off, causal,
-                                               scale, cfg.dq_maxnreg, row_scales=row_scales)
+                                       scale, cfg.dq_maxnreg, row_scales=row_scales)
         return dq, dk, dv
     # S from Q's and K's NVFP4 payload (QK_FP4) or from their grid values
     q_s, k_s = (dq_fp4.pop("Q"), dq_fp4.pop("K")) if dq_fp4 else (qv, tiles["K"])
@@ -381,8 +401,8 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
         q_s, k_s, qs, ks, lse, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
         H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
         HEAD_DIM=D, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
-        HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, P_MODE=p_mode, num_warps=cfg.warps_dq,
-        num_stages=cfg.stages_dq, **dq_fp4)
+        HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, P_MODE=int(plan.p_mode),
+        num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **dq_fp4)
     return dq, dk, dv
 
 
