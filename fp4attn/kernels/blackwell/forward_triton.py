@@ -72,6 +72,7 @@ from fp4attn.kernels.common import (
     round_e4m3,
     round_e4m3_cvt,
 )
+from fp4attn.kernels.quantize.elements import _e2m1_code
 
 MX_BLOCK = tl.constexpr(32)
 # the head dim whose pipelined build loads K and V by TMA (docs/notes/blackwell.md)
@@ -192,15 +193,6 @@ def _byte_lane_sum(w):
     """GPU only: the sum of the four byte lanes of each int32 w (one dp4a with ones)."""
     return tl.inline_asm_elementwise(
         "dp4a.u32.u32 $0, $1, 0x01010101, 0;", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _e2m1_code(v):
-    """E2M1 code 0..7 of a non-negative float32 v on the E2M1 grid (0, 0.5, 1, 1.5, 2,
-    3, 4, 6): for v >= 1 the exponent and first mantissa bit of its float32 bits
-    ((127 << 1) | 0 for 1.0 is code 2), below that 2 * v."""
-    b = v.to(tl.int32, bitcast=True)
-    return tl.where(v >= 1.0, (b >> 22) - 252, (v * 2.0).to(tl.int32))
 
 
 @triton.jit

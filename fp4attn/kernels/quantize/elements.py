@@ -87,7 +87,11 @@ def _e2m1_value(a):
 def _e2m1_code(v):
     """E2M1 magnitude code (0 .. 7, int32) of a value on the E2M1 grid: from 1 up its
     float32 exponent and mantissa bit ((e + 127) * 2 + m - 252: 1 -> 2, 6 -> 7), below
-    it 0.5 -> 1, 0 -> 0."""
+    it 0.5 -> 1, 0 -> 0, and a NaN 0, as `formats.encode_e2m1` codes them. What reaches
+    it is on the grid or NaN: `_e2m1_value`'s results (over every non-negative float32,
+    the eight grid values and NaNs) and Direct-P's classified P values (the Blackwell
+    forward's packing where the interpreter runs it). The code of 2 * v below 1 is the
+    same on the grid, not for a NaN, and its conversion changed the NVFP4 packing's SASS."""
     return tl.where(v >= 1.0, (v.to(tl.int32, bitcast=True) >> 22) - 252, (v > 0.0).to(tl.int32))
 
 
