@@ -1,7 +1,7 @@
-"""MXFP4's shared block exponent in Triton (`_mx_exponents`): per 32-element block, the
-exponent of its largest finite magnitude less E2M1's largest (the floor rule,
-`formats.mx.mx_exponent`), clamped to E8M0's range, and whether the block is all finite.
-V's quantizer takes it (`v_operand`).
+"""MXFP4's shared block exponent in Triton (`_mx_exponents`): per 32-element block,
+floor(log2) of its largest finite magnitude less E2M1's largest exponent (2: 6 is 1.5 x
+2**2), clamped to E8M0's range (the floor rule of `formats.mx.mx_exponent`), and whether
+the block is all finite. V's quantizer takes it (`v_operand`).
 """
 
 from __future__ import annotations
