@@ -2,4 +2,9 @@
 of the Hopper Triton/Gluon builds (`machine_code`) and the cost model read off it
 (`cost_model_sm90`). Used by the compile tests and tools/; tests/test_dev.py imports each.
 Import them from the checkout's root (`python -m pytest`, or a script that puts the root
-on sys.path, as tools/compile_check.py does)."""
+on sys.path, as tools/compile_check.py does).
+
+Blackwell: the builds' SASS read instruction by instruction (`machine_code_sm100`), the
+cost model read off it (`cost_model_sm100`) and its report on every build
+(`python -m dev.cost_report_sm100`), and the unrouted Gluon forward with
+FlashAttention-4's structure (`forward_gluon_sm100`)."""

@@ -34,10 +34,10 @@ from pathlib import Path
 from unittest import mock
 
 from dev import machine_code
+from dev.cost_model_sm100 import GPU
+from dev.cost_model_sm100 import predict as _predict
 from fp4attn import routing
 from fp4attn.recipes import PRESETS, Recipe
-from fp4attn.tools.cost_model_sm100 import GPU
-from fp4attn.tools.cost_model_sm100 import predict as _predict
 
 SMS, CLOCK_HZ = 132, 1.98e9
 H200 = GPU("H200", SMS, CLOCK_HZ, (("bf16", round(989.4e12 / (SMS * CLOCK_HZ))),

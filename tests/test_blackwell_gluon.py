@@ -1,5 +1,5 @@
-"""The Gluon sm_100a forward with FlashAttention-4's structure (`kernels.blackwell.
-forward_gluon`, not routed) compiles for sm_100a on a machine without a GPU, and its
+"""The Gluon sm_100a forward with FlashAttention-4's structure (`dev/forward_gluon_sm100.py`,
+not routed) compiles for sm_100a on a machine without a GPU, and its
 machine code has the structure of its design: no spills, tensor memory within 512
 columns, block-scaled FP4 products, the five partitions the cost model reads, the full
 key tiles' softmax loop without a mask, the MMA partition on one warp.
@@ -24,8 +24,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from fp4attn.cli import compile_report  # noqa: E402
-from fp4attn.kernels.blackwell import forward_gluon as fg  # noqa: E402
+from dev import cost_report_sm100, machine_code_sm100  # noqa: E402
+from dev import forward_gluon_sm100 as fg  # noqa: E402
 from fp4attn.kernels.blackwell import forward_triton as ft  # noqa: E402
 
 SMEM_PER_CTA = 227 * 1024  # sm_100's largest dynamic shared memory a CTA
@@ -38,10 +38,10 @@ MOVEMENT = {"tcgen05", "mbarrier", "fence", "cp", "ld", "st", "bar", "elect"}
 
 @pytest.fixture(scope="module")
 def gluon():
-    """The Gluon builds' compile-report records by (recipe, causal), and the calibration
-    record."""
-    recs = {(r["recipe"], r["causal"]): r for r in compile_report.gluon_records()}
-    return recs | {("bf16", False): compile_report.gluon_calibration_report()}
+    """The Gluon builds' records (`cost_report_sm100`) by (recipe, causal), and the
+    calibration record."""
+    recs = {(r["recipe"], r["causal"]): r for r in cost_report_sm100.gluon_records()}
+    return recs | {("bf16", False): cost_report_sm100.gluon_calibration_report()}
 
 
 def test_gluon_builds_without_spills_in_512_columns(gluon):
@@ -88,10 +88,8 @@ def test_gluon_partitions_as_designed(gluon):
 
 
 def _report(p_kind: str, causal: bool = False):
-    from fp4attn.tools.machine_code_sm100 import compile_forward_gluon, inspect
-
-    return _cached((p_kind, causal), lambda: inspect(compile_forward_gluon(getattr(fg, p_kind).value, causal=causal),
-                                                     "sm_100a", gluon=True))
+    return _cached((p_kind, causal), lambda: machine_code_sm100.read(
+        machine_code_sm100.compile_forward_gluon(getattr(fg, p_kind).value, causal=causal), "sm_100a", gluon=True))
 
 
 _CACHE: dict = {}
@@ -131,15 +129,13 @@ def _arithmetic(blocks: list[str]) -> set[str]:
 def _triton_blocks(recipe: str) -> set[str]:
     """The inline-PTX arithmetic blocks of the routed Triton pipelined build of `recipe`
     (D=128, non-causal)."""
+    from fp4attn.cli import compile_report
     from fp4attn.recipes import PRESETS
-    from fp4attn.routing import blackwell_forward_launch
-    from fp4attn.tools.machine_code_sm100 import compile_forward
 
     r = PRESETS[recipe]
-    launch = blackwell_forward_launch(128, False, False, "sm_100")
-    ptx = _cached(recipe, lambda: compile_forward(
-        r.qk == "nvfp4", r.p == "mxfp4", False, 128, block_m=launch.block_m, num_warps=launch.warps,
-        num_stages=launch.stages, pipelined=launch.pipelined, p_affine=r.p_build == "affine").asm["ptx"])
+    launch = compile_report.routed_launch(128, False, False, "sm_100a")
+    ptx = _cached(recipe, lambda: compile_report.forward_kernel(
+        r.qk == "nvfp4", r.p == "mxfp4", r.p_build == "affine", False, 128, False, "sm_100a", launch).asm["ptx"])
     return _arithmetic(_asm_blocks(ptx))
 
 
@@ -181,10 +177,10 @@ def test_gluon_arithmetic_asm_is_the_triton_kernels(recipe, p_kind, causal):
 def test_gluon_builds_for_sm103a_without_spills():
     """B300 (sm_103a): the FP4 builds compile without spills in 512 columns, with the same
     block-scaled kinds (the bundled cuobjdump cannot read its SASS: no model)."""
-    from fp4attn.tools.machine_code_sm100 import compile_forward_gluon, mma_kinds, ptxas_report
+    from fp4attn.cli.blackwell_machine_code import mma_kinds, ptxas_report
 
     for p_kind in ("P_AFFINE_MXFP4", "P_EXP2_FP8"):
-        k = compile_forward_gluon(getattr(fg, p_kind).value, arch="sm_103a")
+        k = machine_code_sm100.compile_forward_gluon(getattr(fg, p_kind).value, arch="sm_103a")
         regs, spill_st, spill_ld = ptxas_report(k.asm["ptx"], "sm_103a")
         assert spill_st + spill_ld == 0 and 0 < k.metadata.tmem_size <= 512, (p_kind, spill_st, spill_ld)
         assert any("kind::mxf4nvf4.block_scale.scale_vec::4X" in m for m in mma_kinds(k.asm["ptx"])), p_kind

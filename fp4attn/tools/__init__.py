@@ -1,1 +1,1 @@
-"""Helpers of the `bench` and `compile-report` commands: timing, cuDNN FP8, machine code."""
+"""Helpers of the `bench` command: timing, cuDNN FP8."""

@@ -1,9 +1,11 @@
-"""Compile the Blackwell kernels for sm_100a (or sm_120a) without a GPU and read their
-machine code: registers and spills from ptxas-blackwell, shared and tensor memory from
-the compiler's metadata, the tensor-core instruction kinds from the PTX, and instruction
-counts from the SASS. Used by `fp4attn compile-report` and by the CPU tests that hold the
-kernels to their design (block-scaled FP4 MMAs, no spills, tensor memory within 512
-columns)."""
+"""The SASS of the Blackwell builds read instruction by instruction, for the cost model
+(`cost_model_sm100`) and the compile tests that hold the kernels' loops to their design:
+the tile loop of each partition of a warp-specialized build, the serial kernel's tile
+loop, the Gluon forward's five partitions (`forward_gluon_sm100`, built here by
+`compile_forward_gluon`). The figures `fp4attn compile-report` prints (registers, spills,
+memory, MMA kinds) come from `fp4attn.cli.blackwell_machine_code`, whose report this one
+extends; the SASS comes from Triton's bundled cuobjdump (CUDA 12.8's), which reads
+sm_100a and sm_120a cubins and refuses sm_103a ones."""
 
 from __future__ import annotations
 
@@ -12,77 +14,15 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, fields
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from fp4attn.kernels.blackwell.forward_triton import attn_fwd_sm100_kernel
+from fp4attn.cli.blackwell_machine_code import ARCHS, LENGTHS, TOOLS, BlackwellReport, divisibility, inspect
 
-ARCHS = {"sm_100a": 100, "sm_103a": 103, "sm_120a": 120}
-# the bundled cuobjdump (CUDA 12.8's) disassembles these; sm_103a cubins it refuses
+# the bundled cuobjdump disassembles these; sm_103a cubins it refuses
 SASS_ARCHS = ("sm_100a", "sm_120a")
-_BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
-
-_POINTERS = ("Q", "QSC", "K", "KSC", "QS", "KS", "V", "VSC", "VS", "O", "LSE", "P_DBG", "KB")
-_STRIDES = tuple(f"stride_{t}{d}" for t in ("q", "qs", "k", "ks", "v", "vs", "o", "p")
-                 for d in ("b", "h", "m" if t in ("q", "qs", "o", "p") else "n" if t in ("k", "ks") else "d"))
-_LENGTHS = ("Sq", "Sk")
-
-
-def forward_signature(qk_fp4: bool, pv_fp4: bool, bf16: bool = False) -> dict[str, str]:
-    """Argument types of `attn_fwd_sm100_kernel` as the launcher passes them."""
-    wide = "*bf16" if bf16 else "*fp8e4nv"
-    types = {"Q": "*u8" if qk_fp4 else wide, "K": "*u8" if qk_fp4 else wide,
-             "QSC": "*fp8e4nv", "KSC": "*fp8e4nv", "V": "*u8" if pv_fp4 else wide, "VSC": "*u8",
-             "O": "*bf16"}
-    sig = {n: types.get(n, "*fp32") for n in _POINTERS}
-    sig.update({n: "i32" for n in _STRIDES})
-    sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")})
-    sig["qk_scale"] = "fp32"
-    return sig
-
-
-def _divisibility(sig: dict, aligned: list[str]) -> dict:
-    """Compile attributes specializing the arguments `aligned` as multiples of 16, as
-    the JIT does for 16-byte aligned tensors and lengths that are multiples of 16."""
-    names = list(sig)
-    return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-
-
-def compile_forward(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, *, arch: str = "sm_100a",
-                    block_m: int = 128, block_n: int = 128, num_warps: int = 8, num_stages: int = 2,
-                    key_bias: bool = False, hw_cvt: bool = True, pipelined: bool = False, p_affine: bool = False,
-                    bf16: bool = False):
-    """The compiled Blackwell forward for one recipe family and launch shape; pointers,
-    strides and lengths specialized as multiples of 16, as the JIT builds it at the
-    bench shapes. bf16: Q, K, V and P in bf16 (qk_fp4 and pv_fp4 False)."""
-    if bf16 and (qk_fp4 or pv_fp4):
-        raise ValueError("compile_forward: bf16=True is the all-bf16 build (qk_fp4 and pv_fp4 False)")
-    sig = forward_signature(qk_fp4, pv_fp4, bf16)
-    consts = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP4=qk_fp4, PV_FP4=pv_fp4,
-                  CAUSAL=causal, HW_CVT=hw_cvt, KEY_BIAS=key_bias, WRITE_P=False, PIPELINED=pipelined,
-                  P_AFFINE=p_affine, BF16=bf16)
-    sig = {**sig, **{c: "constexpr" for c in consts}}
-    aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or n in _LENGTHS]
-    src = ASTSource(attn_fwd_sm100_kernel, sig, constexprs=consts, attrs=_divisibility(sig, aligned))
-    return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
-
-
-def ptxas_report(ptx: str, arch: str = "sm_100a") -> tuple[int, int, int]:
-    """(registers, spill store bytes, spill load bytes) from `ptxas-blackwell -v`."""
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "k.ptx"
-        path.write_text(ptx)
-        proc = subprocess.run([str(_BIN / "ptxas-blackwell"), "-v", "--gpu-name", arch, str(path), "-o",
-                               str(Path(d) / "k.cubin")], capture_output=True, text=True, check=True)
-    text = proc.stdout + proc.stderr
-    regs = int(re.search(r"Used (\d+) registers", text).group(1))
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return regs, int(spill.group(1)), int(spill.group(2))
 
 
 def sass_of(cubin: bytes) -> str:
@@ -90,16 +30,10 @@ def sass_of(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        return subprocess.run([str(_BIN / "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True,
+        return subprocess.run([str(TOOLS / "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
     finally:
         os.unlink(f.name)
-
-
-def mma_kinds(ptx: str) -> list[str]:
-    """The distinct tensor-core instructions of a PTX text, without their operands,
-    e.g. `tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X`."""
-    return sorted(set(re.findall(r"\b(tcgen05\.mma[.\w:]*|wgmma\.mma_async[.\w:]*|mma\.sync[.\w:]*)", ptx)))
 
 
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;\n]*);")
@@ -120,24 +54,13 @@ class PartitionLoop:
 
 
 @dataclass(frozen=True)
-class BlackwellReport:
-    """What a compiled Blackwell kernel uses, and the instructions of its machine code."""
+class BlackwellSass(BlackwellReport):
+    """A compiled Blackwell kernel's figures (`BlackwellReport`) and its SASS, read
+    instruction by instruction: loops, the partitions' tile loops."""
 
-    registers: int
-    spill_bytes: int
-    shared_bytes: int
-    tmem_columns: int
-    mma_kinds: list[str]
-    ptx: str = field(repr=False)
-    sass: str = field(repr=False)
-    ttgir: str = field(default="", repr=False)
-    num_warps: int = 8
+    sass: str = field(default="", repr=False)
+    num_warps: int = 8  # the launch's (the metadata counts the partitions' warps too)
     gluon: bool = False  # the Gluon pipelined forward (`gluon_partition_loops`)
-
-    @property
-    def pipelined(self) -> bool:
-        """Whether the build is warp-specialized (partitions that run at once)."""
-        return "ttg.warp_specialize" in self.ttgir
 
     def instructions(self) -> list[tuple[int, str, str]]:
         """(address, opcode with modifiers, operands) of every SASS instruction."""
@@ -208,7 +131,7 @@ class BlackwellReport:
         return {role: PartitionLoop(role, lp[0], warps[role], lp[1]) for role, lp in roles}
 
     def gluon_partition_loops(self) -> dict[str, PartitionLoop]:
-        """The tile loops of the Gluon pipelined forward (`forward_gluon`), by role, each
+        """The tile loops of the Gluon pipelined forward (`forward_gluon_sm100`), by role, each
         run once per key tile for the CTA's two query tiles: "softmax0" and "softmax1"
         (each query tile's softmax warpgroup: its first loop, the full key tiles without
         a mask; the second, the tail tile, is not counted), "correction" (the scale tiles
@@ -282,77 +205,24 @@ class BlackwellReport:
         raise ValueError("no loop with tensor-core instructions in the SASS")
 
 
-def inspect(kernel, arch: str = "sm_100a", gluon: bool = False) -> BlackwellReport:
-    """Registers, spills, shared and tensor memory, MMA kinds and SASS (empty where the
-    bundled cuobjdump cannot read the target) of a compiled kernel; gluon: the Gluon
-    pipelined forward (`compile_forward_gluon`)."""
-    regs, spill_st, spill_ld = ptxas_report(kernel.asm["ptx"], arch)
-    md = kernel.metadata
-    sass = sass_of(kernel.asm["cubin"]) if arch in SASS_ARCHS else ""
+def read(kernel, arch: str = "sm_100a", record: dict | BlackwellReport | None = None,
+         gluon: bool = False) -> BlackwellSass:
+    """A compiled kernel's figures and SASS (empty where the bundled cuobjdump cannot read
+    the target). record: the build's figures already read (a `BlackwellReport`, or a
+    compile-report record), so that ptxas does not run again; gluon: the Gluon pipelined
+    forward (`compile_forward_gluon`)."""
+    if record is None:
+        record = inspect(kernel, arch)
+    if isinstance(record, BlackwellReport):
+        record = {f.name: getattr(record, f.name) for f in fields(record)}
+    figures = {n: record[n] for n in ("registers", "spill_bytes", "shared_bytes", "tmem_columns", "mma_kinds")}
     ttgir = kernel.asm.get("ttgir", "")
     warps = re.search(r'"ttg.num-warps" = (\d+)', ttgir)  # the launch's (metadata counts the partitions' too)
-    return BlackwellReport(regs, spill_st + spill_ld, int(md.shared), int(getattr(md, "tmem_size", 0) or 0),
-                           mma_kinds(kernel.asm["ptx"]), kernel.asm["ptx"], sass, ttgir,
-                           int(warps.group(1)) if warps else int(md.num_warps), gluon)
+    return BlackwellSass(**figures, ptx=kernel.asm["ptx"], ttgir=ttgir,
+                         sass=sass_of(kernel.asm["cubin"]) if arch in SASS_ARCHS else "",
+                         num_warps=int(warps.group(1)) if warps else int(kernel.metadata.num_warps), gluon=gluon)
 
 
-# ---------------------------------------------------------------------------- training backward
-_BWD_FP8 = ("DO_T", "DO_C", "V_T", "Q_C", "K_C")
-_BWD_BF16 = ("DK", "DV", "DQ")  # bf16 gradients out
-_BWD_INTS = ("H", "GROUP", "Sq", "Sk", "causal_offset")
-
-
-def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0, arch: str = "sm_100a",
-                     qk_fp4: bool | None = None, launch=None):
-    """The training backward's Triton kernel `part` ("dkdv" or "dq", from
-    `kernels.backward_triton`) compiled for `arch` at the Blackwell launch
-    (`routing.BLACKWELL_BACKWARD_LAUNCH`, or `launch`), pointers and lengths
-    specialized as multiples of 16. qk_fp4 (None: the launch's `qk_fp4_dq` or
-    `qk_fp4_dkdv`): the scores by the block-scaled FP4 product of the NVFP4 payloads
-    (QK_FP4); False: by the bf16 product of their grid values. The signature follows the
-    kernel's own parameters, so it tracks their changes."""
-    from fp4attn.kernels.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
-    from fp4attn.reference.backward import DS_BLOCK
-    from fp4attn.routing import BLACKWELL_BACKWARD_LAUNCH
-
-    cfg = launch or BLACKWELL_BACKWARD_LAUNCH[head_dim]
-    fn = attn_bwd_dkdv_kernel if part == "dkdv" else attn_bwd_dq_kernel
-    if part == "dkdv":
-        qk_fp4 = cfg.qk_fp4_dkdv if qk_fp4 is None else qk_fp4
-        consts = dict(HEAD_DIM=head_dim, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=p_mode, CAUSAL=causal,
-                      HW_CVT=cfg.hw_cvt, TMA=False, QK_FP4=qk_fp4)
-        warps, stages = cfg.warps_dkdv, cfg.stages_dkdv
-    else:
-        qk_fp4 = cfg.qk_fp4_dq if qk_fp4 is None else qk_fp4
-        consts = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
-                      HW_CVT=cfg.hw_cvt, TMA=False, QK_FP4=qk_fp4)
-        warps, stages = cfg.warps_dq, cfg.stages_dq
-    # Q and K: the NVFP4 codes with their e4m3 block scales, or the bf16 grid values
-    # (the block-scale pointers then None, as the launcher leaves them)
-    qk = {"Q": "*u8", "K": "*u8", "QSC": "*fp8e4nv", "KSC": "*fp8e4nv"} if qk_fp4 else {"Q": "*bf16", "K": "*bf16"}
-    sig = {}
-    for param in fn.params:
-        n = param.name
-        if param.is_constexpr:
-            sig[n] = "constexpr"
-            consts.setdefault(n, param.default)
-        elif n in ("QSC", "KSC") and not qk_fp4:
-            sig[n] = "constexpr"
-            consts[n] = None
-        elif n in _BWD_INTS:
-            sig[n] = "i32"
-        elif n in ("qk_scale", "sm_scale"):
-            sig[n] = "fp32"
-        else:
-            sig[n] = qk.get(n) or ("*fp8e4nv" if n in _BWD_FP8 else "*bf16" if n in _BWD_BF16 else "*fp32")
-    aligned = [n for n, t in sig.items() if t.startswith("*") or n in _LENGTHS]
-    consts = {k: v for k, v in consts.items() if k in sig}
-    src = ASTSource(fn, sig, constexprs=consts, attrs=_divisibility(sig, aligned))
-    return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
-                          options=dict(num_warps=warps, num_stages=stages))
-
-
-# ------------------------------------------------------------------ Gluon pipelined forward
 def _gluon_desc_sig(dtype, block: list[int]) -> str:
     """The signature type of a Gluon TMA descriptor argument with the default NVMMA
     shared layout of its tile (as a launcher building `TensorDescriptor`s would)."""
@@ -363,14 +233,15 @@ def _gluon_desc_sig(dtype, block: list[int]) -> str:
 
 
 def compile_forward_gluon(p_kind: int, head_dim: int = 128, causal: bool = False, arch: str = "sm_100a"):
-    """The compiled Gluon pipelined forward (`forward_gluon.attn_fwd_sm100_gluon_kernel`)
-    for `arch` (sm_100a, or sm_103a), one P builder (`forward_gluon.P_AFFINE_MXFP4`, `P_EXP2_FP8`, `P_BF16`),
+    """The compiled Gluon pipelined forward (`forward_gluon_sm100.attn_fwd_sm100_gluon_kernel`)
+    for `arch` (sm_100a, or sm_103a), one P builder (`forward_gluon_sm100.P_AFFINE_MXFP4`,
+    `P_EXP2_FP8`, `P_BF16`),
     causal or not, pointers and lengths specialized as multiples of 16 (as the JIT does
     at the bench shapes)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fp4attn.kernels.blackwell import forward_gluon as fg
+    from dev import forward_gluon_sm100 as fg
 
     bm, bn, d = fg.BLOCK_M.value, fg.BLOCK_N.value, head_dim
     p_kind = getattr(p_kind, "value", p_kind)
@@ -385,7 +256,7 @@ def compile_forward_gluon(p_kind: int, head_dim: int = 128, causal: bool = False
            "VSC": "*u8", "VS": "*fp32", "O": "*bf16", "LSE": "*fp32", "H": "i32", "GROUP": "i32", "Sq": "i32",
            "Sk": "i32", "causal_offset": "i32", "qk_scale": "fp32"}
     consts = dict(HEAD_DIM=head_dim, P_KIND=p_kind, CAUSAL=causal)
-    aligned = [n for n, t in sig.items() if t.startswith("*") or n in _LENGTHS]
+    aligned = [n for n, t in sig.items() if t.startswith("*") or n in LENGTHS]
     src = GluonASTSource(fg.attn_fwd_sm100_gluon_kernel, {**sig, **{c: "constexpr" for c in consts}},
-                         constexprs=consts, attrs=_divisibility(sig, aligned))
+                         constexprs=consts, attrs=divisibility(sig, aligned))
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32), options=dict(num_warps=fg.NUM_WARPS))

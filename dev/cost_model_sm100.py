@@ -80,7 +80,7 @@ def _issue_clocks(loops: list[tuple[int, int]], gpu: B200) -> float:
 
 def predict(report, *, qk: str, pv: str, head_dim: int, block_m: int = 128, block_n: int = 128,
             gpu: GPU = B200) -> dict:
-    """The model's figures for one compiled build (`machine_code_sm100.BlackwellReport`)
+    """The model's figures for one compiled build (`machine_code_sm100.BlackwellSass`)
     whose products multiply `qk` and `pv` operands ("fp4", "fp8", "bf16"), per program
     tile of block_m x block_n. Returns per-partition issue, the clocks of each resource,
     the bound, and `ceiling_tflops` (the model's raw figure); `calibrate` adds the
@@ -91,7 +91,7 @@ def predict(report, *, qk: str, pv: str, head_dim: int, block_m: int = 128, bloc
     tensor = flop / gpu.rate(qk) + flop / gpu.rate(pv)
     out: dict = {"pipelined": report.pipelined}
     if getattr(report, "gluon", False):
-        # the Gluon pipeline (forward_gluon): each loop runs once per key tile for the
+        # the Gluon pipeline (forward_gluon_sm100): each loop runs once per key tile for the
         # CTA's two query tiles, so a tile's issue and MUFU are half a step's
         loops = report.gluon_partition_loops()
         tiles = 2

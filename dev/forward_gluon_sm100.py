@@ -2,9 +2,10 @@
 structure: explicit partitions (`gl.warp_specialize`) around tensor memory, two 128-row
 query tiles a CTA whose softmax warpgroups take turns on the tensor cores.
 
-Compiled and modelled on a CPU machine (`tools.machine_code_sm100.compile_forward_gluon`,
-`fp4attn compile-report`); not routed, never run on a GPU (docs/notes/blackwell.md, "A
-Gluon pipeline with FA4's structure").
+Compiled and modelled on a CPU machine (`machine_code_sm100.compile_forward_gluon`,
+`python -m dev.cost_report_sm100`); not routed, never run on a GPU, so it lives in the
+development area, not the package (docs/notes/archive/blackwell.md, "A Gluon pipeline
+with FA4's structure").
 
 A CTA holds 256 query rows of one head (two tiles of BLOCK_M = 128) and walks the key
 tiles (BLOCK_N = 128) once. Partitions, per key tile j:
