@@ -125,13 +125,13 @@ _BWD_INTS = ("H", "GROUP", "Sq", "Sk", "causal_offset")
 def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0, arch: str = "sm_100a",
                      qk_fp4: bool | None = None, launch=None):
     """The training backward's Triton kernel `part` ("dkdv" or "dq", from
-    `kernels.hopper.backward_triton`) compiled for `arch` at the Blackwell launch
+    `kernels.backward_triton`) compiled for `arch` at the Blackwell launch
     (`routing.BLACKWELL_BACKWARD_LAUNCH`, or `launch`), pointers and lengths
     specialized as multiples of 16. qk_fp4 (None: the launch's `qk_fp4_dq` or
     `qk_fp4_dkdv`): the scores by the block-scaled FP4 product of the NVFP4 payloads
     (QK_FP4); False: by the bf16 product of their grid values. The signature follows the
     kernel's own parameters, so it tracks their changes."""
-    from fp4attn.kernels.hopper.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+    from fp4attn.kernels.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
     from fp4attn.reference.backward import DS_BLOCK
     from fp4attn.routing import BLACKWELL_BACKWARD_LAUNCH
 
