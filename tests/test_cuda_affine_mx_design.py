@@ -1,4 +1,4 @@
-"""The CUDA forward's affine MXFP4 P (`AFFINE_MX` in fp4attn/kernels/hopper/cuda/attn_fwd_fp8.cu),
+"""The CUDA forward's affine MXFP4 P (`AFFINE_MX`: its builder in fp4attn/kernels/hopper/cuda/p_build.cuh),
 its integer design replayed on the CPU against the reference's codes, bit for bit.
 
 The kernel does not build P's bytes the way reference/affine.py states them: per score it
@@ -22,7 +22,7 @@ import torch
 from fp4attn.formats.minifloat import decode_e2m1
 from fp4attn.reference.affine import affine_mxfp4_codes, snap_max
 
-SOURCE = Path(__file__).parents[1] / "fp4attn/kernels/hopper/cuda/attn_fwd_fp8.cu"
+SOURCE = Path(__file__).parents[1] / "fp4attn/kernels/hopper/cuda/p_build.cuh"  # the P builders' header
 MAGIC = 12582912.0
 
 
