@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from fp4attn import decode_routing, routing
+from fp4attn import decode_routing
 from fp4attn._logging import log_once
 from fp4attn.api import ReferenceFallbackWarning
 from fp4attn.kvcache import INPUT_DTYPES, KVCache
@@ -53,35 +53,21 @@ def _check(q, cache, scale, key_start) -> float:
     return float(scale)
 
 
+def _route(q: torch.Tensor, cache: KVCache, backend: str) -> decode_routing.DecodeRoute:
+    b, hq, sq, d = q.shape
+    return decode_routing.decode_route(q.device, b, cache.kv_heads, hq, sq, d, cache.k_format, cache.v_format,
+                                       cache.page_size, backend)
+
+
 def explain_decode(q: torch.Tensor, cache: KVCache, *, backend: str = "auto") -> dict:
     """What `fp4attn.decode(q, cache)` would run, and why, without running it (also
-    `fp4attn.explain(q, cache)`): a plain dict with "backend" ("triton" or "reference"),
-    "kernel" ("hopper.decode_cuda" or "hopper.decode_triton", the split kernel, or
-    "reference"), "target", "reason", "launcher", "formats" (K/V) and, on the kernels,
-    "launch" (the split kernel's tile, warps and pipeline stages)."""
+    `fp4attn.explain(q, cache)`): the call's route (`decode_routing.DecodeRoute.as_dict`,
+    the record the call itself executes), a plain dict with "backend" ("triton" or
+    "reference"), "kernel" ("hopper.decode_cuda" or "hopper.decode_triton", the split
+    kernel, or "reference"), "target", "reason", "launcher", "formats" (K/V) and, on the
+    kernels, "launch" (the split kernel's tile, warps and pipeline stages)."""
     _check(q, cache, None, None)
-    chosen, why = decode_routing.backend_for(q.device, cache.head_dim, backend)
-    out = {"backend": chosen, "kernel": "reference", "target": routing.target_of(q.device), "reason": why,
-           "launcher": None, "formats": f"{cache.k_format}/{cache.v_format}"}
-    if chosen != "triton":
-        return out
-    b, hq, sq, d = q.shape
-    group = hq // cache.kv_heads
-    on_gpu = not routing.interpreting()
-    not_cuda = decode_routing.cuda_split_unavailable(cache.k_format, cache.v_format, d, group, sq, cache.page_size,
-                                                     on_gpu)
-    if not_cuda is None:
-        cl = decode_routing.CUDA_LAUNCH
-        launch = {"block_n": cl.block_n, "warps": cl.warps, "stages": decode_routing.cuda_stages(cache.k_format,
-                                                                                                cache.v_format)}
-        kernel, split = "cuda", "the CUDA C++ split kernel"
-    else:
-        lw = decode_routing.decode_launch(cache.k_format, cache.v_format, d, decode_routing.block_m_for(group * sq))
-        launch = {"block_n": lw.block_n, "warps": lw.warps, "stages": lw.stages}
-        kernel, split = "triton", f"the Triton split kernel (not the CUDA C++ one: {not_cuda})"
-    out.update(kernel=f"hopper.decode_{kernel}", reason=f"{why}; {split}", launch=launch,
-               launcher="fp4attn.kernels.hopper.decode_op:hopper_decode")
-    return out
+    return _route(q, cache, backend).as_dict()
 
 
 def decode(
@@ -135,26 +121,44 @@ def decode(
     s = _check(q, cache, scale, key_start)
     if (k is None) != (v is None):
         raise ValueError("decode: pass both k and v to append, or neither")
-    chosen, why = decode_routing.backend_for(q.device, cache.head_dim, backend)
+    if torch.compiler.is_compiling():
+        # traced: the backend only; the op decides the rest where it runs (`_decode_impl`)
+        route = None
+        chosen, why = decode_routing.backend_for(q.device, cache.head_dim, backend)
+    else:
+        route = _route(q, cache, backend)  # decided once per form of call: a step's layers share it
+        chosen, why = route.backend, route.reason
     undo = cache._append(k, v, counts) if k is not None else None
     try:
-        return _attend(q, cache, s, causal, key_start, return_lse, backend, chosen, why)
+        return _attend(q, cache, s, causal, key_start, return_lse, backend, chosen, why, route)
     except BaseException:
         cache._undo(undo)  # a failed decode leaves the cache as it was
         raise
 
 
-def _attend(q, cache, s, causal, key_start, return_lse, backend, chosen, why):
+@functools.cache
+def _kernels():
+    """The decode op's module, imported at the first kernel call (an import statement on
+    every call costs more than the rest of the call's Python)."""
+    from fp4attn.kernels.hopper import decode_op
+
+    return decode_op
+
+
+def _attend(q, cache, s, causal, key_start, return_lse, backend, chosen, why, route):
     """`decode` after its append: the new rows over the cache."""
     out_dtype, q_in, s_in = q.dtype, q, s
     if cache.rotate_k:  # q' . k' = block * (q . k): the scale divided by the block (exact)
         q = robust.rotate(q)
         s = s * robust.rotation_scale(cache.head_dim)
     if chosen == "triton":
-        from fp4attn.kernels.hopper.decode_op import hopper_decode
-
-        out, lse = hopper_decode(q, cache, scale=s, causal=causal, key_start=key_start)
-        out = out.to(out_dtype)
+        if route is None:  # traced by torch.compile
+            from fp4attn.kernels.hopper.decode_op import hopper_decode
+        else:
+            hopper_decode = _kernels().hopper_decode
+        out, lse = hopper_decode(q, cache, scale=s, causal=causal, key_start=key_start, route=route)
+        if out.dtype != out_dtype:
+            out = out.to(out_dtype)
     else:
         if backend == "auto" and not torch.compiler.is_compiling():
             message = f"fp4attn.decode runs on the reference backend (pure PyTorch, far slower than the kernels): {why}"

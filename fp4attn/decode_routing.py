@@ -6,11 +6,18 @@ target and backend rules it shares (FP4ATTN_TARGET, FP4ATTN_BACKEND, TRITON_INTE
     backend     "triton": the Hopper kernels (`kernels/hopper/decode_triton.py`,
                 `kvcache_triton.py`) on sm_90 at head dims 64 and 128; else the
                 reference (`reference/decode.py`, `reference/kvcache.py`), logged once
+    kernel      `split_kernel`: the CUDA C++ split kernel (`kernels/hopper/decode_cuda.py`)
+                where it takes the call and builds, else the Triton one
     launch      `DecodeLaunch`: the key tile, warps and pipeline stages of the split
                 kernel per (K format, V format, head dim) (`DECODE_LAUNCH`, each entry
                 traced to a measurement in docs/notes/decode.md)
     splits      `split_plan`: split-K so that the programs fill whole waves of what an
                 SM holds of the compiled kernel (`resident_programs`)
+    route       `decode_route`: all of the above for one form of call, as one record
+                (`DecodeRoute`), decided once per (device, cache geometry and formats,
+                query rows, backend asked, environment) and reused by every later call
+                of that form: the layers of a decode step share it. `explain_decode`
+                returns it; `kernels/hopper/decode_op.py` executes it and decides nothing.
 
 A launch changes speed only, never a value: the decode numerics do not depend on the
 tile or the split a key falls in (`reference/decode.py`).
@@ -22,10 +29,11 @@ import dataclasses
 import functools
 import importlib.util
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from fp4attn import routing
-from fp4attn.routing import TARGET_ENV, interpreting, requested_backend, target_of
+from fp4attn.routing import BACKEND_ENV, INTERPRET_ENV, TARGET_ENV, interpreting, requested_backend, target_of
 
 DECODE_HEAD_DIMS = (64, 128)
 DECODE_TARGETS = ("sm_90",)
@@ -180,13 +188,17 @@ def resident_programs(registers: int, warps: int, shared_bytes: int) -> int:
     return max(1, fit)
 
 
-@functools.lru_cache(maxsize=1024)  # on every decode call's path: the search is ~100 us of Python
 def split_plan(launch: DecodeLaunch, max_len: int, programs: int, sms: int, resident: int) -> tuple[int, int]:
     """(splits, tokens per split) for `programs` (sequences x KV heads x row blocks) over
     keys up to `max_len`, `resident` programs to an SM: the splits whose waves (whole
     waves count: a part-filled last wave takes a wave's time) times tiles per split, plus
-    each split's fixed cost, is least; each split at least `min_split_tiles` tiles."""
-    tiles = max(1, math.ceil(max_len / launch.block_n))
+    each split's fixed cost, is least; each split at least `min_split_tiles` tiles. It
+    depends on `max_len` only through its count of key tiles."""
+    return _split_plan(launch, max(1, math.ceil(max_len / launch.block_n)), programs, sms, resident)
+
+
+@functools.lru_cache(maxsize=1024)  # the search is ~100 us of Python; `DecodeRoute.split_plan` memoizes it per route
+def _split_plan(launch: DecodeLaunch, tiles: int, programs: int, sms: int, resident: int) -> tuple[int, int]:
     if launch.splits:
         splits = min(launch.splits, tiles)
     else:
@@ -235,5 +247,179 @@ def backend_for(device, head_dim: int, backend: str = "auto") -> tuple[str, str]
     return "reference", why
 
 
+def routing_env() -> tuple:
+    """The environment a decode route depends on (FP4ATTN_BACKEND, FP4ATTN_TARGET,
+    TRITON_INTERPRET) as they are now, read on every call as the attention's routing reads
+    it; through os.environ's own mapping of encoded names where it has one (CPython's
+    `_data`, which every assignment to os.environ updates): `os.environ.get` costs about a
+    microsecond a name, more than the rest of a cached route's lookup."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if type(data) is dict:
+        return data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]), data.get(_ENV_KEYS[2])
+    return env.get(BACKEND_ENV), env.get(TARGET_ENV), env.get(INTERPRET_ENV)
+
+
+_ENV_KEYS = tuple(getattr(os.environ, "encodekey", lambda k: k)(k) for k in (BACKEND_ENV, TARGET_ENV, INTERPRET_ENV))
+_APPEND_ROUTES: dict[tuple, tuple[str, bool]] = {}
+
+
+def append_route(device, head_dim: int) -> tuple[str, bool]:
+    """("triton" or "reference", whether the kernels run on the GPU rather than under the
+    interpreter): what writes a KV cache append (backend "auto"), decided once per
+    (device, head dim, routing environment) as `decode_route` is."""
+    key = (device, head_dim, routing_env())
+    chosen = _APPEND_ROUTES.get(key)
+    if chosen is None:
+        chosen = _APPEND_ROUTES[key] = (backend_for(device, head_dim)[0], not interpreting())
+    return chosen
+
+
 def append_backend(device, head_dim: int) -> str:
-    return backend_for(device, head_dim)[0]
+    return append_route(device, head_dim)[0]
+
+
+# ----------------------------------------------------------------------------- the route
+LAUNCHER = "fp4attn.kernels.hopper.decode_op:hopper_decode"
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one record per form of call
+class DecodeRoute:
+    """What a decode call of one form runs, and why: `decode_route` decides it once and
+    every later call of that form reuses it; `explain_decode` returns `as_dict()`, and
+    `kernels/hopper/decode_op.py` executes it without deciding anything again.
+
+    backend: "triton" (the Hopper kernels) or "reference". kernel: the split kernel,
+    "cuda" (`decode_cuda.py`) or "triton" (`decode_triton.py`), or "reference". hw: the
+    kernels run on the GPU (inline PTX, the CUDA C++ kernel), not under the interpreter.
+    launch: what the split plan spreads over the keys: the Triton kernel's program
+    (`decode_launch`), or the CUDA kernel's CTA (`CUDA_LAUNCH`, its warps' tiles
+    together); ring: the CUDA kernel's ring depth (`cuda_stages`); block_m: query rows a
+    Triton program holds; programs: the programs (CUDA: CTAs) a split of the keys takes.
+    The split count itself follows the longest sequence, which grows every step:
+    `split_plan` finds it, memoized per count of key tiles.
+    """
+
+    backend: str
+    kernel: str
+    target: str
+    reason: str
+    k_format: str
+    v_format: str
+    head_dim: int
+    batch: int
+    kv_heads: int
+    group: int  # query heads a KV head
+    sq: int  # new query rows a sequence
+    page_size: int
+    hw: bool = False
+    launch: DecodeLaunch | None = None
+    ring: int = 0
+    block_m: int = 0
+    programs: int = 0
+    _plans: dict = field(default_factory=dict, init=False, repr=False)
+
+    def split_plan(self, max_len: int, sms: int, resident: int) -> tuple[int, int]:
+        """`split_plan` of this route's launch for keys up to `max_len`, `sms` SMs holding
+        `resident` programs (CTAs) each; (splits, tokens per split)."""
+        launch = self.launch
+        assert launch is not None, "a reference route has no split plan"
+        tiles = -(-max(max_len, 1) // launch.block_n)
+        key = (tiles, sms, resident)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 4096:  # a bound on a long-lived process's memo
+                self._plans.clear()
+            plan = self._plans[key] = _split_plan(launch, tiles, self.programs, sms, resident)
+        return plan
+
+    def as_dict(self) -> dict:
+        """What `fp4attn.explain(q, cache)` returns: "backend", "kernel"
+        ("hopper.decode_cuda", "hopper.decode_triton" or "reference"), "target",
+        "reason", "launcher", "formats" (K/V) and, on the kernels, "launch" (the split
+        kernel's tile, warps and pipeline stages)."""
+        out: dict = {"backend": self.backend, "kernel": "reference" if self.kernel == "reference" else
+                     f"hopper.decode_{self.kernel}", "target": self.target, "reason": self.reason,
+                     "launcher": None if self.backend == "reference" else LAUNCHER,
+                     "formats": f"{self.k_format}/{self.v_format}"}
+        launch = self.launch
+        if launch is not None:
+            out["launch"] = {"block_n": launch.block_n, "warps": launch.warps,
+                             "stages": self.ring if self.kernel == "cuda" else launch.stages}
+        return out
+
+
+def decide_route(device, batch: int, kv_heads: int, q_heads: int, sq: int, head_dim: int, k_format: str,
+                 v_format: str, page_size: int, backend: str = "auto") -> DecodeRoute:
+    """The route of a decode call of q (batch, q_heads, sq, head_dim) on `device` over a
+    cache of these K/V formats and page size, decided now (`decode_route` keeps it);
+    backend="triton" raises where the kernels cannot run it."""
+    chosen, why = backend_for(device, head_dim, backend)
+    group = q_heads // kv_heads
+    route = DecodeRoute("reference", "reference", target_of(device), why, k_format, v_format, head_dim, batch,
+                        kv_heads, group, sq, page_size)
+    if chosen != "triton":
+        return route
+    hw = not interpreting()
+    block_m = block_m_for(group * sq)
+    not_cuda = cuda_split_unavailable(k_format, v_format, head_dim, group, sq, page_size, hw)
+    if not_cuda is None:
+        return dataclasses.replace(route, backend="triton", kernel="cuda", reason=f"{why}; the CUDA C++ split kernel",
+                                   hw=hw, launch=CUDA_LAUNCH, ring=cuda_stages(k_format, v_format), block_m=block_m,
+                                   programs=batch * kv_heads)
+    return dataclasses.replace(route, backend="triton", kernel="triton",
+                               reason=f"{why}; the Triton split kernel (not the CUDA C++ one: {not_cuda})", hw=hw,
+                               launch=decode_launch(k_format, v_format, head_dim, block_m), block_m=block_m,
+                               programs=batch * kv_heads * -(-group * sq // block_m))
+
+
+_ROUTES: dict[tuple, DecodeRoute] = {}
+
+
+def decode_route(device, batch: int, kv_heads: int, q_heads: int, sq: int, head_dim: int, k_format: str,
+                 v_format: str, page_size: int, backend: str = "auto") -> DecodeRoute:
+    """`decide_route`, once per form of call: the same arguments and the same routing
+    environment (FP4ATTN_BACKEND, FP4ATTN_TARGET, TRITON_INTERPRET) give the same record.
+    What else the decision reads (the CUDA kernels' probe, Triton's presence) is fixed for
+    a process; a test that patches it calls `clear_routes`."""
+    key = (device, batch, kv_heads, q_heads, sq, head_dim, k_format, v_format, page_size, backend, routing_env())
+    route = _ROUTES.get(key)
+    if route is None:
+        route = decide_route(device, batch, kv_heads, q_heads, sq, head_dim, k_format, v_format, page_size, backend)
+        if len(_ROUTES) >= 256:  # forms of call a process has seen: a bound, never reached in a generation
+            _ROUTES.clear()
+        _ROUTES[key] = route
+    return route
+
+
+@functools.lru_cache(maxsize=64)
+def with_launch(route: DecodeRoute, launch: DecodeLaunch) -> DecodeRoute:
+    """A kernel route with a launch other than the table's, to measure one against another
+    (`fp4attn bench --decode --launches`, tools/): `launch`'s nonzero block_n, warps,
+    stages, programs_per_sm and splits replace the table's, its asm replaces the table's;
+    its kernel, "" (the route's choice), "triton", "cuda" or "cuda:<ring stages>", picks
+    the split kernel (a ValueError where the CUDA kernel cannot run the call)."""
+    table = decode_launch(route.k_format, route.v_format, route.head_dim, route.block_m)
+    merged = DecodeLaunch(launch.block_n or table.block_n, launch.warps or table.warps, launch.stages or table.stages,
+                          launch.programs_per_sm or table.programs_per_sm, table.min_split_tiles, bool(launch.asm),
+                          launch.splits or table.splits, launch.kernel or table.kernel)
+    asked, _, ring = merged.kernel.partition(":")
+    kernel = split_kernel(route.k_format, route.v_format, route.head_dim, route.group, route.sq, route.page_size,
+                          route.hw, asked)
+    reason = f"{route.reason}; measured launch {launch}"
+    if kernel == "cuda":
+        plan = CUDA_LAUNCH
+        if merged.splits:  # warps' splits asked for: whole CTAs of them
+            plan = dataclasses.replace(plan, splits=max(1, -(-merged.splits // CUDA_WARPS)))
+        return dataclasses.replace(route, kernel="cuda", reason=reason, launch=plan,
+                                   ring=parse_cuda_stages(ring) if ring else cuda_stages(route.k_format, route.v_format),
+                                   programs=route.batch * route.kv_heads)
+    return dataclasses.replace(route, kernel="triton", reason=reason, launch=merged, ring=0,
+                               programs=route.batch * route.kv_heads * -(-route.group * route.sq // route.block_m))
+
+
+def clear_routes() -> None:
+    """Forget every decided route (for tests that patch what a decision reads)."""
+    _ROUTES.clear()
+    _APPEND_ROUTES.clear()
+    with_launch.cache_clear()

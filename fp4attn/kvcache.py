@@ -24,6 +24,7 @@ a call that raises leaves the cache as it was.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -77,6 +78,15 @@ class PayloadPool:
         def get(t):
             return None if t is None else t[pages, :, slots].flatten(0, 1)
         return TokenPayload(get(self.data), get(self.block_scale), get(self.token_scale))
+
+
+@functools.cache
+def _kernels():
+    """The KV cache's ops, imported at the first kernel append (Triton's import is slow; an
+    import statement on every append costs more than the rest of its Python)."""
+    from fp4attn.kernels.hopper import decode_op
+
+    return decode_op
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -181,6 +191,7 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=self.device)
         self.k = PayloadPool.empty(k_format, self.num_pages, kv_heads, self.page_size, head_dim, self.device)
         self.v = PayloadPool.empty(v_format, self.num_pages, kv_heads, self.page_size, head_dim, self.device)
+        self._op_operands: tuple | None = None  # the pools as the kernels' ops take them (decode_op.cache_operands)
 
     # ------------------------------------------------------------------ inspection
     def __repr__(self) -> str:
@@ -218,6 +229,7 @@ class KVCache:
 
     def _append(self, k, v, counts) -> tuple[list[int], list[tuple[int, int]]] | None:
         """`append`; returns what `_undo` needs to take it back (None: nothing appended)."""
+        every = counts is None  # every sequence takes all the new tokens
         counts = self._check_append(k, v, counts)
         if not any(counts):
             return None
@@ -230,19 +242,16 @@ class KVCache:
         undo = (starts, new_pages)
         self._commit_pages(new_pages)
         try:
-            backend = decode_routing.append_backend(self.device, self.head_dim)
+            backend = decode_routing.append_route(self.device, self.head_dim)[0]
             if backend == "triton":
-                from fp4attn.kernels.hopper.decode_op import hopper_append
-
-                uniform = all(c == k.shape[2] for c in counts)
-                hopper_append(self, k, v, None if uniform else counts)
+                uniform = every or all(c == k.shape[2] for c in counts)
+                _kernels().hopper_append(self, k, v, None if uniform else counts)
             else:
                 self._append_reference(k, v, counts, starts)
         except BaseException:
             self._undo(undo)
             raise
-        for b, c in enumerate(counts):
-            self.host_lengths[b] += c
+        self.host_lengths[:] = [n + c for n, c in zip(starts, counts)]
         if backend != "triton":
             self.lengths.copy_(torch.tensor(self.host_lengths, dtype=torch.int32))
         return undo

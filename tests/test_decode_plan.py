@@ -43,14 +43,16 @@ def test_every_split_holds_keys_and_together_they_cover_the_sequence(max_len, pr
 
 
 def test_explain_says_what_decode_runs(monkeypatch):
-    """`fp4attn.explain(q, cache)`: the reference where the kernels cannot run, else the split
-    kernel `decode_routing.split_kernel` picks (the CUDA C++ one where it takes the call and
-    builds), with the launch the op uses."""
+    """`fp4attn.explain(q, cache)`: the call's route, the reference where the kernels cannot
+    run, else the split kernel `decode_routing.decide_route` picks (the CUDA C++ one where it
+    takes the call and builds), with the launch the op uses."""
     import torch
 
     import fp4attn
     from fp4attn import decode_routing, routing
 
+    decode_routing.clear_routes()
+    monkeypatch.setattr(decode_routing, "_ROUTES", {})  # this test's routes stay its own
     cache = fp4attn.KVCache(2, 2, 128, 256, k_format="fp8")
     q = torch.randn(2, 8, 1, 128)
     cpu = fp4attn.explain(q, cache)
@@ -66,14 +68,28 @@ def test_explain_says_what_decode_runs(monkeypatch):
     assert triton["launcher"] == "fp4attn.kernels.hopper.decode_op:hopper_decode"
     launch = decode_routing.decode_launch("fp8", "fp8", 128, decode_routing.block_m_for(4))
     assert triton["launch"] == {"block_n": launch.block_n, "warps": launch.warps, "stages": launch.stages}
-    # on a GPU where the CUDA kernels build: the CUDA split kernel for one new row of FP8 keys
-    monkeypatch.setattr(routing, "interpreting", lambda: False)
+    # on a GPU where the CUDA kernels build (the routing's hooks: the device check, the
+    # interpreter, the probe): the CUDA split kernel for one new row of FP8 keys
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(decode_routing, "unsupported_reason", lambda device, head_dim: None)
+    monkeypatch.setattr(decode_routing, "interpreting", lambda: False)
     monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: None)
     cuda = fp4attn.explain(q, cache)
     assert cuda["kernel"] == "hopper.decode_cuda", cuda
+    assert cuda["launch"] == {"block_n": decode_routing.CUDA_LAUNCH.block_n, "warps": decode_routing.CUDA_WARPS,
+                              "stages": decode_routing.cuda_stages("fp8", "fp8")}
     assert decode_routing.split_kernel("fp8", "fp8", 128, 4, 1, cache.page_size, True) == "cuda"
     two_rows = fp4attn.explain(torch.randn(2, 8, 2, 128), cache)
     assert two_rows["kernel"] == "hopper.decode_triton" and "2 new query rows" in two_rows["reason"], two_rows
+    # decided once: the same form of call gives the same record, a patched probe is seen
+    # only once the routes are cleared
+    route = decode_routing.decode_route(q.device, 2, 2, 8, 1, 128, "fp8", "fp8", cache.page_size)
+    assert route is decode_routing.decode_route(q.device, 2, 2, 8, 1, 128, "fp8", "fp8", cache.page_size)
+    assert fp4attn.explain(q, cache) == route.as_dict()
+    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: "not here")
+    assert fp4attn.explain(q, cache)["kernel"] == "hopper.decode_cuda"
+    decode_routing.clear_routes()
+    assert "not here" in fp4attn.explain(q, cache)["reason"]
 
 
 def test_block_m_is_the_next_power_of_two_within_bounds():

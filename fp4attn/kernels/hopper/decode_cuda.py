@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,17 @@ class _Params(ctypes.Structure):
                                             "split_tokens", "has_start")] + [("qk_scale", ctypes.c_float)]
 
 
+class _CombineArgs(ctypes.Structure):
+    """The combine's parameters side by side; the launch points at each field."""
+    _fields_ = [(n, ctypes.c_void_p) for n in ("o_acc", "o_ml", "out", "lse")] + \
+               [(n, ctypes.c_int) for n in ("n_rows", "splits", "out_kind")]
+
+
+_COMBINE_OFFSETS = tuple(getattr(_CombineArgs, f[0]).offset for f in _CombineArgs._fields_)
+_SplitArgv = ctypes.c_void_p * 1
+_CombineArgv = ctypes.c_void_p * len(_COMBINE_OFFSETS)
+
+
 @functools.cache
 def compile_variant(variant: Variant, use_cache: bool = True) -> Build:
     return compile_source(SOURCE, options_for(variant.defines()), f"the CUDA decode kernel ({variant})",
@@ -99,41 +111,63 @@ def resident_ctas(variant: Variant) -> int:
     return resident_programs(registers, variant.warps, variant.shared_bytes())
 
 
-def launch_split(q: torch.Tensor, ka, ks, kt, va, vs, vt, table: torch.Tensor, lengths: torch.Tensor,
-                 key_start: torch.Tensor | None, o_acc: torch.Tensor, o_ml: torch.Tensor, *, variant: Variant,
-                 kv_heads: int, page_size: int, split_tokens: int, ctas: int, qk_scale: float) -> None:
-    """The split kernel over grid (ctas, B * kv_heads): warp w of CTA c writes split
-    c * warps + w of o_acc / o_ml ((ctas * warps, B, Hq, 1, D) and (..., 2) float32)."""
-    B, Hq, _, _ = q.shape
-    p = _Params()
-    for name, t in (("q", q), ("ka", ka), ("ks", ks), ("kt", kt), ("va", va), ("vs", vs), ("vt", vt),
-                    ("table", table), ("lens", lengths), ("o_acc", o_acc), ("o_ml", o_ml)):
-        setattr(p, name, t.data_ptr())
-    p.start = key_start.data_ptr() if key_start is not None else 0
-    p.hkv, p.page_size, p.table_stride, p.hq = kv_heads, page_size, table.stride(0), Hq
-    p.group, p.batch, p.split_tokens, p.has_start = Hq // kv_heads, B, split_tokens, int(key_start is not None)
-    p.qk_scale = qk_scale
-    shared = variant.shared_bytes()
-    fn = load_function(("decode", variant), lambda: compile_variant(variant), KERNEL_NAME, q.device, shared)
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
-    _launch(fn, (ctas, B * kv_heads), 32 * variant.warps, shared, args, q.device)
+class Launcher:
+    """One variant's split kernel and combine on one device: the functions loaded at the
+    first launch, each call only its parameters packed (a fresh block a launch: the driver
+    copies it at the launch, and two threads may launch at once)."""
+
+    def __init__(self, variant: Variant, device: torch.device):
+        self.variant, self.device = variant, device
+        self.shared = variant.shared_bytes()
+        self.threads = 32 * variant.warps
+        self._split = self._combine = None
+
+    def split(self, q: torch.Tensor, ka, ks, kt, va, vs, vt, table: torch.Tensor, lengths: torch.Tensor,
+              key_start: torch.Tensor | None, o_acc: torch.Tensor, o_ml: torch.Tensor, *, kv_heads: int,
+              page_size: int, split_tokens: int, ctas: int, qk_scale: float, stream: int) -> None:
+        """The split kernel over grid (ctas, B * kv_heads): warp w of CTA c writes split
+        c * warps + w of o_acc / o_ml ((ctas * warps, B, Hq, 1, D) and (..., 2) float32)."""
+        B, Hq = q.shape[0], q.shape[1]
+        has_start = key_start is not None
+        p = _Params(q.data_ptr(), ka.data_ptr(), ks.data_ptr(), kt.data_ptr(), va.data_ptr(), vs.data_ptr(),
+                    vt.data_ptr(), table.data_ptr(), lengths.data_ptr(),
+                    key_start.data_ptr() if key_start is not None else 0,
+                    o_acc.data_ptr(), o_ml.data_ptr(), kv_heads, page_size, table.stride(0), Hq, Hq // kv_heads, B,
+                    split_tokens, int(has_start), qk_scale)
+        fn = self._split
+        if fn is None:
+            variant = self.variant
+            fn = self._split = load_function(("decode", variant), lambda: compile_variant(variant), KERNEL_NAME,
+                                             self.device, self.shared)
+        _launch(fn, (ctas, B * kv_heads), self.threads, self.shared, _SplitArgv(ctypes.addressof(p)), stream)
+
+    def combine(self, o_acc: torch.Tensor, o_ml: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+                stream: int) -> None:
+        """out (B, Hq, Sq, D) in float32, bf16 or fp16 and lse (B, Hq, Sq) from the splits'
+        partials o_acc (splits, B, Hq, Sq, D) and o_ml (..., 2): a row a CTA."""
+        n_rows = out.numel() // out.shape[-1]
+        p = _CombineArgs(o_acc.data_ptr(), o_ml.data_ptr(), out.data_ptr(), lse.data_ptr(), n_rows, o_acc.shape[0],
+                         OUT_KINDS[out.dtype])
+        base = ctypes.addressof(p)
+        fn = self._combine
+        if fn is None:
+            variant = self.variant
+            fn = self._combine = load_function(("decode", variant, COMBINE_NAME), lambda: compile_variant(variant),
+                                               COMBINE_NAME, self.device)
+        _launch(fn, (n_rows, 1), 32 * COMBINE_WARPS, 0, _CombineArgv(*map(base.__add__, _COMBINE_OFFSETS)), stream)
 
 
-def launch_combine(variant: Variant, o_acc: torch.Tensor, o_ml: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor) -> None:
-    """out (B, Hq, Sq, D) in float32, bf16 or fp16 and lse (B, Hq, Sq) from the splits'
-    partials o_acc (splits, B, Hq, Sq, D) and o_ml (..., 2): a row a CTA."""
-    n_rows = out.numel() // out.shape[-1]
-    fn = load_function(("decode", variant, COMBINE_NAME), lambda: compile_variant(variant), COMBINE_NAME, out.device)
-    vals = (ctypes.c_void_p(o_acc.data_ptr()), ctypes.c_void_p(o_ml.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_void_p(lse.data_ptr()), ctypes.c_int(n_rows), ctypes.c_int(o_acc.shape[0]),
-            ctypes.c_int(OUT_KINDS[out.dtype]))
-    args = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
-    _launch(fn, (n_rows, 1), 32 * COMBINE_WARPS, 0, args, out.device)
+def _stream_object_handle(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
 
 
-def _launch(fn, grid: tuple[int, int], threads: int, shared: int, args, device: torch.device) -> None:
-    drv = driver()
-    stream = drv.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    check((drv.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, shared, stream, ctypes.addressof(args), 0)[0],
-           None), "cuLaunchKernel")
+current_stream: Callable[[int], int]  # the current stream's handle on a device, without a Stream object
+try:  # as Triton's launcher asks it
+    from torch._C import _cuda_getCurrentRawStream as current_stream
+except ImportError:  # a torch built without CUDA
+    current_stream = _stream_object_handle
+
+
+def _launch(fn, grid: tuple[int, int], threads: int, shared: int, args, stream: int) -> None:
+    check((driver().cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, shared, stream, ctypes.addressof(args),
+                                   0)[0], None), "cuLaunchKernel")
