@@ -6,6 +6,7 @@ import contextlib
 import importlib
 import math
 import warnings
+from typing import Literal, overload
 
 import torch
 
@@ -28,7 +29,10 @@ MAX_HEAD_DIM = 256
 
 def _heads_shape(t: torch.Tensor) -> tuple[int, int, int]:
     """(heads, seq, head_dim) of an SDPA input (N..., H, L, E); a 2-D (L, E) is one head."""
-    return (1, *t.shape) if t.ndim == 2 else tuple(t.shape[-3:])
+    if t.ndim == 2:
+        return 1, t.shape[0], t.shape[1]
+    heads, seq, head_dim = t.shape[-3:]
+    return heads, seq, head_dim
 
 
 def _leading(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
@@ -228,7 +232,7 @@ def _route(backend: str, q: torch.Tensor, recipe: Recipe, causal: str | None, ne
         r = routing.Route("reference", "reference", r.target, only)
     if r.backend != "reference":
         try:
-            _launcher(r.family.launcher)
+            _launcher(r)
         except ImportError as e:  # Triton missing
             if requested == "triton":
                 raise ValueError(f"backend='triton' cannot run recipe {recipe.name!r}: Triton is not importable "
@@ -252,8 +256,11 @@ def _checked(q, k, v, attn_mask, causal, recipe, enable_gqa, is_causal=None,
     return rec, mode, any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
 
 
-def _launcher(spec: str):
-    module, name = spec.split(":")
+def _launcher(route: routing.Route):
+    """The function that runs a kernel route: its family's launcher, imported."""
+    if route.family is None:
+        raise ValueError(f"a {route.backend!r} route ({route.kernel}) names no kernel family to launch")
+    module, name = route.family.launcher.split(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -363,9 +370,9 @@ class _ReferenceAttention(torch.autograd.Function):
         qv, qs, kv, ks, v_rep, out, lse = ctx.saved_tensors
         fwd = ForwardResult(out.float(), lse, QKOperand(qv, qs), QKOperand(kv, ks), v_rep)
         mask_grad = ctx.needs_input_grad[6]  # a float attn_mask that requires grad: a learned score bias
-        dq, dk, dv, *dmask = reference_backward(fwd, out, dout, ctx.recipe, scale=ctx.scale,
-                                                causal=ctx.causal, attn_mask=ctx.attn_mask, mask_grad=mask_grad)
-        dmask = dmask[0].to(ctx.attn_mask.dtype) if mask_grad else None
+        dq, dk, dv, *dmasks = reference_backward(fwd, out, dout, ctx.recipe, scale=ctx.scale,
+                                                 causal=ctx.causal, attn_mask=ctx.attn_mask, mask_grad=mask_grad)
+        dmask = dmasks[0].to(ctx.attn_mask.dtype) if mask_grad else None
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None, dmask
 
 
@@ -375,7 +382,7 @@ def _kernel_attention(route: routing.Route, q, k, v, rec: Recipe, mode: str | No
     `routing.kernel_head_dim`; the inference launchers are told the caller's head dim,
     which the Q/K fallback's statistic and the rotation depend on), a key mask as the
     kernel's key bias."""
-    launch = _launcher(route.family.launcher)
+    launch = _launcher(route)
     offset = causal_offset(mode, q.shape[-2], k.shape[-2])
     d, dk = q.shape[-1], routing.kernel_head_dim(q.shape[-1])
     qp, kp, vp = (t if dk == d else torch.nn.functional.pad(t, (0, dk - d)) for t in (q, k, v))
@@ -388,6 +395,22 @@ def _kernel_attention(route: routing.Route, q, k, v, rec: Recipe, mode: str | No
     return (out if dk == d else out[..., :d].contiguous()), lse
 
 
+# the return's type follows return_lse (a type checker's view; the function is the last one)
+@overload
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = ...,
+              dropout_p: float = ..., is_causal: bool | None = ..., *, scale: float | None = ...,
+              causal: bool | str | None = ..., recipe: str | Recipe = ..., enable_gqa: bool = ...,
+              return_lse: Literal[False] = ..., backend: str = ...) -> torch.Tensor: ...
+@overload
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = ...,
+              dropout_p: float = ..., is_causal: bool | None = ..., *, scale: float | None = ...,
+              causal: bool | str | None = ..., recipe: str | Recipe = ..., enable_gqa: bool = ...,
+              return_lse: Literal[True], backend: str = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = ...,
+              dropout_p: float = ..., is_causal: bool | None = ..., *, scale: float | None = ...,
+              causal: bool | str | None = ..., recipe: str | Recipe = ..., enable_gqa: bool = ...,
+              return_lse: bool, backend: str = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -184,7 +184,9 @@ class ForwardLaunch:
 
     def cuda_keys(self, p_mode: int) -> int:
         """The key count from which P mode `p_mode` runs on the CUDA C++ kernel (0: never)."""
-        return dict(self.cuda_from_keys).get(p_mode, 0)
+        # keyed by int: a plain int P mode finds its PMode entry (an IntEnum hashes as its value)
+        from_keys: dict[int, int] = dict(self.cuda_from_keys)
+        return from_keys.get(p_mode, 0)
 
 
 # Keyed by (kernel head dim, QK^T on the FP8 tensor cores: the `fast_accum` recipes, causal).
@@ -310,14 +312,15 @@ def override_launch(*, forward: ForwardLaunch | None = None, backward: BackwardL
     for name, value, kind in (("forward", forward, ForwardLaunch), ("backward", backward, BackwardLaunch)):
         if value is not None and not isinstance(value, kind):
             raise TypeError(f"override_launch({name}=...) takes a {kind.__name__}, got {type(value).__name__}")
-    tokens = [(_FORWARD_OVERRIDE, _FORWARD_OVERRIDE.set(forward)) if forward is not None else None,
-              (_BACKWARD_OVERRIDE, _BACKWARD_OVERRIDE.set(backward)) if backward is not None else None]
+    forward_token = _FORWARD_OVERRIDE.set(forward) if forward is not None else None
+    backward_token = _BACKWARD_OVERRIDE.set(backward) if backward is not None else None
     try:
         yield
     finally:
-        for item in tokens:
-            if item is not None:
-                item[0].reset(item[1])
+        if forward_token is not None:
+            _FORWARD_OVERRIDE.reset(forward_token)
+        if backward_token is not None:
+            _BACKWARD_OVERRIDE.reset(backward_token)
 
 
 # Under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) the kernels run the Triton
@@ -468,6 +471,7 @@ GLUON_BACKWARD_QK = ("nvfp4", "fp8")
 
 def _gluon_backward_refusals(launch: BackwardLaunch, qk: str, p_mode: int, tma: bool) -> tuple[str | None, str | None]:
     """(dK/dV, dQ): why each does not run on its Gluon kernel, or None where it does."""
+    common: str | None
     if not tma:
         common = "tiles not by TMA (a launch without tma, or lengths that are not whole 64-token tiles)"
     elif not launch.hw_cvt:
@@ -550,6 +554,11 @@ class BackwardKernel(enum.StrEnum):
     TRITON = "triton"  # backward_triton.attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 
 
+# A plan's launch and flags as `explain` reports them: sizes, flags, enum names (None: a
+# register limit left to ptxas)
+Variant = dict[str, int | bool | str | None]
+
+
 @dataclass(frozen=True)
 class ForwardPlan:
     """What the Hopper forward runs for one call, decided once (`hopper_forward_plan`):
@@ -578,7 +587,7 @@ class ForwardPlan:
         """The kernel's name as `explain` reports it: "hopper.forward_cuda", ..."""
         return f"hopper.forward_{self.kernel.value}"
 
-    def variant(self) -> dict:
+    def variant(self) -> Variant:
         """The launch and flags the kernel runs with."""
         launch = self.launch
         if self.kernel is ForwardKernel.CUDA:
@@ -667,12 +676,12 @@ class BackwardPlan:
         where = " (Gluon where the lengths are whole 64-token tiles)" if gluon and not self.lengths_known else ""
         return f"hopper.backward_{self.dkdv.value}.dkdv + hopper.backward_{self.dq.value}.dq{where}"
 
-    def variant(self) -> dict:
+    def variant(self) -> Variant:
         """The launch and flags the kernels run with."""
         launch = self.launch
         if self.dkdv is BackwardKernel.CUDA:
             return {}
-        out = {"tma": self.tma, "hw_cvt": launch.hw_cvt, "row_scales": self.row_scales}
+        out: Variant = {"tma": self.tma, "hw_cvt": launch.hw_cvt, "row_scales": self.row_scales}
         if self.dkdv is BackwardKernel.GLUON:
             out.update(dkdv_in_flight=launch.dkdv_in_flight, dkdv_staged=launch.dkdv_staged.name,
                        dkdv_maxnreg=launch.dkdv_maxnreg)
@@ -716,9 +725,9 @@ def _hopper_backward_plan(head_dim, qk, p_mode, queries, keys, on_cuda, tiles_tm
                             reason="the launch's cuda, per-token FP8 Q/K with FP8 P from exp2")
     tma = launch.tma and tiles_tma
     not_dkdv, not_dq = _gluon_backward_refusals(launch, qk, mode, tma)
-    kernel = {None: BackwardKernel.GLUON}
     why = "; ".join(f"{part} on Triton: {no}" for part, no in (("dK/dV", not_dkdv), ("dQ", not_dq)) if no)
-    return BackwardPlan(kernel.get(not_dkdv, BackwardKernel.TRITON), kernel.get(not_dq, BackwardKernel.TRITON),
+    return BackwardPlan(BackwardKernel.GLUON if not_dkdv is None else BackwardKernel.TRITON,
+                        BackwardKernel.GLUON if not_dq is None else BackwardKernel.TRITON,
                         **call, tma=tma, reason=why or "both on their Gluon kernels")
 
 
@@ -943,21 +952,32 @@ def hopper_train_unsupported(recipe: Recipe, head_dim: int) -> str | None:
     return hopper_forward_unsupported(recipe, head_dim)
 
 
+def _routed_kernel_head_dim(head_dim: int) -> int:
+    """`kernel_head_dim` of a call a Hopper family took: one it has no kernel for never gets
+    a plan (`_shape_unsupported` sends it to the reference)."""
+    dk = kernel_head_dim(head_dim)
+    if dk is None:
+        raise ValueError(f"head_dim {head_dim}: no Hopper kernel runs it (kernels run multiples of 16 up to "
+                         f"{HOPPER_HEAD_DIMS[-1]}), so it has no plan")
+    return dk
+
+
 def hopper_forward_route_plan(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
                               on_cuda: bool = True, training: bool = False) -> ForwardPlan:
     """`hopper_forward_plan` of a routed call: the recipe's Q/K dtype (`fast_accum`: e4m3)
     and P mode, a key mask as the key bias, the operands as the fused quantizers make them
     (TMA-loadable, contiguous), the GPU's launch (under the interpreter too, which stands
     in for an H200 here)."""
-    return hopper_forward_plan(head_dim=kernel_head_dim(head_dim), qk_fp8=recipe.fast_accum, p_mode=p_mode(recipe),
-                               causal=causal, keys=keys, key_bias=mask == "key", training=training, on_cuda=on_cuda)
+    return hopper_forward_plan(head_dim=_routed_kernel_head_dim(head_dim), qk_fp8=recipe.fast_accum,
+                               p_mode=p_mode(recipe), causal=causal, keys=keys, key_bias=mask == "key",
+                               training=training, on_cuda=on_cuda)
 
 
 def hopper_backward_route_plan(recipe: Recipe, head_dim: int, on_cuda: bool = True) -> BackwardPlan:
     """`hopper_backward_plan` of a routed training call: lengths not known (the route
     takes none), so the kernels of whole tiles, with the GPU's launch."""
-    return hopper_backward_plan(head_dim=kernel_head_dim(head_dim), qk=recipe.qk, p_mode=p_mode(recipe),
-                                on_cuda=on_cuda)
+    return hopper_backward_plan(head_dim=_routed_kernel_head_dim(head_dim), qk=recipe.qk,
+                                p_mode=p_mode(recipe), on_cuda=on_cuda)
 
 
 def _hopper_forward_plans(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
@@ -1134,8 +1154,9 @@ class Route:
     plans: tuple = ()
 
     def as_dict(self) -> dict:
-        out = {"backend": self.backend, "kernel": self.kernel, "target": self.target, "reason": self.reason,
-               "launcher": self.family.launcher if self.family else None}
+        out: dict[str, object] = {"backend": self.backend, "kernel": self.kernel, "target": self.target,
+                                  "reason": self.reason,
+                                  "launcher": self.family.launcher if self.family else None}
         if self.plans:
             out["plan"] = [p.as_dict() for p in self.plans]
         return out

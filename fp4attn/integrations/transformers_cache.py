@@ -42,7 +42,7 @@ def _cache_classes():
 
 
 def _layer_class():
-    _, CacheLayerMixin = _cache_classes()
+    from transformers.cache_utils import CacheLayerMixin
 
     class FP4AttnCacheLayer(CacheLayerMixin):
         """One layer's `fp4attn.KVCache`, created at the first update."""
@@ -66,6 +66,7 @@ def _layer_class():
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
+            assert self.kv is not None  # made by lazy_initialization, with is_initialized
             self.kv.append(key_states, value_states)
             # the attention function finds the cache on the keys it is handed
             setattr(key_states, _CACHE_ATTR, self.kv)
