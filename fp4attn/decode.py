@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from typing import Literal, overload
 
 import torch
 
@@ -70,6 +71,19 @@ def explain_decode(q: torch.Tensor, cache: KVCache, *, backend: str = "auto") ->
     return _route(q, cache, backend).as_dict()
 
 
+# the return's type follows return_lse (a type checker's view; the function is the last one)
+@overload
+def decode(q: torch.Tensor, cache: KVCache, *, k: torch.Tensor | None = ..., v: torch.Tensor | None = ...,
+           counts=..., causal: bool = ..., scale: float | None = ..., key_start: torch.Tensor | None = ...,
+           return_lse: Literal[False] = ..., backend: str = ...) -> torch.Tensor: ...
+@overload
+def decode(q: torch.Tensor, cache: KVCache, *, k: torch.Tensor | None = ..., v: torch.Tensor | None = ...,
+           counts=..., causal: bool = ..., scale: float | None = ..., key_start: torch.Tensor | None = ...,
+           return_lse: Literal[True], backend: str = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def decode(q: torch.Tensor, cache: KVCache, *, k: torch.Tensor | None = ..., v: torch.Tensor | None = ...,
+           counts=..., causal: bool = ..., scale: float | None = ..., key_start: torch.Tensor | None = ...,
+           return_lse: bool, backend: str = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def decode(
     q: torch.Tensor,
     cache: KVCache,

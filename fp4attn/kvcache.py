@@ -67,10 +67,14 @@ class PayloadPool:
         return self.data, self.block_scale, self.token_scale
 
     def write(self, pages: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor, payload: TokenPayload) -> None:
+        # the payload is of the pool's format (`quantize_tokens(rows, self.fmt)`): it has
+        # the scales the pool stores
         self.data[pages, heads, slots] = payload.data
         if self.block_scale is not None:
+            assert payload.block_scale is not None
             self.block_scale[pages, heads, slots] = payload.block_scale
         if self.token_scale is not None:
+            assert payload.token_scale is not None
             self.token_scale[pages, heads, slots] = payload.token_scale
 
     def read(self, pages: torch.Tensor, slots: torch.Tensor) -> TokenPayload:
@@ -435,14 +439,15 @@ class KVCache:
         b, n, h, d = self.batch, pages.shape[1], self.kv_heads, self.head_dim
         inside = torch.arange(n, device=self.device)[None, :] < torch.tensor(self.host_lengths,
                                                                              device=self.device)[:, None]
-        out = []
+        out: list[torch.Tensor] = []
         for pool in (self.k, self.v):
             vals, scales = token_values(pool.read(pages.flatten(), slots.flatten()), pool.fmt, d)
             vals = vals.reshape(b, n, h, d).transpose(1, 2)
             scales = scales.reshape(b, n, h).transpose(1, 2)
             keep = inside[:, None, :]
             out += [torch.where(keep[..., None], vals, 0.0), torch.where(keep, scales, 0.0)]
-        return tuple(out)
+        kb, ks, vb, vs = out
+        return kb, ks, vb, vs
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) as the values they stand for, float32 (batch, kv_heads, N, head_dim),
