@@ -37,7 +37,10 @@ def _heads_shape(t: torch.Tensor) -> tuple[int, int, int]:
 
 def _leading(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
     """The batch dims N... of SDPA's (N..., H, L, E) layout, q's, k's and v's broadcast."""
-    return tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    lq, lk, lv = tuple(q.shape[:-3]), tuple(k.shape[:-3]), tuple(v.shape[:-3])
+    if lq == lk == lv:  # every call that does not broadcast: torch.broadcast_shapes costs ~20 us of host time
+        return lq
+    return tuple(torch.broadcast_shapes(lq, lk, lv))
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> None:
