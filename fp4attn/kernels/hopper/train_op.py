@@ -15,7 +15,7 @@ these.
 Per-token FP8 Q/K (`train-fp8`) have ops of their own (`hopper_train_forward_fp8`,
 `hopper_train_backward_fp8`) with the same layers: the forward keeps Q and K as their
 e4m3 bytes (1 byte an element), their per-token scales and each channel's largest
-represented value (`quantize_train_fp8.py`), the rest as above: about 5.1 bytes per
+represented value (`kernels/quantize/fp8_train.py`), the rest as above: about 5.1 bytes per
 element; the backward widens the bytes to bf16 values with the per-channel views in
 one pass, and its kernels (the Gluon ones where the lengths are whole tiles, as for NVFP4;
 else the Triton ones) take a scale per query and per key (ROW_SCALES).
@@ -252,7 +252,7 @@ def backward_operands_fp8(dout, out, q8, qs, k8, ks, q_amax, k_amax, v_t, v_ts,
     """The backward's operands from what the FP8 Q/K training forward saved
     (`quantize_for_training_fp8`), in four passes as `backward_operands`: Q's and K's
     e4m3 bytes each widened to `values_dtype` together with the per-channel views of
-    their represented values (`quantize_train_fp8.fp8_qk_views`), and dO's two. The
+    their represented values (`kernels.quantize.fp8_train.fp8_qk_views`), and dO's two. The
     per-token scales are the kernels' `qs`, `ks` as saved."""
     qv, q_c, q_cs = fp8_qk_views(q8, qs, q_amax, values_dtype)
     kv, k_c, k_cs = fp8_qk_views(k8, ks, k_amax, values_dtype)
