@@ -109,6 +109,7 @@ def hopper_append(cache, k: torch.Tensor, v: torch.Tensor, counts: list[int] | N
 # that is freed when the buffer grows.
 _LOCAL = threading.local()  # .buffers: (device, stream) -> buffer; .views: (device, stream, shape) -> views
 
+
 def _never() -> bool:
     return False
 
@@ -123,7 +124,7 @@ except ImportError:  # a torch built without CUDA
 def _partials(device: torch.device, stream: int, n_split: int, B: int, Hq: int, Sq: int,
               D: int) -> tuple[torch.Tensor, torch.Tensor]:
     """o_acc (n_split, B, Hq, Sq, D) and o_ml (n_split, B, Hq, Sq, 2), float32, unset."""
-    if stream and _capturing():
+    if stream and _capturing():  # (stream 0, the default stream and the CPU's, is never captured)
         return (torch.empty((n_split, B, Hq, Sq, D), dtype=torch.float32, device=device),
                 torch.empty((n_split, B, Hq, Sq, 2), dtype=torch.float32, device=device))
     views_of = getattr(_LOCAL, "views", None)
