@@ -18,6 +18,7 @@ import torch
 
 import fp4attn
 from fp4attn import routing
+from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS
 from fp4attn.recipes import get_recipe
 from fp4attn.tools.benchmark import device_kernels, graph_ms, host_ms, sdpa, time_ms
 
@@ -25,14 +26,14 @@ RECIPES = ["fp8-ktile-affine-fastacc", "fp8-affine-fastacc", "fp8-fastacc", "nvf
            "fp8-ktile-affine-lazy-fastacc", "fp8", "fp8-affine", "nvfp4-fp8", "directp-fast"]
 
 
-def launches(recipe, head_dim: int, causal: bool, keys: int):
+def launches(recipe, head_dim: int, causal: bool):
     """(name, ForwardLaunch or None) to time: the table's, and the table's with the CUDA
     kernel on (both grids) or off for this recipe's P mode."""
     table = routing.FORWARD_LAUNCH[head_dim, recipe.fast_accum, causal]
     mode = int(routing.p_mode(recipe))
     others = tuple((m, n) for m, n in table.cuda_from_keys if m != mode)
     out = [("table", None)]
-    if mode in (0, 4, 5, 7):
+    if mode in P_MODE_BUILDS:  # the P modes the CUDA C++ kernel builds
         for persistent in (False, True):
             out.append((f"cuda{'-persistent' if persistent else ''}",
                         dataclasses.replace(table, cuda_from_keys=(*others, (mode, 1)), cuda_persistent=persistent)))
@@ -57,7 +58,7 @@ def main() -> None:
     for name in args.recipes.split(","):
         recipe = get_recipe(name)
         for causal in (False, True):
-            for lname, launch in launches(recipe, D, causal, S):
+            for lname, launch in launches(recipe, D, causal):
                 def call(recipe=recipe, causal=causal):
                     return fp4attn.attention(q, k, v, recipe=recipe, causal=causal)
 
