@@ -1,7 +1,8 @@
 """CUDA C++ kernels built at first use by NVRTC through `cuda-bindings` (no CUDA toolkit
 needed) and loaded into torch's context: the build (one cubin per source and options,
 cached on disk under $FP4ATTN_CACHE_DIR or ~/.cache/fp4attn, keyed by the source, the
-options and NVRTC's version; a build prints one line), and the loaded function. Building
+headers it includes, the options and NVRTC's version; a build prints one line), and the
+loaded function. Building
 also runs without a GPU (the CPU compile checks); loading and launching need one.
 """
 
@@ -84,16 +85,57 @@ def options_for(defines: list[str]) -> list[str]:
     return [f"--gpu-architecture={ARCH}", "-std=c++17", "--ptxas-options=-v", *defines]
 
 
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def include_dirs(source_path: Path, options: list[str]) -> list[Path]:
+    """Where NVRTC looks for a quoted include after the including file's own folder: the
+    options' include paths in order, then the source's folder (compile_source adds it last)."""
+    dirs = [Path(o.removeprefix("--include-path=").removeprefix("-I")) for o in options
+            if o.startswith("--include-path=") or (o.startswith("-I") and len(o) > 2)]
+    return [*dirs, source_path.parent]
+
+
+def included_headers(source_path: Path, dirs: list[Path]) -> list[tuple[str, Path]]:
+    """The headers `source_path` includes by quoted name, directly or through another header,
+    each once, in the order found: (the name as written, the file). A header's own
+    includes are looked up beside it first, then in `dirs` in order; the source's in `dirs`
+    (NVRTC knows the source by name only). A name found nowhere is left out: NVRTC then
+    fails to build. Every include counts, whether or not a preprocessor condition takes it."""
+    found: list[tuple[str, Path]] = []
+    seen: set[Path] = set()
+    todo = [(source_path, True)]
+    while todo:
+        path, is_source = todo.pop(0)
+        where = dirs if is_source else [path.parent, *dirs]
+        for name in _QUOTED_INCLUDE.findall(path.read_text(errors="replace")):
+            header = next((d / name for d in where if (d / name).is_file()), None)
+            if header is None or header.resolve() in seen:
+                continue
+            seen.add(header.resolve())
+            found.append((name, header))
+            todo.append((header, False))
+    return found
+
+
+def cache_key(source_path: Path, options: list[str]) -> str:
+    """The disk cache's key of a build: the source and every header it includes (by the name
+    written and their bytes, not their place: the key does not depend on the install path),
+    the options and NVRTC's version."""
+    key = hashlib.sha256(source_path.read_bytes())
+    for name, header in included_headers(source_path, include_dirs(source_path, options)):
+        key.update(b"\0" + name.encode() + b"\0" + header.read_bytes())
+    key.update(b"\0" + "\0".join(options).encode() + repr(nvrtc_version()).encode())
+    return key.hexdigest()[:24]
+
+
 def compile_source(source_path: Path, options: list[str], label: str, *, use_cache: bool = True,
                    announce: bool = True) -> Build:
     """The cubin of `source_path` built with `options`, from the disk cache or by NVRTC."""
     rtc = nvrtc()
     source = source_path.read_bytes()
-    # the shared headers beside the source (`#include "ptx.cuh"`) are part of what is built
-    headers = b"".join(h.name.encode() + h.read_bytes() for h in sorted(source_path.parent.glob("*.cuh")))
-    key = hashlib.sha256(source + headers + "\0".join(options).encode() + repr(nvrtc_version()).encode())
+    path = cache_dir() / f"{source_path.stem}-{cache_key(source_path, options)}.cubin"
     options = [*options, f"--include-path={source_path.parent}"]  # after the key: not tied to the install path
-    path = cache_dir() / f"{source_path.stem}-{key.hexdigest()[:24]}.cubin"
     if use_cache and path.exists():
         log_path = path.with_suffix(".log")
         return Build(path.read_bytes(), log_path.read_text() if log_path.exists() else "")
