@@ -6,13 +6,19 @@ eagerly (do_bench, quantizers included), the same call replayed from a CUDA grap
 same with the table's launch changed to run the CUDA C++ kernel ("cuda") or not
 ("no-cuda"), persistent grid or not, to see which route the shape should take.
 
-    python tools/probe_short_calls.py [--shape 16,16,2048,64] [--recipes a,b] [--json PATH]
+    python tools/probe_short_calls.py [--shape 16,16,2048,64] [--recipes a,b] [--table-only]
+        [--profile N] [--json PATH]
+
+`--table-only` times the table's launch alone; `--profile N` prints, per recipe and
+masking, where the host time of N eager calls goes (cProfile, own time first).
 """
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import json
+import pstats
 
 import torch
 
@@ -41,10 +47,26 @@ def launches(recipe, head_dim: int, causal: bool):
     return out
 
 
+def profile_host(call, n: int) -> None:
+    """Own and cumulative host time of n eager calls by function (the GPU runs behind)."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(18)
+    stats.sort_stats("cumulative").print_stats(22)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="16,16,2048,64", help="B,H,S,D")
     p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--table-only", action="store_true", help="time the table's launch only")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="profile the host work of N eager calls")
     p.add_argument("--json", help="write the records here")
     args = p.parse_args()
     B, H, S, D = (int(x) for x in args.shape.split(","))
@@ -58,7 +80,7 @@ def main() -> None:
     for name in args.recipes.split(","):
         recipe = get_recipe(name)
         for causal in (False, True):
-            for lname, launch in launches(recipe, D, causal):
+            for lname, launch in launches(recipe, D, causal)[:1 if args.table_only else None]:
                 def call(recipe=recipe, causal=causal):
                     return fp4attn.attention(q, k, v, recipe=recipe, causal=causal)
 
@@ -81,6 +103,8 @@ def main() -> None:
                       f"graph {graph:.3f} ms  {kernel}", flush=True)
                 for kn, (n, ms) in sorted(r["kernels"].items(), key=lambda x: -x[1][1]):
                     print(f"      {ms * 1e3:8.1f} us x{n:.0f}  {kn[:110]}")
+                if args.profile and launch is None:
+                    profile_host(call, args.profile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), shape=[B, H, S, D], rows=rows), f, indent=1)

@@ -8,6 +8,7 @@ rounding (torch.compile gave different codes than eager; docs/notes/hopper-forwa
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -23,6 +24,7 @@ from fp4attn.kernels.hopper.operands import (
     prepare_operands_fused,
     tma_loadable,
 )
+from fp4attn.kernels.placeholders import nothing
 from fp4attn.recipes import Recipe
 from fp4attn.reference.forward import LOG2E, key_bias_of_mask  # noqa: F401  (the launchers' key bias)
 from fp4attn.routing import (
@@ -101,7 +103,7 @@ def launch_forward(ops: KernelOperands, *, scale: float, causal_offset: int | No
 
 
 def _no_debug(q: torch.Tensor) -> torch.Tensor:
-    return torch.empty((0, 1, 1, 1), device=q.device, dtype=torch.float32)
+    return nothing(q.device, torch.float32, 4)
 
 
 def _run_cuda(plan: ForwardPlan, ops: KernelOperands, scale: float, causal_offset: int | None, key_bias):
@@ -142,9 +144,8 @@ def _run_triton(plan: ForwardPlan, ops: KernelOperands, scale: float, causal_off
     out = torch.empty((B, H, Sq, D), device=q.device, dtype=torch.bfloat16)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     sq_pad = triton.cdiv(Sq, cfg.block_m) * cfg.block_m
-    # never touched without write_p: allocated, not filled (a fill is one more launch per call)
-    dbg = (torch.zeros((B, H, sq_pad, Sk), device=q.device, dtype=torch.float32) if write_p else
-           torch.empty((1, 1, 1, 1), device=q.device, dtype=torch.float32))
+    # never touched without write_p: no storage (its strides 1, as the JIT specializes them)
+    dbg = torch.zeros((B, H, sq_pad, Sk), device=q.device, dtype=torch.float32) if write_p else _no_debug(q)
     grid = (triton.cdiv(Sq, cfg.block_m), B * H)
     kb = key_bias.contiguous() if key_bias is not None else lse  # never read without KEY_BIAS
     descs = tma_descriptors(ops) if plan.tma_kv else (None, None)
@@ -165,9 +166,18 @@ def _run_triton(plan: ForwardPlan, ops: KernelOperands, scale: float, causal_off
         VT_PADDED=ops.vt_keys_padded, TMA_KV=plan.tma_kv, PV_ADD=cfg.pv_add, SINK_TILES=sink_tiles,
         num_warps=cfg.warps, num_stages=plan.stages,
     )
-    return out, lse, dbg if write_p else dbg[:0]
+    return out, lse, dbg
 
 
+def _forward(q, k, v, recipe: Recipe, *, scale: float, causal_offset: int | None, write_p: int, key_bias,
+             head_dim: int | None):
+    """The op's work: the operands from the fused quantizers, then the planned kernel."""
+    ops = prepare_operands_fused(q, k, v, recipe, scale=scale, head_dim=head_dim)
+    return launch_forward(ops, scale=scale, causal_offset=causal_offset, p_mode=_p_mode(recipe), write_p=write_p,
+                          key_bias=key_bias, sink_tiles=p_sink_tiles(recipe))
+
+
+@functools.lru_cache(maxsize=256)
 def op_recipe(*, fallback_logit_std: float = 0.0, grad: str = "", **fields) -> Recipe:
     """The `Recipe` the forward op rebuilds from its flat arguments: fallback_logit_std 0 is no
     Q/K fallback, grad "" none."""
@@ -176,6 +186,8 @@ def op_recipe(*, fallback_logit_std: float = 0.0, grad: str = "", **fields) -> R
     return Recipe(**fields, grad=grad or None)
 
 
+# torch.compile traces the op through its fake implementation; an eager call runs `_forward`
+# (`hopper_attention`)
 @torch.library.custom_op("fp4attn::hopper_attention", mutates_args=())
 def _hopper_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str, fast_accum: bool,
@@ -191,9 +203,8 @@ def _hopper_attention_op(
     recipe = op_recipe(qk=qk, p=p, v=v_fmt, p_build=p_build, fast_accum=fast_accum, smooth_k=smooth_k,
                        qk_four_over_six=four_over_six, p_sink=p_sink, p_sink_keys=p_sink_keys, k_scale=k_scale,
                        rescale=rescale, fallback_logit_std=fallback_logit_std, grad=grad)
-    ops = prepare_operands_fused(q, k, v, recipe, scale=scale, head_dim=head_dim or None)
-    return launch_forward(ops, scale=scale, causal_offset=causal_offset if causal else None,
-                          p_mode=_p_mode(recipe), write_p=write_p, key_bias=key_bias, sink_tiles=p_sink_tiles(recipe))
+    return _forward(q, k, v, recipe, scale=scale, causal_offset=causal_offset if causal else None, write_p=write_p,
+                    key_bias=key_bias, head_dim=head_dim or None)
 
 
 @_hopper_attention_op.register_fake
@@ -218,6 +229,12 @@ def hopper_attention(q, k, v, recipe: Recipe, *, scale: float, causal_offset: in
     reason = hopper_robust_unsupported(recipe)
     if reason is not None:
         raise ValueError(f"hopper_attention: {reason}; the reference runs it")
+    if not torch.compiler.is_compiling():
+        # eager: the op's body directly, with the recipe as given (the op's own dispatch and
+        # the recipe rebuilt from flat arguments cost ~40 us of host a call, on calls whose
+        # kernels take ~0.5 ms: `decode_op.hopper_decode` does the same)
+        return _forward(q, k, v, recipe, scale=scale, causal_offset=causal_offset, write_p=int(write_p),
+                        key_bias=key_bias, head_dim=head_dim)
     return _hopper_attention_op(q, k, v, recipe.qk, recipe.p, recipe.p_build, recipe.v, recipe.fast_accum,
                                 causal_offset or 0, causal_offset is not None, scale, int(write_p), key_bias,
                                 recipe.smooth_k, recipe.qk_four_over_six,

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from fp4attn.kernels.common import fp8_scale_inv
+from fp4attn.kernels.placeholders import nothing
 from fp4attn.kernels.quantize.elements import _abs_bits, _e4m3_signed, _hw_cvt
 from fp4attn.kernels.quantize.rows import (
     CHANNEL_BLOCKS,
@@ -124,8 +125,9 @@ def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None, dtype
     G, S, D = x3.shape
     y = torch.empty(x3.shape, device=x.device, dtype=dtype)
     s = torch.empty((G, S), device=x.device, dtype=torch.float32)
-    dot = torch.empty((G, S) if dot_with is not None else 0, device=x.device, dtype=torch.float32)
-    camax = torch.zeros((G, D) if channel_amax else 0, device=x.device, dtype=torch.int32)
+    dot = (torch.empty((G, S), device=x.device, dtype=torch.float32) if dot_with is not None
+           else nothing(x.device, torch.float32))
+    camax = torch.zeros((G, D), device=x.device, dtype=torch.int32) if channel_amax else nothing(x.device, torch.int32)
     other = _heads(dot_with) if dot_with is not None else x3
     blocks = CHANNEL_BLOCKS if channel_amax else 1
     grid, block = _row_grid(S, G, blocks)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from fp4attn.kernels.common import sm_count
+from fp4attn.kernels.placeholders import nothing
 from fp4attn.kernels.quantize.elements import (
     _abs_bits,
     _e2m1_value,
@@ -181,8 +182,11 @@ def quantize_v_t(v: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, p
     vc = v.contiguous()
     vt = torch.empty((B, H, D, s_row), device=v.device, dtype=torch.float8_e4m3fn)
     vs = torch.empty((B, H, D), device=v.device, dtype=torch.float32)
-    y = torch.empty((B, H, S, D) if tokens else 0, device=v.device, dtype=torch.float8_e4m3fn)
-    ys = torch.empty((B, H, S) if tokens else 0, device=v.device, dtype=torch.float32)
+    if tokens:
+        y = torch.empty((B, H, S, D), device=v.device, dtype=torch.float8_e4m3fn)
+        ys = torch.empty((B, H, S), device=v.device, dtype=torch.float32)
+    else:
+        y, ys = nothing(v.device, torch.float8_e4m3fn), nothing(v.device, torch.float32)
     if channel_amax is not None:  # the statistic given: the values alone
         stats = tickets = channel_amax.contiguous()  # (no tickets read)
         passes = [dict(STATS=False, QUANT=True)]
