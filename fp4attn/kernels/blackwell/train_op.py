@@ -25,6 +25,8 @@ from fp4attn import routing
 from fp4attn.kernels.blackwell.forward_op import launch_forward
 from fp4attn.kernels.blackwell.operands import BlackwellOperands, quantize_v_mxfp4_packed
 from fp4attn.kernels.hopper.train_op import (
+    TRAIN_BACKWARD_SCHEMA,
+    TRAIN_FORWARD_SCHEMA,
     backward_operands,
     launch_backward,
     quantize_for_training,
@@ -39,12 +41,10 @@ from fp4attn.recipes import Recipe, robust_unsupported_reason
 TRAIN_ROBUST_FIELDS = routing.HOPPER_TRAIN_ROBUST_FIELDS
 
 
-@torch.library.custom_op("fp4attn::blackwell_train_forward", mutates_args=())
-def _train_forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
-    causal_offset: int, causal: bool, scale: float, smooth_k: bool = False, four_over_six: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+# the Hopper training ops' schemas: the same arguments, and the same payload saved
+@torch.library.custom_op("fp4attn::blackwell_train_forward", mutates_args=(), schema=TRAIN_FORWARD_SCHEMA)
+def _train_forward_op(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale, smooth_k=False,
+                      four_over_six=False):
     """(out, lse, then what the backward reads, as the Hopper training forward returns
     it: `hopper.train_op.quantize_for_training`'s saved tensors, with the robust fields
     `smooth_k` and `four_over_six` applied in the NVFP4 payload)."""
@@ -68,13 +68,9 @@ def _train_forward_op(
 _train_forward_op.register_fake(train_forward_fake)
 
 
-@torch.library.custom_op("fp4attn::blackwell_train_backward", mutates_args=())
-def _train_backward_op(
-    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_codes: torch.Tensor, q_bscale: torch.Tensor,
-    k_codes: torch.Tensor, k_bscale: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, q_amax: torch.Tensor,
-    k_amax: torch.Tensor, v_t: torch.Tensor, v_ts: torch.Tensor, p: str, p_build: str, causal_offset: int,
-    causal: bool, scale: float, dq_dtype: torch.dtype, dk_dtype: torch.dtype, dv_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("fp4attn::blackwell_train_backward", mutates_args=(), schema=TRAIN_BACKWARD_SCHEMA)
+def _train_backward_op(dout, out, lse, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts, p,
+                       p_build, causal_offset, causal, scale, dq_dtype, dk_dtype, dv_dtype):
     """(dq, dk, dv) in the given dtypes from the forward's saved operands, by the
     Triton backward kernels at the Blackwell launch."""
     ops = backward_operands(dout, out, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts)

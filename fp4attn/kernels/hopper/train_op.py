@@ -87,8 +87,7 @@ def quantize_for_training_fp8(q, k, v, v_fmt: str) -> tuple[KernelOperands, tupl
     return ops, (q8, qs, k8, ks, q_amax, k_amax, v_t, v_ts)
 
 
-@torch.library.custom_op("fp4attn::hopper_train_forward", mutates_args=())
-def _train_forward_op(
+def _train_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, p: str, p_build: str, v_fmt: str,
     causal_offset: int, causal: bool, scale: float, smooth_k: bool = False, four_over_six: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -106,6 +105,12 @@ def _train_forward_op(
     # only one float a head is kept
     return (out, lse, *saved[:4], *(s.clone(memory_format=torch.contiguous_format) for s in saved[4:6]),
             *saved[6:])
+
+
+# the schema of every target's NVFP4 training forward op: the Blackwell training keeps this
+# payload and returns it in this order (`blackwell.train_op`)
+TRAIN_FORWARD_SCHEMA = torch.library.infer_schema(_train_forward, mutates_args=())
+_train_forward_op = torch.library.custom_op("fp4attn::hopper_train_forward", _train_forward, mutates_args=())
 
 
 def _train_forward_fake_ends(q, k):
@@ -162,8 +167,7 @@ def _(q, k, v, qk, p, p_build, v_fmt, causal_offset, causal, scale):
             q.new_empty((B, Hkv, Sk, D), dtype=e4m3), q.new_empty((B, Hkv, Sk), dtype=f32), *last)
 
 
-@torch.library.custom_op("fp4attn::hopper_train_backward", mutates_args=())
-def _train_backward_op(
+def _train_backward(
     dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, q_codes: torch.Tensor, q_bscale: torch.Tensor,
     k_codes: torch.Tensor, k_bscale: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, q_amax: torch.Tensor,
     k_amax: torch.Tensor, v_t: torch.Tensor, v_ts: torch.Tensor, p: str, p_build: str, causal_offset: int,
@@ -172,6 +176,12 @@ def _train_backward_op(
     """(dq, dk, dv) in the given dtypes from the forward's saved operands."""
     ops = backward_operands(dout, out, q_codes, q_bscale, k_codes, k_bscale, qs, ks, q_amax, k_amax, v_t, v_ts)
     return launch_backward(ops, lse, p, p_build, causal_offset, causal, scale, (dq_dtype, dk_dtype, dv_dtype))
+
+
+# the schema of every target's NVFP4 training backward op (the forward's saved payload, as
+# TRAIN_FORWARD_SCHEMA returns it, then the call's arguments and the gradients' dtypes)
+TRAIN_BACKWARD_SCHEMA = torch.library.infer_schema(_train_backward, mutates_args=())
+_train_backward_op = torch.library.custom_op("fp4attn::hopper_train_backward", _train_backward, mutates_args=())
 
 
 @torch.library.custom_op("fp4attn::hopper_train_backward_fp8", mutates_args=())
