@@ -160,47 +160,6 @@ __device__ __forceinline__ Smem carve(unsigned char* raw) {
 #define NUM_DOCS 256
 #define NUM_QCS (256 + HEAD_DIM)
 
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                 ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-__device__ __forceinline__ void bar_sync(uint32_t id, uint32_t threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void bar_arrive(uint32_t id, uint32_t threads) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void sts_u8(uint32_t addr, uint32_t v) {
-    asm volatile("st.shared.u8 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void sts_f32(uint32_t addr, float x) {
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
-}
-
-__device__ __forceinline__ float lds_f32(uint32_t addr) {
-    float x;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
-    return x;
-}
-
-__device__ __forceinline__ void sts_f2(uint32_t addr, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
-}
-
 // e4m3 view scales as formats.fp8.fp8_scales: amax / 448 and 448 / amax (correctly rounded);
 // 1 and 1 below FP8_MIN_AMAX; NaN stays NaN
 __device__ __forceinline__ void fp8_scale_inv(float amax, float& scale, float& inv) {
@@ -288,8 +247,8 @@ __device__ __forceinline__ void dq_tile(const Params& p, const Smem& sm, int g, 
                                         int n_tiles, int t_lo, int hkv, int b, uint64_t kc_desc) {
     const int h = hkv * p.group + g / (n_tiles - t_lo), t = t_lo + g % (n_tiles - t_lo);
     const int bh = b * p.H + h, buf = g % DS_BUFS;
-    bar_sync(DS_BAR + DS_BUFS * (1 - cw) + buf, 256);  // the other consumer's dS of tile g
-    bar_sync(1 + cw, 128);                              // and this consumer's own
+    named_sync(DS_BAR + DS_BUFS * (1 - cw) + buf, 256);  // the other consumer's dS of tile g
+    named_sync(1 + cw, 128);                              // and this consumer's own
     float qa[DQ_N / 2], qb[DQ_N / 2];
     const uint64_t ds_desc = smem_desc(sm.ds + buf * DS_BYTES, 1, 128);
     wgmma_fence();
@@ -319,7 +278,7 @@ __device__ __forceinline__ void dq_tile(const Params& p, const Smem& sm, int g, 
     }
     // the staging buffer is free once the last bulk reduce has read it
     if (t128 == 0) bulk_wait_read();
-    bar_sync(1 + cw, 128);
+    named_sync(1 + cw, 128);
     const uint32_t stage = sm.dqs + cw * DQS_BYTES;
 #pragma unroll
     for (int jj = 0; jj < DQ_N / 8; ++jj) {
@@ -331,8 +290,8 @@ __device__ __forceinline__ void dq_tile(const Params& p, const Smem& sm, int g, 
             sts_f2(stage + 4 * ((r + 8 * row) * DQS_ROW + 8 * jj + 2 * q4), x0, x1);
         }
     }
-    fence_async_shared();
-    bar_sync(1 + cw, 128);
+    fence_view_async_shared();
+    named_sync(1 + cw, 128);
     if (t128 == 0)
         bulk_reduce_add_f32(p.dq_accum + (((long long)bh * n_tiles + t) * 2 + cw) * (64 * DQS_ROW), stage, DQS_BYTES);
 }
@@ -364,13 +323,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
             mbar_init(sm.full + 8 * st, 1);
             mbar_init(sm.empty + 8 * st, 8);  // one arrival per consumer warp
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_barrier_init();
     }
     __syncthreads();
 
     if (wg == 0) {
         // ---------------------------------------------------------------- producer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+        warpgroup_reg_dealloc<PRODUCER_REGS>();
         if (tid == 0) {
             const Smem sm = carve(smem_raw);
             mbar_expect_tx(sm.kv_full, K_BYTES + V_BYTES + KC_BYTES);
@@ -408,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
     }
 
     // -------------------------------------------------------------------- consumers
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+    warpgroup_reg_alloc<CONSUMER_REGS>();
     const Smem sm = carve(smem_raw);
     const int cw = wg - 1;                 // this consumer's 64 keys: n0 + 64 cw ..
     const int t128 = tid % 128, warp = t128 / 32, lane = tid % 32;
@@ -546,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
             const int jc = lane >> 2;  // the column pair 8 jc + 2 q + {0, 1}
             const uint32_t amax = sm.amax + 4 * (((par * 2 + cw) * 4) * 64 + 8 * jc + 2 * q4);
             sts_f2(amax + 4 * 64 * warp, cm[0], cm[1]);
-            bar_sync(1 + cw, 128);
+            named_sync(1 + cw, 128);
             float m0 = cm[0], m1 = cm[1];
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
@@ -588,8 +547,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attn_bwd_fp8(const __gr
                     sts_u8(addr + 8, (two >> 8) & 0xFF);
                 }
             }
-            fence_async_shared();
-            bar_arrive(DS_BAR + DS_BUFS * cw + buf, 256);  // this consumer's dS of the tile is written
+            fence_view_async_shared();
+            named_arrive(DS_BAR + DS_BUFS * cw + buf, 256);  // this consumer's dS of the tile is written
         }
 
         // -- dV += (P_r^T dO_c) * dO_c's channel scales, dK += ((dS_g^T Q_c) * k_scale) * Q_c's

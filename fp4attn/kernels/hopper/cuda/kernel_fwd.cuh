@@ -77,7 +77,7 @@ __device__ __forceinline__ void attn_fwd(const Params& p) {
             mbar_init(sm.v_empty + 8 * st, 4 * CONSUMERS);
             mbar_init(sm.ks_full + 8 * st, 32 * (1 + KEY_BIAS));  // each lane of the scales (and bias) warp
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        fence_barrier_init();
     }
 #if ROWSUM_BY_PV
     {  // the rows of ones after each V^T stage (e4m3 1.0 = 0x38; swizzling moves nothing in
@@ -87,14 +87,14 @@ __device__ __forceinline__ void attn_fwd(const Params& p) {
             const uint32_t addr = sm.v + (w / (ONES_BYTES / 4)) * V_STAGE_BYTES + V_BYTES + 4 * (w % (ONES_BYTES / 4));
             asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(0x38383838u) : "memory");
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        fence_view_async_shared();
     }
 #endif
     __syncthreads();
 
     if (wg == 0) {
         // ---------------------------------------------------------------- producer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+        warpgroup_reg_dealloc<PRODUCER_REGS>();
         const Smem sm = carve(smem_raw);
         const SeqlenInfo seqlen{p.Sq, p.Sk};
         const int warp = tid / 32, lane = tid % 32;
@@ -105,7 +105,7 @@ __device__ __forceinline__ void attn_fwd(const Params& p) {
     } else {
         // consumers: each role one branch of this if/else with its setmaxnreg (ptxas applies
         // the new register budget only so)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+        warpgroup_reg_alloc<CONSUMER_REGS>();
         // turn-taking on the tensor cores: consumer cw issues its products after bar.sync on
         // barrier 1 + cw and hands the turn over by bar.arrive on the next one's
         warp_scheduler_barrier_init<CONSUMERS>(wg);

@@ -1,5 +1,6 @@
-// PTX wrappers shared by the Hopper (sm_90a) CUDA kernels: shared-memory addresses, mbarriers,
-// TMA copies, named barriers, rounded float32 operations and the e4m3 / bf16 conversions.
+// PTX wrappers shared by the Hopper (sm_90a) CUDA kernels: shared-memory addresses and
+// accesses, mbarriers, TMA and bulk copies, fences, named barriers, setmaxnreg, rounded float32
+// operations and the e4m3 / bf16 conversions.
 #pragma once
 
 typedef unsigned int uint32_t;
@@ -55,6 +56,49 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, 
         ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
 
+// a bulk copy (no tensor map) of `bytes`, a multiple of 16, from global into shared memory,
+// completing on the mbarrier as a TMA copy does
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// global float32 += shared float32, `bytes` of them, as one bulk group (FlashAttention-3's dQ
+// accumulation by TMA reduce-add)
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// this thread's bulk groups have read their shared memory (it may be written again) / are done
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// shared-memory writes of the generic proxy (st.shared) made visible to the async proxy (TMA
+// copies, wgmma operands)
+__device__ __forceinline__ void fence_view_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// the mbarriers' initialization made visible before any thread waits on them
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// setmaxnreg: a warpgroup's registers per thread moved down to N (the producer, handing them
+// to the consumers) or up to N
+template <uint32_t N>
+__device__ __forceinline__ void warpgroup_reg_dealloc() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+template <uint32_t N>
+__device__ __forceinline__ void warpgroup_reg_alloc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+// named barriers: the id an immediate (named_sync<ID>), or a register (named_sync(id, ...))
 template <uint32_t ID>
 __device__ __forceinline__ void named_sync(uint32_t threads) {
     asm volatile("bar.sync %0, %1;" ::"n"(ID), "r"(threads) : "memory");
@@ -63,6 +107,14 @@ __device__ __forceinline__ void named_sync(uint32_t threads) {
 template <uint32_t ID>
 __device__ __forceinline__ void named_arrive(uint32_t threads) {
     asm volatile("bar.arrive %0, %1;" ::"n"(ID), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_arrive(uint32_t id, uint32_t threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ftz: the non-ftz form adds a range test and two fix-up multiplies per element; it
@@ -79,6 +131,26 @@ __device__ __forceinline__ float2 lds_f2(uint32_t addr) {
     float2 v;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
     return v;
+}
+
+// shared-memory accesses by address, each also a compiler memory barrier ("memory" clobbered,
+// which lds_f2 is not)
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+    float x;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
+    return x;
+}
+
+__device__ __forceinline__ void sts_u8(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.u8 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void sts_f32(uint32_t addr, float x) {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(x) : "memory");
+}
+
+__device__ __forceinline__ void sts_f2(uint32_t addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 
 __device__ __forceinline__ float lg2(float x) {
