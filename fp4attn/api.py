@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import warnings
@@ -263,7 +264,14 @@ def _launcher(route: routing.Route):
     """The function that runs a kernel route: its family's launcher, imported."""
     if route.family is None:
         raise ValueError(f"a {route.backend!r} route ({route.kernel}) names no kernel family to launch")
-    module, name = route.family.launcher.split(":")
+    return _imported(route.family.launcher)
+
+
+@functools.cache
+def _imported(path: str):
+    """The object at "module:name", imported once (a call pays no import lookup; a
+    failed import raises again at the next call)."""
+    module, name = path.split(":")
     return getattr(importlib.import_module(module), name)
 
 
