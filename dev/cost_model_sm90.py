@@ -77,9 +77,9 @@ def routed_kernel(recipe: Recipe, keys: int) -> str:
     exact recipes, bf16 QK^T, and affine MXFP4 P, P mode 5, from 72cc83a)."""
     launch = routing.forward_launch(HEAD_DIM, recipe.fast_accum, False)
     then = tuple((m, n) for m, n in launch.cuda_from_keys if recipe.fast_accum and m != 5)
-    with mock.patch.object(routing, "cuda_kernels_unavailable", lambda: None), \
+    with mock.patch.object(routing.capability, "cuda_kernels_unavailable", lambda: None), \
             routing.override_launch(forward=replace(launch, cuda_from_keys=then)):
-        return routing._hopper_forward_kernel(recipe, HEAD_DIM, False, "none", keys, True)
+        return routing.hopper._hopper_forward_kernel(recipe, HEAD_DIM, False, "none", keys, True)
 
 
 @functools.cache

@@ -9,12 +9,12 @@ from typing import Literal, overload
 
 import torch
 
-from fp4attn import decode_routing
 from fp4attn._logging import log_once
 from fp4attn.api import ReferenceFallbackWarning
 from fp4attn.kvcache import INPUT_DTYPES, KVCache
 from fp4attn.reference import robust
 from fp4attn.reference.decode import P_HALF_FORMATS, reference_decode
+from fp4attn.routing import decode as decode_routing
 
 MAX_QUERY_ROWS = 16  # new tokens per sequence and step the decode path is built for (speculative decoding)
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4attn import decode_routing
 from fp4attn.reference import robust
 from fp4attn.reference.kvcache import (
     CACHE_FORMATS,
@@ -41,6 +40,7 @@ from fp4attn.reference.kvcache import (
     quantize_tokens,
     token_values,
 )
+from fp4attn.routing import decode as decode_routing
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONTIGUOUS_ROUND = 256  # the contiguous layout's capacity, rounded up (max_len stays the limit)

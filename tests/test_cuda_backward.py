@@ -38,7 +38,7 @@ def test_every_variant_compiles(tmp_path, monkeypatch):
 
 
 def test_route_takes_exactly_the_kernels_operands(monkeypatch):
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: None)
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: None)
     table = routing.backward_launch(128)
     assert not table.cuda  # measured slower than the Gluon kernels: not in the table
     on = dataclasses.replace(table, cuda=True)
@@ -51,7 +51,7 @@ def test_route_takes_exactly_the_kernels_operands(monkeypatch):
     assert not routing.use_cuda_backward(on, "fp8", 0, 128, 4000, 4096, True)  # Sq not whole 64-query tiles
     assert not routing.use_cuda_backward(on, "fp8", 0, 128, 4096, 4032, True)  # Sk not whole 128-key blocks
     assert not routing.use_cuda_backward(on, "fp8", 0, 128, 4096, 4096, False)
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: "no NVRTC")
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: "no NVRTC")
     assert not routing.use_cuda_backward(on, "fp8", 0, 128, 4096, 4096, True)
 
 

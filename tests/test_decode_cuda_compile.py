@@ -4,7 +4,7 @@ its design counts on; its routing refuses what it cannot run."""
 
 import pytest
 
-from fp4attn import decode_routing as R
+from fp4attn.routing import decode as R
 
 pytest.importorskip("cuda.bindings.nvrtc")
 from fp4attn.kernels.hopper import decode_cuda  # noqa: E402

@@ -18,7 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp4attn
-from fp4attn import KVCache, decode, decode_routing, routing
+from fp4attn import KVCache, decode, routing
+from fp4attn.routing import decode as decode_routing
 
 pytest.importorskip("triton")
 from fp4attn.kernels.hopper import decode_cuda, decode_op  # noqa: E402
@@ -56,8 +57,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(decode_cuda, "load_function", lambda key, build, name, device, shared=0: name)
     monkeypatch.setattr(decode_cuda, "resident_ctas", lambda variant: 2)
     monkeypatch.setattr(decode_routing, "unsupported_reason", lambda device, head_dim: None)
-    monkeypatch.setattr(decode_routing, "interpreting", lambda: False)
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: None)
+    monkeypatch.setattr(routing.targets, "interpreting", lambda: False)
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: None)
     decode_routing.clear_routes()
     yield out
     decode_routing.clear_routes()

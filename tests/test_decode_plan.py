@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fp4attn.decode_routing import DEFAULT_LAUNCH, DecodeLaunch, resident_programs, split_plan
+from fp4attn.routing.decode import DEFAULT_LAUNCH, DecodeLaunch, resident_programs, split_plan
 
 
 def test_resident_programs_follow_registers_warps_and_shared_memory():
@@ -49,7 +49,8 @@ def test_explain_says_what_decode_runs(monkeypatch):
     import torch
 
     import fp4attn
-    from fp4attn import decode_routing, routing
+    from fp4attn import routing
+    from fp4attn.routing import decode as decode_routing
 
     decode_routing.clear_routes()
     monkeypatch.setattr(decode_routing, "_ROUTES", {})  # this test's routes stay its own
@@ -72,8 +73,8 @@ def test_explain_says_what_decode_runs(monkeypatch):
     # interpreter, the probe): the CUDA split kernel for one new row of FP8 keys
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(decode_routing, "unsupported_reason", lambda device, head_dim: None)
-    monkeypatch.setattr(decode_routing, "interpreting", lambda: False)
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: None)
+    monkeypatch.setattr(routing.targets, "interpreting", lambda: False)
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: None)
     cuda = fp4attn.explain(q, cache)
     assert cuda["kernel"] == "hopper.decode_cuda", cuda
     assert cuda["launch"] == {"block_n": decode_routing.CUDA_LAUNCH.block_n, "warps": decode_routing.CUDA_WARPS,
@@ -86,14 +87,14 @@ def test_explain_says_what_decode_runs(monkeypatch):
     route = decode_routing.decode_route(q.device, 2, 2, 8, 1, 128, "fp8", "fp8", cache.page_size)
     assert route is decode_routing.decode_route(q.device, 2, 2, 8, 1, 128, "fp8", "fp8", cache.page_size)
     assert fp4attn.explain(q, cache) == route.as_dict()
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: "not here")
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: "not here")
     assert fp4attn.explain(q, cache)["kernel"] == "hopper.decode_cuda"
     decode_routing.clear_routes()
     assert "not here" in fp4attn.explain(q, cache)["reason"]
 
 
 def test_block_m_is_the_next_power_of_two_within_bounds():
-    from fp4attn.decode_routing import MAX_BLOCK_M, MIN_BLOCK_M, block_m_for
+    from fp4attn.routing.decode import MAX_BLOCK_M, MIN_BLOCK_M, block_m_for
 
     assert [block_m_for(r) for r in (1, 4, 5, 8, 9, 33, 64, 65, 1000)] == [MIN_BLOCK_M, 4, 8, 8, 16, 64, 64,
                                                                           MAX_BLOCK_M, MAX_BLOCK_M]

@@ -259,7 +259,7 @@ def test_warp_specialized_kernel_equals_triton_kernel(recipe, causal, overlap, l
     from fp4attn.kernels.hopper.forward_gluon_ws import launch_forward_ws
     from fp4attn.routing import P_MODES
 
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: "not here")
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: "not here")
     from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.operands import prepare_operands_fused
 

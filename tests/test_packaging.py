@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4attn import decode_routing, routing
+from fp4attn import routing
+from fp4attn.routing import decode as decode_routing
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fp4attn"
@@ -74,7 +75,7 @@ def test_the_cuda_probe_knows_every_source():
 def test_the_cuda_probe_refuses_missing_sources(tmp_path, monkeypatch):
     (tmp_path / "attn_fwd_fp8.cu").write_text('#include "parts.cuh"\n  #  include "more.cuh"\n#include <cuda.h>\n')
     (tmp_path / "more.cuh").write_text("")
-    monkeypatch.setattr(routing, "CUDA_SOURCE_DIR", tmp_path)
+    monkeypatch.setattr(routing.capability, "CUDA_SOURCE_DIR", tmp_path)
     others = sorted(set(routing.CUDA_SOURCES) - {"attn_fwd_fp8.cu"})
     assert routing.missing_cuda_sources() == sorted([*others, "parts.cuh"])
     if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
@@ -96,10 +97,10 @@ def test_forward_and_decode_ask_the_same_probe(monkeypatch):
     launch = routing.FORWARD_LAUNCH[64, True, False]
     keys = launch.cuda_keys(0)
     assert keys
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: None)
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: None)
     assert decode_routing.split_kernel(*args, on_gpu=True) == "cuda"
     assert routing.use_cuda_forward(launch, 0, keys, on_cuda=True)
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: "not here")
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: "not here")
     assert decode_routing.split_kernel(*args, on_gpu=True) == "triton"
     assert not routing.use_cuda_forward(launch, 0, keys, on_cuda=True)
     with pytest.raises(ValueError, match="not here"):

@@ -35,7 +35,7 @@ HOPPER_TRAIN_RECIPES = [n for n, r in PRESETS.items() if routing.hopper_train_un
 def cuda_builds(monkeypatch):
     """The CUDA C++ kernels build here (the capability probe's answer on a Hopper GPU with
     the `cuda` extra)."""
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: None)
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: None)
 
 
 def _route_plans(recipe, head_dim, causal, mask, keys, needs_grad, on_cuda):
@@ -59,7 +59,7 @@ def test_explain_reports_the_plans(monkeypatch):
     from fp4attn.kernels.hopper import forward_op, train_op  # noqa: F401
 
     monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
-    monkeypatch.setattr(routing, "interpreting", lambda: True)  # CPU tensors routed; no interpreter started
+    monkeypatch.setattr(routing.targets, "interpreting", lambda: True)  # CPU tensors routed; no interpreter started
     seen = set()
     zeros = functools.cache(lambda *shape: torch.zeros(shape))  # explain reads shapes and dtypes only
     for name, d, causal, sk, masked, grad in itertools.product(
@@ -208,7 +208,7 @@ def test_route_names_the_forward_kernel_by_key_count(monkeypatch, cuda_builds):
     train = routing.route(fp4attn.get_recipe("train"), keys=8192, **{**kw, "needs_grad": True}).kernel
     assert "forward_cuda" not in train, train
     assert routing.route(rec, keys=8192, **{**kw, "device": torch.device("cpu")}).backend == "reference"
-    monkeypatch.setattr(routing, "cuda_kernels_unavailable", lambda: "not here")
+    monkeypatch.setattr(routing.capability, "cuda_kernels_unavailable", lambda: "not here")
     cpu = routing.route(rec, keys=8192, **kw)
     assert cpu.kernel == "hopper.forward_triton" and "not here" in cpu.plans[0].reason
 

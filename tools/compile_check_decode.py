@@ -17,10 +17,10 @@ import collections
 import sys
 from pathlib import Path
 
-from fp4attn.decode_routing import DEFAULT_LAUNCH
 from fp4attn.kernels.hopper.decode_op import FORMAT_CODES
 from fp4attn.kernels.hopper.decode_triton import decode_split_kernel
 from fp4attn.reference.kvcache import format_layout
+from fp4attn.routing.decode import DEFAULT_LAUNCH
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/
 from dev.machine_code import _compile_sm90, inspect  # noqa: E402

@@ -9,8 +9,9 @@ import sys
 
 import torch
 
-from fp4attn import KVCache, decode_routing
+from fp4attn import KVCache
 from fp4attn.kernels.hopper.decode_op import hopper_decode
+from fp4attn.routing import decode as decode_routing
 
 B, Hq, Hkv, L, D = (int(x) for x in sys.argv[1].split(","))
 fmt, kernel = sys.argv[2], sys.argv[3]

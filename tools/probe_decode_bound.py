@@ -25,11 +25,12 @@ def main() -> None:
     p.add_argument("--stages", default="0,2", help="ring depths besides the routed one (0: registers)")
     p.add_argument("--ablate", default="0,1", help="0: the routed build, 1: no dequantization (timing only)")
     args = p.parse_args()
-    from fp4attn import KVCache, decode_routing
+    from fp4attn import KVCache
     from fp4attn.cli.bench_decode import _sdpa_decode, copy_bandwidth
     from fp4attn.kernels.hopper import decode_cuda
     from fp4attn.kernels.hopper.decode_op import hopper_decode
     from fp4attn.reference.kvcache import format_layout
+    from fp4attn.routing import decode as decode_routing
     from fp4attn.tools.benchmark import graph_ms
 
     copy_bps = copy_bandwidth()

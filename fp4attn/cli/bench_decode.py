@@ -49,7 +49,7 @@ def parse_launches(spec: str | None):
     that ring, 0 its register prefetch), to time beside the routing table's (None: the
     table's only); programs_per_sm 0 and splits 0: the compiled kernel's occupancy and the
     split plan's; asm 0 dequantizes by float arithmetic."""
-    from fp4attn.decode_routing import DEFAULT_LAUNCH, DecodeLaunch, parse_cuda_stages
+    from fp4attn.routing.decode import DEFAULT_LAUNCH, DecodeLaunch, parse_cuda_stages
 
     if not spec:
         return []
@@ -106,7 +106,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def _launch_runs(launch, fmt: str, head_dim: int, group: int, page_size: int) -> bool:
     """Whether a launch to time runs on this cache: a forced CUDA split kernel only where
     it takes the format and shape (elsewhere there is nothing to time)."""
-    from fp4attn import decode_routing
+    from fp4attn.routing import decode as decode_routing
 
     return launch is None or not launch.kernel.startswith("cuda") or not decode_routing.cuda_unsupported_reason(
         fmt, fmt, head_dim, group, 1, page_size)

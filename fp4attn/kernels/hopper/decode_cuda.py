@@ -1,7 +1,7 @@
 """The decode split kernel in CUDA C++ (`cuda/decode_split.cu`): one warp a split, no
 barrier (the Triton kernel's four warps cross twice a key tile), its key tiles streamed
 through a per-warp cp.async ring in shared memory, for one new query row per sequence
-over FP8 or NVFP4 keys and values (what it takes: `decode_routing.cuda_unsupported_reason`),
+over FP8 or NVFP4 keys and values (what it takes: `routing.decode.cuda_unsupported_reason`),
 and the combine of its partials (`decode_combine`, the same merge as the Triton
 combine's). Same numerics as the Triton kernel (`reference/decode.py`); `decode_op`
 routes to it.
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from fp4attn.decode_routing import CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_stages, resident_programs
 from fp4attn.kernels.hopper.nvrtc_build import (  # noqa: F401
     Build,
     check,
@@ -26,10 +25,11 @@ from fp4attn.kernels.hopper.nvrtc_build import (  # noqa: F401
     load_function,
     options_for,
 )
+from fp4attn.routing.decode import CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_stages, resident_programs
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_split.cu"
 KERNEL_NAME, COMBINE_NAME = "decode_split", "decode_combine"
-FORMATS = {"fp8": 1, "nvfp4": 2}  # decode_op.FORMAT_CODES, of decode_routing.CUDA_FORMATS
+FORMATS = {"fp8": 1, "nvfp4": 2}  # decode_op.FORMAT_CODES, of routing.decode.CUDA_FORMATS
 COMBINE_WARPS = 8
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the combine's OUT_KIND
 

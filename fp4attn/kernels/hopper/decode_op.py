@@ -14,12 +14,12 @@ from typing import Optional
 
 import torch
 
-from fp4attn import decode_routing
 from fp4attn.kernels.common import sm_count
 from fp4attn.kernels.hopper import decode_cuda
 from fp4attn.kernels.hopper.decode_triton import decode_combine_kernel, decode_split_kernel
 from fp4attn.kernels.hopper.kvcache_triton import kvcache_append_kernel
 from fp4attn.reference.forward import LOG2E
+from fp4attn.routing import decode as decode_routing
 
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}  # decode_triton's BF16, FP8, NVFP4, MXFP4
 APPEND_BLOCK_T = 16  # tokens a program quantizes: one step's new tokens fit one program

@@ -1,7 +1,9 @@
 """Which code runs a KV cache append and a decode call, and with which launch: as data.
 
-Pure Python, no Triton import; the decode counterpart of `fp4attn.routing`, whose
-target and backend rules it shares (FP4ATTN_TARGET, FP4ATTN_BACKEND, TRITON_INTERPRET).
+Pure Python, no Triton import; the decode counterpart of the attention's families
+(`families.route`), whose target and backend rules it shares (FP4ATTN_TARGET,
+FP4ATTN_BACKEND, TRITON_INTERPRET: `targets`) and whose CUDA C++ probe it asks
+(`capability.cuda_kernels_unavailable`).
 
     backend     "triton": the Hopper kernels (`kernels/hopper/decode_triton.py`,
                 `kvcache_triton.py`) on sm_90 at head dims 64 and 128; else the
@@ -27,13 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
 
-from fp4attn import routing
-from fp4attn.routing import BACKEND_ENV, INTERPRET_ENV, TARGET_ENV, interpreting, requested_backend, target_of
+from fp4attn.routing import capability, targets
+from fp4attn.routing.targets import BACKEND_ENV, INTERPRET_ENV, TARGET_ENV, requested_backend, target_of
 
 DECODE_HEAD_DIMS = (64, 128)
 DECODE_TARGETS = ("sm_90",)
@@ -162,7 +163,7 @@ def cuda_split_unavailable(k_format: str, v_format: str, head_dim: int, group: i
     why = cuda_unsupported_reason(k_format, v_format, head_dim, group, sq, page_size) if on_gpu else \
         "the interpreter runs Triton kernels only"
     if why is None:
-        why = routing.cuda_kernels_unavailable()  # the probe every CUDA C++ kernel shares
+        why = capability.cuda_kernels_unavailable()  # the probe every CUDA C++ kernel shares
     return why
 
 
@@ -213,14 +214,10 @@ def _split_plan(launch: DecodeLaunch, tiles: int, programs: int, sms: int, resid
     return math.ceil(tiles / per), per * launch.block_n
 
 
-# looked up once at import: torch.compile cannot trace importlib's spec search
-TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
-
-
 def unsupported_reason(device, head_dim: int) -> str | None:
     """Why the Hopper kernels cannot run a cache of this head dim on `device` (None: they can)."""
     device_type = device if isinstance(device, str) else device.type
-    if device_type != "cuda" and not interpreting():
+    if device_type != "cuda" and not targets.interpreting():
         return (f"the cache is on {device_type} (the kernels need CUDA, or TRITON_INTERPRET=1 with {TARGET_ENV}=sm_90: "
                 "the Hopper Triton kernels under the interpreter, slowly)")
     target = target_of(device)
@@ -228,7 +225,7 @@ def unsupported_reason(device, head_dim: int) -> str | None:
         return f"no decode kernels are built for target {target}"
     if head_dim not in DECODE_HEAD_DIMS:
         return f"head_dim {head_dim} (the decode kernels take {DECODE_HEAD_DIMS})"
-    if not TRITON_IMPORTABLE:
+    if not capability.TRITON_IMPORTABLE:
         return "Triton is not importable"
     return None
 
@@ -271,7 +268,7 @@ def append_route(device, head_dim: int) -> tuple[str, bool]:
     key = (device, head_dim, routing_env())
     chosen = _APPEND_ROUTES.get(key)
     if chosen is None:
-        chosen = _APPEND_ROUTES[key] = (backend_for(device, head_dim)[0], not interpreting())
+        chosen = _APPEND_ROUTES[key] = (backend_for(device, head_dim)[0], not targets.interpreting())
     return chosen
 
 
@@ -360,7 +357,7 @@ def decide_route(device, batch: int, kv_heads: int, q_heads: int, sq: int, head_
                         kv_heads, group, sq, page_size)
     if chosen != "triton":
         return route
-    hw = not interpreting()
+    hw = not targets.interpreting()
     block_m = block_m_for(group * sq)
     not_cuda = cuda_split_unavailable(k_format, v_format, head_dim, group, sq, page_size, hw)
     if not_cuda is None:
