@@ -90,6 +90,23 @@ def _operand_layout(grad_layout):
     return gl.DotOperandLayout(operand_index=0, parent=grad_layout, k_width=4)
 
 
+@gluon.constexpr_function
+def _tile_layouts(cols, grad_cols):
+    """The wgmma layouts of both kernels' warpgroup of 64 rows (keys for dK/dV, queries
+    for dQ): the scores tile, `cols` wide, as bf16 products and as dP's e4m3 products
+    (the two share their registers), a gradient product `grad_cols` wide, and P or dS as
+    that product's register A operand."""
+    grad = wgmma_layout(4, grad_cols, 32)
+    return gl.tuple([gl.constexpr(wgmma_layout(4, cols, 16)), gl.constexpr(wgmma_layout(4, cols, 32)),
+                     gl.constexpr(grad), gl.constexpr(_operand_layout(grad))])
+
+
+@gluon.constexpr_function
+def _axes(layout):
+    """The layouts of a 2D tile's row indices and column indices."""
+    return gl.tuple([gl.constexpr(gl.SliceLayout(1, layout)), gl.constexpr(gl.SliceLayout(0, layout))])
+
+
 @gluon.jit
 def _flat_ptrs(ptr, n: gl.constexpr):
     """The addresses of n floats from ptr, one per thread (coalesced)."""
@@ -219,6 +236,20 @@ def _ring(desc, stages: gl.constexpr):
 
 
 @gluon.jit
+def _barriers_and_fixed_tiles(a_desc, b_desc, row, a_smem, b_smem):
+    """A program's mbarriers, initialized: one for the two tiles it loads once (dK/dV: K
+    and V; dQ: Q and dO_t), whose TMA copies at `row` are issued on it, and one per ring
+    stage. Returns (the first, the ring's)."""
+    fixed = barriers(1, 1)
+    ready = barriers(STAGES, 1)
+    barriers_ready()
+    mbarrier.expect(fixed.index(0), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [row, 0], fixed.index(0), a_smem)
+    tma.async_copy_global_to_shared(b_desc, [row, 0], fixed.index(0), b_smem)
+    return fixed, ready
+
+
+@gluon.jit
 def _product(a, b_smem, zero):
     """a @ b on a fresh accumulator (b_smem (N, K), K contiguous), issued."""
     return warpgroup_mma(a, b_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -267,14 +298,9 @@ def attn_bwd_dkdv_pipelined_kernel(
     HALF: gl.constexpr = HEAD_DIM // 2
     # S^T (bf16 products) and dP^T (e4m3) share their registers, keys x queries; dK and
     # dV halves (and each tile's products) keys x D/2
-    t_layout: gl.constexpr = wgmma_layout(4, BLOCK_M, 16)
-    dp_layout: gl.constexpr = wgmma_layout(4, BLOCK_M, 32)
-    g_layout: gl.constexpr = wgmma_layout(4, HALF, 32)
-    a_layout: gl.constexpr = _operand_layout(g_layout)
-    keys_t: gl.constexpr = gl.SliceLayout(1, t_layout)
-    queries_t: gl.constexpr = gl.SliceLayout(0, t_layout)
-    keys_g: gl.constexpr = gl.SliceLayout(1, g_layout)
-    dims_g: gl.constexpr = gl.SliceLayout(0, g_layout)
+    t_layout, dp_layout, g_layout, a_layout = _tile_layouts(BLOCK_M, HALF)
+    keys_t, queries_t = _axes(t_layout)
+    keys_g, dims_g = _axes(g_layout)
 
     start_n = gl.program_id(0) * BLOCK_N
     off_bh = gl.program_id(1)  # (b, kv head)
@@ -300,13 +326,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     lse_s, do_s_s, delta_s, do_cs0_s, do_cs1_s, q_cs0_s, q_cs1_s = bufs[0:7]
     if ROW_SCALES:
         qs_s = bufs[7]
-    kv_bar = barriers(1, 1)
-    ready = barriers(STAGES, 1)
-    barriers_ready()
-
-    mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar.index(0), k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar.index(0), v_smem)
+    kv_bar, ready = _barriers_and_fixed_tiles(k_desc, v_desc, kv_row, k_smem, v_smem)
     _load_query_tile(0, n_m, lo, b, hk, H, GROUP, Sq, q_desc, do_t_desc, do_c_desc, q_c_desc,
                      q_smem, do_t_smem, do_c_smem, q_c_smem, ready, n_tiles > 0, HEAD_DIM, BLOCK_M)
     # tile 0's numbers (a program without tiles reads the last query tile's, unused)
@@ -501,14 +521,9 @@ def attn_bwd_dq_pipelined_kernel(
     gl.static_assert(BLOCK_N == 64)  # dS's scale block along the keys (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
     # S (bf16 products) and dP (e4m3) share their registers, queries x keys; dQ queries x D
-    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N, 16)
-    dp_layout: gl.constexpr = wgmma_layout(4, BLOCK_N, 32)
-    g_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM, 32)
-    a_layout: gl.constexpr = _operand_layout(g_layout)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    keys_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    rows_g: gl.constexpr = gl.SliceLayout(1, g_layout)
-    dims_g: gl.constexpr = gl.SliceLayout(0, g_layout)
+    s_layout, dp_layout, g_layout, a_layout = _tile_layouts(BLOCK_N, HEAD_DIM)
+    rows_s, keys_s = _axes(s_layout)
+    rows_g, dims_g = _axes(g_layout)
 
     start_m = gl.program_id(0) * BLOCK_M
     off_bh = gl.program_id(1)  # (b, h)
@@ -530,13 +545,7 @@ def attn_bwd_dq_pipelined_kernel(
     k_smem = _ring(k_desc, STAGES)
     v_smem = _ring(v_desc, STAGES)
     k_c_smem = _ring(k_c_desc, STAGES)
-    q_bar = barriers(1, 1)
-    ready = barriers(STAGES, 1)
-    barriers_ready()
-
-    mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes + do_t_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar.index(0), q_smem)
-    tma.async_copy_global_to_shared(do_t_desc, [q_row, 0], q_bar.index(0), do_t_smem)
+    q_bar, ready = _barriers_and_fixed_tiles(q_desc, do_t_desc, q_row, q_smem, do_t_smem)
     # key tile 0 always (it exists: a block that sees no key still issues its products
     # once, unused, so that the loop's first wait has them)
     for j in gl.static_range(STAGES):
