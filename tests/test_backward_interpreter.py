@@ -260,7 +260,7 @@ TRAIN_AFFINE = BLACKWELL_PATCHES + CHECK_ROUTE + textwrap.dedent('''
         k, v = (torch.randn(B, HKV, sk, D, generator=g).bfloat16().requires_grad_() for _ in range(2))
         info = fp4attn.explain(q, k, v, causal=causal, recipe="train-affine", enable_gqa=True)
         # P mode 6 runs on the Triton kernels only: forward, dK/dV and dQ
-        assert info["kernel"] == "hopper.forward_triton + hopper.backward_triton.dkdv + hopper.backward_triton.dq", info
+        assert info["kernel"] == "hopper.forward_triton + backward_triton.dkdv + backward_triton.dq", info
         with override_launch(forward=ForwardLaunch(64, 4, 2),
                              backward=dataclasses.replace(BACKWARD_LAUNCH[D], hw_cvt=False)):
             out, lse = fp4attn.attention(q, k, v, causal=causal, recipe="train-affine", enable_gqa=True,

@@ -180,9 +180,9 @@ def blackwell_train_unsupported(recipe: Recipe, head_dim: int, mask: str = "none
 
 def _blackwell_train_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,
                             on_cuda: bool = True) -> str:
-    return (f"{_blackwell_forward_kernel(recipe, head_dim, causal, mask)} + hopper.backward_triton.dkdv + "
-            "hopper.backward_triton.dq (built for sm_100a; dQ's S, and at head_dim 64 dK/dV's, by the "
-            "block-scaled FP4 product)")
+    return (f"{_blackwell_forward_kernel(recipe, head_dim, causal, mask)} + backward_triton.dkdv + "
+            "backward_triton.dq (built for sm_100a; dQ's S, and at head_dim 64 dK/dV's, by the block-scaled "
+            "FP4 product)")
 
 
 def _sm120_forward_kernel(recipe: Recipe, head_dim: int, causal: bool, mask: str, keys: int = 0,

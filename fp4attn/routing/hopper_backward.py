@@ -89,6 +89,13 @@ class BackwardKernel(enum.StrEnum):
     GLUON = "gluon"  # backward_gluon.launch_dkdv_gluon, launch_dq_gluon
     TRITON = "triton"  # backward_triton.attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 
+    @property
+    def module(self) -> str:
+        """The kernel's module under fp4attn/kernels/, as `explain` names it: the Triton
+        kernels are every architecture's (the Blackwell training runs them too), the
+        Gluon and CUDA C++ ones Hopper's."""
+        return "backward_triton" if self is BackwardKernel.TRITON else f"hopper.backward_{self.value}"
+
 
 @dataclass(frozen=True)
 class BackwardPlan:
@@ -125,7 +132,7 @@ class BackwardPlan:
             return "hopper.backward_cuda" + ("" if self.lengths_known else where)
         gluon = BackwardKernel.GLUON in (self.dkdv, self.dq)
         where = " (Gluon where the lengths are whole 64-token tiles)" if gluon and not self.lengths_known else ""
-        return f"hopper.backward_{self.dkdv.value}.dkdv + hopper.backward_{self.dq.value}.dq{where}"
+        return f"{self.dkdv.module}.dkdv + {self.dq.module}.dq{where}"
 
     def variant(self) -> Variant:
         """The launch and flags the kernels run with."""
