@@ -12,7 +12,6 @@ triton.testing.do_bench; a short table last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,14 +25,9 @@ def main() -> None:
     p.add_argument("--shapes", default="8,16,4096,128;2,16,16384,128;1,24,32768,128;4,16,8192,64")
     p.add_argument("--causal", action="store_true")
     args = p.parse_args()
-    from triton.testing import do_bench
-
-    from dev.forward_cuda_check import launch_checking
-    from fp4attn.kernels.hopper.forward_op import launch_forward
+    from dev.forward_probe import below_cuda_ms, cell, checking_ms, cudnn_ms
     from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
-    from fp4attn.routing import forward_launch, override_launch
-    from fp4attn.tools.benchmark import sdpa
 
     builds = {"exp2 (fp8-fastacc)": {}, "affine (fp8-affine-fastacc)": {"affine_p": True},
               "affine, no key-scale product": {"affine_p": True, "affine_ablate": 1},
@@ -45,19 +39,12 @@ def main() -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g).bfloat16() for _ in range(3))
         flops = 4 * B * H * S * S * D / (2 if args.causal else 1)
-        f = sdpa("sdpa-cudnn")
-        base = do_bench(lambda: f(q, k, v, args.causal), return_mode="median")
+        base = cudnn_ms(q, k, v, args.causal)
         ops = prepare_operands_fused(q, k, v, get_recipe("fp8-fastacc"))
-        off = 0 if args.causal else None
         row = [shape, f"{flops / base * 1e-9:.0f}"]
         # the Triton/Gluon kernel the table runs below `cuda_from_keys` (P mode 4: affine FP8 P)
-        with override_launch(forward=dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=())):
-            ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=4), return_mode="median")
-        row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
-        for kw in builds.values():
-            ms = do_bench(lambda: launch_checking(ops, scale=D**-0.5, causal_offset=off, **kw),
-                          return_mode="median")
-            row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
+        row.append(cell(flops, below_cuda_ms(ops, 4, fast_accum=True, causal=args.causal), base))
+        row += [cell(flops, checking_ms(ops, causal=args.causal, **kw), base) for kw in builds.values()]
         rows.append(row)
         print(" | ".join(row), flush=True)
     head = ["B,H,S,D", "cuDNN bf16 TFLOP/s", "affine, Triton/Gluon kernel", *builds]

@@ -30,16 +30,11 @@ def main() -> None:
     p.add_argument("--exact", action="store_true", help="also the exact recipes, bf16 Q/K on the CUDA kernel against "
                                                         "the Triton/Gluon kernels")
     args = p.parse_args()
-    from triton.testing import do_bench
-
-    from dev.forward_cuda_check import launch_checking
+    from dev.forward_probe import below_cuda_ms, cell, checking_ms, cudnn_ms
     from fp4attn.cli.output import markdown_table
     from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS
-    from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
-    from fp4attn.routing import forward_launch, override_launch
-    from fp4attn.tools.benchmark import sdpa
 
     mx = get_recipe("fp8-directp-fast-fastacc")
     mx_tile = dataclasses.replace(mx, k_scale="tile", name=None)
@@ -60,24 +55,17 @@ def main() -> None:
     for shape in args.shapes.split(";"):
         B, H, S, D = map(int, shape.split(","))
         flops = 4 * B * H * S * S * D / (2 if args.causal else 1)
-        off = 0 if args.causal else None
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g).bfloat16() for _ in range(3))
-        f = sdpa("sdpa-cudnn")
-        base = do_bench(lambda: f(q, k, v, args.causal), return_mode="median")
+        base = cudnn_ms(q, k, v, args.causal)
         row = [shape, f"{flops / base * 1e-9:.0f}"]
         for _, recipe, mode, kw in builds:
             ops = prepare_operands_fused(q, k, v, recipe)
             if kw is None:
-                table = dataclasses.replace(forward_launch(D, recipe.fast_accum, args.causal), cuda_from_keys=())
-                with override_launch(forward=table):
-                    ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=mode),
-                                  return_mode="median")
+                ms = below_cuda_ms(ops, mode, fast_accum=recipe.fast_accum, causal=args.causal)
             else:
-                ms = do_bench(lambda: launch_checking(ops, scale=D**-0.5, causal_offset=off,
-                                                      persistent=not args.causal, **P_MODE_BUILDS[mode], **kw),
-                              return_mode="median")
-            row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
+                ms = checking_ms(ops, causal=args.causal, persistent=not args.causal, **P_MODE_BUILDS[mode], **kw)
+            row.append(cell(flops, ms, base))
         rows.append(row)
         print(" | ".join(row), flush=True)
     print(f"causal={args.causal}")

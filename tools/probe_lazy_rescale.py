@@ -28,17 +28,10 @@ def main() -> None:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--sharp", type=float, default=6.25, help="logit sharpness of the second input kind")
     args = p.parse_args()
-    import dataclasses
-
-    from triton.testing import do_bench
-
-    from dev.forward_cuda_check import launch_checking
+    from dev.forward_probe import below_cuda_ms, cell, checking_ms, cudnn_ms
     from fp4attn.cli.output import markdown_table
-    from fp4attn.kernels.hopper.forward_op import launch_forward
     from fp4attn.kernels.hopper.operands import prepare_operands_fused
     from fp4attn.recipes import get_recipe
-    from fp4attn.routing import forward_launch, override_launch
-    from fp4attn.tools.benchmark import sdpa
 
     builds = {"exact rescale": {"affine_p": True}, "lazy rescale": {"affine_p": True, "lazy_rescale": True},
               "no row max (timing only)": {"affine_p": True, "affine_ablate": 2}}
@@ -46,26 +39,16 @@ def main() -> None:
     for shape in args.shapes.split(";"):
         B, H, S, D = map(int, shape.split(","))
         flops = 4 * B * H * S * S * D / (2 if args.causal else 1)
-        off = 0 if args.causal else None
         for sharp in (1.0, args.sharp):
             g = torch.Generator(device="cuda").manual_seed(0)
             q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g) for _ in range(3))
             q, k, v = (q * sharp**0.5).bfloat16(), (k * sharp**0.5).bfloat16(), v.bfloat16()
-            f = sdpa("sdpa-cudnn")
-            base = do_bench(lambda: f(q, k, v, args.causal), return_mode="median")
+            base = cudnn_ms(q, k, v, args.causal)
             ops = prepare_operands_fused(q, k, v, get_recipe("fp8-ktile-affine-fastacc"))
             row = [shape, f"{sharp:g}", f"{flops / base * 1e-9:.0f}"]
             # the Triton/Gluon kernel the table runs below `cuda_from_keys`: exact (P mode 4), lazy (7)
-            table = dataclasses.replace(forward_launch(D, True, args.causal), cuda_from_keys=())
-            for mode in (4, 7):
-                with override_launch(forward=table):
-                    ms = do_bench(lambda: launch_forward(ops, scale=D**-0.5, causal_offset=off, p_mode=mode),
-                                  return_mode="median")
-                row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
-            for kw in builds.values():
-                ms = do_bench(lambda: launch_checking(ops, scale=D**-0.5, causal_offset=off, **kw),
-                              return_mode="median")
-                row.append(f"{flops / ms * 1e-9:.0f} ({base / ms:.2f}x)")
+            row += [cell(flops, below_cuda_ms(ops, mode, fast_accum=True, causal=args.causal), base) for mode in (4, 7)]
+            row += [cell(flops, checking_ms(ops, causal=args.causal, **kw), base) for kw in builds.values()]
             rows.append(row)
             print(" | ".join(row), flush=True)
     head = ["B,H,S,D", "logits x", "cuDNN bf16 TFLOP/s", "Triton/Gluon exact", "Triton/Gluon lazy", *builds]
