@@ -31,15 +31,11 @@ class BlackwellLaunch:
     pipelined: bool = True
 
 
-# Keyed by (head dim, causal, key mask). Not measured: no Blackwell GPU has run these
-# kernels. Chosen from the sm_100a builds (docs/notes/blackwell.md, `fp4attn
-# compile-report`): the pipelined kernel at 4 warps a partition and 3 stages builds every
-# routed recipe at D=64/128, causal or not, with or without a key mask, without spills
-# (2 stages: nvfp4-fp8 spills 8-32 bytes; S double-buffered in tensor memory: 8-16
-# bytes), so every build runs pipelined. The kernel it replaced (8 warps doing everything
-# in turn, 2 stages) stays reachable as SERIAL_BLACKWELL_LAUNCH, by
-# `override_blackwell_launch`, for comparison; some of its builds spill (FP8 Q/K at D=128
-# with a key mask or affine MXFP4 P), which costs speed, not numerics.
+# Keyed by (head dim, causal, key mask); not measured (no Blackwell GPU has run these
+# kernels): chosen from the sm_100a builds, each with its reason in docs/notes/blackwell.md,
+# "Launches". Every entry: the pipelined kernel, 4 warps a partition, 3 stages, which builds
+# every routed recipe without a spill. SERIAL_BLACKWELL_LAUNCH, the kernel it replaced (8
+# warps doing everything in turn), stays reachable by `override_blackwell_launch`.
 BLACKWELL_FORWARD_LAUNCH: dict[tuple[int, bool, bool], BlackwellLaunch] = {
     (d, causal, key_mask): BlackwellLaunch() for d in (64, 128) for causal in (False, True) for key_mask in (False, True)
 }
@@ -63,14 +59,10 @@ def override_blackwell_launch(launch: BlackwellLaunch) -> Iterator[None]:
         _BLACKWELL_OVERRIDE.reset(token)
 
 
-# Consumer Blackwell (sm_120 / sm_121: RTX 50xx, RTX PRO 6000, DGX Spark): no tensor
-# memory, the block-scaled products are mma.sync (kind::mxf4nvf4) with accumulators in
-# registers, so the serial kernel at programs small enough for a thread's share of the S
-# and O tiles. Keyed by (head dim, key mask). Not measured: chosen from the sm_120a builds
-# (`fp4attn compile-report --arch sm_120a`), the smallest launch without a spill for every
-# routed recipe, causal or not: D=64 64 rows of 8 warps, one stage (4 warps spilled 8-64
-# bytes); with a key mask 32 rows of 4 warps (nvfp4-fp8 causal spilled 80 bytes at 64
-# rows); D=128 32 rows of 4 warps, two stages (64 rows spilled 120-1300 bytes).
+# Consumer Blackwell (sm_120 / sm_121: RTX 50xx, RTX PRO 6000, DGX Spark), keyed by (head
+# dim, key mask); not measured: no tensor memory (accumulators in registers), so the serial
+# kernel, each entry the smallest program of the sm_120a builds that no routed recipe
+# spills in, causal or not (the spills of the larger ones: docs/notes/blackwell.md, "Launches").
 SM120_FORWARD_LAUNCH: dict[tuple[int, bool], BlackwellLaunch] = {
     (64, False): BlackwellLaunch(block_m=64, warps=8, stages=1, pipelined=False),
     (64, True): BlackwellLaunch(block_m=32, warps=4, stages=1, pipelined=False),
@@ -93,17 +85,13 @@ def blackwell_forward_launch(head_dim: int, causal: bool, key_mask: bool = False
     return BLACKWELL_FORWARD_LAUNCH[head_dim, causal, key_mask]
 
 
-# The Hopper backward's Triton kernels at their Blackwell launch (`kernels.blackwell.
-# train_op`): no TMA or Gluon paths (those are Hopper's wgmma code). Not measured; from
-# the sm_100a builds (`fp4attn compile-report`): 64-key dK/dV programs of 8 warps, one
-# stage, without spills (two stages spilled 596 bytes at D=128 and 16 with Direct-P P at
-# D=64; 4 warps 3020-7724; 32-key programs leave the tcgen05 tensor cores for mma.sync;
-# 128-key programs spill 20-3428 bytes). dQ: 128-query programs, S by the block-scaled FP4
-# product (qk_fp4_dq: tcgen05 builds it for 128 rows only), without spills at either head
-# dim. dK/dV: the scores by the block-scaled FP4 product too (qk_fp4_dkdv: S of two query
-# tiles, 128 rows) at D=64, 224-255 registers without spills; at D=128 that build spills
-# 548 bytes (the bf16 build already takes 253-255 registers), so S^T stays a bf16 product
-# there (docs/notes/blackwell.md, "The training backward's score products").
+# The training backward's Triton kernels (`kernels/backward_triton.py`) at their Blackwell
+# launch (`kernels.blackwell.train_op`), keyed by head dim; no TMA or Gluon paths (Hopper's
+# wgmma code). Not measured: chosen from the sm_100a builds (the spills of the others:
+# docs/notes/blackwell.md, "Launches"): dK/dV 64-key programs of 8 warps and one stage, the
+# only shape without a spill; dQ 128-query programs, whose S is the block-scaled FP4 product
+# (qk_fp4_dq: tcgen05 builds it for 128 rows only); dK/dV's scores that product too where it
+# builds without a spill, at D=64 (qk_fp4_dkdv).
 BLACKWELL_BACKWARD_LAUNCH: dict[int, BackwardLaunch] = {
     d: BackwardLaunch(block_n_dkdv=64, block_m_dq=128, warps_dkdv=8, warps_dq=8, stages_dkdv=1, stages_dq=2,
                       tma=False, dkdv_gluon=False, dq_gluon=False, qk_fp4_dq=True, qk_fp4_dkdv=d == 64)

@@ -64,16 +64,10 @@ class DecodeLaunch:
     kernel: str = ""
 
 
-# Chosen from the sm_90 machine code before any H200 measurement (tools/compile_check_decode.py,
-# docs/notes/decode.md): the fewest instructions a key and KV head in the unmasked tile
-# loop without spilling. Up to 8 rows a program (GQA group x new tokens) 128-key tiles
-# and 4 warps (about 210 registers: 38-41 warp instructions a key for the 4-bit and
-# fp8 formats); bf16 spilled there (255 registers, 48 bytes of stack) and takes 64-key
-# tiles. 16 rows: 64-key tiles (128 spilled 136 bytes). 32 and 64 rows: 8 warps.
-# Measured since (benchmarks/results/log/h200-decode-4ccabce.json): at about 200
-# registers two programs share an SM and the loop is latency-bound (37 SM cycles a key
-# and KV head for every format at (8, 32, 8, 32768)), and a plan of 4 programs per SM
-# left a third of its last wave idle: the plan now fills the waves the kernel really has.
+# The Triton split kernel's launch (`decode_launch` adapts it to the rows a program and the
+# formats): the fewest instructions a key and KV head in the unmasked tile loop without a
+# spill in the sm_90 machine code (tools/compile_check_decode.py); the numbers, and the
+# H200 measurements since, in docs/notes/decode.md, "What runs today, and why".
 DEFAULT_LAUNCH = DecodeLaunch(block_n=128, warps=4, stages=2)
 DECODE_LAUNCH: dict[tuple[str, str, int], DecodeLaunch] = {}  # (K format, V format, head dim): measured overrides
 
@@ -111,15 +105,10 @@ CUDA_TILE = 16  # keys a warp takes at a time
 CUDA_WARPS = 4
 # key tiles of a warp's cp.async ring (STAGES - 1 in flight a warp; 0: the next tile
 # prefetched in registers, one in flight), per (K format, V format), as a launch names
-# it ("cuda:<stages>"). Measured, kernel time from CUDA graphs against SDPA cuDNN bf16 at
-# the five shapes of benchmarks/results/log/h200-decode-ring/: NVFP4 1.23-1.50x with a
-# ring of 2 or 3 against 1.03-1.06x prefetching in registers; FP8 the other way round,
-# 1.20-1.26x in registers against 0.80-0.92x through the ring, whose memory pipeline
-# saturates before DRAM for FP8's bytes (ncu: L2 hit rate 57% against 2%;
-# docs/notes/decode.md). A ring filled by bulk copies was level with these or slower,
-# but for FP8 at one query head a KV head (log/h200-decode-bulk/, at 60947ae and
-# 604ebf9); 32-key tiles were level for NVFP4 at long contexts (d3cecdc). The
-# mixed-format caches take the default, unmeasured.
+# it ("cuda:<stages>"). Measured on the H200 (docs/notes/decode.md, "What runs today, and
+# why"; benchmarks/results/log/h200-decode-ring/): a ring of 2 for NVFP4 (1.23-1.50x cuDNN
+# bf16 against 1.03-1.06x in registers), registers for FP8 (1.20-1.26x against 0.80-0.92x
+# through the ring); the mixed-format caches take the default, unmeasured.
 CUDA_STAGES = 2
 CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}
 
