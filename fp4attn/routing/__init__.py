@@ -18,6 +18,7 @@ a reader finds here every decision a call goes through, a module for each:
                     reference (`route` -> `Route`, what `explain` returns)
     hopper, blackwell
                     what each architecture's families take, and what they run
+                    (Blackwell's launch tables too)
     common          what every family shares: the key tile, the kernel head dims
     variants        the variant codes the kernels compile, as enums (`PMode`, ...)
     hopper_tables   the launch, the launch shape of the Hopper kernels
@@ -31,7 +32,7 @@ a reader finds here every decision a call goes through, a module for each:
                     execute it and decide nothing
     decode          a KV cache append's and a decode call's route (`decode_route`)
 
-Every name of these modules but `decode`'s is importable from the package
+Every public name of these modules but `decode`'s is importable from the package
 (`fp4attn.routing.route`, `fp4attn.routing.FORWARD_LAUNCH`, ...). A test that stands in
 for a device patches the probe where every route looks it up:
 `capability.cuda_kernels_unavailable`, `targets.interpreting`.
