@@ -46,10 +46,10 @@
 // The f16 products are why q is rounded to f16: at its row's power-of-two scale that is
 // exact down to 2**-28 of the row's largest element.
 
-// NVRTC without the toolkit's headers: the few types it needs
+#include "ptx.cuh"  // uint16_t, uint32_t; pack_bf16x2, lg2
+
+// NVRTC without the toolkit's headers: the other types it needs
 typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
 typedef long long int64_t;
 
 #ifndef HEAD_DIM
@@ -142,12 +142,6 @@ __device__ __forceinline__ float e4m3_value(uint32_t byte) {
     return f;
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    uint32_t d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
     uint32_t d;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
@@ -197,7 +191,9 @@ __device__ __forceinline__ void fp4_mult_f16(uint32_t two_bytes, uint32_t (&m)[2
 // an NVFP4 block's multiplier, e4m3 x 2**-7 x 2**126 (exact in bf16), NaN kept
 __device__ __forceinline__ float fp4_mult(uint32_t byte) { return e4m3_value(byte) * 0x1p119f; }
 
-__device__ __forceinline__ float ex2(float x) {
+// 2**x without ptx.cuh's ex2's ftz: a result below 2**-126 stays a subnormal, as the
+// reference's float32 exp2 keeps it (P and the combine's weights are summed unrounded)
+__device__ __forceinline__ float ex2_noftz(float x) {
     float y;
     asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
@@ -525,10 +521,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
             for (int r = 0; r < (HI_ROWS ? 2 : 1); ++r) {
                 const float use = m_new[r] == NEG_INF ? 0.0f : m_new[r];
-                const float alpha = ex2(m_row[r] - use);
+                const float alpha = ex2_noftz(m_row[r] - use);
                 l_row[r] *= alpha;
                 float beta = alpha;
-                if constexpr (V_HALF) beta = ex2(big_row[r] - (big_new[r] == NEG_INF ? 0.0f : big_new[r]));
+                if constexpr (V_HALF) beta = ex2_noftz(big_row[r] - (big_new[r] == NEG_INF ? 0.0f : big_new[r]));
 #pragma unroll
                 for (int o = 0; o < NT_O; ++o) acc[o][2 * r] *= beta, acc[o][2 * r + 1] *= beta;
             }
@@ -548,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                pr[nt][e] = (e < 2 || HI_ROWS) ? ex2(s[nt][e] - m_use[e / 2]) : 0.0f;
+                pr[nt][e] = (e < 2 || HI_ROWS) ? ex2_noftz(s[nt][e] - m_use[e / 2]) : 0.0f;
                 l_row[e / 2] += pr[nt][e];
             }
         // -- P V -------------------------------------------------------------------------------
@@ -557,26 +553,27 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         for (int nt = 0; nt < 2; ++nt) {
             if constexpr (V_HALF) {
                 // f16 P = 2**(u - big) * mu * 2**P_HALF_SHIFT
-                const float x0 = ex2(u[nt][0] - big_use[0]) * mu[nt][0], x1 = ex2(u[nt][1] - big_use[0]) * mu[nt][1];
+                const float x0 = ex2_noftz(u[nt][0] - big_use[0]) * mu[nt][0];
+                const float x1 = ex2_noftz(u[nt][1] - big_use[0]) * mu[nt][1];
                 pa[2 * nt] = pack_f16(x0, x1);
                 if constexpr (HI_ROWS) {
-                    const float y0 = ex2(u[nt][2] - big_use[1]) * mu[nt][0];
-                    const float y1 = ex2(u[nt][3] - big_use[1]) * mu[nt][1];
+                    const float y0 = ex2_noftz(u[nt][2] - big_use[1]) * mu[nt][0];
+                    const float y1 = ex2_noftz(u[nt][3] - big_use[1]) * mu[nt][1];
                     pa[2 * nt + 1] = pack_f16(y0, y1);
                 } else {
                     pa[2 * nt + 1] = 0u;
                 }
             } else {
                 const float x = vf[nt].x * v_fac_shift, y = vf[nt].y * v_fac_shift;
-                pa[2 * nt] = pack_bf16(pr[nt][0] * x, pr[nt][1] * y);
-                pa[2 * nt + 1] = HI_ROWS ? pack_bf16(pr[nt][2] * x, pr[nt][3] * y) : 0u;
+                pa[2 * nt] = pack_bf16x2(pr[nt][0] * x, pr[nt][1] * y);
+                pa[2 * nt + 1] = HI_ROWS ? pack_bf16x2(pr[nt][2] * x, pr[nt][3] * y) : 0u;
             }
         }
         if constexpr (V_FP4) {
             uint32_t vm[2];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
-                vm[nt] = pack_bf16(fp4_mult(v_scale(cur, 2 * nt, g)), fp4_mult(v_scale(cur, 2 * nt + 1, g)));
+                vm[nt] = pack_bf16x2(fp4_mult(v_scale(cur, 2 * nt, g)), fp4_mult(v_scale(cur, 2 * nt + 1, g)));
 #pragma unroll
             for (int w = 0; w < VW; ++w) {
                 // keys 2t, 2t + 1 (and + 8) side by side: a bf16x2 register pairs two keys of one channel
@@ -663,7 +660,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         if (l_row[r] != l_row[r]) m_row[r] = __int_as_float(0x7fc00000);
         if constexpr (V_HALF) {
             // f16 P's frame (2**(big - P_HALF_SHIFT) a unit) into the combine's (2**m): a power of two
-            const float to_m = m_row[r] == NEG_INF ? 1.0f : ex2(big_row[r] - P_HALF_SHIFT - m_row[r]);
+            const float to_m = m_row[r] == NEG_INF ? 1.0f : ex2_noftz(big_row[r] - P_HALF_SHIFT - m_row[r]);
 #pragma unroll
             for (int o = 0; o < NT_O; ++o) acc[o][2 * r] *= to_m, acc[o][2 * r + 1] *= to_m;
         }
@@ -691,12 +688,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 // decode_triton's combine; a row no split saw is 0 with LSE -inf, a NaN anywhere stays.
 // Its warps take the splits in turn (independent loads in flight: the one-sequence plans
 // have a few hundred splits for a few dozen rows). OUT_KIND: 0 float32, 1 bf16, 2 fp16.
-__device__ __forceinline__ float lg2(float x) {
-    float y;
-    asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32)
     decode_combine(const float* __restrict__ o_acc, const float* __restrict__ o_ml, void* out, float* lse, int n_rows,
                    int splits, int out_kind) {
@@ -728,7 +719,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32)
     for (int s = warp; s < splits; s += COMBINE_WARPS) {
         const int64_t row = (int64_t)s * n_rows + r;
         const float2 ml = *reinterpret_cast<const float2*>(o_ml + row * 2);
-        const float w = ex2(ml.x - m_use);
+        const float w = ex2_noftz(ml.x - m_use);
         l += w * ml.y;
         const float* a = o_acc + row * D + C * lane;
         if constexpr (C == 4) {
@@ -756,7 +747,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * 32)
         if (out_kind == 0)
             static_cast<float*>(out)[i] = o;
         else if (out_kind == 1)
-            static_cast<uint16_t*>(out)[i] = (uint16_t)(pack_bf16(o, 0.0f) & 0xFFFF);
+            static_cast<uint16_t*>(out)[i] = (uint16_t)(pack_bf16x2(o, 0.0f) & 0xFFFF);
         else {
             uint16_t h;
             asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(o));

@@ -1,11 +1,18 @@
-// The named barriers of the Hopper CUDA forward (FlashAttention-3's FwdNamedBarriers):
-// 0 is __syncthreads; 1 .. CONSUMERS the consumers' turns on the tensor cores (the warp
-// scheduler barriers: FlashAttention-3's ping-pong); 8 .. 8 + CONSUMERS - 1 each
-// consumer's epilogue (epilogue_fwd.cuh).
+// The named barriers of the Hopper CUDA kernels (FlashAttention-3's FwdNamedBarriers and
+// BwdNamedBarriers); 0 is __syncthreads.
+// The forward: 1 .. CONSUMERS the consumers' turns on the tensor cores (the warp scheduler
+// barriers: FlashAttention-3's ping-pong); 8 .. 8 + CONSUMERS - 1 each consumer's epilogue
+// (epilogue_fwd.cuh).
+// The backward (mainloop_bwd.cuh): 1 and 2 each consumer warpgroup's own (its dS column maxima,
+// its dQ staging); 4 .. 9 each consumer's dS tile of each of the DS_BUFS buffers, written.
 #pragma once
 #include "ptx.cuh"
 
-#define EPILOGUE_BARRIER0 8  // consumer c's epilogue barrier: EPILOGUE_BARRIER0 + c
+#define EPILOGUE_BARRIER0 8  // the forward's consumer c's epilogue barrier: EPILOGUE_BARRIER0 + c
+#define WARPGROUP_BARRIER0 1  // the backward's consumer c's own 128 threads: WARPGROUP_BARRIER0 + c
+// the backward's consumer c has written its dS of the tile in buffer b (256 threads: it arrives,
+// the other consumer syncs before its dQ product): DS_BARRIER0 + DS_BUFS c + b
+#define DS_BARRIER0 4
 
 // The consumers take turns on the tensor cores, round robin: barrier 1 + c for consumer c
 // (threads 128 (c + 1) ..): tid / 128 is one's own, tid / 128 % CONSUMERS + 1 the next
