@@ -18,6 +18,8 @@ from tests.interpreter_blackwell import BLACKWELL_PATCHES
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.interpreter
+
 SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
     import dataclasses
 

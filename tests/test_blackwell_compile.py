@@ -13,6 +13,8 @@ pytest.importorskip("triton")
 from dev import machine_code_sm100  # noqa: E402
 from fp4attn.cli import compile_report  # noqa: E402
 
+pytestmark = pytest.mark.compile
+
 
 def sass_figures(r: dict) -> dict:
     """What the SASS of a routed sm_100a forward build shows: its partitions' tile loops

@@ -11,7 +11,8 @@ import pytest
 triton = pytest.importorskip("triton")
 
 NEWER = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
-pytestmark = pytest.mark.skipif(not NEWER, reason=f"Triton {triton.__version__}: this check runs with Triton >= 3.7")
+pytestmark = [pytest.mark.compile,
+              pytest.mark.skipif(not NEWER, reason=f"Triton {triton.__version__}: this check runs with Triton >= 3.7")]
 
 
 def test_routed_builds_compile_with_the_installed_newer_triton():

@@ -44,6 +44,7 @@ def gluon():
     return recs | {("bf16", False): cost_report_sm100.gluon_calibration_report()}
 
 
+@pytest.mark.compile
 def test_gluon_builds_without_spills_in_512_columns(gluon):
     for name, r in gluon.items():
         assert r["spill_bytes"] == 0 and 0 < r["tmem_columns"] <= 512, (name, r["spill_bytes"], r["tmem_columns"])
@@ -62,6 +63,7 @@ def test_gluon_builds_without_spills_in_512_columns(gluon):
         assert name == "bf16" or r["fp4_block_scaled"], (name, causal)
 
 
+@pytest.mark.compile
 def test_gluon_partitions_as_designed(gluon):
     """Two softmax warpgroups (one query tile each), a correction warpgroup, one MMA warp
     and one TMA warp; the softmax's loop over the full key tiles has no per-score mask
@@ -139,6 +141,7 @@ def _triton_blocks(recipe: str) -> set[str]:
     return _arithmetic(_asm_blocks(ptx))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("recipe, p_kind, causal", [("directp-fast", "P_AFFINE_MXFP4", False),
                                                     ("directp-fast", "P_AFFINE_MXFP4", True),
                                                     ("nvfp4-fp8", "P_EXP2_FP8", False)])
@@ -174,6 +177,7 @@ def test_gluon_arithmetic_asm_is_the_triton_kernels(recipe, p_kind, causal):
             "cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2", "cvt.f32.f16")), triton_cvt
 
 
+@pytest.mark.compile
 def test_gluon_builds_for_sm103a_without_spills():
     """B300 (sm_103a): the FP4 builds compile without spills in 512 columns, with the same
     block-scaled kinds (the bundled cuobjdump cannot read its SASS: no model)."""
@@ -194,6 +198,7 @@ def test_gluon_kernel_calls_the_interpreter_tested_helpers():
         assert getattr(fg, name) is getattr(ft, name), name
 
 
+@pytest.mark.compile
 def test_gluon_pipeline_calibration_is_reported(gluon):
     """The bf16 build of the Gluon pipeline against FA4's measured BF16 forward: the
     model's error on this pipeline is reported and within 35% (+32.0% at this commit:

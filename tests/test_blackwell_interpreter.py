@@ -50,6 +50,7 @@ PATCH_CHECK = BLACKWELL_PATCHES + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_interpreter_dot_scaled_patch_is_the_dequantized_product():
     """NVFP4 (e4m3 scales per 16) and MXFP4 (E8M0 per 32) operands through the patched
     interpreter's tl.dot_scaled equal, bit for bit, float64 products of the reference
@@ -332,6 +333,7 @@ AFFINE_X2 = BLACKWELL_PATCHES + PTX_EMULATOR + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_affine_mxfp4_two_wide_path_equals_the_scalar_one_under_the_interpreter():
     """The affine MXFP4 P of the GPU builds (two-wide scores and map, codes packed and
     row sums taken from the code bytes by PRMT and dp4a), its PTX run by the emulator
@@ -350,6 +352,7 @@ SM120 = _forward_with_cases("""
 """).replace('"sm_100"', '"sm_120"')
 
 
+@pytest.mark.interpreter
 def test_blackwell_affine_p_matches_reference_under_the_interpreter():
     """The affine builders' P tiles equal the reference's (`reference.affine`) on >=
     99.9% of entries, LSE and output as the exact recipes' (the pipelined kernel, K and
@@ -401,6 +404,7 @@ SERIAL = BLACKWELL_PATCHES + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_serial_kernel_equals_the_pipelined_one_under_the_interpreter():
     """The serial kernel (one program's warps doing every step in turn, kept for
     comparison and where the pipelined build spills) gives the pipelined kernel's
@@ -408,6 +412,7 @@ def test_serial_kernel_equals_the_pipelined_one_under_the_interpreter():
     run_under_interpreter(SERIAL)
 
 
+@pytest.mark.interpreter
 def test_sm120_route_matches_reference_under_the_interpreter():
     """Consumer Blackwell routed under backend="auto" (FP4ATTN_TARGET=sm_120): the P
     tiles, LSE and output held to the reference as on sm_100 (D=64 and 128, key masks,
@@ -416,6 +421,7 @@ def test_sm120_route_matches_reference_under_the_interpreter():
     run_under_interpreter(SM120)
 
 
+@pytest.mark.interpreter
 def test_blackwell_forward_matches_reference_under_the_interpreter():
     """The routed (pipelined) kernel: P tiles equal the reference's on >= 99.9% of
     entries, the LSE within 1e-5 on >= 99% of rows (measured: every row within 1e-6),
@@ -442,6 +448,7 @@ SELFTEST = BLACKWELL_PATCHES + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_selftest_checks_pass_on_the_blackwell_kernels():
     """`fp4attn selftest`'s forward check, as a Blackwell owner runs it, passes on the
     Blackwell kernels (routed by FP4ATTN_TARGET on the interpreter) and reports the
@@ -517,6 +524,7 @@ TRAIN = BLACKWELL_PATCHES + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_blackwell_train_backward_matches_reference_under_the_interpreter():
     """`train`, `train-mxfp4pv` and `train-robust` (K smoothing and 4/6 NVFP4 block
     scales in the saved payload) through autograd on the Blackwell route (its forward,
@@ -606,6 +614,7 @@ TRAIN_FP4_SCORES = BLACKWELL_PATCHES + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_blackwell_train_backward_fp4_scores_under_the_interpreter():
     """The Blackwell backward multiplies its scores from the saved NVFP4 payload by the
     block-scaled FP4 product (the QK_FP4 forms at the Blackwell launch: the dQ kernel's
@@ -648,6 +657,7 @@ NONFINITE = BLACKWELL_PATCHES + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_nonfinite_inputs_propagate_as_the_reference_defines():
     """A NaN or Inf in q or k, or a score that overflows, gives NaN exactly in the
     output and LSE entries where the reference has NaN (reference/forward.py,
@@ -718,6 +728,7 @@ BENCH = BLACKWELL_PATCHES + textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_blackwell_bench_runs_each_routed_recipe_under_the_interpreter():
     """`fp4attn bench` on Blackwell (what `fp4attn blackwell-report` sends back): each
     routed recipe checked against its reference (cos > 0.999 on a slice), then timed

@@ -10,6 +10,8 @@ pytest.importorskip("triton")
 
 from dev import cost_report_sm100  # noqa: E402
 
+pytestmark = pytest.mark.compile
+
 
 def test_cost_model_is_calibrated_within_25_percent():
     """The model's raw figure for the BF16 build of the same pipeline against

@@ -47,6 +47,7 @@ def test_routing_of_the_measured_recipes():
     assert cm.routed_kernel(PRESETS["fp8-ktile-affine-fastacc"], 4096) == "hopper.forward_cuda"
 
 
+@pytest.mark.compile
 def test_figures_come_from_the_sass(directp):
     recipe = PRESETS["directp"]
     loop = directp.tile_loop()
@@ -71,6 +72,7 @@ def test_figures_come_from_the_sass(directp):
     assert p2["ceiling_tflops"] == pytest.approx(p["ceiling_tflops"] / 2, abs=1)
 
 
+@pytest.mark.compile
 def test_fp8_qk_build_differs_by_its_own_sass(directp):
     """fp8-directp-fastacc: QK^T on the FP8 tensor cores (its own, shorter tensor time)
     and its own tile loop, whose length alone sets its issue clocks."""
@@ -99,6 +101,7 @@ def _note_row(recipe: str) -> dict:
     raise AssertionError(f"no row for {recipe} in {NOTE.name}")
 
 
+@pytest.mark.compile
 def test_stated_error_is_the_computed_one(directp):
     # the measured figure, read here from the results file itself
     rows = [r for r in json.loads((ROOT / "benchmarks/results/log/h200-forward-ab7f5f9.json").read_text())

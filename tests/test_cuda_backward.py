@@ -22,6 +22,7 @@ NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spe
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(not NVRTC, reason="cuda-bindings (NVRTC) not installed")
 def test_every_variant_compiles(tmp_path, monkeypatch):
     from fp4attn.kernels.hopper import backward_cuda

@@ -23,6 +23,7 @@ import torch
 NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(not NVRTC, reason="cuda-bindings (NVRTC) not installed")
 def test_every_variant_compiles_without_spills(tmp_path, monkeypatch):
     from fp4attn.kernels.hopper import forward_cuda
@@ -41,6 +42,7 @@ def test_every_variant_compiles_without_spills(tmp_path, monkeypatch):
     assert list(tmp_path.rglob("*.cubin"))
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(not NVRTC, reason="cuda-bindings (NVRTC) not installed")
 def test_checking_build_compiles(tmp_path, monkeypatch):
     """The checking build (outside the package) compiles from the production headers: each of

@@ -10,6 +10,7 @@ pytest.importorskip("cuda.bindings.nvrtc")
 from fp4attn.kernels.hopper import decode_cuda  # noqa: E402
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("variant", decode_cuda.all_variants((0, 2, 3)), ids=str)
 def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
     monkeypatch.setenv("FP4ATTN_CACHE_DIR", str(tmp_path))
@@ -24,6 +25,7 @@ def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
     assert build.registers(decode_cuda.COMBINE_NAME) is not None
 
 
+@pytest.mark.compile
 def test_the_ring_slot_is_the_kernels():
     """The host sizes a CTA's shared memory from its own figure of a lane's ring slot,
     which every build checks against decode_split.cu's `Raw` (a static_assert on

@@ -14,6 +14,8 @@ from tests.interpreter import KERNEL_PATCHES, run_under_interpreter
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.interpreter
+
 SCRIPT = KERNEL_PATCHES + textwrap.dedent('''
     import os
     os.environ["FP4ATTN_TARGET"] = "sm_90"  # CPU tensors routed to the Hopper kernels, interpreted

@@ -15,6 +15,8 @@ from tests.interpreter import CALL_SHAPE, KERNEL_PATCHES, run_under_interpreter
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.interpreter
+
 SCRIPT = KERNEL_PATCHES + CALL_SHAPE + textwrap.dedent('''
     import dataclasses
 

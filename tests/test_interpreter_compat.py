@@ -69,6 +69,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_interpreter_compatibility_patches():
     run_under_interpreter(SCRIPT, timeout=300)
 

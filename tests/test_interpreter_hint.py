@@ -51,6 +51,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_following_the_hint_runs_the_kernels_under_the_interpreter():
     run_under_interpreter(SCRIPT, timeout=600)
 

@@ -12,6 +12,8 @@ from tests.interpreter import KERNEL_PATCHES, run_under_interpreter
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.interpreter
+
 SCRIPT = KERNEL_PATCHES + textwrap.dedent('''
     import numpy as np
     import torch

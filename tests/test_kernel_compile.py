@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 from dev.machine_code import inspect_backward, inspect_forward  # noqa: E402
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("p_mode,max_ex2", [(0, None), (1, 8)])
 def test_fp8_qk_kernel_structure(p_mode, max_ex2):
     r = inspect_forward(True, p_mode, False, 128)
@@ -22,6 +23,7 @@ def test_fp8_qk_kernel_structure(p_mode, max_ex2):
         assert ex2 <= max_ex2  # only the per-row rescale and epilogue exps remain
 
 
+@pytest.mark.compile
 def test_tile_loop_instruction_profile():
     """The unmasked tile loop, per score element: one exp2 for FP8 P, none for Direct-P
     (its exps are per block and per row, outside the element work), and a total in the
@@ -35,6 +37,7 @@ def test_tile_loop_instruction_profile():
         assert (0.9 <= mufu <= 1.2) if p_mode == 0 else mufu < 0.1, (p_mode, mufu)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("causal", [False, True])
 def test_sink_tiles_leave_the_steady_loop_plain_directp(causal):
     """`Recipe.p_sink_keys` (P_MODE 3 with SINK_TILES 1, directp-robust): the sink tile
@@ -56,11 +59,13 @@ def test_sink_tiles_leave_the_steady_loop_plain_directp(causal):
     assert n_sink - n_plain < 0.2, (n_plain, n_sink)
 
 
+@pytest.mark.compile
 def test_nvfp4_kernel_uses_bf16_qk_and_fp8_pv():
     r = inspect_forward(False, 1, True, 64)
     assert r.count(r"HGMMA") > 0 and r.count(r"QGMMA") > 0
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("part", ["dkdv", "dq"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("row_scales", [False, True])
@@ -81,12 +86,14 @@ def test_backward_kernel_structure(part, causal, row_scales):
         assert len(head.tile_path()) < len(r.tile_path()) <= len(head.tile_path()) * 1.08
 
 
+@pytest.mark.compile
 def test_key_bias_forward_compiles_and_adds_one_load_per_key():
     """The key-mask path compiles for sm_90 with the products still on the tensor cores."""
     plain, masked = inspect_forward(False, 0, False, 128), inspect_forward(False, 0, False, 128, key_bias=True)
     assert masked.count("HGMMA") == plain.count("HGMMA") > 0 and masked.count("QGMMA") == plain.count("QGMMA")
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("qk_fp8,p_mode,causal,head_dim", [(False, 1, True, 128), (True, 1, True, 64)])
 def test_gluon_forward_builds_every_p_mode_and_head_dim(qk_fp8, p_mode, causal, head_dim):
     """The warp-specialized Gluon forward also builds for sm_90 where it is not routed
@@ -101,6 +108,7 @@ def test_gluon_forward_builds_every_p_mode_and_head_dim(qk_fp8, p_mode, causal, 
         assert r.count(r"MUFU\.EX2") <= 8
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("p_mode", [0, 1, 2])
 @pytest.mark.parametrize("causal", [False, True])
 def test_bf16_qk_forward_chains_its_wgmmas(p_mode, causal):
@@ -116,6 +124,7 @@ def test_bf16_qk_forward_chains_its_wgmmas(p_mode, causal):
     assert "C7514" in ptxas_messages(compile_forward(False, p_mode, causal, 128, pv_add=False))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("qk_fp8,p_mode,causal", [(False, 0, False), (False, 0, True), (False, 1, True),
                                                  (True, 0, False), (True, 0, True)])
 def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm(qk_fp8, p_mode, causal):
@@ -147,6 +156,7 @@ def test_warp_specialized_forward_chains_its_wgmmas_and_fits_two_programs_per_sm
     assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("row_scales", [False, True])
@@ -390,6 +400,7 @@ def test_backward_descriptors_read_whole_tiles_of_one_head():
     assert backward_descriptors(*ops) is None
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("name,consts", [
     ("_abs_max_kernel", dict(BLOCK_S=32, BLOCKS=8, PER_CHANNEL=True)),
     ("_fp8_rows_kernel", dict(BLOCK_R=16, BLOCKS=8, WITH_DOT=True, CHANNEL_AMAX=True, HW_CVT=True)),
@@ -425,6 +436,7 @@ def test_quantizer_builds_keep_their_measured_form(name, consts):
         assert r.count(r"F2FP\.SATFINITE\.E4M3") > 0, name
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_v_read_once_builds(fmt, d):
@@ -491,6 +503,7 @@ def test_gluon_tma_descriptors_share_cached_layouts():
         tma_descriptor(torch.zeros(64, 64, dtype=torch.float16), [64, 64])
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("kernel", ["forward_ws", "dkdv", "dq", "dkdv_row_scales", "dq_row_scales"])
 def test_gluon_kernels_publish_their_mbarriers_before_using_them(kernel):
     """One thread initializes a Gluon kernel's mbarriers, and other threads (and the TMA

@@ -16,6 +16,8 @@ from tests.interpreter import run_under_interpreter
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.interpreter
+
 SCRIPT = textwrap.dedent('''
     import numpy as np
     import torch

@@ -12,6 +12,8 @@ from tests.interpreter import SPEEDUPS, run_under_interpreter
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.interpreter
+
 SCRIPT = SPEEDUPS + textwrap.dedent('''
     import torch
     from fp4attn.formats import quantize_fp8

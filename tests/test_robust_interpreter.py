@@ -62,6 +62,7 @@ print("ok")
 ''')
 
 
+@pytest.mark.interpreter
 def test_robust_quantizers_are_the_reference_under_the_interpreter():
     run_under_interpreter(KERNEL_PATCHES + SCRIPT)
 
@@ -95,6 +96,7 @@ FORWARD = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_robust_presets_run_the_hopper_forward_as_the_reference():
     run_under_interpreter(KERNEL_PATCHES + FORWARD)
 
@@ -145,6 +147,7 @@ SINK_TILES = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.interpreter
 def test_sink_tiles_run_the_hopper_forward_as_the_reference():
     """`Recipe.p_sink_keys` in the Triton forward (SINK_TILES): the peeled sink tiles
     and the plain Direct-P loops give the reference's P codes on every tile."""
@@ -391,6 +394,7 @@ FALLBACK_CHOICE = textwrap.dedent('''
 KEY_MEAN = KEY_MEAN_PROLOGUE + KEY_PASS + FALLBACK_CHOICE + 'print("ok")\n'
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("part", ["key_pass", "fallback_choice"])
 def test_key_mean_kernel_is_the_reference_under_the_interpreter(part):
     """`key_mean` (one pass over K: float64 sums per head and channel, atomics across the
@@ -406,6 +410,7 @@ def test_key_mean_kernel_is_the_reference_under_the_interpreter(part):
     run_under_interpreter(KERNEL_PATCHES + KEY_MEAN_PROLOGUE + body + 'print("ok")\n')
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("kernel,D,choice", [("_key_mean_kernel", 128, False), ("_key_mean_kernel", 128, True),
                                              ("_key_mean_kernel", 64, True), ("_abs_max_kernel", 128, True)])
 def test_robust_passes_build_for_sm90(kernel, D, choice):

@@ -76,6 +76,7 @@ def _without_dispatch_hazards(log: str) -> str:
     return re.sub(r"RACECHECK SUMMARY: \d+ hazards?", f"RACECHECK SUMMARY: {kept} hazards", log)
 
 
+@pytest.mark.compile
 def test_racecheck_reports_are_the_warp_specialize_dispatch():
     """Every hazard racecheck reported on the H200 (benchmarks/results/h200-sanitize.txt)
     is in `attn_fwd_ws_kernel` and reads at the worker warps' first shared-memory
