@@ -79,10 +79,15 @@ def test_the_key_follows_the_options_and_nvrtc_but_not_the_install_path(tree, tm
 def test_every_header_of_the_cuda_kernels_is_in_a_key():
     from fp4attn.kernels.hopper import backward_cuda, decode_cuda, forward_cuda
 
-    keyed = set()
+    keyed = {}
     for module in (forward_cuda, backward_cuda, decode_cuda):
         options = nvrtc_build.options_for(module.all_variants()[0].defines())
         found = nvrtc_build.included_headers(module.SOURCE, nvrtc_build.include_dirs(module.SOURCE, options))
         assert all(path.parent == module.SOURCE.parent for _, path in found), module.__name__
-        keyed |= {path.name for _, path in found}
-    assert keyed == {path.name for path in forward_cuda.SOURCE.parent.glob("*.cuh")}
+        keyed[module] = {path.name for _, path in found}
+    assert set().union(*keyed.values()) == {path.name for path in forward_cuda.SOURCE.parent.glob("*.cuh")}
+    # the kernels share headers by role only: an edit to the forward's own builds none of the
+    # backward again, and the reverse
+    assert not [name for name in keyed[backward_cuda] if name.endswith("_fwd.cuh")]
+    assert not [name for name in keyed[forward_cuda] if name.endswith("_bwd.cuh")]
+    assert keyed[decode_cuda] == {"ptx.cuh"}
