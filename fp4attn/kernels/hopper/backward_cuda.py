@@ -3,7 +3,8 @@ backward structure (a TMA producer warp, two consumer warpgroups that own 64 key
 dK and dV in registers over the query tiles, dQ added to a float32 workspace by bulk reduce-adds
 in the same pass), every gradient product on the FP8 tensor cores. Its numerics are the
 Triton kernels' for per-token FP8 Q/K and FP8 P from exp2 (`train-fp8`), up to float32
-summation order; the header says how each K-major operand is obtained.
+summation order; `cuda/kernel_bwd.cuh` says how each K-major operand is obtained, the headers
+beside it (`cuda/*_bwd.cuh`) hold the kernel's roles.
 
 Built at first use by NVRTC (`nvrtc_build`), one cubin per (head dim, causal); `compile_variant`
 runs without a GPU (the CPU compile check). The launcher takes the `BackwardOperands` the
@@ -37,8 +38,8 @@ BLOCK_N = 128  # keys per CTA (two consumer warpgroups of 64)
 BLOCK_M = DS_BLOCK  # queries per tile: dS's scale block
 THREADS = 384
 STAGES = 2
-DS_BUFS = 3  # dS tiles in flight (the kernel's DS_BUFS)
-DQ_PAD = 4  # floats after each staged dQ row (the kernel's DQS_ROW)
+DS_BUFS = 3  # dS tiles in flight (DS_BUFS, cuda/kernel_traits_bwd.cuh)
+DQ_PAD = 4  # floats after each staged dQ row (DQS_ROW, cuda/kernel_traits_bwd.cuh)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def compile_variant(variant: Variant, *, use_cache: bool = True, announce: bool 
 
 
 class _Params(ctypes.Structure):
-    # the kernel's `Params`: nine 64-byte aligned tensor maps, pointers, ints, the scales,
+    # the kernel's `Params` (cuda/params_bwd.cuh): nine 64-byte aligned tensor maps, pointers, ints, the scales,
     # padded to the C++ struct's size
     _fields_ = [*((name, ctypes.c_uint8 * 128) for name in (
         "q_map0", "q_map1", "dot_map0", "dot_map1", "doc_map", "qc_map", "k_map", "v_map", "kc_map")),
