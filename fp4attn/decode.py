@@ -11,7 +11,7 @@ import torch
 
 from fp4attn._logging import log_once
 from fp4attn.api import ReferenceFallbackWarning
-from fp4attn.kvcache import INPUT_DTYPES, KVCache
+from fp4attn.kvcache import KVCache, check_input
 from fp4attn.reference import robust
 from fp4attn.reference.decode import P_HALF_FORMATS, reference_decode
 from fp4attn.routing import decode as decode_routing
@@ -29,12 +29,7 @@ def _warn_once(message: str) -> None:
 def _check(q, cache, scale, key_start) -> float:
     if not isinstance(cache, KVCache):
         raise TypeError(f"decode: cache must be a fp4attn.KVCache, got {type(cache).__name__}")
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"decode: q must be a torch.Tensor, got {type(q).__name__}")
-    if q.dtype not in INPUT_DTYPES:
-        raise TypeError(f"decode: q has dtype {q.dtype}; accepted: {INPUT_DTYPES}")
-    if q.device != cache.device:
-        raise ValueError(f"decode: q is on {q.device}, the cache on {cache.device}")
+    check_input("decode", "q", q, cache.device)
     if q.ndim != 4:
         raise ValueError(f"decode: q must be 4-D (batch, heads, new tokens, head_dim); got shape {tuple(q.shape)}")
     b, hq, sq, d = q.shape

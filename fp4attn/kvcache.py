@@ -43,6 +43,19 @@ from fp4attn.reference.kvcache import (
 from fp4attn.routing import decode as decode_routing
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_input(where: str, name: str, t, device: torch.device) -> None:
+    """`t` a tensor of an input dtype on the cache's `device`, else the error a caller of
+    `where` reads (`KVCache.append`'s keys and values, `decode`'s queries)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{where}: {name} has dtype {t.dtype}; accepted: {INPUT_DTYPES}")
+    if t.device != device:
+        raise ValueError(f"{where}: {name} is on {t.device}, the cache on {device}")
+
+
 CONTIGUOUS_ROUND = 256  # the contiguous layout's capacity, rounded up (max_len stays the limit)
 
 
@@ -287,12 +300,7 @@ class KVCache:
 
     def _check_append(self, k, v, counts) -> list[int]:
         for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"KVCache.append: {name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype not in INPUT_DTYPES:
-                raise TypeError(f"KVCache.append: {name} has dtype {t.dtype}; accepted: {INPUT_DTYPES}")
-            if t.device != self.device:
-                raise ValueError(f"KVCache.append: {name} is on {t.device}, the cache on {self.device}")
+            check_input("KVCache.append", name, t, self.device)
             if t.ndim != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (self.batch, self.kv_heads, self.head_dim):
                 raise ValueError(f"KVCache.append: {name} has shape {tuple(t.shape)}; accepted: (batch={self.batch}, "
                                  f"kv_heads={self.kv_heads}, new tokens, head_dim={self.head_dim})")

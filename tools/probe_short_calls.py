@@ -15,10 +15,10 @@ masking, where the host time of N eager calls goes (cProfile, own time first).
 
 import argparse
 import contextlib
-import cProfile
 import dataclasses
 import json
-import pstats
+import sys
+from pathlib import Path
 
 import torch
 
@@ -27,6 +27,9 @@ from fp4attn import routing
 from fp4attn.kernels.hopper.forward_cuda import P_MODE_BUILDS
 from fp4attn.recipes import get_recipe
 from fp4attn.tools.benchmark import device_kernels, graph_ms, host_ms, sdpa, time_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/
+from dev.host_profile import print_host_profile  # noqa: E402
 
 RECIPES = ["fp8-ktile-affine-fastacc", "fp8-affine-fastacc", "fp8-fastacc", "nvfp4-fp8-robust",
            "fp8-ktile-affine-lazy-fastacc", "fp8", "fp8-affine", "nvfp4-fp8", "directp-fast"]
@@ -45,20 +48,6 @@ def launches(recipe, head_dim: int, causal: bool):
                         dataclasses.replace(table, cuda_from_keys=(*others, (mode, 1)), cuda_persistent=persistent)))
         out.append(("no-cuda", dataclasses.replace(table, cuda_from_keys=others)))
     return out
-
-
-def profile_host(call, n: int) -> None:
-    """Own and cumulative host time of n eager calls by function (the GPU runs behind)."""
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        call()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(18)
-    stats.sort_stats("cumulative").print_stats(22)
 
 
 def main() -> None:
@@ -104,7 +93,7 @@ def main() -> None:
                 for kn, (n, ms) in sorted(r["kernels"].items(), key=lambda x: -x[1][1]):
                     print(f"      {ms * 1e3:8.1f} us x{n:.0f}  {kn[:110]}")
                 if args.profile and launch is None:
-                    profile_host(call, args.profile)
+                    print_host_profile(call, args.profile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), shape=[B, H, S, D], rows=rows), f, indent=1)

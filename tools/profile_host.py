@@ -5,14 +5,16 @@ launch-bound, and the ratio `fp4attn bench --backward` reports is then the host'
     python tools/profile_host.py [4,16,4096,128] [recipe] [top]
 """
 
-import cProfile
-import pstats
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from fp4attn.api import attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dev/
+from dev.host_profile import print_host_profile  # noqa: E402
 
 shape = tuple(int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "4,16,4096,128").split(","))
 recipe = sys.argv[2] if len(sys.argv) > 2 else "train"
@@ -37,11 +39,4 @@ host = (time.perf_counter() - t0) / n  # the host's time per step: launches retu
 torch.cuda.synchronize()
 wall = (time.perf_counter() - t0) / n
 print(f"{recipe} {shape}: host {host * 1e3:.3f} ms per step (calls returned), wall {wall * 1e3:.3f} ms per step")
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(n):
-    step()
-prof.disable()
-torch.cuda.synchronize()
-pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
-pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+print_host_profile(step, n, top)

@@ -9,6 +9,8 @@ amax / 448, element e4m3(x * (448 / amax)), rows below FP8_MIN_AMAX scale 1), as
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +24,6 @@ from fp4attn.kernels.quantize.rows import (
     _block_rows,
     _cdiv,
     _channel_amax_flush,
-    _heads,
     _row_grid,
 )
 
@@ -113,42 +114,42 @@ def _fp8_tiles_kernel(X, Y, S_OUT, S, D: tl.constexpr, TILE: tl.constexpr, HW_CV
     tl.store(S_OUT + g * S + rows, tl.zeros([TILE], tl.float32) + scale, mask=rows < S)
 
 
+def _fp8_outputs(x: torch.Tensor, dtype: torch.dtype, where: str):
+    """(x contiguous, G, S, D of its (G, S, D) heads form, the values and the scales to
+    write): the outputs made in x's shape and in x's shape less its last dim, as the
+    quantizers return them (the kernels read pointers only, so no (G, S, D) views are
+    made: each is one more tensor operation of host time a call)."""
+    if dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        raise ValueError(f"{where}: dtype float8_e4m3fn or bfloat16, got {dtype}")
+    S, D = (x.shape[-2] if x.dim() > 1 else 1), x.shape[-1]
+    y = torch.empty(x.shape, device=x.device, dtype=dtype)
+    s = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
+    return x.contiguous(), math.prod(x.shape[:-2]), S, D, y, s
+
+
 def quantize_qk_fp8(x: torch.Tensor, dot_with: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn,
                     channel_amax: bool = False):
     """Per-token FP8 of x (..., S, D): (e4m3 values as `dtype`, float8_e4m3fn or
     bfloat16; scales (..., S)); with `dot_with` (same shape) also the row sums of
     x * dot_with in float32; with `channel_amax` also max |x| per head and channel
     (..., D), as `abs_max_bits(x, per_channel=True)` (for a per-channel view of x)."""
-    if dtype not in (torch.float8_e4m3fn, torch.bfloat16):
-        raise ValueError(f"quantize_qk_fp8: dtype float8_e4m3fn or bfloat16, got {dtype}")
-    x3 = _heads(x)
-    G, S, D = x3.shape
-    y = torch.empty(x3.shape, device=x.device, dtype=dtype)
-    s = torch.empty((G, S), device=x.device, dtype=torch.float32)
-    dot = (torch.empty((G, S), device=x.device, dtype=torch.float32) if dot_with is not None
-           else nothing(x.device, torch.float32))
-    camax = torch.zeros((G, D), device=x.device, dtype=torch.int32) if channel_amax else nothing(x.device, torch.int32)
-    other = _heads(dot_with) if dot_with is not None else x3
+    xc, G, S, D, y, s = _fp8_outputs(x, dtype, "quantize_qk_fp8")
+    dev = x.device
+    dot = torch.empty(x.shape[:-1], device=dev, dtype=torch.float32) if dot_with is not None else \
+        nothing(dev, torch.float32)
+    camax = torch.zeros((*x.shape[:-2], D), device=dev, dtype=torch.int32) if channel_amax else \
+        nothing(dev, torch.int32)
+    other = dot_with.contiguous() if dot_with is not None else xc
     blocks = CHANNEL_BLOCKS if channel_amax else 1
     grid, block = _row_grid(S, G, blocks)
-    _fp8_rows_kernel[grid](x3, y, s, other, dot, camax, S, D=D, BLOCK_R=block, BLOCKS=blocks,
+    _fp8_rows_kernel[grid](xc, y, s, other, dot, camax, S, D=D, BLOCK_R=block, BLOCKS=blocks,
                            WITH_DOT=dot_with is not None, CHANNEL_AMAX=channel_amax, HW_CVT=_hw_cvt(), num_warps=4)
-    out = (y.view(x.shape), s.view(x.shape[:-1]))
-    if dot_with is not None:
-        out += (dot.view(x.shape[:-1]),)
-    if channel_amax:
-        out += (camax.view(*x.shape[:-2], D),)
-    return out
+    return (y, s) + ((dot,) if dot_with is not None else ()) + ((camax,) if channel_amax else ())
 
 
 def quantize_k_fp8_tiles(x: torch.Tensor, tile: int, dtype: torch.dtype = torch.float8_e4m3fn):
     """FP8 of x (..., S, D) with one scale per `tile` tokens (`Recipe.k_scale="tile"`):
     (e4m3 values as `dtype`, scales (..., S), each tile's repeated per token)."""
-    if dtype not in (torch.float8_e4m3fn, torch.bfloat16):
-        raise ValueError(f"quantize_k_fp8_tiles: dtype float8_e4m3fn or bfloat16, got {dtype}")
-    x3 = _heads(x)
-    G, S, D = x3.shape
-    y = torch.empty(x3.shape, device=x.device, dtype=dtype)
-    s = torch.empty((G, S), device=x.device, dtype=torch.float32)
-    _fp8_tiles_kernel[(_cdiv(S, tile), G)](x3, y, s, S, D=D, TILE=tile, HW_CVT=_hw_cvt(), num_warps=8)
-    return y.view(x.shape), s.view(x.shape[:-1])
+    xc, G, S, D, y, s = _fp8_outputs(x, dtype, "quantize_k_fp8_tiles")
+    _fp8_tiles_kernel[(_cdiv(S, tile), G)](xc, y, s, S, D=D, TILE=tile, HW_CVT=_hw_cvt(), num_warps=8)
+    return y, s
