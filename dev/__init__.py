@@ -1,6 +1,6 @@
 """Development modules, not part of the installed package: the machine-code (SASS) analysis
 of the Hopper Triton/Gluon builds (`machine_code`) and the cost model read off it
-(`cost_model_sm90`). Used by the compile tests and tools/; tests/test_dev.py imports each.
+(`cost_model_sm90`). Used by the compile tests and tools/; tests/dev/test_dev.py imports each.
 Import them from the checkout's root (`python -m pytest`, or a script that puts the root
 on sys.path, as tools/compile_check.py does).
 

@@ -50,12 +50,12 @@ scalar float32 operations (the correction's `mul.rn.f32x2`, FP8 P's exponent by
 P's rounding by `round_e4m3_cvt`'s conversions with the e4m3 bytes kept (its row sum
 then adds four keys a group, then the groups: float32 sums in another order, as the
 recipes allow). FP8 P's exp2 is the GPU's approximate ex2, as in the Triton kernel. Under the interpreter
-the Triton kernel runs that code against the reference, and `tests/test_blackwell_
-interpreter.py` its inline PTX through an emulator bit for bit against the interpreter
-path; `tests/test_blackwell_gluon.py` checks that this kernel's inline-PTX arithmetic is
-those blocks and no other. The rest is data movement, layout conversions within a
-thread's row, and the tensor cores' products (float32 sums in the tensor core's order,
-as the pipelined Triton kernel's).
+the Triton kernel runs that code against the reference, and
+`tests/kernels/blackwell/test_kernels.py` its inline PTX through an emulator bit for bit
+against the interpreter path; `tests/dev/test_forward_gluon_sm100.py` checks that this
+kernel's inline-PTX arithmetic is those blocks and no other. The rest is data movement,
+layout conversions within a thread's row, and the tensor cores' products (float32 sums
+in the tensor core's order, as the pipelined Triton kernel's).
 
 Operands (contiguous, `operands.prepare_operands`'s layouts): Q (B, H, Sq, D/2) NVFP4
 codes, QSC (B, H, Sq, D/16) e4m3; K, KSC likewise at Hkv heads; QS (B, H, Sq), KS (B,

@@ -9,7 +9,7 @@ extras=plot
 if nvidia-smi -L >/dev/null 2>&1; then
   extras=plot,cuda
 fi
-if [ "${FP4ATTN_REPORT_PRINT_EXTRAS:-0}" = 1 ]; then  # what it would install (tests/test_cli_details.py)
+if [ "${FP4ATTN_REPORT_PRINT_EXTRAS:-0}" = 1 ]; then  # what it would install (tests/cli/test_details.py)
   echo "$extras"
   exit 0
 fi

@@ -24,7 +24,7 @@ KERNEL_PATCHES = textwrap.dedent('''
 
 # Two of the interpreter's costs that buy nothing, cut without changing what it
 # computes (the scripts without KERNEL_PATCHES put these first on their own).
-# tests/test_interpreter_patches.py checks both against the interpreter's own paths.
+# tests/kernels/test_interpreter_patches.py checks both against the interpreter's own paths.
 SPEEDUPS = textwrap.dedent('''
     import inspect as _inspect
 

@@ -12,7 +12,7 @@ float64, rounded once to float32 and added to the accumulator. The tensor cores'
 sums differ from that only in order, which the tests' tolerances allow. `tl.dot` gets
 the same definition (the interpreter multiplies bf16 operands as their raw bits; the
 Blackwell training backward's D=128 dK/dV kernel forms S^T as a bf16 product).
-`test_blackwell_interpreter.py` checks the patch itself against a float64 product of
+`tests/kernels/blackwell/test_kernels.py` checks the patch itself against a float64 product of
 the reference's dequantized payloads.
 
 The kernels' inline PTX (the packed e2m1/e4m3 conversions) does not run on the

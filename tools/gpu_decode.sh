@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 git log -1 --format='commit %H' 2>/dev/null | tee -a "$OUT/gpu.txt"
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
-    timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_decode_hopper.py 2>&1 | tee "$OUT/tests.txt" | tail -25
+    timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -n 8 -p no:cacheprovider -m gpu tests/kernels/hopper/test_decode.py 2>&1 | tee "$OUT/tests.txt" | tail -25
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     timeout "${BENCH_TIMEOUT:-160}" python3 -m fp4attn.cli.main bench --decode --shapes "$SHAPES" --warm-processes 8 \

@@ -41,8 +41,8 @@ if run tests; then
 fi
 if run affine; then
   if [ "${SKIP_TESTS:-0}" = 0 ]; then
-    timeout 300 python3 -m pytest -q -n 8 -m gpu --tb=short tests/test_affine_gpu.py tests/test_cuda_forward.py \
-      "tests/test_hopper_forward.py" -k "affine or fast or cuda" > "$OUT/gpu-tests-affine.log" 2>&1
+    timeout 300 python3 -m pytest -q -n 8 -m gpu --tb=short tests/kernels/hopper/test_affine.py \
+      tests/kernels/hopper/test_forward_cuda.py tests/kernels/hopper/test_forward.py -k "affine or fast or cuda" > "$OUT/gpu-tests-affine.log" 2>&1
     grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests-affine.log" | cut -c1-300 | head -20; tail -1 "$OUT/gpu-tests-affine.log"
   fi
   python3 -m fp4attn.cli.main bench --causal "${CAUSAL:-both}" \
@@ -51,7 +51,7 @@ if run affine; then
     --json "$OUT/h200-forward-affine-${CAUSAL:-both}.json" 2>&1 | grep -E "^\||geomean|cuDNN"
 fi
 if run cudabuilds; then
-  timeout 200 python3 -m pytest -q -n 12 -m gpu --tb=short tests/test_cuda_forward.py -k "p_codes_match" \
+  timeout 200 python3 -m pytest -q -n 12 -m gpu --tb=short tests/kernels/hopper/test_forward_cuda.py -k "p_codes_match" \
     > "$OUT/gpu-tests-cudabuilds.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests-cudabuilds.log" | cut -c1-300 | head -20; tail -1 "$OUT/gpu-tests-cudabuilds.log"
   for c in "" --causal; do

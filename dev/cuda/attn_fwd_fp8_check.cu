@@ -1,7 +1,7 @@
 // The Hopper CUDA forward's checking build: the production kernel's headers
 // (fp4attn/kernels/hopper/cuda/, on the include path) with what only checks and
 // measurements need, none of it in the production source (attn_fwd_fp8.cu). Built and
-// launched by dev/forward_cuda_check.py (CheckVariant); tests/test_cuda_forward.py compiles
+// launched by dev/forward_cuda_check.py (CheckVariant); tests/kernels/hopper/test_forward_cuda.py compiles
 // it on the CPU and runs it against the Triton/Gluon kernels on a GPU.
 //   FUSED_SOFTMAX=0: the recipe's arithmetic operation for operation, bit-identical to the
 //     Gluon kernel, with the row sums from the softmax (ROWSUM_BY_PV 0: V^T's stages carry

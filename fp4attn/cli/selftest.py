@@ -87,7 +87,7 @@ def check_forward(name: str, d: int, causal: str | None, masked: bool, device, s
     # reproduce (`Recipe.fast_accum`): about 1% of P codes differ, each moving its row; the
     # CUDA C++ kernel's fused softmax rounds apart from the reference too (its exp2
     # polynomial, its own score arithmetic: routing's one exception), its P codes held to
-    # the Triton kernel's by tests/test_cuda_forward.py, so it is held here as they are
+    # the Triton kernel's by tests/kernels/hopper/test_forward_cuda.py, so it is held here as they are
     loose = PRESETS[name].fast_accum or info["kernel"] == "hopper.forward_cuda"
     tol, rows, out_tol = (2e-2, 0.95, 3e-2) if loose else (1e-3, 0.99, 2e-2)
     err = (lse[seen] - ref.lse[seen]).abs()

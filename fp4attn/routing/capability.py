@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 # The CUDA C++ kernels' sources, compiled by NVRTC at first use (the wheel ships them:
-# pyproject's package-data, tests/test_packaging.py)
+# pyproject's package-data, tests/project/test_packaging.py)
 CUDA_SOURCE_DIR = Path(__file__).resolve().parents[1] / "kernels" / "hopper" / "cuda"
 CUDA_SOURCES = ("attn_fwd_fp8.cu", "attn_bwd_fp8.cu", "decode_split.cu")  # forward_cuda, backward_cuda, decode_cuda
 _QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)

@@ -10,7 +10,7 @@ is part of the recipe), with one exception named where it is set: `cuda_from_key
 a recipe's forward on the CUDA C++ kernel from a key count on, whose softmax rounds
 differently (P codes equal to the Triton kernel's on >= 99.9% of entries: a score's
 float32 rounding on a code boundary, or the exp2 builders' polynomial, moves a code;
-tests/test_cuda_forward.py).
+tests/kernels/hopper/test_forward_cuda.py).
 """
 
 from __future__ import annotations

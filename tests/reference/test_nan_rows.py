@@ -1,0 +1,158 @@
+"""A NaN or Inf reaches exactly the rows that attend to it, on the reference
+(reference/forward.py, "Non-finite values"), for every preset: every statistic is taken
+over the finite values, so the output equals, bit for bit, that of the same inputs with
+the element set to 0, except in the entries that read it, which are NaN:
+
+- q[i, c]: row i (its LSE too);
+- k[j, c]: the rows that attend to key j (their LSE too);
+- v[j, c]: channel c of the rows that attend to key j (MXFP4 V: to a key of its block
+  of 32, whose shared scale it spoils); the LSE is untouched.
+
+Causal both alignments (Sq != Sk, so they differ), a key tile boundary crossed, GQA."""
+
+import math
+
+import pytest
+import torch
+
+import fp4attn
+from fp4attn.api import attention
+from fp4attn.recipes import PRESETS
+
+B, HQ, HKV, SQ, SK, D = 2, 4, 2, 150, 200, 64
+
+
+def _inputs(seed=0, sq=SQ):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, sq, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, HKV, SK, D, generator=g).bfloat16() for _ in range(2))
+    return q, k, v
+
+
+def visible(causal, sq, sk):
+    """(Sq, Sk) bool: key j visible to row i."""
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    if causal == "top_left":
+        return j <= i
+    if causal == "bottom_right":
+        return j <= i + sk - sq
+    return torch.ones(sq, sk, dtype=torch.bool)
+
+
+def expected_nan(recipe, where, causal, b, h, s, c, sq=SQ):
+    """(B, HQ, Sq, D) bool of the output entries a non-finite value at (b, h, s, c) of
+    `where` makes NaN, and (B, HQ, Sq) of the LSE entries."""
+    vis = visible(causal, sq, SK)
+    out = torch.zeros(B, HQ, sq, D, dtype=torch.bool)
+    lse = torch.zeros(B, HQ, sq, dtype=torch.bool)
+    group = HQ // HKV
+    heads = [h] if where == "q" else list(range(h * group, (h + 1) * group))
+    for hq in heads:
+        if where == "q":
+            if vis[s].any():
+                out[b, hq, s] = lse[b, hq, s] = True
+        elif where == "k":
+            out[b, hq, vis[:, s]] = True
+            lse[b, hq, vis[:, s]] = True
+        else:
+            keys = slice(s // 32 * 32, min(SK, s // 32 * 32 + 32)) if PRESETS[recipe].v == "mxfp4" else slice(s, s + 1)
+            out[b, hq, vis[:, keys].any(-1), c] = True
+    return out, lse
+
+
+def _run(q, k, v, recipe, causal):
+    return attention(q, k, v, recipe=recipe, causal=causal, enable_gqa=True, return_lse=True, backend="reference")
+
+
+def _bits(t):
+    return t.float().view(torch.int32)
+
+
+def check(recipe, where, value, causal, pos=(1, 1, 7, 5), sq=SQ, seed=0):
+    q, k, v = _inputs(seed, sq)
+    args = {"q": q, "k": k, "v": v}
+    b, h, s, c = pos
+    zeroed = dict(args)
+    zeroed[where] = args[where].clone()
+    zeroed[where][b, h, s, c] = 0.0
+    spoiled = dict(args)
+    spoiled[where] = args[where].clone()
+    spoiled[where][b, h, s, c] = value
+    base, base_lse = _run(zeroed["q"], zeroed["k"], zeroed["v"], recipe, causal)
+    out, lse = _run(spoiled["q"], spoiled["k"], spoiled["v"], recipe, causal)
+    want, want_lse = expected_nan(recipe, where, causal, b, h, s, c, sq)
+    # a row whose score is NaN is NaN in every channel
+    assert torch.equal(torch.isnan(out), want), (recipe, where, value, causal)
+    assert torch.equal(torch.isnan(lse), want_lse), (recipe, where, value, causal)
+    assert torch.equal(_bits(out)[~want], _bits(base)[~want]), (recipe, where, value, causal)
+    assert torch.equal(lse[~want_lse].view(torch.int32), base_lse[~want_lse].view(torch.int32))
+
+
+@pytest.mark.parametrize("recipe", list(PRESETS))
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_nonfinite_reaches_exactly_the_rows_that_attend_to_it(recipe, where, value):
+    for causal in (None, "top_left", "bottom_right"):
+        # row/key 7: inside the first key tile, with rows before it that do not see it
+        # under either alignment; key 140: in the second tile
+        check(recipe, where, value, causal, pos=(1, 1, 7, 5))
+    check(recipe, where, value, "top_left", pos=(0, 0, 140, 33))
+
+
+@pytest.mark.parametrize("recipe", ["directp", "nvfp4-fp8-robust", "fp8-ktile-affine-lazy-fastacc", "fp8"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_negative_inf_and_rows_that_see_no_key(recipe, where):
+    check(recipe, where, -math.inf, "bottom_right", pos=(0, 1, 3, 60))
+    # Sq > Sk bottom-right: the first rows see no key and stay 0, whatever q holds
+    check(recipe, where, math.nan, "bottom_right", pos=(1, 0, 2, 9), sq=SK + 20)
+
+
+GPU_RECIPES = [name for name, r in PRESETS.items() if r.grad is None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+@pytest.mark.parametrize("head_dim,sq,sk", [(128, 300, 2100), (64, 700, 600)])
+def test_nonfinite_rows_on_the_gpu(recipe, head_dim, sq, sk):
+    """The routed kernels on the GPU (the Triton, Gluon and CUDA C++ forwards and the
+    fused quantizers), as under the interpreter (tests/kernels/hopper/test_nan_rows.py): q's
+    and k's NaN rows, output and LSE, exactly the reference's; v's in channel c only, the
+    reference's rows and at most rows whose query tile reads its key tile; every other
+    entry bit for bit the kernel's output with a 0 in the spoiled place."""
+    import warnings
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, sq, head_dim, generator=g).bfloat16().cuda()
+    k, v = (torch.randn(1, 2, sk, head_dim, generator=g).bfloat16().cuda() for _ in range(2))
+    pos = {"q": (0, 3, sq // 3, 5), "k": (0, 1, sk // 2, 9), "v": (0, 0, sk - 170, 33)}
+    for where, p in pos.items():
+        {"q": q, "k": k, "v": v}[where][p] = 0.0
+    for causal in (None, "top_left", "bottom_right"):
+        kw = dict(recipe=recipe, causal=causal, enable_gqa=True, return_lse=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fp4attn.ReferenceFallbackWarning)
+            base, base_lse = attention(q, k, v, **kw)
+        for where, value in (("q", math.inf), ("k", math.nan), ("v", math.nan), ("v", -math.inf)):
+            case = (recipe, head_dim, causal, where, value)
+            args = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+            args[where][pos[where]] = value
+            out, lse = attention(args["q"], args["k"], args["v"], **kw)
+            ref = attention(*(t.cpu() for t in args.values()), backend="reference", **kw)
+            want, want_lse = torch.isnan(ref[0]), torch.isnan(ref[1])
+            got, got_lse = torch.isnan(out).cpu(), torch.isnan(lse).cpu()
+            if where == "v":
+                c, j = pos["v"][3], pos["v"][2]
+                offset = {None: None, "top_left": 0, "bottom_right": sk - sq}[causal]
+                # rows that see only keys more than 256 before j's key tile: no query tile
+                # of theirs reads it
+                far = torch.zeros(sq, dtype=torch.bool) if offset is None else \
+                    torch.arange(sq) + offset < j // 128 * 128 - 256
+                extra = got & ~want
+                assert bool((got | ~want).all()), case
+                assert not extra[..., :c].any() and not extra[..., c + 1:].any(), case
+                assert not got[..., far, :].any() and not got_lse.any(), case
+            else:
+                assert torch.equal(got, want) and torch.equal(got_lse, want_lse), case
+            assert torch.equal(_bits(out)[~got.cuda()], _bits(base)[~got.cuda()]), case
+            keep = ~got_lse.cuda()
+            assert torch.equal(lse[keep].view(torch.int32), base_lse[keep].view(torch.int32)), case
