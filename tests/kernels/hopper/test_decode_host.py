@@ -5,26 +5,21 @@ kernel's parameters are packed as its launch expects, and the host work of one c
 stays within a budget of Python frames and tensor operations (counted, not timed: a
 call that grows fails here)."""
 
-import collections
 import ctypes
 import dataclasses
 import math
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp4attn
 from fp4attn import KVCache, decode, routing
 from fp4attn.routing import decode as decode_routing
+from tests.host_work import host_work
 
 pytest.importorskip("triton")
 from fp4attn.kernels.hopper import decode_cuda, decode_op  # noqa: E402
-
-PACKAGE = str(Path(fp4attn.__file__).parent)
 
 
 class _Kernel:
@@ -77,34 +72,6 @@ def _filled(monkeypatch, fmt, **kw):
         return _cache(fmt, **kw)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _host_work(fn) -> tuple[int, collections.Counter]:
-    """(Python frames of the package entered, tensor operations dispatched) by one call."""
-    frames = [0]
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-            frames[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    with _Ops() as mode:
-        fn()
-    return frames[0], mode.ops
-
-
 # Per call, after the first of its form (which decides the route, makes the executor and
 # its buffers): the package's Python frames (checks, the cached route, the launches'
 # arguments) and the tensor operations (the output and the LSE; the append's length
@@ -129,7 +96,7 @@ def test_the_host_work_of_a_call_stays_within_its_budget(form, launches, monkeyp
 
     call()
     launches.clear()
-    frames, ops = _host_work(call)
+    frames, ops = host_work(call)
     kernels = [x[0] for x in launches[: len(launches) // 2]]
     assert kernels == (["append"] if append else []) + (
         ["decode_split", "decode_combine"] if (fmt, sq) == ("nvfp4", 1) or (fmt, sq) == ("fp8", 1) else

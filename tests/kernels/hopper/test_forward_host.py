@@ -5,24 +5,19 @@ the recipe's quantizers and one forward kernel, and its host work stays within a
 of Python frames and tensor operations (counted, not timed: a call that grows fails
 here). Short calls are host-bound on the GPU (docs/notes/hopper-forward.md)."""
 
-import collections
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp4attn
 from fp4attn import routing
+from tests.host_work import Ops, host_work
 
 triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from fp4attn.kernels.hopper import forward_op  # noqa: E402
-
-PACKAGE = str(Path(fp4attn.__file__).parent)
 
 
 @pytest.fixture
@@ -39,34 +34,6 @@ def launches(monkeypatch):
     monkeypatch.setenv(routing.TARGET_ENV, "sm_90")
     monkeypatch.delenv(routing.BACKEND_ENV, raising=False)
     return out
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _host_work(fn) -> tuple[int, collections.Counter]:
-    """(Python frames of the package entered, tensor operations dispatched) by one call."""
-    frames = [0]
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-            frames[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    with _Ops() as mode:
-        fn()
-    return frames[0], mode.ops
 
 
 # Per eager call at (2, 4, 300, 64) without gradients: the kernels launched (V's quantizer
@@ -98,7 +65,7 @@ def test_the_host_work_of_an_eager_call_stays_within_its_budget(form, launches):
 
     call()
     launches.clear()
-    frames, ops = _host_work(call)
+    frames, ops = host_work(call)
     kernels, budget_frames, budget_ops = BUDGETS[form]
     assert launches[: len(launches) // 2] == kernels
     assert frames <= budget_frames, f"{frames} Python frames of fp4attn a call; the budget is {budget_frames}"
@@ -108,10 +75,10 @@ def test_the_host_work_of_an_eager_call_stays_within_its_budget(form, launches):
 def test_an_eager_call_skips_the_dispatcher_and_a_traced_one_takes_the_op(launches, monkeypatch):
     q, k, v = (torch.randn(1, 2, 130, 64).bfloat16() for _ in range(3))
     recipe = fp4attn.get_recipe("fp8-affine-fastacc")
-    with _Ops() as mode:
+    with Ops() as mode:
         forward_op.hopper_attention(q, k, v, recipe, scale=0.125, causal_offset=0)
     assert "fp4attn.hopper_attention.default" not in mode.ops
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with _Ops() as mode:
+    with Ops() as mode:
         forward_op.hopper_attention(q, k, v, recipe, scale=0.125, causal_offset=0)
     assert mode.ops["fp4attn.hopper_attention.default"] == 1
