@@ -28,6 +28,14 @@ def _llama():
     return LlamaForCausalLM(cfg).eval()
 
 
+def _cache_model():
+    """The tiny Llama with fp4attn's cache attention registered and set."""
+    register()
+    model = _llama()
+    model.set_attn_implementation("fp4attn-cache")
+    return model
+
+
 def _cache_kwarg(model, cache) -> dict:
     # transformers >= 5.2x names it `cache` (and still takes `past_key_values`)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -55,9 +63,7 @@ def test_generate_through_the_cache_scores_as_the_model_over_the_whole_sequence(
 
 
 def test_quantized_formats_generate_and_stay_close_to_the_bf16_cache():
-    register()
-    model = _llama()
-    model.set_attn_implementation("fp4attn-cache")
+    model = _cache_model()
     ids = torch.randint(1, 97, (2, 9))
     mask = torch.ones_like(ids)
     _, base = _generate(model, ids, mask, FP4AttnCache(model.config, max_cache_len=32, k_format="bf16"))
@@ -70,9 +76,7 @@ def test_quantized_formats_generate_and_stay_close_to_the_bf16_cache():
 
 
 def test_a_left_padded_batch_generates_as_its_sequences_alone():
-    register()
-    model = _llama()
-    model.set_attn_implementation("fp4attn-cache")
+    model = _cache_model()
     ids = torch.randint(1, 97, (2, 10))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # sequence 1: 6 tokens, left-padded
@@ -85,9 +89,7 @@ def test_a_left_padded_batch_generates_as_its_sequences_alone():
 
 
 def test_the_attention_is_handed_the_new_tokens_only():
-    register()
-    model = _llama()
-    model.set_attn_implementation("fp4attn-cache")
+    model = _cache_model()
     seen = []
     import fp4attn.integrations.transformers_cache as tc
 
@@ -108,9 +110,7 @@ def test_the_attention_is_handed_the_new_tokens_only():
 
 
 def test_what_the_cache_does_not_do_is_refused():
-    register()
-    model = _llama()
-    model.set_attn_implementation("fp4attn-cache")
+    model = _cache_model()
     ids = torch.randint(1, 97, (1, 5))
     with pytest.raises(ValueError, match="needs fp4attn's cache"):
         model(input_ids=ids)
