@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,19 +125,11 @@ def checking_variants() -> list[CheckVariant]:
 
 
 # ---------------------------------------------------------------------------- build
-def _headers_digest() -> str:
-    """The production headers' contents: compile_source keys its cache by the headers beside
-    the source only, so the checking build's options carry this (an unused define)."""
-    h = hashlib.sha256()
-    for path in sorted(forward_cuda.SOURCE.parent.glob("*.cuh")):
-        h.update(path.name.encode() + path.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def compile_check_variant(variant: CheckVariant, *, use_cache: bool = True, announce: bool = True) -> Build:
     """The checking build's cubin for sm_90a (no GPU needed)."""
-    options = options_for(variant.defines()) + [f"--include-path={forward_cuda.SOURCE.parent}",
-                                                f"-DFP4ATTN_HEADERS_{_headers_digest()}"]
+    # the production headers it includes are found on the include path, and the cache key
+    # hashes them (nvrtc_build.cache_key)
+    options = options_for(variant.defines()) + [f"--include-path={forward_cuda.SOURCE.parent}"]
     return compile_source(SOURCE, options, f"the CUDA forward's checking build ({variant})", use_cache=use_cache,
                           announce=announce)
 
