@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import fp4attn
 from fp4attn.metrics import error_metrics
+from tests.integrations.tiny_models import tiny_llama
 
 
 def _qkv(*shape):
@@ -50,12 +51,7 @@ def _bert():
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(vocab_size=100, hidden_size=64, intermediate_size=128, max_positions=64)
 
 
 def _padded_batch():

@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fp4attn.integrations.transformers_cache import FP4AttnCache, register  # noqa: E402
+from tests.integrations.tiny_models import tiny_llama  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -20,12 +21,7 @@ def _reference(monkeypatch):
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=97, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=256, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(vocab_size=97, hidden_size=128, intermediate_size=256, max_positions=128)
 
 
 def _cache_model():
