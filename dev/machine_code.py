@@ -19,17 +19,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fp4attn.cli.blackwell_machine_code import divisibility
 from fp4attn.kernels.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from fp4attn.kernels.forward_args import CALL, call_signature
 from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
 
 _POINTERS = ("Q", "K", "QS", "KS", "VT", "VS", "O", "LSE", "P_DBG", "KB")
+# the forward's stride tuples, (batch, head, row) of each tensor
+_STRIDES = ("q_strides", "k_strides", "vt_strides", "o_strides", "p_strides")
 # the JIT specializes an integer argument that is a multiple of 16 as such, which lets
 # the compiler vectorize loads along it; the bench shapes (S = 2048 ... 32768, H = 12 ...
 # 32) give the lengths that property, so the builds here assume it (`lengths_div16`)
 _LENGTHS = ("Sq", "Sk")
-_INTS = ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
-         "stride_vd", "stride_ob", "stride_oh", "stride_om", "stride_pb", "stride_ph", "stride_pm",
-         "H", "GROUP", "Sq", "Sk", "causal_offset")
 
 
 @dataclass(frozen=True)
@@ -146,13 +147,13 @@ def _pointers_and(sig: dict, lengths=()) -> list[str]:
     return [n for n, t in sig.items() if t.startswith("*") or n in lengths]
 
 
-def _divisibility(sig: dict, aligned: list[str]) -> dict:
+def _divisibility(sig: dict, aligned: list) -> dict:
     """The compile attributes that specialize the arguments `aligned` of `sig` as
     multiples of 16, as the JIT does: without them the build is another kernel (the
     backward's CPU build had no spills, the GPU's spilled its prefetched numbers:
-    benchmarks/results/log/h200-backward-ncu.txt)."""
-    names = list(sig)
-    return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    benchmarks/results/log/h200-backward-ncu.txt). An entry of `aligned` is a name (of a
+    tuple argument: each of its elements) or (name, i), element i of a tuple argument."""
+    return divisibility(sig, aligned)
 
 
 def _compile_sm90(fn, sig: dict, consts: dict, aligned: list[str], num_warps: int, num_stages: int):
@@ -186,14 +187,14 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
     descs = dict(K_DESC=f"tensordesc<{qk_type}[{block_n}, {head_dim}]>",
                  VT_DESC=f"tensordesc<fp8e4nv[{head_dim}, {block_n}]>") if tma_kv else {}
     sig.update(descs or dict(K_DESC="constexpr", VT_DESC="constexpr"))
-    sig.update({n: "i32" for n in _INTS})
-    sig["qk_scale"] = "fp32"
+    sig.update({n: ("i32",) * 3 for n in _STRIDES})
+    sig["call"] = call_signature()
     consts = dict(K_DESC=None, VT_DESC=None) if not tma_kv else {}
     consts.update(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, QK_FP8=qk_fp8, P_MODE=p_mode,
                   CAUSAL=causal, WRITE_P=0, KEY_BIAS=key_bias,
                   P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt, VT_PADDED=vt_padded, TMA_KV=tma_kv, PV_ADD=launch.pv_add if pv_add is None else pv_add,
                   SINK_TILES=sink_tiles)
-    aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or (lengths_div16 and n in _LENGTHS)]
+    aligned = [*_POINTERS, *_STRIDES] + ([("call", CALL.index(n)) for n in _LENGTHS] if lengths_div16 else [])
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 
 

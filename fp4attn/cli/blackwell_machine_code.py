@@ -20,35 +20,46 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fp4attn.kernels.blackwell.forward_triton import attn_fwd_sm100_kernel
+from fp4attn.kernels.forward_args import CALL, call_signature
 
 ARCHS = {"sm_100a": 100, "sm_103a": 103, "sm_120a": 120}
 # Triton's bundled CUDA tools (ptxas-blackwell, cuobjdump)
 TOOLS = Path(triton.__file__).parent / "backends/nvidia/bin"
 
 _POINTERS = ("Q", "QSC", "K", "KSC", "QS", "KS", "V", "VSC", "VS", "O", "LSE", "P_DBG", "KB")
-_STRIDES = tuple(f"stride_{t}{d}" for t in ("q", "qs", "k", "ks", "v", "vs", "o", "p")
-                 for d in ("b", "h", "m" if t in ("q", "qs", "o", "p") else "n" if t in ("k", "ks") else "d"))
+# the forward's stride tuples, (batch, head, row) of each tensor
+_STRIDES = ("q_strides", "q_sc_strides", "k_strides", "k_sc_strides", "v_strides", "v_sc_strides",
+            "o_strides", "p_strides")
 LENGTHS = ("Sq", "Sk")
 
 
-def forward_signature(qk_fp4: bool, pv_fp4: bool, bf16: bool = False) -> dict[str, str]:
+def forward_signature(qk_fp4: bool, pv_fp4: bool, bf16: bool = False) -> dict[str, str | tuple[str, ...]]:
     """Argument types of `attn_fwd_sm100_kernel` as the launcher passes them."""
     wide = "*bf16" if bf16 else "*fp8e4nv"
     types = {"Q": "*u8" if qk_fp4 else wide, "K": "*u8" if qk_fp4 else wide,
              "QSC": "*fp8e4nv", "KSC": "*fp8e4nv", "V": "*u8" if pv_fp4 else wide, "VSC": "*u8",
              "O": "*bf16"}
-    sig = {n: types.get(n, "*fp32") for n in _POINTERS}
-    sig.update({n: "i32" for n in _STRIDES})
-    sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")})
-    sig["qk_scale"] = "fp32"
+    sig: dict[str, str | tuple[str, ...]] = {n: types.get(n, "*fp32") for n in _POINTERS}
+    sig.update({n: ("i32",) * 3 for n in _STRIDES})
+    sig["call"] = call_signature()
     return sig
 
 
-def divisibility(sig: dict, aligned: list[str]) -> dict:
+def divisibility(sig: dict, aligned: list) -> dict:
     """Compile attributes specializing the arguments `aligned` as multiples of 16, as
-    the JIT does for 16-byte aligned tensors and lengths that are multiples of 16."""
+    the JIT does for 16-byte aligned tensors and lengths that are multiples of 16. An
+    entry of `aligned` is a name (of a tuple argument: each of its elements) or (name,
+    i), element i of a tuple argument."""
     names = list(sig)
-    return {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    paths: list[tuple[int, ...]] = []
+    for n in aligned:
+        if isinstance(n, tuple):
+            paths.append((names.index(n[0]), n[1]))
+        elif isinstance(sig[n], tuple):
+            paths += [(names.index(n), i) for i in range(len(sig[n]))]
+        else:
+            paths.append((names.index(n),))
+    return {path: [["tt.divisibility", 16]] for path in paths}
 
 
 def compile_forward(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, *, arch: str = "sm_100a",
@@ -65,7 +76,7 @@ def compile_forward(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, *, 
                   CAUSAL=causal, HW_CVT=hw_cvt, KEY_BIAS=key_bias, WRITE_P=False, PIPELINED=pipelined,
                   P_AFFINE=p_affine, BF16=bf16)
     sig = {**sig, **{c: "constexpr" for c in consts}}
-    aligned = [n for n in sig if n in _POINTERS or n.startswith("stride") or n in LENGTHS]
+    aligned = [*_POINTERS, *_STRIDES, *(("call", CALL.index(n)) for n in LENGTHS)]
     src = ASTSource(attn_fwd_sm100_kernel, sig, constexprs=consts, attrs=divisibility(sig, aligned))
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))

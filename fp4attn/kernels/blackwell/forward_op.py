@@ -71,15 +71,9 @@ def launch_forward(ops: BlackwellOperands, *, scale: float, causal_offset: int |
     with scratch:
         attn_fwd_sm100_kernel[grid](
             q, q_sc, k, k_sc, ops.qs, ops.ks, ops.v, v_sc, vs, out, lse, dbg, kb,
-            q.stride(0), q.stride(1), q.stride(2),
-            q_sc.stride(0), q_sc.stride(1), q_sc.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            k_sc.stride(0), k_sc.stride(1), k_sc.stride(2),
-            ops.v.stride(0), ops.v.stride(1), ops.v.stride(2),
-            v_sc.stride(0), v_sc.stride(1), v_sc.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            dbg.stride(0), dbg.stride(1), dbg.stride(2),
-            H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
+            q.stride()[:3], q_sc.stride()[:3], k.stride()[:3], k_sc.stride()[:3], ops.v.stride()[:3],
+            v_sc.stride()[:3], out.stride()[:3], dbg.stride()[:3],
+            (H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E),
             HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N, QK_FP4=ops.qk_fp4, PV_FP4=ops.pv_fp4,
             CAUSAL=causal_offset is not None, HW_CVT=not interpreting(), KEY_BIAS=key_bias is not None,
             WRITE_P=write_p, PIPELINED=cfg.pipelined, P_AFFINE=p_affine, num_warps=cfg.warps,

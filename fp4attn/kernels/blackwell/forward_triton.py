@@ -53,6 +53,8 @@ times each block's power of two, the numbers the PV product consumes.
 The reference (`fp4attn.reference.forward`) defines every value this kernel computes.
 """
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -369,32 +371,88 @@ def _rescale(acc, alpha, HALVES: tl.constexpr):
         return acc * alpha[:, None]
 
 
+class QueryRows(NamedTuple):
+    """A program's query rows, as every key tile reads them."""
+
+    q: tl.tensor  # (BLOCK_M, HEAD_DIM / 2) NVFP4 codes or (BLOCK_M, HEAD_DIM) e4m3 / bf16 values
+    q_sc: tl.tensor  # QK_FP4: (BLOCK_M, HEAD_DIM / 16) e4m3 block scales; else None
+    factor: tl.tensor  # (BLOCK_M,) q_scale * softmax_scale * log2 e: their scores in log2 units
+    zero: tl.tensor  # (BLOCK_M,) the zero the fresh PV accumulators start from (the kernel's comment)
+    offs: tl.tensor  # (BLOCK_M,) their query indices
+    p_dbg: tl.tensor  # WRITE_P: this head's (rows, Sk) P tile of P_DBG, rows p_stride apart
+    p_stride: tl.tensor
+
+
+class KeyHead(NamedTuple):
+    """The keys a program reads: its (batch, K/V head)'s K, V with their scales, the key
+    bias, and which keys a row sees."""
+
+    k: tl.tensor  # K (Sk, HEAD_DIM / 2) codes or (Sk, HEAD_DIM) values, rows k_stride apart
+    k_stride: tl.tensor
+    k_sc: tl.tensor  # QK_FP4: K's block scales (Sk, HEAD_DIM / 16), rows k_sc_stride apart
+    k_sc_stride: tl.tensor
+    k_scale: tl.tensor  # KS (Sk,) per-key scales (NVFP4: the head's tensor scale in every slot)
+    v: tl.tensor  # V (HEAD_DIM, keys / 2) codes or V^T (HEAD_DIM, keys), rows v_stride apart
+    v_stride: tl.tensor
+    v_sc: tl.tensor  # PV_FP4: V's E8M0 scales (HEAD_DIM, keys / 32), rows v_sc_stride apart
+    v_sc_stride: tl.tensor
+    bias: tl.tensor  # KB (Sk,), read only with KEY_BIAS
+    k_desc: tl.tensor_descriptor  # TMA: K and V by these descriptors (built where PIPELINED)
+    v_desc: tl.tensor_descriptor
+    Sk: tl.tensor  # the key count
+    causal_offset: tl.tensor  # CAUSAL: query i sees keys j <= i + causal_offset
+    full: tl.tensor  # the tiles from key `full` on need the mask (`key_tile_bounds`)
+
+
+class TileFlags(NamedTuple):
+    """The kernel's constexpr flags a key tile reads (the module docstring's; TMA: K and V
+    by the descriptors, the pipelined kernel's at TMA_HEAD_DIM)."""
+
+    QK_FP4: tl.constexpr
+    PV_FP4: tl.constexpr
+    HW_CVT: tl.constexpr
+    CAUSAL: tl.constexpr
+    KEY_BIAS: tl.constexpr
+    WRITE_P: tl.constexpr
+    BLOCK_M: tl.constexpr
+    BLOCK_N: tl.constexpr
+    HEAD_DIM: tl.constexpr
+    PIPELINED: tl.constexpr
+    P_AFFINE: tl.constexpr
+    BF16: tl.constexpr
+    TMA: tl.constexpr
+
+
 @triton.jit
-def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr, kb_ptr, p_ptr, k_desc, v_desc,
-          start_n,
-          offs_m, Sk, causal_offset, stride_kn, stride_ksn, stride_vd, stride_vsd, stride_pm, full,
-          QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, HW_CVT: tl.constexpr, MASK: tl.constexpr,
-          CAUSAL: tl.constexpr, KEY_BIAS: tl.constexpr, WRITE_P: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PIPELINED: tl.constexpr,
-          P_AFFINE: tl.constexpr, BF16: tl.constexpr, TMA: tl.constexpr):
-    """One key tile. MASK: a tile past `full` (the non-pipelined kernel's second loop,
-    masked loads and scores); PIPELINED: every tile, loads masked by the key count (a
-    predicate on the copies) and scores by the mask where start_n >= full. TMA: K and V
-    by the descriptors k_desc, v_desc (keys past Sk read as zeros, as the masked loads'
-    `other`), the same bytes as the pointer loads."""
+def _tile(acc, l_i, m_i, rows, keys, start_n, MASK: tl.constexpr, flags):
+    """One key tile from key start_n on: the running (acc, l_i, m_i) after it. MASK: a
+    tile past `full` (the non-pipelined kernel's second loop, masked loads and scores);
+    PIPELINED: every tile, loads masked by the key count (a predicate on the copies) and
+    scores by the mask where start_n >= full. TMA: K and V by the descriptors k_desc,
+    v_desc (keys past Sk read as zeros, as the masked loads' `other`), the same bytes as
+    the pointer loads."""
+    BLOCK_M: tl.constexpr = flags.BLOCK_M
+    BLOCK_N: tl.constexpr = flags.BLOCK_N
+    HEAD_DIM: tl.constexpr = flags.HEAD_DIM
+    PIPELINED: tl.constexpr = flags.PIPELINED
+    P_AFFINE: tl.constexpr = flags.P_AFFINE
+    PV_FP4: tl.constexpr = flags.PV_FP4
+    TMA: tl.constexpr = flags.TMA
+    CAUSAL: tl.constexpr = flags.CAUSAL
+    Sk = keys.Sk
     offs_n = tl.arange(0, BLOCK_N)
     cols = start_n + offs_n
     key_ok = cols < Sk
     MASK_LOADS: tl.constexpr = MASK or PIPELINED
     # -- scores in log2 units: (Qv Kv^T) * (q_scale * softmax_scale * log2 e) * k_scale
-    if QK_FP4:
+    if flags.QK_FP4:
         offs_h = tl.arange(0, HEAD_DIM // 2)
         offs_s = tl.arange(0, HEAD_DIM // 16)
         # K^T codes (D/2, BLOCK_N), packed along the head dim; scales (BLOCK_N, D/16) e4m3
-        kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_h[:, None]
-        ksc_ptrs = ksc_ptr + cols[:, None] * stride_ksn + offs_s[None, :]
+        kt_ptrs = keys.k + cols[None, :] * keys.k_stride + offs_h[:, None]
+        ksc_ptrs = keys.k_sc + cols[:, None] * keys.k_sc_stride + offs_s[None, :]
         if TMA:
-            kt = tl.trans(k_desc.load([start_n, 0]))
+            kt = tl.trans(keys.k_desc.load([start_n, 0]))
             k_sc = tl.load(ksc_ptrs, mask=key_ok[:, None], other=0.0)
         elif MASK_LOADS:
             kt = tl.load(kt_ptrs, mask=key_ok[None, :], other=0)
@@ -402,52 +460,53 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         else:
             kt = tl.load(kt_ptrs)
             k_sc = tl.load(ksc_ptrs)
-        s = nvfp4_scores(q, q_sc, kt, k_sc, zero_m)
+        s = nvfp4_scores(rows.q, rows.q_sc, kt, k_sc, rows.zero)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
-        k_ptrs = k_ptr + cols[:, None] * stride_kn + offs_d[None, :]
+        k_ptrs = keys.k + cols[:, None] * keys.k_stride + offs_d[None, :]
         if TMA:
-            k = k_desc.load([start_n, 0])
+            k = keys.k_desc.load([start_n, 0])
         elif MASK_LOADS:
             k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(rows.q, tl.trans(k))
     # affine MXFP4 P on sm_100 (HW_CVT, 128-row programs: a thread holds its rows' keys
     # in order, from tensor memory): scores and map two keys at a time, the row sums
     # from the code bytes (`_affine_mxfp4_tile`); consumer Blackwell's 32- and 64-row
     # mma.sync programs keep the scalar path (grouping their keys by eight spills)
-    AFFINE_X2: tl.constexpr = HW_CVT and P_AFFINE and PV_FP4 and BLOCK_M == 128
-    if QK_FP4:
+    AFFINE_X2: tl.constexpr = flags.HW_CVT and P_AFFINE and PV_FP4 and BLOCK_M == 128
+    a_i = rows.factor
+    if flags.QK_FP4:
         # NVFP4's tensor scale is one number per (batch, head), in every token's slot: one
         # scalar load instead of a row of 64-128 per-key values in every thread
         if AFFINE_X2:
-            t = _log2_scores_x2(s, a_i[:, None], tl.load(ks_ptr))
+            t = _log2_scores_x2(s, a_i[:, None], tl.load(keys.k_scale))
         else:
-            t = log2_scores(s, a_i[:, None], tl.load(ks_ptr))
+            t = log2_scores(s, a_i[:, None], tl.load(keys.k_scale))
     else:
         if MASK_LOADS:
-            b_j = tl.load(ks_ptr + cols, mask=key_ok, other=0.0)
+            b_j = tl.load(keys.k_scale + cols, mask=key_ok, other=0.0)
         else:
-            b_j = tl.load(ks_ptr + cols)
+            b_j = tl.load(keys.k_scale + cols)
         if AFFINE_X2:
             t = _log2_scores_x2(s, a_i[:, None], b_j[None, :])
         else:
             t = log2_scores(s, a_i[:, None], b_j[None, :])
-    if KEY_BIAS:  # added before hiding keys, as the reference does
+    if flags.KEY_BIAS:  # added before hiding keys, as the reference does
         if MASK_LOADS:
-            t = t + tl.load(kb_ptr + cols, mask=key_ok, other=0.0)[None, :]
+            t = t + tl.load(keys.bias + cols, mask=key_ok, other=0.0)[None, :]
         else:
-            t = t + tl.load(kb_ptr + cols)[None, :]
+            t = t + tl.load(keys.bias + cols)[None, :]
     if MASK:
-        t = _hide_keys(t, key_ok, cols, start_n, offs_m, causal_offset, Sk, CAUSAL, AFFINE_X2)
+        t = _hide_keys(t, key_ok, cols, start_n, rows.offs, keys.causal_offset, Sk, CAUSAL, AFFINE_X2)
     if PIPELINED:
         if AFFINE_X2 and not CAUSAL:
             # the key mask on every tile (key_ok is all true below `full`): no branch, whose
             # merge cost register moves to rebuild the two-wide pairs, about one a score
-            t = _hide_keys(t, key_ok, cols, start_n, offs_m, causal_offset, Sk, CAUSAL)
-        elif start_n >= full:
-            t = _hide_keys(t, key_ok, cols, start_n, offs_m, causal_offset, Sk, CAUSAL, AFFINE_X2)
+            t = _hide_keys(t, key_ok, cols, start_n, rows.offs, keys.causal_offset, Sk, CAUSAL)
+        elif start_n >= keys.full:
+            t = _hide_keys(t, key_ok, cols, start_n, rows.offs, keys.causal_offset, Sk, CAUSAL, AFFINE_X2)
     # -- online softmax: exact running max, rescale every tile. NaN propagates through
     # the max (tl.max would drop it): a NaN score makes its row NaN, and a score that
     # overflows to +inf leaves the row undefined, NaN (reference/forward.py)
@@ -457,38 +516,39 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
         m_new = tl.maximum(m_i, tl.reduce(bmax, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
     else:
         m_new = tl.maximum(m_i, tl.reduce(t, 1, max_propagating_nan), propagate_nan=tl.PropagateNan.ALL)
-    m_use, alpha = _running_point(m_i, m_new, MASK or KEY_BIAS or PIPELINED, P_AFFINE, PV_FP4)
+    m_use, alpha = _running_point(m_i, m_new, MASK or flags.KEY_BIAS or PIPELINED, P_AFFINE, PV_FP4)
     # V tiles are stored with keys padded by zeros to whole tiles: no mask
     if PV_FP4:
         if P_AFFINE:
             p_codes, p_sc, p_sum, p_val = _affine_mxfp4_tile(tb, bmax, m_use, BLOCK_M, BLOCK_N, AFFINE_X2)
         else:
-            p_codes, p_sc, p_sum, p_val = _directp_tile(t - m_use[:, None], BLOCK_M, BLOCK_N, HW_CVT)
+            p_codes, p_sc, p_sum, p_val = _directp_tile(t - m_use[:, None], BLOCK_M, BLOCK_N, flags.HW_CVT)
         offs_kh = tl.arange(0, BLOCK_N // 2)
         offs_kb = tl.arange(0, BLOCK_N // 32)
         offs_d = tl.arange(0, HEAD_DIM)
         # V codes (BLOCK_N/2, D) packed along the keys; scales (D, BLOCK_N/32) E8M0
         if TMA:
-            v = tl.trans(v_desc.load([0, start_n // 2]))
+            v = tl.trans(keys.v_desc.load([0, start_n // 2]))
         else:
-            v = tl.load(v_ptr + offs_d[None, :] * stride_vd + (start_n // 2 + offs_kh)[:, None])
-        v_sc = tl.load(vsc_ptr + offs_d[:, None] * stride_vsd + (start_n // 32 + offs_kb)[None, :])
+            v = tl.load(keys.v + offs_d[None, :] * keys.v_stride + (start_n // 2 + offs_kh)[:, None])
+        v_sc = tl.load(keys.v_sc + offs_d[:, None] * keys.v_sc_stride + (start_n // 32 + offs_kb)[None, :])
         if PIPELINED:
             acc = tl.dot_scaled(p_codes, p_sc, "e2m1", v, v_sc, "e2m1", _rescale(acc, alpha, HEAD_DIM == 128))
         else:
-            pv_init = zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+            pv_init = rows.zero[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
             pv = tl.dot_scaled(p_codes, p_sc, "e2m1", v, v_sc, "e2m1", pv_init)
     else:
         tl.static_assert(P_OFFSET_LOG2 == 8)
-        if BF16:  # P = exp2 rounded to bf16; l sums exp2 itself (the bf16 recipe's consistent_norm=False)
+        # BF16: P = exp2 rounded to bf16; l sums exp2 itself (the bf16 recipe's consistent_norm=False)
+        if flags.BF16:
             p32 = tl.math.exp2(t - m_use[:, None])
             p_sum = tl.sum(p32, axis=1)
             p = p32.to(tl.bfloat16)
             p_val = p.to(tl.float32)
         else:
             if P_AFFINE:  # e4m3 bytes off one affine map (kernels.common; the tile itself with HW_CVT)
-                p, p_sum = p_fp8_affine(t, m_use, HW_CVT)
-            elif HW_CVT:
+                p, p_sum = p_fp8_affine(t, m_use, flags.HW_CVT)
+            elif flags.HW_CVT:
                 p = round_e4m3_cvt(tl.math.exp2(t - m_use[:, None] + P_OFFSET_LOG2))
                 p_sum = tl.sum(p, axis=1)
             else:
@@ -498,16 +558,17 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
             p = p.to(tl.float8e4nv)
         offs_d = tl.arange(0, HEAD_DIM)
         if TMA:
-            vt = v_desc.load([0, start_n])
+            vt = keys.v_desc.load([0, start_n])
         else:
-            vt = tl.load(v_ptr + offs_d[:, None] * stride_vd + cols[None, :])  # V^T (D, BLOCK_N) e4m3 or bf16
+            # V^T (D, BLOCK_N) e4m3 or bf16
+            vt = tl.load(keys.v + offs_d[:, None] * keys.v_stride + cols[None, :])
         if PIPELINED:
             acc = tl.dot(p, tl.trans(vt), _rescale(acc, alpha, HEAD_DIM == 128))
         else:
-            pv_init = zero_m[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+            pv_init = rows.zero[:, None] + tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
             pv = tl.dot(p, tl.trans(vt), pv_init)
-    if WRITE_P:
-        tl.store(p_ptr + offs_m[:, None] * stride_pm + cols[None, :], p_val, mask=key_ok[None, :])
+    if flags.WRITE_P:
+        tl.store(rows.p_dbg + rows.offs[:, None] * rows.p_stride + cols[None, :], p_val, mask=key_ok[None, :])
     if not PIPELINED:  # each tile's PV on a fresh accumulator, added into O in float32
         acc = acc * alpha[:, None] + pv
     l_i, m_new = _carry(l_i, alpha, p_sum, m_new, m_use, P_AFFINE)
@@ -517,15 +578,7 @@ def _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vs
 @triton.jit
 def attn_fwd_sm100_kernel(
     Q, QSC, K, KSC, QS, KS, V, VSC, VS, O, LSE, P_DBG, KB,
-    stride_qb, stride_qh, stride_qm,
-    stride_qsb, stride_qsh, stride_qsm,
-    stride_kb, stride_kh, stride_kn,
-    stride_ksb, stride_ksh, stride_ksn,
-    stride_vb, stride_vh, stride_vd,
-    stride_vsb, stride_vsh, stride_vsd,
-    stride_ob, stride_oh, stride_om,
-    stride_pb, stride_ph, stride_pm,
-    H, GROUP, Sq, Sk, causal_offset, qk_scale,
+    q_strides, q_sc_strides, k_strides, k_sc_strides, v_strides, v_sc_strides, o_strides, p_strides, call,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_FP4: tl.constexpr, PV_FP4: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr,
     KEY_BIAS: tl.constexpr = False, WRITE_P: tl.constexpr = False, PIPELINED: tl.constexpr = False,
@@ -537,8 +590,12 @@ def attn_fwd_sm100_kernel(
     slot, read once). V: MXFP4 codes
     (B, Hkv, D, Skp/2) packed along the keys with VSC (B, Hkv, D, Skp/32) E8M0, or V^T
     e4m3 (B, Hkv, D, Skp) with VS (B, Hkv, D) float32 per-channel scales; Skp is Sk
-    padded with zero keys to whole tiles. O (B, H, Sq, D) bf16, LSE (B, H, Sq) float32."""
+    padded with zero keys to whole tiles. O (B, H, Sq, D) bf16, LSE (B, H, Sq) float32.
+    q_strides ... p_strides: each tensor's (batch, head, row) strides, V's row a channel
+    (the last dim contiguous); call: (H, GROUP, Sq, Sk, causal_offset, qk_scale), as the
+    Hopper forward's (`hopper.forward_triton.attn_fwd_kernel`)."""
     tl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
+    H, GROUP, Sq, Sk, causal_offset, qk_scale = call
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     b = off_bh // H
@@ -547,25 +604,27 @@ def attn_fwd_sm100_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Sq
 
-    k_ptr = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    ksc_ptr = KSC + b.to(tl.int64) * stride_ksb + hk.to(tl.int64) * stride_ksh
-    v_ptr = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-    vsc_ptr = VSC + b.to(tl.int64) * stride_vsb + hk.to(tl.int64) * stride_vsh
+    # (written out, not shared with the Hopper forward: `forward_args`)
+    k_ptr = K + b.to(tl.int64) * k_strides[0] + hk.to(tl.int64) * k_strides[1]
+    ksc_ptr = KSC + b.to(tl.int64) * k_sc_strides[0] + hk.to(tl.int64) * k_sc_strides[1]
+    v_ptr = V + b.to(tl.int64) * v_strides[0] + hk.to(tl.int64) * v_strides[1]
+    vsc_ptr = VSC + b.to(tl.int64) * v_sc_strides[0] + hk.to(tl.int64) * v_sc_strides[1]
     qs_ptr = QS + (b.to(tl.int64) * H + h) * Sq
     ks_ptr = KS + (b.to(tl.int64) * (H // GROUP) + hk) * Sk
-    p_ptr = P_DBG + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
+    p_ptr = P_DBG + b.to(tl.int64) * p_strides[0] + h.to(tl.int64) * p_strides[1]
     kb_ptr = KB + b.to(tl.int64) * Sk  # (B, Sk) key bias, read only with KEY_BIAS
 
-    q_ptr = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    q_ptr = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]
     if QK_FP4:
         offs_h = tl.arange(0, HEAD_DIM // 2)
         offs_s = tl.arange(0, HEAD_DIM // 16)
-        q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_h[None, :], mask=row_ok[:, None], other=0)
-        qsc_ptr = QSC + b.to(tl.int64) * stride_qsb + h.to(tl.int64) * stride_qsh
-        q_sc = tl.load(qsc_ptr + offs_m[:, None] * stride_qsm + offs_s[None, :], mask=row_ok[:, None], other=0.0)
+        q = tl.load(q_ptr + offs_m[:, None] * q_strides[2] + offs_h[None, :], mask=row_ok[:, None], other=0)
+        qsc_ptr = QSC + b.to(tl.int64) * q_sc_strides[0] + h.to(tl.int64) * q_sc_strides[1]
+        q_sc = tl.load(qsc_ptr + offs_m[:, None] * q_sc_strides[2] + offs_s[None, :], mask=row_ok[:, None],
+                       other=0.0)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = tl.load(q_ptr + offs_m[:, None] * q_strides[2] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         q_sc = None
     a_i = tl.load(qs_ptr + offs_m, mask=row_ok, other=0.0) * qk_scale
     # the products' fresh accumulators start from this zero: Triton 3.6 fails to build a
@@ -589,31 +648,30 @@ def attn_fwd_sm100_kernel(
     if PIPELINED:
         skp = tl.cdiv(Sk, BLOCK_N) * BLOCK_N
         if QK_FP4:
-            k_desc = tl.make_tensor_descriptor(k_ptr, [Sk, HEAD_DIM // 2], [stride_kn, 1], [BLOCK_N, HEAD_DIM // 2])
+            k_desc = tl.make_tensor_descriptor(k_ptr, [Sk, HEAD_DIM // 2], [k_strides[2], 1],
+                                               [BLOCK_N, HEAD_DIM // 2])
         else:
-            k_desc = tl.make_tensor_descriptor(k_ptr, [Sk, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM])
+            k_desc = tl.make_tensor_descriptor(k_ptr, [Sk, HEAD_DIM], [k_strides[2], 1], [BLOCK_N, HEAD_DIM])
         if PV_FP4:
-            v_desc = tl.make_tensor_descriptor(v_ptr, [HEAD_DIM, skp // 2], [stride_vd, 1], [HEAD_DIM, BLOCK_N // 2])
+            v_desc = tl.make_tensor_descriptor(v_ptr, [HEAD_DIM, skp // 2], [v_strides[2], 1],
+                                               [HEAD_DIM, BLOCK_N // 2])
         else:
-            v_desc = tl.make_tensor_descriptor(v_ptr, [HEAD_DIM, skp], [stride_vd, 1], [HEAD_DIM, BLOCK_N])
+            v_desc = tl.make_tensor_descriptor(v_ptr, [HEAD_DIM, skp], [v_strides[2], 1], [HEAD_DIM, BLOCK_N])
+    rows = QueryRows(q, q_sc, a_i, zero_m, offs_m, p_ptr, p_strides[2])
+    keys = KeyHead(k_ptr, k_strides[2], ksc_ptr, k_sc_strides[2], ks_ptr, v_ptr, v_strides[2], vsc_ptr,
+                   v_sc_strides[2], kb_ptr, k_desc, v_desc, Sk, causal_offset, full)
+    flags: tl.constexpr = TileFlags(QK_FP4, PV_FP4, HW_CVT, CAUSAL, KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N,
+                                    HEAD_DIM, PIPELINED, P_AFFINE, BF16, TMA)
+    if PIPELINED:
         # one loop (Triton 3.6 fails to build a second loop on the tensor-memory O, in
         # TritonGPUHoistTMEMAlloc, and a plain one after the partitions spills)
         for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True, disallow_acc_multi_buffer=True):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
-                                  kb_ptr, p_ptr, k_desc, v_desc, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
-                                  stride_vd, stride_vsd, stride_pm, full, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL,
-                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, True, P_AFFINE, BF16, TMA)
+            acc, l_i, m_i = _tile(acc, l_i, m_i, rows, keys, start_n, False, flags)
     else:
         for start_n in range(0, full, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
-                                  kb_ptr, p_ptr, k_desc, v_desc, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
-                                  stride_vd, stride_vsd, stride_pm, full, QK_FP4, PV_FP4, HW_CVT, False, CAUSAL,
-                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, False, P_AFFINE, BF16, TMA)
+            acc, l_i, m_i = _tile(acc, l_i, m_i, rows, keys, start_n, False, flags)
         for start_n in range(full, hi, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, q_sc, a_i, zero_m, k_ptr, ksc_ptr, ks_ptr, v_ptr, vsc_ptr,
-                                  kb_ptr, p_ptr, k_desc, v_desc, start_n, offs_m, Sk, causal_offset, stride_kn, stride_ksn,
-                                  stride_vd, stride_vsd, stride_pm, full, QK_FP4, PV_FP4, HW_CVT, True, CAUSAL,
-                                  KEY_BIAS, WRITE_P, BLOCK_M, BLOCK_N, HEAD_DIM, False, P_AFFINE, BF16, TMA)
+            acc, l_i, m_i = _tile(acc, l_i, m_i, rows, keys, start_n, True, flags)
 
     # -- epilogue: 1/l, V's per-channel scale (FP8 V); LSE in natural log (FP8 P's 2**8
     # offset cancels in acc / l and is subtracted from the LSE)
@@ -628,7 +686,7 @@ def attn_fwd_sm100_kernel(
         out = out * vs[None, :]
         lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - (0.0 if BF16 else P_OFFSET_LOG2)
     lse = tl.where(seen, lse2 * 0.6931471805599453, -float("inf"))
-    o_ptr = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    tl.store(o_ptr + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
+    o_ptr = O + b.to(tl.int64) * o_strides[0] + h.to(tl.int64) * o_strides[1]
+    tl.store(o_ptr + offs_m[:, None] * o_strides[2] + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None])
     tl.store(LSE + (b.to(tl.int64) * H + h) * Sq + offs_m, lse, mask=row_ok)

@@ -154,12 +154,8 @@ def _run_triton(plan: ForwardPlan, ops: KernelOperands, scale: float, causal_off
                          "(operands.tma_loadable)")
     attn_fwd_kernel[grid](
         q, k, ops.qs, ops.ks, ops.vt, ops.vs, out, lse, dbg, kb, *descs,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        ops.vt.stride(0), ops.vt.stride(1), ops.vt.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        dbg.stride(0), dbg.stride(1), dbg.stride(2),
-        H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E,
+        q.stride()[:3], k.stride()[:3], ops.vt.stride()[:3], out.stride()[:3], dbg.stride()[:3],
+        (H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E),
         HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=BLOCK_N,
         QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=int(plan.p_mode), CAUSAL=causal_offset is not None,
         WRITE_P=int(write_p), KEY_BIAS=key_bias is not None, P_HW_CVT=cfg.p_hw_cvt,
