@@ -190,7 +190,7 @@ def main(args: argparse.Namespace) -> None:
                      pred.get("predicted_vs_fa4_bf16", pred.get("predicted_vs_sageattention3", "-"))])
     gpu = "an RTX 5090, uncalibrated" if args.arch == "sm_120a" else "a B200"
     print(f"Blackwell builds for {args.arch}: blackwell.forward_triton and the training backward's "
-          f"hopper.backward_triton kernels (compiled here, not run; TFLOP/s predicted for {gpu} by "
+          f"backward_triton kernels (compiled here, not run; TFLOP/s predicted for {gpu} by "
           "dev/cost_model_sm100.py, not measured)\n")
     print(markdown_table(["kernel", *compile_report.MACHINE_CODE_COLUMNS, "instr/elem (softmax)", "bound",
                           "model TFLOP/s", "pred. TFLOP/s",

@@ -103,7 +103,7 @@ def routed_backward_builds() -> list[dict]:
                 continue
             for causal in (False, True):
                 for part in ("dkdv", "dq"):
-                    out.append(dict(kernel=f"hopper.backward_triton.{part}", recipe=name, head_dim=d, causal=causal,
+                    out.append(dict(kernel=f"backward_triton.{part}", recipe=name, head_dim=d, causal=causal,
                                     key_bias=False, part=part, p_mode=P_MODES[r.p, r.p_build] if part == "dkdv" else 0,
                                     qk_fp4=getattr(BLACKWELL_BACKWARD_LAUNCH[d], f"qk_fp4_{part}"), pv_fp4=False))
     return out
@@ -209,7 +209,7 @@ def main(args: argparse.Namespace) -> None:
     verdict = {None: "-", True: "yes", False: "NO"}
     rows = [[kind_of(r), *machine_code_cells(r), verdict[r["fp4_block_scaled"]]] for r in recs]
     print(f"Blackwell builds for {args.arch}: every routed blackwell.forward_triton build and the training "
-          "backward's hopper.backward_triton kernels (compiled here, not run)\n")
+          "backward's backward_triton kernels (compiled here, not run)\n")
     print(markdown_table(["kernel", *MACHINE_CODE_COLUMNS, "FP4 block-scaled"], rows))
     write_json(args.json, {"arch": args.arch, "records": recs})
     bad = failures(recs)
