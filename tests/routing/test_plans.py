@@ -176,6 +176,21 @@ def test_backward_plan_follows_the_launch_table(cuda_builds):
         "hopper.backward_gluon.dkdv + hopper.backward_gluon.dq"
 
 
+def test_plans_follow_a_changed_table_entry(cuda_builds, monkeypatch):
+    """A plan is made once for each call and launch: changing a table's entry (as tests and
+    measurements do) changes the next plan, though plans of the old entry are cached."""
+    gluon, triton_ = BackwardKernel.GLUON, BackwardKernel.TRITON
+    kw = dict(head_dim=128, qk="nvfp4", p_mode=PMode.FP8_EXP2, queries=256, keys=128)
+    assert hopper_backward_plan(**kw).dkdv is gluon
+    monkeypatch.setitem(BACKWARD_LAUNCH, 128, dataclasses.replace(BACKWARD_LAUNCH[128], dkdv_gluon=False))
+    assert (hopper_backward_plan(**kw).dkdv, hopper_backward_plan(**kw).dq) == (triton_, gluon)
+    key = (128, False, True)
+    fwd = dict(head_dim=128, qk_fp8=False, p_mode=PMode.FP8_EXP2, causal=True, keys=1 << 16)
+    assert hopper_forward_plan(**fwd).kernel is ForwardKernel.CUDA
+    monkeypatch.setitem(FORWARD_LAUNCH, key, dataclasses.replace(FORWARD_LAUNCH[key], cuda_from_keys=()))
+    assert hopper_forward_plan(**fwd).kernel is not ForwardKernel.CUDA
+
+
 def test_variant_codes_are_named():
     """The launch tables' variant codes are enums (P modes, WSOverlap, DkdvStaged); a
     plain code reads as its member, one that names no variant is refused."""
