@@ -146,7 +146,7 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
     records after each shape, so a cut-short run keeps what it measured."""
     from fp4attn import KVCache, decode
     from fp4attn.kernels.hopper.decode_op import hopper_append, hopper_decode
-    from fp4attn.tools.benchmark import graph_ms, time_ms
+    from fp4attn.tools.benchmark import calls_ms, graph_ms, time_ms
 
     copy_bps = copy_bandwidth()
     print(f"device-to-device copy: {copy_bps / 1e12:.2f} TB/s (read + write, {COPY_BYTES >> 30} GiB)")
@@ -162,11 +162,11 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
             f = _sdpa_decode(impl)
             try:
                 ms = time_ms(lambda: f(q, k, v))
-                g_ms = graph_ms(lambda: f(q, k, v))
+                g_ms, c_ms = graph_ms(lambda: f(q, k, v)), calls_ms(lambda: f(q, k, v))
             except RuntimeError as e:  # a backend that refuses the shape is a result, not a crash
                 print(f"{impl} at {shape}: not run ({str(e).splitlines()[0][:120]})")
                 continue
-            timed.append(dict(impl=impl, format="bf16", launch="sdpa", ms=ms, graph_ms=g_ms, bytes=2 * k.numel() * 2,
+            timed.append(dict(impl=impl, format="bf16", launch="sdpa", ms=ms, graph_ms=g_ms, calls_ms=c_ms, bytes=2 * k.numel() * 2,
                               cos=1.0))
         for fmt in formats:
             cache = KVCache(B, Hkv, D, L + 16, k_format=fmt, device="cuda")
@@ -184,10 +184,10 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
                     continue
                 def call(launch=launch):
                     return hopper_decode(q, cache, scale=D**-0.5, causal=True, launch=launch)
-                ms, g_ms = time_ms(call), graph_ms(call)
+                ms, g_ms, c_ms = time_ms(call), graph_ms(call), calls_ms(call)
                 name = "table" if launch is None else f"{launch.block_n},{launch.warps},{launch.stages}," \
                     f"{launch.programs_per_sm},{int(launch.asm)},{launch.splits}" if not launch.kernel else launch.kernel
-                timed.append(dict(impl=f"fp4attn-{fmt}", format=fmt, launch=name, ms=ms, graph_ms=g_ms,
+                timed.append(dict(impl=f"fp4attn-{fmt}", format=fmt, launch=name, ms=ms, graph_ms=g_ms, calls_ms=c_ms,
                                   bytes=cache_bytes, cos=cos_exact))
             # the append of one token per sequence (a step's write), on a copy at the same length
             kn, vn = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
@@ -236,10 +236,11 @@ def format_table(records: list[dict]) -> str:
         rows.append([f"{r['B']},{r['Hq']},{r['Hkv']},{r['L']},{r['D']}", r["impl"], r["launch"], f"{r['ms'] * 1e3:.1f}",
                      "-" if r["speedup_vs_sdpa"] is None else f"{r['speedup_vs_sdpa']:.2f}x",
                      f"{r['graph_ms'] * 1e3:.1f}" if graph else "-",
+                     f"{r['calls_ms'] / r['graph_ms']:.2f}" if graph and r.get("calls_ms") else "-",
                      f"{r['graph_speedup_vs_sdpa']:.2f}x" if graph else "-",
                      f"{r['graph_bw_frac_copy']:.2f}" if graph else "-",
                      "-" if r["cos"] is None else f"{r['cos']:.4f}"])
-    return markdown_table(["B,Hq,Hkv,L,D", "impl", "launch", "us", "vs SDPA", "graph us", "graph vs SDPA",
+    return markdown_table(["B,Hq,Hkv,L,D", "impl", "launch", "us", "vs SDPA", "graph us", "eager/graph", "graph vs SDPA",
                            "graph of copy", "cos vs bf16"], rows)
 
 

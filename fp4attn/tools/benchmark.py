@@ -25,6 +25,20 @@ def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def calls_ms(fn, calls: int = 20) -> float:
+    """Time per call of `calls` eager calls back to back (median of `do_bench` over groups,
+    divided by `calls`), the L2 flushed before each group as `graph_ms` flushes it before each
+    replay: against `graph_ms`, the host's launch cost alone (a call whose operands fit the
+    L2 reads them from it in both, where `time_ms`, flushing before every call, does not)."""
+    import triton
+
+    def group():
+        for _ in range(calls):
+            fn()
+
+    return triton.testing.do_bench(group, warmup=10, rep=100, return_mode="median") / calls
+
+
 def graph_ms(fn, calls: int = 20) -> float:
     """Device time per call of `fn` replayed from a CUDA graph of `calls` calls (median of
     `do_bench` over replays, divided by `calls`): the kernels' time with no host launch
