@@ -13,7 +13,12 @@ there as `fp4attn.explain` says (with FP4ATTN_TARGET naming the GPU to act as):
   exact in float32, and the sums are float32's, as the tensor cores');
 - e4m3 (`tl.float8e4nv`) casts of NaN: the interpreter's bit conversion makes a float NaN
   the byte 0x7C (384) and reads 0x7F (e4m3's NaN) as 480; here NaN stays NaN both ways,
-  as torch and the GPU convert it (0x7F, 0xFF with the sign).
+  as torch and the GPU convert it (0x7F, 0xFF with the sign);
+- NaN where the GPU's instructions differ from NumPy's: `tl.minimum`/`tl.maximum`
+  without `propagate_nan` are PTX min.f32/max.f32, which return the other
+  operand where one is NaN (NumPy's minimum/maximum return the NaN); float-to-integer
+  casts are cvt.rzi, which make NaN 0 and saturate out-of-range values (NumPy's are
+  undefined there). A kernel that loses a NaN on the GPU loses it here too.
 
 The interpreter's values are not the GPU's (its fp8 casts of values between grid points
 round wrongly; the kernels round on the bits there, `HW_CVT` off): it checks indexing,
@@ -111,5 +116,19 @@ def apply() -> bool:
         return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     interpreter.InterpreterBuilder.create_dot = _create_dot
+
+    builder = interpreter.InterpreterBuilder
+    builder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)
+    builder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
+
+    def _create_fp_to_si(self, src, dst_type):
+        info = np.iinfo(interpreter._get_np_dtype(dst_type))
+        x = np.trunc(src.data.astype(np.float64))
+        inside = (x > info.min) & (x < info.max)  # False for NaN
+        data = np.where(inside, np.where(inside, x, 0).astype(info.dtype),
+                        np.where(x >= info.max, info.max, np.where(x <= info.min, info.min, 0)).astype(info.dtype))
+        return interpreter.TensorHandle(data, dst_type.scalar)
+
+    builder.create_fp_to_si = _create_fp_to_si
     _APPLIED = True
     return True

@@ -1,7 +1,9 @@
 """What the package puts in place under the Triton interpreter (`fp4attn.kernels.
 interpreter_compat`, applied on importing `fp4attn.kernels`): loop bounds held as arrays
 (NumPy >= 2.3), libdevice's rounded operations, bf16 `tl.dot` operands decoded from their
-bits, and e4m3 casts that keep NaN both ways, as torch and the GPU convert it."""
+bits, e4m3 casts that keep NaN both ways, as torch and the GPU convert it, and the GPU's NaN
+rules where NumPy's differ (min/max without `propagate_nan` return the other operand;
+float-to-integer casts make NaN 0 and saturate)."""
 
 import textwrap
 
@@ -65,6 +67,23 @@ SCRIPT = textwrap.dedent('''
     nan = torch.isnan(wanty)
     assert torch.equal(torch.isnan(y), nan) and torch.equal(y[~nan], wanty[~nan]), (y, wanty)
     assert torch.equal(torch.isnan(w), torch.isnan(vals)) and torch.equal(w[~torch.isnan(w)], vals[~torch.isnan(vals)])
+
+    @triton.jit
+    def nan_rules(X, LO, HI, LO_ALL, I, N: tl.constexpr):
+        x = tl.load(X + tl.arange(0, N))
+        tl.store(LO + tl.arange(0, N), tl.minimum(x, 1.0))  # PTX min.f32: NaN gives the other
+        tl.store(HI + tl.arange(0, N), tl.maximum(x, -1.0))
+        tl.store(LO_ALL + tl.arange(0, N), tl.minimum(x, 1.0, propagate_nan=tl.PropagateNan.ALL))
+        tl.store(I + tl.arange(0, N), x.to(tl.int32))  # cvt.rzi.s32.f32: NaN 0, saturating
+
+    x = torch.tensor([float("nan"), 3.0, -3.0, float("inf"), -float("inf"), 3e10, -3e10, -2.75])
+    lo, hi, lo_all, i = torch.empty(8), torch.empty(8), torch.empty(8), torch.empty(8, dtype=torch.int32)
+    nan_rules[(1,)](x, lo, hi, lo_all, i, N=8)
+    nan = torch.isnan(x)
+    assert torch.equal(lo, torch.where(nan, 1.0, torch.clamp(x, max=1.0))), lo
+    assert torch.equal(hi, torch.where(nan, -1.0, torch.clamp(x, min=-1.0))), hi
+    assert torch.isnan(lo_all[0]) and torch.equal(lo_all[1:], lo[1:])
+    assert i.tolist() == [0, 3, -3, 2**31 - 1, -2**31, 2**31 - 1, -2**31, -2], i
     print("ok")
 ''')
 
