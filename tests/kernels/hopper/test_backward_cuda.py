@@ -100,7 +100,8 @@ def test_matches_routed_kernels(B, H, Hkv, Sq, Sk, D, off, causal):
     for name, a, b in zip(("dq", "dk", "dv"), new, ref):
         m = error_metrics(a.float(), b.float())
         # measured 1e-7 to 2e-5 (H100): float32 summation order only
-        assert m["rel_l2"] < 1e-4, (name, m)
+        assert m["rel_l2"] < 1e-4, (name, m, routing.hopper_backward_plan(head_dim=D, qk="fp8", p_mode=0, queries=Sq,
+                                                                         keys=Sk).name)
 
 
 @pytest.mark.gpu
@@ -112,8 +113,12 @@ def test_nan_reaches_only_what_it_feeds():
     ops, lse, scale = _operands(2, 2, 2, 256, 256, 64, 0, True, nan_at=(0, 0, 200, 3))
     ref = train_op.launch_backward(ops, lse, "fp8", "exp2", 0, True, scale)
     new = backward_cuda.launch_backward_cuda(ops, lse, 0, True, scale)
-    for a, b in zip(new, ref):
-        assert torch.equal(torch.isnan(a), torch.isnan(b))
+    plan = routing.hopper_backward_plan(head_dim=64, qk="fp8", p_mode=0, queries=256, keys=256).name
+    for name, a, b in zip(("dq", "dk", "dv"), new, ref):
+        na, nb = torch.isnan(a), torch.isnan(b)
+        assert torch.equal(na, nb), (name, plan, f"NaN in the CUDA kernel's only {int((na & ~nb).sum())}, in the "
+                                     f"routed kernels' only {int((nb & ~na).sum())}; per (batch, head): CUDA "
+                                     f"{na.flatten(2).any(-1).tolist()}, routed {nb.flatten(2).any(-1).tolist()}")
     dq = new[0]
     assert not torch.isnan(dq[1]).any() and not torch.isnan(dq[0, 1]).any()  # other batch item and head
     assert not torch.isnan(dq[0, 0, :200]).any()
