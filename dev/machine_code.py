@@ -144,7 +144,7 @@ def _pointers_and(sig: dict, lengths=()) -> list[str]:
     """The pointer arguments of `sig` and the integers `lengths`: what the JIT
     specializes as multiples of 16 on a launch with torch tensors (16-byte aligned) and
     lengths that are multiples of 16, as at the bench shapes."""
-    return [n for n, t in sig.items() if t.startswith("*") or n in lengths]
+    return [n for n, t in sig.items() if isinstance(t, str) and t.startswith("*") or n in lengths]
 
 
 def _divisibility(sig: dict, aligned: list) -> dict:
@@ -212,12 +212,11 @@ def compile_forward_ws(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p
     qk = torch.float8_e4m3fn if qk_fp8 else torch.bfloat16
     sig = {"q_desc": _desc_sig(qk, [BLOCK_M, head_dim]), "k_desc": _desc_sig(qk, [BLOCK_N, head_dim]),
            "v_desc": _desc_sig(torch.float8_e4m3fn, [head_dim, BLOCK_N]), "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
-           "O": "*bf16", "LSE": "*fp32", **{n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")},
-           "qk_scale": "fp32"}
+           "O": "*bf16", "LSE": "*fp32", "call": call_signature()}
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal,
                   P_HW_CVT=p_hw_cvt, STAGES=stages, OVERLAP=overlap)
     src = GluonASTSource(fp.attn_fwd_ws_kernel, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
-                         attrs=_divisibility(sig, _pointers_and(sig, tuple(lengths))))
+                         attrs=_divisibility(sig, [*_pointers_and(sig), *(("call", CALL.index(n)) for n in lengths)]))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128),
                           options=dict(num_warps=fp.WS_WARPS, maxnreg=fp.WS_MAXNREG))
 

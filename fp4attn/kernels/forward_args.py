@@ -1,4 +1,5 @@
-"""How the Hopper and Blackwell Triton forwards take their arguments in bundles.
+"""How the Hopper and Blackwell Triton forwards (and the Hopper Gluon warp-specialized
+forward, whose operands are TMA descriptors) take their arguments in bundles.
 
 Each tensor's strides are one tuple, (batch, head, row) or (batch, head, channel) (the
 last dim is contiguous), and the per-call scalars are one tuple, `call` (`CALL`). The

@@ -266,15 +266,16 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_emp
 
 @gluon.jit
 def attn_fwd_ws_kernel(
-    q_desc, k_desc, v_desc, QS, KS, VS, O, LSE,
-    H, GROUP, Sq, Sk, causal_offset, qk_scale,
+    q_desc, k_desc, v_desc, QS, KS, VS, O, LSE, call,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     QK_FP8: gl.constexpr, P_MODE: gl.constexpr, CAUSAL: gl.constexpr, P_HW_CVT: gl.constexpr,
     STAGES: gl.constexpr = 2, OVERLAP: gl.constexpr = WSOverlap.BESIDE_PV.value,
 ):
     """Warp-specialized forward: a producer warp keeps `STAGES`-deep K and V^T rings
     full; the consumer warpgroup (the default partition, BLOCK_M = 64 rows) never issues a
-    copy or waits at a CTA barrier."""
+    copy or waits at a CTA barrier. `call`: the Triton forward's per-call scalars
+    (`forward_args.CALL`)."""
+    H, GROUP, Sq, Sk, causal_offset, qk_scale = call
     gl.static_assert(BLOCK_M == 64)  # one consumer warpgroup, wgmma's 64 rows
     gl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles
     gl.static_assert(gl.num_warps() == BLOCK_M // 16)
@@ -339,8 +340,8 @@ def launch_forward_ws(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, BLOCK_M), B * H)
     descs = (tma_descriptor(q2, [BLOCK_M, D]), tma_descriptor(k2, [BLOCK_N, D]), tma_descriptor(v2, [D, BLOCK_N]))
-    attn_fwd_ws_kernel[grid](*descs, ops.qs, ops.ks, ops.vs, out, lse, H, H // Hkv, Sq, Sk, causal_offset or 0,
-                             scale * LOG2E, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    attn_fwd_ws_kernel[grid](*descs, ops.qs, ops.ks, ops.vs, out, lse,
+                             (H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E), HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                              QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=int(p_mode),
                              CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt, STAGES=stages,
                              OVERLAP=WSOverlap(overlap).value, num_warps=WS_WARPS,
