@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 
 from fp4attn.routing import capability
-from fp4attn.routing.hopper_tables import BackwardLaunch, backward_launch
+from fp4attn.routing.hopper_tables import _BACKWARD_OVERRIDE, BACKWARD_LAUNCH, BackwardLaunch, backward_launch
 from fp4attn.routing.variants import P_MODE_AFFINE_TRAINED, PMode, Variant, _mode_name
 
 # The Q/K formats whose backward the Gluon kernels run: NVFP4 (one tensor scale per head
@@ -166,16 +166,17 @@ def hopper_backward_plan(*, head_dim: int, qk: str, p_mode: int, queries: int | 
     interpreter. The CUDA C++ backward where the launch asks for it and it takes the call
     (`use_cuda_backward`); else dK/dV and dQ each on its Gluon kernel where the launch
     and the call allow it (`backward_gluon_kernels`), else on its Triton kernel."""
-    # made once for each distinct call and launch (the table's entry or the override: a
-    # changed table entry makes a new plan)
-    return _hopper_backward_plan(head_dim, qk, p_mode, queries, keys, on_cuda, tiles_tma,
-                                 backward_launch(head_dim, interpreter),
+    # made once for each distinct call, launch override and table version (a changed entry
+    # makes new plans)
+    return _hopper_backward_plan(head_dim, qk, p_mode, queries, keys, on_cuda, tiles_tma, interpreter,
+                                 _BACKWARD_OVERRIDE.get(), BACKWARD_LAUNCH.version,
                                  capability.cuda_kernels_unavailable() if on_cuda else None)
 
 
 @functools.lru_cache(maxsize=4096)
-def _hopper_backward_plan(head_dim, qk, p_mode, queries, keys, on_cuda, tiles_tma, launch: BackwardLaunch,
-                          unavailable) -> BackwardPlan:
+def _hopper_backward_plan(head_dim, qk, p_mode, queries, keys, on_cuda, tiles_tma, interpreter, override,
+                          table_version, unavailable) -> BackwardPlan:
+    launch = backward_launch(head_dim, interpreter)  # `override` and `table_version`: its cache key
     mode = PMode(p_mode)
     known = queries is not None and keys is not None
     call = dict(launch=launch, p_mode=mode, row_scales=qk == "fp8", lengths_known=known)

@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass
 
 from fp4attn.routing import capability
-from fp4attn.routing.hopper_tables import ForwardLaunch, forward_launch
+from fp4attn.routing.hopper_tables import _FORWARD_OVERRIDE, FORWARD_LAUNCH, ForwardLaunch, forward_launch
 from fp4attn.routing.variants import GLUON_P_MODES, PMode, Variant, _mode_name
 
 
@@ -130,17 +130,18 @@ def hopper_forward_plan(*, head_dim: int, qk_fp8: bool, p_mode: int, causal: boo
     interpreter. In order: the CUDA C++ kernel where the launch's `cuda_from_keys` reaches
     (`use_cuda_forward`), the Gluon warp-specialized kernel where the launch asks for it
     and the call allows it, else the Triton kernel."""
-    # a pure function of these, the launch (the table's entry or the override, itself a key:
-    # a changed table entry makes a new plan) and the probe's answer: made once for each
-    # distinct call (host time at every launch)
+    # a pure function of these, the launch override, the table's version (a changed entry
+    # makes new plans) and the probe's answer: made once for each distinct call (host time
+    # at every launch)
     return _hopper_forward_plan(head_dim, qk_fp8, p_mode, causal, keys, queries, key_bias, write_p, training,
-                                on_cuda, kv_tma, q_contiguous, forward_launch(head_dim, qk_fp8, causal, interpreter),
-                                capability.cuda_kernels_unavailable() if on_cuda else None)
+                                on_cuda, kv_tma, q_contiguous, interpreter, _FORWARD_OVERRIDE.get(),
+                                FORWARD_LAUNCH.version, capability.cuda_kernels_unavailable() if on_cuda else None)
 
 
 @functools.lru_cache(maxsize=4096)
 def _hopper_forward_plan(head_dim, qk_fp8, p_mode, causal, keys, queries, key_bias, write_p, training, on_cuda,
-                         kv_tma, q_contiguous, launch: ForwardLaunch, unavailable) -> ForwardPlan:
+                         kv_tma, q_contiguous, interpreter, override, table_version, unavailable) -> ForwardPlan:
+    launch = forward_launch(head_dim, qk_fp8, causal, interpreter)  # `override` and `table_version`: its cache key
     mode = PMode(p_mode)
     call = dict(launch=launch, p_mode=mode, causal=causal, key_bias=key_bias, write_p=write_p, training=training)
     not_cuda = _cuda_forward_refusal(launch, mode, keys, on_cuda, training, queries, write_p, unavailable)
