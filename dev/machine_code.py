@@ -21,8 +21,8 @@ from triton.compiler import ASTSource
 
 from fp4attn.cli.blackwell_machine_code import divisibility
 from fp4attn.kernels.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
-from fp4attn.kernels.forward_args import CALL, call_signature
 from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
+from fp4attn.kernels.kernel_args import BACKWARD_CALL, CALL, call_signature
 
 _POINTERS = ("Q", "K", "QS", "KS", "VT", "VS", "O", "LSE", "P_DBG", "KB")
 # the forward's stride tuples, (batch, head, row) of each tensor
@@ -255,9 +255,9 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
         consts["TMA"] = True
     if row_scales:
         consts["ROW_SCALES"] = True
-    sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")})
-    sig.update(qk_scale="fp32", sm_scale="fp32")
-    aligned = [n for n in ptrs if sig[n].startswith("*")] + (list(_LENGTHS) if lengths_div16 else [])
+    sig["call"] = call_signature(BACKWARD_CALL)
+    aligned = [n for n in ptrs if sig[n].startswith("*")] + \
+        ([("call", BACKWARD_CALL.index(n)) for n in _LENGTHS] if lengths_div16 else [])
     return _compile_sm90(fn, sig, consts, aligned, num_warps, num_stages)
 
 
@@ -375,12 +375,13 @@ def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part
         sig = {"q_desc": desc(bf16, token), "k_desc": desc(bf16, token), "do_t_desc": desc(e4m3, token),
                "v_desc": desc(e4m3, token), "k_c_desc": desc(e4m3, channel),
                **{n: "*fp32" for n in ("QS", "KS", "LSE", "DELTA", "DO_TS", "V_TS", "K_CS")}, "DQ": "*bf16"}
-    sig.update({n: "i32" for n in ("H", "GROUP", "Sq", "Sk", "causal_offset")}, qk_scale="fp32", sm_scale="fp32")
+    sig["call"] = call_signature(BACKWARD_CALL)
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=bp.BLOCK, BLOCK_N=bp.BLOCK, CAUSAL=causal)
     if part == "dkdv":
         consts.update(IN_FLIGHT=in_flight, STAGED=staged)
     if row_scales:  # (left out otherwise: the NVFP4 builds' cache keys and sources as before)
         consts["ROW_SCALES"] = True
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
-                         attrs=_divisibility(sig, _pointers_and(sig, ("H", "Sq", "Sk"))))
+                         attrs=_divisibility(sig, [*_pointers_and(sig),
+                                                   *(("call", BACKWARD_CALL.index(n)) for n in ("H", "Sq", "Sk"))]))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=maxnreg))

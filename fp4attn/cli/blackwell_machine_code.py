@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fp4attn.kernels.blackwell.forward_triton import attn_fwd_sm100_kernel
-from fp4attn.kernels.forward_args import CALL, call_signature
+from fp4attn.kernels.kernel_args import BACKWARD_CALL, CALL, call_signature
 
 ARCHS = {"sm_100a": 100, "sm_103a": 103, "sm_120a": 120}
 # Triton's bundled CUDA tools (ptxas-blackwell, cuobjdump)
@@ -130,7 +130,6 @@ def inspect(kernel, arch: str = "sm_100a") -> BlackwellReport:
 # ---------------------------------------------------------------------------- training backward
 _BWD_FP8 = ("DO_T", "DO_C", "V_T", "Q_C", "K_C")
 _BWD_BF16 = ("DK", "DV", "DQ")  # bf16 gradients out
-_BWD_INTS = ("H", "GROUP", "Sq", "Sk", "causal_offset")
 
 
 def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0, arch: str = "sm_100a",
@@ -170,13 +169,12 @@ def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0,
         elif n in ("QSC", "KSC") and not qk_fp4:
             sig[n] = "constexpr"
             consts[n] = None
-        elif n in _BWD_INTS:
-            sig[n] = "i32"
-        elif n in ("qk_scale", "sm_scale"):
-            sig[n] = "fp32"
+        elif n == "call":
+            sig[n] = call_signature(BACKWARD_CALL)
         else:
             sig[n] = qk.get(n) or ("*fp8e4nv" if n in _BWD_FP8 else "*bf16" if n in _BWD_BF16 else "*fp32")
-    aligned = [n for n, t in sig.items() if t.startswith("*") or n in LENGTHS]
+    aligned = [*(n for n, t in sig.items() if isinstance(t, str) and t.startswith("*")),
+               *(("call", BACKWARD_CALL.index(n)) for n in LENGTHS)]
     consts = {k: v for k, v in consts.items() if k in sig}
     src = ASTSource(fn, sig, constexprs=consts, attrs=divisibility(sig, aligned))
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),

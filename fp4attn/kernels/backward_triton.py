@@ -312,8 +312,7 @@ def causal_query_tiles(start_n, Sq, causal_offset, CAUSAL: tl.constexpr, BLOCK_M
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, V_T, V_TS, Q_C, Q_CS, DK, DV,
-    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
+    Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, DO_C, DO_CS, V_T, V_TS, Q_C, Q_CS, DK, DV, call,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False,
     ROW_SCALES: tl.constexpr = False, QK_FP4: tl.constexpr = False, QSC=None, KSC=None,
@@ -331,6 +330,7 @@ def attn_bwd_dkdv_kernel(
     Sq is a multiple of BLOCK_M. QK_FP4: Q and K are NVFP4 codes with their block scales
     QSC and KSC, as `attn_bwd_dq_kernel`'s, and each step takes two query tiles
     (`_dkdv_tiles_fp4`); BLOCK_M 64."""
+    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale = call  # `kernel_args.BACKWARD_CALL`
     tl.static_assert(not QK_FP4 or not (TMA or ROW_SCALES), "QK_FP4: NVFP4 payloads by pointer loads, one scale a head")
     tl.static_assert(not QK_FP4 or 2 * BLOCK_M == 128, "QK_FP4: tcgen05's block-scaled MMA has 128 rows")
     start_n = tl.program_id(0) * BLOCK_N
@@ -426,8 +426,7 @@ def _dq_tile(dq, q, q_scale, k_scale, lse2, delta, do_t, do_s, offs_m, start_n, 
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, V_T, V_TS, K_C, K_CS, DQ,
-    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
+    Q, K, QS, KS, LSE, DELTA, DO_T, DO_TS, V_T, V_TS, K_C, K_CS, DQ, call,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HW_CVT: tl.constexpr = True, TMA: tl.constexpr = False, ROW_SCALES: tl.constexpr = False,
     QK_FP4: tl.constexpr = False, QSC=None, KSC=None, P_MODE: tl.constexpr = 0,
@@ -440,6 +439,7 @@ def attn_bwd_dq_kernel(
     QS and KS their tensor scales per head; pointer loads, BLOCK_M 128. P_MODE: 6 (trained
     affine FP8 P) rebuilds P by the affine map (`p_fp8_affine_rebuilt`), any other by
     exp2 (dS takes the unrounded P there)."""
+    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale = call  # `kernel_args.BACKWARD_CALL`
     tl.static_assert(not QK_FP4 or not (TMA or ROW_SCALES), "QK_FP4: NVFP4 payloads by pointer loads, one scale a head")
     tl.static_assert(not QK_FP4 or BLOCK_M == 128, "QK_FP4: tcgen05's block-scaled MMA has 128 rows")
     start_m = tl.program_id(0) * BLOCK_M

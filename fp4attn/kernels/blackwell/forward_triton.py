@@ -604,7 +604,7 @@ def attn_fwd_sm100_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Sq
 
-    # (written out, not shared with the Hopper forward: `forward_args`)
+    # (written out, not shared with the Hopper forward: `kernel_args`)
     k_ptr = K + b.to(tl.int64) * k_strides[0] + hk.to(tl.int64) * k_strides[1]
     ksc_ptr = KSC + b.to(tl.int64) * k_sc_strides[0] + hk.to(tl.int64) * k_sc_strides[1]
     v_ptr = V + b.to(tl.int64) * v_strides[0] + hk.to(tl.int64) * v_strides[1]

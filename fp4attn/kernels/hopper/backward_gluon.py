@@ -258,8 +258,7 @@ def _product(a, b_smem, zero):
 @gluon.jit
 def attn_bwd_dkdv_pipelined_kernel(
     q_desc, k_desc, do_t_desc, do_c_desc, v_desc, q_c_desc,
-    QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV,
-    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
+    QS, KS, LSE, DELTA, DO_TS, DO_CS, V_TS, Q_CS, DK, DV, call,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     IN_FLIGHT: gl.constexpr = 1, STAGED: gl.constexpr = DkdvStaged.TOGETHER.value,
     ROW_SCALES: gl.constexpr = False,
@@ -290,6 +289,7 @@ def attn_bwd_dkdv_pipelined_kernel(
     S^T's rows, and a tile's query scales are an eighth per-query number, a tile ahead
     (TOGETHER stores them times scale * log2 e with the others, ASYNC_AHEAD copies them and
     multiplies after the read: the same rounded product)."""
+    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale = call  # `kernel_args.BACKWARD_CALL`
     gl.static_assert(BLOCK_N == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_M == 64)  # dS's scale block along the queries (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
@@ -497,8 +497,7 @@ def _issue_scores(j, q_smem, do_t_smem, k_smem, v_smem, ready, s_zero, dp_zero):
 @gluon.jit
 def attn_bwd_dq_pipelined_kernel(
     q_desc, k_desc, do_t_desc, v_desc, k_c_desc,
-    QS, KS, LSE, DELTA, DO_TS, V_TS, K_CS, DQ,
-    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale,
+    QS, KS, LSE, DELTA, DO_TS, V_TS, K_CS, DQ, call,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     ROW_SCALES: gl.constexpr = False,
 ):
@@ -517,6 +516,7 @@ def attn_bwd_dq_pipelined_kernel(
     (per-token FP8 Q/K, QS (B, H, Sq) and KS (B, Hkv, Sk)): the program's query scales,
     times scale * log2 e, are loaded once, and each key tile's scales a tile ahead, as
     V's, where NVFP4 has the heads' two tensor scales (the Triton kernel's ROW_SCALES)."""
+    H, GROUP, Sq, Sk, causal_offset, qk_scale, sm_scale = call  # `kernel_args.BACKWARD_CALL`
     gl.static_assert(BLOCK_M == 64)  # one warpgroup's wgmma rows
     gl.static_assert(BLOCK_N == 64)  # dS's scale block along the keys (DS_BLOCK)
     gl.static_assert(gl.num_warps() == 4)
@@ -655,7 +655,7 @@ def launch_dkdv_gluon(descs, qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs, dk, d
     H, Sq = lse.shape[1], lse.shape[2]
     attn_bwd_dkdv_pipelined_kernel[(triton.cdiv(Sk, BLOCK), B * Hkv)](
         *(descs[n] for n in ("q", "k", "do_t", "do_c", "v_t", "q_c")), qs, ks, lse, delta, do_ts, do_cs, v_ts, q_cs,
-        dk, dv, H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+        dk, dv, (H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale), HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
         CAUSAL=causal, IN_FLIGHT=in_flight, STAGED=DkdvStaged(staged).value, ROW_SCALES=row_scales, num_warps=4,
         maxnreg=maxnreg)
 
@@ -670,5 +670,5 @@ def launch_dq_gluon(descs, qs, ks, lse, delta, do_ts, v_ts, k_cs, dq, causal_off
     Hkv, Sk = v_ts.shape[1], v_ts.shape[2]
     attn_bwd_dq_pipelined_kernel[(triton.cdiv(Sq, BLOCK), B * H)](
         *(descs[n] for n in ("q", "k", "do_t", "v_t", "k_c")), qs, ks, lse, delta, do_ts, v_ts, k_cs, dq,
-        H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale, HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
+        (H, H // Hkv, Sq, Sk, causal_offset, scale * LOG2E, scale), HEAD_DIM=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK,
         CAUSAL=causal, ROW_SCALES=row_scales, num_warps=4, maxnreg=maxnreg)

@@ -274,7 +274,7 @@ def attn_fwd_ws_kernel(
     """Warp-specialized forward: a producer warp keeps `STAGES`-deep K and V^T rings
     full; the consumer warpgroup (the default partition, BLOCK_M = 64 rows) never issues a
     copy or waits at a CTA barrier. `call`: the Triton forward's per-call scalars
-    (`forward_args.CALL`)."""
+    (`kernel_args.CALL`)."""
     H, GROUP, Sq, Sk, causal_offset, qk_scale = call
     gl.static_assert(BLOCK_M == 64)  # one consumer warpgroup, wgmma's 64 rows
     gl.static_assert(BLOCK_N % 32 == 0)  # MXFP4 P blocks of 32 keys never straddle tiles

@@ -187,7 +187,7 @@ def attn_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
 
-    # (written out, not shared with the Blackwell forward: `forward_args`)
+    # (written out, not shared with the Blackwell forward: `kernel_args`)
     q_ptr = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]
     k_ptr = K + b.to(tl.int64) * k_strides[0] + hk.to(tl.int64) * k_strides[1]
     vt_ptr = VT + b.to(tl.int64) * vt_strides[0] + hk.to(tl.int64) * vt_strides[1]

@@ -397,7 +397,7 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
         q_s, k_s = (dkdv_fp4.pop("Q"), dkdv_fp4.pop("K")) if dkdv_fp4 else (tiles["Q"], kv)
         attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_n_dkdv), B * Hkv)](
             q_s, k_s, qs, ks, lse, delta, tiles["DO_T"], do_ts, tiles["DO_C"], do_cs, v_t, v_ts, tiles["Q_C"],
-            q_cs, dk, dv, H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
+            q_cs, dk, dv, (H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale),
             HEAD_DIM=D, BLOCK_M=DS_BLOCK, BLOCK_N=cfg.block_n_dkdv, P_MODE=int(plan.p_mode), CAUSAL=causal,
             HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, num_warps=cfg.warps_dkdv,
             num_stages=cfg.stages_dkdv, **dkdv_fp4)
@@ -409,7 +409,7 @@ def launch_backward(ops: BackwardOperands, lse, p, p_build, causal_offset, causa
     q_s, k_s = (dq_fp4.pop("Q"), dq_fp4.pop("K")) if dq_fp4 else (qv, tiles["K"])
     attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_m_dq), B * H)](
         q_s, k_s, qs, ks, lse, delta, do_t, do_ts, tiles["V_T"], v_ts, tiles["K_C"], k_cs, dq,
-        H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale,
+        (H, H // Hkv, Sq, Sk, off, scale * LOG2E, scale),
         HEAD_DIM=D, BLOCK_M=cfg.block_m_dq, BLOCK_N=DS_BLOCK, CAUSAL=causal,
         HW_CVT=cfg.hw_cvt, TMA=descs is not None, ROW_SCALES=row_scales, P_MODE=int(plan.p_mode),
         num_warps=cfg.warps_dq, num_stages=cfg.stages_dq, **dq_fp4)

@@ -1,8 +1,11 @@
-"""How the Hopper and Blackwell Triton forwards (and the Hopper Gluon warp-specialized
-forward, whose operands are TMA descriptors) take their arguments in bundles.
+"""How the kernels take their arguments in bundles: the Hopper and Blackwell Triton
+forwards, the Hopper Gluon warp-specialized forward and the training backward's Triton
+and Gluon kernels.
 
-Each tensor's strides are one tuple, (batch, head, row) or (batch, head, channel) (the
-last dim is contiguous), and the per-call scalars are one tuple, `call` (`CALL`). The
+The per-call scalars are one tuple, `call` (`CALL` for the forwards, `BACKWARD_CALL` for
+the backward's kernels), and in the Triton forwards each tensor's strides are one tuple,
+(batch, head, row) or (batch, head, channel) (the last dim is contiguous; the other
+kernels read contiguous tensors or TMA descriptors). The
 JIT specializes every integer of a tuple as it does a lone argument (1 becomes a
 constant, a multiple of 16 is known as one), and the flattened parameters stay the same
 list in the same order, so the kernels compile to the machine code they had with one
@@ -21,8 +24,10 @@ sm_90 builds; written out, ptxas reads the PTX it read before but for line numbe
 # query heads per K/V head, the query and key counts, the causal diagonal's offset and
 # softmax_scale * log2 e
 CALL = ("H", "GROUP", "Sq", "Sk", "causal_offset", "qk_scale")
+# the training backward's: the forward's, then softmax_scale itself (dS's factor)
+BACKWARD_CALL = (*CALL, "sm_scale")
 
 
-def call_signature() -> tuple[str, ...]:
+def call_signature(names: tuple[str, ...] = CALL) -> tuple[str, ...]:
     """The `call` tuple's types as the JIT gives them (for a build without a launch)."""
-    return tuple("fp32" if n == "qk_scale" else "i32" for n in CALL)
+    return tuple("fp32" if n in ("qk_scale", "sm_scale") else "i32" for n in names)
