@@ -166,8 +166,8 @@ def run_bench(shapes, formats, launches, partial: Path | None = None, check: boo
             except RuntimeError as e:  # a backend that refuses the shape is a result, not a crash
                 print(f"{impl} at {shape}: not run ({str(e).splitlines()[0][:120]})")
                 continue
-            timed.append(dict(impl=impl, format="bf16", launch="sdpa", ms=ms, graph_ms=g_ms, calls_ms=c_ms, bytes=2 * k.numel() * 2,
-                              cos=1.0))
+            timed.append(dict(impl=impl, format="bf16", launch="sdpa", ms=ms, graph_ms=g_ms, calls_ms=c_ms,
+                              bytes=2 * k.numel() * 2, cos=1.0))
         for fmt in formats:
             cache = KVCache(B, Hkv, D, L + 16, k_format=fmt, device="cuda")
             cache.append(k, v)

@@ -124,9 +124,9 @@ def apply() -> bool:
     def _create_fp_to_si(self, src, dst_type):
         info = np.iinfo(interpreter._get_np_dtype(dst_type))
         x = np.trunc(src.data.astype(np.float64))
-        inside = (x > info.min) & (x < info.max)  # False for NaN
-        data = np.where(inside, np.where(inside, x, 0).astype(info.dtype),
-                        np.where(x >= info.max, info.max, np.where(x <= info.min, info.min, 0)).astype(info.dtype))
+        data = np.where((x > info.min) & (x < info.max), x, 0).astype(info.dtype)  # in range: exact; NaN 0
+        data[x >= info.max] = info.max
+        data[x <= info.min] = info.min
         return interpreter.TensorHandle(data, dst_type.scalar)
 
     builder.create_fp_to_si = _create_fp_to_si

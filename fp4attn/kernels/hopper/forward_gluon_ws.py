@@ -340,8 +340,8 @@ def launch_forward_ws(ops, *, scale: float, causal_offset, p_mode: int, p_hw_cvt
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Sq, BLOCK_M), B * H)
     descs = (tma_descriptor(q2, [BLOCK_M, D]), tma_descriptor(k2, [BLOCK_N, D]), tma_descriptor(v2, [D, BLOCK_N]))
-    attn_fwd_ws_kernel[grid](*descs, ops.qs, ops.ks, ops.vs, out, lse,
-                             (H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E), HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    call = (H, H // Hkv, Sq, Sk, causal_offset or 0, scale * LOG2E)
+    attn_fwd_ws_kernel[grid](*descs, ops.qs, ops.ks, ops.vs, out, lse, call, HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                              QK_FP8=q.dtype == torch.float8_e4m3fn, P_MODE=int(p_mode),
                              CAUSAL=causal_offset is not None, P_HW_CVT=p_hw_cvt, STAGES=stages,
                              OVERLAP=WSOverlap(overlap).value, num_warps=WS_WARPS,
