@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 from fp4attn.cli.blackwell_machine_code import divisibility
 from fp4attn.kernels.backward_triton import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from fp4attn.kernels.hopper.forward_triton import attn_fwd_kernel
-from fp4attn.kernels.kernel_args import BACKWARD_CALL, CALL, call_signature
+from fp4attn.kernels.kernel_args import BACKWARD_CALL, CALL, aligned_call, call_signature
 
 _POINTERS = ("Q", "K", "QS", "KS", "VT", "VS", "O", "LSE", "P_DBG", "KB")
 # the forward's stride tuples, (batch, head, row) of each tensor
@@ -194,7 +194,7 @@ def compile_forward(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, *, n
                   CAUSAL=causal, WRITE_P=0, KEY_BIAS=key_bias,
                   P_HW_CVT=launch.p_hw_cvt if p_hw_cvt is None else p_hw_cvt, VT_PADDED=vt_padded, TMA_KV=tma_kv, PV_ADD=launch.pv_add if pv_add is None else pv_add,
                   SINK_TILES=sink_tiles)
-    aligned = [*_POINTERS, *_STRIDES] + ([("call", CALL.index(n)) for n in _LENGTHS] if lengths_div16 else [])
+    aligned = [*_POINTERS, *_STRIDES] + (aligned_call(CALL, _LENGTHS) if lengths_div16 else [])
     return _compile_sm90(attn_fwd_kernel, sig, consts, aligned, num_warps, num_stages)
 
 
@@ -216,7 +216,7 @@ def compile_forward_ws(qk_fp8: bool, p_mode: int, causal: bool, head_dim: int, p
     consts = dict(HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, QK_FP8=qk_fp8, P_MODE=p_mode, CAUSAL=causal,
                   P_HW_CVT=p_hw_cvt, STAGES=stages, OVERLAP=overlap)
     src = GluonASTSource(fp.attn_fwd_ws_kernel, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
-                         attrs=_divisibility(sig, [*_pointers_and(sig), *(("call", CALL.index(n)) for n in lengths)]))
+                         attrs=_divisibility(sig, [*_pointers_and(sig), *aligned_call(CALL, lengths)]))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128),
                           options=dict(num_warps=fp.WS_WARPS, maxnreg=fp.WS_MAXNREG))
 
@@ -257,7 +257,7 @@ def compile_backward(part: str, p_mode: int, causal: bool, head_dim: int, config
         consts["ROW_SCALES"] = True
     sig["call"] = call_signature(BACKWARD_CALL)
     aligned = [n for n in ptrs if sig[n].startswith("*")] + \
-        ([("call", BACKWARD_CALL.index(n)) for n in _LENGTHS] if lengths_div16 else [])
+        (aligned_call(BACKWARD_CALL, _LENGTHS) if lengths_div16 else [])
     return _compile_sm90(fn, sig, consts, aligned, num_warps, num_stages)
 
 
@@ -382,6 +382,5 @@ def compile_backward_gluon(causal: bool, head_dim: int, in_flight: int = 1, part
     if row_scales:  # (left out otherwise: the NVFP4 builds' cache keys and sources as before)
         consts["ROW_SCALES"] = True
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts,
-                         attrs=_divisibility(sig, [*_pointers_and(sig),
-                                                   *(("call", BACKWARD_CALL.index(n)) for n in ("H", "Sq", "Sk"))]))
+                         attrs=_divisibility(sig, [*_pointers_and(sig), *aligned_call(BACKWARD_CALL, ("H", "Sq", "Sk"))]))
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=maxnreg))

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fp4attn.kernels.blackwell.forward_triton import attn_fwd_sm100_kernel
-from fp4attn.kernels.kernel_args import BACKWARD_CALL, CALL, call_signature
+from fp4attn.kernels.kernel_args import BACKWARD_CALL, CALL, aligned_call, call_signature
 
 ARCHS = {"sm_100a": 100, "sm_103a": 103, "sm_120a": 120}
 # Triton's bundled CUDA tools (ptxas-blackwell, cuobjdump)
@@ -76,7 +76,7 @@ def compile_forward(qk_fp4: bool, pv_fp4: bool, causal: bool, head_dim: int, *, 
                   CAUSAL=causal, HW_CVT=hw_cvt, KEY_BIAS=key_bias, WRITE_P=False, PIPELINED=pipelined,
                   P_AFFINE=p_affine, BF16=bf16)
     sig = {**sig, **{c: "constexpr" for c in consts}}
-    aligned = [*_POINTERS, *_STRIDES, *(("call", CALL.index(n)) for n in LENGTHS)]
+    aligned = [*_POINTERS, *_STRIDES, *aligned_call(CALL, LENGTHS)]
     src = ASTSource(attn_fwd_sm100_kernel, sig, constexprs=consts, attrs=divisibility(sig, aligned))
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -174,7 +174,7 @@ def compile_backward(part: str, causal: bool, head_dim: int, *, p_mode: int = 0,
         else:
             sig[n] = qk.get(n) or ("*fp8e4nv" if n in _BWD_FP8 else "*bf16" if n in _BWD_BF16 else "*fp32")
     aligned = [*(n for n, t in sig.items() if isinstance(t, str) and t.startswith("*")),
-               *(("call", BACKWARD_CALL.index(n)) for n in LENGTHS)]
+               *aligned_call(BACKWARD_CALL, LENGTHS)]
     consts = {k: v for k, v in consts.items() if k in sig}
     src = ASTSource(fn, sig, constexprs=consts, attrs=divisibility(sig, aligned))
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),

@@ -31,3 +31,9 @@ BACKWARD_CALL = (*CALL, "sm_scale")
 def call_signature(names: tuple[str, ...] = CALL) -> tuple[str, ...]:
     """The `call` tuple's types as the JIT gives them (for a build without a launch)."""
     return tuple("fp32" if n in ("qk_scale", "sm_scale") else "i32" for n in names)
+
+
+def aligned_call(names: tuple[str, ...], lengths) -> list[tuple[str, int]]:
+    """The `call` elements named in `lengths` as a build's divisibility entries ("call",
+    index into `names`): those the JIT specializes as multiples of 16 when they are."""
+    return [("call", names.index(n)) for n in lengths]
