@@ -11,7 +11,8 @@
 // O / l * vs as bf16 into this consumer's stage, then out in whole 16-byte pieces of rows
 // (a warp stores 512 contiguous bytes): the fragments' own 4-byte stores, 8 rows of 16
 // bytes a warp instruction, cost about 2.4 us a unit at head dim 128 (measured). The LSE:
-// (m + log2 l - the P offset) ln 2, -inf for a row that saw no key (whose output is 0).
+// (m + log2 l - the P offset) ln 2, -inf for a row that saw no key (whose output is 0), NaN
+// for a row that read a NaN score.
 __device__ __forceinline__ void epilogue_store(const Params& p, const Smem& sm, const SeqlenInfo& seqlen,
                                                const WorkTile& work, const float (&o)[HEAD_DIM / 2],
                                                const Softmax& rows, const float2 (&vsc)[HEAD_DIM / 8]) {
@@ -29,7 +30,8 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem& sm, 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const float li = l[i];  // the whole row's (reduced over the quad every tile)
-        const bool seen = li > 0.0f;
+        // 0 only for a row that saw no key; a NaN row's l is NaN and stays so (its LSE too)
+        const bool seen = li != 0.0f;
         float inv = 0.0f;
         if (seen) asm("rcp.rn.f32 %0, %1;" : "=f"(inv) : "f"(li));
 #pragma unroll
