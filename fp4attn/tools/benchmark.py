@@ -62,20 +62,24 @@ def graph_ms(fn, calls: int = 20) -> float:
     return ms / calls
 
 
-def host_ms(fn, n: int = 20) -> float:
-    """Host time per call of `fn` when nothing waits on the GPU: n calls, then one
-    synchronization. A call whose host time exceeds its device time (`device_kernels`)
-    is launch-bound."""
+def host_ms(fn, n: int = 20, rounds: int = 5) -> float:
+    """Host time per call of `fn` when nothing waits on the GPU: the median over `rounds`
+    of n calls then one synchronization (a shared host's hiccup moves one round, not the
+    figure). A call whose host time exceeds its device time (`device_kernels`) is
+    launch-bound."""
+    import statistics
     import time
 
     fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return host / n * 1e3
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        per_call.append((time.perf_counter() - t0) / n)
+        torch.cuda.synchronize()
+    return statistics.median(per_call) * 1e3
 
 
 def device_kernels(fn, reps: int = 20) -> dict[str, tuple[float, float]]:
