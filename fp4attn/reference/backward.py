@@ -32,8 +32,15 @@ adjoints: the products run on the rotated Q/K the forward saved, with the scale 
 rotation folds in, and dQ, dK are rotated back (`robust.unrotate`); K smoothing passes
 gradients straight through (exact: the softmax's gradient sums to zero over the keys);
 with V smoothing the saved V is the represented values plus V's mean, so dP and delta
-= rowsum(dO * O) describe the same V. A NaN LSE (a row whose forward was NaN) makes its
-P, and every gradient it feeds, NaN.
+= rowsum(dO * O) describe the same V.
+
+Non-finite values, as in the forward: every view's scales are taken over the finite
+values (a NaN or Inf spoils its own element, `quantize_fp8(finite_scale=True)`), and a
+key that a row does not attend to (log2 score -inf) never reaches that row's gradients
+or receives from it: its P and dS are 0 there, and 0 x NaN is kept out of every product
+(the spoiled entries are put back into exactly the outputs a visible pair feeds). So a
+NaN LSE (a row whose forward was NaN) makes its P on the keys it attends, and the
+gradients they feed, NaN: its dq row, the dk and dv of those keys.
 """
 
 from __future__ import annotations
@@ -72,7 +79,18 @@ def low_precision_view(x: torch.Tensor, contraction_dim: int, fmt: str, block: i
     contraction dim (per `block` elements of it, if given), or bf16."""
     if fmt == "bf16":
         return x.to(torch.bfloat16).float()
-    return quantize_fp8(x, dim=contraction_dim, block=block, fmt=fmt).dequantize()
+    return quantize_fp8(x, dim=contraction_dim, block=block, fmt=fmt, finite_scale=True).dequantize()
+
+
+def visible_product(w: torch.Tensor, visible: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w @ x where w is 0 off `visible` (a (..., M, N) mask): x's non-finite entries
+    (..., N, K) kept out of the product and put back as NaN into exactly the outputs that
+    a visible pair reads them in (0 x NaN would spoil the rows that never see them)."""
+    bad = ~torch.isfinite(x)
+    if not bad.any():
+        return w @ x
+    out = w @ x.masked_fill(bad, 0.0)
+    return out.masked_fill((visible.to(x.dtype) @ bad.to(x.dtype)) > 0, math.nan)
 
 
 def _reduce_heads(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -129,7 +147,8 @@ def reference_backward(
         q_rows = QKOperand(fwd.q.values[..., rows, :],
                            fwd.q.scale[..., rows, :] if fwd.q.scale.shape[-2] > 1 else fwd.q.scale)
         t = masked_log2_scores(q_rows, fwd.k, scale, offset, bias, 0, sk, i0)
-        x = torch.where(lse2[..., rows, :] == -math.inf, torch.full_like(t, -math.inf), t - lse2[..., rows, :])
+        visible = (t != -math.inf).expand(*q_a.shape[:2], -1, -1)  # NaN scores are visible
+        x = torch.where(t == -math.inf, torch.full_like(t, -math.inf), t - lse2[..., rows, :])
         if recipe.p_build == "affine":  # the forward's codes from the LSE: no exponential per score
             l2 = lse2[..., rows, :]
             live = l2 != -math.inf
@@ -141,14 +160,17 @@ def reference_backward(
             p = torch.exp2(x)
             p_r = build_p(F.pad(x, (0, pad), value=-math.inf), recipe.p, recipe.p_build, recipe.p_sink,
                           recipe.p_sink_keys)[..., :sk]
-        dv += p_r.transpose(-1, -2) @ do_c[..., rows, :]
+        # a NaN LSE (a NaN row) or the affine builders' NaN point stays off the keys it hides
+        p, p_r = torch.where(visible, p, 0.0), torch.where(visible, p_r, 0.0)
+        dv += visible_product(p_r.transpose(-1, -2), visible.transpose(-1, -2), do_c[..., rows, :])
         dp = do_t[..., rows, :] @ v_a.transpose(-1, -2)
-        ds = p * (dp - delta[..., rows, :])
+        ds = torch.where(visible, p * (dp - delta[..., rows, :]), 0.0)
         if mask_grad:
             dmask[..., rows if mask_shape[2] > 1 else slice(None), :] += (
                 ds.sum(dim=broadcast, keepdim=True) if broadcast else ds)  # sum(dim=[]) would sum every dim
-        dq[..., rows, :] = (low_precision_view(ds, -1, g, DS_BLOCK) @ k_a) * scale
-        dk += low_precision_view(ds, -2, g, DS_BLOCK).transpose(-1, -2) @ q_a[..., rows, :]
+        dq[..., rows, :] = visible_product(low_precision_view(ds, -1, g, DS_BLOCK), visible, k_a) * scale
+        dk += visible_product(low_precision_view(ds, -2, g, DS_BLOCK).transpose(-1, -2), visible.transpose(-1, -2),
+                              q_a[..., rows, :])
     dk = dk * scale
     if recipe.rotate_qk is not None:
         dq, dk = robust.unrotate(dq), robust.unrotate(dk)

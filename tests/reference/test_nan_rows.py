@@ -175,3 +175,48 @@ def test_nonfinite_rows_on_the_gpu(recipe, head_dim, sq, sk):
                                        f"{_rows(changed.cpu())}")
             keep = ~got_lse.cuda()
             assert torch.equal(lse[keep].view(torch.int32), base_lse[keep].view(torch.int32)), case
+
+
+TRAIN_RECIPES = [name for name, r in PRESETS.items() if r.grad is not None]
+
+
+def expected_grad_nan(recipe, where, causal, b, h, s, c, sq=SQ):
+    """(dq rows (B, HQ, Sq), dk keys (B, HKV, SK), dv keys (B, HKV, SK)) a non-finite
+    value at (b, h, s, c) of `where` makes NaN in the reference backward
+    (reference/backward.py, "Non-finite values"): the rows whose forward it reaches take
+    NaN in their dq (a NaN score, or for v a NaN output and with it delta), and feed it
+    to the dk of every key they attend; dv reads P and dO only, so it takes NaN from rows
+    with a NaN score (q, k), not from a NaN output (v); a NaN in q reaches its own row."""
+    vis = visible(causal, sq, SK)
+    group = HQ // HKV
+    rows = torch.zeros(B, HQ, sq, dtype=torch.bool)
+    if where == "q":
+        rows[b, h, s] = bool(vis[s].any())
+    else:  # MXFP4 V: a NaN spoils its block of 32 keys (expected_nan)
+        spoiled = slice(s // 32 * 32, s // 32 * 32 + 32) if where == "v" and PRESETS[recipe].v == "mxfp4" else \
+            slice(s, s + 1)
+        rows[b, h * group:(h + 1) * group, vis[:, spoiled].any(-1)] = True
+    keys = ((rows.unsqueeze(-1) & vis).any(-2)).reshape(B, HKV, group, SK).any(2)
+    return rows, keys, keys if where != "v" else torch.zeros_like(keys)
+
+
+@pytest.mark.parametrize("recipe", TRAIN_RECIPES)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nonfinite_gradients_reach_only_what_they_feed(recipe, where):
+    """The training backward on the reference: a NaN reaches exactly the dq rows whose
+    forward it reaches and the dk/dv of the keys those rows attend; every other gradient
+    is finite (0 x NaN of a key a row does not attend is kept out of every product).
+    Causal both alignments, GQA, a position with rows and keys on both sides of it."""
+    q0, k0, v0 = _inputs(3)
+    do = torch.randn(B, HQ, SQ, D, generator=torch.Generator().manual_seed(4)).bfloat16()
+    pos = {"q": (1, 3, 90, 5), "k": (1, 0, 120, 9), "v": (0, 1, 100, 33)}[where]
+    for causal in (None, "top_left", "bottom_right"):
+        args = {"q": q0.clone(), "k": k0.clone(), "v": v0.clone()}
+        args[where][pos] = math.nan
+        q, k, v = (t.requires_grad_() for t in args.values())
+        attention(q, k, v, recipe=recipe, causal=causal, enable_gqa=True, backend="reference").backward(do)
+        rows, dk_keys, dv_keys = expected_grad_nan(recipe, where, causal, *pos)
+        case = (recipe, where, causal)
+        assert torch.equal(q.grad.isnan().any(-1), rows) and torch.equal(q.grad.isnan().all(-1), rows), case
+        assert torch.equal(k.grad.isnan().any(-1), dk_keys), case
+        assert torch.equal(v.grad.isnan().any(-1), dv_keys), case

@@ -70,7 +70,8 @@ def _fp8_rows_kernel(X, Y, S_OUT, O, DOT, CAMAX, S, D: tl.constexpr, BLOCK_R: tl
     SAVED (the training forward's Q and K, `fp8_train`): the values also as e4m3
     bytes into Y8, and CHANNEL_AMAX's maxima of the represented values (value x row
     scale, float32) instead of x, from which the backward's per-channel view of them is
-    made (NaN above Inf, so a NaN row's channels are NaN)."""
+    made (over the finite values: a row with NaN, whose represented values are NaN, spoils
+    its own elements of that view, not its channels)."""
     g = tl.program_id(1).to(tl.int64)
     run = tl.zeros([BLOCK_R, D], tl.int32)
     for i in range(BLOCKS):

@@ -17,8 +17,11 @@ from fp4attn.kernels.quantize.elements import _abs_bits
 @triton.jit
 def _abs_bits_max(run, x, ok):
     """The running elementwise max of |x|'s bits (rows where ok) over a program's row
-    blocks: no exchange between threads until `_channel_amax_flush`."""
-    return tl.maximum(run, tl.where(ok, _abs_bits(x), 0))
+    blocks: no exchange between threads until `_channel_amax_flush`. Over the finite
+    values (bits below +Inf's): a NaN or Inf spoils its own element of the channel view
+    that the maxima scale, not the channel (`reference.forward`, "Non-finite values")."""
+    bits = _abs_bits(x)
+    return tl.maximum(run, tl.where(ok & (bits < 0x7F800000), bits, 0))
 
 
 @triton.jit
