@@ -87,7 +87,7 @@ def visible_product(w: torch.Tensor, visible: torch.Tensor, x: torch.Tensor) -> 
     (..., N, K) kept out of the product and put back as NaN into exactly the outputs that
     a visible pair reads them in (0 x NaN would spoil the rows that never see them)."""
     bad = ~torch.isfinite(x)
-    if not bad.any():
+    if not torch.compiler.is_compiling() and not bad.any():  # eager: the product alone (no branch when traced)
         return w @ x
     out = w @ x.masked_fill(bad, 0.0)
     return out.masked_fill((visible.to(x.dtype) @ bad.to(x.dtype)) > 0, math.nan)
