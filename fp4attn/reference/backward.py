@@ -61,6 +61,7 @@ from fp4attn.reference.forward import (
     LOG2E,
     ForwardResult,
     expand_heads,
+    kept_out_product,
     log2_bias,
     masked_log2_scores,
 )
@@ -86,11 +87,10 @@ def visible_product(w: torch.Tensor, visible: torch.Tensor, x: torch.Tensor) -> 
     """w @ x where w is 0 off `visible` (a (..., M, N) mask): x's non-finite entries
     (..., N, K) kept out of the product and put back as NaN into exactly the outputs that
     a visible pair reads them in (0 x NaN would spoil the rows that never see them)."""
-    bad = ~torch.isfinite(x)
-    if not torch.compiler.is_compiling() and not bad.any():  # eager: the product alone (no branch when traced)
+    if not torch.compiler.is_compiling() and torch.isfinite(x).all():  # eager: the product alone (traced: no branch)
         return w @ x
-    out = w @ x.masked_fill(bad, 0.0)
-    return out.masked_fill((visible.to(x.dtype) @ bad.to(x.dtype)) > 0, math.nan)
+    out, spoiled = kept_out_product(w, visible, x)
+    return out.masked_fill(spoiled, math.nan)
 
 
 def _reduce_heads(x: torch.Tensor, hkv: int) -> torch.Tensor:

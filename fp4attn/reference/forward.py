@@ -113,6 +113,15 @@ def masked_log2_scores(q: QKOperand, k: QKOperand, scale: float, offset: int | N
     return t.masked_fill(~key_mask(offset, rows, cols, sk), -math.inf)
 
 
+def kept_out_product(w: torch.Tensor, visible: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w @ x for a w that is 0 off `visible` ((..., M, N) bool), with x's non-finite
+    entries (..., N, K) kept out of the product (0 x NaN would spoil the rows that never
+    see them), and the (..., M, K) bool of the outputs a visible pair reads one in: where
+    the caller puts NaN back."""
+    bad = ~torch.isfinite(x)
+    return w @ x.masked_fill(bad, 0.0), (visible.to(x.dtype) @ bad.to(x.dtype)) > 0
+
+
 def reference_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -145,10 +154,8 @@ def reference_forward(
     p_all = torch.zeros((B, H, Sq, Sk), device=q.device) if return_p else None
     bias = log2_bias(attn_mask, Sk, bn)
     last_key = Sk if offset is None else min(Sk, Sq + offset)  # keys past it are hidden from every row
-    # V's non-finite entries (B, Hkv, Sk, D), kept out of P V: a row's P is 0 on keys it
-    # does not attend to, and 0 x NaN would make it NaN; they are put back into exactly
-    # the (row, channel) entries of the rows that attend to them
-    v_bad = ~torch.isfinite(v_rep)
+    # V's non-finite entries are kept out of P V (`kept_out_product`) and put back into
+    # exactly the (row, channel) entries of the rows that attend to them
     v_nan = torch.zeros((B, H, Sq, Dv), dtype=torch.bool, device=q.device)
     for j0 in range(0, last_key, bn):  # a kernel skips tiles the causal mask hides entirely
         t = masked_log2_scores(q_op, k_op, scale, offset, bias, j0, bn)
@@ -173,9 +180,9 @@ def reference_forward(
             p_all[..., j0 : j0 + bn] = p[..., : min(bn, Sk - j0)]
         l = alpha * l + (p if recipe.consistent_norm else torch.exp2(x)).sum(dim=-1)
         v_tile = F.pad(expand_heads(v_rep[..., j0 : j0 + bn, :], H), (0, 0, 0, j0 + bn - min(Sk, j0 + bn)))
-        bad = F.pad(expand_heads(v_bad[..., j0 : j0 + bn, :], H), (0, 0, 0, j0 + bn - min(Sk, j0 + bn)))
-        v_nan |= ((t != -math.inf).float() @ bad.float()) > 0
-        acc = alpha.unsqueeze(-1) * acc + p @ v_tile.masked_fill(bad, 0.0)
+        pv, spoiled = kept_out_product(p, t != -math.inf, v_tile)
+        v_nan |= spoiled
+        acc = alpha.unsqueeze(-1) * acc + pv
         # the running point every later tile is measured from (m itself, or the affine
         # builders' snapped m~, which stays -inf for a row that has seen no key)
         m = torch.where(m_new == -math.inf, m_new, m_use)
