@@ -39,6 +39,14 @@ def visible(causal, sq, sk):
     return torch.ones(sq, sk, dtype=torch.bool)
 
 
+def spoiled_keys(recipe, where, s) -> slice:
+    """The keys a non-finite value at key s of `where` spoils: its MXFP4 V block of 32
+    (whose shared scale it spoils), else key s alone."""
+    if where == "v" and PRESETS[recipe].v == "mxfp4":
+        return slice(s // 32 * 32, min(SK, s // 32 * 32 + 32))
+    return slice(s, s + 1)
+
+
 def expected_nan(recipe, where, causal, b, h, s, c, sq=SQ):
     """(B, HQ, Sq, D) bool of the output entries a non-finite value at (b, h, s, c) of
     `where` makes NaN, and (B, HQ, Sq) of the LSE entries."""
@@ -55,8 +63,7 @@ def expected_nan(recipe, where, causal, b, h, s, c, sq=SQ):
             out[b, hq, vis[:, s]] = True
             lse[b, hq, vis[:, s]] = True
         else:
-            keys = slice(s // 32 * 32, min(SK, s // 32 * 32 + 32)) if PRESETS[recipe].v == "mxfp4" else slice(s, s + 1)
-            out[b, hq, vis[:, keys].any(-1), c] = True
+            out[b, hq, vis[:, spoiled_keys(recipe, where, s)].any(-1), c] = True
     return out, lse
 
 
@@ -192,10 +199,8 @@ def expected_grad_nan(recipe, where, causal, b, h, s, c, sq=SQ):
     rows = torch.zeros(B, HQ, sq, dtype=torch.bool)
     if where == "q":
         rows[b, h, s] = bool(vis[s].any())
-    else:  # MXFP4 V: a NaN spoils its block of 32 keys (expected_nan)
-        spoiled = slice(s // 32 * 32, s // 32 * 32 + 32) if where == "v" and PRESETS[recipe].v == "mxfp4" else \
-            slice(s, s + 1)
-        rows[b, h * group:(h + 1) * group, vis[:, spoiled].any(-1)] = True
+    else:
+        rows[b, h * group:(h + 1) * group, vis[:, spoiled_keys(recipe, where, s)].any(-1)] = True
     keys = ((rows.unsqueeze(-1) & vis).any(-2)).reshape(B, HKV, group, SK).any(2)
     return rows, keys, keys if where != "v" else torch.zeros_like(keys)
 
