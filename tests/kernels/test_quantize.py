@@ -179,9 +179,11 @@ def test_fp8_training_quantizers_are_the_reference_bytes(s, d, special):
     (uint8 views; -0 included; NaN where the reference has NaN): the forward's pass
     keeps Q/K as `formats.quantize_fp8(x, dim=-1)`'s e4m3 bytes and row scales, gives
     the forward kernel the same values as bf16, and records each channel's max
-    |represented value|; the backward's pass gives back the values and the per-channel
-    view of the represented values, `quantize_fp8(values x scales, dim=-2)`'s bytes
-    and scales."""
+    |represented value| over the finite ones; the backward's pass gives back the values
+    and the per-channel view of the represented values,
+    `quantize_fp8(values x scales, dim=-2, finite_scale=True)`'s bytes and scales (a row
+    holding NaN or Inf, represented as NaN, spoils its own elements of the view, not
+    its channels' scales: `reference/backward.py`, "Non-finite values")."""
     from fp4attn.formats import quantize_fp8
     from fp4attn.kernels.quantize.fp8_train import fp8_qk_views, quantize_qk_fp8_saved
     from fp4attn.reference.operands import quantize_qk
@@ -206,9 +208,12 @@ def test_fp8_training_quantizers_are_the_reference_bytes(s, d, special):
     same_bytes(ref.values.to(torch.bfloat16), values, "bf16 values")
     same_bytes(ref.scale.squeeze(-1), scales, "row scales")
     represented = ref.dequantize()
-    same_bytes(represented.abs().amax(-2), amax.view(torch.float32), "channel maxima")
+    finite = torch.where(torch.isfinite(represented), represented.abs(), 0.0)
+    same_bytes(finite.amax(-2), amax.view(torch.float32), "channel maxima")
     v, ct, cs = fp8_qk_views(y8, scales, amax)
-    want = quantize_fp8(represented, dim=-2, block=None, fmt="e4m3")
+    want = quantize_fp8(represented, dim=-2, block=None, fmt="e4m3", finite_scale=True)
+    if special != "none":
+        assert torch.isfinite(cs).all(), "a non-finite row gave its channels a NaN scale"
     same_bytes(values, v, "values from the bytes")
     same_bytes(want.data.squeeze(-2), ct, "per-channel view")
     same_bytes(want.scale.squeeze(-1), cs, "per-channel scales")
@@ -218,10 +223,13 @@ def test_fp8_training_quantizers_are_the_reference_bytes(s, d, special):
 @pytest.mark.parametrize("qk", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("special", ["nan", "inf"])
 def test_backward_operand_views_carry_non_finite_values(special, qk):
-    """A NaN or Inf in dO, Q or V reaches the views as it reaches the reference's: the
-    channel maxima recorded by atomics (float32 bits, NaN above Inf) give that channel
-    a NaN scale, and the token's per-token scale is NaN (an Inf in Q through its NVFP4
-    block's NaN scale, or its own NaN FP8 scale)."""
+    """A NaN or Inf in dO, Q or V reaches the views as it reaches the reference's
+    (`reference/backward.py`, "Non-finite values"): a per-token view (dO_t, V_t) gives
+    the token holding it the NaN scale (each product of that token reads the element
+    anyway); a per-channel view (dO_c, Q_c), whose scale spans every token, takes its
+    scale from the finite values (the channel maxima recorded by atomics skip NaN and
+    Inf) and holds NaN at exactly the spoiled elements (an Inf in Q: its NVFP4 block's,
+    or its FP8 token's, represented values)."""
     from fp4attn.formats import quantize_fp8
     from fp4attn.reference.operands import quantize_qk, quantize_v
 
@@ -234,13 +242,19 @@ def test_backward_operand_views_carry_non_finite_values(special, qk):
     got = backward_operands(dout, torch.randn_like(dout), *saved)
     for name, x, dim in (("do_t", dout.float(), -1), ("do_c", dout.float(), -2), ("v_t", quantize_v(v, "fp8"), -1),
                          ("q_c", quantize_qk(q, qk).dequantize(), -2)):
-        f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3")
+        per_channel = dim == -2
+        f = quantize_fp8(x, dim=dim, block=None, fmt="e4m3", finite_scale=per_channel)
         scale, want = getattr(got, name + "s"), f.scale.squeeze(-1)
         assert torch.equal(torch.isnan(want), torch.isnan(scale)), name
-        # an Inf in Q makes its NVFP4 block's scale, or its token's FP8 scale, NaN: the views carry it
-        assert bool(torch.isnan(scale).any()), name
         keep = ~torch.isnan(want)
         assert torch.equal(want[keep], scale[keep]), name
+        if per_channel:
+            assert torch.isfinite(scale).all(), name
+            spoiled = ~torch.isfinite(x).transpose(-1, -2)  # the view is stored (B, H, D, S)
+            nan = torch.isnan(getattr(got, name).float())[..., :spoiled.shape[-1]]
+            assert spoiled.any() and torch.equal(nan, spoiled), name
+        else:
+            assert bool(torch.isnan(scale).any()), name
 
 
 @pytest.mark.gpu

@@ -5,7 +5,8 @@ CPU: every variant compiles for sm_90a with NVRTC with the wgmmas kept pipelined
 (`routing.use_cuda_backward`) takes exactly the operands the kernel takes, and only where the
 launch asks for it.
 GPU (Hopper): dQ, dK, dV against the routed Gluon/Triton kernels on the same operands (the
-same arithmetic: the float32 sums differ in order only), GQA, causal from either corner,
+same arithmetic: the float32 sums differ in order only, and where that moves a dS value
+across an e4m3 rounding boundary, one code of dQ's view), GQA, causal from either corner,
 Sq != Sk, both head dims; NaN reaches exactly the gradients it feeds; the route through
 `fp4attn.attention` with `override_launch`.
 """
@@ -97,11 +98,22 @@ def test_matches_routed_kernels(B, H, Hkv, Sq, Sk, D, off, causal):
     ops, lse, scale = _operands(B, H, Hkv, Sq, Sk, D, off, causal)
     ref = train_op.launch_backward(ops, lse, "fp8", "exp2", off, causal, scale)
     new = backward_cuda.launch_backward_cuda(ops, lse, off, causal, scale)
+    plan = routing.hopper_backward_plan(head_dim=D, qk="fp8", p_mode=0, queries=Sq, keys=Sk).name
     for name, a, b in zip(("dq", "dk", "dv"), new, ref):
-        m = error_metrics(a.float(), b.float())
+        a, b = a.float(), b.float()
+        if name == "dq":
+            # dS differs from the routed kernels' in float32 rounding (the CUDA kernel forms
+            # dP - delta in one FMA, softmax_bwd.cuh; the routed dq kernel recomputes S and dP
+            # with queries as rows), so a dS value that sits on an e4m3 rounding boundary takes
+            # the next code in dQ's view and moves its query's row: measured (H100, H200) one
+            # row of 1152 at (2,3,3,192,512,64), row error about 1e-2 (the tensor's 3.7e-4), the others 1e-7
+            rows = ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)).flatten()
+            moved = int((rows > 1e-4).sum())
+            assert moved <= -(-rows.numel() // 512) and rows.max() < 5e-2, (name, moved, rows.max().item(), plan)
+            b, a = b.flatten(0, -2)[rows <= 1e-4], a.flatten(0, -2)[rows <= 1e-4]
+        m = error_metrics(a, b)
         # measured 1e-7 to 2e-5 (H100): float32 summation order only
-        assert m["rel_l2"] < 1e-4, (name, m, routing.hopper_backward_plan(head_dim=D, qk="fp8", p_mode=0, queries=Sq,
-                                                                         keys=Sk).name)
+        assert m["rel_l2"] < 1e-4, (name, m, plan)
 
 
 @pytest.mark.gpu
