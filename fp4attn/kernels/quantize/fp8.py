@@ -17,13 +17,14 @@ import triton.language as tl
 
 from fp4attn.kernels.common import fp8_scale_inv
 from fp4attn.kernels.placeholders import nothing
-from fp4attn.kernels.quantize.elements import _abs_bits, _e4m3_signed, _hw_cvt
+from fp4attn.kernels.quantize.elements import _e4m3_signed, _hw_cvt
 from fp4attn.kernels.quantize.rows import (
     CHANNEL_BLOCKS,
     _abs_bits_max,
     _block_rows,
     _cdiv,
     _channel_amax_flush,
+    _finite_channel_max,
     _row_grid,
 )
 
@@ -106,10 +107,9 @@ def _fp8_tiles_kernel(X, Y, S_OUT, S, D: tl.constexpr, TILE: tl.constexpr, HW_CV
     ok = (rows < S)[:, None]
     offs = (g * S + rows)[:, None] * D + tl.arange(0, D)[None, :]
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-    # `_fp8_per_row`'s arithmetic with the tile as the block: the maxima over both axes
-    bits = _abs_bits(x)  # NaN and Inf (bits at or above Inf's) count as 0
-    amax = tl.max(tl.max(tl.where(bits < 0x7F800000, bits, 0), axis=1), axis=0).to(tl.float32, bitcast=True)
-    scale, inv = fp8_scale_inv(amax)
+    # `_fp8_per_row`'s arithmetic with the tile as the block: the maxima over both axes,
+    # NaN and Inf counting as 0
+    scale, inv = fp8_scale_inv(tl.max(_finite_channel_max(x, TILE, D), axis=0).to(tl.float32, bitcast=True))
     # NaN and Inf stored as NaN: x - x is +0 for a finite x, NaN otherwise (`_v_kernel`)
     y = _e4m3_signed(x * inv - (x - x), HW_CVT)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)

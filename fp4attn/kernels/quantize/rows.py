@@ -24,6 +24,32 @@ def _abs_bits_max(run, x, ok):
     return tl.maximum(run, tl.where(ok & (bits < 0x7F800000), bits, 0))
 
 
+INF_BITS = tl.constexpr(0x7F800000)  # +Inf's float32 bits: |x|'s bits at or above it are Inf or NaN
+
+
+@triton.jit
+def _finite_key(x):
+    """An order key of |x| over the finite values, NaN and Inf below every finite one, in
+    one instruction an element (the float32 bits shifted out of their sign plus a
+    constant, uint32): 2 |x|_bits + 2**24, which wraps below 2**24 for exactly the bits
+    at or above +Inf's (`_finite_bits` takes the key's maximum back to |x|'s bits). A
+    select an element (bits < Inf's) made `_v_kernel` 1.3x slower (H100, (8, 16, 4096, 128))."""
+    return (x.to(tl.float32).to(tl.uint32, bitcast=True) << 1) + 0x01000000
+
+
+@triton.jit
+def _finite_bits(key):
+    """|x|'s float32 bits (int32) of the largest `_finite_key`s, 0 where none is finite."""
+    return ((tl.maximum(key, 0x01000000) - 0x01000000) >> 1).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _finite_channel_max(x, ROWS: tl.constexpr, D: tl.constexpr):
+    """Each channel's largest finite |x| of a block of ROWS x D values, as float32 bits
+    (int32; NaN and Inf count as 0)."""
+    return _finite_bits(tl.max(tl.reshape(_finite_key(x), [ROWS, D]), axis=0))
+
+
 @triton.jit
 def _channel_amax_flush(CAMAX, run, D: tl.constexpr):
     """Atomic max of the running (rows, D) maximum's per-channel max into one head's D

@@ -17,7 +17,6 @@ import triton.language as tl
 from fp4attn.kernels.common import sm_count
 from fp4attn.kernels.placeholders import nothing
 from fp4attn.kernels.quantize.elements import (
-    _abs_bits,
     _e2m1_value,
     _e4m3_signed,
     _hw_cvt,
@@ -26,7 +25,7 @@ from fp4attn.kernels.quantize.elements import (
 )
 from fp4attn.kernels.quantize.fp8 import _fp8_channel_scales, _fp8_per_row
 from fp4attn.kernels.quantize.mxfp4 import E8M0_EMIN, _mx_exponents
-from fp4attn.kernels.quantize.rows import _cdiv, _channel_amax_flush
+from fp4attn.kernels.quantize.rows import _cdiv, _finite_channel_max
 from fp4attn.reference import encoding
 
 V_TOP = tl.constexpr(encoding.V_TOP)
@@ -83,9 +82,9 @@ def _v_kernel(V, VT, VS, SCALE, STATS_AT, Y, YS, WORK, G, S, S_ROW, D: tl.conste
             top = tl.max(tl.max(tl.max(tl.where(finite, e, E8M0_EMIN), axis=2), axis=1), axis=0)
             tl.atomic_max(STATS_AT + bh, top - E8M0_EMIN, sem="relaxed")
         else:
-            # of the finite values: NaN and Inf (bits at or above Inf's) count as 0
-            bits = _abs_bits(v)
-            _channel_amax_flush(STATS_AT + bh * D, tl.reshape(tl.where(bits < 0x7F800000, bits, 0), [BLOCK_S, D]), D)
+            # of the finite values: NaN and Inf count as 0
+            cmax = _finite_channel_max(v, BLOCK_S, D)
+            tl.atomic_max(STATS_AT + bh * D + dd, cmax, sem="relaxed")  # (`_channel_amax_flush`)
         if QUANT:
             # the count follows every thread's atomics (the barrier, then a release), and
             # the reads of the statistic follow the count (acquire, which also drops the
@@ -113,7 +112,7 @@ def _v_kernel(V, VT, VS, SCALE, STATS_AT, Y, YS, WORK, G, S, S_ROW, D: tl.conste
             if HAS_SCALE:
                 v = v * tl.load(SCALE)
             # NaN and Inf as NaN: v - v is +0 for a finite v (x - +0 is x, -0 included) and NaN
-            # for NaN or Inf (no select held across the conversion)
+            # for NaN or Inf (the conversion saturates Inf; no select held across it)
             out = _e4m3_signed(v * inv[None, None, :] - (v - v), HW_CVT)
         if b == 0:
             tl.store(VS + bh * D + dd, vs)
