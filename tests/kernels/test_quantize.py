@@ -495,6 +495,51 @@ def test_e2m1_rounding_helpers_are_the_reference_rounding():
     run_under_interpreter(E2M1_SCRIPT, timeout=900)
 
 
+FINITE_MAX_SCRIPT = SPEEDUPS + textwrap.dedent('''
+    import torch
+    import triton
+    import triton.language as tl
+    from fp4attn.kernels.quantize import rows
+
+    @triton.jit
+    def channel_max(X, OUT, ROWS: tl.constexpr, D: tl.constexpr):
+        b = tl.program_id(0)
+        x = tl.load(X + b * ROWS * D + tl.arange(0, ROWS)[:, None] * D + tl.arange(0, D)[None, :])
+        tl.store(OUT + b * D + tl.arange(0, D), rows._finite_channel_max(x, ROWS, D))
+
+    # every 4099th float32 bit pattern (both signs, NaN payloads, subnormals: about a
+    # million), then the edges: zeros, the smallest subnormal, the largest finite, Inf,
+    # the NaNs next to Inf and the last one
+    x = torch.arange(-2**31, 2**31 - 1, 4099, dtype=torch.int64).to(torch.int32)
+    edges = torch.tensor([0, 1, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF], dtype=torch.int64)
+    x = torch.cat([x, edges.to(torch.int32), (edges | 0x80000000).sub(2**32).to(torch.int32)])
+    ROWS, D = 64, 16
+    x = torch.cat([x, torch.zeros(-x.numel() % (ROWS * D), dtype=torch.int32)]).view(torch.float32)
+    blocks = x.view(-1, ROWS, D)
+    # blocks of every kind: as drawn (mixed), all NaN or Inf but one channel, all NaN or Inf
+    mixed = blocks.clone()
+    spoiled = torch.where(torch.rand(blocks.shape) < 0.9, float("inf"), blocks)
+    spoiled[::3] = float("nan")
+    x = torch.cat([mixed, spoiled]).contiguous()
+    out = torch.empty((x.shape[0], D), dtype=torch.int32)
+    channel_max[(x.shape[0],)](x, out, ROWS=ROWS, D=D)
+    want = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(dim=1).view(torch.int32)
+    bad = out != want
+    assert not bad.any(), (int(bad.sum()), out[bad][:4], want[bad][:4])
+    print("ok")
+''')
+
+
+@pytest.mark.interpreter
+def test_finite_channel_max_is_the_maximum_of_the_finite_values():
+    """`rows._finite_channel_max`, the order key that keeps NaN and Inf out of V's and the
+    K tiles' FP8 maxima in one instruction an element, against the maximum |x| over the
+    finite values (0 where none is), bit for bit, over a sweep of float32 bit patterns
+    (signs, subnormals, Inf and every NaN kind) in blocks mixed, nearly all non-finite
+    and wholly non-finite. Integer arithmetic, which the interpreter does as the GPU."""
+    run_under_interpreter(FINITE_MAX_SCRIPT, timeout=600)
+
+
 # The host arithmetic (CPU)
 def test_grid_helpers_equal_tritons():
     triton = pytest.importorskip("triton")

@@ -32,9 +32,9 @@ from fp4attn.kernels.quantize.rows import (
 @triton.jit
 def _fp8_channel_scales(AMAX, SCALE, D: tl.constexpr, HAS_SCALE: tl.constexpr):
     """Per-channel FP8 scales of one head from its channels' max |x| (D float32 bits at
-    AMAX), as `formats.fp8.fp8_scales`: (scale, multiplier 448 / amax). The maxima are
-    recorded over the finite values (`_abs_bits_max`), so NaN only from a non-finite
-    maximum written by other means. With HAS_SCALE, of max |x| * SCALE, which is
+    AMAX), as `formats.fp8.fp8_scales`: (scale, multiplier 448 / amax). The passes record
+    the maxima over the finite values (`_abs_bits_max`, `_finite_channel_max`); a NaN or
+    Inf maximum would give the NaN scale. With HAS_SCALE, of max |x| * SCALE, which is
     max |x * SCALE| (rounding is monotonic)."""
     amax = tl.load(AMAX + tl.arange(0, D)).to(tl.float32, bitcast=True)
     nonfinite = (amax != amax) | (amax == float("inf"))

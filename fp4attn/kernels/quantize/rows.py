@@ -13,6 +13,8 @@ import triton.language as tl
 
 from fp4attn.kernels.quantize.elements import _abs_bits
 
+INF_BITS = tl.constexpr(0x7F800000)  # +Inf's float32 bits: |x|'s bits at or above it are Inf or NaN
+
 
 @triton.jit
 def _abs_bits_max(run, x, ok):
@@ -21,10 +23,8 @@ def _abs_bits_max(run, x, ok):
     values (bits below +Inf's): a NaN or Inf spoils its own element of the channel view
     that the maxima scale, not the channel (`reference.forward`, "Non-finite values")."""
     bits = _abs_bits(x)
-    return tl.maximum(run, tl.where(ok & (bits < 0x7F800000), bits, 0))
+    return tl.maximum(run, tl.where(ok & (bits < INF_BITS), bits, 0))
 
-
-INF_BITS = tl.constexpr(0x7F800000)  # +Inf's float32 bits: |x|'s bits at or above it are Inf or NaN
 
 
 @triton.jit
