@@ -26,7 +26,6 @@ def _abs_bits_max(run, x, ok):
     return tl.maximum(run, tl.where(ok & (bits < INF_BITS), bits, 0))
 
 
-
 @triton.jit
 def _finite_key(x):
     """An order key of |x| over the finite values, NaN and Inf below every finite one, in
