@@ -96,10 +96,11 @@ def decode_launch(k_format: str, v_format: str, head_dim: int, block_m: int = MI
 
 
 # The CUDA split kernel (`kernels/hopper/decode_cuda.py`: one warp a split, no barrier)
-# takes one new query row a sequence over FP8 / NVFP4 keys and values, up to 16 query
-# heads a KV head, pages of a multiple of 16 tokens; the Triton kernel takes the rest
-# (bf16 and MXFP4 caches, speculative steps, chunks of a prompt).
-CUDA_FORMATS = ("fp8", "nvfp4")
+# takes one new query row a sequence over bf16 / FP8 / NVFP4 keys and values, up to 16
+# query heads a KV head, pages of a multiple of 16 tokens; the Triton kernel takes the rest
+# (MXFP4 caches, speculative steps, chunks of a prompt). bf16: the Triton split and
+# combine's two launches made an eager call 1.66x its CUDA-graph time (H200, (8,32,8,4096)).
+CUDA_FORMATS = ("bf16", "fp8", "nvfp4")
 CUDA_MAX_ROWS = 16
 CUDA_TILE = 16  # keys a warp takes at a time
 CUDA_WARPS = 4
@@ -113,10 +114,12 @@ CUDA_STAGES = 2
 CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}
 
 
-def parse_cuda_stages(spec: str) -> int:
-    """The ring depth a launch's "cuda:<stages>" names: 0 or at least 2."""
-    if not spec.isdigit() or int(spec) == 1:
-        raise ValueError(f"CUDA decode ring {spec!r}: accepted 0 (registers) or a ring of n >= 2 tiles")
+def parse_cuda_stages(spec: str, k_format: str = "") -> int:
+    """The ring depth a launch's "cuda:<stages>" names: 0 or at least 2 (bf16 keys: at
+    least 2, their tile in registers twice FP8's words)."""
+    if not spec.isdigit() or int(spec) == 1 or (k_format == "bf16" and int(spec) == 0):
+        raise ValueError(f"CUDA decode ring {spec!r}: accepted 0 (registers; not for bf16 keys) or a ring of n >= 2 "
+                         f"tiles")
     return int(spec)
 
 
@@ -398,7 +401,7 @@ def with_launch(route: DecodeRoute, launch: DecodeLaunch) -> DecodeRoute:
         if merged.splits:  # warps' splits asked for: whole CTAs of them
             plan = dataclasses.replace(plan, splits=max(1, -(-merged.splits // CUDA_WARPS)))
         return dataclasses.replace(route, kernel="cuda", reason=reason, launch=plan,
-                                   ring=parse_cuda_stages(ring) if ring else cuda_stages(route.k_format, route.v_format),
+                                   ring=parse_cuda_stages(ring, route.k_format) if ring else cuda_stages(route.k_format, route.v_format),
                                    programs=route.batch * route.kv_heads)
     return dataclasses.replace(route, kernel="triton", reason=reason, launch=merged, ring=0,
                                programs=route.batch * route.kv_heads * -(-route.group * route.sq // route.block_m))

@@ -1,7 +1,7 @@
 """The decode split kernel in CUDA C++ (`cuda/decode_split.cu`): one warp a split, no
 barrier (the Triton kernel's four warps cross twice a key tile), its key tiles streamed
 through a per-warp cp.async ring in shared memory, for one new query row per sequence
-over FP8 or NVFP4 keys and values (what it takes: `routing.decode.cuda_unsupported_reason`),
+over bf16, FP8 or NVFP4 keys and values (what it takes: `routing.decode.cuda_unsupported_reason`),
 and the combine of its partials (`decode_combine`, the same merge as the Triton
 combine's). Same numerics as the Triton kernel (`reference/decode.py`); `decode_op`
 routes to it.
@@ -25,21 +25,30 @@ from fp4attn.kernels.hopper.nvrtc_build import (  # noqa: F401
     load_function,
     options_for,
 )
-from fp4attn.routing.decode import CUDA_STAGES, CUDA_WARPS, DECODE_HEAD_DIMS, cuda_stages, resident_programs
+from fp4attn.routing.decode import (
+    CUDA_STAGES,
+    CUDA_WARPS,
+    DECODE_HEAD_DIMS,
+    SM90_SHARED,
+    cuda_stages,
+    resident_programs,
+)
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_split.cu"
 KERNEL_NAME, COMBINE_NAME = "decode_split", "decode_combine"
-FORMATS = {"fp8": 1, "nvfp4": 2}  # decode_op.FORMAT_CODES, of routing.decode.CUDA_FORMATS
+FORMATS = {"bf16": 0, "fp8": 1, "nvfp4": 2}  # decode_op.FORMAT_CODES, of routing.decode.CUDA_FORMATS
 COMBINE_WARPS = 8
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the combine's OUT_KIND
 
 
 def _key_words(head_dim: int, fmt: str) -> int:
-    return head_dim // 32 if fmt == "nvfp4" else head_dim // 16
+    """u32 words of one key a lane holds (decode_split.cu's KW)."""
+    return {"nvfp4": head_dim // 32, "bf16": head_dim // 8}.get(fmt, head_dim // 16)
 
 
 def _value_words(head_dim: int, fmt: str) -> int:
-    return head_dim // 64 if fmt == "nvfp4" else head_dim // 32
+    """u32 words of one value row a lane holds (decode_split.cu's VW)."""
+    return {"nvfp4": head_dim // 64, "bf16": head_dim // 16}.get(fmt, head_dim // 32)
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,10 @@ class Variant:
 def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:
     """Every variant the routing can pick (`stages`: these ring depths instead of the
     routed one)."""
-    return [Variant(d, kf, vf, hi, stages=st) for d in DECODE_HEAD_DIMS for kf in FORMATS for vf in FORMATS
-            for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),))]
+    variants = [Variant(d, kf, vf, hi, stages=st) for d in DECODE_HEAD_DIMS for kf in FORMATS for vf in FORMATS
+                for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),)) if st or kf != "bf16"]
+    # a ring two CTAs cannot hold together is no variant (bf16's three tiles at D=128)
+    return [v for v in variants if 2 * v.shared_bytes() <= SM90_SHARED]
 
 
 class _Params(ctypes.Structure):

@@ -221,6 +221,9 @@ CUDA_CASES = [  # (K, V, B, Hkv, Hq, D, lengths, page size, key_start)
     ("nvfp4", "fp8", 2, 4, 8, 64, (700, 63), 32, (5, 0)),
     ("fp8", "nvfp4", 1, 1, 12, 64, (16,), 16, (15,)),
     ("nvfp4", "nvfp4", 2, 2, 4, 128, (1, 31), 48, (0, 30)),
+    ("bf16", "bf16", 2, 2, 32, 128, (17, 2345), 16, None),  # bf16 keys: q in two bf16 parts
+    ("bf16", "fp8", 2, 4, 8, 64, (700, 63), 32, (5, 0)),
+    ("nvfp4", "bf16", 1, 8, 32, 128, (1000,), None, None),
 ]
 
 
@@ -237,7 +240,7 @@ def test_the_cuda_split_kernel_matches_the_reference_and_the_triton_kernel(case)
     ks = None if start is None else torch.tensor(start, device="cuda", dtype=torch.int32)
     want, want_lse = decode(q, cache, key_start=ks, return_lse=True, backend="reference")
     R = decode_op.decode_routing
-    for kernel in ("cuda", "cuda:2", "cuda:0"):
+    for kernel in ("cuda", "cuda:2") + (("cuda:0",) if kf != "bf16" else ()):  # (bf16 keys: a ring only)
         for launch in (R.DecodeLaunch(128, 4, 2, kernel=kernel), R.DecodeLaunch(128, 4, 2, splits=37, kernel=kernel)):
             got, lse = decode_op.hopper_decode(q, cache, scale=D**-0.5, causal=True, key_start=ks, launch=launch)
             _check(got, want, lse, want_lse, (case, launch))

@@ -21,7 +21,8 @@ def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
     regs = build.registers(decode_cuda.KERNEL_NAME)
     assert regs is not None and R.resident_programs(regs, variant.warps, variant.shared_bytes()) >= 2, (regs, variant)
     if variant.stages:  # the ring keeps the tiles out of registers: 8 warps an SM at least
-        assert regs <= 168, regs
+        # (bf16 keys: q's f16 value in two bf16 parts, twice the key words: 185-204 at D=128)
+        assert regs <= (208 if variant.k_format == "bf16" else 168), regs
     assert build.registers(decode_cuda.COMBINE_NAME) is not None
 
 
@@ -46,7 +47,8 @@ def test_the_ring_slot_is_the_kernels():
 def test_routing_takes_the_cuda_kernel_only_where_it_can_run():
     ok = dict(k_format="nvfp4", v_format="fp8", head_dim=128, group=4, sq=1, page_size=256)
     assert R.cuda_unsupported_reason(**ok) is None
-    for bad, word in ((dict(k_format="mxfp4"), "formats"), (dict(v_format="bf16"), "formats"),
+    assert R.cuda_unsupported_reason(**{**ok, "k_format": "bf16", "v_format": "bf16"}) is None
+    for bad, word in ((dict(k_format="mxfp4"), "formats"), (dict(v_format="mxfp4"), "formats"),
                       (dict(head_dim=96), "head_dim"), (dict(sq=2), "new query rows"),
                       (dict(group=32), "query heads"), (dict(page_size=40), "page size")):
         assert word in R.cuda_unsupported_reason(**{**ok, **bad})

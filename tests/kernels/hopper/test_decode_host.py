@@ -81,7 +81,9 @@ def _filled(monkeypatch, fmt, **kw):
 BUDGETS = {  # (format, new query rows, append): (frames, operations)
     ("nvfp4", 1, False): (17, {"aten.empty.memory_format": 2}),  # the CUDA split kernel
     ("fp8", 1, True): (32, {"aten.empty.memory_format": 2, "aten.add_.Tensor": 1}),
-    ("bf16", 1, False): (16, {"aten.empty.memory_format": 2}),  # the Triton split kernel
+    # the CUDA split kernel, as nvfp4's (on the Triton split kernel bf16 took 16 frames here and
+    # Triton's two launches beside them, 1.66x its CUDA-graph time on an H200)
+    ("bf16", 1, False): (17, {"aten.empty.memory_format": 2}),
     ("mxfp4", 2, True): (31, {"aten.empty.memory_format": 2, "aten.add_.Tensor": 1}),
 }
 
@@ -101,7 +103,7 @@ def test_the_host_work_of_a_call_stays_within_its_budget(form, launches, monkeyp
     frames, ops = host_work(call)
     kernels = [x[0] for x in launches[: len(launches) // 2]]
     assert kernels == (["append"] if append else []) + (
-        ["decode_split", "decode_combine"] if (fmt, sq) == ("nvfp4", 1) or (fmt, sq) == ("fp8", 1) else
+        ["decode_split", "decode_combine"] if fmt in ("bf16", "fp8", "nvfp4") and sq == 1 else
         ["triton split", "triton combine"]), kernels
     budget_frames, budget_ops = BUDGETS[form]
     assert frames <= budget_frames, f"{frames} Python frames of fp4attn a call; the budget is {budget_frames}"

@@ -1,6 +1,6 @@
 // Decode attention over a quantized KV cache, split kernel (sm_90): one new query row per
 // sequence (Sq = 1), the GQA group's query heads (up to 16) as the rows of one mma tile,
-// FP8 or NVFP4 keys and values. The numerics are reference/decode.py's and the Triton
+// bf16, FP8 or NVFP4 keys and values. The numerics are reference/decode.py's and the Triton
 // split kernel's (decode_triton.py), operation for operation: q in f16 at its row's
 // power-of-two scale, block values exact in f16, float32 scores times the token factor, an
 // integer running maximum, l the float32 sum of the unrounded P = 2**(t - m); P rounded to
@@ -55,7 +55,7 @@ typedef long long int64_t;
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
 #endif
-#ifndef K_FMT  // 1 fp8, 2 nvfp4 (decode_op.FORMAT_CODES)
+#ifndef K_FMT  // 0 bf16, 1 fp8, 2 nvfp4 (decode_op.FORMAT_CODES)
 #define K_FMT 2
 #endif
 #ifndef V_FMT
@@ -82,8 +82,10 @@ constexpr int KSTEPS = D / 16;  // k steps of the score product
 constexpr int NT_O = D / 8;     // n-tiles of the output
 constexpr bool K_FP4 = K_FMT == 2;
 constexpr bool V_FP4 = V_FMT == 2;
-constexpr int KW = K_FP4 ? D / 32 : D / 16;  // u32 words of one key a lane holds
-constexpr int VW = V_FP4 ? D / 64 : D / 32;  // u32 words of one value row a lane holds
+constexpr bool K_BF16 = K_FMT == 0;  // bf16 values, no scales (token factor 1)
+constexpr bool V_BF16 = V_FMT == 0;
+constexpr int KW = K_FP4 ? D / 32 : K_BF16 ? D / 8 : D / 16;  // u32 words of one key a lane holds
+constexpr int VW = V_FP4 ? D / 64 : V_BF16 ? D / 16 : D / 32;  // u32 words of one value row a lane holds
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
 constexpr int TILE = 16;
 static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
@@ -146,6 +148,18 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
     uint32_t d;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     return d;
+}
+
+// two floats rounded to f16 (q's products' precision, reference.decode.half_queries), as bf16x2
+// high parts and the bf16x2 of what they leave: hi + lo is the f16 value exactly (11
+// significant bits in two bf16 of 8), so two bf16 products with a bf16 key add up to its f16 one
+__device__ __forceinline__ void split_f16_bf16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+    const uint32_t h = pack_f16(x0, x1);
+    float f0, f1;
+    asm("{\n\t.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, u;\n\t}"
+        : "=f"(f0), "=f"(f1) : "r"(h));
+    hi = pack_bf16x2(f0, f1);
+    lo = pack_bf16x2(f0 - __uint_as_float(hi << 16), f1 - __uint_as_float(hi & 0xFFFF0000u));
 }
 
 // 4 e4m3 bytes -> f16x2 {byte 0, byte 1}, {byte 2, byte 3} (exact, NaN kept)
@@ -263,6 +277,10 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ int q_channel(int kk, int t, int slot) {
     if (K_FP4)  // word kk / 2: nibbles 0, 2, 4, 6 (kk even), 1, 3, 5, 7 (odd) (fp4x8_f16)
         return (D / 4) * t + 8 * (kk / 2) + (kk % 2) + 2 * slot;
+    if (K_BF16) {  // words 2 kk (slots 0, 1) and 2 kk + 1 (2, 3): chunk w / 4 of the lane, two channels a word
+        const int w = 2 * kk + slot / 2;
+        return 8 * (4 * (w / 4) + t) + 2 * (w % 4) + slot % 2;
+    }
     // word kk: chunk kk / 4 of the lane, bytes 0 .. 3 (e4m3x4)
     return 16 * (4 * (kk / 4) + t) + 4 * (kk % 4) + slot;
 }
@@ -318,7 +336,7 @@ __device__ __forceinline__ void fetch_float2(const float* p, float2& x) {
 }
 
 // the bytes of one token row of each array
-constexpr int K_ROW = K_FP4 ? D / 2 : D, V_ROW = V_FP4 ? D / 2 : D, S_ROW = D / 16;
+constexpr int K_ROW = K_FP4 ? D / 2 : K_BF16 ? 2 * D : D, V_ROW = V_FP4 ? D / 2 : V_BF16 ? 2 * D : D, S_ROW = D / 16;
 
 // A key tile's rows of each array in the cache: one page lookup and one 64-bit base an
 // array per tile
@@ -346,12 +364,12 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
             fetch_words<MODE, SW>(x.ks + row * S_ROW, r.ksc[nt]);
         } else {
 #pragma unroll
-            for (int i = 0; i < KW / 4; ++i) {  // chunk i: bytes 16 (4 i + t) .. + 15 of the key
+            for (int i = 0; i < KW / 4; ++i) {  // chunk i: bytes 16 (4 i + t) .. + 15 of the key (FP8, bf16)
                 uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&r.k[nt][4 * i]);
                 fetch_words<MODE, 4>(x.ka + row * K_ROW + 16 * (4 * i + t), w);
             }
         }
-        fetch_float2<MODE>(x.kt + 8 * nt + 2 * t, r.kt[nt]);
+        if constexpr (!K_BF16) fetch_float2<MODE>(x.kt + 8 * nt + 2 * t, r.kt[nt]);  // (bf16: no token scales)
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -359,12 +377,14 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
         if constexpr (V_FP4) {
             fetch_words<MODE, VW>(x.va + row * V_ROW + (D / 16) * g, r.v[i]);
             fetch_words<MODE, SW>(x.vs + row * S_ROW, r.vsc[i]);
-        } else {
-            fetch_words<MODE, VW>(x.va + row * V_ROW + (D / 8) * g, r.v[i]);
+        } else {  // lane g's D / 8 channels: D / 8 bytes (FP8), D / 4 (bf16)
+            fetch_words<MODE, VW>(x.va + row * V_ROW + (V_ROW / 8) * g, r.v[i]);
         }
     }
-    fetch_float2<MODE>(x.vt + 2 * t, r.vt[0]);
-    fetch_float2<MODE>(x.vt + 8 + 2 * t, r.vt[1]);
+    if constexpr (!V_BF16) {
+        fetch_float2<MODE>(x.vt + 2 * t, r.vt[0]);
+        fetch_float2<MODE>(x.vt + 8 + 2 * t, r.vt[1]);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __grid_constant__ Params p) {
@@ -381,6 +401,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // -- q fragments: an Inf becomes NaN (as the reference), then f16 at the row's scale 2**e
     // (reference.decode.half_queries), 2**-e going into the row's score factor -------------
     uint32_t qa[KSTEPS][2], qb[KSTEPS][2];
+    // bf16 keys: qa / qb hold q's f16 value's bf16 high parts, qa_lo / qb_lo the rest (split_f16_bf16)
+    uint32_t qa_lo[K_BF16 ? KSTEPS : 1][2], qb_lo[K_BF16 ? KSTEPS : 1][2];
     float row_down[2];
     {
         const bool ok[2] = {g < p.group, HI_ROWS && g + 8 < p.group};
@@ -412,10 +434,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const int c0 = q_channel(kk, t, 0), c1 = q_channel(kk, t, 1);
             const int c2 = q_channel(kk, t, 2), c3 = q_channel(kk, t, 3);
-            qa[kk][0] = pack_f16(get(0, c0) * up[0], get(0, c1) * up[0]);
-            qa[kk][1] = pack_f16(get(0, c2) * up[0], get(0, c3) * up[0]);
-            qb[kk][0] = HI_ROWS ? pack_f16(get(1, c0) * up[1], get(1, c1) * up[1]) : 0u;
-            qb[kk][1] = HI_ROWS ? pack_f16(get(1, c2) * up[1], get(1, c3) * up[1]) : 0u;
+            if constexpr (K_BF16) {
+                split_f16_bf16(get(0, c0) * up[0], get(0, c1) * up[0], qa[kk][0], qa_lo[kk][0]);
+                split_f16_bf16(get(0, c2) * up[0], get(0, c3) * up[0], qa[kk][1], qa_lo[kk][1]);
+                qb[kk][0] = qb[kk][1] = qb_lo[kk][0] = qb_lo[kk][1] = 0u;
+                if constexpr (HI_ROWS) {
+                    split_f16_bf16(get(1, c0) * up[1], get(1, c1) * up[1], qb[kk][0], qb_lo[kk][0]);
+                    split_f16_bf16(get(1, c2) * up[1], get(1, c3) * up[1], qb[kk][1], qb_lo[kk][1]);
+                }
+            } else {
+                qa[kk][0] = pack_f16(get(0, c0) * up[0], get(0, c1) * up[0]);
+                qa[kk][1] = pack_f16(get(0, c2) * up[0], get(0, c3) * up[0]);
+                qb[kk][0] = HI_ROWS ? pack_f16(get(1, c0) * up[1], get(1, c1) * up[1]) : 0u;
+                qb[kk][1] = HI_ROWS ? pack_f16(get(1, c2) * up[1], get(1, c3) * up[1]) : 0u;
+            }
         }
     }
 
@@ -425,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // m_row: the scores' integer running maximum (l's frame); big_row: the second one of f16
     // P (u = t + E of the value scale), acc's frame, for FP8 values (V_HALF)
     float m_row[2] = {NEG_INF, NEG_INF}, l_row[2] = {0.0f, 0.0f}, big_row[2] = {NEG_INF, NEG_INF};
-    constexpr bool V_HALF = !V_FP4;  // reference.decode.P_HALF_FORMATS
+    constexpr bool V_HALF = V_FMT == 1;  // FP8 values: reference.decode.P_HALF_FORMATS
     constexpr float P_HALF_SHIFT = 13.0f, P_HALF_SCALE = 8192.0f;  // reference.decode.P_HALF_SHIFT, its power
     const float v_fac_shift = V_FP4 ? 128.0f : 1.0f;
     const float qk[2] = {p.qk_scale * row_down[0], p.qk_scale * row_down[1]};
@@ -457,6 +489,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                     mma<true>(s[nt], qa[2 * i + 1][0], qb[2 * i + 1][0], qa[2 * i + 1][1], qb[2 * i + 1][1], o[2],
                               o[3]);
                 }
+            } else if constexpr (K_BF16) {
+                // the key's bf16 words as they are; q's high and low parts, one product each
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS; ++kk) {
+                    const uint32_t b0 = cur.k[nt][2 * kk], b1 = cur.k[nt][2 * kk + 1];
+                    mma(s[nt], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b0, b1);
+                    mma(s[nt], qa_lo[kk][0], qb_lo[kk][0], qa_lo[kk][1], qb_lo[kk][1], b0, b1);
+                }
             } else {
 #pragma unroll
                 for (int i = 0; i < KW; ++i) {
@@ -465,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                     mma<true>(s[nt], qa[i][0], qb[i][0], qa[i][1], qb[i][1], o[0], o[1]);
                 }
             }
-            const float f0 = cur.kt[nt].x, f1 = cur.kt[nt].y;
+            const float f0 = K_BF16 ? 1.0f : cur.kt[nt].x, f1 = K_BF16 ? 1.0f : cur.kt[nt].y;  // token factors
             s[nt][0] *= f0 * qk[0], s[nt][1] *= f1 * qk[0], s[nt][2] *= f0 * qk[1], s[nt][3] *= f1 * qk[1];
             if (MASKED) {
                 if (!vis[nt][0]) s[nt][0] = s[nt][2] = NEG_INF;
@@ -473,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
         }
         // -- the value token factors (an invisible key's is 0: 0 * NaN must not reach a row) ---
-        float2 vf[2] = {cur.vt[0], cur.vt[1]};
+        float2 vf[2] = {V_BF16 ? make_float2(1.0f, 1.0f) : cur.vt[0], V_BF16 ? make_float2(1.0f, 1.0f) : cur.vt[1]};
         uint32_t keep[2] = {0xFFFFFFFFu, 0xFFFFFFFFu};  // a value no row may see is zeroed (0 * NaN)
         if (MASKED) {
 #pragma unroll
@@ -589,6 +629,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                     mma(acc[8 * w + j], pa[0], pa[1], pa[2], pa[3], a[j], e[j]);
                     mma(acc[8 * w + 4 + j], pa[0], pa[1], pa[2], pa[3], c[j], f[j]);
                 }
+            }
+        } else if constexpr (V_BF16) {
+#pragma unroll
+            for (int w = 0; w < VW; ++w) {
+                // channels 2w, 2w + 1 of the lane: keys 2t, 2t + 1 (and + 8) side by side, as they are
+                uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5410), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7632);
+                uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5410), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7632);
+                if (MASKED) {
+                    x0 &= keep[0], x1 &= keep[0], y0 &= keep[1], y1 &= keep[1];
+                }
+                mma(acc[2 * w], pa[0], pa[1], pa[2], pa[3], x0, y0);
+                mma(acc[2 * w + 1], pa[0], pa[1], pa[2], pa[3], x1, y1);
             }
         } else {
 #pragma unroll
