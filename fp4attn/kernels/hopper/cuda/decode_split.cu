@@ -29,7 +29,8 @@
 //     that a warp's load instruction reads contiguously: NVFP4 channels [D/4 t, D/4 t + D/4)
 //     (D/8 bytes), FP8 chunk i bytes [16 (4 i + t), + 16) (at D = 128 two chunks 64 bytes
 //     apart: contiguous chunks a lane would leave every 32-byte sector half read by each
-//     load); the conversion's output order decides which channel each k index is, and q
+//     load), bf16 chunk i bytes [16 (4 i + t), + 16) as FP8's (eight channels a chunk, two a
+//     word); the conversion's output order decides which channel each k index is, and q
 //     is loaded in that order (q_channel below).
 //   P: the S accumulators of two n-tiles are P's A fragment for 16 keys (FlashAttention-2's
 //     register reuse: keys 2t, 2t + 1 and 2t + 8, 2t + 9).
@@ -44,7 +45,9 @@
 // bf16, as the reference has it): E2M1 by bit placement into bf16 (the value times
 // 2**-126) and one bf16x2 multiply by the block's multiplier (as decode_triton's _fp4_asm).
 // The f16 products are why q is rounded to f16: at its row's power-of-two scale that is
-// exact down to 2**-28 of the row's largest element.
+// exact down to 2**-28 of the row's largest element. bf16 keys and values need no
+// conversion: the scores take q's f16 value as two bf16 parts (split_f16_bf16; two
+// products, exact), P V takes P in bf16 as for NVFP4 values.
 
 #include "ptx.cuh"  // uint16_t, uint32_t; pack_bf16x2, lg2
 
