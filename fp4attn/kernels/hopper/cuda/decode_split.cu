@@ -34,8 +34,9 @@
 //     is loaded in that order (q_channel below).
 //   P: the S accumulators of two n-tiles are P's A fragment for 16 keys (FlashAttention-2's
 //     register reuse: keys 2t, 2t + 1 and 2t + 8, 2t + 9).
-//   O = P V: B = V of keys 2t, 2t + 1 (and + 8) at channel v_channel(o, g) = D/8 g + o of
-//     n-tile o: lane g holds D/8 contiguous channels of each of its four keys.
+//   O = P V: B = V of keys 2t, 2t + 1 (and + 8) at channel v_channel(o, g) of n-tile o:
+//     lane g holds D/8 channels of each of its four keys, contiguous (D/8 g + o) for FP8
+//     and NVFP4, two 16-byte chunks D/2 channels apart for bf16.
 //
 // Dequantization into f16, where the hardware converts two e4m3 bytes in one instruction
 // (cvt.rn.f16x2.e4m3x2): FP8 keys and values convert as they are; an E2M1 code's bits are
@@ -288,7 +289,12 @@ __device__ __forceinline__ int q_channel(int kk, int t, int slot) {
     return 16 * (4 * (kk / 4) + t) + 4 * (kk % 4) + slot;
 }
 
-__device__ __forceinline__ int v_channel(int o, int g) { return (D / 8) * g + o; }
+// bf16 values: a lane's D / 8 channels as 16-byte chunks D / 2 channels apart, so that one
+// copy instruction of the warp reads 128 contiguous bytes of each of its four value rows
+// (contiguous channels would leave each 32-byte sector half read by each of two copies)
+__device__ __forceinline__ int v_channel(int o, int g) {
+    return V_BF16 ? (o / 8) * (D / 2) + 8 * g + o % 8 : (D / 8) * g + o;
+}
 
 // A lane's bytes of one key tile, as loaded (the block scales as the token's whole row of
 // them: cp.async copies 4 bytes at least).
@@ -380,7 +386,13 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
         if constexpr (V_FP4) {
             fetch_words<MODE, VW>(x.va + row * V_ROW + (D / 16) * g, r.v[i]);
             fetch_words<MODE, SW>(x.vs + row * S_ROW, r.vsc[i]);
-        } else {  // lane g's D / 8 channels: D / 8 bytes (FP8), D / 4 (bf16)
+        } else if constexpr (V_BF16) {  // lane g's D / 8 channels: chunk c at channels D / 2 c + 8 g (v_channel)
+#pragma unroll
+            for (int c = 0; c < VW / 4; ++c) {
+                uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&r.v[i][4 * c]);
+                fetch_words<MODE, 4>(x.va + row * V_ROW + (V_ROW / 2) * c + 16 * g, w);
+            }
+        } else {  // lane g's D / 8 channels: D / 8 bytes (FP8)
             fetch_words<MODE, VW>(x.va + row * V_ROW + (V_ROW / 8) * g, r.v[i]);
         }
     }
