@@ -42,8 +42,9 @@ OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the combi
 
 
 def _key_words(head_dim: int, fmt: str) -> int:
-    """u32 words of one key a lane holds (decode_split.cu's KW)."""
-    return {"nvfp4": head_dim // 32, "bf16": head_dim // 8}.get(fmt, head_dim // 16)
+    """u32 words of one key in a lane's ring slot (decode_split.cu's `Raw::k`; bf16 keys: 1,
+    unused, their tile is the warp's)."""
+    return {"nvfp4": head_dim // 32, "bf16": 1}.get(fmt, head_dim // 16)
 
 
 def _value_words(head_dim: int, fmt: str) -> int:
@@ -77,8 +78,10 @@ class Variant:
         return 16 * (units if units % 2 else units + 1)
 
     def shared_bytes(self) -> int:
-        """Dynamic shared memory of one CTA: its warps' rings."""
-        return self.stages * self.warps * 32 * self.slot_bytes()
+        """Dynamic shared memory of one CTA: its warps' rings (each lane's slots, and the
+        warp's key tiles for bf16 keys: 16 rows of 2 D bytes, decode_split.cu's KTILE_BYTES)."""
+        key_tile = 16 * 2 * self.head_dim if self.k_format == "bf16" else 0
+        return self.stages * self.warps * (32 * self.slot_bytes() + key_tile)
 
 
 def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:

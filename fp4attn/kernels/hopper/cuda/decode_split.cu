@@ -21,7 +21,8 @@
 // keeps a ring of STAGES tiles a warp in shared memory filled by cp.async, STAGES - 1
 // tiles in flight. Every lane copies exactly the bytes it later reads, into a slot of its
 // own, so the ring needs no barrier and no __syncwarp: cp.async.wait_group orders a
-// thread's copies before its own reads.
+// thread's copies before its own reads. bf16 keys are the exception: the warp copies each
+// key tile together (`copy_key_tile`), and a __syncwarp on either side of its use orders it.
 //
 // Register layouts (mma.m16n8k16, row-major A, column-major B; lane = 4 g + t):
 //   S = q K^T: A = q (rows g, g + 8), B = K of key g of each 8-key n-tile. The
@@ -29,9 +30,9 @@
 //     that a warp's load instruction reads contiguously: NVFP4 channels [D/4 t, D/4 t + D/4)
 //     (D/8 bytes), FP8 chunk i bytes [16 (4 i + t), + 16) (at D = 128 two chunks 64 bytes
 //     apart: contiguous chunks a lane would leave every 32-byte sector half read by each
-//     load), bf16 chunk i bytes [16 (4 i + t), + 16) as FP8's (eight channels a chunk, two a
-//     word); the conversion's output order decides which channel each k index is, and q
-//     is loaded in that order (q_channel below).
+//     load); the conversion's output order decides which channel each k index is, and q
+//     is loaded in that order (q_channel below). bf16 keys: ldmatrix's fragments of the
+//     warp's key tile, k index i of step kk channel 16 kk + i.
 //   P: the S accumulators of two n-tiles are P's A fragment for 16 keys (FlashAttention-2's
 //     register reuse: keys 2t, 2t + 1 and 2t + 8, 2t + 9).
 //   O = P V: B = V of keys 2t, 2t + 1 (and + 8) at channel v_channel(o, g) of n-tile o:
@@ -93,6 +94,7 @@ constexpr int VW = V_FP4 ? D / 64 : V_BF16 ? D / 16 : D / 32;  // u32 words of o
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
 constexpr int TILE = 16;
 static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
+static_assert(!K_BF16 || STAGES >= 2, "bf16 keys: a ring (the warp shares each key tile)");
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Params {
@@ -281,10 +283,8 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ int q_channel(int kk, int t, int slot) {
     if (K_FP4)  // word kk / 2: nibbles 0, 2, 4, 6 (kk even), 1, 3, 5, 7 (odd) (fp4x8_f16)
         return (D / 4) * t + 8 * (kk / 2) + (kk % 2) + 2 * slot;
-    if (K_BF16) {  // words 2 kk (slots 0, 1) and 2 kk + 1 (2, 3): chunk w / 4 of the lane, two channels a word
-        const int w = 2 * kk + slot / 2;
-        return 8 * (4 * (w / 4) + t) + 2 * (w % 4) + slot % 2;
-    }
+    if (K_BF16)  // ldmatrix's B fragment of k step kk: channels 16 kk + 2t, + 1 and + 8, + 9
+        return 16 * kk + 2 * t + (slot & 1) + 8 * (slot >> 1);
     // word kk: chunk kk / 4 of the lane, bytes 0 .. 3 (e4m3x4)
     return 16 * (4 * (kk / 4) + t) + 4 * (kk % 4) + slot;
 }
@@ -299,7 +299,7 @@ __device__ __forceinline__ int v_channel(int o, int g) {
 // A lane's bytes of one key tile, as loaded (the block scales as the token's whole row of
 // them: cp.async copies 4 bytes at least).
 struct alignas(16) Raw {
-    uint32_t k[2][KW];  // key g of n-tile nt
+    uint32_t k[2][K_BF16 ? 1 : KW];  // key g of n-tile nt (bf16 keys: the warp's shared tile, `KTile`)
     uint32_t v[4][VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
     float2 kt[2];       // token scales of keys 8 nt + 2t, + 1
     float2 vt[2];       // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
@@ -344,6 +344,31 @@ __device__ __forceinline__ void fetch_float2(const float* p, float2& x) {
         x = __ldg(reinterpret_cast<const float2*>(p));
 }
 
+// bf16 keys: a key tile is 16 contiguous rows of 2 D bytes, copied by the whole warp (each
+// copy instruction 512 contiguous bytes: whole 128-byte lines, where a lane's own 16 bytes
+// of eight keys would request eight half lines) into the warp's tile in the ring, chunk c
+// of row r at chunk c ^ (r & 7), so that ldmatrix's eight rows of one chunk fall in eight
+// bank groups; read back as B fragments by ldmatrix.x4.
+constexpr int KTILE_BYTES = K_BF16 ? TILE * 2 * D : 0;
+
+__device__ __forceinline__ uint32_t ktile_offset(int row, int chunk) { return row * 2 * D + 16 * (chunk ^ (row & 7)); }
+
+__device__ __forceinline__ void copy_key_tile(const uint8_t* ka, unsigned char* tile, int lane) {
+#pragma unroll
+    for (int j = 0; j < KTILE_BYTES / 512; ++j) {
+        const int off = 512 * j + 16 * lane, row = off / (2 * D);
+        cp_async(tile + ktile_offset(row, off % (2 * D) / 16), ka + off, 16);
+    }
+}
+
+// the B fragments (b0, b1) of k step kk for the tile's two n-tiles (keys 0-7, 8-15)
+__device__ __forceinline__ void key_fragments(const unsigned char* tile, int kk, int lane, uint32_t (&b)[4]) {
+    const int m = lane >> 3, row = 8 * (m >> 1) + (lane & 7);
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(tile + ktile_offset(row, 2 * kk + (m & 1)));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a) : "memory");
+}
+
 // the bytes of one token row of each array
 constexpr int K_ROW = K_FP4 ? D / 2 : K_BF16 ? 2 * D : D, V_ROW = V_FP4 ? D / 2 : V_BF16 ? 2 * D : D, S_ROW = D / 16;
 
@@ -364,16 +389,17 @@ __device__ __forceinline__ TileRows cache_rows(const Params& p, int b, int h, in
 // every lane's offset from the tile's first row is a 32-bit constant of (g, t) and of the
 // unrolled indices
 template <int MODE>
-__device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& r) {
+__device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& r, unsigned char* ktile) {
+    if constexpr (K_BF16) copy_key_tile(x.ka, ktile, 4 * g + t);  // (the ring only: MODE is COPY)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
         const int row = 8 * nt + g;
         if constexpr (K_FP4) {
             fetch_words<MODE, KW>(x.ka + row * K_ROW + (D / 8) * t, r.k[nt]);
             fetch_words<MODE, SW>(x.ks + row * S_ROW, r.ksc[nt]);
-        } else {
+        } else if constexpr (!K_BF16) {
 #pragma unroll
-            for (int i = 0; i < KW / 4; ++i) {  // chunk i: bytes 16 (4 i + t) .. + 15 of the key (FP8, bf16)
+            for (int i = 0; i < KW / 4; ++i) {  // chunk i: bytes 16 (4 i + t) .. + 15 of the key (FP8)
                 uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&r.k[nt][4 * i]);
                 fetch_words<MODE, 4>(x.ka + row * K_ROW + 16 * (4 * i + t), w);
             }
@@ -480,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // one key tile's scores, softmax and P V from its bytes (in registers or in the ring);
     // MASKED: a tile that a sequence's end or start cuts (`run` calls it with a constant at
     // each site, so the inlined copies are the masked and the plain tile)
-    auto work = [&](const Raw& cur, const int tile0, const bool MASKED) {
+    auto work = [&](const Raw& cur, const unsigned char* ktile, const int tile0, const bool MASKED) {
         // keys 8 nt + 2t (+ 1) of the tile visible (MASKED tiles only)
         bool vis[2][2];
 #pragma unroll
@@ -489,10 +515,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             vis[nt][0] = j < L && j >= start, vis[nt][1] = j + 1 < L && j + 1 >= start;
         }
         // -- scores, log2 units ----------------------------------------------------------------
-        float s[2][4];
+        float s[2][4] = {};
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
             if constexpr (K_FP4) {
                 uint32_t mult[2];
                 fp4_mult_f16(k_scales(cur, nt, t), mult);
@@ -505,12 +530,25 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                               o[3]);
                 }
             } else if constexpr (K_BF16) {
-                // the key's bf16 words as they are; q's high and low parts, one product each
+                if (nt == 0) {
+                    // both n-tiles at once from the warp's tile; q's high and low parts, one product
+                    // each, into four accumulators (four chains of KSTEPS products, not two of 2 KSTEPS)
+                    float lo[2][4] = {};
 #pragma unroll
-                for (int kk = 0; kk < KSTEPS; ++kk) {
-                    const uint32_t b0 = cur.k[nt][2 * kk], b1 = cur.k[nt][2 * kk + 1];
-                    mma(s[nt], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], b0, b1);
-                    mma(s[nt], qa_lo[kk][0], qb_lo[kk][0], qa_lo[kk][1], qb_lo[kk][1], b0, b1);
+                    for (int kk = 0; kk < KSTEPS; ++kk) {
+                        uint32_t kb[4];
+                        key_fragments(ktile, kk, 4 * g + t, kb);
+#pragma unroll
+                        for (int n = 0; n < 2; ++n) {
+                            mma(s[n], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], kb[2 * n], kb[2 * n + 1]);
+                            mma(lo[n], qa_lo[kk][0], qb_lo[kk][0], qa_lo[kk][1], qb_lo[kk][1], kb[2 * n],
+                                kb[2 * n + 1]);
+                        }
+                    }
+#pragma unroll
+                    for (int n = 0; n < 2; ++n)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) s[n][j] += lo[n][j];
                 }
             } else {
 #pragma unroll
@@ -676,43 +714,49 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
         }
     };
-    auto run = [&](const Raw& cur, const int tile0) {
+    auto run = [&](const Raw& cur, const unsigned char* ktile, const int tile0) {
         if (tile0 < start || tile0 + TILE > L)
-            work(cur, tile0, true);
+            work(cur, ktile, tile0, true);
         else
-            work(cur, tile0, false);
+            work(cur, ktile, tile0, false);
     };
 
     if constexpr (STAGES == 0) {
         const int last = lo < hi ? lo + ((hi - 1 - lo) / TILE) * TILE : lo;
         Raw cur, nxt;
-        if (lo < hi) load_tile<LOAD>(cache_rows(p, b, h, lo), g, t, cur);
+        if (lo < hi) load_tile<LOAD>(cache_rows(p, b, h, lo), g, t, cur, nullptr);
         for (int tile0 = lo; tile0 < hi; tile0 += TILE) {
             // the next tile's bytes in flight while this one is worked on (the last tile reloads itself)
-            load_tile<LOAD>(cache_rows(p, b, h, min(tile0 + TILE, last)), g, t, nxt);
-            run(cur, tile0);
+            load_tile<LOAD>(cache_rows(p, b, h, min(tile0 + TILE, last)), g, t, nxt, nullptr);
+            run(cur, nullptr, tile0);
             cur = nxt;
         }
     } else {
-        // the ring: tile i lives in stage i % STAGES
+        // the ring: tile i lives in stage i % STAGES: each lane's slot, and the warp's key tile
+        // (bf16 keys) after all the slots
         extern __shared__ __align__(16) unsigned char smem[];
         unsigned char* mine = smem + (warp * STAGES * 32 + lane) * SLOT;
+        unsigned char* keys = smem + WARPS * STAGES * 32 * SLOT + warp * STAGES * KTILE_BYTES;
         auto ring = [&](int stage) -> Raw& { return *reinterpret_cast<Raw*>(mine + stage * 32 * SLOT); };
-        const int tiles = lo < hi ? (hi - lo + TILE - 1) / TILE : 0;
+        const int tiles = lo < hi ? (hi - lo + TILE - 1) / TILE : 0;  // (the same for the whole warp)
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < tiles) load_tile<COPY>(cache_rows(p, b, h, lo + i * TILE), g, t, ring(i));
+            if (i < tiles) load_tile<COPY>(cache_rows(p, b, h, lo + i * TILE), g, t, ring(i), keys + i * KTILE_BYTES);
             cp_async_commit();  // empty groups too: the wait below counts groups
         }
         int use = 0, fill = STAGES - 1;  // the stages of tile i and of tile i + STAGES - 1
         for (int i = 0; i < tiles; ++i) {
             // the stage refilled now was read by the previous tile's work, whose reads have all
-            // returned (their values were consumed); the asm's memory clobbers keep the order
+            // returned (their values were consumed); the asm's memory clobbers keep the order. A
+            // key tile is the warp's: every lane has read it before any lane refills it
+            if constexpr (K_BF16) __syncwarp();
             if (i + STAGES - 1 < tiles)
-                load_tile<COPY>(cache_rows(p, b, h, lo + (i + STAGES - 1) * TILE), g, t, ring(fill));
+                load_tile<COPY>(cache_rows(p, b, h, lo + (i + STAGES - 1) * TILE), g, t, ring(fill),
+                                keys + fill * KTILE_BYTES);
             cp_async_commit();
             cp_async_wait<STAGES - 1>();  // tile i's copies have landed
-            run(ring(use), lo + i * TILE);
+            if constexpr (K_BF16) __syncwarp();  // ... and every lane's copies of the key tile
+            run(ring(use), keys + use * KTILE_BYTES, lo + i * TILE);
             use = use + 1 == STAGES ? 0 : use + 1;
             fill = fill + 1 == STAGES ? 0 : fill + 1;
         }
