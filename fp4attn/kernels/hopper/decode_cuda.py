@@ -43,8 +43,8 @@ OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the combi
 
 def _key_words(head_dim: int, fmt: str) -> int:
     """u32 words of one key in a lane's ring slot (decode_split.cu's `Raw::k`; bf16 keys: 1,
-    unused, their tile is the warp's)."""
-    return {"nvfp4": head_dim // 32, "bf16": 1}.get(fmt, head_dim // 16)
+    two unused words that keep the values 16-byte aligned, their tile is the warp's)."""
+    return {"nvfp4": head_dim // 32, "bf16": 2}.get(fmt, head_dim // 16)
 
 
 def _value_words(head_dim: int, fmt: str) -> int:

@@ -299,7 +299,7 @@ __device__ __forceinline__ int v_channel(int o, int g) {
 // A lane's bytes of one key tile, as loaded (the block scales as the token's whole row of
 // them: cp.async copies 4 bytes at least).
 struct alignas(16) Raw {
-    uint32_t k[2][K_BF16 ? 1 : KW];  // key g of n-tile nt (bf16 keys: the warp's shared tile, `KTile`)
+    uint32_t k[2][K_BF16 ? 2 : KW];  // key g of n-tile nt (bf16 keys: unused, 16 bytes that keep v aligned; the warp copies their tile)
     uint32_t v[4][VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
     float2 kt[2];       // token scales of keys 8 nt + 2t, + 1
     float2 vt[2];       // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
