@@ -114,12 +114,12 @@ CUDA_STAGES = 2
 CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}
 
 
-def parse_cuda_stages(spec: str, k_format: str = "") -> int:
-    """The ring depth a launch's "cuda:<stages>" names: 0 or at least 2 (bf16 keys: at
-    least 2, their tile in registers twice FP8's words)."""
-    if not spec.isdigit() or int(spec) == 1 or (k_format == "bf16" and int(spec) == 0):
-        raise ValueError(f"CUDA decode ring {spec!r}: accepted 0 (registers; not for bf16 keys) or a ring of n >= 2 "
-                         f"tiles")
+def parse_cuda_stages(spec: str, k_format: str = "", v_format: str = "") -> int:
+    """The ring depth a launch's "cuda:<stages>" names: 0 or at least 2 (bf16 keys or
+    values: at least 2, the warp copies their tiles into shared memory together)."""
+    if not spec.isdigit() or int(spec) == 1 or ("bf16" in (k_format, v_format) and int(spec) == 0):
+        raise ValueError(f"CUDA decode ring {spec!r}: accepted 0 (registers; not for bf16 keys or values) or a ring "
+                         f"of n >= 2 tiles")
     return int(spec)
 
 
@@ -401,7 +401,7 @@ def with_launch(route: DecodeRoute, launch: DecodeLaunch) -> DecodeRoute:
         if merged.splits:  # warps' splits asked for: whole CTAs of them
             plan = dataclasses.replace(plan, splits=max(1, -(-merged.splits // CUDA_WARPS)))
         return dataclasses.replace(route, kernel="cuda", reason=reason, launch=plan,
-                                   ring=parse_cuda_stages(ring, route.k_format) if ring else cuda_stages(route.k_format, route.v_format),
+                                   ring=parse_cuda_stages(ring, route.k_format, route.v_format) if ring else cuda_stages(route.k_format, route.v_format),
                                    programs=route.batch * route.kv_heads)
     return dataclasses.replace(route, kernel="triton", reason=reason, launch=merged, ring=0,
                                programs=route.batch * route.kv_heads * -(-route.group * route.sq // route.block_m))

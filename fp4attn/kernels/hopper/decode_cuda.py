@@ -42,14 +42,15 @@ OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the combi
 
 
 def _key_words(head_dim: int, fmt: str) -> int:
-    """u32 words of one key in a lane's ring slot (decode_split.cu's `Raw::k`; bf16 keys: 1,
-    two unused words that keep the values 16-byte aligned, their tile is the warp's)."""
+    """u32 words of one key in a lane's ring slot (decode_split.cu's `Raw::k`; bf16 keys: two
+    unused words that keep the values 16-byte aligned, their tile is the warp's)."""
     return {"nvfp4": head_dim // 32, "bf16": 2}.get(fmt, head_dim // 16)
 
 
 def _value_words(head_dim: int, fmt: str) -> int:
-    """u32 words of one value row a lane holds (decode_split.cu's VW)."""
-    return {"nvfp4": head_dim // 64, "bf16": head_dim // 16}.get(fmt, head_dim // 32)
+    """u32 words of one value row in a lane's ring slot (decode_split.cu's `Raw::v`; bf16
+    values: one unused word, their tile is the warp's)."""
+    return {"nvfp4": head_dim // 64, "bf16": 1}.get(fmt, head_dim // 32)
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,17 @@ class Variant:
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory of one CTA: its warps' rings (each lane's slots, and the
-        warp's key tiles for bf16 keys: 16 rows of 2 D bytes, decode_split.cu's KTILE_BYTES)."""
-        key_tile = 16 * 2 * self.head_dim if self.k_format == "bf16" else 0
-        return self.stages * self.warps * (32 * self.slot_bytes() + key_tile)
+        warp's tiles of bf16 keys and values: 16 rows of 2 D bytes each, decode_split.cu's
+        STAGE_TILES)."""
+        tiles = 16 * 2 * self.head_dim * [self.k_format, self.v_format].count("bf16")
+        return self.stages * self.warps * (32 * self.slot_bytes() + tiles)
 
 
 def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:
     """Every variant the routing can pick (`stages`: these ring depths instead of the
     routed one)."""
     variants = [Variant(d, kf, vf, hi, stages=st) for d in DECODE_HEAD_DIMS for kf in FORMATS for vf in FORMATS
-                for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),)) if st or kf != "bf16"]
+                for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),)) if st or "bf16" not in (kf, vf)]
     # a ring two CTAs cannot hold together is no variant (bf16's three tiles at D=128)
     return [v for v in variants if 2 * v.shared_bytes() <= SM90_SHARED]
 

@@ -66,3 +66,12 @@ def test_ring_specs(spec, want):
             R.parse_cuda_stages(spec)
     else:
         assert R.parse_cuda_stages(spec) == want
+
+
+@pytest.mark.parametrize("formats", [("bf16", "fp8"), ("fp8", "bf16"), ("bf16", "bf16")])
+def test_bf16_keys_or_values_take_a_ring_only(formats):
+    """The warp copies bf16 tiles into shared memory together: no register prefetch."""
+    with pytest.raises(ValueError, match="not for bf16 keys or values"):
+        R.parse_cuda_stages("0", *formats)
+    assert R.parse_cuda_stages("2", *formats) == 2
+    assert all(v.stages for v in decode_cuda.all_variants((0, 2)) if "bf16" in (v.k_format, v.v_format))

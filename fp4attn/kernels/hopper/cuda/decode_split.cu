@@ -94,7 +94,7 @@ constexpr int VW = V_FP4 ? D / 64 : V_BF16 ? D / 16 : D / 32;  // u32 words of o
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
 constexpr int TILE = 16;
 static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
-static_assert(!K_BF16 || STAGES >= 2, "bf16 keys: a ring (the warp shares each key tile)");
+static_assert(!(K_BF16 || V_BF16) || STAGES >= 2, "bf16 keys or values: a ring (the warp shares their tiles)");
 #define NEG_INF __int_as_float(0xff800000)
 
 struct Params {
@@ -289,18 +289,14 @@ __device__ __forceinline__ int q_channel(int kk, int t, int slot) {
     return 16 * (4 * (kk / 4) + t) + 4 * (kk % 4) + slot;
 }
 
-// bf16 values: a lane's D / 8 channels as 16-byte chunks D / 2 channels apart, so that one
-// copy instruction of the warp reads 128 contiguous bytes of each of its four value rows
-// (contiguous channels would leave each 32-byte sector half read by each of two copies)
-__device__ __forceinline__ int v_channel(int o, int g) {
-    return V_BF16 ? (o / 8) * (D / 2) + 8 * g + o % 8 : (D / 8) * g + o;
-}
+// (bf16 values: ldmatrix.trans's fragments of the warp's value tile, n-tile o channels 8 o ..)
+__device__ __forceinline__ int v_channel(int o, int g) { return V_BF16 ? 8 * o + g : (D / 8) * g + o; }
 
 // A lane's bytes of one key tile, as loaded (the block scales as the token's whole row of
 // them: cp.async copies 4 bytes at least).
 struct alignas(16) Raw {
     uint32_t k[2][K_BF16 ? 2 : KW];  // key g of n-tile nt (bf16 keys: unused, 16 bytes that keep v aligned; the warp copies their tile)
-    uint32_t v[4][VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+    uint32_t v[4][V_BF16 ? 1 : VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9 (bf16 values: unused, the warp's tile)
     float2 kt[2];       // token scales of keys 8 nt + 2t, + 1
     float2 vt[2];       // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
     uint32_t ksc[K_FP4 ? 2 : 1][SW];  // the block scales of key g of n-tile nt (NVFP4)
@@ -344,29 +340,48 @@ __device__ __forceinline__ void fetch_float2(const float* p, float2& x) {
         x = __ldg(reinterpret_cast<const float2*>(p));
 }
 
-// bf16 keys: a key tile is 16 contiguous rows of 2 D bytes, copied by the whole warp (each
-// copy instruction 512 contiguous bytes: whole 128-byte lines, where a lane's own 16 bytes
-// of eight keys would request eight half lines) into the warp's tile in the ring, chunk c
-// of row r at chunk c ^ (r & 7), so that ldmatrix's eight rows of one chunk fall in eight
-// bank groups; read back as B fragments by ldmatrix.x4.
-constexpr int KTILE_BYTES = K_BF16 ? TILE * 2 * D : 0;
+// bf16 keys and values: a tile of either is 16 contiguous rows of 2 D bytes, copied by the
+// whole warp (each copy instruction 512 contiguous bytes: whole 128-byte lines, where a
+// lane's own 16 bytes of eight rows would request eight half lines) into the warp's tile in
+// the ring, chunk c of row r at chunk c ^ (r & 7), so that ldmatrix's eight rows of one
+// chunk fall in eight bank groups; read back as B fragments by ldmatrix (keys) and
+// ldmatrix.trans (values).
+constexpr int BF16_TILE = TILE * 2 * D;
+constexpr int KTILE_BYTES = K_BF16 ? BF16_TILE : 0, VTILE_BYTES = V_BF16 ? BF16_TILE : 0;
+constexpr int STAGE_TILES = KTILE_BYTES + VTILE_BYTES;  // a warp's tiles of one ring stage
+constexpr bool WARP_TILES = STAGE_TILES > 0;
 
-__device__ __forceinline__ uint32_t ktile_offset(int row, int chunk) { return row * 2 * D + 16 * (chunk ^ (row & 7)); }
+__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) { return row * 2 * D + 16 * (chunk ^ (row & 7)); }
 
-__device__ __forceinline__ void copy_key_tile(const uint8_t* ka, unsigned char* tile, int lane) {
+__device__ __forceinline__ void copy_bf16_tile(const uint8_t* src, unsigned char* tile, int lane) {
 #pragma unroll
-    for (int j = 0; j < KTILE_BYTES / 512; ++j) {
+    for (int j = 0; j < BF16_TILE / 512; ++j) {
         const int off = 512 * j + 16 * lane, row = off / (2 * D);
-        cp_async(tile + ktile_offset(row, off % (2 * D) / 16), ka + off, 16);
+        cp_async(tile + tile_offset(row, off % (2 * D) / 16), src + off, 16);
     }
 }
 
-// the B fragments (b0, b1) of k step kk for the tile's two n-tiles (keys 0-7, 8-15)
+__device__ __forceinline__ void ldmatrix_x4(const unsigned char* at, uint32_t (&b)[4], bool trans) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(at);
+    if (trans)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a) : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a) : "memory");
+}
+
+// the S product's B fragments (b0, b1) of k step kk for the tile's two n-tiles (keys 0-7, 8-15)
 __device__ __forceinline__ void key_fragments(const unsigned char* tile, int kk, int lane, uint32_t (&b)[4]) {
     const int m = lane >> 3, row = 8 * (m >> 1) + (lane & 7);
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(tile + ktile_offset(row, 2 * kk + (m & 1)));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a) : "memory");
+    ldmatrix_x4(tile + tile_offset(row, 2 * kk + (m & 1)), b, false);
+}
+
+// the P V product's B fragments (b0: keys 2t, 2t + 1; b1: keys 2t + 8, 2t + 9) of n-tiles
+// o and o + 1 (channels 8 o ..)
+__device__ __forceinline__ void value_fragments(const unsigned char* tile, int o, int lane, uint32_t (&b)[4]) {
+    const int m = lane >> 3, row = 8 * (m & 1) + (lane & 7);
+    ldmatrix_x4(tile + tile_offset(row, o + (m >> 1)), b, true);
 }
 
 // the bytes of one token row of each array
@@ -389,8 +404,10 @@ __device__ __forceinline__ TileRows cache_rows(const Params& p, int b, int h, in
 // every lane's offset from the tile's first row is a 32-bit constant of (g, t) and of the
 // unrolled indices
 template <int MODE>
-__device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& r, unsigned char* ktile) {
-    if constexpr (K_BF16) copy_key_tile(x.ka, ktile, 4 * g + t);  // (the ring only: MODE is COPY)
+__device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& r, unsigned char* tiles) {
+    // (the ring only: MODE is COPY)
+    if constexpr (K_BF16) copy_bf16_tile(x.ka, tiles, 4 * g + t);
+    if constexpr (V_BF16) copy_bf16_tile(x.va, tiles + KTILE_BYTES, 4 * g + t);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
         const int row = 8 * nt + g;
@@ -412,13 +429,7 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
         if constexpr (V_FP4) {
             fetch_words<MODE, VW>(x.va + row * V_ROW + (D / 16) * g, r.v[i]);
             fetch_words<MODE, SW>(x.vs + row * S_ROW, r.vsc[i]);
-        } else if constexpr (V_BF16) {  // lane g's D / 8 channels: chunk c at channels D / 2 c + 8 g (v_channel)
-#pragma unroll
-            for (int c = 0; c < VW / 4; ++c) {
-                uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&r.v[i][4 * c]);
-                fetch_words<MODE, 4>(x.va + row * V_ROW + (V_ROW / 2) * c + 16 * g, w);
-            }
-        } else {  // lane g's D / 8 channels: D / 8 bytes (FP8)
+        } else if constexpr (!V_BF16) {  // lane g's D / 8 channels: D / 8 bytes (FP8)
             fetch_words<MODE, VW>(x.va + row * V_ROW + (V_ROW / 8) * g, r.v[i]);
         }
     }
@@ -506,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // one key tile's scores, softmax and P V from its bytes (in registers or in the ring);
     // MASKED: a tile that a sequence's end or start cuts (`run` calls it with a constant at
     // each site, so the inlined copies are the masked and the plain tile)
-    auto work = [&](const Raw& cur, const unsigned char* ktile, const int tile0, const bool MASKED) {
+    auto work = [&](const Raw& cur, const unsigned char* tiles, const int tile0, const bool MASKED) {
         // keys 8 nt + 2t (+ 1) of the tile visible (MASKED tiles only)
         bool vis[2][2];
 #pragma unroll
@@ -537,7 +548,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
 #pragma unroll
                     for (int kk = 0; kk < KSTEPS; ++kk) {
                         uint32_t kb[4];
-                        key_fragments(ktile, kk, 4 * g + t, kb);
+                        key_fragments(tiles, kk, 4 * g + t, kb);
 #pragma unroll
                         for (int n = 0; n < 2; ++n) {
                             mma(s[n], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], kb[2 * n], kb[2 * n + 1]);
@@ -684,16 +695,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                 }
             }
         } else if constexpr (V_BF16) {
+            const unsigned char* vtile = tiles + KTILE_BYTES;
 #pragma unroll
-            for (int w = 0; w < VW; ++w) {
-                // channels 2w, 2w + 1 of the lane: keys 2t, 2t + 1 (and + 8) side by side, as they are
-                uint32_t x0 = prmt(cur.v[0][w], cur.v[1][w], 0x5410), x1 = prmt(cur.v[0][w], cur.v[1][w], 0x7632);
-                uint32_t y0 = prmt(cur.v[2][w], cur.v[3][w], 0x5410), y1 = prmt(cur.v[2][w], cur.v[3][w], 0x7632);
+            for (int o = 0; o < NT_O; o += 2) {
+                uint32_t vb[4];  // n-tile o's (b0, b1), then n-tile o + 1's: keys 2t, 2t + 1 (and + 8) in a register
+                value_fragments(vtile, o, 4 * g + t, vb);
                 if (MASKED) {
-                    x0 &= keep[0], x1 &= keep[0], y0 &= keep[1], y1 &= keep[1];
+                    vb[0] &= keep[0], vb[1] &= keep[1], vb[2] &= keep[0], vb[3] &= keep[1];
                 }
-                mma(acc[2 * w], pa[0], pa[1], pa[2], pa[3], x0, y0);
-                mma(acc[2 * w + 1], pa[0], pa[1], pa[2], pa[3], x1, y1);
+                mma(acc[o], pa[0], pa[1], pa[2], pa[3], vb[0], vb[1]);
+                mma(acc[o + 1], pa[0], pa[1], pa[2], pa[3], vb[2], vb[3]);
             }
         } else {
 #pragma unroll
@@ -714,11 +725,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
         }
     };
-    auto run = [&](const Raw& cur, const unsigned char* ktile, const int tile0) {
+    auto run = [&](const Raw& cur, const unsigned char* tiles, const int tile0) {
         if (tile0 < start || tile0 + TILE > L)
-            work(cur, ktile, tile0, true);
+            work(cur, tiles, tile0, true);
         else
-            work(cur, ktile, tile0, false);
+            work(cur, tiles, tile0, false);
     };
 
     if constexpr (STAGES == 0) {
@@ -736,27 +747,27 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         // (bf16 keys) after all the slots
         extern __shared__ __align__(16) unsigned char smem[];
         unsigned char* mine = smem + (warp * STAGES * 32 + lane) * SLOT;
-        unsigned char* keys = smem + WARPS * STAGES * 32 * SLOT + warp * STAGES * KTILE_BYTES;
+        unsigned char* bf16_tiles = smem + WARPS * STAGES * 32 * SLOT + warp * STAGES * STAGE_TILES;
         auto ring = [&](int stage) -> Raw& { return *reinterpret_cast<Raw*>(mine + stage * 32 * SLOT); };
         const int tiles = lo < hi ? (hi - lo + TILE - 1) / TILE : 0;  // (the same for the whole warp)
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < tiles) load_tile<COPY>(cache_rows(p, b, h, lo + i * TILE), g, t, ring(i), keys + i * KTILE_BYTES);
+            if (i < tiles) load_tile<COPY>(cache_rows(p, b, h, lo + i * TILE), g, t, ring(i), bf16_tiles + i * STAGE_TILES);
             cp_async_commit();  // empty groups too: the wait below counts groups
         }
         int use = 0, fill = STAGES - 1;  // the stages of tile i and of tile i + STAGES - 1
         for (int i = 0; i < tiles; ++i) {
             // the stage refilled now was read by the previous tile's work, whose reads have all
             // returned (their values were consumed); the asm's memory clobbers keep the order. A
-            // key tile is the warp's: every lane has read it before any lane refills it
-            if constexpr (K_BF16) __syncwarp();
+            // bf16 tile is the warp's: every lane has read it before any lane refills it
+            if constexpr (WARP_TILES) __syncwarp();
             if (i + STAGES - 1 < tiles)
                 load_tile<COPY>(cache_rows(p, b, h, lo + (i + STAGES - 1) * TILE), g, t, ring(fill),
-                                keys + fill * KTILE_BYTES);
+                                bf16_tiles + fill * STAGE_TILES);
             cp_async_commit();
             cp_async_wait<STAGES - 1>();  // tile i's copies have landed
-            if constexpr (K_BF16) __syncwarp();  // ... and every lane's copies of the key tile
-            run(ring(use), keys + use * KTILE_BYTES, lo + i * TILE);
+            if constexpr (WARP_TILES) __syncwarp();  // ... and every lane's copies of the warp's tiles
+            run(ring(use), bf16_tiles + use * STAGE_TILES, lo + i * TILE);
             use = use + 1 == STAGES ? 0 : use + 1;
             fill = fill + 1 == STAGES ? 0 : fill + 1;
         }
