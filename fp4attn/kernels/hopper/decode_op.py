@@ -18,6 +18,7 @@ from fp4attn.kernels.common import sm_count
 from fp4attn.kernels.hopper import decode_cuda
 from fp4attn.kernels.hopper.decode_triton import decode_combine_kernel, decode_split_kernel
 from fp4attn.kernels.hopper.kvcache_triton import kvcache_append_kernel
+from fp4attn.kernels.triton_launch import CachedLaunch
 from fp4attn.reference.forward import LOG2E
 from fp4attn.routing import decode as decode_routing
 
@@ -176,6 +177,8 @@ class _TritonSplit:
         self.route, self.device = route, device
         self.sms = _sms(device)
         self.forms: dict[tuple[bool, bool], tuple[dict, int]] = {}
+        self.split = CachedLaunch(decode_split_kernel)  # Triton's binder once per specialization
+        self.combine = CachedLaunch(decode_combine_kernel)
 
     def _form(self, causal: bool, has_start: bool, args) -> tuple[dict, int]:
         route, launch = self.route, self.route.launch
@@ -210,12 +213,11 @@ class _TritonSplit:
         consts, resident = form
         n_split, split_tokens = route.split_plan(max_len, self.sms, resident)
         o_acc, o_ml = _partials(self.device, stream, n_split, B, Hq, Sq, D)
-        decode_split_kernel[(n_split, B * kv_heads, -(-rows // route.block_m))](
-            *args(split_tokens, o_acc, o_ml), **consts, num_warps=launch.warps, num_stages=launch.stages)
+        self.split((n_split, B * kv_heads, -(-rows // route.block_m)), args(split_tokens, o_acc, o_ml), consts, stream,
+                   num_warps=launch.warps, num_stages=launch.stages)
         n_rows = B * Hq * Sq
-        decode_combine_kernel[(-(-n_rows // COMBINE_ROWS),)](
-            o_acc, o_ml, out, lse, n_rows, n_split, D=D, SPLITS_P2=1 << (n_split - 1).bit_length(),
-            BLOCK_R=COMBINE_ROWS, num_warps=4)
+        self.combine((-(-n_rows // COMBINE_ROWS), 1, 1), (o_acc, o_ml, out, lse, n_rows, n_split),
+                     dict(D=D, SPLITS_P2=1 << (n_split - 1).bit_length(), BLOCK_R=COMBINE_ROWS), stream, num_warps=4)
 
 
 class _CudaSplit:

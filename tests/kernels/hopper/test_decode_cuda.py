@@ -21,7 +21,7 @@ def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
     regs = build.registers(decode_cuda.KERNEL_NAME)
     assert regs is not None and R.resident_programs(regs, variant.warps, variant.shared_bytes()) >= 2, (regs, variant)
     if variant.stages:  # the ring keeps the tiles out of registers: 8 warps an SM at least
-        # (bf16 keys: q's f16 value in two bf16 parts, twice the key words: 185-204 at D=128)
+        # (bf16 keys: q's f16 value in two bf16 parts, two accumulators a score: 179-202 at D=128)
         assert regs <= (208 if variant.k_format == "bf16" else 168), regs
     assert build.registers(decode_cuda.COMBINE_NAME) is not None
 
