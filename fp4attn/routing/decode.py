@@ -98,8 +98,9 @@ def decode_launch(k_format: str, v_format: str, head_dim: int, block_m: int = MI
 # The CUDA split kernel (`kernels/hopper/decode_cuda.py`: one warp a split, no barrier)
 # takes one new query row a sequence over bf16 / FP8 / NVFP4 keys and values, up to 16
 # query heads a KV head, pages of a multiple of 16 tokens; the Triton kernel takes the rest
-# (MXFP4 caches, speculative steps, chunks of a prompt). bf16: the Triton split and
-# combine's two launches made an eager call 1.66x its CUDA-graph time (H200, (8,32,8,4096)).
+# (MXFP4 caches, speculative steps, chunks of a prompt). bf16 one-row steps moved here from
+# the Triton pair, whose launches made an eager call 1.66x its CUDA-graph time (H200,
+# (8,32,8,4096)); here 1.05, at the Triton kernels' graph time (H100, docs/notes/decode.md).
 CUDA_FORMATS = ("bf16", "fp8", "nvfp4")
 CUDA_MAX_ROWS = 16
 CUDA_TILE = 16  # keys a warp takes at a time
