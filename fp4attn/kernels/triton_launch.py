@@ -20,14 +20,6 @@ import torch
 MAX_KEYS = 64  # compiled forms a launcher keeps (a long-running server's decode sees a handful)
 
 
-def _arg_key(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, int):  # (bool included) the binder specializes on the value: 1, multiples of 16, 64-bit
-        return a
-    return type(a)
-
-
 class CachedLaunch:
     """`launch(grid, args, constexprs, stream, num_warps=, num_stages=)`: `fn[grid](*args,
     **constexprs, num_warps=, num_stages=)` on `stream`, the binder skipped after the first
@@ -36,11 +28,14 @@ class CachedLaunch:
 
     def __init__(self, fn) -> None:
         self.fn = fn
-        self.names = list(fn.arg_names)
         self.compiled: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, int, int], args: tuple, constexprs: dict, stream: int, **options) -> None:
-        key = (tuple(_arg_key(a) for a in args), tuple(constexprs.values()), tuple(options.values()))
+        # each argument's part: a tensor's dtype and 16-byte alignment, an integer itself (bool
+        # included: the binder specializes on the value, 1, multiples of 16, 64-bit), any other
+        # argument's type; one comprehension, no call an argument (this runs at every launch)
+        key = (tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a if isinstance(a, int)
+                      else type(a) for a in args]), tuple(constexprs.values()), tuple(options.values()))
         kernel = self.compiled.get(key)
         if kernel is None:
             kernel = self.fn[grid](*args, **constexprs, **options)
@@ -52,7 +47,7 @@ class CachedLaunch:
         from triton import knobs
 
         # the launcher takes every parameter in the kernel's order, constexprs included
-        bound = (*args, *(constexprs[n] for n in self.names[len(args):]))
+        bound = (*args, *[constexprs[n] for n in self.fn.arg_names[len(args):]])
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *bound), knobs.runtime.launch_enter_hook,
                    knobs.runtime.launch_exit_hook, *bound)

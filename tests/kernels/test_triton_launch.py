@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4attn.kernels.triton_launch import CachedLaunch, _arg_key
+from fp4attn.kernels.triton_launch import CachedLaunch
 
 
 @triton.jit
@@ -19,12 +19,48 @@ def _axpb_kernel(X, Y, N, A, B: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Y + i, (x * A + B).to(Y.dtype.element_ty), mask=ok)
 
 
-def test_the_key_separates_what_the_binder_specializes_on():
-    a = torch.zeros(8)
-    assert _arg_key(1) != _arg_key(16) != _arg_key(17)
-    assert _arg_key(a) != _arg_key(a[1:])  # 16-byte aligned or not
-    assert _arg_key(a) != _arg_key(a.double())
-    assert _arg_key(2.0) == _arg_key(3.0)  # a float is not specialized
+class _Compiled:
+    """A compiled kernel's stand-in: its launches recorded."""
+
+    def __init__(self, launches):
+        self.launches, self.function, self.packed_metadata = launches, "function", "metadata"
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit, *bound):
+        self.launches.append(bound)
+
+
+class _Jit:
+    """A JIT function's stand-in: each `[grid](...)` a compile through the binder."""
+
+    arg_names = ["X", "N", "A", "B"]
+
+    def __init__(self):
+        self.compiles, self.launches = [], []
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **kwargs):
+            self.compiles.append(args)
+            return _Compiled(self.launches)
+
+        return compile_and_launch
+
+
+def test_the_binder_runs_once_a_specialization():
+    """A key per what the binder specializes on: an integer's value (1, a multiple of 16,
+    another), a tensor's dtype and 16-byte alignment; a float is not specialized. A later
+    launch of a key takes every parameter in order, the constexprs after the arguments."""
+    fn = _Jit()
+    launch = CachedLaunch(fn)
+    x = torch.zeros(64)
+    calls = [(x, 1, 2.0), (x, 16, 2.0), (x, 17, 2.0), (x[1:], 16, 2.0), (x.double(), 16, 2.0), (x, 16, 3.0),
+             (x, 1, 5.0)]
+    for args in calls:
+        launch((1, 1, 1), args, dict(B=7), 0, num_warps=4)
+    assert len(fn.compiles) == 5  # the last two reuse (x, 16) and (x, 1)
+    assert fn.launches == [(x, 16, 3.0, 7), (x, 1, 5.0, 7)]
 
 
 @pytest.mark.gpu
