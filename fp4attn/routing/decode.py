@@ -96,12 +96,14 @@ def decode_launch(k_format: str, v_format: str, head_dim: int, block_m: int = MI
 
 
 # The CUDA split kernel (`kernels/hopper/decode_cuda.py`: one warp a split, no barrier)
-# takes one new query row a sequence over bf16 / FP8 / NVFP4 keys and values, up to 16
-# query heads a KV head, pages of a multiple of 16 tokens; the Triton kernel takes the rest
-# (MXFP4 caches, speculative steps, chunks of a prompt). bf16 one-row steps moved here from
+# takes one new query row a sequence over bf16 / FP8 / NVFP4 / MXFP4 (at D = 128) keys and
+# values, up to 16 query heads a KV head, pages of a multiple of 16 tokens; the Triton
+# kernel takes the rest (MXFP4 at D = 64, speculative steps, chunks of a prompt). MXFP4
+# moved here for its launch path: the Triton pair's took 66 us of host a call at
+# (8,32,8,4096), 1.44-1.50x its CUDA-graph time (H100). bf16 one-row steps moved here from
 # the Triton pair, whose launches made an eager call 1.66x its CUDA-graph time (H200,
 # (8,32,8,4096)); here 1.05, at the Triton kernels' graph time (H100, docs/notes/decode.md).
-CUDA_FORMATS = ("bf16", "fp8", "nvfp4")
+CUDA_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 CUDA_MAX_ROWS = 16
 CUDA_TILE = 16  # keys a warp takes at a time
 CUDA_WARPS = 4
@@ -141,6 +143,8 @@ def cuda_unsupported_reason(k_format: str, v_format: str, head_dim: int, group: 
         return f"formats {k_format}/{v_format} (it takes {CUDA_FORMATS})"
     if head_dim not in DECODE_HEAD_DIMS:
         return f"head_dim {head_dim}"
+    if "mxfp4" in (k_format, v_format) and head_dim != 128:
+        return f"MXFP4 at head_dim {head_dim} (it takes MXFP4 at 128)"
     if sq != 1:
         return f"{sq} new query rows a sequence (it takes 1)"
     if group > CUDA_MAX_ROWS:

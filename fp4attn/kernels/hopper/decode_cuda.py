@@ -36,7 +36,7 @@ from fp4attn.routing.decode import (
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_split.cu"
 KERNEL_NAME, COMBINE_NAME = "decode_split", "decode_combine"
-FORMATS = {"bf16": 0, "fp8": 1, "nvfp4": 2}  # decode_op.FORMAT_CODES, of routing.decode.CUDA_FORMATS
+FORMATS = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}  # decode_op.FORMAT_CODES, of routing.decode.CUDA_FORMATS
 COMBINE_WARPS = 8
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the combine's OUT_KIND
 
@@ -44,13 +44,20 @@ OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the combi
 def _key_words(head_dim: int, fmt: str) -> int:
     """u32 words of one key in a lane's ring slot (decode_split.cu's `Raw::k`; bf16 keys: two
     unused words that keep the values 16-byte aligned, their tile is the warp's)."""
-    return {"nvfp4": head_dim // 32, "bf16": 2}.get(fmt, head_dim // 16)
+    return {"nvfp4": head_dim // 32, "mxfp4": head_dim // 32, "bf16": 2}.get(fmt, head_dim // 16)
+
+
+def _scale_words(head_dim: int, fmt: str, rows: int) -> int:
+    """u32 words of the block-scale rows a lane's slot holds (decode_split.cu's `Raw::ksc`,
+    `Raw::vsc`): `rows` token rows of D/16 bytes (NVFP4) or D/32 (MXFP4); one row of D/16
+    bytes, unused, for the other formats."""
+    return {"nvfp4": rows * head_dim // 64, "mxfp4": rows * head_dim // 128}.get(fmt, head_dim // 64)
 
 
 def _value_words(head_dim: int, fmt: str) -> int:
     """u32 words of one value row in a lane's ring slot (decode_split.cu's `Raw::v`; bf16
     values: one unused word, their tile is the warp's)."""
-    return {"nvfp4": head_dim // 64, "bf16": 1}.get(fmt, head_dim // 32)
+    return {"nvfp4": head_dim // 64, "mxfp4": head_dim // 64, "bf16": 1}.get(fmt, head_dim // 32)
 
 
 @dataclass(frozen=True)
@@ -72,9 +79,9 @@ class Variant:
     def slot_bytes(self) -> int:
         """A lane's slot of one key tile in the ring (decode_split.cu's `Raw` and `SLOT`):
         codes, token scales, block-scale rows, in an odd number of 16-byte units."""
-        d, sw = self.head_dim, self.head_dim // 64
+        d = self.head_dim
         words = (2 * _key_words(d, self.k_format) + 4 * _value_words(d, self.v_format) + 8
-                 + (2 if self.k_format == "nvfp4" else 1) * sw + (4 if self.v_format == "nvfp4" else 1) * sw)
+                 + _scale_words(d, self.k_format, 2) + _scale_words(d, self.v_format, 4))
         units = -(-words // 4)
         return 16 * (units if units % 2 else units + 1)
 
@@ -90,7 +97,8 @@ def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:
     """Every variant the routing can pick (`stages`: these ring depths instead of the
     routed one)."""
     variants = [Variant(d, kf, vf, hi, stages=st) for d in DECODE_HEAD_DIMS for kf in FORMATS for vf in FORMATS
-                for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),)) if st or "bf16" not in (kf, vf)]
+                for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),)) if st or "bf16" not in (kf, vf)
+                if d == 128 or "mxfp4" not in (kf, vf)]  # (MXFP4: D = 128, decode_split.cu)
     # a ring two CTAs cannot hold together is no variant (bf16's three tiles at D=128)
     return [v for v in variants if 2 * v.shared_bytes() <= SM90_SHARED]
 

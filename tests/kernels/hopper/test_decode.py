@@ -224,6 +224,10 @@ CUDA_CASES = [  # (K, V, B, Hkv, Hq, D, lengths, page size, key_start)
     ("bf16", "bf16", 2, 2, 32, 128, (17, 2345), 16, None),  # bf16 keys: q in two bf16 parts
     ("bf16", "fp8", 2, 4, 8, 64, (700, 63), 32, (5, 0)),
     ("nvfp4", "bf16", 1, 8, 32, 128, (1000,), None, None),
+    ("mxfp4", "mxfp4", 2, 2, 32, 128, (17, 2345), 16, None),  # MXFP4 keys: bf16 operands, as bf16 keys
+    ("mxfp4", "fp8", 2, 4, 8, 128, (700, 63), 32, (5, 0)),
+    ("fp8", "mxfp4", 1, 1, 12, 128, (16,), 16, (15,)),
+    ("bf16", "mxfp4", 2, 2, 4, 128, (1, 31), 48, (0, 30)),
 ]
 
 

@@ -21,8 +21,9 @@ def test_every_variant_compiles_without_spills(variant, tmp_path, monkeypatch):
     regs = build.registers(decode_cuda.KERNEL_NAME)
     assert regs is not None and R.resident_programs(regs, variant.warps, variant.shared_bytes()) >= 2, (regs, variant)
     if variant.stages:  # the ring keeps the tiles out of registers: 8 warps an SM at least
-        # (bf16 keys: q's f16 value in two bf16 parts, two accumulators a score: 179-202 at D=128)
-        assert regs <= (208 if variant.k_format == "bf16" else 168), regs
+        # (bf16 and MXFP4 keys: q's f16 value in two bf16 parts, two accumulators a score:
+        # 179-204 at D=128)
+        assert regs <= (208 if variant.k_format in ("bf16", "mxfp4") else 168), regs
     assert build.registers(decode_cuda.COMBINE_NAME) is not None
 
 
@@ -48,7 +49,9 @@ def test_routing_takes_the_cuda_kernel_only_where_it_can_run():
     ok = dict(k_format="nvfp4", v_format="fp8", head_dim=128, group=4, sq=1, page_size=256)
     assert R.cuda_unsupported_reason(**ok) is None
     assert R.cuda_unsupported_reason(**{**ok, "k_format": "bf16", "v_format": "bf16"}) is None
-    for bad, word in ((dict(k_format="mxfp4"), "formats"), (dict(v_format="mxfp4"), "formats"),
+    assert R.cuda_unsupported_reason(**{**ok, "k_format": "mxfp4", "v_format": "mxfp4"}) is None
+    for bad, word in ((dict(k_format="int4"), "formats"), (dict(k_format="mxfp4", head_dim=64), "MXFP4"),
+                      (dict(v_format="mxfp4", head_dim=64), "MXFP4"),
                       (dict(head_dim=96), "head_dim"), (dict(sq=2), "new query rows"),
                       (dict(group=32), "query heads"), (dict(page_size=40), "page size")):
         assert word in R.cuda_unsupported_reason(**{**ok, **bad})
@@ -56,7 +59,7 @@ def test_routing_takes_the_cuda_kernel_only_where_it_can_run():
     assert R.split_kernel(*args, on_gpu=False) == "triton"  # the interpreter
     assert R.split_kernel(*args, on_gpu=True, asked="triton") == "triton"
     with pytest.raises(ValueError, match="cannot run"):
-        R.split_kernel("mxfp4", "fp8", 128, 4, 1, 256, True, "cuda")
+        R.split_kernel("mxfp4", "fp8", 64, 4, 1, 256, True, "cuda")
 
 
 @pytest.mark.parametrize("spec,want", [("0", 0), ("2", 2), ("3", 3), ("1", None), ("b2", None), ("", None)])

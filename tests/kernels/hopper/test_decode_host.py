@@ -107,7 +107,7 @@ def test_the_host_work_of_a_call_stays_within_its_budget(form, launches, monkeyp
     frames, ops = host_work(call)
     kernels = [x[0] for x in launches[: len(launches) // 2]]
     assert kernels == (["append"] if append else []) + (
-        ["decode_split", "decode_combine"] if fmt in ("bf16", "fp8", "nvfp4") and sq == 1 else
+        ["decode_split", "decode_combine"] if fmt in ("bf16", "fp8", "nvfp4", "mxfp4") and sq == 1 else
         ["triton split", "triton combine"]), kernels
     budget_frames, budget_ops = BUDGETS[form]
     assert frames <= budget_frames, f"{frames} Python frames of fp4attn a call; the budget is {budget_frames}"

@@ -60,7 +60,7 @@ typedef long long int64_t;
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
 #endif
-#ifndef K_FMT  // 0 bf16, 1 fp8, 2 nvfp4 (decode_op.FORMAT_CODES)
+#ifndef K_FMT  // 0 bf16, 1 fp8, 2 nvfp4, 3 mxfp4 (decode_op.FORMAT_CODES)
 #define K_FMT 2
 #endif
 #ifndef V_FMT
@@ -85,13 +85,22 @@ typedef long long int64_t;
 constexpr int D = HEAD_DIM;
 constexpr int KSTEPS = D / 16;  // k steps of the score product
 constexpr int NT_O = D / 8;     // n-tiles of the output
-constexpr bool K_FP4 = K_FMT == 2;
-constexpr bool V_FP4 = V_FMT == 2;
+constexpr bool K_NV = K_FMT == 2, V_NV = V_FMT == 2;  // NVFP4: e4m3 scales a block of 16, a float32 token scale
+constexpr bool K_MX = K_FMT == 3, V_MX = V_FMT == 3;  // MXFP4: E8M0 scales a block of 32, no token scale
+constexpr bool K_FP4 = K_NV || K_MX;  // E2M1 codes, two a byte
+constexpr bool V_FP4 = V_NV || V_MX;
 constexpr bool K_BF16 = K_FMT == 0;  // bf16 values, no scales (token factor 1)
 constexpr bool V_BF16 = V_FMT == 0;
+// the scores from bf16 key operands (q as two bf16 parts): bf16 keys, and MXFP4 keys, whose
+// blocks reach 125 binades below the token's largest (reference.kvcache.MX_WINDOW): exact in
+// bf16, not in f16
+constexpr bool K_BF16_OPS = K_BF16 || K_MX;
 constexpr int KW = K_FP4 ? D / 32 : K_BF16 ? D / 8 : D / 16;  // u32 words of one key a lane holds
 constexpr int VW = V_FP4 ? D / 64 : V_BF16 ? D / 16 : D / 32;  // u32 words of one value row a lane holds
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
+// u32 words of a token's block scales as a lane's slot holds them (MXFP4: D / 32 bytes)
+constexpr int KSW = K_MX ? D / 128 : SW, VSW = V_MX ? D / 128 : SW;
+static_assert(!(K_MX || V_MX) || D == 128, "MXFP4: D = 128 (a lane's channels one block of 32, a token's scales one word)");
 constexpr int TILE = 16;
 static_assert(STAGES == 0 || STAGES >= 2, "STAGES: 0 (register prefetch) or a ring of at least 2");
 static_assert(!(K_BF16 || V_BF16) || STAGES >= 2, "bf16 keys or values: a ring (the warp shares their tiles)");
@@ -211,6 +220,34 @@ __device__ __forceinline__ void fp4_mult_f16(uint32_t two_bytes, uint32_t (&m)[2
 // an NVFP4 block's multiplier, e4m3 x 2**-7 x 2**126 (exact in bf16), NaN kept
 __device__ __forceinline__ float fp4_mult(uint32_t byte) { return e4m3_value(byte) * 0x1p119f; }
 
+// MXFP4 (decode_triton's scale table): a block holds E2M1 x 2**(e - top), the token's factor
+// is 2**(top - 127), top its largest finite biased E8M0 exponent (0 if none; 255 is NaN).
+// `row`: the token's four scale bytes (D = 128)
+__device__ __forceinline__ uint32_t mx_top(uint32_t row) {
+    uint32_t top = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t e = (row >> (8 * i)) & 0xFF;
+        top = e != 255 && e > top ? e : top;
+    }
+    return top;
+}
+
+// a block's multiplier 2**(e - top) x 2**126 as bf16x2 {m, m}: its E2M1 values (fp4x8's bit
+// placement, times 2**-126) come out exact; 0 for a block 127 binades or more below the
+// token's largest (the cache stores it as zeros), NaN for the NaN scale
+__device__ __forceinline__ uint32_t mx_mult(uint32_t e, uint32_t top) {
+    if (e == 255) return 0x7FC07FC0u;
+    const int field = (int)e - (int)top + 127;
+    const uint32_t b = field > 0 ? (uint32_t)(field + 126) << 7 : 0u;
+    return b | (b << 16);
+}
+
+// 2**(top - 127) (top 0: the subnormal 2**-127)
+__device__ __forceinline__ float mx_factor(uint32_t top) {
+    return __uint_as_float(top ? top << 23 : 0x00400000u);
+}
+
 // 2**x without ptx.cuh's ex2's ftz: a result below 2**-126 stays a subnormal, as the
 // reference's float32 exp2 keeps it (P and the combine's weights are summed unrounded)
 __device__ __forceinline__ float ex2_noftz(float x) {
@@ -281,7 +318,9 @@ __device__ __forceinline__ void cp_async_wait() {
 // q's channel for k step kk and lane t: slot 0, 1, 2, 3 are the k indices 2t, 2t + 1,
 // 2t + 8, 2t + 9 (A's a0 low, a0 high, a2 low, a2 high), as the K conversion orders them
 __device__ __forceinline__ int q_channel(int kk, int t, int slot) {
-    if (K_FP4)  // word kk / 2: nibbles 0, 2, 4, 6 (kk even), 1, 3, 5, 7 (odd) (fp4x8_f16)
+    if (K_MX)  // word kk / 2: nibbles {0, 4}, {1, 5} (kk even), {2, 6}, {3, 7} (odd) (fp4x8's bf16 pairs)
+        return (D / 4) * t + 8 * (kk / 2) + 2 * (kk % 2) + (slot >> 1) + 4 * (slot & 1);
+    if (K_NV)  // word kk / 2: nibbles 0, 2, 4, 6 (kk even), 1, 3, 5, 7 (odd) (fp4x8_f16)
         return (D / 4) * t + 8 * (kk / 2) + (kk % 2) + 2 * slot;
     if (K_BF16)  // ldmatrix's B fragment of k step kk: channels 16 kk + 2t, + 1 and + 8, + 9
         return 16 * kk + 2 * t + (slot & 1) + 8 * (slot >> 1);
@@ -299,8 +338,8 @@ struct alignas(16) Raw {
     uint32_t v[4][V_BF16 ? 1 : VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9 (bf16 values: unused, the warp's tile)
     float2 kt[2];       // token scales of keys 8 nt + 2t, + 1
     float2 vt[2];       // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
-    uint32_t ksc[K_FP4 ? 2 : 1][SW];  // the block scales of key g of n-tile nt (NVFP4)
-    uint32_t vsc[V_FP4 ? 4 : 1][SW];
+    uint32_t ksc[K_FP4 ? 2 : 1][KSW];  // the block scales of key g of n-tile nt (NVFP4, MXFP4)
+    uint32_t vsc[V_FP4 ? 4 : 1][VSW];
 };
 // a lane's slot in the ring: an odd number of 16-byte units, so a warp's 16-byte reads of
 // its 32 slots hit every bank once a phase
@@ -385,7 +424,8 @@ __device__ __forceinline__ void value_fragments(const unsigned char* tile, int o
 }
 
 // the bytes of one token row of each array
-constexpr int K_ROW = K_FP4 ? D / 2 : K_BF16 ? 2 * D : D, V_ROW = V_FP4 ? D / 2 : V_BF16 ? 2 * D : D, S_ROW = D / 16;
+constexpr int K_ROW = K_FP4 ? D / 2 : K_BF16 ? 2 * D : D, V_ROW = V_FP4 ? D / 2 : V_BF16 ? 2 * D : D;
+constexpr int KS_ROW = K_MX ? D / 32 : D / 16, VS_ROW = V_MX ? D / 32 : D / 16;  // block scale bytes
 
 // A key tile's rows of each array in the cache: one page lookup and one 64-bit base an
 // array per tile
@@ -397,7 +437,7 @@ struct TileRows {
 __device__ __forceinline__ TileRows cache_rows(const Params& p, int b, int h, int tile0) {
     const int page = p.table[(int64_t)b * p.table_stride + tile0 / p.page_size];
     const int64_t row0 = ((int64_t)page * p.hkv + h) * p.page_size + tile0 % p.page_size;
-    return {p.ka + row0 * K_ROW, p.va + row0 * V_ROW, p.ks + row0 * S_ROW, p.vs + row0 * S_ROW, p.kt + row0,
+    return {p.ka + row0 * K_ROW, p.va + row0 * V_ROW, p.ks + row0 * KS_ROW, p.vs + row0 * VS_ROW, p.kt + row0,
             p.vt + row0};
 }
 
@@ -413,7 +453,7 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
         const int row = 8 * nt + g;
         if constexpr (K_FP4) {
             fetch_words<MODE, KW>(x.ka + row * K_ROW + (D / 8) * t, r.k[nt]);
-            fetch_words<MODE, SW>(x.ks + row * S_ROW, r.ksc[nt]);
+            fetch_words<MODE, KSW>(x.ks + row * KS_ROW, r.ksc[nt]);
         } else if constexpr (!K_BF16) {
 #pragma unroll
             for (int i = 0; i < KW / 4; ++i) {  // chunk i: bytes 16 (4 i + t) .. + 15 of the key (FP8)
@@ -421,19 +461,20 @@ __device__ __forceinline__ void load_tile(const TileRows& x, int g, int t, Raw& 
                 fetch_words<MODE, 4>(x.ka + row * K_ROW + 16 * (4 * i + t), w);
             }
         }
-        if constexpr (!K_BF16) fetch_float2<MODE>(x.kt + 8 * nt + 2 * t, r.kt[nt]);  // (bf16: no token scales)
+        if constexpr (!K_BF16 && !K_MX)  // (bf16, MXFP4: no token scales)
+            fetch_float2<MODE>(x.kt + 8 * nt + 2 * t, r.kt[nt]);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int row = 2 * t + (i & 1) + 8 * (i >> 1);
         if constexpr (V_FP4) {
             fetch_words<MODE, VW>(x.va + row * V_ROW + (D / 16) * g, r.v[i]);
-            fetch_words<MODE, SW>(x.vs + row * S_ROW, r.vsc[i]);
+            fetch_words<MODE, VSW>(x.vs + row * VS_ROW, r.vsc[i]);
         } else if constexpr (!V_BF16) {  // lane g's D / 8 channels: D / 8 bytes (FP8)
             fetch_words<MODE, VW>(x.va + row * V_ROW + (V_ROW / 8) * g, r.v[i]);
         }
     }
-    if constexpr (!V_BF16) {
+    if constexpr (!V_BF16 && !V_MX) {
         fetch_float2<MODE>(x.vt + 2 * t, r.vt[0]);
         fetch_float2<MODE>(x.vt + 8 + 2 * t, r.vt[1]);
     }
@@ -454,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // (reference.decode.half_queries), 2**-e going into the row's score factor -------------
     uint32_t qa[KSTEPS][2], qb[KSTEPS][2];
     // bf16 keys: qa / qb hold q's f16 value's bf16 high parts, qa_lo / qb_lo the rest (split_f16_bf16)
-    uint32_t qa_lo[K_BF16 ? KSTEPS : 1][2], qb_lo[K_BF16 ? KSTEPS : 1][2];
+    uint32_t qa_lo[K_BF16_OPS ? KSTEPS : 1][2], qb_lo[K_BF16_OPS ? KSTEPS : 1][2];
     float row_down[2];
     {
         const bool ok[2] = {g < p.group, HI_ROWS && g + 8 < p.group};
@@ -486,7 +527,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         for (int kk = 0; kk < KSTEPS; ++kk) {
             const int c0 = q_channel(kk, t, 0), c1 = q_channel(kk, t, 1);
             const int c2 = q_channel(kk, t, 2), c3 = q_channel(kk, t, 3);
-            if constexpr (K_BF16) {
+            if constexpr (K_BF16_OPS) {
                 split_f16_bf16(get(0, c0) * up[0], get(0, c1) * up[0], qa[kk][0], qa_lo[kk][0]);
                 split_f16_bf16(get(0, c2) * up[0], get(0, c3) * up[0], qa[kk][1], qa_lo[kk][1]);
                 qb[kk][0] = qb[kk][1] = qb_lo[kk][0] = qb_lo[kk][1] = 0u;
@@ -511,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     float m_row[2] = {NEG_INF, NEG_INF}, l_row[2] = {0.0f, 0.0f}, big_row[2] = {NEG_INF, NEG_INF};
     constexpr bool V_HALF = V_FMT == 1;  // FP8 values: reference.decode.P_HALF_FORMATS
     constexpr float P_HALF_SHIFT = 13.0f, P_HALF_SCALE = 8192.0f;  // reference.decode.P_HALF_SHIFT, its power
-    const float v_fac_shift = V_FP4 ? 128.0f : 1.0f;
+    const float v_fac_shift = V_NV ? 128.0f : 1.0f;
     const float qk[2] = {p.qk_scale * row_down[0], p.qk_scale * row_down[1]};
 
     // one key tile's scores, softmax and P V from its bytes (in registers or in the ring);
@@ -527,9 +568,28 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
         }
         // -- scores, log2 units ----------------------------------------------------------------
         float s[2][4] = {};
+        uint32_t k_top[2] = {0u, 0u};  // MXFP4 keys: key g of n-tile nt's largest block exponent
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-            if constexpr (K_FP4) {
+            if constexpr (K_MX) {
+                // E2M1 x 2**(e - top) in bf16 (exact) against q's two bf16 parts, two accumulators
+                k_top[nt] = mx_top(cur.ksc[nt][0]);
+                const uint32_t mult = mx_mult((cur.ksc[nt][0] >> (8 * t)) & 0xFF, k_top[nt]);  // block t: lane t's channels
+                float lo[4] = {};
+#pragma unroll
+                for (int i = 0; i < KW; ++i) {
+                    uint32_t o[4];
+                    fp4x8(cur.k[nt][i], mult, o);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int kk = 2 * i + h;
+                        mma(s[nt], qa[kk][0], qb[kk][0], qa[kk][1], qb[kk][1], o[2 * h], o[2 * h + 1]);
+                        mma(lo, qa_lo[kk][0], qb_lo[kk][0], qa_lo[kk][1], qb_lo[kk][1], o[2 * h], o[2 * h + 1]);
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) s[nt][j] += lo[j];
+            } else if constexpr (K_NV) {
                 uint32_t mult[2];
                 fp4_mult_f16(k_scales(cur, nt, t), mult);
 #pragma unroll
@@ -569,7 +629,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
                     mma<true>(s[nt], qa[i][0], qb[i][0], qa[i][1], qb[i][1], o[0], o[1]);
                 }
             }
-            const float f0 = K_BF16 ? 1.0f : cur.kt[nt].x, f1 = K_BF16 ? 1.0f : cur.kt[nt].y;  // token factors
+            // token factors of keys 8 nt + 2t, + 1 (MXFP4: from the lanes that hold those keys' scales)
+            float f0, f1;
+            if constexpr (K_MX) {
+                f0 = mx_factor(__shfl_sync(0xffffffff, k_top[nt], 8 * t));
+                f1 = mx_factor(__shfl_sync(0xffffffff, k_top[nt], 8 * t + 4));
+            } else {
+                f0 = K_BF16 ? 1.0f : cur.kt[nt].x, f1 = K_BF16 ? 1.0f : cur.kt[nt].y;
+            }
             s[nt][0] *= f0 * qk[0], s[nt][1] *= f1 * qk[0], s[nt][2] *= f0 * qk[1], s[nt][3] *= f1 * qk[1];
             if (MASKED) {
                 if (!vis[nt][0]) s[nt][0] = s[nt][2] = NEG_INF;
@@ -577,7 +644,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
         }
         // -- the value token factors (an invisible key's is 0: 0 * NaN must not reach a row) ---
-        float2 vf[2] = {V_BF16 ? make_float2(1.0f, 1.0f) : cur.vt[0], V_BF16 ? make_float2(1.0f, 1.0f) : cur.vt[1]};
+        float2 vf[2];
+        uint32_t v_top[4];  // MXFP4 values: value rows 2t, 2t + 1, 2t + 8, 2t + 9's largest block exponents
+        if constexpr (V_MX) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v_top[i] = mx_top(cur.vsc[i][0]);
+            vf[0] = make_float2(mx_factor(v_top[0]), mx_factor(v_top[1]));
+            vf[1] = make_float2(mx_factor(v_top[2]), mx_factor(v_top[3]));
+        } else {
+            vf[0] = V_BF16 ? make_float2(1.0f, 1.0f) : cur.vt[0], vf[1] = V_BF16 ? make_float2(1.0f, 1.0f) : cur.vt[1];
+        }
         uint32_t keep[2] = {0xFFFFFFFFu, 0xFFFFFFFFu};  // a value no row may see is zeroed (0 * NaN)
         if (MASKED) {
 #pragma unroll
@@ -674,10 +750,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
             }
         }
         if constexpr (V_FP4) {
-            uint32_t vm[2];
+            uint32_t vm[2];  // {row 2 nt's multiplier, row 2 nt + 1's} of lane g's block
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
-                vm[nt] = pack_bf16x2(fp4_mult(v_scale(cur, 2 * nt, g)), fp4_mult(v_scale(cur, 2 * nt + 1, g)));
+            for (int nt = 0; nt < 2; ++nt) {
+                if constexpr (V_MX) {  // lane g's D / 8 channels: block g / 2
+                    const uint32_t m0 = mx_mult((cur.vsc[2 * nt][0] >> (8 * (g >> 1))) & 0xFF, v_top[2 * nt]);
+                    const uint32_t m1 = mx_mult((cur.vsc[2 * nt + 1][0] >> (8 * (g >> 1))) & 0xFF, v_top[2 * nt + 1]);
+                    vm[nt] = prmt(m0, m1, 0x7610);
+                } else {
+                    vm[nt] = pack_bf16x2(fp4_mult(v_scale(cur, 2 * nt, g)), fp4_mult(v_scale(cur, 2 * nt + 1, g)));
+                }
+            }
 #pragma unroll
             for (int w = 0; w < VW; ++w) {
                 // keys 2t, 2t + 1 (and + 8) side by side: a bf16x2 register pairs two keys of one channel
