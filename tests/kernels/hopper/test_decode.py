@@ -261,8 +261,8 @@ def test_the_cuda_split_kernel_matches_the_reference_and_the_triton_kernel(case)
 
 @pytest.mark.gpu
 def test_the_cuda_split_kernel_refuses_what_it_cannot_run():
-    cache = _filled("mxfp4", "mxfp4", 1, 1, 128, (40,))
-    q = torch.randn(1, 4, 1, 128, device="cuda").bfloat16()
+    cache = _filled("mxfp4", "mxfp4", 1, 1, 64, (40,))  # (it takes MXFP4 at D = 128 only)
+    q = torch.randn(1, 4, 1, 64, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="CUDA decode kernel cannot run"):
         decode_op.hopper_decode(q, cache, scale=0.1, causal=True,
                                 launch=decode_op.decode_routing.DecodeLaunch(128, 4, 2, kernel="cuda"))
