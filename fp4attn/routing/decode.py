@@ -112,7 +112,8 @@ CUDA_WARPS = 4
 # it ("cuda:<stages>"). Measured on the H200 (docs/notes/decode.md, "What runs today, and
 # why"; benchmarks/results/log/h200-decode-ring/): a ring of 2 for NVFP4 (1.23-1.50x cuDNN
 # bf16 against 1.03-1.06x in registers), registers for FP8 (1.20-1.26x against 0.80-0.92x
-# through the ring); the mixed-format caches take the default, unmeasured.
+# through the ring); MXFP4 takes the ring (measured on an H100 at that default, notes);
+# the mixed-format caches take the default, unmeasured.
 CUDA_STAGES = 2
 CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}
 

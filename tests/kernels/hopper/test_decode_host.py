@@ -87,7 +87,7 @@ BUDGETS = {  # (format, new query rows, append): (frames, operations)
     # the Triton split kernel: its two launches' key and launcher call are the package's frames
     # (fp4attn/kernels/triton_launch.py, four) where Triton's binder ran them before, uncounted and
     # slower (an MXFP4 one-row call's host time 161.6 -> 66.1 us on an H100,
-    # benchmarks/results/log/h100-decode-bf16/host-mxfp4-4ff69e1.txt)
+    # benchmarks/results/log/h100-decode-cuda-formats/host-mxfp4-4ff69e1.txt)
     ("mxfp4", 2, True): (35, {"aten.empty.memory_format": 2, "aten.add_.Tensor": 1}),
 }
 

@@ -1,8 +1,9 @@
 // Decode attention over a quantized KV cache, split kernel (sm_90): one new query row per
 // sequence (Sq = 1), the GQA group's query heads (up to 16) as the rows of one mma tile,
-// bf16, FP8 or NVFP4 keys and values. The numerics are reference/decode.py's and the Triton
-// split kernel's (decode_triton.py), operation for operation: q in f16 at its row's
-// power-of-two scale, block values exact in f16, float32 scores times the token factor, an
+// bf16, FP8, NVFP4 or MXFP4 (D = 128) keys and values. The numerics are reference/decode.py's
+// and the Triton split kernel's (decode_triton.py), operation for operation: q in f16 at its
+// row's power-of-two scale, block values exact in f16 (bf16 for bf16 and MXFP4 keys), float32
+// scores times the token factor, an
 // integer running maximum, l the float32 sum of the unrounded P = 2**(t - m); P rounded to
 // bf16 after the V token factor for NVFP4 values, to f16 with the factor's exponent split
 // off (a second integer maximum, `p_half`) for FP8 values.
@@ -49,7 +50,9 @@
 // The f16 products are why q is rounded to f16: at its row's power-of-two scale that is
 // exact down to 2**-28 of the row's largest element. bf16 keys and values need no
 // conversion: the scores take q's f16 value as two bf16 parts (split_f16_bf16; two
-// products, exact), P V takes P in bf16 as for NVFP4 values.
+// products, exact), P V takes P in bf16 as for NVFP4 values. MXFP4 blocks (E2M1 x
+// 2**(e - top), down to 125 binades below the token's largest: exact in bf16, not in f16)
+// go through fp4x8 as NVFP4 values do, keys against q's two bf16 parts as bf16 keys.
 
 #include "ptx.cuh"  // uint16_t, uint32_t; pack_bf16x2, lg2
 
