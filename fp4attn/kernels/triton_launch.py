@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from triton import knobs
 
 MAX_KEYS = 64  # compiled forms a launcher keeps (a long-running server's decode sees a handful)
 
@@ -33,7 +34,7 @@ class CachedLaunch:
     def __call__(self, grid: tuple[int, int, int], args: tuple, constexprs: dict, stream: int, **options) -> None:
         # each argument's part: a tensor's dtype and 16-byte alignment, an integer itself (bool
         # included: the binder specializes on the value, 1, multiples of 16, 64-bit), any other
-        # argument's type; one comprehension, no call an argument (this runs at every launch)
+        # argument's type; one comprehension, no call per argument (this runs at every launch)
         key = (tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a if isinstance(a, int)
                       else type(a) for a in args]), tuple(constexprs.values()), tuple(options.values()))
         kernel = self.compiled.get(key)
@@ -44,8 +45,6 @@ class CachedLaunch:
                     self.compiled.clear()
                 self.compiled[key] = kernel
             return
-        from triton import knobs
-
         # the launcher takes every parameter in the kernel's order, constexprs included
         bound = (*args, *[constexprs[n] for n in self.fn.arg_names[len(args):]])
         kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
