@@ -118,10 +118,16 @@ CUDA_STAGES = 2
 CUDA_RING: dict[tuple[str, str], int] = {("fp8", "fp8"): 0}
 
 
+def cuda_ring_refused(k_format: str, v_format: str, stages: int) -> bool:
+    """Whether the CUDA kernel has no build of this ring depth for these formats: 1 never
+    (a ring holds at least 2 tiles), 0 (registers) not for bf16 keys or values (the warp
+    copies their tiles into shared memory together)."""
+    return stages == 1 or (stages == 0 and "bf16" in (k_format, v_format))
+
+
 def parse_cuda_stages(spec: str, k_format: str = "", v_format: str = "") -> int:
-    """The ring depth a launch's "cuda:<stages>" names: 0 or at least 2 (bf16 keys or
-    values: at least 2, the warp copies their tiles into shared memory together)."""
-    if not spec.isdigit() or int(spec) == 1 or ("bf16" in (k_format, v_format) and int(spec) == 0):
+    """The ring depth a launch's "cuda:<stages>" names: 0 or at least 2 (`cuda_ring_refused`)."""
+    if not spec.isdigit() or cuda_ring_refused(k_format, v_format, int(spec)):
         raise ValueError(f"CUDA decode ring {spec!r}: accepted 0 (registers; not for bf16 keys or values) or a ring "
                          f"of n >= 2 tiles")
     return int(spec)
@@ -407,7 +413,8 @@ def with_launch(route: DecodeRoute, launch: DecodeLaunch) -> DecodeRoute:
         if merged.splits:  # warps' splits asked for: whole CTAs of them
             plan = dataclasses.replace(plan, splits=max(1, -(-merged.splits // CUDA_WARPS)))
         return dataclasses.replace(route, kernel="cuda", reason=reason, launch=plan,
-                                   ring=parse_cuda_stages(ring, route.k_format, route.v_format) if ring else cuda_stages(route.k_format, route.v_format),
+                                   ring=(parse_cuda_stages(ring, route.k_format, route.v_format) if ring
+                                         else cuda_stages(route.k_format, route.v_format)),
                                    programs=route.batch * route.kv_heads)
     return dataclasses.replace(route, kernel="triton", reason=reason, launch=merged, ring=0,
                                programs=route.batch * route.kv_heads * -(-route.group * route.sq // route.block_m))

@@ -1,7 +1,7 @@
 """The decode split kernel in CUDA C++ (`cuda/decode_split.cu`): one warp a split, no
 barrier (the Triton kernel's four warps cross twice a key tile), its key tiles streamed
 through a per-warp cp.async ring in shared memory, for one new query row per sequence
-over bf16, FP8 or NVFP4 keys and values (what it takes: `routing.decode.cuda_unsupported_reason`),
+over bf16, FP8, NVFP4 or MXFP4 keys and values (what it takes: `routing.decode.cuda_unsupported_reason`),
 and the combine of its partials (`decode_combine`, the same merge as the Triton
 combine's). Same numerics as the Triton kernel (`reference/decode.py`); `decode_op`
 routes to it.
@@ -27,10 +27,13 @@ from fp4attn.kernels.hopper.nvrtc_build import (  # noqa: F401
 )
 from fp4attn.routing.decode import (
     CUDA_STAGES,
+    CUDA_TILE,
     CUDA_WARPS,
     DECODE_HEAD_DIMS,
     SM90_SHARED,
+    cuda_ring_refused,
     cuda_stages,
+    cuda_unsupported_reason,
     resident_programs,
 )
 
@@ -97,8 +100,8 @@ def all_variants(stages: tuple[int, ...] | None = None) -> list[Variant]:
     """Every variant the routing can pick (`stages`: these ring depths instead of the
     routed one)."""
     variants = [Variant(d, kf, vf, hi, stages=st) for d in DECODE_HEAD_DIMS for kf in FORMATS for vf in FORMATS
-                for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),)) if st or "bf16" not in (kf, vf)
-                if d == 128 or "mxfp4" not in (kf, vf)]  # (MXFP4: D = 128, decode_split.cu)
+                for hi in (False, True) for st in (stages or (cuda_stages(kf, vf),))
+                if not cuda_ring_refused(kf, vf, st) and cuda_unsupported_reason(kf, vf, d, 1, 1, CUDA_TILE) is None]
     # a ring two CTAs cannot hold together is no variant (bf16's three tiles at D=128)
     return [v for v in variants if 2 * v.shared_bytes() <= SM90_SHARED]
 

@@ -98,8 +98,8 @@ constexpr bool V_BF16 = V_FMT == 0;
 // blocks reach 125 binades below the token's largest (reference.kvcache.MX_WINDOW): exact in
 // bf16, not in f16
 constexpr bool K_BF16_OPS = K_BF16 || K_MX;
-constexpr int KW = K_FP4 ? D / 32 : K_BF16 ? D / 8 : D / 16;  // u32 words of one key a lane holds
-constexpr int VW = V_FP4 ? D / 64 : V_BF16 ? D / 16 : D / 32;  // u32 words of one value row a lane holds
+// u32 words of one key / value row a lane holds (bf16: none, the warp's tiles hold them)
+constexpr int KW = K_FP4 ? D / 32 : D / 16, VW = V_FP4 ? D / 64 : D / 32;
 constexpr int SW = D / 64;  // u32 words of one token's NVFP4 block scales (D / 16 bytes)
 // u32 words of a token's block scales as a lane's slot holds them (MXFP4: D / 32 bytes)
 constexpr int KSW = K_MX ? D / 128 : SW, VSW = V_MX ? D / 128 : SW;
@@ -337,8 +337,8 @@ __device__ __forceinline__ int v_channel(int o, int g) { return V_BF16 ? 8 * o +
 // A lane's bytes of one key tile, as loaded (the block scales as the token's whole row of
 // them: cp.async copies 4 bytes at least).
 struct alignas(16) Raw {
-    uint32_t k[2][K_BF16 ? 2 : KW];  // key g of n-tile nt (bf16 keys: unused, 16 bytes that keep v aligned; the warp copies their tile)
-    uint32_t v[4][V_BF16 ? 1 : VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9 (bf16 values: unused, the warp's tile)
+    uint32_t k[2][K_BF16 ? 2 : KW];  // key g of n-tile nt (bf16: unused, 16 bytes that align v)
+    uint32_t v[4][V_BF16 ? 1 : VW];  // keys 2t, 2t + 1, 2t + 8, 2t + 9 (bf16: unused)
     float2 kt[2];       // token scales of keys 8 nt + 2t, + 1
     float2 vt[2];       // token scales of keys 2t, 2t + 1 and 2t + 8, 2t + 9
     uint32_t ksc[K_FP4 ? 2 : 1][KSW];  // the block scales of key g of n-tile nt (NVFP4, MXFP4)
@@ -497,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) decode_split(const __gr
     // -- q fragments: an Inf becomes NaN (as the reference), then f16 at the row's scale 2**e
     // (reference.decode.half_queries), 2**-e going into the row's score factor -------------
     uint32_t qa[KSTEPS][2], qb[KSTEPS][2];
-    // bf16 keys: qa / qb hold q's f16 value's bf16 high parts, qa_lo / qb_lo the rest (split_f16_bf16)
+    // bf16 and MXFP4 keys: qa / qb hold q's f16 value's bf16 high parts, qa_lo / qb_lo the rest (split_f16_bf16)
     uint32_t qa_lo[K_BF16_OPS ? KSTEPS : 1][2], qb_lo[K_BF16_OPS ? KSTEPS : 1][2];
     float row_down[2];
     {
